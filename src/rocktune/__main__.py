@@ -1,0 +1,3 @@
+from rocktune.cli import main
+
+raise SystemExit(main())

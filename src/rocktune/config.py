@@ -1,0 +1,181 @@
+"""The typed run configuration: the single source of defaults.
+
+A YAML file only overrides fields; dotted ``key=value`` overrides on the command line apply last. Every error
+names the key path (and the YAML file:line when the key came from a file) and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rocktune.errors import UserError
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos until proven otherwise; assignment is validated so overrides stay typed.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field("Qwen/Qwen2.5-0.5B-Instruct", description="HF hub id or local directory of a causal LM.")
+    trust_remote_code: bool = Field(False, description="Run Python code shipped with the model (off: it executes).")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="Attention kernel; auto asks the platform advice (sdpa on most machines)."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, gt=0, le=4096, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the head."
+    )
+
+
+class DataConfig(_Section):
+    train_file: str | None = Field(None, description="JSON or JSONL training data (see README for the shapes).")
+    eval_file: str | None = Field(None, description="Separate eval data; when absent eval_fraction is split off.")
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of train_file held out for eval.")
+    format: Literal["auto", "text", "prompt_completion", "messages", "alpaca"] = Field(
+        "auto", description="Record shape; auto detects it per file from the first record's keys."
+    )
+    max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted).")
+    train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.")
+    cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
+
+
+class TrainingConfig(_Section):
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs.")
+    micro_batch_size: int = Field(4, gt=0, description="Examples per forward/backward.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 where the arch has bf16 matrix units, fp32 on CPU/gfx906."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda also means ROCm (HIP) builds.")
+    seed: int = Field(42, description="Seed for model init of LoRA, data order and dropout.")
+    eval_every: int = Field(50, ge=0, description="Optimizer steps between eval passes (0: only at start/end).")
+    log_every: int = Field(1, gt=0, description="Optimizer steps between metrics.jsonl lines.")
+    loss_chunk_size: int = Field(
+        1024, gt=0, description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once."
+    )
+
+
+class OutputConfig(_Section):
+    dir: str = Field("runs/default", description="Run directory: adapter, config, metrics.jsonl, checkpoints.")
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> RunConfig:
+        if self.data.train_file is None:
+            raise ValueError("data.train_file is required: the JSON/JSONL file to train on")
+        return self
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (optional), apply ``a.b=value`` overrides, validate; errors become ``UserError``."""
+    raw: dict[str, Any] = {}
+    lines: dict[tuple[str, ...], int] = {}
+    if path is not None:
+        raw, lines = _read_yaml(Path(path))
+    for item in overrides or []:
+        _apply_override(raw, item)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError(_explain(exc, path, lines)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(_explain(exc, None, {})) from None
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist; pass an existing YAML file with -c (see examples/).")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text) or {}
+        node = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the top level must be a mapping of sections (model:, lora:, data:, ...).")
+    return data, _line_numbers(node)
+
+
+def _line_numbers(node, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """Map each key path to its 1-based line in the YAML source, so errors can point at it."""
+    out: dict[tuple[str, ...], int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = prefix + (str(key_node.value),)
+            out[path] = key_node.start_mark.line + 1
+            out.update(_line_numbers(value_node, path))
+    return out
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {item!r} is not of the form section.key=value (e.g. training.lr=2e-4).")
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override {item!r}: {part} is a value, not a section.")
+        node = child
+    # YAML scalar rules give the natural types: 2e-4 -> float, true -> bool, [a, b] -> list, null -> None.
+    node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+
+
+def _explain(exc: ValidationError, path: str | None, lines: dict[tuple[str, ...], int]) -> str:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"] if not isinstance(p, int))
+        key = ".".join(loc) or "(top level)"
+        where = f"{path}:{lines[loc]}: " if path and loc in lines else ""
+        if err["type"] == "extra_forbidden":
+            section = _section_for(loc[:-1])
+            allowed = ", ".join(section.model_fields) if section else ""
+            problems.append(f"{where}unknown key '{key}'; allowed here: {allowed}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where}{key}: {msg} (got {err.get('input')!r})")
+    return "invalid config: " + "; ".join(problems)
+
+
+def _section_for(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model

@@ -1,0 +1,71 @@
+"""Length-bucketed batches: examples of similar length share a batch, so padding stays small.
+
+The batch order of an epoch is a pure function of (seed, epoch), which is what makes exact resume possible:
+a run restarted at (epoch, batch index) sees the very batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from rocktune.data.encode import IGNORE
+
+BUCKET_FACTOR = 64  # batches per sorting window: large enough to group lengths, small enough to stay random
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Index lists for one epoch: shuffle, sort within windows by length, cut into batches, shuffle batches."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = batch_size * BUCKET_FACTOR
+    batches: list[list[int]] = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=lambda i: lengths[i], reverse=True)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(input_ids: list[list[int]], labels: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example of the batch (not to max_length)."""
+    width = max(len(x) for x in input_ids)
+    ids = torch.full((len(input_ids), width), pad_id, dtype=torch.long)
+    lab = torch.full((len(input_ids), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.long)
+    for row, (x, y) in enumerate(zip(input_ids, labels)):
+        ids[row, : len(x)] = torch.tensor(x)
+        lab[row, : len(y)] = torch.tensor(y)
+        mask[row, : len(x)] = 1
+    return {"input_ids": ids, "labels": lab, "attention_mask": mask}
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry loss after the causal shift: label positions 1.. that are not ignored."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
+class BatchStream:
+    """Endless stream of micro-batch index lists over epochs; its position is two integers."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, epoch: int = 0, index: int = 0):
+        self.lengths, self.batch_size, self.seed = lengths, batch_size, seed
+        self.epoch, self.index = epoch, index
+        self._batches = epoch_batches(lengths, batch_size, seed, epoch)
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch."""
+        return len(self._batches)
+
+    def next(self) -> list[int]:
+        if self.index >= len(self._batches):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._batches = epoch_batches(self.lengths, self.batch_size, self.seed, self.epoch)
+        batch = self._batches[self.index]
+        self.index += 1
+        return batch
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}

@@ -1,0 +1,95 @@
+"""Turn one validated record into ``(input_ids, labels)``.
+
+A record is first rendered into text segments, each marked as loss-bearing or not; segments are tokenised one by
+one so the boundary between prompt and completion is exact in tokens. ``labels`` copies ``input_ids`` where the
+segment carries loss and holds -100 elsewhere (the value PyTorch's cross-entropy ignores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rocktune.errors import UserError
+
+IGNORE = -100
+ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool
+
+
+def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt: bool, loc: str) -> Encoded:
+    segments = _segments(record, shape, tokenizer, loc)
+    ids: list[int] = []
+    labels: list[int] = []
+    for i, (text, bears_loss) in enumerate(segments):
+        # Only the first segment of a non-chat record gets the tokenizer's own specials (e.g. Llama's BOS);
+        # chat templates already render them.
+        special = i == 0 and shape != "messages"
+        seg = tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
+        ids.extend(seg)
+        labels.extend(seg if (bears_loss or train_on_prompt) else [IGNORE] * len(seg))
+    if shape != "messages" and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    truncated = len(ids) > max_length
+    return Encoded(ids[:max_length], labels[:max_length], truncated)
+
+
+def _segments(record: dict, shape: str, tokenizer, loc: str) -> list[tuple[str, bool]]:
+    if shape == "text":
+        return [(record["text"], True)]
+    if shape == "prompt_completion":
+        return [(record["prompt"], False), (record["completion"], True)]
+    if shape == "alpaca":
+        template = ALPACA_WITH_INPUT if record.get("input") else ALPACA_NO_INPUT
+        prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
+        return [(prompt, False), (record["output"], True)]
+    return _chat_segments(record["messages"], tokenizer, loc)
+
+
+def _chat_segments(messages: list[dict], tokenizer, loc: str) -> list[tuple[str, bool]]:
+    """Split the rendered conversation at each assistant turn by rendering growing prefixes of it.
+
+    The text between "prefix + generation prompt" and "prefix + assistant turn" is exactly what the model must
+    produce for that turn, end-of-turn marker included; that is what carries loss.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"{loc}: chat 'messages' need the tokenizer's chat template, and this tokenizer has none; "
+            "use an instruct model's tokenizer or convert the data to prompt/completion."
+        )
+
+    def render(msgs, gen):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        start = render(messages[:i], True) if i else ""
+        end = render(messages[: i + 1], False)
+        if not (start.startswith(done) and end.startswith(start)):
+            raise UserError(
+                f"{loc}: the chat template does not render conversations prefix-consistently, so assistant "
+                "turns cannot be located; set data.train_on_prompt=true to train on the whole conversation."
+            )
+        segments += [(start[len(done):], False), (end[len(start):], True)]
+        done = end
+    full = render(messages, False)
+    if full.startswith(done) and len(full) > len(done):
+        segments.append((full[len(done):], False))
+    return segments

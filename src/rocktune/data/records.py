@@ -1,0 +1,109 @@
+"""Read JSON / JSONL files into records, detect their shape and validate every record.
+
+Errors name the file and line (JSONL) or record index (JSON array) and say how to fix the input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rocktune.errors import UserError
+
+# Keys that identify each shape; detection looks at the first record, validation checks every record.
+SHAPES: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "output"),
+    "text": ("text",),
+}
+ROLES = ("system", "user", "assistant")
+
+
+def read_records(path: str | Path) -> list[tuple[str, dict]]:
+    """Return ``(location, record)`` pairs; location is ``file:line`` or ``file[index]``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data file {path} does not exist; set data.train_file / data.eval_file to a JSON/JSONL file.")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise UserError(f"data file {path} is empty; it needs at least one record.")
+    if path.suffix == ".json" or text.lstrip().startswith("["):
+        records = _read_json_array(path, text)
+    else:
+        records = _read_jsonl(path, text)
+    for loc, rec in records:
+        if not isinstance(rec, dict):
+            raise UserError(f"{loc}: each record must be a JSON object, got {type(rec).__name__}.")
+    if not records:
+        raise UserError(f"data file {path} holds no records.")
+    return records
+
+
+def _read_jsonl(path: Path, text: str) -> list[tuple[str, dict]]:
+    out = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}:{lineno}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise UserError(
+                f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object."
+            ) from None
+    return out
+
+
+def _read_json_array(path: Path, text: str) -> list[tuple[str, dict]]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno}).") from None
+    if not isinstance(data, list):
+        raise UserError(f"{path}: a .json data file must hold an array of records (or use JSONL, one per line).")
+    return [(f"{path}[{i}]", rec) for i, rec in enumerate(data)]
+
+
+def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:
+    """The shape named in the config, or the one whose keys the first record has."""
+    if requested != "auto":
+        return requested
+    loc, first = records[0]
+    for shape, keys in SHAPES.items():
+        if all(k in first for k in keys):
+            return shape
+    known = "; ".join(f"{s}: {{{', '.join(repr(k) for k in keys)}}}" for s, keys in SHAPES.items())
+    raise UserError(
+        f"{loc}: unknown record shape with keys {sorted(first)}; expected one of {known} "
+        "(or set data.format explicitly)."
+    )
+
+
+def validate(records: list[tuple[str, dict]], shape: str) -> None:
+    check = {"messages": _check_messages, "prompt_completion": _check_strings, "alpaca": _check_strings,
+             "text": _check_strings}[shape]
+    for loc, rec in records:
+        check(loc, rec, shape)
+
+
+def _check_strings(loc: str, rec: dict, shape: str) -> None:
+    for key in SHAPES[shape]:
+        if key not in rec:
+            raise UserError(f"{loc}: record is missing '{key}' (shape {shape} needs {list(SHAPES[shape])}).")
+        if not isinstance(rec[key], str):
+            raise UserError(f"{loc}: '{key}' must be a string, got {type(rec[key]).__name__}.")
+    if shape == "alpaca" and not isinstance(rec.get("input", ""), str):
+        raise UserError(f"{loc}: 'input' must be a string, got {type(rec['input']).__name__}.")
+
+
+def _check_messages(loc: str, rec: dict, shape: str) -> None:
+    messages = rec.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{loc}: 'messages' must be a non-empty list of {{'role', 'content'}} objects.")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or "role" not in msg:
+            raise UserError(f"{loc}: messages[{i}] must be an object with string 'role' and 'content'.")
+        if msg["role"] not in ROLES:
+            raise UserError(f"{loc}: messages[{i}] has unknown role {msg['role']!r}; allowed: {', '.join(ROLES)}.")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would carry loss.")

@@ -1,0 +1,42 @@
+"""A synthetic, learnable prompt/completion task: string reversal and small additions.
+
+Generated from a seed, so the demo's data is the same on every machine; eval prompts never occur in training.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+
+def make_example(rng: random.Random) -> dict[str, str]:
+    if rng.random() < 0.5:
+        word = "".join(rng.choice(string.ascii_lowercase[:12]) for _ in range(rng.randint(3, 6)))
+        return {"prompt": f"reverse {word} =", "completion": f" {word[::-1]}"}
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    return {"prompt": f"add {a} {b} =", "completion": f" {a + b}"}
+
+
+def make_task(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    train: list[dict] = []
+    evals: list[dict] = []
+    while len(evals) < n_eval:
+        ex = make_example(rng)
+        if ex["prompt"] not in seen:
+            seen.add(ex["prompt"])
+            evals.append(ex)
+    while len(train) < n_train:
+        ex = make_example(rng)
+        if ex["prompt"] not in seen:
+            train.append(ex)
+    return train, evals
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

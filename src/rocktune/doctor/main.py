@@ -1,0 +1,58 @@
+"""``rocktune doctor``: snapshot the platform, advise, run the self-tests in a child process, report."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict
+
+from rocktune.platform.advise import advise
+from rocktune.platform.detect import detect, load_platform
+from rocktune.platform.environment import apply_advice
+
+
+def run_doctor(as_json: bool = False, no_device: bool = False, simulate: str | None = None,
+               run_checks: bool = True, perf: bool = True, timeout: float = 300.0) -> int:
+    """Exit status: 1 when a check failed, else 0. ``simulate`` computes advice for a snapshot, running nothing."""
+    if simulate:
+        plat = load_platform(simulate)
+    else:
+        # the parent never initialises the GPU: a fault at init must not kill the doctor
+        plat = detect("passive" if no_device else "child")
+    advice = advise(plat)
+    report = {"platform": plat.to_dict(), "advice": advice.to_dict(), "checks": []}
+    if run_checks and not simulate:
+        device = "cuda" if plat.devices and not no_device else "cpu"
+        env = dict(os.environ)
+        report["advice"]["applied_for_checks"] = apply_advice(advice, env)  # the checks see what `train` would set
+        report["device"] = device
+        report["checks"] = [asdict(r) for r in _checks(device, env, perf, timeout)]
+    if as_json:
+        import json
+        import sys
+
+        sys.stdout.write(json.dumps(_finite(report), indent=2) + "\n")
+    else:
+        from rocktune.doctor.render import render
+
+        render(report)
+    return 1 if any(c["status"] == "fail" for c in report["checks"]) else 0
+
+
+def _checks(device: str, env: dict[str, str], perf: bool, timeout: float):
+    from rocktune.doctor.registry import plan
+    from rocktune.doctor.runner import run_checks
+
+    names = [name for name, _ in plan(device, perf=perf)]
+    return run_checks(device, names, env, timeout)
+
+
+def _finite(obj):
+    """JSON has no Infinity/NaN: write them as strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj

@@ -1,0 +1,97 @@
+"""Which checks run on a device, by name, and the test-only fault injection the child honours.
+
+``ROCKTUNE_DOCTOR_INJECT`` (tests only) replaces an operation with a faulty one, e.g.
+``transfer=zero;convert=ftz;matmul=off`` or ``crash=matmul[float32]`` (the child aborts in that check, as a GPU
+fault would kill it). It exists so the test suite can show that each check catches the fault it is for.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+from rocktune.doctor import checks as c
+from rocktune.doctor import model_checks as m
+from rocktune.doctor import perf as p
+
+INJECT_ENV = "ROCKTUNE_DOCTOR_INJECT"
+CONVERSIONS = [("float32", "bfloat16"), ("bfloat16", "float32"), ("float32", "float16"), ("float16", "float32"),
+               ("bfloat16", "float16"), ("float16", "bfloat16")]
+
+
+def _zero_copy(t, device, non_blocking):
+    return c.default_copy(t, device, non_blocking).zero_()
+
+
+def _perturb_copy(t, device, non_blocking):
+    out = c.default_copy(t, device, non_blocking)
+    out.view(-1)[out.numel() // 2] += 1
+    return out
+
+
+def _ftz_convert(t, dtype):
+    # a conversion that flushes small magnitudes to zero, like the reported "bf16 gives zeros" bug
+    return t.masked_fill(t.abs() < 2**-6, 0).to(dtype)
+
+
+def _off_matmul(a, b):
+    return (a @ b) * 1.05
+
+
+FAULTS = {
+    "transfer": {"zero": _zero_copy, "perturb": _perturb_copy},
+    "convert": {"ftz": _ftz_convert, "zero": lambda t, dtype: t.to(dtype).zero_()},
+    "matmul": {"off": _off_matmul, "zero": lambda a, b: (a @ b).zero_()},
+}
+
+
+def parse_faults(spec: str | None) -> dict[str, object]:
+    faults: dict[str, object] = {}
+    for item in filter(None, (spec or "").split(";")):
+        op, _, kind = item.strip().partition("=")
+        faults[op] = kind if op == "crash" else FAULTS[op][kind]
+    return faults
+
+
+def faults_from_env() -> dict[str, object]:
+    return parse_faults(os.environ.get(INJECT_ENV))
+
+
+def plan(device: str, faults: dict | None = None, perf: bool = True) -> list[tuple[str, Callable[[], c.CheckResult]]]:
+    """(name, zero-argument check) for every check that applies to ``device`` ('cpu' or 'cuda[:N]')."""
+    f, gpu, P = faults or {}, device.startswith("cuda"), functools.partial
+    copy, convert, mm = (f.get("transfer", c.default_copy), f.get("convert", c.default_convert),
+                         f.get("matmul", c.default_matmul))
+    out: list[tuple[str, Callable]] = []
+    for pinned in (False, True):
+        for nb in (False, True):
+            name = f"transfer[{'pinned' if pinned else 'pageable'}{'+non_blocking' if nb else ''}]"
+            sizes = (1, 4099, 1 << 18, 1 << 24) if gpu else (1, 4099, 1 << 18)
+            out.append((name, P(c.check_transfer, device, pinned, nb, sizes, copy=copy)))
+    out += [(f"convert[{s}->{d}]", P(c.check_conversion, device, s, d, convert=convert)) for s, d in CONVERSIONS]
+    out += [(f"matmul[{dt}]", P(c.check_matmul, device, dt, matmul=mm)) for dt in ("float32", "bfloat16", "float16")]
+    sdpa = [("MATH", "float32"), ("FLASH_ATTENTION", "float32")] if not gpu else (
+        [("MATH", "float32")] + [(b, dt) for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+                                 for dt in ("bfloat16", "float16")])
+    out += [(f"sdpa[{b},{dt}]", P(m.check_sdpa, device, b, dt)) for b, dt in sdpa]
+    out += [("lora[float32]", P(m.check_lora, device, "float32"))]
+    if gpu:
+        out += [("lora[bfloat16]", P(m.check_lora, device, "bfloat16"))]
+    out += [("allocator", P(m.check_allocator, device))]
+    if perf:
+        out += [(f"perf.matmul[{dt}]", P(p.perf_matmul, device, dt))
+                for dt in (("bfloat16", "float16", "float32") if gpu else ("float32",))]
+        copies = [("h2d", False), ("h2d", True), ("d2h", True)] if gpu else [("host", False)]
+        out += [(f"perf.copy[{d}{',pinned' if pin else ''}]", P(p.perf_copy, device, d, pin)) for d, pin in copies]
+    return out
+
+
+def run_one(name: str, fn: Callable[[], c.CheckResult]) -> c.CheckResult:
+    """Run a check; a Python exception is a failed check with its message, not a crash of the doctor."""
+    try:
+        result = c.timed(fn)
+    except Exception as exc:  # noqa: BLE001 - any error of the device stack is a finding
+        result = c.CheckResult("", "fail", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    result.name = name
+    return result

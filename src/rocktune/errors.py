@@ -1,0 +1,9 @@
+"""The one exception type for bad user input.
+
+Anything raised as ``UserError`` is the user's to fix: the CLI prints its message as one paragraph and exits
+with status 2, without a traceback (unless ``--debug``). Everything else is a bug or a machine fault.
+"""
+
+
+class UserError(Exception):
+    """Bad input: the message says what is wrong, where, and how to fix it."""

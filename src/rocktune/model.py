@@ -1,0 +1,82 @@
+"""Load the base model and tokenizer, choose the attention kernel, wrap with PEFT LoRA."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from rocktune.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_model_source(name_or_path: str) -> None:
+    """A string that looks like a filesystem path must exist; anything else is treated as a hub id."""
+    looks_local = name_or_path.startswith(("/", "./", "../", "~", ".\\")) or name_or_path.count("/") > 1 \
+        or "\\" in name_or_path
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        raise UserError(f"model path {name_or_path} does not exist; set model.name_or_path to a local model "
+                        "directory or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    check_model_source(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load the tokenizer of {name_or_path}: {_first_line(exc)} "
+                        "(offline? pass a local model directory)") from None
+    if tok.pad_token_id is None:
+        # Padding positions never carry loss or attention, so any id works; eos is always in the vocabulary.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name_or_path: str, precision: str, attn_implementation: str, trust_remote_code: bool,
+               device: str):
+    from transformers import AutoModelForCausalLM
+
+    check_model_source(name_or_path)
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise UserError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                        "installed; use sdpa (the default) or install flash-attn for your GPU.")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=DTYPES[precision], attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load model {name_or_path}: {_first_line(exc)} "
+                        "(offline? pass a local model directory)") from None
+    model.config.use_cache = False  # the KV cache only costs memory during training
+    return model.to(device)
+
+
+def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model
+
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs; input grads keep the graph alive through it.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        task_type="CAUSAL_LM", bias="none")
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise UserError(f"lora.target_modules={target_modules!r}: {_first_line(exc)}") from None
+    # PEFT keeps adapters in fp32 by default (autocast_adapter_dtype): these are the fp32 master weights.
+    return peft_model
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

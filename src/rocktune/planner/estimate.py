@@ -1,0 +1,194 @@
+"""Memory of one LoRA training step, term by term, each with the inputs it was derived from.
+
+Phases: *static* bytes live the whole run (weights, adapters, their gradients and AdamW states); *saved* bytes
+are held from the forward pass into backward (see ``activations``); *transient* bytes exist in one phase only
+(the loss chunk, one layer's gradients, a recomputed layer). The predicted allocated peak is
+static + saved + the largest transient; allocator overhead and the device context come on top of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from rocktune.planner.activations import Tokens, layer_saved, lora_modules
+from rocktune.planner.shapes import ModelShape
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+QUANT = ("int8", "nf4")
+ATTN = ("sdpa", "eager", "flash_attention_2")
+MIB = 2**20
+GIB = 2**30
+# Not visible to torch's allocator counters: CUDA/HIP context, kernels and BLAS workspaces (GPU), or the Python +
+# torch + transformers resident set (CPU). Allowances, shown as such.
+CONTEXT = {"gpu": 512 * MIB, "cpu": 1 * GIB}
+# The caching allocator rounds blocks and fragments over a long run (seed 003 died of it after 35-50 batches).
+FRAGMENTATION = 0.10
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    micro_batch: int = 1
+    seq_len: int = 1024
+    lora_r: int = 8
+    targets: tuple[str, ...] | str = "all-linear"
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (activations and, unless quantised, base weights)
+    quant: str = "none"  # none | int8 | nf4 (QLoRA base weights)
+    attn: str = "sdpa"
+    checkpointing: bool = False
+    lora_dropout: float = 0.0
+    loss_mode: str = "chunked"  # chunked: loss positions only, chunk by chunk; full: HF labels= with full logits
+    loss_chunk: int = 1024
+    loss_fraction: float = 1.0  # share of positions whose next token carries loss
+    padded: bool | None = None  # a padding mask is present; None: whenever micro_batch > 1
+    device: str = "gpu"  # gpu | cpu (dropout mask dtype, context allowance)
+
+
+@dataclass
+class Term:
+    name: str
+    bytes: int
+    phase: str  # static | saved | transient (forward) | backward | step | overhead
+    inputs: str
+
+
+@dataclass
+class Estimate:
+    shape: ModelShape
+    spec: RunSpec
+    terms: list[Term] = field(default_factory=list)
+
+    def by_name(self) -> dict[str, int]:
+        return {t.name: t.bytes for t in self.terms}
+
+    def phase(self, phase: str) -> int:
+        return sum(t.bytes for t in self.terms if t.phase == phase)
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.phase("saved")
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.phase("static") + self.saved_bytes + self.peak_transient_bytes
+
+    @property
+    def peak_transient_bytes(self) -> int:
+        """Only one of these phases happens at a time; the backward terms (recompute + gradients) coexist."""
+        return max(self.phase("transient"), self.phase("backward"), self.phase("step"))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_allocated + self.phase("overhead")
+
+    def settings(self) -> dict:
+        return asdict(self.spec)
+
+
+def lora_param_count(shape: ModelShape, spec: RunSpec) -> int:
+    return shape.layers * sum(spec.lora_r * (n_in + n_out) for _, n_in, n_out in lora_modules(shape, spec.targets))
+
+
+def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
+    est = Estimate(shape, spec)
+    add = lambda name, n, phase, inputs: est.terms.append(Term(name, int(n), phase, inputs))  # noqa: E731
+    _static(shape, spec, add)
+    tok = _tokens(spec)
+    n_loss = max(1, round(spec.loss_fraction * spec.micro_batch * (spec.seq_len - 1)))
+    dims = f"b={spec.micro_batch} s={spec.seq_len} ({tok.t} tokens), {spec.precision} activations"
+    first = layer_saved(shape, tok, spec.targets, input_grad=spec.checkpointing)
+    rest = layer_saved(shape, tok, spec.targets, input_grad=True)
+    if spec.checkpointing:
+        add("activations", shape.layers * tok.t * shape.hidden * tok.dt, "saved",
+            f"checkpointing: {shape.layers} layer inputs x {tok.t} x {shape.hidden} x {tok.dt} B")
+        add("recompute", sum(rest.values()), "backward",
+            f"one layer recomputed during backward: {_parts(rest)}")
+        if _padded(spec):
+            add("attention_mask", spec.micro_batch * spec.seq_len ** 2 * (tok.dt if spec.attn == "eager" else 1),
+                "saved", "4-D padding mask kept for recomputation")
+    else:
+        per = {k: first[k] + rest[k] * (shape.layers - 1) for k in rest}
+        drop = per.pop("lora_dropout")
+        scores = per.pop("attention_scores") + per.pop("attention_mask")
+        add("activations", sum(per.values()), "saved", f"{shape.layers} layers, {dims}, {spec.attn}: {_parts(per)}")
+        if scores:
+            add("attention_scores", scores, "saved", f"{spec.attn}: s x s per head and layer (scores, float mask)")
+        if drop:
+            add("lora_dropout", drop, "saved", f"p={spec.lora_dropout}: mask + dropped copy per adapter input")
+    _outside_layers(shape, spec, tok, n_loss, add)
+    _transients(shape, spec, tok, n_loss, rest, add)
+    dynamic = est.saved_bytes + est.peak_transient_bytes
+    add("allocator_overhead", FRAGMENTATION * dynamic + 64 * MIB, "overhead",
+        f"{FRAGMENTATION:.0%} of activations + transients + 64 MiB for block rounding and fragmentation")
+    add("device_context", CONTEXT[spec.device], "overhead",
+        "CUDA/HIP context + BLAS workspaces" if spec.device == "gpu" else "Python + torch resident set")
+    return est
+
+
+def _padded(spec: RunSpec) -> bool:
+    return spec.micro_batch > 1 if spec.padded is None else spec.padded
+
+
+def _tokens(spec: RunSpec) -> Tokens:
+    dt = DTYPE_BYTES[spec.precision]
+    return Tokens(batch=spec.micro_batch, seq=spec.seq_len, dt=dt, amp=dt != 4, attn=spec.attn,
+                  padded=_padded(spec), rank=spec.lora_r, dropout=spec.lora_dropout,
+                  mask_bytes=1 if spec.device == "gpu" else 4)
+
+
+def _parts(parts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in parts.items() if v)
+
+
+def _static(shape: ModelShape, spec: RunSpec, add) -> None:
+    counts = shape.param_counts()
+    dt = DTYPE_BYTES[spec.precision]
+    if spec.quant == "none":
+        add("base_weights", shape.n_params * dt, "static", f"{shape.n_params:,} params x {dt} B ({spec.precision})")
+    else:
+        linear = counts["layers"] - shape.layers * (shape.norms_per_layer * shape.hidden)
+        per = {"int8": 1 + 4 / shape.hidden, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}[spec.quant]
+        rest = shape.n_params - linear
+        add("base_weights", linear * per + rest * dt, "static",
+            f"{linear:,} linear params x {per:.3f} B ({spec.quant} + scales) + {rest:,} others x {dt} B")
+    n = lora_param_count(shape, spec)
+    mods = [m for m, _, _ in lora_modules(shape, spec.targets)]
+    add("lora_params", n * 4, "static", f"{n:,} params (r={spec.lora_r} on {', '.join(mods)}) x 4 B fp32")
+    add("lora_grads", n * 4, "static", f"{n:,} fp32 gradients (the frozen base gets none)")
+    add("adamw_states", n * 8, "static", f"{n:,} x 2 fp32 states (exp_avg, exp_avg_sq), LoRA params only")
+
+
+def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, add) -> None:
+    h, dt, s = shape.hidden, tok.dt, spec.seq_len
+    norm = tok.t * (4 * h + 4) + (4 * h if shape.model_type == "gemma2" else 0)
+    rope = 2 * s * shape.head_dim * dt
+    add("final_norm_rope", norm + rope, "saved", f"final RMSNorm fp32 input {tok.t} x {h} x 4 B + cos/sin")
+    if _loss_mode(shape, spec) == "chunked":
+        add("loss_saved", n_loss * (h * dt + 16), "saved",
+            f"{n_loss} loss positions: hidden-state gradient x {h} x {dt} B + gather indices")
+    else:
+        n_full = spec.micro_batch * (s - 1)
+        add("loss_saved", n_full * shape.vocab * 4 + n_full * 8, "saved",
+            f"full logits: log-softmax {n_full} x {shape.vocab} x 4 B")
+
+
+def _loss_mode(shape: ModelShape, spec: RunSpec) -> str:
+    # A final-logit soft-cap is not reproduced by the chunked loss: such models take the full-logits path.
+    return "full" if shape.final_softcap else spec.loss_mode
+
+
+def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, layer: dict, add) -> None:
+    v, h, dt, i = shape.vocab, shape.hidden, tok.dt, shape.intermediate
+    if _loss_mode(shape, spec) == "chunked":
+        rows = min(spec.loss_chunk, n_loss)
+        add("loss_chunk", rows * v * (4 + (dt if tok.amp else 0)) + n_loss * h * dt, "transient",
+            f"{rows} rows x {v} vocab fp32 logits (+ half copy) + gathered hidden states")
+    else:
+        n_full = spec.micro_batch * (spec.seq_len - 1)
+        add("full_logits", tok.t * v * dt + 2 * n_full * v * 4, "transient",
+            f"logits {tok.t} x {v} x {dt} B + fp32 copy and its gradient")
+    # One layer's backward: gradients of the residual stream, the MLP intermediates and (eager) the scores.
+    grads = tok.t * (3 * h + 3 * i) * dt + (layer["attention_scores"] if spec.attn == "eager" else 0)
+    add("layer_backward", grads, "backward", f"one layer's activation gradients: {tok.t} x (3 x {h} + 3 x {i}) x "
+        f"{dt} B" + (" + s x s score gradients" if spec.attn == "eager" else ""))
+    n = lora_param_count(shape, spec)
+    add("optimizer_step", 3 * n * 4, "step", "foreach AdamW temporaries, 3 x LoRA params x 4 B")

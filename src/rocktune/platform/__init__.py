@@ -1,0 +1,1 @@
+"""What machine is this? Pure data and rules; nothing here imports training code."""

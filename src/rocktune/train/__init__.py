@@ -1,0 +1,1 @@
+"""Training: the loop, its numerics, checkpoints and guards."""

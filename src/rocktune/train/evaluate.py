@@ -1,0 +1,30 @@
+"""Eval loss: token-weighted mean over a fixed, length-sorted pass of the eval examples."""
+
+from __future__ import annotations
+
+import torch
+
+from rocktune.data.batching import collate
+from rocktune.data.dataset import Examples
+from rocktune.train.loss import causal_lm_loss_sum
+
+
+@torch.no_grad()
+def eval_loss(model, examples: Examples, batch_size: int, pad_id: int, device: str, autocast,
+              chunk_size: int) -> float | None:
+    if len(examples) == 0:
+        return None
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(examples)), key=lambda i: len(examples.input_ids[i]))
+    total, tokens = 0.0, 0
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx], pad_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast():
+            loss_sum, n = causal_lm_loss_sum(model, batch, chunk_size)
+        total += float(loss_sum)
+        tokens += n
+    model.train(was_training)
+    return total / max(tokens, 1)

@@ -1,0 +1,84 @@
+"""Loss numerics, in one tested place.
+
+``causal_lm_loss_sum`` returns the *sum* of token losses and the number of loss-bearing tokens. The training loop
+divides by the loss-bearing tokens of the whole optimizer step (``step_normalised``), so gradient accumulation gives
+the same update as one big batch regardless of how tokens fall into micro-batches.
+
+The fast path never materialises the full logits: it runs the backbone, keeps only positions whose next token
+carries loss, and computes the output head and cross-entropy chunk by chunk, writing the gradient of the hidden
+states during the forward pass (the base model's head is frozen under LoRA). For Qwen's 151,936-entry vocabulary the
+full fp32 logits are the largest tensor of a small model; here at most ``chunk_size`` rows of them exist at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rocktune.data.encode import IGNORE
+
+# Configs with output transforms the fast path does not reproduce; such models take the full-logits path.
+_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def step_normalised(loss_sum: torch.Tensor, step_tokens: int) -> torch.Tensor:
+    """Micro-batch loss for backward: its token-loss sum over the loss-bearing tokens of the whole step."""
+    return loss_sum / max(step_tokens, 1)
+
+
+def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 1024,
+                       fast: bool = True) -> tuple[torch.Tensor, int]:
+    labels = batch["labels"]
+    targets = labels[:, 1:]
+    keep = targets != IGNORE
+    n_tokens = int(keep.sum())
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not (fast and _fast_path_ok(base)):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+        return loss, n_tokens
+    hidden = base.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    hidden = hidden.last_hidden_state[:, :-1][keep]
+    head = base.get_output_embeddings()
+    loss = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets[keep], chunk_size)
+    return loss, n_tokens
+
+
+def _fast_path_ok(base) -> bool:
+    config = getattr(base, "config", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if config is None or head is None or not hasattr(base, "get_decoder"):
+        return False
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _HEAD_TRANSFORMS):
+        return False
+    # A trainable (or LoRA-wrapped) head needs its weight gradient: leave that to autograd.
+    return isinstance(head, torch.nn.Linear) and type(head) is torch.nn.Linear and not head.weight.requires_grad
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(h_i @ W^T + b, y_i), chunked over rows; d/dh is computed in forward, W and b are frozen."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size]
+            logits = F.linear(h, weight.to(h.dtype), None if bias is None else bias.to(h.dtype)).float()
+            t = targets[start : start + chunk_size]
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if not ctx.needs_input_grad[0]:
+                continue
+            # d(sum CE)/d(logits) = softmax - onehot, reusing the logits buffer in place.
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            grad_hidden[start : start + chunk_size] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+        ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_out.to(grad_hidden.dtype), None, None, None, None

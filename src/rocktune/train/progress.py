@@ -1,0 +1,47 @@
+"""What the user sees and what is kept: a rich progress bar and ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class MetricsLog:
+    """Append-only JSON lines; flushed per line so a crash loses at most the line being written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class ProgressBar:
+    def __init__(self, total_steps: int, start_step: int, quiet: bool = False):
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn(), console=self.console, disable=quiet, transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+        self.t0 = time.perf_counter()
+
+    def __enter__(self) -> ProgressBar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, mem_bytes: int | None) -> None:
+        mem = f" mem {mem_bytes / 2**30:.2f}GiB" if mem_bytes is not None else ""
+        stats = f"loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s{mem}"
+        self.progress.update(self.task, completed=step, stats=stats)
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message, highlight=False)

@@ -1,0 +1,63 @@
+"""The run directory: refuse to clobber another run, write small files atomically.
+
+Layout: ``config.yaml`` (the resolved config), ``metrics.jsonl``, ``adapter/`` (PEFT format), ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from rocktune.errors import UserError
+
+CONFIG_NAME = "config.yaml"
+
+
+def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool = False) -> None:
+    """Raise unless writing a run with ``config`` into ``run_dir`` would lose nothing the user did not ask to lose."""
+    if overwrite or not run_dir.exists() or not any(run_dir.iterdir()):
+        return
+    saved = run_dir / CONFIG_NAME
+    if not saved.is_file():
+        raise UserError(f"output.dir {run_dir} exists and is not a rocktune run directory; choose another "
+                        "output.dir, or pass --overwrite to replace its contents.")
+    if resume:
+        return
+    old = yaml.safe_load(saved.read_text()) or {}
+    changed = _diff(old, config)
+    if changed:
+        raise UserError(f"output.dir {run_dir} already holds a different run (differs in {', '.join(changed[:6])}); "
+                        "choose another output.dir, or pass --overwrite to replace it.")
+    raise UserError(f"output.dir {run_dir} already holds this run; pass --resume to continue it from its last "
+                    "checkpoint, or --overwrite to start it again from scratch.")
+
+
+def start(run_dir: Path, config: dict, overwrite: bool) -> None:
+    if overwrite and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / CONFIG_NAME, yaml.safe_dump(config, sort_keys=False))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _diff(old, new, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        return [d for k in keys for d in _diff(old.get(k), new.get(k), f"{prefix}{k}.")]
+    return [] if old == new else [prefix.rstrip(".")]

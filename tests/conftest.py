@@ -1,0 +1,55 @@
+"""Shared fixtures: a tiny random Qwen2 model directory and small data files, all built offline."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TINY_SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from rocktune.demo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, **TINY_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def task_files(tmp_path) -> tuple[Path, Path]:
+    from rocktune.demo.task import make_task
+
+    train, evals = make_task(n_train=256, n_eval=32, seed=1)
+    return write_jsonl(tmp_path / "train.jsonl", train), write_jsonl(tmp_path / "eval.jsonl", evals)
+
+
+def tiny_run_config(model_dir: Path, train_file: Path, eval_file: Path | None, out_dir: Path, **training) -> dict:
+    t = {"max_steps": 6, "micro_batch_size": 8, "grad_accum": 2, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0,
+         "precision": "fp32", "device": "cpu", "seed": 0}
+    t.update(training)
+    return {
+        "model": {"name_or_path": str(model_dir)},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"train_file": str(train_file), "eval_file": str(eval_file) if eval_file else None,
+                 "max_length": 64, "cache_dir": str(out_dir.parent / "cache")},
+        "training": t,
+        "output": {"dir": str(out_dir)},
+    }
