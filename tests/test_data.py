@@ -134,9 +134,10 @@ def test_bucketing_covers_all_and_cuts_padding():
 
 def test_stream_position_resumes_same_batches():
     lengths = list(range(1, 51))
-    a = BatchStream(lengths, 4, seed=1)
+    make = lambda epoch: epoch_batches(lengths, 4, 1, epoch)  # noqa: E731
+    a = BatchStream(make)
     seq = [a.next() for _ in range(30)]  # crosses an epoch boundary (13 batches per epoch)
-    b = BatchStream(lengths, 4, seed=1, **{"epoch": 1, "index": 4})
+    b = BatchStream(make, epoch=1, index=4)
     assert [b.next() for _ in range(13)] == seq[17:30]
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from rocktune import __version__
 from rocktune.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # PEFT still calls transformers' deprecated is_gradient_checkpointing; the warning is not the user's to fix.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -22,10 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             raise
-        _print_error(str(exc))
+        print_error(str(exc))
         return 2
     except KeyboardInterrupt:
-        _print_error("interrupted")
+        print_error("interrupted")
         return 130
 
 
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_error(message: str) -> None:
+def print_error(message: str) -> None:
     from rich.console import Console
 
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {message}", markup=True)
@@ -56,6 +59,11 @@ def _add_train(sub) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.lr=2e-4 lora.r=16")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("--overwrite", action="store_true", help="replace an existing, different run in output.dir")
+    p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its last checkpoint")
+    p.add_argument("--resume-force", action="store_true",
+                   help="resume even though the config or data changed (the result is no longer one exact run)")
+    p.add_argument("--no-supervise", action="store_true",
+                   help="train in this process instead of a supervised child that is restarted after a crash")
     p.set_defaults(func=_run_train)
 
 
@@ -66,10 +74,22 @@ def _run_train(args) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0
-    from rocktune.train.loop import train
+    resume = args.resume or args.resume_force
+    if args.no_supervise:
+        from rocktune.train.guards import FatalNumerics, RollbackRequired
+        from rocktune.train.loop import train
+        from rocktune.train.step import OutOfMemoryAtMinimum
 
-    train(cfg, overwrite=args.overwrite)
-    return 0
+        try:
+            result = train(cfg, overwrite=args.overwrite, resume_run=resume, resume_force=args.resume_force)
+        except (FatalNumerics, OutOfMemoryAtMinimum, RollbackRequired) as exc:
+            print_error(f"{exc}. The last good checkpoint is in {cfg.output.dir}/checkpoints; continue with --resume.")
+            return 1
+        return 130 if result.interrupted else 0
+    from rocktune.train.supervisor import supervise
+
+    return supervise(cfg.model_dump(mode="json"), args.overwrite, resume, args.resume_force,
+                     cfg.reliability.max_restarts)
 
 
 # --- demo ------------------------------------------------------------------------------------------------------

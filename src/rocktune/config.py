@@ -27,6 +27,9 @@ class ModelConfig(_Section):
         "auto", description="Attention kernel; auto asks the platform advice (sdpa on most machines)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    liger: Literal["auto", "on", "off"] = Field(
+        "auto", description="Liger fused kernels (RMSNorm, SwiGLU, RoPE); auto: on for ROCm/CUDA when installed."
+    )
 
 
 class LoraConfig(_Section):
@@ -47,6 +50,9 @@ class DataConfig(_Section):
     )
     max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted).")
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.")
+    packing: bool = Field(
+        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing."
+    )
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
 
 
@@ -67,9 +73,28 @@ class TrainingConfig(_Section):
     seed: int = Field(42, description="Seed for model init of LoRA, data order and dropout.")
     eval_every: int = Field(50, ge=0, description="Optimizer steps between eval passes (0: only at start/end).")
     log_every: int = Field(1, gt=0, description="Optimizer steps between metrics.jsonl lines.")
+    loss_impl: Literal["chunked", "full"] = Field(
+        "chunked", description="chunked: head + cross-entropy only at loss positions, in chunks; full: HF logits."
+    )
+    optimizer: Literal["auto", "adamw_fused", "adamw_foreach", "adamw_torch"] = Field(
+        "auto", description="AdamW implementation over the adapter; auto: fused on GPU, foreach on CPU."
+    )
+    compile: bool = Field(False, description="torch.compile the decoder (slow first steps; off on gfx906/CPU).")
     loss_chunk_size: int = Field(
         1024, gt=0, description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once."
     )
+
+
+class ReliabilityConfig(_Section):
+    save_every: int = Field(50, ge=0, description="Optimizer steps between checkpoints (0: only at the end).")
+    keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept; older ones are deleted.")
+    max_restarts: int = Field(3, ge=0, description="Times the supervisor restarts a crashed run from a checkpoint.")
+    nan_patience: int = Field(3, gt=0, description="Non-finite steps in a row before rolling back to fp32.")
+    zero_patience: int = Field(5, gt=0, description="Steps in a row with loss or gradients exactly 0 before stopping.")
+    transfer_check_every: int = Field(
+        100, ge=0, description="Verify the device copy of a batch against the host on the first 3 steps and every N."
+    )
+    min_free_disk_mb: int = Field(256, ge=0, description="Free space required beyond a checkpoint's own size.")
 
 
 class OutputConfig(_Section):
@@ -81,6 +106,7 @@ class RunConfig(_Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    reliability: ReliabilityConfig = Field(default_factory=ReliabilityConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")

@@ -21,9 +21,18 @@ def check_model_source(name_or_path: str) -> None:
                         "directory or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
 
 
+def quiet_transformers() -> None:
+    """rocktune draws its own progress; transformers' per-shard bars would interleave with it."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
+    quiet_transformers()
     check_model_source(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

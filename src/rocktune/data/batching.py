@@ -48,21 +48,24 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
 
 
 class BatchStream:
-    """Endless stream of micro-batch index lists over epochs; its position is two integers."""
+    """Endless stream of micro-batches over epochs; its position is two integers (epoch, index).
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, epoch: int = 0, index: int = 0):
-        self.lengths, self.batch_size, self.seed = lengths, batch_size, seed
+    ``make_epoch(epoch)`` returns that epoch's batches and must be a pure function of the epoch number.
+    """
+
+    def __init__(self, make_epoch, epoch: int = 0, index: int = 0):
+        self.make_epoch = make_epoch
         self.epoch, self.index = epoch, index
-        self._batches = epoch_batches(lengths, batch_size, seed, epoch)
+        self._batches = make_epoch(epoch)
 
     def __len__(self) -> int:
         """Micro-batches per epoch."""
         return len(self._batches)
 
-    def next(self) -> list[int]:
+    def next(self):
         if self.index >= len(self._batches):
             self.epoch, self.index = self.epoch + 1, 0
-            self._batches = epoch_batches(self.lengths, self.batch_size, self.seed, self.epoch)
+            self._batches = self.make_epoch(self.epoch)
         batch = self._batches[self.index]
         self.index += 1
         return batch

@@ -64,6 +64,9 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rocktune.model import quiet_transformers
+
+    quiet_transformers()
     out = Path(out_dir)
     tokenizer = build_tokenizer()
     shape.setdefault("vocab_size", 320)

@@ -31,7 +31,7 @@ def perf_matmul(device: str, dtype: str, n: int | None = None, reps: int = 5) ->
     secs = _best_seconds(lambda: a @ b, device, reps)
     tflops = 2 * n**3 / secs / 1e12
     return CheckResult("", "pass", f"{tflops:.2f} TFLOP/s ({n}x{n}x{n}, best of {reps})", None, None,
-                       {"tflops": round(tflops, 3), "n": n, "seconds": secs})
+                       {"tflops": float(f"{tflops:.4g}"), "n": n, "seconds": secs})
 
 
 def perf_copy(device: str, direction: str, pinned: bool, mib: int | None = None, reps: int = 5) -> CheckResult:
@@ -56,4 +56,4 @@ def perf_copy(device: str, direction: str, pinned: bool, mib: int | None = None,
         secs = _best_seconds(lambda: host.copy_(dev, non_blocking=pinned), device, reps)
     gbs = nbytes / secs / 1e9
     return CheckResult("", "pass", f"{gbs:.1f} GB/s ({mib} MiB, best of {reps})", None, None,
-                       {"gb_per_s": round(gbs, 2), "bytes": nbytes, "seconds": secs})
+                       {"gb_per_s": float(f"{gbs:.4g}"), "bytes": nbytes, "seconds": secs})

@@ -92,6 +92,7 @@ def run_one(name: str, fn: Callable[[], c.CheckResult]) -> c.CheckResult:
     try:
         result = c.timed(fn)
     except Exception as exc:  # noqa: BLE001 - any error of the device stack is a finding
-        result = c.CheckResult("", "fail", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        result = c.CheckResult("", "fail", f"{type(exc).__name__}: {first_line}")
     result.name = name
     return result

@@ -41,10 +41,9 @@ def resolve_auto(device: str, precision: str, attn_implementation: str, *, self_
     from rocktune.platform import environment
 
     messages: list[str] = []
-    cached_platform, _ = environment.cached()
-    if platform is None and cached_platform is None and not torch.cuda.is_initialized():
-        messages += environment.apply_environment()
-    plat = platform or environment.cached()[0]
+    if platform is None and environment.cached_platform() is None and not torch.cuda.is_initialized():
+        messages += environment.apply_environment()  # the loop did not: do it while the device is untouched
+    plat = platform or environment.cached_platform()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         messages.append(f"device auto -> {device}")

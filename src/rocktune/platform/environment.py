@@ -30,15 +30,15 @@ def apply_environment(environ: MutableMapping[str, str] | None = None, platform:
         if torch.cuda.is_initialized():
             messages.append("the GPU was initialised before the environment advice: some variables may not apply")
         platform = detect("child" if (torch.version.hip or torch.version.cuda) else "passive")
+        _cache["platform"] = platform  # only this machine's own snapshot is reused by resolve_auto
     advice = advise(platform)
-    _cache["platform"], _cache["advice"] = platform, advice
     messages += apply_advice(advice, environ)
     return messages
 
 
-def cached() -> tuple[Platform | None, Advice | None]:
-    """The platform and advice of the last ``apply_environment`` call (autoconf reuses them)."""
-    return _cache.get("platform"), _cache.get("advice")  # type: ignore[return-value]
+def cached_platform() -> Platform | None:
+    """This machine's snapshot from the last ``apply_environment`` call (autoconf reuses it)."""
+    return _cache.get("platform")  # type: ignore[return-value]
 
 
 def apply_advice(advice: Advice, environ: MutableMapping[str, str]) -> list[str]:

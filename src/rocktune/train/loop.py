@@ -1,30 +1,33 @@
-"""The training loop. Read it top to bottom: setup, then one optimizer step per iteration, then save.
+"""The training loop. Read it top to bottom: setup, optional resume, one optimizer step per iteration, save.
 
 No trainer class, no callbacks: every step is here. Shared numerics (loss normalisation, token counting) live in
-``train/loss.py`` and ``data/batching.py`` so that the loop, the eval pass and the benchmarks agree.
+``train/loss.py`` and ``data/batching.py`` so that the loop, the eval pass and the benchmarks agree. Reliability
+pieces (checkpoints, guards, OOM recovery) are small modules the loop calls at the points where they act.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import math
-import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from rocktune.config import RunConfig
-from rocktune.data.batching import BatchStream, collate, count_loss_tokens
+from rocktune.data.batching import count_loss_tokens
 from rocktune.data.dataset import prepare_data
 from rocktune.model import apply_lora, load_model, load_tokenizer, trainable_parameters
 from rocktune.platform.autoconf import resolve_auto
-from rocktune.train import rundir
+from rocktune.train import build, checkpoint, resume, rundir
 from rocktune.train.evaluate import eval_loss
-from rocktune.train.loss import causal_lm_loss_sum, step_normalised
+from rocktune.train.faults import Faults
+from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, ProgressBar
+from rocktune.train.step import forward_backward, run_with_oom_recovery
 
 
 @dataclass
@@ -34,18 +37,23 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_loss_before: float | None = None
     eval_loss_after: float | None = None
+    interrupted: bool = False
     model: object = None
     tokenizer: object = None
 
 
-def train(cfg: RunConfig, overwrite: bool = False, quiet: bool = False) -> TrainResult:
-    t, m, d = cfg.training, cfg.model, cfg.data
+def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, resume_force: bool = False,
+          quiet: bool = False, pieces: int = 1, faults: Faults | None = None) -> TrainResult:
+    t, m, d, rel = cfg.training, cfg.model, cfg.data, cfg.reliability
+    faults = faults or Faults()
     run_dir = Path(cfg.output.dir)
     resolved = cfg.model_dump(mode="json")
-    rundir.check_output_dir(run_dir, resolved, overwrite)
+    rundir.check_output_dir(run_dir, resolved, overwrite, resume_run)
+    if resume_run:
+        resume.check_config(run_dir, resolved, resume_force)
     choices = resolve_auto(t.device, t.precision, m.attn_implementation)
     device, precision = choices.device, choices.precision
-    _seed_everything(t.seed)
+    build.seed_everything(t.seed)
 
     # Everything that can reject the input runs before the run directory is touched.
     tokenizer = load_tokenizer(m.name_or_path, m.trust_remote_code)
@@ -53,66 +61,109 @@ def train(cfg: RunConfig, overwrite: bool = False, quiet: bool = False) -> Train
     train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
                                               d.train_on_prompt, tokenizer, cache_dir, t.seed)
     model = load_model(m.name_or_path, precision, choices.attn_implementation, m.trust_remote_code, device)
+    notes = [n for n in (build.liger(model, m.liger, device),) if n]
     model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
                        m.gradient_checkpointing)
+    if t.compile:
+        notes.append(build.compile_decoder(model))
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, foreach=True)
-    stream = BatchStream(train_set.lengths(), t.micro_batch_size, t.seed)
+    optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
+    stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed)
+    to_batch = build.make_collate(train_set, d.packing, tokenizer.pad_token_id)
     total_steps = t.max_steps or math.ceil(t.epochs * len(stream) / t.grad_accum)
-    scheduler = _scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
+    scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
-    autocast = _autocast(device, precision)
-    pad_id = tokenizer.pad_token_id
+    autocast = build.autocast(device, precision)
+    guard = NumericGuard(rel.nan_patience, rel.zero_patience)
+    evaluate = lambda: eval_loss(model, eval_set, t.micro_batch_size, tokenizer.pad_token_id,  # noqa: E731
+                                 device, autocast, t.loss_chunk_size)
 
-    rundir.start(run_dir, resolved, overwrite)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
     result = TrainResult(run_dir=run_dir, steps=total_steps, model=model, tokenizer=tokenizer)
-    n_train = sum(p.numel() for p in params)
-    with ProgressBar(total_steps, 0, quiet) as bar:
-        for msg in choices.messages + stats.notes:
+    ckpt_root = run_dir / "checkpoints"
+    start_step = 0
+    restored = None
+    if resume_run:
+        restored = checkpoint.restore(ckpt_root, model, optimizer, scheduler, scaler)
+        resume.check_data(restored, stats.fingerprint, resume_force)
+    if restored is None:
+        rundir.start(run_dir, resolved, wipe=overwrite and not resume_run)
+        resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
+    else:
+        start_step = restored.step
+        stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed,
+                                    **restored.position)
+        pieces = max(pieces, restored.extra.get("pieces", 1))
+        result.eval_loss_before = restored.extra.get("eval_loss_before")
+        resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    stop = _InterruptFlag()
+
+    def save_checkpoint(step: int) -> None:
+        faults.checkpoint_write(step)
+        extra = {"pieces": pieces, "eval_loss_before": result.eval_loss_before, "data_fingerprint": stats.fingerprint,
+                 "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total}
+        need = sum(p.numel() * 4 * 3 for p in params) + rel.min_free_disk_mb * 2**20
+        checkpoint.save(ckpt_root, step, model, optimizer, scheduler, scaler, stream.position(), extra,
+                        rel.keep_checkpoints, need)
+
+    with ProgressBar(total_steps, start_step, quiet) as bar, stop:
+        for msg in choices.messages + notes + stats.notes:
             bar.log(f"[dim]{msg}[/]")
+        if restored is not None:
+            for why in restored.skipped:
+                bar.log(f"[yellow]warning: skipped damaged checkpoint {why}[/]")
+            bar.log(f"resumed from {restored.path.name} (step {start_step} of {total_steps})")
         bar.log(f"{len(train_set)} train / {len(eval_set)} eval examples ({stats.shape}, cache "
-                f"{'hit' if stats.cache_hit else 'written'}); {n_train:,} trainable parameters; {precision} on {device}")
-        result.eval_loss_before = eval_loss(model, eval_set, t.micro_batch_size, pad_id, device, autocast,
-                                            t.loss_chunk_size)
-        metrics.write({"step": 0, "eval_loss": result.eval_loss_before})
+                f"{'hit' if stats.cache_hit else 'written'}); {sum(p.numel() for p in params):,} trainable "
+                f"parameters; {precision} on {device}")
+        if restored is None:
+            result.eval_loss_before = evaluate()
+            metrics.write({"step": 0, "eval_loss": result.eval_loss_before})
         model.train()
-        for step in range(1, total_steps + 1):
+        for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
             # Fetch the whole step first: the loss is normalised by the loss-bearing tokens of all its micro-batches.
-            micro = [collate([train_set.input_ids[i] for i in idx], [train_set.labels[i] for i in idx], pad_id)
-                     for idx in (stream.next() for _ in range(t.grad_accum))]
+            micro = [to_batch(stream.next()) for _ in range(t.grad_accum)]
             step_tokens = sum(count_loss_tokens(b["labels"]) for b in micro)
-            step_loss = 0.0
-            for batch in micro:
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                with autocast():
-                    loss_sum, _ = causal_lm_loss_sum(model, batch, t.loss_chunk_size)
-                scaler.scale(step_normalised(loss_sum, step_tokens)).backward()
-                step_loss += float(loss_sum.detach())
+            check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
+            step_loss, pieces = run_with_oom_recovery(
+                lambda n: forward_backward(model, micro, step_tokens, n, device, autocast, scaler, t.loss_chunk_size,
+                                           t.loss_impl == "chunked", faults, step, bool(check)),
+                optimizer, pieces, max(b["input_ids"].shape[0] for b in micro), bar.log)
             scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
-            scaler.step(optimizer)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")))
+            loss = step_loss / max(step_tokens, 1)
+            if guard.check(step, loss, grad_norm):
+                scaler.step(optimizer)
+            else:
+                bar.log(f"[yellow]step {step}: non-finite loss or gradient, update skipped[/]")
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            faults.after_update(step)
 
             elapsed = time.perf_counter() - t0
-            loss = step_loss / max(step_tokens, 1)
             result.losses.append(loss)
             lr = scheduler.get_last_lr()[0]
             mem = torch.cuda.max_memory_allocated() if device == "cuda" else None
             bar.update(step, loss, lr, step_tokens / elapsed, mem)
             if step % t.log_every == 0 or step == total_steps:
-                metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                               "tokens": step_tokens, "useful_tokens_per_s": step_tokens / elapsed,
-                               "step_s": elapsed, "epoch": stream.epoch, "peak_mem_bytes": mem})
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps:
-                ev = eval_loss(model, eval_set, t.micro_batch_size, pad_id, device, autocast, t.loss_chunk_size)
+                metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
+                               "batch_tokens": sum(b["input_ids"].numel() for b in micro),
+                               "samples": _digest(micro),
+                               "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
+                               "epoch": stream.epoch, "peak_mem_bytes": mem})
+            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set):
+                ev = evaluate()
                 metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
-        result.eval_loss_after = eval_loss(model, eval_set, t.micro_batch_size, pad_id, device, autocast,
-                                           t.loss_chunk_size)
+            if (rel.save_every and step % rel.save_every == 0) or step == total_steps or stop.requested:
+                _save_or_warn(save_checkpoint, step, bar.log)
+            if stop.requested:
+                bar.log(f"interrupted: checkpoint at step {step}; continue with --resume")
+                result.interrupted = True
+                return result
+        result.eval_loss_after = evaluate()
         metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
         save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
         bar.log(f"adapter saved to {run_dir / 'adapter'}")
@@ -121,35 +172,52 @@ def train(cfg: RunConfig, overwrite: bool = False, quiet: bool = False) -> Train
 
 def save_adapter(model, out: Path, config_file: Path) -> None:
     """PEFT format (adapter_config.json + adapter_model.safetensors), written beside, then swapped in."""
+    import shutil
+
     tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "rocktune_config.yaml").write_text(config_file.read_text())
+    old = out.with_name(out.name + ".old")
     if out.exists():
-        old = out.with_name(out.name + ".old")
         out.rename(old)
-        tmp.rename(out)
-        import shutil
-
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def _digest(micro: list[dict]) -> str:
+    """Short hash of the step's token ids: two runs that log the same digests saw the same samples."""
+    h = hashlib.blake2b(digest_size=6)
+    for batch in micro:
+        h.update(batch["input_ids"].numpy().tobytes())
+    return h.hexdigest()
 
 
-def _scheduler(optimizer, kind: str, warmup: int, total: int):
-    from transformers import get_scheduler
+def _save_or_warn(save, step: int, log) -> None:
+    """A failed checkpoint write leaves the previous checkpoint intact; the run goes on and says so."""
+    try:
+        save(step)
+    except checkpoint.CheckpointWriteError as exc:
+        log(f"[red]warning: {exc}; the previous checkpoint is intact and training continues[/]")
 
-    return get_scheduler(kind if kind != "constant" else "constant_with_warmup", optimizer,
-                         num_warmup_steps=min(warmup, total), num_training_steps=total)
 
+class _InterruptFlag:
+    """First Ctrl-C: finish the step, checkpoint, exit cleanly. Second Ctrl-C: stop at once."""
 
-def _autocast(device: str, precision: str):
-    if precision == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return lambda: torch.autocast(device_type=device, dtype=dtype)
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)

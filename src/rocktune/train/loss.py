@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
 
+# Packed batches carry position_ids and no attention_mask; bucketed ones carry an attention_mask.
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # Configs with output transforms the fast path does not reproduce; such models take the full-logits path.
 _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -33,12 +35,13 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
     keep = targets != IGNORE
     n_tokens = int(keep.sum())
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if not (fast and _fast_path_ok(base)):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = model(**inputs).logits
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                reduction="sum")
         return loss, n_tokens
-    hidden = base.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    hidden = base.get_decoder()(**inputs)
     hidden = hidden.last_hidden_state[:, :-1][keep]
     head = base.get_output_embeddings()
     loss = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets[keep], chunk_size)

@@ -15,10 +15,16 @@ class MetricsLog:
 
     def __init__(self, path: Path):
         self.path = path
+        self._lines = len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
     def write(self, record: dict) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        self._lines += 1
+
+    def lines(self) -> int:
+        """Lines written so far; a checkpoint records it so a resume can drop what came after."""
+        return self._lines
 
 
 class ProgressBar:

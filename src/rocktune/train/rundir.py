@@ -36,8 +36,8 @@ def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool 
                     "checkpoint, or --overwrite to start it again from scratch.")
 
 
-def start(run_dir: Path, config: dict, overwrite: bool) -> None:
-    if overwrite and run_dir.exists():
+def start(run_dir: Path, config: dict, wipe: bool) -> None:
+    if wipe and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / CONFIG_NAME, yaml.safe_dump(config, sort_keys=False))

@@ -1,0 +1,160 @@
+"""One benchmark configuration in its own process: ``python -m rocktune.bench.child SPEC.json RESULT.json``.
+
+A fresh process per configuration gives each one a clean memory peak and no warm caches from the others.
+The result file always gets written: ``status`` ok | skipped (with the reason) | error (with the message).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def rocktune_config(spec: dict) -> dict:
+    """Common bench settings + the configuration's dotted overrides -> a RunConfig dict."""
+    c = spec["common"]
+    raw = {
+        "model": {"name_or_path": spec["model_dir"]},
+        "lora": {"r": c["lora_r"], "alpha": c["lora_alpha"], "dropout": 0.0, "target_modules": "all-linear"},
+        "data": {"train_file": spec["data_file"], "eval_fraction": 0.0, "max_length": c["max_length"],
+                 "cache_dir": spec["cache_dir"]},
+        "training": {"max_steps": spec["steps"], "micro_batch_size": c["micro_batch_size"],
+                     "grad_accum": c["grad_accum"], "lr": c["lr"], "warmup_steps": c["warmup_steps"],
+                     "scheduler": c["scheduler"], "eval_every": 0, "log_every": 1, "device": spec["device"],
+                     "seed": c["seed"]},
+        "reliability": {"save_every": 0},
+        "output": {"dir": spec["run_dir"]},
+    }
+    for key, value in spec["settings"].items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return raw
+
+
+def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
+    from rocktune.config import config_from_dict
+    from rocktune.train import loop
+
+    raw = rocktune_config(spec)
+    cfg = config_from_dict(raw)
+    ready = _on_ready(loop, probe)
+    loop.train(cfg, overwrite=True, quiet=True, **ready)
+    rows = [json.loads(line) for line in (Path(spec["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
+              "real_tokens": r.get("real_tokens"), "batch_tokens": r.get("batch_tokens")}
+             for r in rows if "loss" in r]
+    return steps, {"config": raw}
+
+
+def _on_ready(loop, probe) -> dict:
+    """Mark 'model loaded' at the loop's ready hook, or where the loop wraps the model in LoRA."""
+    def ready(model=None, *_, **__):
+        probe.mark_loaded(model)
+
+    if "on_ready" in inspect.signature(loop.train).parameters:
+        return {"on_ready": ready}
+    original = getattr(loop, "apply_lora", None)
+    if original is None:
+        probe.peak_source += "; no model-loaded hook in this loop: growth counts from before the model load"
+        probe.mark_loaded()
+        return {}
+
+    def wrapped(*args, **kwargs):
+        model = original(*args, **kwargs)
+        ready(model)
+        return model
+
+    loop.apply_lora = wrapped
+    return {}
+
+
+def main(spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    result: dict = {"name": spec["name"], "kind": spec["kind"], "status": "ok"}
+    try:
+        result.update(_run(spec))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the report, not kill the bench
+        from rocktune.bench.hf_baseline import SkipBaseline
+
+        skipped = isinstance(exc, SkipBaseline)
+        result.update(status="skipped" if skipped else _failure_status(exc), reason=_first_line(exc))
+        if not skipped:
+            result["traceback"] = traceback.format_exc(limit=6)
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+def _run(spec: dict) -> dict:
+    import os
+
+    import torch
+
+    from rocktune.bench.measure import MemoryProbe, environment
+    from rocktune.model import quiet_transformers
+
+    torch.set_num_threads(spec["threads"])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_transformers()
+    device = spec["device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        from rocktune.bench.hf_baseline import SkipBaseline
+
+        raise SkipBaseline("no ROCm/CUDA device is visible to torch")
+    probe = MemoryProbe(device)
+    if spec["kind"] == "rocktune":
+        steps, resolved = run_rocktune(spec, probe)
+    else:
+        steps, resolved = _run_hf(spec, probe)
+    return {"steps": steps, "resolved": resolved, "memory": probe.report(), "shape": probe.shape,
+            "environment": environment(device, torch.get_num_threads())}
+
+
+def _run_hf(spec: dict, probe) -> tuple[list[dict], dict]:
+    from rocktune.bench.hf_baseline import run_hf
+    from rocktune.data.dataset import prepare_data
+    from rocktune.model import load_tokenizer
+
+    c = spec["common"]
+    tokenizer = load_tokenizer(spec["model_dir"], False)
+    examples, _, _ = prepare_data(spec["data_file"], None, 0.0, "auto", c["max_length"], False, tokenizer,
+                                  Path(spec["cache_dir"]), c["seed"])
+    order = _rocktune_order(examples.lengths(), c, spec["steps"]) if spec["settings"]["sampler"] == \
+        "rocktune-order" else None
+    return run_hf(spec["model_dir"], examples, spec["settings"], spec["steps"], c, spec["device"], probe, order)
+
+
+def _rocktune_order(lengths: list[int], c: dict, steps: int) -> list[int]:
+    """The example order of rocktune's length-bucketed micro-batches over as many epochs as ``steps`` needs."""
+    from rocktune.data.batching import epoch_batches
+
+    need = steps * c["grad_accum"]
+    batches: list[list[int]] = []
+    epoch = 0
+    while len(batches) < need:
+        batches += epoch_batches(lengths, c["micro_batch_size"], c["seed"], epoch)
+        epoch += 1
+    # HF's DataLoader cuts fixed-size batches: only full micro-batches keep the two sides aligned.
+    full = [b for b in batches[:need] if len(b) == c["micro_batch_size"]]
+    if len(full) < need:
+        raise ValueError("rocktune's order has a short micro-batch within the parity steps; use fewer steps")
+    return [i for b in full for i in b]
+
+
+def _failure_status(exc: BaseException) -> str:
+    text = str(exc).lower()
+    return "oom" if "out of memory" in text or type(exc).__name__ == "OutOfMemoryError" else "error"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

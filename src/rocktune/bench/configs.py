@@ -1,0 +1,84 @@
+"""The named benchmark configurations.
+
+Every configuration trains the same model on the same data for the same number of optimizer steps with the same
+samples per step (micro-batch x accumulation = 8, seed 002's effective batch), the same LoRA (r 16, alpha 32, all
+linear layers), learning-rate schedule and clipping. What differs is listed in ``settings``: for rocktune dotted
+config overrides, for the Hugging Face baselines the recipe's knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rocktune.errors import UserError
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    kind: str  # "rocktune" (rocktune's loop) | "hf" (transformers Trainer + PEFT)
+    description: str
+    settings: dict = field(default_factory=dict)
+    baseline: bool = False
+    needs_gpu: bool = False
+    in_default_set: bool = True  # part of a plain `rocktune bench`
+    default_on_cpu: bool = True
+
+
+# The recipe knobs of the HF baselines: precision (fp32 | auto = rocktune's precision policy for the device),
+# padding (max_length | longest), checkpointing, attention (None = transformers' default), sampler.
+HF_SEED = {"precision": "fp32", "padding": "max_length", "gradient_checkpointing": True, "attn_implementation": None,
+           "sampler": "random"}
+HF_TUNED = {"precision": "auto", "padding": "longest", "gradient_checkpointing": False,
+            "attn_implementation": "sdpa", "sampler": "group_by_length"}
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
+    BenchConfig("hf-seed", "hf", "HF Trainer + PEFT, seed 002: fp32, pad to max_length, checkpointing, batch 2x4",
+                HF_SEED, baseline=True),
+    BenchConfig("hf-tuned", "hf", "HF Trainer + PEFT, careful: bf16 where supported, sdpa, group_by_length, "
+                "dynamic padding, no checkpointing", HF_TUNED, baseline=True),
+    BenchConfig("rocktune", "rocktune", "rocktune defaults: length bucketing, chunked loss at loss positions only, "
+                "foreach/fused AdamW, no checkpointing, Liger when on a GPU", {}),
+    BenchConfig("rt-packing", "rocktune", "packing rows of max_length (per-sequence positions), 1 row x 4",
+                {"data.packing": True, "training.micro_batch_size": 1}),
+    BenchConfig("rt-full-loss", "rocktune", "chunked loss off: HF's full-logits loss path",
+                {"training.loss_impl": "full"}),
+    BenchConfig("rt-checkpointing", "rocktune", "gradient checkpointing on", {"model.gradient_checkpointing": True}),
+    BenchConfig("rt-adamw-torch", "rocktune", "foreach/fused AdamW off: the per-parameter for-loop AdamW",
+                {"training.optimizer": "adamw_torch"}),
+    BenchConfig("rt-no-liger", "rocktune", "Liger kernels off", {"model.liger": "off"}, needs_gpu=True),
+    BenchConfig("rt-compile", "rocktune", "torch.compile on the decoder", {"training.compile": True},
+                default_on_cpu=False),
+    BenchConfig("rt-mb8", "rocktune", "micro-batch 8 x accumulation 1", {"training.micro_batch_size": 8,
+                "training.grad_accum": 1}, in_default_set=False),
+    BenchConfig("rt-mb4", "rocktune", "micro-batch 4 x accumulation 2", {"training.micro_batch_size": 4,
+                "training.grad_accum": 2}, in_default_set=False),
+]}
+
+# The loss-parity pair: both fp32, rocktune in its own batch order, HF fed those very micro-batches in that order.
+PARITY = {
+    "parity-rocktune": BenchConfig("parity-rocktune", "rocktune", "rocktune defaults in fp32, bucketed order",
+                                   {"training.precision": "fp32"}),
+    "parity-hf": BenchConfig("parity-hf", "hf", "hf-seed recipe, fed rocktune's micro-batches in rocktune's order",
+                             {**HF_SEED, "sampler": "rocktune-order"}),
+}
+BASELINES = [n for n, c in CONFIGS.items() if c.baseline]
+
+
+def default_names(device: str) -> list[str]:
+    return [n for n, c in CONFIGS.items() if c.in_default_set and (device != "cpu" or c.default_on_cpu)]
+
+
+def select(names: str | None, device: str) -> list[BenchConfig]:
+    """``names``: comma-separated, ``all``, or None for the default set of this device."""
+    if names is None:
+        chosen = default_names(device)
+    elif names.strip() == "all":
+        chosen = list(CONFIGS)
+    else:
+        chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in CONFIGS and n not in PARITY]
+    if unknown or not chosen:
+        raise UserError(f"unknown bench configuration {', '.join(unknown) or '(none given)'}; known: "
+                        f"{', '.join(CONFIGS)} (or 'all'); see `rocktune bench --list`.")
+    return [CONFIGS.get(n) or PARITY[n] for n in dict.fromkeys(chosen)]

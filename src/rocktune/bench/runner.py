@@ -1,0 +1,215 @@
+"""Run the selected configurations one after another, each in its own subprocess, and summarise them.
+
+All configurations share the model, the data, the optimizer steps and the samples per step; the thread count is
+fixed for all of them so that ratios are fair on a shared CPU. Warm-up steps are run, recorded and excluded from
+the medians.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from rocktune.bench import stats, workload
+from rocktune.bench.configs import BASELINES, PARITY, BenchConfig, select
+from rocktune.errors import UserError
+
+COMMON = {"micro_batch_size": 2, "grad_accum": 4, "max_length": 512, "lr": 2e-4, "warmup_steps": 2,
+          "scheduler": "cosine", "seed": 0, "lora_r": 16, "lora_alpha": 32}
+TARGETS = {"tokens_per_s_vs_hf-seed": 3.0, "tokens_per_s_vs_hf-tuned": 1.5, "memory_vs_hf-tuned": 0.6}
+PARITY_REL_TOL = 1e-3
+
+
+def run_bench(model: str = "tiny", data: str | None = None, configs: str | None = None, steps: int = 5,
+              warmup: int = 1, threads: int | None = None, device: str = "auto", out: str = "runs/bench",
+              n_samples: int = 400, parity_steps: int = 4, timeout: float = 1800.0, log=print) -> dict:
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1 (measured optimizer steps), not {steps}")
+    if warmup < 0 or parity_steps < 0:
+        raise UserError("--warmup and --parity-steps cannot be negative")
+    device = _device(device)
+    chosen = select(configs, device)
+    threads = threads or _default_threads()
+    out_dir = Path(out)
+    cache = out_dir / "cache"
+    model_dir = _prepare_model(model, cache)
+    data_file = workload.data_file(data, n_samples, cache)
+    lengths, loss_share = _data_lengths(model_dir, data_file, cache)
+    base = {"model_dir": model_dir, "data_file": data_file, "cache_dir": str(cache / "tokens"), "device": device,
+            "threads": threads, "common": COMMON}
+    results = []
+    for cfg in chosen:
+        log(f"bench: {cfg.name} ({warmup} warm-up + {steps} measured steps)")
+        results.append(run_one(cfg, {**base, "steps": warmup + steps}, out_dir, timeout))
+    parity = None
+    if parity_steps:
+        log(f"bench: loss parity, {parity_steps} steps (rocktune vs HF Trainer on the same micro-batches)")
+        pair = [run_one(PARITY[n], {**base, "steps": parity_steps}, out_dir, timeout) for n in PARITY]
+        parity = _parity(*pair)
+    report = summarise(results, warmup, lengths, device)
+    report["workload"] = {"model": model, "model_dir": model_dir, "data_file": data_file, "examples": len(lengths),
+                          "mean_tokens": sum(lengths) / len(lengths), "loss_token_share": loss_share,
+                          "warmup_steps_excluded": warmup, "measured_steps": steps, "threads": threads, **COMMON,
+                          "samples_per_step": COMMON["micro_batch_size"] * COMMON["grad_accum"]}
+    report["parity"] = parity
+    report["targets"] = targets(report["configs"], parity)
+    return report
+
+
+def run_one(cfg: BenchConfig, spec: dict, out_dir: Path, timeout: float) -> dict:
+    """Run one configuration in a fresh interpreter; the child writes its result file even when it fails."""
+    run_dir = out_dir / "runs" / cfg.name
+    spec = {**spec, "name": cfg.name, "kind": cfg.kind, "settings": cfg.settings, "run_dir": str(run_dir)}
+    if cfg.needs_gpu and spec["device"] == "cpu":
+        return {"name": cfg.name, "kind": cfg.kind, "status": "skipped", "reason": "needs a ROCm/CUDA device"}
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file, result_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_file.write_text(json.dumps(spec))
+        env = {**os.environ, **{k: str(spec["threads"]) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "rocktune.bench.child", str(spec_file), str(result_file)],
+                                  env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"name": cfg.name, "kind": cfg.kind, "status": "error", "reason": f"timed out after {timeout:.0f} s"}
+        if not result_file.is_file():  # killed (e.g. by the kernel's OOM killer) before it could write
+            tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            return {"name": cfg.name, "kind": cfg.kind, "status": "error", "reason": tail[0]}
+        return json.loads(result_file.read_text())
+
+
+def summarise(results: list[dict], warmup: int, lengths: list[int], device: str) -> dict:
+    rows = []
+    for r in results:
+        cfg = _config(r["name"])
+        row = {"name": r["name"], "kind": r["kind"], "description": cfg.description, "settings": cfg.settings,
+               "status": r["status"], "reason": r.get("reason")}
+        if r["status"] == "ok":
+            row.update(stats.summarise_steps(r["steps"], warmup))
+            mem = r["memory"]
+            row["memory"] = mem
+            row["peak_memory_bytes"] = mem.get("device_peak_allocated_bytes", mem["rss_growth_bytes"])
+            row["resolved"] = r.get("resolved")
+            shape = r.get("shape") or {}
+            fpt = stats.flops_per_token(shape["matmul_params"], shape["layers"], shape["attn_dim"], lengths) \
+                if shape else None
+            row["model_flops_per_token"] = fpt
+            row["mfu"] = stats.mfu(row["real_tokens_per_s"], fpt, _peak(r.get("environment", {}), shape))
+        rows.append(row)
+    by_name = {r["name"]: r for r in rows}
+    for row in rows:
+        row["ratios"] = {b: _ratios(row, by_name[b]) for b in BASELINES
+                         if b in by_name and by_name[b]["status"] == "ok" and row["status"] == "ok"}
+    env = next((r["environment"] for r in results if r.get("environment")), {})
+    return {"schema": "rocktune-bench/1", "environment": env,
+            "peak_memory_kind": "device max allocated" if device == "cuda" else "RSS growth over the loaded model",
+            "configs": rows}
+
+
+def _ratios(row: dict, base: dict) -> dict:
+    return {"tokens_per_s": stats.ratio(row["useful_tokens_per_s"], base["useful_tokens_per_s"]),
+            "memory": stats.ratio(row["peak_memory_bytes"], base["peak_memory_bytes"]),
+            "equal_micro_batch": _micro_batch(row) == _micro_batch(base)}
+
+
+def _micro_batch(row: dict) -> tuple:
+    s = row["settings"]
+    return (s.get("training.micro_batch_size", COMMON["micro_batch_size"]), bool(s.get("data.packing")))
+
+
+def targets(rows: list[dict], parity: dict | None) -> dict:
+    """The issue's targets, checked on rocktune's default configuration."""
+    rt = next((r for r in rows if r["name"] == "rocktune" and r["status"] == "ok"), None)
+    out = {}
+    for key, target in TARGETS.items():
+        metric, _, base = key.partition("_vs_")
+        r = (rt or {}).get("ratios", {}).get(base, {})
+        value = r.get("tokens_per_s" if metric == "tokens_per_s" else "memory")
+        met = None if value is None else (value >= target if metric == "tokens_per_s" else value <= target)
+        out[key] = {"value": value, "target": target, "met": met}
+    out["loss_parity"] = {"value": parity and parity.get("max_rel_diff"), "target": PARITY_REL_TOL,
+                          "met": parity.get("match") if parity else None}
+    return out
+
+
+def _parity(rt: dict, hf: dict) -> dict:
+    if rt["status"] != "ok" or hf["status"] != "ok":
+        bad = rt if rt["status"] != "ok" else hf
+        return {"match": None, "reason": f"{bad['name']} {bad['status']}: {bad.get('reason')}"}
+    out = stats.loss_parity([s["loss"] for s in rt["steps"]], [s["loss"] for s in hf["steps"]], PARITY_REL_TOL)
+    out.update(rocktune_losses=[s["loss"] for s in rt["steps"]], hf_losses=[s["loss"] for s in hf["steps"]],
+               same_tokens_per_step=[a["tokens"] == b["tokens"] for a, b in zip(rt["steps"], hf["steps"])],
+               what="rocktune defaults (fp32, bucketed micro-batches, chunked loss) vs the hf-seed recipe fed the "
+                    "same micro-batches in the same order (sequential sampler)")
+    return out
+
+
+def _config(name: str) -> BenchConfig:
+    from rocktune.bench.configs import CONFIGS
+
+    return CONFIGS.get(name) or PARITY[name]
+
+
+def _device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda, not {device!r}")
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _prepare_model(model: str, cache: Path) -> str:
+    """Build a named shape, or check that the given model loads (config and tokenizer) before any child runs."""
+    from rocktune.model import check_model_source, load_tokenizer
+
+    path = workload.model_dir(model, cache)
+    check_model_source(path)
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load model {model}: {str(exc).strip().splitlines()[0]} "
+                        f"(pass a local model directory or one of {', '.join(workload.SHAPES)})") from None
+    load_tokenizer(path, False)
+    return path
+
+
+def _data_lengths(model_dir: str, data_file: str, cache: Path) -> tuple[list[int], float]:
+    """Tokenise once here (the children then hit the cache); lengths feed the attention FLOPs."""
+    from rocktune.data.dataset import prepare_data
+    from rocktune.model import load_tokenizer
+
+    ex, _, _ = prepare_data(data_file, None, 0.0, "auto", COMMON["max_length"], False,
+                            load_tokenizer(model_dir, False), cache / "tokens", COMMON["seed"])
+    loss = sum(sum(1 for t in y[1:] if t != -100) for y in ex.labels)
+    return ex.lengths(), loss / sum(ex.lengths())
+
+
+@lru_cache(maxsize=1)
+def _peaks() -> list[dict]:
+    return yaml.safe_load((Path(__file__).parent / "peaks.yaml").read_text())
+
+
+def _peak(env: dict, shape: dict) -> float | None:
+    name = env.get("gpu")
+    if not name:
+        return None
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(shape.get("dtype", ""), "fp32")
+    return next((p.get(dtype) for p in _peaks() if p["match"] in name), None)

@@ -1,0 +1,66 @@
+"""Packing: several examples share one row of up to ``max_length`` tokens, so no compute goes to padding.
+
+Each example keeps its own position ids (restarting at 0) and the attention mask is left out, from which
+transformers builds a block-diagonal causal mask: tokens never attend across example boundaries. The first token
+of every example is unlabelled, so no loss asks an example to predict the next one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+
+import torch
+
+from rocktune.data.encode import IGNORE
+
+
+def pack_rows(lengths: list[int], capacity: int, order: list[int]) -> list[list[int]]:
+    """Best fit in the given order: each example goes to the open row it fills most tightly."""
+    free: list[tuple[int, int]] = []  # (free tokens, row id), kept sorted
+    rows: list[list[int]] = []
+    for i in order:
+        pos = bisect.bisect_left(free, (lengths[i], -1))
+        if pos == len(free):
+            rows.append([i])
+            bisect.insort(free, (capacity - lengths[i], len(rows) - 1))
+        else:
+            room, row = free.pop(pos)
+            rows[row].append(i)
+            bisect.insort(free, (room - lengths[i], row))
+    return rows
+
+
+def epoch_packed_batches(lengths: list[int], rows_per_batch: int, capacity: int, seed: int,
+                         epoch: int) -> list[list[list[int]]]:
+    """Batches of rows of example indices for one epoch; a pure function of (seed, epoch)."""
+    rng = random.Random(f"pack:{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    rows = pack_rows(lengths, capacity, order)
+    rng.shuffle(rows)
+    return [rows[i : i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
+
+
+def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """``rows`` holds (input_ids, labels) per example; rows are right-padded to the longest row."""
+    flat = []
+    for row in rows:
+        ids, labels, pos = [], [], []
+        for x, y in row:
+            ids += x
+            labels += [IGNORE] + y[1:]
+            pos += range(len(x))
+        flat.append((ids, labels, pos))
+    width = max(len(ids) for ids, _, _ in flat)
+    out_ids = torch.full((len(flat), width), pad_id, dtype=torch.long)
+    out_labels = torch.full((len(flat), width), IGNORE, dtype=torch.long)
+    # Padding continues the last example's positions so a pad never looks like the start of a new sequence.
+    out_pos = torch.arange(width, dtype=torch.long).repeat(len(flat), 1)
+    for r, (ids, labels, pos) in enumerate(flat):
+        out_ids[r, : len(ids)] = torch.tensor(ids)
+        out_labels[r, : len(labels)] = torch.tensor(labels)
+        out_pos[r, : len(pos)] = torch.tensor(pos)
+        if len(pos) < width:
+            out_pos[r, len(pos):] = torch.arange(pos[-1] + 1, pos[-1] + 1 + width - len(pos))
+    return {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos}

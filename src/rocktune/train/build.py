@@ -1,0 +1,87 @@
+"""Builders: turn config values into the loop's components. Each takes flat arguments."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import random
+
+import numpy as np
+import torch
+
+from rocktune.data.batching import BatchStream, collate, epoch_batches
+from rocktune.data.dataset import Examples
+from rocktune.data.packing import collate_packed, epoch_packed_batches
+from rocktune.errors import UserError
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def batch_stream(examples: Examples, packing: bool, micro_batch_size: int, max_length: int, seed: int,
+                 epoch: int = 0, index: int = 0) -> BatchStream:
+    lengths = examples.lengths()
+    if packing:
+        return BatchStream(lambda e: epoch_packed_batches(lengths, micro_batch_size, max_length, seed, e), epoch, index)
+    return BatchStream(lambda e: epoch_batches(lengths, micro_batch_size, seed, e), epoch, index)
+
+
+def make_collate(examples: Examples, packing: bool, pad_id: int):
+    """Index structure from the stream -> host tensors."""
+    if packing:
+        def collate_rows(rows):
+            return collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows], pad_id)
+        return collate_rows
+
+    def collate_idx(idx):
+        return collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx], pad_id)
+    return collate_idx
+
+
+def optimizer(params, kind: str, lr: float, weight_decay: float, device: str) -> torch.optim.Optimizer:
+    if kind == "auto":
+        kind = "adamw_fused" if device == "cuda" else "adamw_foreach"
+    flags = {"adamw_fused": {"fused": True}, "adamw_foreach": {"foreach": True},
+             "adamw_torch": {"foreach": False}}[kind]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **flags)
+
+
+def scheduler(opt, kind: str, warmup: int, total: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(kind if kind != "constant" else "constant_with_warmup", opt,
+                         num_warmup_steps=min(warmup, total), num_training_steps=total)
+
+
+def autocast(device: str, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device_type=device, dtype=dtype)
+
+
+def liger(model, mode: str, device: str) -> str | None:
+    """Patch Liger's fused RMSNorm/SwiGLU/RoPE into the model; returns a message, None when not applied."""
+    available = importlib.util.find_spec("liger_kernel") is not None
+    if mode == "off" or (mode == "auto" and (device != "cuda" or not available)):
+        return None
+    if device != "cuda":
+        raise UserError("model.liger=on needs a ROCm or CUDA device (Liger kernels are Triton GPU kernels); "
+                        "use model.liger=auto or off on CPU.")
+    if not available:
+        raise UserError("model.liger=on but liger-kernel is not installed: pip install 'rocktune[liger]'.")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    # rocktune's own chunked loss already avoids full logits, so Liger's fused cross-entropy is not needed.
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    fused_linear_cross_entropy=False, cross_entropy=False)
+    return "liger kernels applied (RMSNorm, SwiGLU, RoPE)"
+
+
+def compile_decoder(model) -> str:
+    base = model.get_base_model()
+    base.get_decoder().compile()
+    return "torch.compile applied to the decoder (the first steps include compilation)"

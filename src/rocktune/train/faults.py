@@ -1,0 +1,65 @@
+"""Fault injection for the reliability tests. Only tests set ``ROCKTUNE_FAULTS``; without it nothing here acts.
+
+``ROCKTUNE_FAULTS`` holds JSON such as ``{"kill_at_step": 7}``. Keys:
+  kill_at_step      SIGKILL this process after that optimizer step's update, before anything else is written
+  oom_at_step       raise a device out-of-memory error in that step's first forward (once per process)
+  nan_at_steps      make the loss of those steps NaN
+  zero_loss         make every loss exactly zero (the seeds' silent-zeros failure)
+  corrupt_transfer_at_step   perturb one element of that step's device copy of the batch
+  fail_checkpoint_at_step    make writing that step's checkpoint fail as a full disk would
+  marker            a file path: faults act only while it does not exist, and the first one to act creates it,
+                    so a restarted process runs clean (a crash that happens once)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+
+import torch
+
+
+class Faults:
+    def __init__(self, spec: dict | None = None):
+        self.spec = spec if spec is not None else json.loads(os.environ.get("ROCKTUNE_FAULTS", "{}"))
+        self._oom_fired = False
+        marker = self.spec.get("marker")
+        if marker and os.path.exists(marker):
+            self.spec = {}
+
+    def _fire(self) -> None:
+        marker = self.spec.get("marker")
+        if marker:
+            open(marker, "w").close()
+
+    def after_update(self, step: int) -> None:
+        if self.spec.get("kill_at_step") == step:
+            self._fire()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_forward(self, step: int) -> None:
+        if self.spec.get("oom_at_step") == step and not self._oom_fired:
+            self._oom_fired = True
+            self._fire()
+            raise torch.OutOfMemoryError("injected out-of-memory (ROCKTUNE_FAULTS)")
+
+    def loss(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        if step in self.spec.get("nan_at_steps", ()):
+            if step == max(self.spec["nan_at_steps"]):
+                self._fire()
+            return loss_sum * float("nan")
+        if self.spec.get("zero_loss"):
+            return loss_sum * 0.0
+        return loss_sum
+
+    def transfer(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
+        if self.spec.get("corrupt_transfer_at_step") == step:
+            tensor = tensor.clone()
+            tensor.view(-1)[0] += 1
+        return tensor
+
+    def checkpoint_write(self, step: int) -> None:
+        if self.spec.get("fail_checkpoint_at_step") == step:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")

@@ -1,0 +1,45 @@
+"""Resume safety: refuse to continue a run whose config or data changed in a way that would make it wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from rocktune.errors import UserError
+from rocktune.train.rundir import CONFIG_NAME, _diff, write_atomic
+
+# Keys that may change between a run and its resume without changing what the resumed steps compute.
+RESUMABLE_CHANGES = ("training.max_steps", "training.epochs", "training.eval_every", "training.log_every",
+                     "reliability.", "output.dir")
+
+
+def check_config(run_dir: Path, config: dict, force: bool) -> None:
+    saved = run_dir / CONFIG_NAME
+    if not saved.is_file():
+        raise UserError(f"--resume: {run_dir} holds no run to resume (no {CONFIG_NAME}); drop --resume to start one.")
+    changed = [k for k in _diff(yaml.safe_load(saved.read_text()) or {}, config)
+               if not k.startswith(RESUMABLE_CHANGES)]
+    if changed and not force:
+        raise UserError(f"--resume: the config differs from the run in {run_dir} in {', '.join(changed[:8])}; "
+                        "resuming would mix two different runs. Restore those values, or pass --resume-force to "
+                        "continue anyway.")
+
+
+def check_data(restored, fingerprint: str, force: bool) -> None:
+    if restored is None:
+        return
+    old = restored.extra.get("data_fingerprint")
+    if old != fingerprint and not force:
+        raise UserError("--resume: the training data (or tokenizer, template, max length) changed since checkpoint "
+                        f"{restored.path.name} was written, so the saved data position no longer means the same "
+                        "examples. Restore the data, or pass --resume-force to continue anyway.")
+
+
+def truncate_metrics(path: Path, keep_lines: int) -> None:
+    """Drop metric lines written after the checkpoint, so a resumed run's log equals an uninterrupted one."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    if len(lines) > keep_lines:
+        write_atomic(path, "".join(lines[:keep_lines]))

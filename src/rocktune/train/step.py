@@ -1,0 +1,60 @@
+"""Forward and backward of one optimizer step, with out-of-memory recovery.
+
+On a device OOM the step's gradients are dropped, every micro-batch is split into twice as many pieces and the step
+is run again: the optimizer still sees exactly the same samples, and because the loss is normalised by the step's
+loss-bearing tokens the update is the same up to summation order.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from rocktune.train.guards import verify_transfer
+from rocktune.train.loss import causal_lm_loss_sum, step_normalised
+
+
+class OutOfMemoryAtMinimum(RuntimeError):
+    """Out of memory with one example (or packed row) per forward: nothing left to split."""
+
+
+def split_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
+    rows = batch["input_ids"].shape[0]
+    size = -(-rows // pieces)
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def forward_backward(model, micro: list[dict], step_tokens: int, pieces: int, device: str, autocast, scaler,
+                     chunk_size: int, fast_loss: bool, faults, step: int, check_transfer: bool) -> float:
+    """Accumulate the step's gradients; returns the summed token loss (not normalised)."""
+    total = 0.0
+    for batch in micro:
+        for part in split_rows(batch, pieces):
+            on_device = {k: faults.transfer(step, v.to(device, non_blocking=True)) for k, v in part.items()}
+            if check_transfer:
+                verify_transfer(part, on_device, step)
+            faults.before_forward(step)
+            with autocast():
+                loss_sum, _ = causal_lm_loss_sum(model, on_device, chunk_size, fast=fast_loss)
+            loss_sum = faults.loss(step, loss_sum)
+            scaler.scale(step_normalised(loss_sum, step_tokens)).backward()
+            total += float(loss_sum.detach())
+    return total
+
+
+def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log) -> tuple[float, int]:
+    """Call ``attempt(pieces)`` until it fits; returns (its result, the pieces that worked)."""
+    while True:
+        try:
+            return attempt(pieces), pieces
+        except torch.OutOfMemoryError as exc:
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if pieces >= max_rows:
+                raise OutOfMemoryAtMinimum(str(exc).splitlines()[0] if str(exc) else "out of memory") from None
+            pieces *= 2
+            log(f"[yellow]out of memory: retrying the step with each micro-batch split in {pieces} "
+                f"(same samples per optimizer step)[/]")

@@ -1,0 +1,119 @@
+"""Crash supervision: the training runs in a child process; when it dies, continue from the last good checkpoint.
+
+User errors and fatal diagnoses end the run (restarting would not help). Anything else — a signal, a GPU memory
+access fault, an access violation, an unexpected exit — is recorded in ``incidents.jsonl`` and the child is started
+again with ``--resume``, up to ``max_restarts`` times. Two faults at the same step step down to a safer profile:
+twice as many pieces per micro-batch, fp32, and serialized kernels on ROCm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+EXIT_USER_ERROR = 2
+EXIT_ROLLBACK = 3  # too many non-finite steps: continue from the checkpoint in fp32
+EXIT_FATAL = 4  # a diagnosis that restarting cannot fix (silent zeros, OOM at one example)
+EXIT_INTERRUPTED = 130
+
+
+def supervise(config: dict, overwrite: bool, resume: bool, resume_force: bool, max_restarts: int) -> int:
+    console = Console(stderr=True)
+    run_dir = Path(config["output"]["dir"])
+    payload = {"config": config, "overwrite": overwrite, "resume": resume, "resume_force": resume_force, "pieces": 1}
+    faults_by_step: dict[int, int] = {}
+    restarts = 0
+    while True:
+        code = _run_child(payload)
+        if code in (0, EXIT_USER_ERROR, EXIT_FATAL, EXIT_INTERRUPTED):
+            return code if code != EXIT_FATAL else 1
+        step = _last_step(run_dir / "metrics.jsonl")
+        cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        if code == EXIT_ROLLBACK:
+            cause = "non-finite loss or gradients several steps in a row"
+        _record(run_dir, {"time": time.time(), "cause": cause, "step": step, "restart": restarts + 1,
+                          "max_restarts": max_restarts})
+        if restarts >= max_restarts:
+            console.print(f"[red]training died ({cause}) at step {step}; {max_restarts} restarts used up. "
+                          f"See {run_dir / 'incidents.jsonl'}; continue later with --resume.[/]")
+            return 1
+        restarts += 1
+        faults_by_step[step] = faults_by_step.get(step, 0) + 1
+        notes = _next_attempt(payload, run_dir, code == EXIT_ROLLBACK, faults_by_step[step] >= 2)
+        console.print(f"[yellow]training died ({cause}) at step {step}; restart {restarts}/{max_restarts} from the "
+                      f"last good checkpoint{'; ' + '; '.join(notes) if notes else ''}[/]")
+
+
+def _next_attempt(payload: dict, run_dir: Path, rollback: bool, repeated: bool) -> list[str]:
+    notes = []
+    payload["overwrite"] = False
+    payload["resume"] = (run_dir / "config.yaml").is_file()
+    training = payload["config"]["training"]
+    if (rollback or repeated) and training["precision"] != "fp32":
+        training["precision"] = "fp32"
+        payload["resume_force"] = True  # the supervisor's own, announced change of precision
+        notes.append("precision -> fp32")
+    if repeated:
+        payload["pieces"] *= 2
+        notes.append(f"micro-batches split in {payload['pieces']}")
+        if os.environ.get("AMD_SERIALIZE_KERNEL") is None and _is_rocm():
+            os.environ["AMD_SERIALIZE_KERNEL"] = "3"
+            notes.append("AMD_SERIALIZE_KERNEL=3 (serialized kernels)")
+    return notes
+
+
+def _run_child(payload: dict) -> int:
+    """Run the worker in its own session, so a terminal's Ctrl-C reaches only us; we forward it once."""
+    cmd = [sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    interrupts = 0
+
+    def on_sigint(signum, frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            proc.send_signal(signal.SIGINT)  # the child checkpoints and exits cleanly
+        else:
+            proc.kill()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # pragma: no cover - handler above replaces the default
+                continue
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if interrupts > 1:
+            raise SystemExit(EXIT_INTERRUPTED)
+
+
+def _last_step(metrics: Path) -> int:
+    step = 0
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                step = max(step, int(json.loads(line).get("step", 0)))
+            except ValueError:
+                break  # a line cut short by the crash
+    return step
+
+
+def _record(run_dir: Path, incident: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "incidents.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(incident) + "\n")
+
+
+def _is_rocm() -> bool:
+    import torch
+
+    return torch.version.hip is not None
