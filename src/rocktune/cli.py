@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from rocktune import __version__
 from rocktune.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    # PEFT still calls transformers' deprecated is_gradient_checkpointing; the warning is not the user's to fix.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -39,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_demo(sub)
+    _add_plan(sub)
     _add_doctor(sub)
     _add_env(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -159,3 +158,82 @@ def _run_env(args) -> int:
     from rocktune.platform.environment import print_env
 
     return print_env(shell=args.shell, simulate=args.simulate, arch=args.arch)
+
+
+# --- plan ------------------------------------------------------------------------------------------------------
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="memory a LoRA run needs, from config.json alone, and settings that fit")
+    p.add_argument("model", help="preset name (e.g. Qwen2.5-3B), a config.json, or a model directory")
+    p.add_argument("--vram", help="memory budget, e.g. 32GiB or 24GB (default: the detected GPU, else system RAM; "
+                   "on APUs give your own figure)")
+    p.add_argument("--max-length", type=int, default=1024, help="tokens per example (default 1024)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size to break down (default 1)")
+    p.add_argument("--global-batch", type=int, default=8, help="examples per optimizer step for the fit (default 8)")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--targets", default="all-linear", help="all-linear (default) or a comma list, e.g. q_proj,v_proj")
+    p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--quant", default="none", help="none | int8 | nf4 base weights (QLoRA)")
+    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2 (default sdpa)")
+    p.add_argument("--checkpointing", action="store_true", help="break down with gradient checkpointing on")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    p.add_argument("--loss", choices=("chunked", "full"), default="chunked",
+                   help="chunked: rocktune's loss-positions-only loss (default); full: HF labels= full logits")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="loss positions per chunk (default 1024)")
+    p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from rocktune.planner.report import run_plan
+
+    return run_plan(model=args.model, vram=args.vram, max_length=args.max_length, micro_batch=args.batch,
+                    global_batch=args.global_batch, lora_r=args.lora_r, targets=args.targets,
+                    precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
+                    lora_dropout=args.lora_dropout, loss=args.loss, loss_chunk=args.loss_chunk, device=args.device,
+                    as_json=args.json)
+
+
+# --- bench -----------------------------------------------------------------------------------------------------
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="measure rocktune's speed knobs side by side with the HF Trainer + PEFT recipe")
+    p.add_argument("--model", default="tiny",
+                   help="local model directory, or a random-init shape: tiny (CPU default), qwen2.5-0.5b-shape, "
+                        "qwen2.5-1.5b-shape")
+    p.add_argument("--data", help="JSON/JSONL training data (default: synthetic prompt/completion, 50-500 tokens)")
+    p.add_argument("--configs", help="comma-separated configuration names or 'all' (default: this device's set; "
+                                     "see --list)")
+    p.add_argument("--steps", type=int, default=5, help="measured optimizer steps per configuration (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps run first and excluded (default 1)")
+    p.add_argument("--parity-steps", type=int, default=4,
+                   help="steps of the loss-parity pair, rocktune vs HF on the same samples (0: skip; default 4)")
+    p.add_argument("--threads", type=int, help="torch threads for every configuration (default: torch's)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (ROCm builds too)")
+    p.add_argument("--samples", type=int, default=400, help="examples in the synthetic data (default 400)")
+    p.add_argument("--out", default="runs/bench", help="scratch runs, cache and report.json (default runs/bench)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before one configuration is killed")
+    p.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
+    p.add_argument("--pick", action="store_true", help="sweep rocktune's candidates and write the fastest as YAML")
+    p.add_argument("--write-config", help="where --pick writes the config (default <out>/best.yaml)")
+    p.add_argument("--list", action="store_true", help="list the configurations and exit")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, not {args.steps}")
+    if args.warmup < 0 or args.parity_steps < 0 or args.samples < 8:
+        raise UserError("--warmup and --parity-steps cannot be negative; --samples must be at least 8")
+    if args.threads is not None and args.threads < 1:
+        raise UserError("--threads must be at least 1")
+    from rocktune.bench.main import run_bench_command
+
+    return run_bench_command(model=args.model, data=args.data, configs=args.configs, steps=args.steps,
+                             warmup=args.warmup, threads=args.threads, device=args.device, out=args.out,
+                             n_samples=args.samples, parity_steps=args.parity_steps, timeout=args.timeout,
+                             as_json=args.json, pick=args.pick, write_config=args.write_config,
+                             list_only=args.list)

@@ -23,8 +23,12 @@ def check_model_source(name_or_path: str) -> None:
 
 def quiet_transformers() -> None:
     """rocktune draws its own progress; transformers' per-shard bars would interleave with it."""
+    import warnings
+
     from transformers.utils import logging
 
+    # PEFT still calls transformers' deprecated is_gradient_checkpointing; the warning is not the user's to fix.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     logging.disable_progress_bar()
     logging.set_verbosity_error()
 

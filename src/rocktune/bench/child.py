@@ -49,7 +49,28 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
     steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
               "real_tokens": r.get("real_tokens"), "batch_tokens": r.get("batch_tokens")}
              for r in rows if "loss" in r]
+    if steps and steps[0]["real_tokens"] is None:
+        for s, real in zip(steps, _replayed_real_tokens(cfg, len(steps))):
+            s["real_tokens"] = real
     return steps, {"config": raw}
+
+
+def _replayed_real_tokens(cfg, n_steps: int) -> list[int]:
+    """Non-pad tokens per step, from a replay of the loop's batch stream (a pure function of the seed)."""
+    from rocktune.data.dataset import prepare_data
+    from rocktune.model import load_tokenizer
+    from rocktune.train import build
+
+    d, t = cfg.data, cfg.training
+    examples, _, _ = prepare_data(d.train_file, None, 0.0, d.format, d.max_length, d.train_on_prompt,
+                                  load_tokenizer(cfg.model.name_or_path, False), Path(d.cache_dir), t.seed)
+    lengths = examples.lengths()
+    stream = build.batch_stream(examples, d.packing, t.micro_batch_size, d.max_length, t.seed)
+
+    def total(node) -> int:
+        return lengths[node] if isinstance(node, int) else sum(total(x) for x in node)
+
+    return [sum(total(stream.next()) for _ in range(t.grad_accum)) for _ in range(n_steps)]
 
 
 def _on_ready(loop, probe) -> dict:

@@ -59,8 +59,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 PARITY = {
     "parity-rocktune": BenchConfig("parity-rocktune", "rocktune", "rocktune defaults in fp32, bucketed order",
                                    {"training.precision": "fp32"}),
-    "parity-hf": BenchConfig("parity-hf", "hf", "hf-seed recipe, fed rocktune's micro-batches in rocktune's order",
-                             {**HF_SEED, "sampler": "rocktune-order"}),
+    "parity-hf": BenchConfig("parity-hf", "hf", "HF Trainer + PEFT in fp32 (dynamic padding, sdpa), fed rocktune's "
+                             "micro-batches in rocktune's order", {**HF_TUNED, "precision": "fp32",
+                                                                    "sampler": "rocktune-order"}),
 }
 BASELINES = [n for n, c in CONFIGS.items() if c.baseline]
 

@@ -34,6 +34,8 @@ def run_bench(model: str = "tiny", data: str | None = None, configs: str | None 
         raise UserError(f"--steps must be at least 1 (measured optimizer steps), not {steps}")
     if warmup < 0 or parity_steps < 0:
         raise UserError("--warmup and --parity-steps cannot be negative")
+    if configs is not None:
+        select(configs, "cpu")  # unknown names fail before torch is imported
     device = _device(device)
     chosen = select(configs, device)
     threads = threads or _default_threads()

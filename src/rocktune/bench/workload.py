@@ -14,7 +14,7 @@ from pathlib import Path
 # Random-init model shapes. "tiny" is the CPU default: its 32k vocabulary gives the head the weight it has in real
 # models; the Qwen2.5 shapes (config.json values of the released models) are for GPUs.
 SHAPES: dict[str, dict] = {
-    "tiny": {"vocab_size": 32768, "hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 1024},
+    "tiny": {"vocab_size": 32768, "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 512},
     "qwen2.5-0.5b-shape": {"vocab_size": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2,
                            "intermediate": 4864},
     "qwen2.5-1.5b-shape": {"vocab_size": 151936, "hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rocktune.errors import UserError
 from rocktune.planner.shapes import ModelShape
 
 GROUP = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
@@ -47,6 +48,10 @@ def lora_modules(shape: ModelShape, targets) -> list[tuple[str, int, int]]:
     if targets in ("all-linear", "all", None):
         names = list(linears)
     else:
+        unknown = sorted(set(targets) - set(linears))
+        if unknown:
+            raise UserError(f"target module(s) {', '.join(unknown)} do not exist in a {shape.model_type} layer; "
+                            f"its linear modules are {', '.join(linears)} (or use all-linear).")
         names = [n for n in linears if n in set(targets)]
     return [(n, *linears[n]) for n in names]
 
@@ -110,8 +115,10 @@ def _lora(shape: ModelShape, tok: Tokens, mods, grad_in: dict[str, bool], out: d
         # Without dropout lora_A saves one fp32 input per group, or its own cast under autocast.
         if tok.amp:
             plain += t * n_in * dt
-        elif group not in seen and not (group == "attn_out" and tok.attn != "eager"):
-            plain += t * n_in * 4  # (the sdpa/flash output is the o_proj input: counted under attention)
+        elif group not in seen and not (group == "attn_out" and tok.attn != "eager" and not shape.fused_qkv):
+            # (sdpa/flash write their output as (b, s, heads, d): it is the o_proj input, counted under attention;
+            # measured: with a fused qkv projection the output is copied first)
+            plain += t * n_in * 4
         seen.add(group)
         # (the mask is saved only where the input needs a gradient: not in the first layer's q/k/v)
         dropped += t * n_in * (tok.mask_bytes * grad_in[group] + (dt if tok.amp else 4))

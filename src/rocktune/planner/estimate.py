@@ -102,9 +102,9 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
             f"checkpointing: {shape.layers} layer inputs x {tok.t} x {shape.hidden} x {tok.dt} B")
         add("recompute", sum(rest.values()), "backward",
             f"one layer recomputed during backward: {_parts(rest)}")
-        if _padded(spec):
+        if _padded(spec) or spec.attn == "eager":  # eager always builds a float causal mask; sdpa only to pad
             add("attention_mask", spec.micro_batch * spec.seq_len ** 2 * (tok.dt if spec.attn == "eager" else 1),
-                "saved", "4-D padding mask kept for recomputation")
+                "saved", "4-D attention mask, kept by the checkpoints for recomputation")
     else:
         per = {k: first[k] + rest[k] * (shape.layers - 1) for k in rest}
         drop = per.pop("lora_dropout")

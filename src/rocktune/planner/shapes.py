@@ -23,7 +23,7 @@ ARCH_TRAITS: dict[str, dict] = {
     "qwen2": {"qkv_bias": True, "fused_qkv": False, "fused_gate_up": False, "qk_norm": False, "norms": 2,
               "tie": False},
     "qwen3": {"qkv_bias": False, "fused_qkv": False, "fused_gate_up": False, "qk_norm": True, "norms": 2,
-              "tie": True},
+              "tie": False},
     "phi3": {"qkv_bias": False, "fused_qkv": True, "fused_gate_up": True, "qk_norm": False, "norms": 2,
              "tie": False},
     "gemma2": {"qkv_bias": False, "fused_qkv": False, "fused_gate_up": False, "qk_norm": False, "norms": 4,

@@ -41,7 +41,8 @@ class Restored:
 
 
 def save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, position: dict, extra: dict,
-         keep: int, min_free_bytes: int = 0) -> Path:
+         keep: int, min_free_bytes: int = 0, before_commit=None) -> Path:
+    """Write the checkpoint for ``step``; ``before_commit`` (tests) runs after the files, before the rename."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     _check_free_space(ckpt_root, min_free_bytes)
     final = ckpt_root / f"step-{step:07d}"
@@ -57,6 +58,8 @@ def save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, positi
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "sha256": {f: _sha256(tmp / f) for f in files}}))
         _fsync_tree(tmp)
+        if before_commit is not None:
+            before_commit()
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -89,6 +89,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         rundir.start(run_dir, resolved, wipe=overwrite and not resume_run)
         resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
     else:
+        rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
         start_step = restored.step
         stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed,
                                     **restored.position)
@@ -99,12 +100,11 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     stop = _InterruptFlag()
 
     def save_checkpoint(step: int) -> None:
-        faults.checkpoint_write(step)
         extra = {"pieces": pieces, "eval_loss_before": result.eval_loss_before, "data_fingerprint": stats.fingerprint,
                  "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total}
         need = sum(p.numel() * 4 * 3 for p in params) + rel.min_free_disk_mb * 2**20
         checkpoint.save(ckpt_root, step, model, optimizer, scheduler, scaler, stream.position(), extra,
-                        rel.keep_checkpoints, need)
+                        rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step))
 
     with ProgressBar(total_steps, start_step, quiet) as bar, stop:
         for msg in choices.messages + notes + stats.notes:
@@ -157,7 +157,8 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 ev = evaluate()
                 metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
-            if (rel.save_every and step % rel.save_every == 0) or step == total_steps or stop.requested:
+            due = (rel.save_every and step % rel.save_every == 0) or step == total_steps or stop.requested
+            if due and guard.nonfinite_in_row == 0:  # a rollback must land before a non-finite streak
                 _save_or_warn(save_checkpoint, step, bar.log)
             if stop.requested:
                 bar.log(f"interrupted: checkpoint at step {step}; continue with --resume")

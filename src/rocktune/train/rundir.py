@@ -40,6 +40,10 @@ def start(run_dir: Path, config: dict, wipe: bool) -> None:
     if wipe and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(run_dir, config)
+
+
+def write_config(run_dir: Path, config: dict) -> None:
     write_atomic(run_dir / CONFIG_NAME, yaml.safe_dump(config, sort_keys=False))
 
 

@@ -38,7 +38,7 @@ def supervise(config: dict, overwrite: bool, resume: bool, resume_force: bool, m
         cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         if code == EXIT_ROLLBACK:
             cause = "non-finite loss or gradients several steps in a row"
-        _record(run_dir, {"time": time.time(), "cause": cause, "step": step, "restart": restarts + 1,
+        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, "restart": restarts + 1,
                           "max_restarts": max_restarts})
         if restarts >= max_restarts:
             console.print(f"[red]training died ({cause}) at step {step}; {max_restarts} restarts used up. "

@@ -1,0 +1,140 @@
+"""Choose micro-batch, accumulation, checkpointing, precision and length that fit a budget, fastest first.
+
+Throughput is a relative model, not a measurement: training FLOPs per useful token (forward + input gradients,
+plus one more forward of every layer under checkpointing), divided by a utilisation that grows with the tokens per
+micro-batch (small batches leave the GPU idle), times 2 for half precision where the caller allows it. It only
+ranks candidates; ``rocktune bench`` measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from rocktune.errors import UserError
+from rocktune.planner.budget import detect_budget
+from rocktune.planner.estimate import GIB, Estimate, RunSpec, estimate
+from rocktune.planner.shapes import ModelShape, load_shape
+
+MARGIN = 0.05  # of the budget, kept free
+SATURATION_TOKENS = 2048  # tokens per micro-batch at which a GPU is about half busy
+MIN_LENGTH = 128
+
+
+@dataclass
+class Suggestion:
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    precision: str
+    max_length: int
+    predicted_peak_bytes: int  # allocated peak, comparable to torch.cuda.max_memory_allocated
+    reasons: list[str] = field(default_factory=list)
+    total_bytes: int = 0  # with allocator overhead and device context: what must fit the budget
+    budget_bytes: int = 0
+
+
+def suggest_settings(model: str, vram_bytes: int | None, max_length: int, lora_r: int,
+                     target_modules: list[str] | str, precision: str, attn_implementation: str,
+                     global_batch: int, loss_mode: str = "chunked", lora_dropout: float = 0.0,
+                     quant: str = "none") -> Suggestion:
+    """``precision="auto"`` lets the planner pick between bf16 and fp32 (pass the platform's choice if known)."""
+    shape = load_shape(model)
+    budget, device, source = (vram_bytes, "gpu", "given") if vram_bytes else detect_budget()
+    base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules),
+                   attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
+                   loss_mode=loss_mode, quant=quant, device=device)
+    return fit(shape, base, budget, precision, max(1, global_batch), source)
+
+
+def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_batch: int,
+        source: str = "given") -> Suggestion:
+    usable = int(budget * (1 - MARGIN))
+    precisions = ["bf16", "fp32"] if precision == "auto" else [precision]
+    micro = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    length = base.seq_len
+    while True:
+        cands = [estimate(shape, replace(base, precision=p, checkpointing=c, micro_batch=m, seq_len=length))
+                 for p in precisions for c in (False, True) for m in micro]
+        fitting = [e for e in cands if e.total_bytes <= usable]
+        if fitting or length // 2 < MIN_LENGTH:
+            break
+        length //= 2
+    if not fitting:
+        smallest = min(cands, key=lambda e: e.total_bytes)
+        raise UserError(f"{shape.name} does not fit in {_gib(budget)} ({source}) with any micro-batch, "
+                        f"checkpointing or precision, even at max_length {length}: the smallest configuration "
+                        f"({_describe(smallest.spec)}) needs {_gib(smallest.total_bytes)}, so a budget of at least "
+                        f"{_gib(smallest.total_bytes / (1 - MARGIN))} would work. Use a smaller model, QLoRA, or "
+                        "a shorter max_length.")
+    best = max(fitting, key=throughput)
+    s = best.spec
+    reasons = [f"chosen: {_describe(s)}, accumulation {global_batch // s.micro_batch} -> global batch "
+               f"{global_batch}; needs {_gib(best.total_bytes)} of {_gib(budget)} ({source}, {MARGIN:.0%} kept free)"]
+    if length < base.seq_len:
+        reasons.append(f"max_length {base.seq_len} did not fit with any setting: shortened to {length} "
+                       "(longer examples are truncated)")
+    reasons += _losers(best, cands, usable)
+    return Suggestion(micro_batch_size=s.micro_batch, grad_accum=global_batch // s.micro_batch,
+                      gradient_checkpointing=s.checkpointing, precision=s.precision, max_length=s.seq_len,
+                      predicted_peak_bytes=best.peak_allocated, reasons=reasons, total_bytes=best.total_bytes,
+                      budget_bytes=budget)
+
+
+def describe_fit(model: str, vram_bytes: int | None, max_length: int, lora_r: int, target_modules,
+                 precision: str, attn_implementation: str, global_batch: int, loss_mode: str = "chunked") -> str:
+    """One paragraph for the OOM handler: what would fit instead, or the smallest budget that would."""
+    try:
+        sug = suggest_settings(model, vram_bytes, max_length, lora_r, target_modules, precision,
+                               attn_implementation, global_batch, loss_mode)
+    except UserError as exc:
+        return str(exc)
+    return (f"rocktune plan suggests: micro_batch_size={sug.micro_batch_size} grad_accum={sug.grad_accum} "
+            f"gradient_checkpointing={sug.gradient_checkpointing} precision={sug.precision} "
+            f"max_length={sug.max_length} (predicted peak {_gib(sug.predicted_peak_bytes)}). "
+            + " ".join(sug.reasons[1:3]))
+
+
+def throughput(est: Estimate) -> float:
+    """Relative useful tokens per second of a candidate (see the module docstring)."""
+    sh, s = est.shape, est.spec
+    linear = sum(n_in * n_out for _, n_in, n_out, _ in sh.linears()) * sh.layers
+    layer_fwd = 2 * linear + 2 * s.seq_len * sh.q_dim * sh.layers  # matmuls + causal attention
+    head = 2 * sh.hidden * sh.vocab * s.loss_fraction
+    work = 2 * layer_fwd + 2 * head + (layer_fwd if s.checkpointing else 0)
+    tokens = s.micro_batch * s.seq_len
+    utilisation = tokens / (tokens + SATURATION_TOKENS)
+    speed = 2.0 if s.precision in ("bf16", "fp16") else 1.0
+    return utilisation * speed / work
+
+
+def _losers(best: Estimate, cands: list[Estimate], usable: int) -> list[str]:
+    out, top = [], throughput(best)
+    for e in cands:
+        s = e.spec
+        if e is best or (s.precision, s.checkpointing) == (best.spec.precision, best.spec.checkpointing) and \
+                s.micro_batch < best.spec.micro_batch:
+            continue
+        if e.total_bytes > usable:
+            if s.micro_batch == min(c.spec.micro_batch for c in cands if c.spec.precision == s.precision and
+                                    c.spec.checkpointing == s.checkpointing and c.total_bytes > usable):
+                out.append(f"{_describe(s)}: needs {_gib(e.total_bytes)} > {_gib(usable)} usable")
+        elif s.micro_batch == max(c.spec.micro_batch for c in cands if c.spec.precision == s.precision and
+                                  c.spec.checkpointing == s.checkpointing and c.total_bytes <= usable):
+            out.append(f"{_describe(s)}: fits ({_gib(e.total_bytes)}) but ~{throughput(e) / top:.2f}x the "
+                       "estimated throughput" + (" (recomputes every layer)" if s.checkpointing else ""))
+    return out
+
+
+def _describe(s: RunSpec) -> str:
+    return (f"micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}, {s.precision}, "
+            f"max_length {s.seq_len}")
+
+
+def _targets(target_modules):
+    if isinstance(target_modules, str):
+        return target_modules if target_modules in ("all-linear", "all") else (target_modules,)
+    return tuple(target_modules)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"

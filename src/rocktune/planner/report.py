@@ -1,0 +1,101 @@
+"""``rocktune plan``: the breakdown with and without checkpointing, the fit for the budget, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+from rocktune.errors import UserError
+from rocktune.planner.budget import detect_budget, parse_budget
+from rocktune.planner.estimate import ATTN, DTYPE_BYTES, GIB, QUANT, Estimate, RunSpec, estimate
+from rocktune.planner.fit import MARGIN, fit
+from rocktune.planner.shapes import load_shape
+
+
+def run_plan(model: str, vram: str | None, max_length: int, micro_batch: int, global_batch: int, lora_r: int,
+             targets: str, precision: str, quant: str, attn: str, checkpointing: bool, lora_dropout: float,
+             loss: str, loss_chunk: int, device: str | None, as_json: bool) -> int:
+    shape = load_shape(model)
+    if precision not in DTYPE_BYTES or attn not in ATTN or quant not in ("none", *QUANT):
+        raise UserError(f"precision must be one of {', '.join(DTYPE_BYTES)}, attn one of {', '.join(ATTN)}, "
+                        f"quant one of none, {', '.join(QUANT)}.")
+    if min(max_length, micro_batch, global_batch, lora_r, loss_chunk) < 1 or max_length < 2:
+        raise UserError("max-length (>= 2), batch, global-batch, lora-r and loss-chunk must be positive integers.")
+    if vram is not None:
+        budget, kind, source = parse_budget(vram), "gpu", "given"
+    else:
+        budget, kind, source = detect_budget()
+    tgt = targets if targets in ("all-linear", "all") else tuple(t.strip() for t in targets.split(",") if t.strip())
+    spec = RunSpec(micro_batch=micro_batch, seq_len=max_length, lora_r=lora_r, targets=tgt, precision=precision,
+                   quant=quant, attn=attn, checkpointing=checkpointing, lora_dropout=lora_dropout, loss_mode=loss,
+                   loss_chunk=loss_chunk, device=device or kind)
+    est = estimate(shape, spec)
+    other = estimate(shape, replace(spec, checkpointing=not checkpointing))
+    try:
+        suggestion = asdict(fit(shape, spec, budget, precision, global_batch, source))
+    except UserError as exc:
+        suggestion = {"error": str(exc)}
+    usable = int(budget * (1 - MARGIN))
+    doc = {"model": shape.name, "shape": asdict(shape), "n_params": shape.n_params,
+           "settings": est.settings(), "terms": est.by_name(), "total_bytes": est.total_bytes,
+           "peak_allocated_bytes": est.peak_allocated, "saved_activation_bytes": est.saved_bytes,
+           "budget_bytes": budget, "budget_source": source, "fits": est.total_bytes <= usable,
+           "terms_detail": [asdict(t) for t in est.terms],
+           "other_checkpointing": {"checkpointing": other.spec.checkpointing, "terms": other.by_name(),
+                                   "total_bytes": other.total_bytes, "fits": other.total_bytes <= usable},
+           "fit": suggestion}
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _render(est, other, doc)
+    return 0
+
+
+def _render(est: Estimate, other: Estimate, doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    on, off = (est, other) if est.spec.checkpointing else (other, est)
+    s = est.spec
+    title = (f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params, LoRA r={s.lora_r}, {s.precision}"
+             f"{'' if s.quant == 'none' else ' ' + s.quant}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
+             f"{s.attn}, loss {s.loss_mode}")
+    table = Table(title=title, title_justify="left")
+    table.add_column("term")
+    table.add_column("no checkpointing", justify="right")
+    table.add_column("checkpointing", justify="right")
+    table.add_column("inputs", overflow="fold")
+    names = list(dict.fromkeys([t.name for t in off.terms] + [t.name for t in on.terms]))
+    a, b = off.by_name(), on.by_name()
+    details = {t.name: t.inputs for t in off.terms} | {t.name: t.inputs for t in on.terms if t.name not in a}
+    for name in names:
+        table.add_row(name, _fmt(a.get(name)), _fmt(b.get(name)), details[name])
+    table.add_section()
+    table.add_row("peak allocated", _fmt(off.peak_allocated), _fmt(on.peak_allocated),
+                  "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)")
+    table.add_row("[bold]total[/]", f"[bold]{_fmt(off.total_bytes)}[/]", f"[bold]{_fmt(on.total_bytes)}[/]",
+                  "peak + allocator overhead + device context")
+    budget = doc["budget_bytes"]
+    usable = budget * (1 - MARGIN)
+    table.add_row("fits?", _yes(off.total_bytes <= usable), _yes(on.total_bytes <= usable),
+                  f"budget {_fmt(budget)} ({doc['budget_source']}), {MARGIN:.0%} kept free")
+    console = Console()
+    console.print(table)
+    fit = doc["fit"]
+    if "error" in fit:
+        console.print(f"[bold red]no fit:[/] {fit['error']}")
+        return
+    console.print(f"[bold]suggested[/] for global batch {fit['micro_batch_size'] * fit['grad_accum']}: "
+                  f"micro_batch_size={fit['micro_batch_size']} grad_accum={fit['grad_accum']} "
+                  f"gradient_checkpointing={fit['gradient_checkpointing']} precision={fit['precision']} "
+                  f"max_length={fit['max_length']}")
+    for reason in fit["reasons"]:
+        console.print(f"  - {reason}", highlight=False)
+
+
+def _fmt(n) -> str:
+    return "—" if n is None else f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _yes(ok: bool) -> str:
+    return "[green]yes[/]" if ok else "[red]no[/]"

@@ -1,0 +1,128 @@
+"""rocktune bench: harness numerics, the configuration table, input errors, skips, and one real end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rocktune.bench import configs, runner, stats
+from rocktune.cli import main
+from rocktune.errors import UserError
+
+
+def test_median_ratio_padding():
+    assert stats.median([3.0, 1.0, 2.0, None]) == 2.0
+    assert stats.median([]) is None
+    assert stats.ratio(6.0, 2.0) == 3.0
+    assert stats.ratio(1.0, None) is None and stats.ratio(None, 1.0) is None
+    assert stats.padding_fraction(750, 1000) == pytest.approx(0.25)
+    assert stats.padding_fraction(None, 1000) is None
+
+
+def test_flops_per_token_and_mfu():
+    # 4N + 6 * layers * d * (sum S^2 / sum S): two sequences of 100 and 300 tokens -> s_eff = 250.
+    fpt = stats.flops_per_token(matmul_params=1000, layers=2, attn_dim=8, lengths=[100, 300])
+    assert fpt == pytest.approx(4 * 1000 + 6 * 2 * 8 * 250)
+    assert stats.mfu(100.0, fpt, 100.0 * fpt * 4) == pytest.approx(0.25)
+    assert stats.mfu(100.0, fpt, None) is None
+
+
+def test_summarise_excludes_warmup_and_takes_medians():
+    steps = [{"step": 1, "loss": 3.0, "tokens": 100, "step_s": 10.0, "real_tokens": 150, "batch_tokens": 200},
+             {"step": 2, "loss": 2.0, "tokens": 100, "step_s": 1.0, "real_tokens": 150, "batch_tokens": 200},
+             {"step": 3, "loss": 1.5, "tokens": 300, "step_s": 1.0, "real_tokens": 350, "batch_tokens": 400},
+             {"step": 4, "loss": 1.0, "tokens": 200, "step_s": 1.0, "real_tokens": 150, "batch_tokens": 200}]
+    s = stats.summarise_steps(steps, warmup=1)
+    assert s["measured_steps"] == 3
+    assert s["useful_tokens_per_s"] == 200.0  # median of 100, 300, 200 — the slow warm-up step is not in it
+    assert s["step_s"] == 1.0
+    assert s["padding_fraction"] == pytest.approx(1 - 650 / 800)
+    assert s["final_loss"] == 1.0 and len(s["losses"]) == 4
+
+
+def test_loss_parity():
+    ok = stats.loss_parity([2.0, 1.5], [2.0, 1.5000001], rel_tol=1e-4)
+    assert ok["match"] and ok["max_abs_diff"] == pytest.approx(1e-7)
+    assert not stats.loss_parity([2.0, 1.4], [2.0, 1.5], rel_tol=1e-4)["match"]
+    assert not stats.loss_parity([2.0], [2.0, 1.5], rel_tol=1e-4)["match"]  # a missing step is no match
+
+
+def test_config_table():
+    cpu = configs.default_names("cpu")
+    assert {"hf-seed", "hf-tuned", "rocktune"} <= set(cpu) and "rt-compile" not in cpu
+    assert "rt-compile" in configs.default_names("cuda")
+    assert configs.BASELINES == ["hf-seed", "hf-tuned"]
+    assert configs.CONFIGS["hf-seed"].settings["padding"] == "max_length"
+    assert configs.CONFIGS["hf-seed"].settings["gradient_checkpointing"] is True
+    assert [c.name for c in configs.select("rocktune, hf-seed", "cpu")] == ["rocktune", "hf-seed"]
+    assert len(configs.select("all", "cpu")) == len(configs.CONFIGS)
+    with pytest.raises(UserError, match="unknown bench configuration nope"):
+        configs.select("rocktune,nope", "cpu")
+
+
+def test_targets_from_ratios():
+    rows = [{"name": "rocktune", "status": "ok", "ratios": {
+        "hf-seed": {"tokens_per_s": 3.5, "memory": 0.4}, "hf-tuned": {"tokens_per_s": 1.4, "memory": 0.5}}}]
+    t = runner.targets(rows, {"match": True, "max_rel_diff": 1e-6})
+    assert t["tokens_per_s_vs_hf-seed"]["met"] is True
+    assert t["tokens_per_s_vs_hf-tuned"]["met"] is False
+    assert t["memory_vs_hf-tuned"]["met"] is True and t["loss_parity"]["met"] is True
+    assert runner.targets([], None)["tokens_per_s_vs_hf-seed"]["met"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--steps", "0"], "--steps must be at least 1"),
+    (["bench", "--configs", "nope", "--parity-steps", "0"], "unknown bench configuration"),
+    (["bench", "--model", "/no/such/model", "--parity-steps", "0"], "does not exist"),
+])
+def test_bench_input_errors_exit_2(argv, message, tmp_path, capsys):
+    assert main(argv + ["--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_that_cannot_load_is_a_user_error(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert main(["bench", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")]) == 2
+    assert "could not load model" in capsys.readouterr().err
+
+
+def test_baseline_that_cannot_run_is_skipped_with_reason(tmp_path, monkeypatch):
+    from rocktune.bench import child, hf_baseline
+
+    gpu_only = configs.CONFIGS["rt-no-liger"]
+    r = runner.run_one(gpu_only, {"device": "cpu"}, tmp_path, timeout=10)
+    assert r["status"] == "skipped" and "ROCm/CUDA" in r["reason"]
+
+    monkeypatch.setattr(hf_baseline.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(hf_baseline.SkipBaseline, match="accelerate"):
+        hf_baseline.run_hf("unused", None, configs.HF_SEED, 1, runner.COMMON, "cpu", None)
+
+    spec = {"name": "hf-seed", "kind": "hf", "device": "cuda", "threads": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    if not __import__("torch").cuda.is_available():
+        child.main(str(tmp_path / "spec.json"), str(tmp_path / "result.json"))
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert result["status"] == "skipped" and "device" in result["reason"]
+        assert "useful_tokens_per_s" not in result
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_losses_match_hf(tiny_model_dir, tmp_path):
+    """Two configurations x 2 steps: rocktune's loop and the HF Trainer on the same micro-batches."""
+    report = runner.run_bench(model=str(tiny_model_dir), configs="parity-rocktune,parity-hf", steps=2, warmup=0,
+                              threads=1, device="cpu", out=str(tmp_path), n_samples=32, parity_steps=0,
+                              log=lambda msg: None)
+    json.dumps(report)  # the whole report is JSON
+    assert {"schema", "environment", "workload", "configs", "parity", "targets"} <= set(report)
+    assert report["environment"]["torch_threads"] == 1
+    rt, hf = report["configs"]
+    for row in (rt, hf):
+        assert row["status"] == "ok", row.get("reason")
+        assert {"useful_tokens_per_s", "step_s", "peak_memory_bytes", "padding_fraction", "mfu", "final_loss",
+                "losses", "ratios", "memory"} <= set(row)
+        assert row["useful_tokens_per_s"] > 0 and len(row["losses"]) == 2
+        assert 0 <= row["padding_fraction"] < 1
+    parity = stats.loss_parity(rt["losses"], hf["losses"], rel_tol=1e-4)
+    assert parity["match"], parity

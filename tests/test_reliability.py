@@ -1,0 +1,225 @@
+"""Fault injection on CPU: kills, corrupted checkpoints, OOM, NaN, full disk, a supervised crash, Ctrl-C.
+
+The reference is one uninterrupted run; every faulted run must end with the same adapter bytes and the same logged
+losses (bitwise) — or, for OOM recovery, the same samples per step and losses equal up to summation order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rocktune.config import config_from_dict
+from rocktune.errors import UserError
+from rocktune.train import checkpoint
+from rocktune.train.faults import Faults
+from rocktune.train.guards import FatalNumerics, RollbackRequired
+from rocktune.train.loop import train
+from tests.conftest import tiny_run_config, write_jsonl
+
+STEPS = 8
+DETERMINISTIC = ("step", "loss", "lr", "grad_norm", "tokens", "batch_tokens", "samples", "eval_loss", "epoch")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from rocktune.demo.task import make_task
+
+    tmp = tmp_path_factory.mktemp("rel")
+    tr, ev = make_task(n_train=200, n_eval=16, seed=2)
+    return write_jsonl(tmp / "train.jsonl", tr), write_jsonl(tmp / "eval.jsonl", ev)
+
+
+def config(tiny_model_dir, data, out: Path, **training) -> dict:
+    cfg = tiny_run_config(tiny_model_dir, data[0], data[1], out, max_steps=STEPS, **training)
+    cfg["lora"]["dropout"] = 0.1  # dropout draws from the RNG: resume must restore it exactly
+    cfg["reliability"] = {"save_every": 2, "keep_checkpoints": 2, "min_free_disk_mb": 0}
+    return cfg
+
+
+def logged(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k in DETERMINISTIC} for r in rows]
+
+
+def adapter_bytes(run_dir: Path) -> bytes:
+    return (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    train(config_from_dict(config(tiny_model_dir, data, out)), quiet=True)
+    return out
+
+
+def run_worker(cfg: dict, faults: dict | None, resume: bool = False, overwrite: bool = True) -> int:
+    payload = {"config": cfg, "overwrite": overwrite, "resume": resume, "resume_force": False, "pieces": 1}
+    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps(faults or {}))
+    return subprocess.run([sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)], env=env,
+                          capture_output=True, text=True).returncode
+
+
+@pytest.mark.parametrize("kill_at", [1, 3, 6])
+def test_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, data, reference, tmp_path, kill_at):
+    cfg = config(tiny_model_dir, data, tmp_path / "run")
+    assert run_worker(cfg, {"kill_at_step": kill_at}) == -signal.SIGKILL
+    result = train(config_from_dict(cfg), resume_run=True, quiet=True)
+    assert not result.interrupted
+    assert logged(tmp_path / "run") == logged(reference)
+    assert adapter_bytes(tmp_path / "run") == adapter_bytes(reference)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tiny_model_dir, data, reference, tmp_path):
+    cfg = config(tiny_model_dir, data, tmp_path / "run")
+    assert run_worker(cfg, {"kill_at_step": 7}) == -signal.SIGKILL
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-0000004", "step-0000006"]
+    victim = ckpts / "step-0000006" / "adapter_model.safetensors"
+    victim.write_bytes(victim.read_bytes()[:100])  # a torn write
+    assert "sha256" in checkpoint.verify(ckpts / "step-0000006")
+    train(config_from_dict(cfg), resume_run=True, quiet=True)
+    assert logged(tmp_path / "run") == logged(reference)
+    assert adapter_bytes(tmp_path / "run") == adapter_bytes(reference)
+
+
+def test_partial_checkpoint_without_manifest_is_skipped(tmp_path):
+    (tmp_path / "step-0000009").mkdir(parents=True)
+    assert "manifest" in checkpoint.verify(tmp_path / "step-0000009")
+    with pytest.raises(checkpoint.CheckpointWriteError, match="no checkpoint verifies"):
+        checkpoint.restore(tmp_path, None, None, None, None)
+
+
+def test_oom_mid_run_splits_and_sees_same_samples(tiny_model_dir, data, tmp_path):
+    cfgs = {}
+    for name in ("plain", "oom"):
+        cfgs[name] = config(tiny_model_dir, data, tmp_path / name)
+        cfgs[name]["lora"]["dropout"] = 0.0  # dropout masks depend on piece shapes; compare the arithmetic only
+    train(config_from_dict(cfgs["plain"]), quiet=True)
+    train(config_from_dict(cfgs["oom"]), quiet=True, faults=Faults({"oom_at_step": 3}))
+    got, want = logged(tmp_path / "oom"), logged(tmp_path / "plain")
+    assert [r.get("samples") for r in got] == [r.get("samples") for r in want]
+    assert [r.get("tokens") for r in got] == [r.get("tokens") for r in want]
+    for g, w in zip(got, want):
+        for key in ("loss", "eval_loss"):
+            if key in w:
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6)
+    state = json.loads((tmp_path / "oom" / "checkpoints" / "step-0000008" / "meta.json").read_text())
+    assert state["extra"]["pieces"] == 2
+
+
+def test_nan_step_is_skipped_and_k_in_a_row_roll_back(tiny_model_dir, data, tmp_path):
+    cfg = config(tiny_model_dir, data, tmp_path / "a")
+    train(config_from_dict(cfg), quiet=True, faults=Faults({"nan_at_steps": [3]}))
+    state = json.loads((tmp_path / "a" / "checkpoints" / "step-0000008" / "meta.json").read_text())
+    assert state["extra"]["skipped_steps"] == 1
+    cfg = config(tiny_model_dir, data, tmp_path / "b")
+    with pytest.raises(RollbackRequired, match="3 steps in a row"):
+        train(config_from_dict(cfg), quiet=True, faults=Faults({"nan_at_steps": [3, 4, 5]}))
+    assert (tmp_path / "b" / "checkpoints" / "step-0000002").is_dir()
+
+
+def test_rollback_under_supervisor_falls_back_to_fp32_and_finishes(tiny_model_dir, data, tmp_path):
+    from rocktune.train.supervisor import supervise
+
+    cfg = config(tiny_model_dir, data, tmp_path / "run", precision="bf16")
+    os.environ["ROCKTUNE_FAULTS"] = json.dumps({"nan_at_steps": [3, 4, 5], "marker": str(tmp_path / "m")})
+    try:
+        assert supervise(cfg, True, False, False, max_restarts=2) == 0
+    finally:
+        del os.environ["ROCKTUNE_FAULTS"]
+    incidents = [json.loads(x) for x in (tmp_path / "run" / "incidents.jsonl").read_text().splitlines()]
+    assert len(incidents) == 1 and "non-finite" in incidents[0]["cause"]
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "run" / "adapter" / "rocktune_config.yaml").read_text()
+                          )["training"]["precision"] == "fp32"
+
+
+def test_silent_zeros_and_corrupt_transfer_stop_with_diagnosis(tiny_model_dir, data, tmp_path):
+    with pytest.raises(FatalNumerics, match="rocktune doctor"):
+        train(config_from_dict(config(tiny_model_dir, data, tmp_path / "a")), quiet=True,
+              faults=Faults({"zero_loss": True}))
+    with pytest.raises(FatalNumerics, match="host-to-device transfers are corrupting"):
+        train(config_from_dict(config(tiny_model_dir, data, tmp_path / "b")), quiet=True,
+              faults=Faults({"corrupt_transfer_at_step": 2}))
+
+
+def test_failed_checkpoint_write_keeps_previous(tiny_model_dir, data, reference, tmp_path):
+    cfg = config(tiny_model_dir, data, tmp_path / "run")
+    cfg["reliability"]["keep_checkpoints"] = 5
+    train(config_from_dict(cfg), quiet=True, faults=Faults({"fail_checkpoint_at_step": 4}))
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-0000002", "step-0000006", "step-0000008"]
+    assert all(checkpoint.verify(p) is None for p in ckpts.glob("step-*"))
+    assert adapter_bytes(tmp_path / "run") == adapter_bytes(reference)
+
+
+def test_full_disk_detected_before_writing(tmp_path):
+    with pytest.raises(checkpoint.CheckpointWriteError, match="free"):
+        checkpoint._check_free_space(tmp_path, 1 << 62)
+
+
+def test_supervisor_restarts_killed_child(tiny_model_dir, data, reference, tmp_path):
+    cfg = config(tiny_model_dir, data, tmp_path / "run")
+    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"kill_at_step": 5, "marker": str(tmp_path / "m")}))
+    cfg_file = tmp_path / "c.yaml"
+    import yaml
+
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "rocktune", "train", "-c", str(cfg_file)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    incidents = [json.loads(x) for x in (tmp_path / "run" / "incidents.jsonl").read_text().splitlines()]
+    assert [(i["cause"], i["last_logged_step"], i["restart"]) for i in incidents] == [("signal SIGKILL", 4, 1)]
+    assert logged(tmp_path / "run") == logged(reference)
+    assert adapter_bytes(tmp_path / "run") == adapter_bytes(reference)
+
+
+def test_ctrl_c_checkpoints_and_resume_finishes(tiny_model_dir, data, reference, tmp_path):
+    import yaml
+
+    cfg = config(tiny_model_dir, data, tmp_path / "run")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "rocktune", "train", "-c", str(cfg_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.is_file() and '"loss"' in metrics.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the interrupt arrived")
+    assert proc.returncode == 130, err
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()
+    assert not (tmp_path / "run" / "adapter").exists()
+    train(config_from_dict(cfg), resume_run=True, quiet=True)
+    assert logged(tmp_path / "run") == logged(reference)
+    assert adapter_bytes(tmp_path / "run") == adapter_bytes(reference)
+
+
+def test_resume_refuses_changed_config_or_data(tiny_model_dir, data, tmp_path):
+    own = tmp_path / "train.jsonl"
+    own.write_text(Path(data[0]).read_text())
+    cfg = config(tiny_model_dir, (own, data[1]), tmp_path / "run")
+    assert run_worker(cfg, {"kill_at_step": 3}) == -signal.SIGKILL
+    changed = json.loads(json.dumps(cfg))
+    changed["lora"]["r"] = 4
+    with pytest.raises(UserError, match=r"lora\.r.*--resume-force"):
+        train(config_from_dict(changed), resume_run=True, quiet=True)
+    own.write_text(own.read_text().replace("reverse", "invert"))
+    with pytest.raises(UserError, match="training data"):
+        train(config_from_dict(cfg), resume_run=True, quiet=True)
+    own.write_text(Path(data[0]).read_text())
+    longer = json.loads(json.dumps(cfg))
+    longer["training"]["max_steps"] = STEPS + 2  # allowed: it only extends the run
+    assert train(config_from_dict(longer), resume_run=True, quiet=True).steps == STEPS + 2
