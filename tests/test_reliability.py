@@ -223,3 +223,11 @@ def test_resume_refuses_changed_config_or_data(tiny_model_dir, data, tmp_path):
     longer = json.loads(json.dumps(cfg))
     longer["training"]["max_steps"] = STEPS + 2  # allowed: it only extends the run
     assert train(config_from_dict(longer), resume_run=True, quiet=True).steps == STEPS + 2
+
+
+def test_oom_at_one_example_stops_with_planner_suggestion(tiny_model_dir, data, tmp_path):
+    from rocktune.train.step import OutOfMemoryAtMinimum
+
+    cfg = config(tiny_model_dir, data, tmp_path / "run", micro_batch_size=1)
+    with pytest.raises(OutOfMemoryAtMinimum, match="one example per forward.*rocktune plan suggests"):
+        train(config_from_dict(cfg), quiet=True, faults=Faults({"oom_at_step": 2, "oom_repeat": True}))

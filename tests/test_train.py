@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from rocktune.cli import main
 from rocktune.config import config_from_dict
+from rocktune.errors import UserError
 from rocktune.train.loop import train
 from tests.conftest import tiny_run_config
 
@@ -112,3 +113,20 @@ def test_bad_input_clear_error_nothing_written(tmp_path, tiny_model_dir, task_fi
     err = capsys.readouterr().err
     assert code == 2 and re.search(pattern, err) and "Traceback" not in err
     assert not out.exists()
+
+
+def test_auto_fit_uses_the_planner(tiny_model_dir, task_files, tmp_path):
+    from rocktune.planner import suggest_settings
+
+    cfg = config_from_dict(tiny_run_config(tiny_model_dir, task_files[0], task_files[1], tmp_path / "out",
+                                           max_steps=2, micro_batch_size=2, grad_accum=8))
+    result = train(cfg, quiet=True, auto_fit=True, vram_bytes=2 * 2**30)
+    sug = suggest_settings(str(tiny_model_dir), 2 * 2**30, 64, 8, "all-linear", "fp32", "sdpa", 16)
+    import yaml
+
+    saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert (saved["training"]["micro_batch_size"], saved["training"]["grad_accum"]) == \
+        (sug.micro_batch_size, sug.grad_accum)
+    assert sug.micro_batch_size * sug.grad_accum == 16
+    with pytest.raises(UserError, match="smallest"):
+        train(cfg, quiet=True, auto_fit=True, vram_bytes=2**20)

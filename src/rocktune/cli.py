@@ -61,6 +61,9 @@ def _add_train(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its last checkpoint")
     p.add_argument("--resume-force", action="store_true",
                    help="resume even though the config or data changed (the result is no longer one exact run)")
+    p.add_argument("--auto", action="store_true",
+                   help="let the memory planner choose micro-batch, accumulation, checkpointing and length")
+    p.add_argument("--vram", help="memory budget for --auto, e.g. 24GiB (default: the detected device)")
     p.add_argument("--no-supervise", action="store_true",
                    help="train in this process instead of a supervised child that is restarted after a crash")
     p.set_defaults(func=_run_train)
@@ -73,6 +76,11 @@ def _run_train(args) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0
+    vram = None
+    if args.vram:
+        from rocktune.planner.budget import parse_budget
+
+        vram = parse_budget(args.vram)
     resume = args.resume or args.resume_force
     if args.no_supervise:
         from rocktune.train.guards import FatalNumerics, RollbackRequired
@@ -80,7 +88,8 @@ def _run_train(args) -> int:
         from rocktune.train.step import OutOfMemoryAtMinimum
 
         try:
-            result = train(cfg, overwrite=args.overwrite, resume_run=resume, resume_force=args.resume_force)
+            result = train(cfg, overwrite=args.overwrite, resume_run=resume, resume_force=args.resume_force,
+                           auto_fit=args.auto, vram_bytes=vram)
         except (FatalNumerics, OutOfMemoryAtMinimum, RollbackRequired) as exc:
             print_error(f"{exc}. The last good checkpoint is in {cfg.output.dir}/checkpoints; continue with --resume.")
             return 1
@@ -88,7 +97,7 @@ def _run_train(args) -> int:
     from rocktune.train.supervisor import supervise
 
     return supervise(cfg.model_dump(mode="json"), args.overwrite, resume, args.resume_force,
-                     cfg.reliability.max_restarts)
+                     cfg.reliability.max_restarts, auto_fit=args.auto, vram_bytes=vram)
 
 
 # --- demo ------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A synthetic, learnable prompt/completion task: string reversal and small additions.
+"""A synthetic, learnable prompt/completion task: upper-casing, reversal and one-digit additions.
 
 Generated from a seed, so the demo's data is the same on every machine; eval prompts never occur in training.
 """
@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import json
 import random
-import string
 from pathlib import Path
 
 
+LETTERS = "abcdefghij"
+
+
 def make_example(rng: random.Random) -> dict[str, str]:
-    if rng.random() < 0.5:
-        word = "".join(rng.choice(string.ascii_lowercase[:12]) for _ in range(rng.randint(3, 6)))
+    """One of three skills: copy in upper case, reverse, add two digits."""
+    kind = rng.randrange(3)
+    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
+    if kind == 0:
+        return {"prompt": f"upper {word} =", "completion": f" {word.upper()}"}
+    if kind == 1:
         return {"prompt": f"reverse {word} =", "completion": f" {word[::-1]}"}
-    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
     return {"prompt": f"add {a} {b} =", "completion": f" {a + b}"}
 
 

@@ -2,7 +2,8 @@
 
 ``ROCKTUNE_FAULTS`` holds JSON such as ``{"kill_at_step": 7}``. Keys:
   kill_at_step      SIGKILL this process after that optimizer step's update, before anything else is written
-  oom_at_step       raise a device out-of-memory error in that step's first forward (once per process)
+  oom_at_step       raise a device out-of-memory error in that step's first forward (once per process;
+                    every forward of that step with "oom_repeat": true)
   nan_at_steps      make the loss of those steps NaN
   zero_loss         make every loss exactly zero (the seeds' silent-zeros failure)
   corrupt_transfer_at_step   perturb one element of that step's device copy of the batch
@@ -40,7 +41,7 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def before_forward(self, step: int) -> None:
-        if self.spec.get("oom_at_step") == step and not self._oom_fired:
+        if self.spec.get("oom_at_step") == step and (self.spec.get("oom_repeat") or not self._oom_fired):
             self._oom_fired = True
             self._fire()
             raise torch.OutOfMemoryError("injected out-of-memory (ROCKTUNE_FAULTS)")

@@ -22,12 +22,13 @@ from rocktune.data.batching import count_loss_tokens
 from rocktune.data.dataset import prepare_data
 from rocktune.model import apply_lora, load_model, load_tokenizer, trainable_parameters
 from rocktune.platform.autoconf import resolve_auto
-from rocktune.train import build, checkpoint, resume, rundir
+from rocktune.platform.environment import apply_environment
+from rocktune.train import autofit, build, checkpoint, resume, rundir
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
 from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, ProgressBar
-from rocktune.train.step import forward_backward, run_with_oom_recovery
+from rocktune.train.step import OutOfMemoryAtMinimum, forward_backward, run_with_oom_recovery
 
 
 @dataclass
@@ -43,7 +44,15 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, resume_force: bool = False,
-          quiet: bool = False, pieces: int = 1, faults: Faults | None = None) -> TrainResult:
+          quiet: bool = False, pieces: int = 1, faults: Faults | None = None, auto_fit: bool = False,
+          vram_bytes: int | None = None) -> TrainResult:
+    # The runtime reads these variables when the device initialises: set them before anything touches it.
+    env_notes = apply_environment()
+    choices = resolve_auto(cfg.training.device, cfg.training.precision, cfg.model.attn_implementation)
+    device, precision = choices.device, choices.precision
+    fit_notes: list[str] = []
+    if auto_fit:
+        cfg, fit_notes = autofit.apply_fit(cfg, precision, choices.attn_implementation, vram_bytes)
     t, m, d, rel = cfg.training, cfg.model, cfg.data, cfg.reliability
     faults = faults or Faults()
     run_dir = Path(cfg.output.dir)
@@ -51,8 +60,6 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     rundir.check_output_dir(run_dir, resolved, overwrite, resume_run)
     if resume_run:
         resume.check_config(run_dir, resolved, resume_force)
-    choices = resolve_auto(t.device, t.precision, m.attn_implementation)
-    device, precision = choices.device, choices.precision
     build.seed_everything(t.seed)
 
     # Everything that can reject the input runs before the run directory is touched.
@@ -107,7 +114,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                         rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step))
 
     with ProgressBar(total_steps, start_step, quiet) as bar, stop:
-        for msg in choices.messages + notes + stats.notes:
+        for msg in env_notes + choices.messages + fit_notes + notes + stats.notes:
             bar.log(f"[dim]{msg}[/]")
         if restored is not None:
             for why in restored.skipped:
@@ -126,10 +133,15 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             micro = [to_batch(stream.next()) for _ in range(t.grad_accum)]
             step_tokens = sum(count_loss_tokens(b["labels"]) for b in micro)
             check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
-            step_loss, pieces = run_with_oom_recovery(
-                lambda n: forward_backward(model, micro, step_tokens, n, device, autocast, scaler, t.loss_chunk_size,
-                                           t.loss_impl == "chunked", faults, step, bool(check)),
-                optimizer, pieces, max(b["input_ids"].shape[0] for b in micro), bar.log)
+            try:
+                step_loss, pieces = run_with_oom_recovery(
+                    lambda n: forward_backward(model, micro, step_tokens, n, device, autocast, scaler,
+                                               t.loss_chunk_size, t.loss_impl == "chunked", faults, step, bool(check)),
+                    optimizer, pieces, max(b["input_ids"].shape[0] for b in micro), bar.log)
+            except OutOfMemoryAtMinimum as exc:
+                raise OutOfMemoryAtMinimum(
+                    f"out of memory at step {step} even with one example per forward ({exc}). "
+                    + autofit.oom_advice(cfg, precision, choices.attn_implementation)) from None
             scaler.unscale_(optimizer)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")))
             loss = step_loss / max(step_tokens, 1)

@@ -24,10 +24,12 @@ EXIT_FATAL = 4  # a diagnosis that restarting cannot fix (silent zeros, OOM at o
 EXIT_INTERRUPTED = 130
 
 
-def supervise(config: dict, overwrite: bool, resume: bool, resume_force: bool, max_restarts: int) -> int:
+def supervise(config: dict, overwrite: bool, resume: bool, resume_force: bool, max_restarts: int,
+              auto_fit: bool = False, vram_bytes: int | None = None) -> int:
     console = Console(stderr=True)
     run_dir = Path(config["output"]["dir"])
-    payload = {"config": config, "overwrite": overwrite, "resume": resume, "resume_force": resume_force, "pieces": 1}
+    payload = {"config": config, "overwrite": overwrite, "resume": resume, "resume_force": resume_force, "pieces": 1,
+               "auto_fit": auto_fit, "vram_bytes": vram_bytes}
     faults_by_step: dict[int, int] = {}
     restarts = 0
     while True:

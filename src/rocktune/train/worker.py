@@ -24,7 +24,8 @@ def main(argv: list[str]) -> int:
     _stop_when_orphaned()
     try:
         result = train(config_from_dict(payload["config"]), overwrite=payload["overwrite"],
-                       resume_run=payload["resume"], resume_force=payload["resume_force"], pieces=payload["pieces"])
+                       resume_run=payload["resume"], resume_force=payload["resume_force"], pieces=payload["pieces"],
+                       auto_fit=payload.get("auto_fit", False), vram_bytes=payload.get("vram_bytes"))
     except UserError as exc:
         print_error(str(exc))
         return EXIT_USER_ERROR

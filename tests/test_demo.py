@@ -1,0 +1,25 @@
+"""The embedded default: `rocktune demo` must show real learning, offline, on CPU."""
+
+import json
+
+import pytest
+
+from rocktune.cli import main
+
+
+@pytest.mark.slow
+def test_demo_learns_and_prints_json(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--json"]) == 0
+    fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(fig) >= {"eval_loss_before", "eval_loss_after", "exact_match", "run_dir"}
+    assert fig["eval_loss_after"] <= 0.5 * fig["eval_loss_before"]
+    assert 0.0 <= fig["exact_match"] <= 1.0
+    assert (tmp_path / "demo" / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_demo_tokenizer_roundtrips_through_autotokenizer(tiny_model_dir, tokenizer):
+    from rocktune.demo.tiny import build_tokenizer
+
+    text = "reverse abc = cba<|im_end|>\nupper é"
+    assert tokenizer(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
