@@ -189,7 +189,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     p.add_argument("--loss", choices=("chunked", "full"), default="chunked",
                    help="chunked: rocktune's loss-positions-only loss (default); full: HF labels= full logits")
-    p.add_argument("--loss-chunk", type=int, default=1024, help="loss positions per chunk (default 1024)")
+    p.add_argument("--loss-chunk", type=int, default=256, help="loss positions per chunk (default 256)")
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_plan)
@@ -225,6 +225,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--samples", type=int, default=400, help="examples in the synthetic data (default 400)")
     p.add_argument("--out", default="runs/bench", help="scratch runs, cache and report.json (default runs/bench)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before one configuration is killed")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole set this many times, alternating the order; medians pool all rounds")
     p.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
     p.add_argument("--pick", action="store_true", help="sweep rocktune's candidates and write the fastest as YAML")
     p.add_argument("--write-config", help="where --pick writes the config (default <out>/best.yaml)")
@@ -244,5 +246,6 @@ def _run_bench(args) -> int:
     return run_bench_command(model=args.model, data=args.data, configs=args.configs, steps=args.steps,
                              warmup=args.warmup, threads=args.threads, device=args.device, out=args.out,
                              n_samples=args.samples, parity_steps=args.parity_steps, timeout=args.timeout,
+                             rounds=args.rounds,
                              as_json=args.json, pick=args.pick, write_config=args.write_config,
                              list_only=args.list)

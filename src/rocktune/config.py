@@ -81,7 +81,7 @@ class TrainingConfig(_Section):
     )
     compile: bool = Field(False, description="torch.compile the decoder (slow first steps; off on gfx906/CPU).")
     loss_chunk_size: int = Field(
-        1024, gt=0, description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once."
+        256, gt=0, description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once."
     )
 
 

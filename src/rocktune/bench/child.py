@@ -6,7 +6,6 @@ The result file always gets written: ``status`` ok | skipped (with the reason) |
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import traceback
@@ -42,57 +41,13 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
     from rocktune.train import loop
 
     raw = rocktune_config(spec)
-    cfg = config_from_dict(raw)
-    ready = _on_ready(loop, probe)
-    loop.train(cfg, overwrite=True, quiet=True, **ready)
+    # RSS growth counts from the moment the model with its adapter exists, as for the HF baselines.
+    loop.train(config_from_dict(raw), overwrite=True, quiet=True, on_ready=probe.mark_loaded)
     rows = [json.loads(line) for line in (Path(spec["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
-              "real_tokens": r.get("real_tokens"), "batch_tokens": r.get("batch_tokens")}
+              "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"]}
              for r in rows if "loss" in r]
-    if steps and steps[0]["real_tokens"] is None:
-        for s, real in zip(steps, _replayed_real_tokens(cfg, len(steps))):
-            s["real_tokens"] = real
     return steps, {"config": raw}
-
-
-def _replayed_real_tokens(cfg, n_steps: int) -> list[int]:
-    """Non-pad tokens per step, from a replay of the loop's batch stream (a pure function of the seed)."""
-    from rocktune.data.dataset import prepare_data
-    from rocktune.model import load_tokenizer
-    from rocktune.train import build
-
-    d, t = cfg.data, cfg.training
-    examples, _, _ = prepare_data(d.train_file, None, 0.0, d.format, d.max_length, d.train_on_prompt,
-                                  load_tokenizer(cfg.model.name_or_path, False), Path(d.cache_dir), t.seed)
-    lengths = examples.lengths()
-    stream = build.batch_stream(examples, d.packing, t.micro_batch_size, d.max_length, t.seed)
-
-    def total(node) -> int:
-        return lengths[node] if isinstance(node, int) else sum(total(x) for x in node)
-
-    return [sum(total(stream.next()) for _ in range(t.grad_accum)) for _ in range(n_steps)]
-
-
-def _on_ready(loop, probe) -> dict:
-    """Mark 'model loaded' at the loop's ready hook, or where the loop wraps the model in LoRA."""
-    def ready(model=None, *_, **__):
-        probe.mark_loaded(model)
-
-    if "on_ready" in inspect.signature(loop.train).parameters:
-        return {"on_ready": ready}
-    original = getattr(loop, "apply_lora", None)
-    if original is None:
-        probe.peak_source += "; no model-loaded hook in this loop: growth counts from before the model load"
-        probe.mark_loaded()
-        return {}
-
-    def wrapped(*args, **kwargs):
-        model = original(*args, **kwargs)
-        ready(model)
-        return model
-
-    loop.apply_lora = wrapped
-    return {}
 
 
 def main(spec_path: str, result_path: str) -> int:

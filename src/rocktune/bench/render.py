@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
+    return "-" if n is None else f"{n / 2**20:,.0f}MiB"
 
 
 def render(report: dict) -> None:
@@ -18,23 +20,27 @@ def render(report: dict) -> None:
     w = report["workload"]
     table = Table(title=f"rocktune bench — {w['model']}, {w['examples']} examples (mean {w['mean_tokens']:.0f} "
                         f"tokens, {w['loss_token_share']:.0%} loss-bearing), {w['samples_per_step']} samples/step, "
-                        f"medians of {w['measured_steps']} steps after {w['warmup_steps_excluded']} warm-up")
-    for col in ("config", "useful tok/s", "s/step", f"peak mem ({report['peak_memory_kind']})", "padding", "MFU",
-                "final loss", "× hf-seed", "× hf-tuned", "mem × hf-tuned"):
-        table.add_column(col, justify="left" if col == "config" else "right")
+                        f"medians of {w['measured_steps']} steps after {w['warmup_steps_excluded']} warm-up; "
+                        f"peak mem = {report['peak_memory_kind']}")
+    for col in ("config", "useful tok/s", "s/step", "peak mem", "padding", "MFU", "final loss", "×seed", "×tuned",
+                "mem×tuned"):
+        table.add_column(col, justify="left" if col == "config" else "right", no_wrap=col == "config")
+    not_run = []
     for r in report["configs"]:
         if r["status"] != "ok":
-            table.add_row(r["name"], f"[yellow]{r['status']}[/]: {r.get('reason')}", *[""] * 8)
+            not_run.append(f"{r['name']}: [yellow]{r['status']}[/] — {r.get('reason')}")
             continue
         ratios = r.get("ratios", {})
         table.add_row(
             r["name"], _fmt(r["useful_tokens_per_s"], ",.0f"), _fmt(r["step_s"], ".2f"),
             _mib(r["peak_memory_bytes"]), _fmt(r["padding_fraction"], ".0%"), _fmt(r["mfu"], ".1%"),
-            _fmt(r["final_loss"], ".4f"), _fmt(ratios.get("hf-seed", {}).get("tokens_per_s"), ".2f", "×"),
+            _fmt(r["final_loss"], ".3f"), _fmt(ratios.get("hf-seed", {}).get("tokens_per_s"), ".2f", "×"),
             _fmt(ratios.get("hf-tuned", {}).get("tokens_per_s"), ".2f", "×"),
             _fmt(ratios.get("hf-tuned", {}).get("memory"), ".2f", "×"))
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(table)
+    for line in not_run:
+        console.print(line)
     p = report.get("parity")
     if p:
         verdict = {True: "[green]match[/]", False: "[red]MISMATCH[/]", None: "[yellow]not run[/]"}[p.get("match")]
@@ -42,6 +48,8 @@ def render(report: dict) -> None:
                                      f"tolerance {p['rel_tol']:.0e}) over {p['steps']} steps")
         console.print(f"loss parity (same samples, same steps, fp32): {verdict} — {detail}")
     for key, t in report.get("targets", {}).items():
+        if t["met"] is None:
+            continue
         mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "[yellow]n/a[/]"}[t["met"]]
         console.print(f"target {key}: {_fmt(t['value'], '.3g')} (target {t['target']:g}) {mark}")
     if report.get("pick"):

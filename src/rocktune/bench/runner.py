@@ -29,11 +29,12 @@ PARITY_REL_TOL = 1e-3
 
 def run_bench(model: str = "tiny", data: str | None = None, configs: str | None = None, steps: int = 5,
               warmup: int = 1, threads: int | None = None, device: str = "auto", out: str = "runs/bench",
-              n_samples: int = 400, parity_steps: int = 4, timeout: float = 1800.0, log=print) -> dict:
+              n_samples: int = 400, parity_steps: int = 4, timeout: float = 1800.0, rounds: int = 1,
+              log=print) -> dict:
     if steps < 1:
         raise UserError(f"--steps must be at least 1 (measured optimizer steps), not {steps}")
-    if warmup < 0 or parity_steps < 0:
-        raise UserError("--warmup and --parity-steps cannot be negative")
+    if warmup < 0 or parity_steps < 0 or rounds < 1:
+        raise UserError("--warmup and --parity-steps cannot be negative; --rounds must be at least 1")
     if configs is not None:
         select(configs, "cpu")  # unknown names fail before torch is imported
     device = _device(device)
@@ -46,19 +47,23 @@ def run_bench(model: str = "tiny", data: str | None = None, configs: str | None 
     lengths, loss_share = _data_lengths(model_dir, data_file, cache)
     base = {"model_dir": model_dir, "data_file": data_file, "cache_dir": str(cache / "tokens"), "device": device,
             "threads": threads, "common": COMMON}
-    results = []
-    for cfg in chosen:
-        log(f"bench: {cfg.name} ({warmup} warm-up + {steps} measured steps)")
-        results.append(run_one(cfg, {**base, "steps": warmup + steps}, out_dir, timeout))
+    runs: dict[str, list[dict]] = {c.name: [] for c in chosen}
+    for rnd in range(rounds):
+        # Alternate the order so that a drift in the machine's load does not favour the configurations run first.
+        for cfg in chosen if rnd % 2 == 0 else chosen[::-1]:
+            log(f"bench: {cfg.name} ({warmup} warm-up + {steps} measured steps, round {rnd + 1}/{rounds})")
+            runs[cfg.name].append(run_one(cfg, {**base, "steps": warmup + steps}, out_dir, timeout))
+    results = [merge_rounds(r, warmup) for r in runs.values()]
     parity = None
     if parity_steps:
         log(f"bench: loss parity, {parity_steps} steps (rocktune vs HF Trainer on the same micro-batches)")
         pair = [run_one(PARITY[n], {**base, "steps": parity_steps}, out_dir, timeout) for n in PARITY]
         parity = _parity(*pair)
-    report = summarise(results, warmup, lengths, device)
+    report = summarise(results, 0, lengths, device)
     report["workload"] = {"model": model, "model_dir": model_dir, "data_file": data_file, "examples": len(lengths),
                           "mean_tokens": sum(lengths) / len(lengths), "loss_token_share": loss_share,
-                          "warmup_steps_excluded": warmup, "measured_steps": steps, "threads": threads, **COMMON,
+                          "warmup_steps_excluded": warmup, "measured_steps": steps * rounds, "rounds": rounds,
+                          "threads": threads, **COMMON,
                           "samples_per_step": COMMON["micro_batch_size"] * COMMON["grad_accum"]}
     report["parity"] = parity
     report["targets"] = targets(report["configs"], parity)
@@ -88,6 +93,21 @@ def run_one(cfg: BenchConfig, spec: dict, out_dir: Path, timeout: float) -> dict
         return json.loads(result_file.read_text())
 
 
+def merge_rounds(rounds: list[dict], warmup: int) -> dict:
+    """One result per configuration: the measured steps of every round pooled (warm-up steps of each round
+    dropped), the memory of the round with the median peak; a failed round fails the configuration."""
+    bad = next((r for r in rounds if r["status"] != "ok"), None)
+    if bad is not None:
+        return bad
+    key = "device_peak_allocated_bytes" if "device_peak_allocated_bytes" in rounds[0]["memory"] else \
+        "rss_growth_bytes"
+    by_mem = sorted(rounds, key=lambda r: r["memory"][key] or 0)
+    merged = {**rounds[0], "memory": by_mem[(len(by_mem) - 1) // 2]["memory"]}
+    merged["steps"] = [s for r in rounds for s in r["steps"][warmup:]]
+    merged["first_round_losses"] = [s["loss"] for s in rounds[0]["steps"]]
+    return merged
+
+
 def summarise(results: list[dict], warmup: int, lengths: list[int], device: str) -> dict:
     rows = []
     for r in results:
@@ -96,6 +116,8 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str)
                "status": r["status"], "reason": r.get("reason")}
         if r["status"] == "ok":
             row.update(stats.summarise_steps(r["steps"], warmup))
+            if r.get("first_round_losses"):  # every step of one whole run, warm-up included
+                row.update(losses=r["first_round_losses"], final_loss=r["first_round_losses"][-1])
             mem = r["memory"]
             row["memory"] = mem
             row["peak_memory_bytes"] = mem.get("device_peak_allocated_bytes", mem["rss_growth_bytes"])

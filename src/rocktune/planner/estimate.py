@@ -37,7 +37,7 @@ class RunSpec:
     checkpointing: bool = False
     lora_dropout: float = 0.0
     loss_mode: str = "chunked"  # chunked: loss positions only, chunk by chunk; full: HF labels= with full logits
-    loss_chunk: int = 1024
+    loss_chunk: int = 256
     loss_fraction: float = 1.0  # share of positions whose next token carries loss
     padded: bool | None = None  # a padding mask is present; None: whenever micro_batch > 1
     device: str = "gpu"  # gpu | cpu (dropout mask dtype, context allowance)

@@ -45,7 +45,8 @@ class TrainResult:
 
 def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, resume_force: bool = False,
           quiet: bool = False, pieces: int = 1, faults: Faults | None = None, auto_fit: bool = False,
-          vram_bytes: int | None = None) -> TrainResult:
+          vram_bytes: int | None = None, on_ready=None) -> TrainResult:
+    """Train ``cfg``; ``on_ready(model)`` (benchmarks) is called once the model with its adapter is built."""
     # The runtime reads these variables when the device initialises: set them before anything touches it.
     env_notes = apply_environment()
     choices = resolve_auto(cfg.training.device, cfg.training.precision, cfg.model.attn_implementation)
@@ -73,6 +74,8 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                        m.gradient_checkpointing)
     if t.compile:
         notes.append(build.compile_decoder(model))
+    if on_ready is not None:
+        on_ready(model)
     params = trainable_parameters(model)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed)
@@ -130,7 +133,8 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
             # Fetch the whole step first: the loss is normalised by the loss-bearing tokens of all its micro-batches.
-            micro = [to_batch(stream.next()) for _ in range(t.grad_accum)]
+            picked = [stream.next() for _ in range(t.grad_accum)]
+            micro = [to_batch(p) for p in picked]
             step_tokens = sum(count_loss_tokens(b["labels"]) for b in micro)
             check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
             try:
@@ -162,6 +166,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             if step % t.log_every == 0 or step == total_steps:
                 metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
                                "batch_tokens": sum(b["input_ids"].numel() for b in micro),
+                               "real_tokens": build.real_tokens(picked, train_set.lengths(), d.packing),
                                "samples": _digest(micro),
                                "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
                                "epoch": stream.epoch, "peak_mem_bytes": mem})
