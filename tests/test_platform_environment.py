@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from rocktune.doctor.checks import CheckResult
-from rocktune.platform import autoconf, detect, environment
+from rocktune.platform import detect, environment
+from rocktune.train import autoconf
 from rocktune.platform.advise import advise
 
 PLATFORMS = Path(__file__).parent / "data" / "platforms"

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from rocktune import __version__
-from rocktune.errors import UserError
+from rocktune.errors import UserError, print_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,12 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env(sub)
     _add_bench(sub)
     return parser
-
-
-def print_error(message: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {message}", markup=True)
 
 
 # --- train -----------------------------------------------------------------------------------------------------
@@ -82,22 +76,15 @@ def _run_train(args) -> int:
 
         vram = parse_budget(args.vram)
     resume = args.resume or args.resume_force
+    payload = {"config": cfg.model_dump(mode="json"), "overwrite": args.overwrite, "resume": resume,
+               "resume_force": args.resume_force, "pieces": 1, "auto_fit": args.auto, "vram_bytes": vram}
     if args.no_supervise:
-        from rocktune.train.guards import FatalNumerics, RollbackRequired
-        from rocktune.train.loop import train
-        from rocktune.train.step import OutOfMemoryAtMinimum
+        from rocktune.train.worker import run_in_process
 
-        try:
-            result = train(cfg, overwrite=args.overwrite, resume_run=resume, resume_force=args.resume_force,
-                           auto_fit=args.auto, vram_bytes=vram)
-        except (FatalNumerics, OutOfMemoryAtMinimum, RollbackRequired) as exc:
-            print_error(f"{exc}. The last good checkpoint is in {cfg.output.dir}/checkpoints; continue with --resume.")
-            return 1
-        return 130 if result.interrupted else 0
+        return run_in_process(payload)
     from rocktune.train.supervisor import supervise
 
-    return supervise(cfg.model_dump(mode="json"), args.overwrite, resume, args.resume_force,
-                     cfg.reliability.max_restarts, auto_fit=args.auto, vram_bytes=vram)
+    return supervise(payload, cfg.reliability.max_restarts)
 
 
 # --- demo ------------------------------------------------------------------------------------------------------

@@ -79,7 +79,8 @@ class TrainingConfig(_Section):
     optimizer: Literal["auto", "adamw_fused", "adamw_foreach", "adamw_torch"] = Field(
         "auto", description="AdamW implementation over the adapter; auto: fused on GPU, foreach on CPU."
     )
-    compile: bool = Field(False, description="torch.compile the decoder (slow first steps; off on gfx906/CPU).")
+    compile: bool = Field(False, description="torch.compile the decoder: off by default (slow first steps, and "
+                          "rocktune doctor advises against it on gfx906 and CPU).")
     loss_chunk_size: int = Field(
         256, gt=0, description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once."
     )

@@ -7,3 +7,10 @@ with status 2, without a traceback (unless ``--debug``). Everything else is a bu
 
 class UserError(Exception):
     """Bad input: the message says what is wrong, where, and how to fix it."""
+
+
+def print_error(message: str) -> None:
+    """One paragraph on stderr, the way every user-facing failure is shown."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {message}", markup=True)

@@ -115,6 +115,6 @@ def _precision(setting: str, device: str) -> str:
     """``auto``: what rocktune's precision policy gives this device (bf16 where it has bf16 matrix units)."""
     if setting != "auto":
         return setting
-    from rocktune.platform.autoconf import resolve_auto
+    from rocktune.train.autoconf import resolve_auto
 
     return resolve_auto(device, "auto", "sdpa").precision

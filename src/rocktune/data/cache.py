@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
@@ -68,7 +69,7 @@ def store(cache_dir: Path, key: str, ids: list[list[int]], labels: list[list[int
         )
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.replace(tmp, cache_dir / key)
-    except OSError:
+    except (OSError, RuntimeError, SafetensorError):  # a full disk surfaces as any of these
         shutil.rmtree(tmp, ignore_errors=True)
         if not (cache_dir / key / "meta.json").is_file():  # another process may have won the rename race
             raise

@@ -25,7 +25,10 @@ def read_records(path: str | Path) -> list[tuple[str, dict]]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"data file {path} does not exist; set data.train_file / data.eval_file to a JSON/JSONL file.")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the file as UTF-8.") from None
     if not text.strip():
         raise UserError(f"data file {path} is empty; it needs at least one record.")
     if path.suffix == ".json" or text.lstrip().startswith("["):

@@ -11,7 +11,7 @@ from rocktune.config import config_from_dict
 from rocktune.demo.task import make_task, write_jsonl
 from rocktune.demo.tiny import build_tiny_model
 
-DEMO_STEPS = 300
+DEMO_STEPS = 800
 MODEL_SHAPE = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 
 

@@ -11,18 +11,19 @@ from pathlib import Path
 
 
 LETTERS = "abcdefghij"
+WORD = 4  # fixed lengths keep exact answers within reach of a one-minute run on two CPU cores
 
 
 def make_example(rng: random.Random) -> dict[str, str]:
-    """One of three skills: copy in upper case, reverse, add two digits."""
+    """One of three skills: copy in upper case, reverse, add two digits (answer zero-padded to two digits)."""
     kind = rng.randrange(3)
-    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
+    word = "".join(rng.choice(LETTERS) for _ in range(WORD))
     if kind == 0:
         return {"prompt": f"upper {word} =", "completion": f" {word.upper()}"}
     if kind == 1:
         return {"prompt": f"reverse {word} =", "completion": f" {word[::-1]}"}
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    return {"prompt": f"add {a} {b} =", "completion": f" {a + b}"}
+    return {"prompt": f"add {a} {b} =", "completion": f" {a + b:02d}"}
 
 
 def make_task(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:

@@ -56,7 +56,8 @@ def tiny_config(vocab_size: int = 320, hidden: int = 128, layers: int = 2, heads
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                        max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=10000.0,
                        initializer_range=init_std,
-                       bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+                       bos_token_id=None, eos_token_id=EOS_ID,
+                       pad_token_id=None)  # a pad id would make nn.Embedding zero that row: EOS could never win
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:

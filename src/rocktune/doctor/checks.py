@@ -3,7 +3,7 @@
 Every check takes the operation under test as a parameter (``copy``, ``convert``, ``matmul``) so a test can inject
 a faulty one and see the check fail. Device results are never trusted on their own: silent zeros and NaNs were
 reported after copies, conversions and GEMMs on several archs (see knowledge.yaml).
-This module imports only torch, so ``platform.autoconf`` can run the bf16 checks without the rest of the doctor.
+This module imports only torch, so ``train.autoconf`` can run the bf16 checks without the rest of the doctor.
 """
 
 from __future__ import annotations

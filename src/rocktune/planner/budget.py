@@ -43,6 +43,8 @@ def detect_budget() -> tuple[int, str, str]:
                 return max(mib) * 2**20, "gpu", "NVIDIA GPU memory from nvidia-smi"
         except (OSError, subprocess.SubprocessError):
             pass
+    if not hasattr(os, "sysconf"):  # Windows: no portable RAM query without extra packages
+        raise UserError("no GPU memory size could be detected; pass the budget with --vram (e.g. --vram 16GiB).")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ram, "cpu", "no GPU found: the budget is system RAM (training would run on the CPU)"
 

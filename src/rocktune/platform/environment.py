@@ -37,7 +37,7 @@ def apply_environment(environ: MutableMapping[str, str] | None = None, platform:
 
 
 def cached_platform() -> Platform | None:
-    """This machine's snapshot from the last ``apply_environment`` call (autoconf reuses it)."""
+    """This machine's snapshot from the last ``apply_environment`` call (train.autoconf reuses it)."""
     return _cache.get("platform")  # type: ignore[return-value]
 
 

@@ -25,12 +25,12 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
     return fitted, [chosen, *sug.reasons]
 
 
-def oom_advice(cfg: RunConfig, precision: str, attn_implementation: str) -> str:
+def oom_advice(model: str, max_length: int, lora_r: int, target_modules, precision: str, attn_implementation: str,
+               global_batch: int, loss_impl: str) -> str:
     from rocktune.planner import describe_fit
 
-    t = cfg.training
     try:
-        return describe_fit(cfg.model.name_or_path, None, cfg.data.max_length, cfg.lora.r, cfg.lora.target_modules,
-                            precision, attn_implementation, t.micro_batch_size * t.grad_accum, t.loss_impl)
+        return describe_fit(model, None, max_length, lora_r, target_modules, precision, attn_implementation,
+                            global_batch, loss_impl)
     except Exception as exc:  # the planner may not know this architecture; the OOM message must still go out
         return f"(rocktune plan could not size this model: {exc})"

@@ -29,10 +29,11 @@ def batch_stream(examples: Examples, packing: bool, micro_batch_size: int, max_l
     return BatchStream(lambda e: epoch_batches(lengths, micro_batch_size, seed, e), epoch, index)
 
 
-def make_collate(examples: Examples, packing: bool, pad_id: int):
-    """Index structure from the stream -> host tensors."""
+def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False):
+    """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row."""
     if packing:
         def collate_rows(rows):
+            rows = [[i for row in rows for i in row]] if one_row else rows
             return collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows], pad_id)
         return collate_rows
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
+from rocktune.errors import UserError
 from rocktune.train.rundir import write_atomic
 
 MANIFEST = "manifest.json"
@@ -65,7 +67,7 @@ def save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, positi
         os.replace(tmp, final)
         _fsync_dir(ckpt_root)
         write_atomic(ckpt_root / LATEST, final.name + "\n")
-    except OSError as exc:
+    except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk surfaces as any of these
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"could not write checkpoint {final.name}: {exc}") from exc
     _prune(ckpt_root, keep)
@@ -78,7 +80,9 @@ def restore(ckpt_root: Path, model, optimizer, scheduler, scaler) -> Restored | 
     for path in _candidates(ckpt_root):
         problem = verify(path)
         if problem:
-            skipped.append(f"{path.name}: {problem}")
+            # Renamed, not deleted: kept as evidence, and never again mistaken for (or pruned in place of) a good one.
+            path.rename(path.with_name(f"damaged-{path.name}"))
+            skipped.append(f"{path.name}: {problem} (kept as damaged-{path.name})")
             continue
         _load_into(path, model, optimizer, scheduler, scaler)
         meta = json.loads((path / "meta.json").read_text())
@@ -86,7 +90,8 @@ def restore(ckpt_root: Path, model, optimizer, scheduler, scaler) -> Restored | 
         np.random.set_state(_np_state(meta["np_random"]))
         return Restored(meta["step"], path, meta["position"], meta["extra"], skipped)
     if skipped:
-        raise CheckpointWriteError("no checkpoint verifies: " + "; ".join(skipped))
+        raise UserError(f"--resume: no checkpoint in {ckpt_root} verifies ({'; '.join(skipped)}); nothing "
+                        "trustworthy to continue from. Start the run again with --overwrite.")
     return None
 
 
@@ -142,7 +147,7 @@ def _check_free_space(root: Path, needed: int) -> None:
     free = shutil.disk_usage(root).free
     if free < needed:
         raise CheckpointWriteError(f"only {free / 2**20:.0f} MiB free on {root}, a checkpoint needs about "
-                                   f"{needed / 2**20:.0f} MiB; free disk space or set training.keep_checkpoints lower")
+                                   f"{needed / 2**20:.0f} MiB (adapter, optimizer state and reliability.min_free_disk_mb); free disk space")
 
 
 def _rng_tensors() -> dict:
@@ -181,8 +186,12 @@ def _sha256(path: Path) -> str:
 def _fsync_tree(root: Path) -> None:
     for p in root.rglob("*"):
         if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+            # Opened for writing: on Windows fsync (FlushFileBuffers) needs write access.
+            fd = os.open(p, os.O_RDWR | getattr(os, "O_BINARY", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     _fsync_dir(root)
 
 

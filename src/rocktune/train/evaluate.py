@@ -11,7 +11,7 @@ from rocktune.train.loss import causal_lm_loss_sum
 
 @torch.no_grad()
 def eval_loss(model, examples: Examples, batch_size: int, pad_id: int, device: str, autocast,
-              chunk_size: int) -> float | None:
+              chunk_size: int, fast: bool = True) -> float | None:
     if len(examples) == 0:
         return None
     was_training = model.training
@@ -23,7 +23,7 @@ def eval_loss(model, examples: Examples, batch_size: int, pad_id: int, device: s
         batch = collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx], pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast():
-            loss_sum, n = causal_lm_loss_sum(model, batch, chunk_size)
+            loss_sum, n = causal_lm_loss_sum(model, batch, chunk_size, fast=fast)
         total += float(loss_sum)
         tokens += n
     model.train(was_training)

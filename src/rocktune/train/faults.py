@@ -2,12 +2,14 @@
 
 ``ROCKTUNE_FAULTS`` holds JSON such as ``{"kill_at_step": 7}``. Keys:
   kill_at_step      SIGKILL this process after that optimizer step's update, before anything else is written
-  oom_at_step       raise a device out-of-memory error in that step's first forward (once per process;
-                    every forward of that step with "oom_repeat": true)
+  oom_at_step       raise a device out-of-memory error in that step (once per process; every time with
+                    "oom_repeat": true), at its forward number "oom_at_forward" (default 1)
   nan_at_steps      make the loss of those steps NaN
   zero_loss         make every loss exactly zero (the seeds' silent-zeros failure)
   corrupt_transfer_at_step   perturb one element of that step's device copy of the batch
-  fail_checkpoint_at_step    make writing that step's checkpoint fail as a full disk would
+  fail_checkpoint_at_step    make writing that step's checkpoint fail as a full disk would ("fail_checkpoint_kind":
+                    "runtime" raises the RuntimeError torch.save gives instead of OSError)
+  slow_steps        sleep that many seconds in every step (gives a test time to interrupt a run)
   marker            a file path: faults act only while it does not exist, and the first one to act creates it,
                     so a restarted process runs clean (a crash that happens once)
 """
@@ -18,14 +20,17 @@ import errno
 import json
 import os
 import signal
+import time
 
 import torch
+
 
 
 class Faults:
     def __init__(self, spec: dict | None = None):
         self.spec = spec if spec is not None else json.loads(os.environ.get("ROCKTUNE_FAULTS", "{}"))
         self._oom_fired = False
+        self._forwards: dict[int, int] = {}
         marker = self.spec.get("marker")
         if marker and os.path.exists(marker):
             self.spec = {}
@@ -41,10 +46,15 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def before_forward(self, step: int) -> None:
-        if self.spec.get("oom_at_step") == step and (self.spec.get("oom_repeat") or not self._oom_fired):
+        from rocktune.train.step import DEVICE_OOM
+
+        n = self._forwards[step] = self._forwards.get(step, 0) + 1
+        if self.spec.get("oom_at_step") != step or (self._oom_fired and not self.spec.get("oom_repeat")):
+            return
+        if n >= self.spec.get("oom_at_forward", 1):
             self._oom_fired = True
             self._fire()
-            raise torch.OutOfMemoryError("injected out-of-memory (ROCKTUNE_FAULTS)")
+            raise DEVICE_OOM("injected out-of-memory (ROCKTUNE_FAULTS)")
 
     def loss(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
         if step in self.spec.get("nan_at_steps", ()):
@@ -63,4 +73,10 @@ class Faults:
 
     def checkpoint_write(self, step: int) -> None:
         if self.spec.get("fail_checkpoint_at_step") == step:
+            if self.spec.get("fail_checkpoint_kind") == "runtime":  # what torch.save raises on a full disk
+                raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed (injected)")
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def slow_step(self) -> None:
+        if self.spec.get("slow_steps"):
+            time.sleep(float(self.spec["slow_steps"]))

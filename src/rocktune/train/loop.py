@@ -21,7 +21,7 @@ from rocktune.config import RunConfig
 from rocktune.data.batching import count_loss_tokens
 from rocktune.data.dataset import prepare_data
 from rocktune.model import apply_lora, load_model, load_tokenizer, trainable_parameters
-from rocktune.platform.autoconf import resolve_auto
+from rocktune.train.autoconf import resolve_auto
 from rocktune.platform.environment import apply_environment
 from rocktune.train import autofit, build, checkpoint, resume, rundir
 from rocktune.train.evaluate import eval_loss
@@ -79,14 +79,16 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     params = trainable_parameters(model)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed)
-    to_batch = build.make_collate(train_set, d.packing, tokenizer.pad_token_id)
+    # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
+    to_batch = build.make_collate(train_set, d.packing, tokenizer.pad_token_id,
+                                  one_row=choices.attn_implementation == "flash_attention_2")
     total_steps = t.max_steps or math.ceil(t.epochs * len(stream) / t.grad_accum)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
     autocast = build.autocast(device, precision)
     guard = NumericGuard(rel.nan_patience, rel.zero_patience)
     evaluate = lambda: eval_loss(model, eval_set, t.micro_batch_size, tokenizer.pad_token_id,  # noqa: E731
-                                 device, autocast, t.loss_chunk_size)
+                                 device, autocast, t.loss_chunk_size, t.loss_impl == "chunked")
 
     result = TrainResult(run_dir=run_dir, steps=total_steps, model=model, tokenizer=tokenizer)
     ckpt_root = run_dir / "checkpoints"
@@ -104,6 +106,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed,
                                     **restored.position)
         pieces = max(pieces, restored.extra.get("pieces", 1))
+        guard.skipped_total = restored.extra.get("skipped_steps", 0)
         result.eval_loss_before = restored.extra.get("eval_loss_before")
         resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
     metrics = MetricsLog(run_dir / "metrics.jsonl")
@@ -132,6 +135,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         model.train()
         for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()  # the logged peak is this step's, not the eval pass's
+            faults.slow_step()
             # Fetch the whole step first: the loss is normalised by the loss-bearing tokens of all its micro-batches.
             picked = [stream.next() for _ in range(t.grad_accum)]
             micro = [to_batch(p) for p in picked]
@@ -143,13 +149,17 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                                t.loss_chunk_size, t.loss_impl == "chunked", faults, step, bool(check)),
                     optimizer, pieces, max(b["input_ids"].shape[0] for b in micro), bar.log)
             except OutOfMemoryAtMinimum as exc:
+                advice = autofit.oom_advice(m.name_or_path, d.max_length, cfg.lora.r, cfg.lora.target_modules,
+                                            precision, choices.attn_implementation,
+                                            t.micro_batch_size * t.grad_accum, t.loss_impl)
                 raise OutOfMemoryAtMinimum(
-                    f"out of memory at step {step} even with one example per forward ({exc}). "
-                    + autofit.oom_advice(cfg, precision, choices.attn_implementation)) from None
+                    f"out of memory at step {step} even with one example per forward ({exc}). {advice}") from None
             scaler.unscale_(optimizer)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")))
             loss = step_loss / max(step_tokens, 1)
-            if guard.check(step, loss, grad_norm):
+            # An fp16 overflow (finite loss, inf gradient) is the GradScaler's business: it skips and rescales.
+            overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm)
+            if overflow or guard.check(step, loss, grad_norm):
                 scaler.step(optimizer)
             else:
                 bar.log(f"[yellow]step {step}: non-finite loss or gradient, update skipped[/]")
@@ -175,10 +185,10 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
             due = (rel.save_every and step % rel.save_every == 0) or step == total_steps or stop.requested
-            if due and guard.nonfinite_in_row == 0:  # a rollback must land before a non-finite streak
-                _save_or_warn(save_checkpoint, step, bar.log)
-            if stop.requested:
-                bar.log(f"interrupted: checkpoint at step {step}; continue with --resume")
+            saved = due and guard.nonfinite_in_row == 0 and _save_or_warn(save_checkpoint, step, bar.log)
+            if stop.requested:  # a rollback point must precede a non-finite streak, so none is written inside one
+                where = f"checkpoint at step {step}" if saved else "the last good checkpoint is kept"
+                bar.log(f"interrupted: {where}; continue with --resume")
                 result.interrupted = True
                 return result
         result.eval_loss_after = evaluate()
@@ -197,6 +207,7 @@ def save_adapter(model, out: Path, config_file: Path) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "rocktune_config.yaml").write_text(config_file.read_text())
     old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)  # left by a crash between the two renames below
     if out.exists():
         out.rename(old)
     tmp.rename(out)
@@ -211,12 +222,14 @@ def _digest(micro: list[dict]) -> str:
     return h.hexdigest()
 
 
-def _save_or_warn(save, step: int, log) -> None:
+def _save_or_warn(save, step: int, log) -> bool:
     """A failed checkpoint write leaves the previous checkpoint intact; the run goes on and says so."""
     try:
         save(step)
+        return True
     except checkpoint.CheckpointWriteError as exc:
         log(f"[red]warning: {exc}; the previous checkpoint is intact and training continues[/]")
+        return False
 
 
 class _InterruptFlag:
@@ -231,11 +244,14 @@ class _InterruptFlag:
             raise KeyboardInterrupt
         self.requested = True
 
+    # SIGBREAK is what the supervisor can send a child on Windows (CTRL_BREAK_EVENT).
+    SIGNALS = [signal.SIGINT] + ([signal.SIGBREAK] if hasattr(signal, "SIGBREAK") else [])
+
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = [(s, signal.signal(s, self._handle)) for s in self.SIGNALS]
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, handler in self._previous or []:
+            signal.signal(sig, handler)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rocktune.data.batching import count_loss_tokens
 from rocktune.data.encode import IGNORE
 
 # Packed batches carry position_ids and no attention_mask; bucketed ones carry an attention_mask.
@@ -33,7 +34,7 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
     labels = batch["labels"]
     targets = labels[:, 1:]
     keep = targets != IGNORE
-    n_tokens = int(keep.sum())
+    n_tokens = count_loss_tokens(labels)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if not (fast and _fast_path_ok(base)):
@@ -56,32 +57,40 @@ def _fast_path_ok(base) -> bool:
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _HEAD_TRANSFORMS):
         return False
     # A trainable (or LoRA-wrapped) head needs its weight gradient: leave that to autograd.
-    return isinstance(head, torch.nn.Linear) and type(head) is torch.nn.Linear and not head.weight.requires_grad
+    return type(head) is torch.nn.Linear and not head.weight.requires_grad
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum_i CE(h_i @ W^T + b, y_i), chunked over rows; d/dh is computed in forward, W and b are frozen."""
+    """sum_i CE(h_i @ W^T + b, y_i), chunked over rows; d/dh is computed in forward, W and b are frozen.
+
+    d/dh is kept in fp32 until backward: with fp16 it is taken before the GradScaler's scale is applied, and the
+    small components of well-predicted tokens would underflow in fp16.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        need_grad = ctx.needs_input_grad[0]
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
+        w = weight.to(hidden.dtype)  # once, not per chunk: the head is the largest matrix of a small model
+        b = None if bias is None else bias.to(hidden.dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start : start + chunk_size]
-            logits = F.linear(h, weight.to(h.dtype), None if bias is None else bias.to(h.dtype)).float()
+            logits = F.linear(h, w, b).float()
             t = targets[start : start + chunk_size]
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            if not ctx.needs_input_grad[0]:
+            if not need_grad:
                 continue
             # d(sum CE)/d(logits) = softmax - onehot, reusing the logits buffer in place.
             grad = logits.sub_(lse[:, None]).exp_()
             grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-            grad_hidden[start : start + chunk_size] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden if grad_hidden is not None else hidden.new_empty(0))
+            grad_hidden[start : start + chunk_size] = grad.to(w.dtype) @ w  # stored in fp32 (see docstring)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_out.to(grad_hidden.dtype), None, None, None, None
+        return (grad_hidden * grad_out.float()).to(ctx.hidden_dtype), None, None, None, None

@@ -7,18 +7,18 @@ from pathlib import Path
 import yaml
 
 from rocktune.errors import UserError
-from rocktune.train.rundir import CONFIG_NAME, _diff, write_atomic
+from rocktune.train.rundir import CONFIG_NAME, diff_keys, write_atomic
 
-# Keys that may change between a run and its resume without changing what the resumed steps compute.
-RESUMABLE_CHANGES = ("training.max_steps", "training.epochs", "training.eval_every", "training.log_every",
-                     "reliability.", "output.dir")
+# Keys that may change between a run and its resume without changing what the resumed steps compute. The length
+# of the run is not among them: it shapes the learning-rate schedule, so extending a run needs --resume-force.
+RESUMABLE_CHANGES = ("training.eval_every", "training.log_every", "reliability.", "output.dir")
 
 
 def check_config(run_dir: Path, config: dict, force: bool) -> None:
     saved = run_dir / CONFIG_NAME
     if not saved.is_file():
         raise UserError(f"--resume: {run_dir} holds no run to resume (no {CONFIG_NAME}); drop --resume to start one.")
-    changed = [k for k in _diff(yaml.safe_load(saved.read_text()) or {}, config)
+    changed = [k for k in diff_keys(yaml.safe_load(saved.read_text()) or {}, config)
                if not k.startswith(RESUMABLE_CHANGES)]
     if changed and not force:
         raise UserError(f"--resume: the config differs from the run in {run_dir} in {', '.join(changed[:8])}; "

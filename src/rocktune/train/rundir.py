@@ -19,7 +19,8 @@ CONFIG_NAME = "config.yaml"
 
 def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool = False) -> None:
     """Raise unless writing a run with ``config`` into ``run_dir`` would lose nothing the user did not ask to lose."""
-    if overwrite or not run_dir.exists() or not any(run_dir.iterdir()):
+    # incidents.jsonl alone is what a supervised run leaves when it crashed before writing anything else.
+    if overwrite or not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {"incidents.jsonl"}:
         return
     saved = run_dir / CONFIG_NAME
     if not saved.is_file():
@@ -28,7 +29,7 @@ def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool 
     if resume:
         return
     old = yaml.safe_load(saved.read_text()) or {}
-    changed = _diff(old, config)
+    changed = diff_keys(old, config)
     if changed:
         raise UserError(f"output.dir {run_dir} already holds a different run (differs in {', '.join(changed[:6])}); "
                         "choose another output.dir, or pass --overwrite to replace it.")
@@ -60,8 +61,8 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _diff(old, new, prefix: str = "") -> list[str]:
+def diff_keys(old, new, prefix: str = "") -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(set(old) | set(new))
-        return [d for k in keys for d in _diff(old.get(k), new.get(k), f"{prefix}{k}.")]
+        return [d for k in keys for d in diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")]
     return [] if old == new else [prefix.rstrip(".")]

@@ -15,6 +15,10 @@ from rocktune.train.guards import verify_transfer
 from rocktune.train.loss import causal_lm_loss_sum, step_normalised
 
 
+# torch.OutOfMemoryError appeared in torch 2.5; gfx906 users run 2.4.1, where only the cuda alias exists.
+DEVICE_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
 class OutOfMemoryAtMinimum(RuntimeError):
     """Out of memory with one example (or packed row) per forward: nothing left to split."""
 
@@ -34,7 +38,7 @@ def forward_backward(model, micro: list[dict], step_tokens: int, pieces: int, de
             on_device = {k: faults.transfer(step, v.to(device, non_blocking=True)) for k, v in part.items()}
             if check_transfer:
                 verify_transfer(part, on_device, step)
-            faults.before_forward(step)
+            faults.before_forward(step)  # tests: an injected OOM, possibly after earlier pieces accumulated
             with autocast():
                 loss_sum, _ = causal_lm_loss_sum(model, on_device, chunk_size, fast=fast_loss)
             loss_sum = faults.loss(step, loss_sum)
@@ -48,13 +52,15 @@ def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log) -
     while True:
         try:
             return attempt(pieces), pieces
-        except torch.OutOfMemoryError as exc:
-            optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            if pieces >= max_rows:
-                raise OutOfMemoryAtMinimum(str(exc).splitlines()[0] if str(exc) else "out of memory") from None
-            pieces *= 2
-            log(f"[yellow]out of memory: retrying the step with each micro-batch split in {pieces} "
-                f"(same samples per optimizer step)[/]")
+        except DEVICE_OOM as exc:
+            message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        # Outside the except block: the traceback no longer pins the failed step's tensors, so they can be freed.
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if pieces >= max_rows:
+            raise OutOfMemoryAtMinimum(message)
+        pieces *= 2
+        log(f"[yellow]out of memory: retrying the step with each micro-batch split in {pieces} "
+            f"(same samples per optimizer step)[/]")

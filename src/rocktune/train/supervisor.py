@@ -24,12 +24,11 @@ EXIT_FATAL = 4  # a diagnosis that restarting cannot fix (silent zeros, OOM at o
 EXIT_INTERRUPTED = 130
 
 
-def supervise(config: dict, overwrite: bool, resume: bool, resume_force: bool, max_restarts: int,
-              auto_fit: bool = False, vram_bytes: int | None = None) -> int:
+def supervise(payload: dict, max_restarts: int) -> int:
+    """Run ``payload`` (see ``worker.run_in_process``) in a child until it finishes, restarting it after crashes."""
     console = Console(stderr=True)
-    run_dir = Path(config["output"]["dir"])
-    payload = {"config": config, "overwrite": overwrite, "resume": resume, "resume_force": resume_force, "pieces": 1,
-               "auto_fit": auto_fit, "vram_bytes": vram_bytes}
+    payload = json.loads(json.dumps(payload))  # ours to change between attempts
+    run_dir = Path(payload["config"]["output"]["dir"])
     faults_by_step: dict[int, int] = {}
     restarts = 0
     while True:
@@ -55,6 +54,7 @@ def supervise(config: dict, overwrite: bool, resume: bool, resume_force: bool, m
 
 def _next_attempt(payload: dict, run_dir: Path, rollback: bool, repeated: bool) -> list[str]:
     notes = []
+    # Never wipe on a restart (the first attempt did, if asked); resume once the run directory holds a run.
     payload["overwrite"] = False
     payload["resume"] = (run_dir / "config.yaml").is_file()
     training = payload["config"]["training"]
@@ -72,26 +72,28 @@ def _next_attempt(payload: dict, run_dir: Path, rollback: bool, repeated: bool) 
 
 
 def _run_child(payload: dict) -> int:
-    """Run the worker in its own session, so a terminal's Ctrl-C reaches only us; we forward it once."""
+    """Run the worker in its own session / process group, so a terminal's Ctrl-C reaches only us; we forward it
+    once (the child checkpoints and exits cleanly), and a second Ctrl-C kills the child."""
     cmd = [sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    if os.name == "nt":
+        proc = subprocess.Popen(cmd, creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
+        polite = signal.CTRL_BREAK_EVENT  # the only console event a new process group can be sent
+    else:
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        polite = signal.SIGINT
     interrupts = 0
 
     def on_sigint(signum, frame):
         nonlocal interrupts
         interrupts += 1
         if interrupts == 1:
-            proc.send_signal(signal.SIGINT)  # the child checkpoints and exits cleanly
+            proc.send_signal(polite)
         else:
             proc.kill()
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:  # pragma: no cover - handler above replaces the default
-                continue
+        return proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
         if interrupts > 1:

@@ -1,4 +1,7 @@
-"""The supervised child: ``python -m rocktune.train.worker PAYLOAD_JSON``. Maps outcomes to exit codes."""
+"""The supervised child: ``python -m rocktune.train.worker PAYLOAD_JSON``. Maps outcomes to exit codes.
+
+``run_in_process`` is also what ``rocktune train --no-supervise`` calls, so both paths report failures alike.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +15,27 @@ import time
 from rocktune.train.supervisor import EXIT_FATAL, EXIT_INTERRUPTED, EXIT_ROLLBACK, EXIT_USER_ERROR
 
 
-def main(argv: list[str]) -> int:
-    from rocktune.cli import print_error
+def run_in_process(payload: dict) -> int:
     from rocktune.config import config_from_dict
-    from rocktune.errors import UserError
+    from rocktune.errors import UserError, print_error
     from rocktune.train.guards import FatalNumerics, RollbackRequired
     from rocktune.train.loop import train
     from rocktune.train.step import OutOfMemoryAtMinimum
 
-    payload = json.loads(argv[0])
-    _stop_when_orphaned()
+    cfg = config_from_dict(payload["config"])
     try:
-        result = train(config_from_dict(payload["config"]), overwrite=payload["overwrite"],
-                       resume_run=payload["resume"], resume_force=payload["resume_force"], pieces=payload["pieces"],
+        result = train(cfg, overwrite=payload["overwrite"], resume_run=payload["resume"],
+                       resume_force=payload["resume_force"], pieces=payload["pieces"],
                        auto_fit=payload.get("auto_fit", False), vram_bytes=payload.get("vram_bytes"))
     except UserError as exc:
         print_error(str(exc))
         return EXIT_USER_ERROR
     except RollbackRequired as exc:
-        print_error(f"{exc}; rolling back to the last checkpoint")
+        print_error(f"{exc}; the run continues from its last checkpoint in fp32 (under the supervisor, or by "
+                    "rerunning with --resume-force training.precision=fp32)")
         return EXIT_ROLLBACK
     except (FatalNumerics, OutOfMemoryAtMinimum) as exc:
-        print_error(str(exc))
+        print_error(f"{exc} The last good checkpoint is in {cfg.output.dir}/checkpoints.")
         return EXIT_FATAL
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -41,16 +43,21 @@ def main(argv: list[str]) -> int:
 
 
 def _stop_when_orphaned() -> None:
-    """If the supervisor dies, checkpoint and stop instead of training on unsupervised."""
+    """If the supervisor dies, checkpoint and stop instead of training on unsupervised (POSIX: the parent changes)."""
+    if os.name == "nt":
+        return  # no cheap, safe liveness test of the parent there; the supervisor's own Ctrl-C handling remains
+    import _thread
+
     parent = os.getppid()
 
     def watch():
         while os.getppid() == parent:
             time.sleep(2)
-        os.kill(os.getpid(), signal.SIGINT)
+        _thread.interrupt_main(signal.SIGINT)
 
     threading.Thread(target=watch, daemon=True).start()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    _stop_when_orphaned()
+    raise SystemExit(run_in_process(json.loads(sys.argv[1])))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from rocktune.errors import UserError
 from rocktune.platform.advise import Advice, advise
 from rocktune.platform.detect import Platform
 
@@ -44,6 +45,10 @@ def resolve_auto(device: str, precision: str, attn_implementation: str, *, self_
     if platform is None and environment.cached_platform() is None and not torch.cuda.is_initialized():
         messages += environment.apply_environment()  # the loop did not: do it while the device is untouched
     plat = platform or environment.cached_platform()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("training.device=cuda but this torch build sees no GPU "
+                        f"(torch {torch.__version__}, hip {torch.version.hip}, cuda {torch.version.cuda}); "
+                        "install the ROCm/CUDA build for your GPU (rocktune doctor tells which) or use device=cpu.")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         messages.append(f"device auto -> {device}")
