@@ -29,16 +29,21 @@ def batch_stream(examples: Examples, packing: bool, micro_batch_size: int, max_l
     return BatchStream(lambda e: epoch_batches(lengths, micro_batch_size, seed, e), epoch, index)
 
 
-def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False):
-    """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row."""
+def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False):
+    """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row, ``pin``
+    puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it)."""
+    def finish(batch):
+        return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
+
     if packing:
         def collate_rows(rows):
             rows = [[i for row in rows for i in row]] if one_row else rows
-            return collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows], pad_id)
+            return finish(collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows],
+                                         pad_id))
         return collate_rows
 
     def collate_idx(idx):
-        return collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx], pad_id)
+        return finish(collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx], pad_id))
     return collate_idx
 
 

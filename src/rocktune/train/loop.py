@@ -79,9 +79,11 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     params = trainable_parameters(model)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed)
+    lengths = train_set.lengths()
     # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
     to_batch = build.make_collate(train_set, d.packing, tokenizer.pad_token_id,
-                                  one_row=choices.attn_implementation == "flash_attention_2")
+                                  one_row=choices.attn_implementation == "flash_attention_2",
+                                  pin=choices.pin_memory and device == "cuda")
     total_steps = t.max_steps or math.ceil(t.epochs * len(stream) / t.grad_accum)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
@@ -176,7 +178,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             if step % t.log_every == 0 or step == total_steps:
                 metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
                                "batch_tokens": sum(b["input_ids"].numel() for b in micro),
-                               "real_tokens": build.real_tokens(picked, train_set.lengths(), d.packing),
+                               "real_tokens": build.real_tokens(picked, lengths, d.packing),
                                "samples": _digest(micro),
                                "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
                                "epoch": stream.epoch, "peak_mem_bytes": mem})

@@ -1,0 +1,45 @@
+"""Layers import downward only (DESIGN.md): checked on the source, so a new upward import fails here."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).parent.parent / "src" / "rocktune"
+# layer -> rocktune subpackages/modules it must never import
+FORBIDDEN = {
+    "platform": {"train", "data", "model", "cli", "doctor", "bench", "demo", "planner"},
+    "planner": {"train", "data", "model", "cli", "doctor", "bench", "demo"},
+    "data": {"train", "model", "cli", "doctor", "bench", "demo", "planner"},
+    "model.py": {"train", "cli", "doctor", "bench", "demo"},
+    "doctor": {"train", "data", "model", "cli", "bench", "demo", "planner"},
+    "train": {"cli", "bench", "demo"},
+}
+
+
+def rocktune_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rocktune."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("rocktune.")}
+    return out
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_no_upward_imports(layer):
+    files = [SRC / layer] if layer.endswith(".py") else sorted((SRC / layer).rglob("*.py"))
+    assert files
+    bad = {f"{f.relative_to(SRC)} imports rocktune.{m}" for f in files for m in rocktune_imports(f) & FORBIDDEN[layer]}
+    assert not bad, sorted(bad)
+
+
+def test_plan_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from rocktune.cli import main; main(['plan', 'Qwen2.5-0.5B', '--vram', '8GiB', '--json']); "
+            "sys.stderr.write(str('torch' in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr.strip().endswith("False"), res.stderr
