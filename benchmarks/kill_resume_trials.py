@@ -69,7 +69,9 @@ def main() -> int:
                 proc.wait()
                 kills.append({"after_s": round(delay, 2), "last_logged_step": _last_step(root / f"trial{i}")})
                 resume = ["--resume"]
-        subprocess.run(cmd + [str(cfg)] + resume, check=True, capture_output=True)
+        done = subprocess.run(cmd + [str(cfg)] + resume, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"trial {i}: the final resume failed:\n{done.stderr}")
         got = _outcome(root / f"trial{i}")
         trials.append({"trial": i, "kills": kills, "adapter_bytes_equal": got["adapter"] == reference["adapter"],
                        "losses_equal": got["losses"] == reference["losses"]})

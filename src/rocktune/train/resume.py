@@ -17,7 +17,7 @@ RESUMABLE_CHANGES = ("training.eval_every", "training.log_every", "reliability."
 def check_config(run_dir: Path, config: dict, force: bool) -> None:
     saved = run_dir / CONFIG_NAME
     if not saved.is_file():
-        raise UserError(f"--resume: {run_dir} holds no run to resume (no {CONFIG_NAME}); drop --resume to start one.")
+        return  # killed before it wrote anything: the resume is simply the start of the run
     changed = [k for k in diff_keys(yaml.safe_load(saved.read_text()) or {}, config)
                if not k.startswith(RESUMABLE_CHANGES)]
     if changed and not force:
