@@ -47,7 +47,10 @@ def run_demo(out_dir: str, as_json: bool, steps: int | None) -> int:
     if as_json:
         sys.stdout.write(json.dumps(figures) + "\n")
     else:
-        _print_summary(figures, samples[:6])
+        shown: list[dict] = []
+        for skill in ("upper", "reverse", "add"):  # two of each skill
+            shown += [s for s in samples if s["prompt"].startswith(skill)][:2]
+        _print_summary(figures, shown)
     return 0
 
 
@@ -73,7 +76,7 @@ def _print_summary(fig: dict, samples: list[dict]) -> None:
     from rich.table import Table
 
     console = Console()
-    table = Table(title="rocktune demo: tiny Qwen2 + LoRA on reversal and addition")
+    table = Table(title="rocktune demo: tiny Qwen2 + LoRA on upper-casing, reversal and addition")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("eval loss before", f"{fig['eval_loss_before']:.4f}")
