@@ -245,3 +245,20 @@ def test_oom_at_one_example_stops_with_planner_suggestion(tiny_model_dir, data, 
     cfg = config(tiny_model_dir, data, tmp_path / "run", micro_batch_size=1)
     with pytest.raises(OutOfMemoryAtMinimum, match="one example per forward.*rocktune plan suggests"):
         train(config_from_dict(cfg), quiet=True, faults=Faults({"oom_at_step": 2, "oom_repeat": True}))
+
+
+def test_repeated_fault_at_one_step_steps_down_then_gives_up(tiny_model_dir, data, tmp_path):
+    import yaml
+
+    cfg = config(tiny_model_dir, data, tmp_path / "run")
+    cfg["reliability"]["max_restarts"] = 2
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"kill_at_step": 5}))  # no marker: dies there every time
+    proc = subprocess.run([sys.executable, "-m", "rocktune", "train", "-c", str(cfg_file)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    incidents = [json.loads(x) for x in (tmp_path / "run" / "incidents.jsonl").read_text().splitlines()]
+    assert [i["restart"] for i in incidents] == [1, 2, None] and {i["last_logged_step"] for i in incidents} == {4}
+    assert "micro-batches split in 2" in proc.stderr and "restarts used up" in proc.stderr
+    assert checkpoint.verify(tmp_path / "run" / "checkpoints" / "step-0000004") is None  # the work so far is intact

@@ -36,12 +36,11 @@ def supervise(payload: dict, max_restarts: int) -> int:
         if code in (0, EXIT_USER_ERROR, EXIT_FATAL, EXIT_INTERRUPTED):
             return code if code != EXIT_FATAL else 1
         step = _last_step(run_dir / "metrics.jsonl")
-        cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        if code == EXIT_ROLLBACK:
-            cause = "non-finite loss or gradients several steps in a row"
-        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, "restart": restarts + 1,
-                          "max_restarts": max_restarts})
-        if restarts >= max_restarts:
+        cause = _describe_exit(code)
+        gives_up = restarts >= max_restarts
+        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step,
+                          "restart": None if gives_up else restarts + 1, "max_restarts": max_restarts})
+        if gives_up:
             console.print(f"[red]training died ({cause}) at step {step}; {max_restarts} restarts used up. "
                           f"See {run_dir / 'incidents.jsonl'}; continue later with --resume.[/]")
             return 1
@@ -98,6 +97,19 @@ def _run_child(payload: dict) -> int:
         signal.signal(signal.SIGINT, previous)
         if interrupts > 1:
             raise SystemExit(EXIT_INTERRUPTED)
+
+
+def _describe_exit(code: int) -> str:
+    if code == EXIT_ROLLBACK:
+        return "non-finite loss or gradients several steps in a row"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    if code >= 0xC0000000:  # a Windows NTSTATUS, e.g. 0xC0000005 for an access violation
+        return f"exit status 0x{code:08X}" + (" (access violation)" if code == 0xC0000005 else "")
+    return f"exit status {code}"
 
 
 def _last_step(metrics: Path) -> int:
