@@ -13,6 +13,7 @@ from rocktune.data.batching import BatchStream, collate, epoch_batches
 from rocktune.data.dataset import Examples
 from rocktune.data.packing import collate_packed, epoch_packed_batches
 from rocktune.errors import UserError
+from rocktune.model import apply_lora, load_model
 
 
 def seed_everything(seed: int) -> None:
@@ -74,6 +75,18 @@ def autocast(device: str, precision: str):
         return contextlib.nullcontext
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return lambda: torch.autocast(device_type=device, dtype=dtype)
+
+
+def model_with_adapter(name_or_path: str, precision: str, attn_implementation: str, trust_remote_code: bool,
+                       device: str, liger_mode: str, r: int, alpha: float, dropout: float, target_modules,
+                       gradient_checkpointing: bool, compile_: bool) -> tuple[object, list[str]]:
+    """Base model on the device, kernels patched, LoRA applied; returns it with notes on what was done."""
+    model = load_model(name_or_path, precision, attn_implementation, trust_remote_code, device)
+    notes = [n for n in (liger(model, liger_mode, device),) if n]  # patches the base, so before PEFT wraps it
+    model = apply_lora(model, r, alpha, dropout, target_modules, gradient_checkpointing)
+    if compile_:
+        notes.append(compile_decoder(model))
+    return model, notes
 
 
 def liger(model, mode: str, device: str) -> str | None:

@@ -20,7 +20,7 @@ import torch
 from rocktune.config import RunConfig
 from rocktune.data.batching import count_loss_tokens
 from rocktune.data.dataset import prepare_data
-from rocktune.model import apply_lora, load_model, load_tokenizer, trainable_parameters
+from rocktune.model import load_tokenizer, trainable_parameters
 from rocktune.train.autoconf import resolve_auto
 from rocktune.platform.environment import apply_environment
 from rocktune.train import autofit, build, checkpoint, resume, rundir
@@ -68,12 +68,10 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     cache_dir = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
     train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
                                               d.train_on_prompt, tokenizer, cache_dir, t.seed)
-    model = load_model(m.name_or_path, precision, choices.attn_implementation, m.trust_remote_code, device)
-    notes = [n for n in (build.liger(model, m.liger, device),) if n]
-    model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
-                       m.gradient_checkpointing)
-    if t.compile:
-        notes.append(build.compile_decoder(model))
+    model, notes = build.model_with_adapter(m.name_or_path, precision, choices.attn_implementation,
+                                            m.trust_remote_code, device, m.liger, cfg.lora.r, cfg.lora.alpha,
+                                            cfg.lora.dropout, cfg.lora.target_modules, m.gradient_checkpointing,
+                                            t.compile)
     if on_ready is not None:
         on_ready(model)
     params = trainable_parameters(model)

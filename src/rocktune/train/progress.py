@@ -29,7 +29,7 @@ class MetricsLog:
 
 class ProgressBar:
     def __init__(self, total_steps: int, start_step: int, quiet: bool = False):
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True, soft_wrap=True)
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
             TimeRemainingColumn(), console=self.console, disable=quiet, transient=False,

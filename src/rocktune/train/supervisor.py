@@ -26,7 +26,7 @@ EXIT_INTERRUPTED = 130
 
 def supervise(payload: dict, max_restarts: int) -> int:
     """Run ``payload`` (see ``worker.run_in_process``) in a child until it finishes, restarting it after crashes."""
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # one incident, one line: logs stay greppable
     payload = json.loads(json.dumps(payload))  # ours to change between attempts
     run_dir = Path(payload["config"]["output"]["dir"])
     faults_by_step: dict[int, int] = {}
