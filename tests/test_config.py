@@ -77,3 +77,15 @@ def test_every_shipped_example_loads_and_starts_with_its_command(path):
 
 def test_examples_exist():
     assert len(EXAMPLES) >= 3
+
+
+def test_override_with_broken_yaml_value_is_explained():
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(None, ["data.train_file=a", "lora.target_modules=[q_proj, k_proj"])
+
+
+def test_error_text_with_brackets_survives_printing(capsys):
+    from rocktune.errors import print_error
+
+    print_error("values [type=literal_error, input_value=gpu] in /tmp/[/x]")
+    assert "[type=literal_error, input_value=gpu]" in capsys.readouterr().err

@@ -123,3 +123,18 @@ def test_fused_loss_in_low_precision_matches_full_path(tiny_model_dir, dtype):
         assert torch.isfinite(g_fast[name]).all() and g_fast[name].dtype == torch.float32
         cos = torch.nn.functional.cosine_similarity(g_fast[name].flatten(), g_full[name].flatten(), dim=0)
         assert cos > 0.98, name
+
+
+def test_one_packed_row_splits_at_example_starts():
+    """flash-attention packing joins a micro-batch into one row; OOM recovery must still cut it, between examples."""
+    from rocktune.data.packing import collate_packed
+    from rocktune.train.step import max_pieces, split_rows
+
+    examples = [([5] * n, [5] * n) for n in (3, 4, 2, 5)]
+    row = collate_packed([examples], pad_id=0)
+    assert max_pieces(row) == 4
+    parts = split_rows(row, 2)
+    assert [p["input_ids"].shape[1] for p in parts] == [7, 7]
+    assert all(int(p["position_ids"][0, 0]) == 0 for p in parts)
+    assert sum(int((p["labels"] != IGNORE).sum()) for p in parts) == int((row["labels"] != IGNORE).sum())
+    assert len(split_rows(row, 8)) == 4

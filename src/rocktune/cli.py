@@ -71,6 +71,8 @@ def _run_train(args) -> int:
         sys.stdout.write(dump_config(cfg))
         return 0
     vram = None
+    if args.vram and not args.auto:
+        raise UserError("--vram is the budget for --auto; pass both, or neither.")
     if args.vram:
         from rocktune.planner.budget import parse_budget
 

@@ -179,7 +179,11 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise UserError(f"override {item!r}: {part} is a value, not a section.")
         node = child
     # YAML scalar rules give the natural types: 2e-4 -> float, true -> bool, [a, b] -> list, null -> None.
-    node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError as exc:
+        raise UserError(f"override {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]}); "
+                        "quote it or close its brackets, e.g. lora.target_modules=[q_proj,v_proj].") from None
 
 
 def _explain(exc: ValidationError, path: str | None, lines: dict[tuple[str, ...], int]) -> str:

@@ -12,5 +12,7 @@ class UserError(Exception):
 def print_error(message: str) -> None:
     """One paragraph on stderr, the way every user-facing failure is shown."""
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {message}", markup=True)
+    # Escaped: messages quote user input (paths, pydantic's [type=...]) that rich would read as markup.
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")

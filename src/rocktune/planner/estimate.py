@@ -163,9 +163,10 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
     rope = 2 * s * shape.head_dim * dt
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm fp32 input {tok.t} x {h} x 4 B + cos/sin")
     if _loss_mode(shape, spec) == "chunked":
-        # The fused loss keeps d(loss)/d(hidden) in fp32 whatever the precision (fp16 would underflow before scaling).
-        add("loss_saved", n_loss * (h * 4 + 16), "saved",
-            f"{n_loss} loss positions: fp32 hidden-state gradient x {h} x 4 B + gather indices")
+        # The fused loss keeps d(loss)/d(hidden) in the hidden dtype, except fp16 (fp32: it would underflow there).
+        g = 4 if spec.precision == "fp16" else dt
+        add("loss_saved", n_loss * (h * g + 16), "saved",
+            f"{n_loss} loss positions: hidden-state gradient x {h} x {g} B + gather indices")
     else:
         n_full = spec.micro_batch * (s - 1)
         add("loss_saved", n_full * shape.vocab * 4 + n_full * 8, "saved",

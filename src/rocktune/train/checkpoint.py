@@ -76,23 +76,33 @@ def save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, positi
 
 def restore(ckpt_root: Path, model, optimizer, scheduler, scaler) -> Restored | None:
     """Load the newest checkpoint that verifies; None when there is none."""
-    skipped: list[str] = []
+    skipped: list[tuple[Path, str]] = []
     for path in _candidates(ckpt_root):
         problem = verify(path)
         if problem:
-            # Renamed, not deleted: kept as evidence, and never again mistaken for (or pruned in place of) a good one.
-            path.rename(path.with_name(f"damaged-{path.name}"))
-            skipped.append(f"{path.name}: {problem} (kept as damaged-{path.name})")
+            skipped.append((path, problem))
             continue
         _load_into(path, model, optimizer, scheduler, scaler)
+        notes = [f"{p.name}: {why} (kept as {_set_aside(p)})" for p, why in skipped]
         meta = json.loads((path / "meta.json").read_text())
         random.setstate(_tuple_state(meta["py_random"]))
         np.random.set_state(_np_state(meta["np_random"]))
-        return Restored(meta["step"], path, meta["position"], meta["extra"], skipped)
-    if skipped:
-        raise UserError(f"--resume: no checkpoint in {ckpt_root} verifies ({'; '.join(skipped)}); nothing "
-                        "trustworthy to continue from. Start the run again with --overwrite.")
+        return Restored(meta["step"], path, meta["position"], meta["extra"], notes)
+    if skipped:  # nothing is renamed here: a second --resume must meet the same refusal, not an empty directory
+        raise UserError(f"--resume: no checkpoint in {ckpt_root} verifies "
+                        f"({'; '.join(f'{p.name}: {why}' for p, why in skipped)}); nothing trustworthy to continue "
+                        "from. Start the run again with --overwrite.")
     return None
+
+
+def _set_aside(path: Path) -> str:
+    """Rename a damaged checkpoint out of the way: kept as evidence, never again taken for (or pruned instead of)
+    a good one."""
+    n = 0
+    while (target := path.with_name(f"damaged-{path.name}" + (f".{n}" if n else ""))).exists():
+        n += 1
+    path.rename(target)
+    return target.name
 
 
 def verify(path: Path) -> str | None:

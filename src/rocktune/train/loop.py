@@ -28,7 +28,7 @@ from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
 from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, ProgressBar
-from rocktune.train.step import OutOfMemoryAtMinimum, forward_backward, run_with_oom_recovery
+from rocktune.train.step import OutOfMemoryAtMinimum, forward_backward, max_pieces, run_with_oom_recovery
 
 
 @dataclass
@@ -147,7 +147,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 step_loss, pieces = run_with_oom_recovery(
                     lambda n: forward_backward(model, micro, step_tokens, n, device, autocast, scaler,
                                                t.loss_chunk_size, t.loss_impl == "chunked", faults, step, bool(check)),
-                    optimizer, pieces, max(b["input_ids"].shape[0] for b in micro), bar.log)
+                    optimizer, pieces, max(max_pieces(b) for b in micro), bar.log)
             except OutOfMemoryAtMinimum as exc:
                 advice = autofit.oom_advice(m.name_or_path, d.max_length, cfg.lora.r, cfg.lora.target_modules,
                                             precision, choices.attn_implementation,

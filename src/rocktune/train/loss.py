@@ -63,15 +63,21 @@ def _fast_path_ok(base) -> bool:
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(h_i @ W^T + b, y_i), chunked over rows; d/dh is computed in forward, W and b are frozen.
 
-    d/dh is kept in fp32 until backward: with fp16 it is taken before the GradScaler's scale is applied, and the
-    small components of well-predicted tokens would underflow in fp16.
+    In fp16, d/dh is taken before the GradScaler's scale is applied, so the small components of well-predicted
+    tokens would flush to zero: there the softmax gradient is scaled by FP16_SCALE before the half-precision matmul
+    and unscaled into an fp32 buffer. bf16 has fp32's exponent range and keeps its own dtype.
     """
+
+    FP16_SCALE = 2.0**12  # |softmax - onehot| <= 1 per entry, so the scaled matmul stays far below fp16's max
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
+        fp16 = hidden.dtype == torch.float16
+        scale = LinearCrossEntropy.FP16_SCALE if fp16 else 1.0
+        grad_dtype = torch.float32 if fp16 else hidden.dtype
+        grad_hidden = torch.empty(hidden.shape, dtype=grad_dtype, device=hidden.device) if need_grad else None
         w = weight.to(hidden.dtype)  # once, not per chunk: the head is the largest matrix of a small model
         b = None if bias is None else bias.to(hidden.dtype)
         for start in range(0, hidden.shape[0], chunk_size):
@@ -85,7 +91,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             # d(sum CE)/d(logits) = softmax - onehot, reusing the logits buffer in place.
             grad = logits.sub_(lse[:, None]).exp_()
             grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-            grad_hidden[start : start + chunk_size] = grad.to(w.dtype) @ w  # stored in fp32 (see docstring)
+            if fp16:
+                grad.mul_(scale)
+            grad_hidden[start : start + chunk_size] = (grad.to(w.dtype) @ w).to(grad_dtype) / scale
         ctx.hidden_dtype = hidden.dtype
         ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))
         return total
@@ -93,4 +101,4 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_out.float()).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_hidden * grad_out.to(grad_hidden.dtype)).to(ctx.hidden_dtype), None, None, None, None

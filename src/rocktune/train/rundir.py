@@ -39,7 +39,10 @@ def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool 
 
 def start(run_dir: Path, config: dict, wipe: bool) -> None:
     if wipe and run_dir.exists():
-        shutil.rmtree(run_dir)
+        for entry in run_dir.iterdir():
+            if entry.name == "incidents.jsonl":
+                continue  # the supervisor's record of crashes on the way here (timestamped, so old lines tell)
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, config)
 

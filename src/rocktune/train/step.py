@@ -24,9 +24,22 @@ class OutOfMemoryAtMinimum(RuntimeError):
 
 
 def split_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
+    """Cut a micro-batch into ``pieces`` smaller forwards: by rows, or, for one packed row (flash-attention),
+    at example starts (position id 0) so that no example is cut."""
     rows = batch["input_ids"].shape[0]
+    if rows == 1 and pieces > 1 and "position_ids" in batch:
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+        cuts = sorted({starts[i * len(starts) // pieces] for i in range(pieces)}) + [batch["input_ids"].shape[1]]
+        return [{k: v[:, a:b] for k, v in batch.items()} for a, b in zip(cuts, cuts[1:])]
     size = -(-rows // pieces)
     return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def max_pieces(batch: dict[str, torch.Tensor]) -> int:
+    """How finely ``split_rows`` can cut this micro-batch: rows, or the examples of a single packed row."""
+    if batch["input_ids"].shape[0] == 1 and "position_ids" in batch:
+        return int((batch["position_ids"][0] == 0).sum())
+    return batch["input_ids"].shape[0]
 
 
 def forward_backward(model, micro: list[dict], step_tokens: int, pieces: int, device: str, autocast, scaler,

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from rich.console import Console
 
 EXIT_USER_ERROR = 2
@@ -29,10 +31,13 @@ def supervise(payload: dict, max_restarts: int) -> int:
     console = Console(stderr=True, soft_wrap=True)  # one incident, one line: logs stay greppable
     payload = json.loads(json.dumps(payload))  # ours to change between attempts
     run_dir = Path(payload["config"]["output"]["dir"])
+    started = time.time()
     faults_by_step: dict[int, int] = {}
     restarts = 0
     while True:
-        code = _run_child(payload)
+        code, interrupted = _run_child(payload)
+        if interrupted:  # the user's Ctrl-C, whatever the child managed to do with it: never a crash to retry
+            return EXIT_INTERRUPTED
         if code in (0, EXIT_USER_ERROR, EXIT_FATAL, EXIT_INTERRUPTED):
             return code if code != EXIT_FATAL else 1
         step = _last_step(run_dir / "metrics.jsonl")
@@ -46,16 +51,19 @@ def supervise(payload: dict, max_restarts: int) -> int:
             return 1
         restarts += 1
         faults_by_step[step] = faults_by_step.get(step, 0) + 1
-        notes = _next_attempt(payload, run_dir, code == EXIT_ROLLBACK, faults_by_step[step] >= 2)
+        notes = _next_attempt(payload, run_dir, started, code == EXIT_ROLLBACK, faults_by_step[step] >= 2)
         console.print(f"[yellow]training died ({cause}) at step {step}; restart {restarts}/{max_restarts} from the "
                       f"last good checkpoint{'; ' + '; '.join(notes) if notes else ''}[/]")
 
 
-def _next_attempt(payload: dict, run_dir: Path, rollback: bool, repeated: bool) -> list[str]:
+def _next_attempt(payload: dict, run_dir: Path, started: float, rollback: bool, repeated: bool) -> list[str]:
     notes = []
-    # Never wipe on a restart (the first attempt did, if asked); resume once the run directory holds a run.
-    payload["overwrite"] = False
-    payload["resume"] = (run_dir / "config.yaml").is_file()
+    saved = run_dir / "config.yaml"
+    if saved.is_file() and saved.stat().st_mtime >= started - 1:  # 1 s: coarse mtimes on some filesystems
+        # Our child started the run: continue exactly that run (its config, already fitted by --auto), never wipe.
+        payload["config"] = yaml.safe_load(saved.read_text())
+        payload.update(overwrite=False, resume=True, auto_fit=False)
+    # Otherwise the child died before it wrote anything: repeat the first attempt as asked (--overwrite included).
     training = payload["config"]["training"]
     if (rollback or repeated) and training["precision"] != "fp32":
         training["precision"] = "fp32"
@@ -70,9 +78,10 @@ def _next_attempt(payload: dict, run_dir: Path, rollback: bool, repeated: bool) 
     return notes
 
 
-def _run_child(payload: dict) -> int:
+def _run_child(payload: dict) -> tuple[int, bool]:
     """Run the worker in its own session / process group, so a terminal's Ctrl-C reaches only us; we forward it
-    once (the child checkpoints and exits cleanly), and a second Ctrl-C kills the child."""
+    once (the child checkpoints and exits cleanly), and a second Ctrl-C kills the child.
+    Returns the exit code and whether the user interrupted."""
     cmd = [sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)]
     if os.name == "nt":
         proc = subprocess.Popen(cmd, creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
@@ -92,7 +101,7 @@ def _run_child(payload: dict) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        return proc.wait()
+        return proc.wait(), interrupts > 0
     finally:
         signal.signal(signal.SIGINT, previous)
         if interrupts > 1:

@@ -16,14 +16,16 @@ from rocktune.train.supervisor import EXIT_FATAL, EXIT_INTERRUPTED, EXIT_ROLLBAC
 
 
 def run_in_process(payload: dict) -> int:
-    from rocktune.config import config_from_dict
-    from rocktune.errors import UserError, print_error
-    from rocktune.train.guards import FatalNumerics, RollbackRequired
-    from rocktune.train.loop import train
-    from rocktune.train.step import OutOfMemoryAtMinimum
-
-    cfg = config_from_dict(payload["config"])
+    try:  # a Ctrl-C can arrive while torch and transformers are still importing
+        from rocktune.config import config_from_dict
+        from rocktune.errors import UserError, print_error
+        from rocktune.train.guards import FatalNumerics, RollbackRequired
+        from rocktune.train.loop import train
+        from rocktune.train.step import OutOfMemoryAtMinimum
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     try:
+        cfg = config_from_dict(payload["config"])
         result = train(cfg, overwrite=payload["overwrite"], resume_run=payload["resume"],
                        resume_force=payload["resume_force"], pieces=payload["pieces"],
                        auto_fit=payload.get("auto_fit", False), vram_bytes=payload.get("vram_bytes"))
@@ -59,5 +61,7 @@ def _stop_when_orphaned() -> None:
 
 
 if __name__ == "__main__":
+    if hasattr(signal, "SIGBREAK"):  # Windows: the supervisor's CTRL_BREAK stops us cleanly until the loop takes over
+        signal.signal(signal.SIGBREAK, signal.default_int_handler)
     _stop_when_orphaned()
     raise SystemExit(run_in_process(json.loads(sys.argv[1])))
