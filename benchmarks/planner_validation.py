@@ -12,7 +12,6 @@ and optimizer states are counted from the tensors after the step.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from contextlib import nullcontext
@@ -162,7 +161,7 @@ def gpu_check(preset: str, b: int, s: int, precision: str = "bf16", ckpt: bool =
     torch.manual_seed(0)
     model = build(config, precision, "sdpa", 8, 0.0, ckpt, device="cuda")
     batch = make_batch(config["vocab_size"], b, s, device="cuda")
-    for step in range(2):  # the second step has the optimizer states, as every later one does
+    for _ in range(2):  # the second step has the optimizer states, as every later one does
         torch.cuda.reset_peak_memory_stats()
         got = measure_step(model, batch, precision, device="cuda")
     peak = torch.cuda.max_memory_allocated()

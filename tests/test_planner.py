@@ -12,7 +12,7 @@ from rocktune.cli import main
 from rocktune.errors import UserError
 from rocktune.planner import RunSpec, estimate, load_shape, suggest_settings
 from rocktune.planner.budget import parse_budget
-from rocktune.planner.shapes import presets, shape_from_config
+from rocktune.planner.shapes import presets
 
 SEED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

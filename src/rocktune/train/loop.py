@@ -21,9 +21,9 @@ from rocktune.config import RunConfig
 from rocktune.data.batching import count_loss_tokens
 from rocktune.data.dataset import prepare_data
 from rocktune.model import load_tokenizer, trainable_parameters
-from rocktune.train.autoconf import resolve_auto
 from rocktune.platform.environment import apply_environment
 from rocktune.train import autofit, build, checkpoint, resume, rundir
+from rocktune.train.autoconf import resolve_auto
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
 from rocktune.train.guards import NumericGuard
