@@ -28,8 +28,15 @@ class MetricsLog:
 
 
 class ProgressBar:
+    """A live bar on a terminal; in a log file (nohup, CI, a job scheduler), where a bar cannot redraw, a plain
+    progress line every ``PLAIN_EVERY_S`` seconds and at the last step instead."""
+
+    PLAIN_EVERY_S = 30.0
+
     def __init__(self, total_steps: int, start_step: int, quiet: bool = False):
         self.console = Console(stderr=True, soft_wrap=True)
+        self.total, self.quiet = total_steps, quiet
+        self._last_plain = time.perf_counter()
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
             TimeRemainingColumn(), console=self.console, disable=quiet, transient=False,
@@ -48,6 +55,11 @@ class ProgressBar:
         mem = f" mem {mem_bytes / 2**30:.2f}GiB" if mem_bytes is not None else ""
         stats = f"loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s{mem}"
         self.progress.update(self.task, completed=step, stats=stats)
+        now = time.perf_counter()
+        if not self.quiet and not self.console.is_terminal and (
+                now - self._last_plain >= self.PLAIN_EVERY_S or step == self.total):
+            self._last_plain = now
+            self.log(f"step {step}/{self.total} {stats} ({now - self.t0:.0f} s)")
 
     def log(self, message: str) -> None:
         self.progress.console.print(message, highlight=False)
