@@ -6,8 +6,9 @@ from rocktune.config import RunConfig
 
 
 def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None
-              ) -> tuple[RunConfig, list[str]]:
-    """A copy of ``cfg`` with the planner's settings, and the reasons to log. The global batch is kept."""
+              ) -> tuple[RunConfig, list[str], int]:
+    """A copy of ``cfg`` with the planner's settings, the reasons to log, and the predicted peak allocated bytes.
+    The global batch is kept."""
     from rocktune.planner import suggest_settings
 
     t = cfg.training
@@ -22,7 +23,7 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
     chosen = (f"--auto: micro_batch_size={sug.micro_batch_size} grad_accum={sug.grad_accum} "
               f"gradient_checkpointing={sug.gradient_checkpointing} max_length={sug.max_length} "
               f"(predicted peak {sug.predicted_peak_bytes / 2**30:.2f} GiB of {sug.budget_bytes / 2**30:.2f} GiB)")
-    return fitted, [chosen, *sug.reasons]
+    return fitted, [chosen, *sug.reasons], sug.predicted_peak_bytes
 
 
 def oom_advice(model: str, max_length: int, lora_r: int, target_modules, precision: str, attn_implementation: str,

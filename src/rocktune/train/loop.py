@@ -52,8 +52,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     choices = resolve_auto(cfg.training.device, cfg.training.precision, cfg.model.attn_implementation)
     device, precision = choices.device, choices.precision
     fit_notes: list[str] = []
+    predicted_peak = None
     if auto_fit:
-        cfg, fit_notes = autofit.apply_fit(cfg, precision, choices.attn_implementation, vram_bytes)
+        cfg, fit_notes, predicted_peak = autofit.apply_fit(cfg, precision, choices.attn_implementation, vram_bytes)
     t, m, d, rel = cfg.training, cfg.model, cfg.data, cfg.reliability
     faults = faults or Faults()
     run_dir = Path(cfg.output.dir)
@@ -133,6 +134,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             result.eval_loss_before = evaluate()
             metrics.write({"step": 0, "eval_loss": result.eval_loss_before})
         model.train()
+        run_peak = 0
         for step in range(start_step + 1, total_steps + 1):
             t0 = time.perf_counter()
             if device == "cuda":
@@ -172,6 +174,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             result.losses.append(loss)
             lr = scheduler.get_last_lr()[0]
             mem = torch.cuda.max_memory_allocated() if device == "cuda" else None
+            run_peak = max(run_peak, mem or 0)
             bar.update(step, loss, lr, step_tokens / elapsed, mem)
             if step % t.log_every == 0 or step == total_steps:
                 metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
@@ -195,6 +198,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
         save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
         bar.log(f"adapter saved to {run_dir / 'adapter'}")
+        if run_peak:  # the measured figure beside the planner's, so a wrong prediction shows itself
+            planned = f" (planner predicted {predicted_peak / 2**30:.2f} GiB)" if predicted_peak else ""
+            bar.log(f"peak device memory allocated in a step: {run_peak / 2**30:.2f} GiB{planned}")
     return result
 
 
