@@ -56,9 +56,6 @@ class Advice:
         has_fp16_units = self.facts.get("precision") in ("bf16", "fp16") and self.facts.get("vendor") != "cpu"
         return "fp16" if has_fp16_units else "fp32"
 
-    def env_to_apply(self) -> list[EnvAdvice]:
-        return [e for e in self.env if e.confidence == "documented"]
-
     def to_dict(self) -> dict:
         data = asdict(self)
         data["facts"] = {k: v for k, v in self.facts.items() if k != "ids"}
