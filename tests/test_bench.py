@@ -126,3 +126,49 @@ def test_bench_end_to_end_losses_match_hf(tiny_model_dir, tmp_path):
         assert 0 <= row["padding_fraction"] < 1
     parity = stats.loss_parity(rt["losses"], hf["losses"], rel_tol=1e-4)
     assert parity["match"], parity
+
+
+def test_peaks_table_loads_as_numbers_and_matches_gpu_names():
+    """The H200 bench crash: PyYAML read 989.4e12 as a string and the MFU division raised after the run."""
+    from rocktune.bench.peaks import load_peaks, peak_flops
+
+    rows = load_peaks()
+    assert rows and all(isinstance(r[k], float) for r in rows for k in ("bf16", "fp16", "fp32") if k in r)
+    assert peak_flops("NVIDIA H200", "bfloat16") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756.5e12  # the PCIe row comes before the SXM one
+    assert peak_flops("AMD Instinct MI300X", "float32") == 163.4e12
+    assert peak_flops("Radeon RX 7900 XT", "bfloat16") is None and peak_flops(None, "bf16") is None
+
+
+def test_peaks_loader_converts_unsigned_exponents_and_rejects_junk(tmp_path):
+    from rocktune.bench.peaks import load_peaks
+
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("- match: X\n  bf16: 989.4e12\n")  # a string to PyYAML: converted, not crashed on later
+    assert load_peaks(str(ok))[0]["bf16"] == 989.4e12
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- match: X\n  bf16: fast\n")
+    with pytest.raises(ValueError):
+        load_peaks(str(bad))
+
+
+def test_summarise_computes_mfu_for_a_gpu_result():
+    """The whole GPU report path on the CPU: a fake H200 result through summarise, ratios and targets."""
+    def result(name, tok_s, peak):
+        steps = [{"step": i, "loss": 2.0 - i / 10, "tokens": tok_s, "step_s": 1.0, "real_tokens": 2 * tok_s,
+                  "batch_tokens": 2 * tok_s + 10, "device_wait_s": 0.9} for i in range(1, 4)]
+        return {"name": name, "kind": "rocktune" if name == "rocktune" else "hf", "status": "ok", "steps": steps,
+                "first_round_losses": [s["loss"] for s in steps],
+                "memory": {"device_peak_allocated_bytes": peak, "rss_growth_bytes": 1},
+                "shape": {"matmul_params": 494_000_000, "layers": 24, "attn_dim": 896, "dtype": "bfloat16"},
+                "environment": {"gpu": "NVIDIA H200", "device": "cuda"}}
+
+    rep = runner.summarise([result("hf-seed", 1000, 4e9), result("hf-tuned", 1200, 3e9), result("rocktune", 50000, 2e9)],
+                           0, [500, 1500], "cuda")
+    rt = next(r for r in rep["configs"] if r["name"] == "rocktune")
+    fpt = stats.flops_per_token(494_000_000, 24, 896, [500, 1500])
+    assert rt["mfu"] == pytest.approx(100000 * fpt / 989.4e12)
+    assert rt["ratios"]["hf-seed"]["tokens_per_s"] == pytest.approx(50.0)
+    assert rt["device_wait_fraction"] == pytest.approx(0.9)
+    assert runner.targets(rep["configs"], None)["tokens_per_s_vs_hf-seed"]["met"] is True
+    json.dumps(rep)  # the report must serialise

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from rocktune.errors import UserError
 
@@ -29,6 +29,14 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     liger: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger fused kernels (RMSNorm, SwiGLU, RoPE); auto: on for ROCm/CUDA when installed."
+    )
+    quantization: Literal["none", "nf4", "fp4", "int8"] = Field(
+        "none", description="QLoRA: load the base's linear weights quantised by bitsandbytes (nf4/fp4 4-bit, int8 "
+        "LLM.int8); computation follows training.precision. Refused before loading where the platform knowledge "
+        "says the installed bitsandbytes cannot run it (docs/qlora.md). Needs the qlora extra."
+    )
+    double_quant: bool = Field(
+        True, description="nf4/fp4: quantise the per-block scales too (about 0.4 bit per weight less memory)."
     )
 
 
@@ -49,6 +57,11 @@ class DataConfig(_Section):
         "auto", description="Record shape; auto detects it per file from the first record's keys."
     )
     max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted).")
+    truncation: Literal["prompt", "end"] = Field(
+        "prompt", description="How an example longer than max_length is cut. prompt: the start of the prompt (or the "
+        "oldest turns) first, keeping its end next to the completion; the completion is cut at its end only when it "
+        "alone does not fit (the prompt then keeps its last max_length/4 tokens). end: keep the first max_length tokens."
+    )
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.")
     packing: bool = Field(
         False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing."
@@ -59,8 +72,20 @@ class DataConfig(_Section):
 class TrainingConfig(_Section):
     epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs.")
-    micro_batch_size: int = Field(4, gt=0, description="Examples per forward/backward.")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    micro_batch_size: int = Field(4, gt=0, description="Examples per forward/backward (batching=examples).")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step. The global batch, in examples "
+                            "per optimizer step, is micro_batch_size x grad_accum in either batching mode.")
+    batching: Literal["auto", "examples", "tokens"] = Field(
+        "auto", description="How a step's examples become forwards. examples: micro_batch_size examples per forward "
+        "(length-bucketed, or packed with data.packing); tokens: the step's examples packed without padding into "
+        "rows of data.max_length, micro_batch_tokens per forward. auto: tokens on ROCm/CUDA (a GPU is bound by "
+        "launches with small forwards), examples on CPU (small forwards are fastest there, per rocktune bench)."
+    )
+    micro_batch_tokens: PositiveInt | Literal["auto"] = Field(
+        "auto", description="Token budget of one forward with batching=tokens, rounded down to whole rows of "
+        "data.max_length. auto: the planner's largest budget that fits the device (headroom kept), capped at what "
+        "a step holds; on CPU 2 rows."
+    )
     lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
@@ -79,10 +104,14 @@ class TrainingConfig(_Section):
     optimizer: Literal["auto", "adamw_fused", "adamw_foreach", "adamw_torch"] = Field(
         "auto", description="AdamW implementation over the adapter; auto: fused on GPU, foreach on CPU."
     )
-    compile: bool = Field(False, description="torch.compile the decoder: off by default (slow first steps, and "
-                          "rocktune doctor advises against it on gfx906 and CPU).")
-    loss_chunk_size: int = Field(
-        256, gt=0, description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once."
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the decoder. auto: on with batching=tokens where the platform knowledge "
+        "calls it sound (Linux; CUDA sm_70+, Instinct gfx908+; never gfx906, RDNA not yet measured, never CPU); "
+        "the first step then shows as compiling and is left out of tokens/s. A compile failure falls back to eager."
+    )
+    loss_chunk_size: PositiveInt | Literal["auto"] = Field(
+        "auto", description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once. auto: 256 "
+        "on CPU (measured fastest there), 4096 on ROCm/CUDA (fewer, larger head matmuls)."
     )
 
 

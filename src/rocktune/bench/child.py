@@ -45,7 +45,8 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
     loop.train(config_from_dict(raw), overwrite=True, quiet=True, on_ready=probe.mark_loaded)
     rows = [json.loads(line) for line in (Path(spec["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
-              "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"]}
+              "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"],
+              "device_wait_s": r.get("device_wait_s"), "forwards": r.get("forwards"), "compiling": r.get("compiling")}
              for r in rows if "loss" in r]
     return steps, {"config": raw}
 

@@ -12,10 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from functools import lru_cache
 from pathlib import Path
-
-import yaml
 
 from rocktune.bench import stats, workload
 from rocktune.bench.configs import BASELINES, PARITY, BenchConfig, select
@@ -226,14 +223,7 @@ def _data_lengths(model_dir: str, data_file: str, cache: Path) -> tuple[list[int
     return ex.lengths(), loss / sum(ex.lengths())
 
 
-@lru_cache(maxsize=1)
-def _peaks() -> list[dict]:
-    return yaml.safe_load((Path(__file__).parent / "peaks.yaml").read_text())
-
-
 def _peak(env: dict, shape: dict) -> float | None:
-    name = env.get("gpu")
-    if not name:
-        return None
-    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(shape.get("dtype", ""), "fp32")
-    return next((p.get(dtype) for p in _peaks() if p["match"] in name), None)
+    from rocktune.bench.peaks import peak_flops
+
+    return peak_flops(env.get("gpu"), shape.get("dtype", "float32"))

@@ -47,6 +47,18 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE).sum())
 
 
+LOSS_KEYS = ("loss_index", "loss_targets")
+
+
+def with_loss_index(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add the loss positions (flat indices into the shifted ``(rows, width - 1)`` grid) and their targets, computed
+    on the host. The device then gathers a known number of rows: a boolean mask on the device would make the host
+    wait for the GPU to learn the output size, once per forward."""
+    shifted = batch["labels"][:, 1:]
+    index = (shifted != IGNORE).flatten().nonzero().flatten()
+    return {**batch, "loss_index": index, "loss_targets": shifted.flatten()[index]}
+
+
 class BatchStream:
     """Endless stream of micro-batches over epochs; its position is two integers (epoch, index).
 

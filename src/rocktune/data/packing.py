@@ -42,8 +42,29 @@ def epoch_packed_batches(lengths: list[int], rows_per_batch: int, capacity: int,
     return [rows[i : i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
 
 
-def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """``rows`` holds (input_ids, labels) per example; rows are right-padded to the longest row."""
+def epoch_steps(lengths: list[int], examples_per_step: int, seed: int, epoch: int) -> list[list[int]]:
+    """The example indices of each optimizer step of one epoch (token batching); a pure function of (seed, epoch).
+    No length sorting: packing removes the padding that bucketing exists to avoid, and random steps train better."""
+    rng = random.Random(f"steps:{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    return [order[i : i + examples_per_step] for i in range(0, len(order), examples_per_step)]
+
+
+def step_forwards(indices: list[int], lengths: list[int], capacity: int, rows_per_forward: int
+                  ) -> list[list[list[int]]]:
+    """One step's examples packed into rows of ``capacity`` tokens (longest first: tighter rows), then cut into as
+    few forwards of at most ``rows_per_forward`` rows as possible, of near-equal size (a lower, steadier peak)."""
+    rows = pack_rows(lengths, capacity, sorted(indices, key=lambda i: -lengths[i]))
+    n = -(-len(rows) // rows_per_forward)
+    cuts = [len(rows) * k // n for k in range(n + 1)]  # sizes differ by at most one row
+    return [rows[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, width: int = 0
+                   ) -> dict[str, torch.Tensor]:
+    """``rows`` holds (input_ids, labels) per example; rows are right-padded to the longest row, or to ``width``
+    when that is larger (static shapes for torch.compile and a steadier allocator)."""
     flat = []
     for row in rows:
         ids, labels, pos = [], [], []
@@ -52,7 +73,7 @@ def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int) -
             labels += [IGNORE] + y[1:]
             pos += range(len(x))
         flat.append((ids, labels, pos))
-    width = max(len(ids) for ids, _, _ in flat)
+    width = max(width, *(len(ids) for ids, _, _ in flat))
     out_ids = torch.full((len(flat), width), pad_id, dtype=torch.long)
     out_labels = torch.full((len(flat), width), IGNORE, dtype=torch.long)
     # Padding continues the last example's positions so a pad never looks like the start of a new sequence.

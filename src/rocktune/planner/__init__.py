@@ -4,8 +4,8 @@ Lower layer: imports nothing from training code and never touches a device.
 """
 
 from rocktune.planner.estimate import Estimate, RunSpec, estimate
-from rocktune.planner.fit import Suggestion, describe_fit, suggest_settings
+from rocktune.planner.fit import Suggestion, TokenBudget, describe_fit, suggest_settings, suggest_token_budget
 from rocktune.planner.shapes import ModelShape, load_shape
 
 __all__ = ["Estimate", "ModelShape", "RunSpec", "Suggestion", "describe_fit", "estimate", "load_shape",
-           "suggest_settings"]
+           "suggest_settings", "suggest_token_budget", "TokenBudget"]

@@ -138,3 +138,52 @@ def _targets(target_modules):
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
+
+
+@dataclass
+class TokenBudget:
+    rows: int  # rows of max_length per forward
+    max_length: int
+    predicted_peak_bytes: int
+    total_bytes: int
+    budget_bytes: int
+    reason: str
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.max_length
+
+
+def fit_token_rows(shape: ModelShape, base: RunSpec, budget: int, max_rows: int,
+                   source: str = "given") -> TokenBudget:
+    """The most rows of ``base.seq_len`` packed tokens per forward that fit ``budget`` (``MARGIN`` kept free), up to
+    ``max_rows`` (what a step holds). Memory grows with rows, so a bisection finds the largest."""
+    usable = int(budget * (1 - MARGIN))
+    spec = lambda rows: replace(base, micro_batch=rows, padded=base.attn != "flash_attention_2")  # noqa: E731
+    if estimate(shape, spec(1)).total_bytes > usable:
+        one = estimate(shape, spec(1))
+        raise UserError(f"{shape.name}: one packed row of {base.seq_len} tokens needs {_gib(one.total_bytes)}, more "
+                        f"than the {_gib(usable)} usable of {_gib(budget)} ({source}); lower data.max_length, turn "
+                        "on model.gradient_checkpointing, or see `rocktune plan` for settings that fit.")
+    lo, hi = 1, max(1, max_rows)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if estimate(shape, spec(mid)).total_bytes <= usable else (lo, mid - 1)
+    est = estimate(shape, spec(lo))
+    capped = " (all a step holds)" if lo == max_rows else ""
+    reason = (f"{lo} rows x {base.seq_len} = {lo * base.seq_len:,} tokens per forward{capped}: predicted peak "
+              f"{_gib(est.peak_allocated)}, {_gib(est.total_bytes)} with allocator and context, of {_gib(budget)} "
+              f"({source}, {MARGIN:.0%} kept free)")
+    return TokenBudget(rows=lo, max_length=base.seq_len, predicted_peak_bytes=est.peak_allocated,
+                       total_bytes=est.total_bytes, budget_bytes=budget, reason=reason)
+
+
+def suggest_token_budget(model: str, vram_bytes: int | None, max_length: int, lora_r: int, target_modules,
+                         precision: str, attn_implementation: str, checkpointing: bool, loss_chunk: int,
+                         loss_mode: str, max_rows: int, lora_dropout: float = 0.0) -> TokenBudget:
+    shape = load_shape(model)
+    budget, device, source = (vram_bytes, "gpu", "given") if vram_bytes else detect_budget()
+    base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules), precision=precision,
+                   attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
+                   loss_mode=loss_mode, loss_chunk=loss_chunk, checkpointing=checkpointing, device=device)
+    return fit_token_rows(shape, base, budget, max_rows, source)

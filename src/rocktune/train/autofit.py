@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rocktune.config import RunConfig
+from rocktune.errors import UserError
+from rocktune.train.feed import CPU_ROWS, Feeding, resolve_mode, rows_for_budget, rows_per_step
 
 
 def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None
@@ -35,3 +39,58 @@ def oom_advice(model: str, max_length: int, lora_r: int, target_modules, precisi
                             global_batch, loss_impl)
     except Exception as exc:  # the planner may not know this architecture; the OOM message must still go out
         return f"(rocktune plan could not size this model: {exc})"
+
+
+# Loss positions per head + cross-entropy chunk when `training.loss_chunk_size: auto`: 256 rows was measured
+# fastest on the CPU; a GPU wants few large head matmuls (2048 x vocab fp32 logits: 1.2 GiB at Qwen's 152k vocab).
+LOSS_CHUNK = {"cpu": 256, "cuda": 2048}
+
+
+def loss_chunk(setting, device: str) -> int:
+    return setting if isinstance(setting, int) else LOSS_CHUNK[device]
+
+
+def plan_feeding(cfg: RunConfig, device: str, precision: str, attn_implementation: str, lengths: list[int],
+                 vram_bytes: int | None, static_width: bool) -> tuple[Feeding, list[str], int | None]:
+    """How this run cuts its steps into forwards (see ``train/feed.py``), the reasons to log, and the planner's
+    predicted peak when it chose the token budget."""
+    t, d = cfg.training, cfg.data
+    mode = resolve_mode(t.batching, device)
+    feeding = Feeding(mode=mode, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                      max_length=d.max_length, packing=d.packing, seed=t.seed)
+    if mode == "examples":
+        why = " (auto: small forwards are fastest on a CPU)" if t.batching == "auto" else ""
+        return feeding, [feeding.describe() + why], None
+    cap = rows_per_step(lengths, feeding.examples_per_step, d.max_length)
+    notes, peak = [], None
+    if t.micro_batch_tokens != "auto":
+        rows = min(rows_for_budget(t.micro_batch_tokens, d.max_length), cap)
+    elif device != "cuda":
+        rows = min(CPU_ROWS, cap)
+    else:
+        rows, peak, note = _planned_rows(cfg, precision, attn_implementation, vram_bytes, cap)
+        notes.append(note)
+    feeding = dataclasses.replace(feeding, rows_per_forward=rows, static_width=static_width)
+    return feeding, [feeding.describe(), *notes], peak
+
+
+def _planned_rows(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None,
+                  cap: int) -> tuple[int, int | None, str]:
+    from rocktune.planner import suggest_token_budget
+
+    t = cfg.training
+    try:
+        plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
+                                    cfg.lora.target_modules, precision, attn_implementation,
+                                    cfg.model.gradient_checkpointing, loss_chunk(t.loss_chunk_size, "cuda"),
+                                    t.loss_impl, cap, cfg.lora.dropout)
+    except UserError:
+        raise
+    except Exception as exc:  # a model the planner cannot size still trains, on a modest fixed budget
+        rows = max(1, min(cap, FALLBACK_TOKENS // cfg.data.max_length))
+        return rows, None, (f"micro_batch_tokens auto: the planner cannot size this model ({exc}); using {rows} "
+                            f"rows — set training.micro_batch_tokens to use more of the device")
+    return plan.rows, plan.predicted_peak_bytes, f"micro_batch_tokens auto: {plan.reason}"
+
+
+FALLBACK_TOKENS = 8192

@@ -9,9 +9,9 @@ import random
 import numpy as np
 import torch
 
-from rocktune.data.batching import BatchStream, collate, epoch_batches
+from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
-from rocktune.data.packing import collate_packed, epoch_packed_batches
+from rocktune.data.packing import collate_packed
 from rocktune.errors import UserError
 from rocktune.model import apply_lora, load_model
 
@@ -22,25 +22,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def batch_stream(examples: Examples, packing: bool, micro_batch_size: int, max_length: int, seed: int,
-                 epoch: int = 0, index: int = 0) -> BatchStream:
-    lengths = examples.lengths()
-    if packing:
-        return BatchStream(lambda e: epoch_packed_batches(lengths, micro_batch_size, max_length, seed, e), epoch, index)
-    return BatchStream(lambda e: epoch_batches(lengths, micro_batch_size, seed, e), epoch, index)
-
-
-def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False):
+def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
+                 width: int = 0):
     """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row, ``pin``
-    puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it)."""
+    puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it), ``width``
+    pads packed rows to at least that many tokens (static shapes)."""
     def finish(batch):
+        batch = with_loss_index(batch)
         return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
 
     if packing:
         def collate_rows(rows):
             rows = [[i for row in rows for i in row]] if one_row else rows
             return finish(collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows],
-                                         pad_id))
+                                         pad_id, 0 if one_row else width))
         return collate_rows
 
     def collate_idx(idx):
@@ -105,6 +100,19 @@ def liger(model, mode: str, device: str) -> str | None:
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
                                     fused_linear_cross_entropy=False, cross_entropy=False)
     return "liger kernels applied (RMSNorm, SwiGLU, RoPE)"
+
+
+def want_compile(setting, platform_sound: bool, device: str, batching: str) -> bool:
+    """``training.compile: auto`` compiles only where the platform knowledge calls it sound, on a GPU fed fixed-width
+    token rows (few distinct shapes, so few recompilations); true/false are taken as given."""
+    if setting != "auto":
+        return bool(setting)
+    return platform_sound and device == "cuda" and batching in ("auto", "tokens")
+
+
+def uncompile_decoder(model) -> None:
+    """Undo ``nn.Module.compile``: the module's plain forward is called again."""
+    model.get_base_model().get_decoder()._compiled_call_impl = None
 
 
 def compile_decoder(model) -> str:

@@ -7,6 +7,7 @@ pieces (checkpoints, guards, OOM recovery) are small modules the loop calls at t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import signal
@@ -18,7 +19,6 @@ from pathlib import Path
 import torch
 
 from rocktune.config import RunConfig
-from rocktune.data.batching import count_loss_tokens
 from rocktune.data.dataset import prepare_data
 from rocktune.model import load_tokenizer, trainable_parameters
 from rocktune.platform.environment import apply_environment
@@ -26,6 +26,7 @@ from rocktune.train import autofit, build, checkpoint, resume, rundir
 from rocktune.train.autoconf import resolve_auto
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
+from rocktune.train.feed import StepFeed
 from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, ProgressBar
 from rocktune.train.step import OutOfMemoryAtMinimum, forward_backward, max_pieces, run_with_oom_recovery
@@ -68,28 +69,44 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     tokenizer = load_tokenizer(m.name_or_path, m.trust_remote_code)
     cache_dir = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
     train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
-                                              d.train_on_prompt, tokenizer, cache_dir, t.seed)
+                                              d.train_on_prompt, tokenizer, cache_dir, t.seed, d.truncation)
+    lengths = train_set.lengths()
+    compiled = build.want_compile(t.compile, choices.compile, device, t.batching)
+    feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, device, precision, choices.attn_implementation,
+                                                             lengths, vram_bytes, static_width=compiled)
+    predicted_peak = planned_peak or predicted_peak
+    chunk = autofit.loss_chunk(t.loss_chunk_size, device)
     model, notes = build.model_with_adapter(m.name_or_path, precision, choices.attn_implementation,
                                             m.trust_remote_code, device, m.liger, cfg.lora.r, cfg.lora.alpha,
                                             cfg.lora.dropout, cfg.lora.target_modules, m.gradient_checkpointing,
-                                            t.compile)
+                                            compiled)
     if on_ready is not None:
         on_ready(model)
     params = trainable_parameters(model)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
-    stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed)
-    lengths = train_set.lengths()
     # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
-    to_batch = build.make_collate(train_set, d.packing, tokenizer.pad_token_id,
+    to_batch = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
                                   one_row=choices.attn_implementation == "flash_attention_2",
-                                  pin=choices.pin_memory and device == "cuda")
-    total_steps = t.max_steps or math.ceil(t.epochs * len(stream) / t.grad_accum)
+                                  pin=choices.pin_memory and device == "cuda",
+                                  width=d.max_length if feeding.static_width else 0)
+    # On a GPU the next step is collated while this one computes; on a CPU a thread would only compete for cores.
+    new_feed = lambda **position: StepFeed(feeding, lengths, to_batch, device == "cuda", **position)  # noqa: E731
+    feed = new_feed()
+    total_steps = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
     autocast = build.autocast(device, precision)
     guard = NumericGuard(rel.nan_patience, rel.zero_patience)
-    evaluate = lambda: eval_loss(model, eval_set, t.micro_batch_size, tokenizer.pad_token_id,  # noqa: E731
-                                 device, autocast, t.loss_chunk_size, t.loss_impl == "chunked")
+    eval_rows = max(t.micro_batch_size, feeding.rows_per_forward)  # no gradients: a forward's rows fit easily
+    evaluate = lambda: eval_loss(model, eval_set, eval_rows, tokenizer.pad_token_id,  # noqa: E731
+                                 device, autocast, chunk, t.loss_impl == "chunked")
+
+    def compile_failed(exc: BaseException) -> None:
+        nonlocal compiled
+        compiled = False
+        build.uncompile_decoder(model)
+        bar.log(f"[yellow]torch.compile failed ({str(exc).strip().splitlines()[0][:200]}); continuing without "
+                "it (set training.compile=false to skip the attempt)[/]")
 
     result = TrainResult(run_dir=run_dir, steps=total_steps, model=model, tokenizer=tokenizer)
     ckpt_root = run_dir / "checkpoints"
@@ -98,14 +115,15 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     if resume_run:
         restored = checkpoint.restore(ckpt_root, model, optimizer, scheduler, scaler)
         resume.check_data(restored, stats.fingerprint, resume_force)
+        resume.check_batching(restored, feeding.mode)
     if restored is None:
         rundir.start(run_dir, resolved, wipe=overwrite and not resume_run)
         resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
     else:
         rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
         start_step = restored.step
-        stream = build.batch_stream(train_set, d.packing, t.micro_batch_size, d.max_length, t.seed,
-                                    **restored.position)
+        feed.close()
+        feed = new_feed(**restored.position)
         pieces = max(pieces, restored.extra.get("pieces", 1))
         guard.skipped_total = restored.extra.get("skipped_steps", 0)
         result.eval_loss_before = restored.extra.get("eval_loss_before")
@@ -115,13 +133,13 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
 
     def save_checkpoint(step: int) -> None:
         extra = {"pieces": pieces, "eval_loss_before": result.eval_loss_before, "data_fingerprint": stats.fingerprint,
-                 "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total}
+                 "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total, "batching": feeding.mode}
         need = sum(p.numel() * 4 * 3 for p in params) + rel.min_free_disk_mb * 2**20
-        checkpoint.save(ckpt_root, step, model, optimizer, scheduler, scaler, stream.position(), extra,
+        checkpoint.save(ckpt_root, step, model, optimizer, scheduler, scaler, feed.position(), extra,
                         rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step))
 
-    with ProgressBar(total_steps, start_step, quiet) as bar, stop:
-        for msg in env_notes + choices.messages + fit_notes + notes + stats.notes:
+    with ProgressBar(total_steps, start_step, quiet) as bar, stop, contextlib.closing(feed):
+        for msg in env_notes + choices.messages + fit_notes + feed_notes + notes + stats.notes:
             bar.log(f"[dim]{msg}[/]")
         if restored is not None:
             for why in restored.skipped:
@@ -135,21 +153,25 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             metrics.write({"step": 0, "eval_loss": result.eval_loss_before})
         model.train()
         run_peak = 0
-        for step in range(start_step + 1, total_steps + 1):
+        first_step = start_step + 1
+        for step in range(first_step, total_steps + 1):
             t0 = time.perf_counter()
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # the logged peak is this step's, not the eval pass's
             faults.slow_step()
             # Fetch the whole step first: the loss is normalised by the loss-bearing tokens of all its micro-batches.
-            picked = [stream.next() for _ in range(t.grad_accum)]
-            micro = [to_batch(p) for p in picked]
-            step_tokens = sum(count_loss_tokens(b["labels"]) for b in micro)
+            picked, micro = feed.next()
+            step_tokens = sum(int(b["loss_index"].numel()) for b in micro)
             check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
+            compiling = compiled and step == first_step
+            if compiling:
+                bar.log(f"step {step}: compiling the decoder (this step is left out of tokens/s)")
             try:
                 step_loss, pieces = run_with_oom_recovery(
                     lambda n: forward_backward(model, micro, step_tokens, n, device, autocast, scaler,
-                                               t.loss_chunk_size, t.loss_impl == "chunked", faults, step, bool(check)),
-                    optimizer, pieces, max(max_pieces(b) for b in micro), bar.log)
+                                               chunk, t.loss_impl == "chunked", faults, step, bool(check)),
+                    optimizer, pieces, max(max_pieces(b) for b in micro), bar.log,
+                    on_compile_error=compile_failed if compiling else None)
             except OutOfMemoryAtMinimum as exc:
                 advice = autofit.oom_advice(m.name_or_path, d.max_length, cfg.lora.r, cfg.lora.target_modules,
                                             precision, choices.attn_implementation,
@@ -157,8 +179,13 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 raise OutOfMemoryAtMinimum(
                     f"out of memory at step {step} even with one example per forward ({exc}). {advice}") from None
             scaler.unscale_(optimizer)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")))
-            loss = step_loss / max(step_tokens, 1)
+            norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
+            # The step's one synchronisation: the guards and the log need the loss and gradient norm on the host.
+            # Time spent here is the host waiting for the device; the rest of the step is the host's own work.
+            t_wait = time.perf_counter()
+            loss_sum, grad_norm = torch.stack([step_loss, norm.float()]).tolist()
+            wait_s = time.perf_counter() - t_wait
+            loss = loss_sum / max(step_tokens, 1)
             # An fp16 overflow (finite loss, inf gradient) is the GradScaler's business: it skips and rescales.
             overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm)
             if overflow or guard.check(step, loss, grad_norm):
@@ -179,10 +206,11 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             if step % t.log_every == 0 or step == total_steps:
                 metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
                                "batch_tokens": sum(b["input_ids"].numel() for b in micro),
-                               "real_tokens": build.real_tokens(picked, lengths, d.packing),
-                               "samples": _digest(micro),
+                               "real_tokens": build.real_tokens(picked, lengths, feeding.packed),
+                               "forwards": len(micro), "samples": _digest(micro),
                                "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
-                               "epoch": stream.epoch, "peak_mem_bytes": mem})
+                               "device_wait_s": wait_s, "compiling": compiling,
+                               "epoch": feed.epoch, "peak_mem_bytes": mem})
             if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set):
                 ev = evaluate()
                 metrics.write({"step": step, "eval_loss": ev})

@@ -33,8 +33,8 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
                        fast: bool = True) -> tuple[torch.Tensor, int]:
     labels = batch["labels"]
     targets = labels[:, 1:]
-    keep = targets != IGNORE
-    n_tokens = count_loss_tokens(labels)
+    index = batch.get("loss_index")  # host-computed (data.batching.with_loss_index): no device sync for sizes
+    n_tokens = int(index.numel()) if index is not None else count_loss_tokens(labels)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if not (fast and _fast_path_ok(base)):
@@ -42,10 +42,14 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                reduction="sum")
         return loss, n_tokens
-    hidden = base.get_decoder()(**inputs)
-    hidden = hidden.last_hidden_state[:, :-1][keep]
+    hidden = base.get_decoder()(**inputs).last_hidden_state[:, :-1]
+    if index is not None:
+        hidden, targets = hidden.flatten(0, 1).index_select(0, index), batch["loss_targets"]
+    else:
+        keep = targets != IGNORE
+        hidden, targets = hidden[keep], targets[keep]
     head = base.get_output_embeddings()
-    loss = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets[keep], chunk_size)
+    loss = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_size)
     return loss, n_tokens
 
 

@@ -11,7 +11,10 @@ from rocktune.train.rundir import CONFIG_NAME, diff_keys, write_atomic
 
 # Keys that may change between a run and its resume without changing what the resumed steps compute. The length
 # of the run is not among them: it shapes the learning-rate schedule, so extending a run needs --resume-force.
-RESUMABLE_CHANGES = ("training.eval_every", "training.log_every", "reliability.", "output.dir")
+# The token budget and compilation only change how a step's samples are cut into forwards (another GPU may fit
+# another budget), not which samples a step holds.
+RESUMABLE_CHANGES = ("training.eval_every", "training.log_every", "reliability.", "output.dir",
+                     "training.micro_batch_tokens", "training.compile")
 
 
 def check_config(run_dir: Path, config: dict, force: bool) -> None:
@@ -34,6 +37,18 @@ def check_data(restored, fingerprint: str, force: bool) -> None:
         raise UserError("--resume: the training data (or tokenizer, template, max length) changed since checkpoint "
                         f"{restored.path.name} was written, so the saved data position no longer means the same "
                         "examples. Restore the data, or pass --resume-force to continue anyway.")
+
+
+def check_batching(restored, mode: str) -> None:
+    """A step's data position means micro-batches with batching=examples and whole steps with batching=tokens;
+    ``batching: auto`` resolves by device, so a run moved between a GPU and a CPU must name the mode it used."""
+    if restored is None:
+        return
+    saved = restored.extra.get("batching", "examples")
+    if saved != mode:
+        raise UserError(f"--resume: checkpoint {restored.path.name} was written with batching={saved}, but this "
+                        f"machine resolves training.batching to {mode}; the saved data position only means the same "
+                        f"examples in the same mode. Resume with training.batching={saved}.")
 
 
 def truncate_metrics(path: Path, keep_lines: int) -> None:

@@ -11,6 +11,7 @@ import gc
 
 import torch
 
+from rocktune.data.batching import LOSS_KEYS, with_loss_index
 from rocktune.train.guards import verify_transfer
 from rocktune.train.loss import causal_lm_loss_sum, step_normalised
 
@@ -25,14 +26,20 @@ class OutOfMemoryAtMinimum(RuntimeError):
 
 def split_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
     """Cut a micro-batch into ``pieces`` smaller forwards: by rows, or, for one packed row (flash-attention),
-    at example starts (position id 0) so that no example is cut."""
+    at example starts (position id 0) so that no example is cut. Host-side loss indices are recomputed per piece."""
+    if pieces == 1:
+        return [batch]
+    indexed = "loss_index" in batch
+    batch = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
     rows = batch["input_ids"].shape[0]
-    if rows == 1 and pieces > 1 and "position_ids" in batch:
+    if rows == 1 and "position_ids" in batch:
         starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
         cuts = sorted({starts[i * len(starts) // pieces] for i in range(pieces)}) + [batch["input_ids"].shape[1]]
-        return [{k: v[:, a:b] for k, v in batch.items()} for a, b in zip(cuts, cuts[1:])]
-    size = -(-rows // pieces)
-    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+        parts = [{k: v[:, a:b] for k, v in batch.items()} for a, b in zip(cuts, cuts[1:])]
+    else:
+        size = -(-rows // pieces)
+        parts = [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+    return [with_loss_index(p) for p in parts] if indexed else parts
 
 
 def max_pieces(batch: dict[str, torch.Tensor]) -> int:
@@ -43,9 +50,10 @@ def max_pieces(batch: dict[str, torch.Tensor]) -> int:
 
 
 def forward_backward(model, micro: list[dict], step_tokens: int, pieces: int, device: str, autocast, scaler,
-                     chunk_size: int, fast_loss: bool, faults, step: int, check_transfer: bool) -> float:
-    """Accumulate the step's gradients; returns the summed token loss (not normalised)."""
-    total = 0.0
+                     chunk_size: int, fast_loss: bool, faults, step: int, check_transfer: bool) -> torch.Tensor:
+    """Accumulate the step's gradients; returns the summed token loss (not normalised) as a device scalar, so
+    that no micro-batch waits for the device: the loop synchronises once per optimizer step."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for batch in micro:
         for part in split_rows(batch, pieces):
             on_device = {k: faults.transfer(step, v.to(device, non_blocking=True)) for k, v in part.items()}
@@ -56,17 +64,31 @@ def forward_backward(model, micro: list[dict], step_tokens: int, pieces: int, de
                 loss_sum, _ = causal_lm_loss_sum(model, on_device, chunk_size, fast=fast_loss)
             loss_sum = faults.loss(step, loss_sum)
             scaler.scale(step_normalised(loss_sum, step_tokens)).backward()
-            total += float(loss_sum.detach())
+            total += loss_sum.detach().float()
     return total
 
 
-def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log) -> tuple[float, int]:
-    """Call ``attempt(pieces)`` until it fits; returns (its result, the pieces that worked)."""
+def is_compile_error(exc: BaseException) -> bool:
+    """A failure of torch.compile itself (Dynamo tracing, Inductor/Triton code generation), not of the model."""
+    return type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log, on_compile_error=None
+                          ) -> tuple[torch.Tensor, int]:
+    """Call ``attempt(pieces)`` until it fits; returns (its result, the pieces that worked). A compile failure is
+    handed to ``on_compile_error`` (which turns compilation off) and the step is run again, once."""
     while True:
         try:
             return attempt(pieces), pieces
         except DEVICE_OOM as exc:
             message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        except Exception as exc:
+            if on_compile_error is None or not is_compile_error(exc):
+                raise
+            on_compile_error(exc)
+            on_compile_error = None
+            optimizer.zero_grad(set_to_none=True)
+            continue
         # Outside the except block: the traceback no longer pins the failed step's tensors, so they can be freed.
         optimizer.zero_grad(set_to_none=True)
         gc.collect()

@@ -1,0 +1,140 @@
+"""What each optimizer step feeds the model: the step's examples, cut into forwards, collated on the host.
+
+Two ways to cut a step (``training.batching``), the same samples per optimizer step either way:
+
+- ``examples``: ``grad_accum`` micro-batches of ``micro_batch_size`` examples (length-bucketed, or packed rows).
+  Small forwards are what the CPU runs fastest.
+- ``tokens``: the step's ``micro_batch_size x grad_accum`` examples packed without padding into rows of
+  ``max_length`` tokens, ``rows_per_forward`` rows per forward. A GPU runs a forward of 2 short examples about as
+  fast as one of 64 (launch and host overhead dominate), so it is fed as many tokens per forward as fit.
+
+On a GPU the next step is collated (and pinned) in a background thread while the current one computes, so the
+device does not wait for the host between steps. The stream position saved in checkpoints is that of the last step
+handed out, never of the one prefetched, so resume stays exact.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from rocktune.data.batching import BatchStream, epoch_batches
+from rocktune.data.packing import epoch_packed_batches, epoch_steps, step_forwards
+
+CPU_ROWS = 2  # token batching forced on a CPU: small forwards are fastest there
+
+
+@dataclass(frozen=True)
+class Feeding:
+    """How steps are cut into forwards; built once per run from the config and the device."""
+
+    mode: str  # "examples" | "tokens"
+    micro_batch_size: int
+    grad_accum: int
+    max_length: int
+    packing: bool  # examples mode: packed rows instead of bucketed examples
+    rows_per_forward: int = 1  # tokens mode
+    static_width: bool = False  # tokens mode: pad every row to max_length (torch.compile; steady allocator blocks)
+    seed: int = 0
+
+    @property
+    def examples_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum
+
+    @property
+    def packed(self) -> bool:
+        """Index structures are lists of rows (collate_packed), not lists of examples."""
+        return self.mode == "tokens" or self.packing
+
+    def describe(self) -> str:
+        if self.mode == "tokens":
+            return (f"batching: tokens — {self.examples_per_step} examples per optimizer step packed into rows of "
+                    f"{self.max_length}, up to {self.rows_per_forward} rows ({self.rows_per_forward * self.max_length:,}"
+                    f" tokens) per forward")
+        kind = "packed rows" if self.packing else "examples (length-bucketed)"
+        return (f"batching: examples — {self.micro_batch_size} {kind} per forward x {self.grad_accum} = "
+                f"{self.examples_per_step} per optimizer step")
+
+
+def resolve_mode(batching: str, device: str) -> str:
+    if batching != "auto":
+        return batching
+    return "tokens" if device == "cuda" else "examples"
+
+
+def rows_for_budget(micro_batch_tokens: int, max_length: int) -> int:
+    """Whole rows of ``max_length`` within a token budget (at least one: a row must fit any example)."""
+    return max(1, micro_batch_tokens // max_length)
+
+
+def rows_per_step(lengths: list[int], examples_per_step: int, max_length: int) -> int:
+    """Rows a step of average examples packs into, plus one for packing slack: more rows per forward buy nothing."""
+    mean = sum(lengths) / max(len(lengths), 1)
+    return max(1, -(-int(examples_per_step * mean) // max_length) + 1)
+
+
+class StepFeed:
+    """Hands out one optimizer step at a time: (index structures, collated host batches)."""
+
+    def __init__(self, feeding: Feeding, lengths: list[int], collate, prefetch: bool = False,
+                 epoch: int = 0, index: int = 0):
+        self.feeding = feeding
+        self.lengths = lengths
+        self.collate = collate
+        f = feeding
+        if f.mode == "tokens":
+            make = lambda e: epoch_steps(lengths, f.examples_per_step, f.seed, e)  # noqa: E731
+        elif f.packing:
+            make = lambda e: epoch_packed_batches(lengths, f.micro_batch_size, f.max_length, f.seed, e)  # noqa: E731
+        else:
+            make = lambda e: epoch_batches(lengths, f.micro_batch_size, f.seed, e)  # noqa: E731
+        self.stream = BatchStream(make, epoch, index)
+        self._items_per_step = 1 if f.mode == "tokens" else f.grad_accum
+        self._position = self.stream.position()
+        self._epoch = self.stream.epoch
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocktune-feed") if prefetch else None
+        self._ahead = None  # (picked, future of collated batches, position, epoch) of the prefetched step
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.stream) // self._items_per_step)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last step handed out."""
+        return self._epoch
+
+    def position(self) -> dict[str, int]:
+        """Stream position after the last step handed out: where a resumed run continues."""
+        return dict(self._position)
+
+    def next(self) -> tuple[list, list[dict]]:
+        picked, micro, self._position, self._epoch = self._take() if self._ahead is None else self._finish()
+        if self._pool is not None:
+            ahead = self._pick()
+            self._ahead = (ahead, self._pool.submit(self._collate_all, ahead), self.stream.position(),
+                           self.stream.epoch)
+        return picked, micro
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _take(self):
+        picked = self._pick()
+        return picked, self._collate_all(picked), self.stream.position(), self.stream.epoch
+
+    def _finish(self):
+        picked, future, position, epoch = self._ahead
+        self._ahead = None
+        return picked, future.result(), position, epoch
+
+    def _pick(self) -> list:
+        items = [self.stream.next() for _ in range(self._items_per_step)]
+        f = self.feeding
+        if f.mode == "tokens":
+            return step_forwards(items[0], self.lengths, f.max_length, f.rows_per_forward)
+        return items
+
+    def _collate_all(self, picked: list) -> list[dict]:
+        return [self.collate(p) for p in picked]

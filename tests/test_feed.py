@@ -1,0 +1,165 @@
+"""Token batching (the GPU default), host-side loss indices, one sync per step, prefetch and the token budget —
+every GPU code path driven on the CPU, with device facts fed in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rocktune.config import config_from_dict
+from rocktune.data.batching import with_loss_index
+from rocktune.data.encode import IGNORE
+from rocktune.data.packing import epoch_steps, step_forwards
+from rocktune.errors import UserError
+from rocktune.train import autofit, build, resume
+from rocktune.train.feed import Feeding, StepFeed, rows_per_step
+from rocktune.train.loop import train
+from rocktune.train.step import run_with_oom_recovery
+from tests.conftest import tiny_run_config
+
+GIB = 2**30
+
+
+def test_epoch_steps_cover_each_example_once_and_are_reproducible():
+    lengths = list(range(5, 105))
+    steps = epoch_steps(lengths, 16, seed=3, epoch=0)
+    assert sorted(i for s in steps for i in s) == list(range(100))
+    assert [len(s) for s in steps] == [16] * 6 + [4]
+    assert steps == epoch_steps(lengths, 16, seed=3, epoch=0)
+    assert steps != epoch_steps(lengths, 16, seed=3, epoch=1)
+
+
+def test_step_forwards_pack_rows_within_capacity_and_balance_forwards():
+    lengths = [60, 50, 40, 30, 20, 10, 64, 5, 33, 27, 45, 12]
+    forwards = step_forwards(list(range(12)), lengths, capacity=64, rows_per_forward=3)
+    rows = [row for fwd in forwards for row in fwd]
+    assert sorted(i for row in rows for i in row) == list(range(12))
+    assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+    assert all(len(f) <= 3 for f in forwards)
+    assert max(len(f) for f in forwards) - min(len(f) for f in forwards) <= 1  # near-equal forwards
+    assert len(forwards) == -(-len(rows) // 3)
+
+
+def test_rows_per_step_caps_the_budget_at_what_a_step_holds():
+    assert rows_per_step([100] * 10, examples_per_step=64, max_length=1024) == 8  # 6400 tokens -> 7 rows + 1
+    assert rows_per_step([10], examples_per_step=1, max_length=1024) == 2
+
+
+def test_host_loss_index_matches_the_label_mask():
+    labels = torch.tensor([[IGNORE, 5, IGNORE, 7, 8], [IGNORE, IGNORE, 3, IGNORE, IGNORE]])
+    batch = with_loss_index({"input_ids": torch.zeros_like(labels), "labels": labels})
+    keep = labels[:, 1:] != IGNORE
+    assert batch["loss_index"].tolist() == keep.flatten().nonzero().flatten().tolist()
+    assert batch["loss_targets"].tolist() == labels[:, 1:][keep].tolist() == [5, 7, 8, 3]
+
+
+def _feed(prefetch: bool, **position) -> StepFeed:
+    from rocktune.data.packing import collate_packed
+
+    lengths = [7 + (i * 13) % 50 for i in range(40)]
+    examples = [(list(range(n)), [IGNORE] + list(range(1, n))) for n in lengths]
+    f = Feeding(mode="tokens", micro_batch_size=4, grad_accum=3, max_length=64, packing=False, rows_per_forward=2,
+                seed=5)
+    collate = lambda rows: collate_packed([[examples[i] for i in row] for row in rows], 0)  # noqa: E731
+    return StepFeed(f, lengths, lambda p: with_loss_index(collate(p)), prefetch, **position)
+
+
+def test_prefetch_hands_out_the_same_steps_and_saves_the_consumed_position():
+    plain, ahead = _feed(False), _feed(True)
+    try:
+        for _ in range(7):  # crosses the epoch boundary (40 examples / 12 per step)
+            (p1, m1), (p2, m2) = plain.next(), ahead.next()
+            assert p1 == p2 and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(m1, m2))
+            assert plain.position() == ahead.position() and plain.epoch == ahead.epoch
+        saved = ahead.position()
+        expected = [ahead.next()[0] for _ in range(3)]
+    finally:
+        ahead.close()
+    resumed = _feed(True, **saved)
+    try:
+        assert [resumed.next()[0] for _ in range(3)] == expected
+    finally:
+        resumed.close()
+
+
+def test_token_batching_trains_the_same_step_as_example_batching(tiny_model_dir, task_files, tmp_path):
+    """One optimizer step over the same 64 examples: padded examples vs packed rows give the same loss and update."""
+    train_file, _ = task_files
+    runs = {}
+    for mode, extra in (("examples", {}), ("tokens", {"micro_batch_tokens": 128})):
+        raw = tiny_run_config(tiny_model_dir, train_file, None, tmp_path / mode, max_steps=1, micro_batch_size=256,
+                              grad_accum=1, batching=mode, warmup_steps=0, **extra)
+        raw["data"]["eval_fraction"] = 0.0
+        runs[mode] = train(config_from_dict(raw), quiet=True)
+    ex, tok = runs["examples"], runs["tokens"]
+    assert tok.losses == pytest.approx(ex.losses, rel=1e-5)
+    a = {n: p for n, p in ex.model.named_parameters() if p.requires_grad}
+    b = {n: p for n, p in tok.model.named_parameters() if p.requires_grad}
+    assert a.keys() == b.keys()
+    # AdamW's first update is about lr x sign(g) (lr 3e-3): summation order moves tiny gradients' updates by ~1e-6;
+    # a masking or normalisation error would move them by the order of lr.
+    assert all(torch.allclose(a[n], b[n], atol=2e-5) for n in a)
+    import json
+
+    rows = [json.loads(x) for x in (tmp_path / "tokens" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if r.get("step") == 1 and "loss" in r)
+    assert step["forwards"] > 1 and step["real_tokens"] <= step["batch_tokens"] and step["device_wait_s"] >= 0
+
+
+def test_auto_batching_is_examples_on_cpu_and_tokens_on_a_gpu():
+    cfg = config_from_dict({"model": {"name_or_path": "Qwen2.5-0.5B"}, "data": {"train_file": "x", "max_length": 2048},
+                            "training": {"micro_batch_size": 8, "grad_accum": 8}})
+    lengths = [50 + (i * 37) % 1950 for i in range(500)]
+    cpu, notes, _ = autofit.plan_feeding(cfg, "cpu", "fp32", "sdpa", lengths, None, False)
+    assert cpu.mode == "examples" and "fastest on a CPU" in notes[0]
+    big, notes, peak = autofit.plan_feeding(cfg, "cuda", "bf16", "sdpa", lengths, 140 * GIB, False)
+    assert big.mode == "tokens" and big.rows_per_forward == rows_per_step(lengths, 64, 2048)  # the whole step
+    assert peak and peak < 140 * GIB and "all a step holds" in notes[1]
+    small, notes, peak = autofit.plan_feeding(cfg, "cuda", "bf16", "sdpa", lengths, 8 * GIB, False)
+    assert 1 <= small.rows_per_forward < big.rows_per_forward and peak < 8 * GIB
+    with pytest.raises(UserError, match="one packed row"):
+        autofit.plan_feeding(cfg, "cuda", "fp32", "eager", lengths, 2 * GIB, False)
+    cfg.training.micro_batch_tokens = 5000
+    given, _, _ = autofit.plan_feeding(cfg, "cuda", "bf16", "sdpa", lengths, None, False)
+    assert given.rows_per_forward == 2  # whole rows of max_length within the budget
+
+
+def test_loss_chunk_auto_by_device():
+    assert autofit.loss_chunk("auto", "cpu") == 256 and autofit.loss_chunk("auto", "cuda") == 2048
+    assert autofit.loss_chunk(512, "cuda") == 512
+
+
+def test_compile_auto_only_on_sound_gpus_with_token_batching():
+    assert build.want_compile("auto", True, "cuda", "auto")
+    assert not build.want_compile("auto", False, "cuda", "auto")  # gfx906, RDNA (not measured), Windows
+    assert not build.want_compile("auto", True, "cpu", "auto")
+    assert not build.want_compile("auto", True, "cuda", "examples")
+    assert build.want_compile(True, False, "cpu", "examples") and not build.want_compile(False, True, "cuda", "auto")
+
+
+def test_a_compile_failure_falls_back_once_and_reruns_the_step():
+    failure = type("BackendCompilerFailed", (RuntimeError,), {"__module__": "torch._dynamo.exc"})
+    calls, fallbacks = [], []
+
+    def attempt(pieces):
+        calls.append(pieces)
+        if len(calls) == 1:
+            raise failure("inductor could not generate code")
+        return torch.tensor(2.0)
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    out, pieces = run_with_oom_recovery(attempt, opt, 1, 4, print, on_compile_error=fallbacks.append)
+    assert float(out) == 2.0 and calls == [1, 1] and len(fallbacks) == 1
+    with pytest.raises(RuntimeError, match="model bug"):  # any other error is not swallowed
+        run_with_oom_recovery(lambda n: (_ for _ in ()).throw(RuntimeError("model bug")), opt, 1, 4, print,
+                              on_compile_error=fallbacks.append)
+
+
+def test_resume_refuses_a_checkpoint_of_the_other_batching_mode():
+    class Restored:
+        extra = {"batching": "tokens"}
+        path = type("P", (), {"name": "step-00000004"})()
+
+    resume.check_batching(Restored, "tokens")
+    with pytest.raises(UserError, match="training.batching=tokens"):
+        resume.check_batching(Restored, "examples")
