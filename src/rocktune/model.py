@@ -50,28 +50,41 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool):
 
 
 def load_model(name_or_path: str, precision: str, attn_implementation: str, trust_remote_code: bool,
-               device: str):
+               device: str, quantization: str = "none", double_quant: bool = True):
+    """``quantization`` nf4 | fp4 | int8 loads the linear weights quantised by bitsandbytes (the caller has run
+    ``quant.gate``); they are quantised as they are placed on ``device``, so the full-precision base never is."""
     from transformers import AutoModelForCausalLM
 
     check_model_source(name_or_path)
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UserError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
                         "installed; use sdpa (the default) or install flash-attn for your GPU.")
+    extra = {}
+    if quantization != "none":
+        from rocktune import quant
+
+        quant.check_installed(quantization)
+        extra = {"quantization_config": quant.bnb_config(quantization, double_quant, DTYPES[precision]),
+                 "device_map": {"": device}}  # quantised weights cannot be moved after loading
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=DTYPES[precision], attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
+            trust_remote_code=trust_remote_code, **extra,
         )
     except (OSError, ValueError) as exc:
         raise UserError(f"could not load model {name_or_path}: {_first_line(exc)} "
                         "(offline? pass a local model directory)") from None
     model.config.use_cache = False  # the KV cache only costs memory during training
-    return model.to(device)
+    return model if extra else model.to(device)
 
 
 def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model
 
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        from rocktune import quant
+
+        model = quant.prepare(model, gradient_checkpointing)
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs; input grads keep the graph alive through it.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,8 +1,8 @@
 """Which checks run on a device, by name, and the test-only fault injection the child honours.
 
 ``ROCKTUNE_DOCTOR_INJECT`` (tests only) replaces an operation with a faulty one, e.g.
-``transfer=zero;convert=ftz;matmul=off`` or ``crash=matmul[float32]`` (the child aborts in that check, as a GPU
-fault would kill it). It exists so the test suite can show that each check catches the fault it is for.
+``transfer=zero;convert=ftz;matmul=off;dequant=swap`` or ``crash=matmul[float32]`` (the child aborts in that
+check, as a GPU fault would kill it). It exists so the test suite can show that each check catches the fault it is for.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from rocktune.doctor import checks as c
 from rocktune.doctor import model_checks as m
 from rocktune.doctor import perf as p
+from rocktune.doctor import quant_checks as q
 
 INJECT_ENV = "ROCKTUNE_DOCTOR_INJECT"
 CONVERSIONS = [("float32", "bfloat16"), ("bfloat16", "float32"), ("float32", "float16"), ("float16", "float32"),
@@ -39,8 +40,19 @@ def _off_matmul(a, b):
     return (a @ b) * 1.05
 
 
+def _off_dequant(packed, state):
+    return q.default_dequant(packed, state) * 1.05
+
+
+def _swapped_dequant(packed, state):
+    # nibbles read in the wrong order: a plausible-looking matrix with every pair of values exchanged
+    out = q.default_dequant(packed, state)
+    return out.reshape(-1, 2).flip(-1).reshape(out.shape)
+
+
 FAULTS = {
     "transfer": {"zero": _zero_copy, "perturb": _perturb_copy},
+    "dequant": {"off": _off_dequant, "swap": _swapped_dequant},
     "convert": {"ftz": _ftz_convert, "zero": lambda t, dtype: t.to(dtype).zero_()},
     "matmul": {"off": _off_matmul, "zero": lambda a, b: (a @ b).zero_()},
 }
@@ -79,6 +91,10 @@ def plan(device: str, faults: dict | None = None, perf: bool = True) -> list[tup
     if gpu:
         out += [("lora[bfloat16]", P(m.check_lora, device, "bfloat16"))]
     out += [("allocator", P(m.check_allocator, device))]
+    # QLoRA's kernels: skipped with the reason when bitsandbytes is not installed
+    out += [(f"quant4[{qt}]", P(q.check_quant4, device, qt, dequant=f.get("dequant", q.default_dequant)))
+            for qt in ("nf4", "fp4")]
+    out += [("linear4bit[nf4]", P(q.check_linear4bit, device, "nf4")), ("qlora[nf4]", P(q.check_qlora_step, device))]
     if perf:
         out += [(f"perf.matmul[{dt}]", P(p.perf_matmul, device, dt))
                 for dt in (("bfloat16", "float16", "float32") if gpu else ("float32",))]

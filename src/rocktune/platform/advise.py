@@ -98,7 +98,35 @@ def _context(plat: Platform, advice: Advice) -> dict:
         "python": plat.python, "os": plat.os, "backend": plat.backend, "env": plat.env,
         "devices": len(plat.devices), "precision": advice.defaults.precision,
         "iommu_text": f"iommu={plat.iommu}" if plat.iommu else "no iommu= parameter",
+        "bnb": plat.libraries.get("bitsandbytes", "not installed"),
+        "bnb_build": (knowledge.bnb_build(plat) or {}).get("library", f"no library for ROCm {plat.rocm}"),
+        "bnb_fix": bnb_fix(plat),
     }
+
+
+def quant_findings(plat: Platform, quant: str) -> list[Finding]:
+    """What the knowledge base says about loading a ``quant`` base here; documented errors mean: refuse."""
+    advice = Advice(arch=plat.arch, facts=dict(knowledge.arch_facts(plat.arch) or {}))
+    _arch_defaults(plat, advice.facts, advice)
+    ctx = {**_context(plat, advice), "quant": quant}
+    for rule in knowledge.matching_quant_rules(plat, quant):
+        _apply_rule(rule, ctx, advice)
+    return advice.findings
+
+
+def bnb_fix(plat: Platform) -> str:
+    """Exactly which bitsandbytes to install for this platform, or that none carries its arch."""
+    pip = "pip install 'rocktune[qlora]' (bitsandbytes >= 0.50)"
+    if plat.backend != "rocm" or not plat.devices:
+        return pip
+    builds = knowledge.bnb_builds_with(plat.arch, plat.os)
+    if not builds:
+        return f"no bitsandbytes build carries {plat.arch} on {plat.os}: train LoRA without quantisation"
+    if knowledge.bnb_build(plat) in builds:
+        return f"{pip}: its {knowledge.bnb_build(plat)['library']} library carries {plat.arch}"
+    first = builds[0]
+    return (f"install a torch build for {first['library']} or later on {plat.os} (bitsandbytes picks its library by "
+            f"the runtime's ROCm), then {pip}: its {first['library']} library carries {plat.arch}")
 
 
 def _fmt(text: str, ctx: dict) -> str:

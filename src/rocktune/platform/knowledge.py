@@ -22,8 +22,10 @@ _PATH = Path(__file__).with_name("knowledge.yaml")
 @functools.lru_cache(maxsize=None)
 def load(path: str | None = None) -> dict:
     data = yaml.safe_load(Path(path or _PATH).read_text())
-    for entry in data["archs"] + data["rules"]:
-        name = entry.get("id") or entry.get("ids")
+    data.setdefault("qlora", [])
+    data.setdefault("bnb_builds", [])
+    for entry in data["archs"] + data["rules"] + data["qlora"] + data["bnb_builds"]:
+        name = entry.get("id") or entry.get("ids") or entry.get("library")
         if not entry.get("source") or entry.get("confidence") not in CONFIDENCES:
             raise ValueError(f"knowledge entry {name}: needs a source and confidence documented|reported")
         if entry.get("level", "info") not in LEVELS:
@@ -43,6 +45,25 @@ def arch_facts(arch: str) -> dict | None:
 
 def matching_rules(plat: Platform) -> list[dict]:
     return [rule for rule in load()["rules"] if all(_MATCHERS[k](plat, v) for k, v in rule["when"].items())]
+
+
+def matching_quant_rules(plat: Platform, quant: str) -> list[dict]:
+    """The ``qlora`` entries about loading a ``quant`` (nf4 | fp4 | int8) base on this platform."""
+    return [rule for rule in load()["qlora"] if quant in rule.get("quant", (quant,))
+            and all(_MATCHERS[k](plat, v) for k, v in rule["when"].items())]
+
+
+def bnb_build(plat: Platform) -> dict | None:
+    """The bitsandbytes ROCm library this platform loads (by OS and HIP version); None off ROCm or when none."""
+    if plat.backend != "rocm":
+        return None
+    return next((b for b in load()["bnb_builds"]
+                 if b["os"] == plat.os and version_matches(plat.hip or plat.rocm, b["hip"])), None)
+
+
+def bnb_builds_with(arch: str, os_name: str) -> list[dict]:
+    """The bitsandbytes ROCm libraries for ``os_name`` that carry ``arch``, oldest ROCm first."""
+    return [b for b in load()["bnb_builds"] if b["os"] == os_name and arch in b["archs"]]
 
 
 # --- version specs ------------------------------------------------------------------------------------------
@@ -152,6 +173,9 @@ PREDICATES = {
     "gc_threshold_out_of_range": _gc_threshold_out_of_range,
     "iommu_not_pt": lambda p: p.iommu is not None and p.iommu != "pt",
     "not_cdna_ck": lambda p: p.arch not in ("gfx90a", "gfx942", "gfx950"),
+    "bnb_missing": lambda p: "bitsandbytes" not in p.libraries,
+    "bnb_no_library": lambda p: p.backend == "rocm" and bnb_build(p) is None,
+    "bnb_build_lacks_arch": lambda p: bool(p.devices and bnb_build(p)) and p.arch not in bnb_build(p)["archs"],
 }
 
 

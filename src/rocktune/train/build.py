@@ -74,9 +74,12 @@ def autocast(device: str, precision: str):
 
 def model_with_adapter(name_or_path: str, precision: str, attn_implementation: str, trust_remote_code: bool,
                        device: str, liger_mode: str, r: int, alpha: float, dropout: float, target_modules,
-                       gradient_checkpointing: bool, compile_: bool) -> tuple[object, list[str]]:
-    """Base model on the device, kernels patched, LoRA applied; returns it with notes on what was done."""
-    model = load_model(name_or_path, precision, attn_implementation, trust_remote_code, device)
+                       gradient_checkpointing: bool, compile_: bool, quantization: str = "none",
+                       double_quant: bool = True) -> tuple[object, list[str]]:
+    """Base model on the device (quantised when asked, after ``quant_gate``), kernels patched, LoRA applied;
+    returns it with notes on what was done."""
+    model = load_model(name_or_path, precision, attn_implementation, trust_remote_code, device, quantization,
+                       double_quant)
     notes = [n for n in (liger(model, liger_mode, device),) if n]  # patches the base, so before PEFT wraps it
     model = apply_lora(model, r, alpha, dropout, target_modules, gradient_checkpointing)
     if compile_:

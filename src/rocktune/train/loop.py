@@ -29,6 +29,7 @@ from rocktune.train.faults import Faults
 from rocktune.train.feed import StepFeed
 from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, ProgressBar
+from rocktune.train.quant_gate import check_quantization
 from rocktune.train.step import OutOfMemoryAtMinimum, forward_backward, max_pieces, run_with_oom_recovery
 
 
@@ -57,6 +58,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     if auto_fit:
         cfg, fit_notes, predicted_peak = autofit.apply_fit(cfg, precision, choices.attn_implementation, vram_bytes)
     t, m, d, rel = cfg.training, cfg.model, cfg.data, cfg.reliability
+    quant_notes = check_quantization(m.quantization, m.name_or_path, precision, device, d.max_length, cfg.lora.r)
     faults = faults or Faults()
     run_dir = Path(cfg.output.dir)
     resolved = cfg.model_dump(mode="json")
@@ -79,7 +81,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     model, notes = build.model_with_adapter(m.name_or_path, precision, choices.attn_implementation,
                                             m.trust_remote_code, device, m.liger, cfg.lora.r, cfg.lora.alpha,
                                             cfg.lora.dropout, cfg.lora.target_modules, m.gradient_checkpointing,
-                                            compiled)
+                                            compiled, m.quantization, m.double_quant)
     if on_ready is not None:
         on_ready(model)
     params = trainable_parameters(model)
@@ -139,7 +141,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                         rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step))
 
     with ProgressBar(total_steps, start_step, quiet) as bar, stop, contextlib.closing(feed):
-        for msg in env_notes + choices.messages + fit_notes + feed_notes + notes + stats.notes:
+        for msg in env_notes + choices.messages + quant_notes + fit_notes + feed_notes + notes + stats.notes:
             bar.log(f"[dim]{msg}[/]")
         if restored is not None:
             for why in restored.skipped:
