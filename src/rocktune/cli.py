@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(sub)
     _add_env(sub)
     _add_bench(sub)
+    _add_data(sub)
+    _add_report(sub)
     return parser
 
 
@@ -238,3 +240,55 @@ def _run_bench(args) -> int:
                              rounds=args.rounds,
                              as_json=args.json, pick=args.pick, write_config=args.write_config,
                              list_only=args.list)
+
+# --- data preview / report -------------------------------------------------------------------------------------
+
+
+def _add_data(sub) -> None:
+    p = sub.add_parser("data", help="look at training data before training on it")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    q = data_sub.add_parser("preview", help="counts, lengths, trained tokens highlighted, and the checks train runs")
+    q.add_argument("-c", "--config", help="YAML config: its data and model sections are previewed")
+    q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=512")
+    q.add_argument("--data", help="JSON/JSONL data file (instead of -c)")
+    q.add_argument("--model", help="model (its tokenizer and chat template) to encode with (instead of -c)")
+    q.add_argument("--format", default="auto", choices=("auto", "text", "prompt_completion", "messages", "alpaca"),
+                   help="record shape with --data (default: detected)")
+    q.add_argument("--max-length", type=int, default=1024, help="tokens per example with --data (default 1024)")
+    q.add_argument("--train-on-prompt", action="store_true", help="with --data: loss on prompts too")
+    q.add_argument("-n", "--examples", type=int, default=3, help="examples shown token by token (default 3)")
+    q.add_argument("--html", metavar="FILE", help="also write the preview as an HTML page")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.set_defaults(func=_run_data_preview)
+
+
+def _run_data_preview(args) -> int:
+    if args.config:
+        from rocktune.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        d, m = cfg.data, cfg.model
+        data, model, trust, fmt, length, on_prompt = (d.train_file, m.name_or_path, m.trust_remote_code, d.format,
+                                                      d.max_length, d.train_on_prompt)
+    elif args.data and args.model:
+        data, model, trust, fmt, length, on_prompt = (args.data, args.model, False, args.format, args.max_length,
+                                                      args.train_on_prompt)
+    else:
+        raise UserError("rocktune data preview needs -c CONFIG, or both --data FILE and --model MODEL.")
+    from rocktune.report.preview import run_preview
+
+    return run_preview(data_file=data, model=model, trust_remote_code=trust, shape=fmt, max_length=length,
+                       train_on_prompt=on_prompt, n_show=args.examples, html=args.html, as_json=args.json)
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="plots and one self-contained HTML page of a run (several runs: overlaid)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (output.dir of rocktune train)")
+    p.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html; several runs: compare.html)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args) -> int:
+    from rocktune.report.run_report import run_report
+
+    return run_report(run_dirs=args.runs, out=args.out)

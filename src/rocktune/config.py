@@ -98,6 +98,16 @@ class TrainingConfig(_Section):
     seed: int = Field(42, description="Seed for model init of LoRA, data order and dropout.")
     eval_every: int = Field(50, ge=0, description="Optimizer steps between eval passes (0: only at start/end).")
     log_every: int = Field(1, gt=0, description="Optimizer steps between metrics.jsonl lines.")
+    sample_count: int = Field(
+        0, ge=0, description="Eval examples whose prompts (every token before the first loss-bearing one) are "
+        "completed greedily at each eval pass (start, every eval_every steps, end); kept in samples.jsonl, shown in "
+        "the progress output and the report. 0: none."
+    )
+    sample_prompts: list[str] = Field(
+        default_factory=list, description="Extra fixed prompts completed with the samples, rendered like the data's "
+        "prompts (the chat template's user turn for messages data, the Alpaca template for alpaca data)."
+    )
+    sample_max_new_tokens: int = Field(48, gt=0, description="Longest sample completion, in tokens.")
     loss_impl: Literal["chunked", "full"] = Field(
         "chunked", description="chunked: head + cross-entropy only at loss positions, in chunks; full: HF logits."
     )
@@ -129,6 +139,14 @@ class ReliabilityConfig(_Section):
 
 class OutputConfig(_Section):
     dir: str = Field("runs/default", description="Run directory: adapter, config, metrics.jsonl, checkpoints.")
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard event files to <dir>/tensorboard (loss, eval loss, lr, grad norm, "
+        "tokens/s, memory, samples as text). Needs the tensorboard extra."
+    )
+    wandb: bool = Field(False, description="Also log to Weights & Biases through its own client (installed and "
+                        "logged in by you; project rocktune, run named after dir).")
+    mlflow: bool = Field(False, description="Also log to MLflow through its own client (MLFLOW_TRACKING_URI as you "
+                         "set it; experiment rocktune).")
 
 
 class RunConfig(_Section):

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from rocktune.config import RunConfig
+from rocktune.data import checks
 from rocktune.data.dataset import prepare_data
 from rocktune.model import load_tokenizer, trainable_parameters
 from rocktune.platform.environment import apply_environment
@@ -29,6 +30,8 @@ from rocktune.train.faults import Faults
 from rocktune.train.feed import StepFeed
 from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, ProgressBar
+from rocktune.train import sinks
+from rocktune.train.samples import Sampler
 from rocktune.train.quant_gate import check_quantization
 from rocktune.train.step import OutOfMemoryAtMinimum, forward_backward, max_pieces, run_with_oom_recovery
 
@@ -72,6 +75,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     cache_dir = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
     train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
                                               d.train_on_prompt, tokenizer, cache_dir, t.seed, d.truncation)
+    stats.notes += checks.enforce(checks.check_training_data(train_set, tokenizer, stats.shape, d.train_on_prompt,
+                                                             d.train_file, d.max_length), d.train_file)
+    sinks.require(cfg.output.tensorboard, cfg.output.wandb, cfg.output.mlflow)
     lengths = train_set.lengths()
     compiled = build.want_compile(t.compile, choices.compile, device, t.batching)
     feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, device, precision, choices.attn_implementation,
@@ -130,7 +136,12 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         guard.skipped_total = restored.extra.get("skipped_steps", 0)
         result.eval_loss_before = restored.extra.get("eval_loss_before")
         resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    metrics = sinks.open_log(MetricsLog(run_dir / "metrics.jsonl"), run_dir, start_step, cfg.output.tensorboard,
+                             cfg.output.wandb, cfg.output.mlflow)
+    sinks.write_run_info(run_dir, device, precision, predicted_peak, env_notes + choices.messages + fit_notes +
+                         feed_notes + notes + stats.notes, stats, lengths, len(eval_set))
+    sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set, t.sample_count, t.sample_prompts,
+                            t.sample_max_new_tokens, device, autocast, start_step)
     stop = _InterruptFlag()
 
     def save_checkpoint(step: int) -> None:
@@ -153,6 +164,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         if restored is None:
             result.eval_loss_before = evaluate()
             metrics.write({"step": 0, "eval_loss": result.eval_loss_before})
+            sampler.at(0, model, metrics, bar.log)
         model.train()
         run_peak = 0
         first_step = start_step + 1
@@ -217,6 +229,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 ev = evaluate()
                 metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
+                sampler.at(step, model, metrics, bar.log)
             due = (rel.save_every and step % rel.save_every == 0) or step == total_steps or stop.requested
             saved = due and guard.nonfinite_in_row == 0 and _save_or_warn(save_checkpoint, step, bar.log)
             if stop.requested:  # a rollback point must precede a non-finite streak, so none is written inside one
@@ -226,6 +239,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 return result
         result.eval_loss_after = evaluate()
         metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
+        sampler.at(total_steps, model, metrics, bar.log)
         save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
         bar.log(f"adapter saved to {run_dir / 'adapter'}")
         if run_peak:  # the measured figure beside the planner's, so a wrong prediction shows itself

@@ -1,0 +1,125 @@
+"""Checks on tokenised training data that stop a run before it wastes hours.
+
+Each catches a masking mistake users of fine-tuning tools keep finding only after training: nothing carries loss;
+everything does although only completions should; the end-of-sequence / end-of-turn token never carries loss (the
+model never learns to stop); the conversation as rocktune tokenises it differs from the tokenizer's own chat template.
+``train`` raises on an error; ``rocktune data preview`` shows every problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rocktune.data import encode, records
+from rocktune.errors import UserError
+
+TEMPLATE_PROBES = 16  # conversations compared with the tokenizer's own rendering: a template bug shows in any of them
+PROBE = "rocktune-probe-reply"
+
+
+@dataclass
+class Problem:
+    level: str  # "error" stops training; "warning" is shown
+    code: str
+    message: str
+
+
+def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool, data_file: str | None = None,
+                        max_length: int | None = None) -> list[Problem]:
+    """Problems of ``examples`` (token ids + labels, as training sees them); ``data_file`` enables the template
+    comparison for chat data."""
+    problems = _masking(examples.labels, examples.input_ids, shape, train_on_prompt)
+    if any(p.code == "no-loss-tokens" for p in problems):
+        return problems
+    problems += _stop_token(examples.labels, tokenizer, shape)
+    if shape == "messages" and data_file and max_length:
+        problems += _template(records.read_records(data_file)[:TEMPLATE_PROBES], tokenizer, max_length)
+    return problems
+
+
+def enforce(problems: list[Problem], where: str) -> list[str]:
+    """Raise ``UserError`` on any error; return the warnings' messages (to log)."""
+    errors = [p.message for p in problems if p.level == "error"]
+    if errors:
+        raise UserError(f"{where}: " + " Also: ".join(errors) + " (rocktune data preview -c CONFIG shows the "
+                        "trained tokens of each example.)")
+    return [f"warning: {p.message}" for p in problems]
+
+
+def loss_positions(labels: list[int]) -> int:
+    """Tokens that carry loss: a label at position 0 never does (nothing precedes it), as in the batching."""
+    return sum(t != encode.IGNORE for t in labels[1:])
+
+
+def _masking(labels: list[list[int]], input_ids: list[list[int]], shape: str, train_on_prompt: bool) -> list[Problem]:
+    trained = [loss_positions(lab) for lab in labels]
+    if not any(trained):
+        return [Problem("error", "no-loss-tokens", "no example has a loss-bearing token, so there is nothing to "
+                        "learn; check that completions / assistant turns are not empty and fit data.max_length.")]
+    out = []
+    empty = trained.count(0)
+    if empty:
+        out.append(Problem("warning", "empty-examples", f"{empty} of {len(labels)} examples carry no loss."))
+    completion_only = shape != "text" and not train_on_prompt
+    if completion_only and all(lab == ids for lab, ids in zip(labels, input_ids)):
+        out.append(Problem("error", "all-trained", "every token of every example carries loss although "
+                           f"data.train_on_prompt is false for {shape} data: the prompts are not masked (empty "
+                           "prompts, or a chat template that puts whole conversations in the assistant turn); fix "
+                           "the data, or set data.format=text if whole texts are meant to be trained."))
+    return out
+
+
+def stop_token_ids(tokenizer, shape: str) -> dict[int, str]:
+    """The token that ends a reply, by id: the chat template's end-of-turn marker for chat data, else EOS."""
+    if shape == "messages":
+        eot = end_of_turn_id(tokenizer)
+        if eot is not None:
+            return {eot: tokenizer.convert_ids_to_tokens(eot)}
+    eos = tokenizer.eos_token_id
+    return {} if eos is None else {eos: tokenizer.eos_token}
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The first special token the chat template writes after an assistant reply (e.g. <|im_end|>, <|eot_id|>)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
+                                         tokenize=False, add_generation_prompt=False)
+    after = text.split(PROBE, 1)[-1]
+    special = set(tokenizer.all_special_ids)
+    return next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
+
+
+def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]:
+    stops = stop_token_ids(tokenizer, shape)
+    if not stops:
+        return [Problem("error", "no-eos", "the tokenizer has no end-of-sequence token, so no example can teach the "
+                        "model to stop; use a tokenizer with an eos_token.")]
+    names = " / ".join(stops.values())
+    learned = sum(any(t in stops for t in lab[1:]) for lab in labels)
+    if learned == 0:
+        return [Problem("error", "stop-never-trained", f"the end token {names} never carries loss in any example, so "
+                        "the model would not learn to stop generating (masked as padding, or left out by the "
+                        "chat template); the end token of each completion must be trained.")]
+    if learned < len(labels) / 2:
+        return [Problem("warning", "stop-rarely-trained", f"the end token {names} carries loss in only {learned} of "
+                        f"{len(labels)} examples (truncated by data.max_length?).")]
+    return []
+
+
+def _template(recs: list[tuple[str, dict]], tokenizer, max_length: int) -> list[Problem]:
+    """Compare rocktune's per-turn tokenisation with the tokenizer's own rendering of the same conversation."""
+    for loc, rec in recs:
+        ours = encode.encode(rec, "messages", tokenizer, max_length, True, loc).input_ids
+        own = tokenizer.apply_chat_template(rec["messages"], tokenize=True, add_generation_prompt=False)
+        own = list(own["input_ids"] if hasattr(own, "keys") else own)[:max_length]
+        if ours == own:
+            continue
+        if tokenizer.decode(ours) != tokenizer.decode(own):
+            return [Problem("error", "template-differs", f"{loc}: the conversation as trained differs from the "
+                            "tokenizer's own chat template rendering (the template is not prefix-consistent); train "
+                            "with data.train_on_prompt=true or convert the data to prompt/completion.")]
+        return [Problem("warning", "template-tokens-differ", f"{loc}: the same text is split into different tokens "
+                        "than the tokenizer's own chat template would (turns are tokenised one by one); inference "
+                        "will see slightly different token sequences.")]
+    return []

@@ -1,0 +1,88 @@
+"""The data preview shown: rich colours in a terminal, or one HTML page (``--html``)."""
+
+from __future__ import annotations
+
+from rocktune.report import page
+from rocktune.report.preview import Preview, histogram
+
+BAR = 40
+
+
+def _summary(pv: Preview) -> list[tuple[str, str]]:
+    s = pv.length_stats()
+    return [
+        ("data", pv.data_file), ("shape", pv.shape), ("records", f"{pv.n_records}"),
+        ("kept for training", f"{pv.n_kept}"),
+        ("truncated", f"{pv.n_truncated} (longer than data.max_length={pv.max_length}; their tail is cut)"),
+        ("dropped", f"{pv.n_dropped} (no loss-bearing token left after truncation)"),
+        ("tokens per example", f"min {s['min']}, median {s['median']:g}, mean {s['mean']:.1f}, p95 {s['p95']}, "
+                               f"max {s['max']}"),
+        ("loss-bearing tokens", f"{pv.loss_tokens:,} of {pv.total_tokens:,} ({pv.loss_share:.1%})"),
+        ("trained on prompts", "yes" if pv.train_on_prompt else "no (completions / assistant turns only)"),
+        ("end token", " / ".join(pv.stop_tokens) or "none"),
+    ]
+
+
+def print_preview(pv: Preview) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    table = Table(title="rocktune data preview", show_header=False)
+    for key, value in _summary(pv):
+        table.add_row(key, escape(value))
+    console.print(table)
+    console.print("[bold]tokens per example[/]")
+    bins = histogram(pv.lengths)
+    top = max((b["count"] for b in bins), default=1) or 1
+    for b in bins:
+        console.print(f"  {b['from']:>6}-{b['to']:<6} {'█' * round(BAR * b['count'] / top):<{BAR}} {b['count']}")
+    for ex in pv.examples:
+        console.print(f"\n[bold]{escape(ex['loc'])}[/]" + ("  [yellow](truncated)[/]" if ex["truncated"] else "") +
+                      "   [on dark_green] trained [/] [dim]not trained[/] [bold reverse] special [/]")
+        text = Text()
+        for chunk, trained, special in ex["runs"]:
+            style = ("bold reverse " if special else "") + ("on dark_green" if trained else "dim")
+            text.append(chunk, style=style)
+        console.print(text)
+    _print_problems(console, pv.problems)
+
+
+def _print_problems(console, problems: list[dict]) -> None:
+    from rich.markup import escape
+
+    console.print()
+    if not problems:
+        console.print("[green]checks passed[/]: loss-bearing tokens present, prompts masked, the end token trained")
+    for p in problems:
+        colour = "red" if p["level"] == "error" else "yellow"
+        console.print(f"[bold {colour}]{p['level']}[/] [{colour}]{escape(p['message'])}[/]")
+    if any(p["level"] == "error" for p in problems):
+        console.print("[red]rocktune train would stop on the error(s) above.[/]")
+
+
+def example_html(ex: dict) -> str:
+    spans = []
+    for chunk, trained, special in ex["runs"]:
+        cls = ("trained" if trained else "prompt") + (" special" if special else "")
+        spans.append(f"<span class=\"{cls}\">{page.esc(chunk)}</span>")
+    note = " (truncated)" if ex["truncated"] else ""
+    return f"<h3>{page.esc(ex['loc'])}{note}</h3><div class=\"tok\">{''.join(spans)}</div>"
+
+
+def preview_html(pv: Preview) -> str:
+    bins = histogram(pv.lengths)
+    body = ["<h2>Summary</h2>", page.table(_summary(pv)),
+            "<h2>Tokens per example</h2>", page.table([(f"{b['from']}-{b['to']}", b["count"]) for b in bins],
+                                                      ("tokens", "examples")),
+            "<h2>Checks</h2>"]
+    body += [f"<p class=\"{p['level']}\"><b>{p['level']}</b>: {page.esc(p['message'])}</p>" for p in pv.problems]
+    if not pv.problems:
+        body.append("<p>All checks passed.</p>")
+    body.append("<h2>Examples</h2><p><span class=\"trained\">green: carries loss</span>, "
+                "<span class=\"prompt\">grey: not trained</span>, <span class=\"special\">boxed: special token</span>"
+                "</p>")
+    body += [example_html(ex) for ex in pv.examples]
+    return page.document(f"rocktune data preview — {pv.data_file}", body)

@@ -1,0 +1,153 @@
+"""Where metrics go besides ``metrics.jsonl``: TensorBoard event files, Weights & Biases, MLflow — each only when
+enabled in ``output`` and through its own client; and ``run_info.json``, the facts of the run the report shows.
+
+The loop writes each record once; ``LiveLog`` keeps ``metrics.jsonl`` the record of truth (resume truncates it by
+line count) and forwards the numbers to the sinks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from rocktune.errors import UserError
+from rocktune.train.rundir import write_atomic
+
+# metrics.jsonl key -> (chart tag, scale): the charts a person looks at, grouped as TensorBoard groups them.
+TAGS = {"loss": ("train/loss", 1), "eval_loss": ("eval/loss", 1), "lr": ("train/lr", 1),
+        "grad_norm": ("train/grad_norm", 1), "useful_tokens_per_s": ("perf/useful_tokens_per_s", 1),
+        "peak_mem_bytes": ("perf/peak_mem_gib", 2**-30), "step_s": ("perf/step_s", 1)}
+CLIENTS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def require(tensorboard: bool, wandb: bool, mlflow: bool) -> None:
+    """Refuse before the run starts when an enabled sink's client is not installed."""
+    for key, on in (("tensorboard", tensorboard), ("wandb", wandb), ("mlflow", mlflow)):
+        if on and importlib.util.find_spec(CLIENTS[key]) is None:
+            extra = "pip install 'rocktune[tensorboard]'" if key == "tensorboard" else f"pip install {key}"
+            raise UserError(f"output.{key}=true but the {key} package is not installed; {extra}, or set "
+                            f"output.{key}=false.")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    out = {}
+    for key, (tag, scale) in TAGS.items():
+        value = record.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[tag] = value * scale
+    return out
+
+
+class LiveLog:
+    """``MetricsLog``'s interface (write, lines), fanned out to the enabled sinks."""
+
+    def __init__(self, base, sinks: list):
+        self.base, self.sinks = base, sinks
+        atexit.register(self.close)  # the loop has no teardown of its own; flushing here loses no event
+
+    def write(self, record: dict) -> None:
+        self.base.write(record)
+        values = scalars(record)
+        if values and "step" in record:
+            for sink in self.sinks:
+                sink.scalars(values, int(record["step"]))
+
+    def lines(self) -> int:
+        return self.base.lines()
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        for sink in self.sinks:
+            sink.text(tag, text, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def open_log(base, run_dir: Path, start_step: int, tensorboard: bool, wandb: bool, mlflow: bool) -> LiveLog:
+    sinks = []
+    if tensorboard:
+        sinks.append(_TensorBoard(run_dir / "tensorboard", start_step))
+    if wandb:
+        sinks.append(_WandB(run_dir))
+    if mlflow:
+        sinks.append(_MLflow(run_dir))
+    return LiveLog(base, sinks)
+
+
+class _TensorBoard:
+    def __init__(self, log_dir: Path, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A resumed run logs again the steps after its checkpoint: purge_step hides the first attempt's copies.
+        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()  # a crash must not take the last minutes of curves with it
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, run_dir: Path):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project="rocktune", name=run_dir.name, dir=str(run_dir))
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.run.log({tag: self.wandb.Html(f"<pre>{text}</pre>")}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    def __init__(self, run_dir: Path):
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_experiment("rocktune")
+        mlflow.start_run(run_name=run_dir.name)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.mlflow.log_text(text, f"{tag}/step-{step:07d}.md")
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def write_run_info(run_dir: Path, device: str, precision: str, predicted_peak: int | None, notes: list[str],
+                   stats, train_lengths: list[int], n_eval: int) -> None:
+    """The facts a report needs that metrics.jsonl does not hold: platform, advice applied, the planner's
+    prediction, data statistics."""
+    import platform
+
+    import torch
+
+    info = {"device": device, "precision": precision, "predicted_peak_bytes": predicted_peak, "notes": notes,
+            "platform": {"python": platform.python_version(), "os": platform.platform(), "torch": torch.__version__,
+                         "hip": torch.version.hip, "cuda": torch.version.cuda,
+                         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()},
+            "data": {**asdict(stats), "n_train": len(train_lengths), "n_eval": n_eval,
+                     "train_tokens": sum(train_lengths), "max_example_tokens": max(train_lengths, default=0)}}
+    info["data"].pop("notes", None)
+    write_atomic(run_dir / "run_info.json", json.dumps(info, indent=1) + "\n")
