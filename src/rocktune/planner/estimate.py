@@ -14,7 +14,7 @@ from rocktune.planner.activations import Tokens, layer_saved, lora_modules
 from rocktune.planner.shapes import ModelShape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-QUANT = ("int8", "nf4")
+QUANT = ("int8", "nf4", "fp4")
 ATTN = ("sdpa", "eager", "flash_attention_2")
 MIB = 2**20
 GIB = 2**30
@@ -32,7 +32,8 @@ class RunSpec:
     lora_r: int = 8
     targets: tuple[str, ...] | str = "all-linear"
     precision: str = "fp32"  # fp32 | bf16 | fp16 (activations and, unless quantised, base weights)
-    quant: str = "none"  # none | int8 | nf4 (QLoRA base weights)
+    quant: str = "none"  # none | int8 | nf4 | fp4 (QLoRA base weights)
+    double_quant: bool = True  # nf4/fp4: the per-block scales quantised too
     attn: str = "sdpa"
     checkpointing: bool = False
     lora_dropout: float = 0.0
@@ -129,7 +130,9 @@ def _padded(spec: RunSpec) -> bool:
 
 
 def _tokens(spec: RunSpec) -> Tokens:
-    dt = DTYPE_BYTES[spec.precision]
+    # PEFT's k-bit preparation keeps embeddings and norms in fp32, and a 4/8-bit linear returns its input's dtype:
+    # a quantised run's residual stream and linear outputs are fp32 even under half autocast (measured on CPU).
+    dt = 4 if spec.quant != "none" else DTYPE_BYTES[spec.precision]
     return Tokens(batch=spec.micro_batch, seq=spec.seq_len, dt=dt, amp=dt != 4, attn=spec.attn,
                   padded=_padded(spec), rank=spec.lora_r, dropout=spec.lora_dropout,
                   mask_bytes=1 if spec.device == "gpu" else 4)
@@ -140,21 +143,33 @@ def _parts(parts: dict[str, int]) -> str:
 
 
 def _static(shape: ModelShape, spec: RunSpec, add) -> None:
-    counts = shape.param_counts()
     dt = DTYPE_BYTES[spec.precision]
     if spec.quant == "none":
         add("base_weights", shape.n_params * dt, "static", f"{shape.n_params:,} params x {dt} B ({spec.precision})")
     else:
-        linear = counts["layers"] - shape.layers * (shape.norms_per_layer * shape.hidden)
-        per = {"int8": 1 + 4 / shape.hidden, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}[spec.quant]
+        linear, quantised = shape.layers * sum(i * o for _, i, o, _ in shape.linears()), 0
+        for _, n_in, n_out, _ in shape.linears():
+            quantised += shape.layers * quantised_bytes(n_in, n_out, spec.quant, spec.double_quant)
         rest = shape.n_params - linear
-        add("base_weights", linear * per + rest * dt, "static",
-            f"{linear:,} linear params x {per:.3f} B ({spec.quant} + scales) + {rest:,} others x {dt} B")
+        # PEFT's k-bit preparation casts every weight it did not quantise (embeddings, head, norms, biases) to fp32
+        add("base_weights", quantised + rest * 4, "static",
+            f"{linear:,} linear params as {spec.quant} ({quantised / linear:.3f} B each with scales) + {rest:,} "
+            "others x 4 B (fp32 after k-bit preparation)")
     n = lora_param_count(shape, spec)
     mods = [m for m, _, _ in lora_modules(shape, spec.targets)]
     add("lora_params", n * 4, "static", f"{n:,} params (r={spec.lora_r} on {', '.join(mods)}) x 4 B fp32")
     add("lora_grads", n * 4, "static", f"{n:,} fp32 gradients (the frozen base gets none)")
     add("adamw_states", n * 8, "static", f"{n:,} x 2 fp32 states (exp_avg, exp_avg_sq), LoRA params only")
+
+
+def quantised_bytes(n_in: int, n_out: int, quant: str, double_quant: bool = True) -> int:
+    """Bytes of one bitsandbytes-quantised weight: int8 keeps an fp32 scale per output row; nf4/fp4 pack two
+    values a byte with an absmax per 64-value block (fp32, or 8-bit plus an fp32 per 256 blocks when doubled)."""
+    n = n_in * n_out
+    if quant == "int8":
+        return n + 4 * n_out
+    blocks = -(-n // 64)
+    return -(-n // 2) + (blocks + 4 * -(-blocks // 256) if double_quant else 4 * blocks)
 
 
 def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, add) -> None:
@@ -192,5 +207,9 @@ def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, laye
     grads = tok.t * (3 * h + 3 * i) * dt + (layer["attention_scores"] if spec.attn == "eager" else 0)
     add("layer_backward", grads, "backward", f"one layer's activation gradients: {tok.t} x (3 x {h} + 3 x {i}) x "
         f"{dt} B" + (" + s x s score gradients" if spec.attn == "eager" else ""))
+    if spec.quant != "none":  # bitsandbytes dequantises a whole weight for each matmul, backward included
+        big = max(n_in * n_out for _, n_in, n_out, _ in shape.linears())
+        cdt = DTYPE_BYTES[spec.precision] if spec.quant != "int8" else 2  # int8 works on fp16 copies
+        add("dequantised_weight", big * cdt, "backward", f"largest linear ({big:,} values) dequantised, {cdt} B each")
     n = lora_param_count(shape, spec)
     add("optimizer_step", 3 * n * 4, "step", "foreach AdamW temporaries, 3 x LoRA params x 4 B")

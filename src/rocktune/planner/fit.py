@@ -31,18 +31,19 @@ class Suggestion:
     reasons: list[str] = field(default_factory=list)
     total_bytes: int = 0  # with allocator overhead and device context: what must fit the budget
     budget_bytes: int = 0
+    quant: str = "none"  # "nf4" when the planner proposes a quantised base because nothing else fits
 
 
 def suggest_settings(model: str, vram_bytes: int | None, max_length: int, lora_r: int,
                      target_modules: list[str] | str, precision: str, attn_implementation: str,
                      global_batch: int, loss_mode: str = "chunked", lora_dropout: float = 0.0,
-                     quant: str = "none") -> Suggestion:
+                     quant: str = "none", double_quant: bool = True) -> Suggestion:
     """``precision="auto"`` lets the planner pick between bf16 and fp32 (pass the platform's choice if known)."""
     shape = load_shape(model)
     budget, device, source = (vram_bytes, "gpu", "given") if vram_bytes else detect_budget()
     base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules),
                    attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
-                   loss_mode=loss_mode, quant=quant, device=device)
+                   loss_mode=loss_mode, quant=quant, double_quant=double_quant, device=device)
     return fit(shape, base, budget, precision, max(1, global_batch), source)
 
 
@@ -59,6 +60,10 @@ def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_ba
         if fitting or length // 2 < MIN_LENGTH:
             break
         length //= 2
+    if base.quant == "none" and (not fitting or length < base.seq_len):
+        proposal = _propose_nf4(shape, base, budget, precision, global_batch, source, cands)
+        if proposal is not None:
+            return proposal
     if not fitting:
         smallest = min(cands, key=lambda e: e.total_bytes)
         raise UserError(f"{shape.name} does not fit in {_gib(budget)} ({source}) with any micro-batch, "
@@ -77,7 +82,23 @@ def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_ba
     return Suggestion(micro_batch_size=s.micro_batch, grad_accum=global_batch // s.micro_batch,
                       gradient_checkpointing=s.checkpointing, precision=s.precision, max_length=s.seq_len,
                       predicted_peak_bytes=best.peak_allocated, reasons=reasons, total_bytes=best.total_bytes,
-                      budget_bytes=budget)
+                      budget_bytes=budget, quant=s.quant)
+
+
+def _propose_nf4(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_batch: int, source: str,
+                 unquantised: list[Estimate]) -> Suggestion | None:
+    """When nothing fits at the asked length without quantisation, an nf4 base that does (QLoRA), saying so."""
+    try:
+        sug = fit(shape, replace(base, quant="nf4"), budget, precision, global_batch, source)
+    except UserError:
+        return None
+    if sug.max_length < base.seq_len:
+        return None  # shortening anyway: keep the unquantised weights
+    smallest = min(unquantised, key=lambda e: e.total_bytes)
+    sug.reasons.insert(0, f"nothing fits {_gib(budget)} at max_length {base.seq_len} without quantisation (the "
+                       f"smallest, {_describe(smallest.spec)}, needs {_gib(smallest.total_bytes)}): proposing an "
+                       "nf4 base (QLoRA, model.quantization=nf4, needs bitsandbytes >= 0.50 and a supported GPU)")
+    return sug
 
 
 def describe_fit(model: str, vram_bytes: int | None, max_length: int, lora_r: int, target_modules,
@@ -126,8 +147,8 @@ def _losers(best: Estimate, cands: list[Estimate], usable: int) -> list[str]:
 
 
 def _describe(s: RunSpec) -> str:
-    return (f"micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}, {s.precision}, "
-            f"max_length {s.seq_len}")
+    return (f"micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}, {s.precision}"
+            f"{'' if s.quant == 'none' else ' on an ' + s.quant + ' base'}, max_length {s.seq_len}")
 
 
 def _targets(target_modules):
@@ -180,10 +201,12 @@ def fit_token_rows(shape: ModelShape, base: RunSpec, budget: int, max_rows: int,
 
 def suggest_token_budget(model: str, vram_bytes: int | None, max_length: int, lora_r: int, target_modules,
                          precision: str, attn_implementation: str, checkpointing: bool, loss_chunk: int,
-                         loss_mode: str, max_rows: int, lora_dropout: float = 0.0) -> TokenBudget:
+                         loss_mode: str, max_rows: int, lora_dropout: float = 0.0, quant: str = "none",
+                         double_quant: bool = True) -> TokenBudget:
     shape = load_shape(model)
     budget, device, source = (vram_bytes, "gpu", "given") if vram_bytes else detect_budget()
     base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules), precision=precision,
                    attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
-                   loss_mode=loss_mode, loss_chunk=loss_chunk, checkpointing=checkpointing, device=device)
+                   loss_mode=loss_mode, loss_chunk=loss_chunk, checkpointing=checkpointing, device=device,
+                   quant=quant, double_quant=double_quant)
     return fit_token_rows(shape, base, budget, max_rows, source)

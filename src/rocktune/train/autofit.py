@@ -18,13 +18,16 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
     t = cfg.training
     sug = suggest_settings(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
                            cfg.lora.target_modules, precision, attn_implementation,
-                           t.micro_batch_size * t.grad_accum, loss_mode=t.loss_impl, lora_dropout=cfg.lora.dropout)
+                           t.micro_batch_size * t.grad_accum, loss_mode=t.loss_impl, lora_dropout=cfg.lora.dropout,
+                           quant=cfg.model.quantization, double_quant=cfg.model.double_quant)
     fitted = cfg.model_copy(deep=True)
+    fitted.model.quantization = sug.quant  # nf4 only when the planner proposed it: nothing else fits
     fitted.training.micro_batch_size = sug.micro_batch_size
     fitted.training.grad_accum = sug.grad_accum
     fitted.model.gradient_checkpointing = sug.gradient_checkpointing
     fitted.data.max_length = sug.max_length
-    chosen = (f"--auto: micro_batch_size={sug.micro_batch_size} grad_accum={sug.grad_accum} "
+    chosen = (f"--auto: {'model.quantization=nf4 ' if sug.quant != cfg.model.quantization else ''}"
+              f"micro_batch_size={sug.micro_batch_size} grad_accum={sug.grad_accum} "
               f"gradient_checkpointing={sug.gradient_checkpointing} max_length={sug.max_length} "
               f"(predicted peak {sug.predicted_peak_bytes / 2**30:.2f} GiB of {sug.budget_bytes / 2**30:.2f} GiB)")
     return fitted, [chosen, *sug.reasons], sug.predicted_peak_bytes
@@ -83,7 +86,8 @@ def _planned_rows(cfg: RunConfig, precision: str, attn_implementation: str, vram
         plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
                                     cfg.lora.target_modules, precision, attn_implementation,
                                     cfg.model.gradient_checkpointing, loss_chunk(t.loss_chunk_size, "cuda"),
-                                    t.loss_impl, cap, cfg.lora.dropout)
+                                    t.loss_impl, cap, cfg.lora.dropout, quant=cfg.model.quantization,
+                                    double_quant=cfg.model.double_quant)
     except UserError:
         raise
     except Exception as exc:  # a model the planner cannot size still trains, on a modest fixed budget
