@@ -1,7 +1,7 @@
 """The benchmark suites behind docs/benchmarks.md; prints one JSON object (a list of ``rocktune bench`` reports).
 
     python benchmarks/bench_suite.py cpu    # tiny model (32k vocabulary), fp32, ~10 minutes on 2 cores
-    python benchmarks/bench_suite.py gpu    # Qwen2.5-0.5B- and 1.5B-shaped random-init models, bf16 where supported
+    python benchmarks/bench_suite.py gpu    # = rocktune bench --suite gpu: both Qwen2.5 shapes, 64 x 50-2,000 tokens
 
 Each suite is the same `rocktune bench` a user runs; the figures in the docs come from this output.
 """
@@ -15,14 +15,19 @@ from rocktune.bench.runner import run_bench
 
 SUITES = {
     "cpu": [{"model": "tiny", "steps": 3, "warmup": 1, "rounds": 2, "device": "cpu"}],
-    "gpu": [{"model": "qwen2.5-0.5b-shape", "steps": 10, "warmup": 3, "rounds": 1, "device": "cuda"},
-            {"model": "qwen2.5-1.5b-shape", "steps": 10, "warmup": 3, "rounds": 1, "device": "cuda"}],
 }
 
 
 def main(suite: str) -> int:
+    if suite == "gpu":  # one definition of the GPU suite: rocktune.bench.suites
+        from rocktune.bench.suites import run_suite
+
+        result = run_suite("gpu", None, "cuda", "runs/bench-gpu", 1800.0, run_bench,
+                           lambda m: print(m, file=sys.stderr))
+        print(json.dumps(list(result["reports"].values()), indent=1))
+        return 0
     if suite not in SUITES:
-        print(f"usage: bench_suite.py {{{'|'.join(SUITES)}}}", file=sys.stderr)
+        print("usage: bench_suite.py {cpu|gpu}", file=sys.stderr)
         return 2
     reports = [run_bench(out=f"runs/bench-{suite}-{i}", log=lambda m: print(m, file=sys.stderr), **kw)
                for i, kw in enumerate(SUITES[suite])]

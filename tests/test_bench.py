@@ -51,8 +51,11 @@ def test_loss_parity():
 def test_config_table():
     cpu = configs.default_names("cpu")
     assert {"hf-seed", "hf-tuned", "rocktune"} <= set(cpu) and "rt-compile" not in cpu
-    assert "rt-compile" in configs.default_names("cuda")
-    assert configs.BASELINES == ["hf-seed", "hf-tuned"]
+    assert "rt-compile" not in configs.default_names("cuda")  # compile is the GPU default where sound
+    assert {"hf-best", "rt-examples", "rt-no-compile"} <= set(configs.default_names("cuda"))
+    assert "hf-best" not in cpu and "rt-no-compile" not in cpu
+    assert configs.BASELINES == ["hf-seed", "hf-tuned", "hf-best"]
+    assert configs.PARITY["parity-rocktune"].settings["training.batching"] == "examples"  # HF is fed that order
     assert configs.CONFIGS["hf-seed"].settings["padding"] == "max_length"
     assert configs.CONFIGS["hf-seed"].settings["gradient_checkpointing"] is True
     assert [c.name for c in configs.select("rocktune, hf-seed", "cpu")] == ["rocktune", "hf-seed"]
@@ -172,3 +175,54 @@ def test_summarise_computes_mfu_for_a_gpu_result():
     assert rt["device_wait_fraction"] == pytest.approx(0.9)
     assert runner.targets(rep["configs"], None)["tokens_per_s_vs_hf-seed"]["met"] is True
     json.dumps(rep)  # the report must serialise
+
+
+def test_gpu_targets_include_mfu_per_shape_and_hf_best():
+    rows = [{"name": "rocktune", "status": "ok", "mfu": 0.33, "ratios": {
+        "hf-seed": {"tokens_per_s": 5.0, "memory": 0.5}, "hf-best": {"tokens_per_s": 1.4, "memory": 0.9}}}]
+    t = runner.targets(rows, None, "cuda", "qwen2.5-0.5b-shape")
+    assert t["mfu"] == {"value": 0.33, "target": 0.30, "met": True}
+    assert t["tokens_per_s_vs_hf-seed"]["target"] == 4.0 and t["tokens_per_s_vs_hf-seed"]["met"] is True
+    assert t["tokens_per_s_vs_hf-best"]["met"] is False and t["memory_vs_hf-best"]["met"] is True
+    assert runner.targets(rows, None, "cuda", "qwen2.5-1.5b-shape")["mfu"]["met"] is False  # 0.40 there
+    assert "mfu" not in runner.targets(rows, None, "cpu", "tiny")
+
+
+def test_largest_fitting_batch_keeps_the_global_batch_and_backs_off_on_oom():
+    from rocktune.bench.hf_baseline import SkipBaseline, largest_fitting_batch
+    from rocktune.train.step import DEVICE_OOM
+
+    tried = []
+
+    def trial(n):
+        tried.append(n)
+        if n > 16:
+            raise DEVICE_OOM("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert largest_fitting_batch(trial, 64) == 16 and tried == [64, 32, 16]  # divisors of 64, largest first
+    assert largest_fitting_batch(lambda n: None, 12) == 12
+
+    def never(n):
+        raise DEVICE_OOM("out of memory")
+
+    with pytest.raises(SkipBaseline, match="not even one example"):
+        largest_fitting_batch(never, 8)
+
+
+def test_flattened_batches_count_every_token_as_real():
+    import torch
+
+    from rocktune.bench.hf_baseline import real_token_count
+
+    assert real_token_count({"input_ids": torch.ones(1, 30)}) == 30
+    assert real_token_count({"input_ids": torch.ones(2, 5), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])}) == 7
+
+
+def test_gpu_suite_definition():
+    from rocktune.bench.suites import SUITES
+
+    gpu = SUITES["gpu"]
+    assert gpu.models == ("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape") and gpu.token_range == (50, 2000)
+    assert gpu.common["micro_batch_size"] * gpu.common["grad_accum"] == 64
+    assert gpu.samples() >= 64 * (gpu.steps + gpu.warmup)
+    assert {"hf-seed", "hf-best", "rocktune"} <= set(gpu.configs.split(","))

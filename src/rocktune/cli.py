@@ -226,6 +226,9 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args) -> int:
+    p.add_argument("--suite", choices=("gpu",),
+                   help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
+                        "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry run)")
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, not {args.steps}")
     if args.warmup < 0 or args.parity_steps < 0 or args.samples < 8:
@@ -239,7 +242,8 @@ def _run_bench(args) -> int:
                              n_samples=args.samples, parity_steps=args.parity_steps, timeout=args.timeout,
                              rounds=args.rounds,
                              as_json=args.json, pick=args.pick, write_config=args.write_config,
-                             list_only=args.list)
+                             list_only=args.list, suite=args.suite)
+
 
 # --- data preview / report -------------------------------------------------------------------------------------
 

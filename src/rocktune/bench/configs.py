@@ -32,13 +32,27 @@ HF_SEED = {"precision": "fp32", "padding": "max_length", "gradient_checkpointing
 HF_TUNED = {"precision": "auto", "padding": "longest", "gradient_checkpointing": False,
             "attn_implementation": "sdpa", "sampler": "group_by_length"}
 
+# An expert's HF setup today: bf16, flash-attention 2 with padding-free flattened rows when flash_attn is
+# installed (SDPA with dynamic padding and group_by_length otherwise), Liger kernels when installed, and the largest
+# per-device batch that fits (probed on the worst micro-batch), the global batch kept.
+HF_BEST = {"precision": "auto", "padding": "flatten", "gradient_checkpointing": False, "attn_implementation": "best",
+           "sampler": "group_by_length", "liger": True, "batch": "largest"}
+
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("hf-seed", "hf", "HF Trainer + PEFT, seed 002: fp32, pad to max_length, checkpointing, batch 2x4",
                 HF_SEED, baseline=True),
     BenchConfig("hf-tuned", "hf", "HF Trainer + PEFT, careful: bf16 where supported, sdpa, group_by_length, "
                 "dynamic padding, no checkpointing", HF_TUNED, baseline=True),
-    BenchConfig("rocktune", "rocktune", "rocktune defaults: length bucketing, chunked loss at loss positions only, "
-                "foreach/fused AdamW, no checkpointing, Liger when on a GPU", {}),
+    BenchConfig("hf-best", "hf", "HF Trainer + PEFT as an expert sets it up: bf16, FA2 + padding-free flattening "
+                "(else SDPA + group_by_length), Liger when installed, largest per-device batch that fits",
+                HF_BEST, baseline=True, default_on_cpu=False),
+    BenchConfig("rocktune", "rocktune", "rocktune defaults: on a GPU token batching (packed rows, planner-sized "
+                "forwards, compile where sound, Liger), on a CPU length bucketing; chunked loss at loss positions "
+                "only, foreach/fused AdamW, no checkpointing", {}),
+    BenchConfig("rt-examples", "rocktune", "batching=examples on a GPU too: micro_batch_size examples per forward "
+                "(the defaults before token batching)", {"training.batching": "examples"}, default_on_cpu=False),
+    BenchConfig("rt-no-compile", "rocktune", "torch.compile off (on where the platform knowledge allows it)",
+                {"training.compile": False}, needs_gpu=True, default_on_cpu=False),
     BenchConfig("rt-packing", "rocktune", "packing rows of max_length (per-sequence positions), 1 row x 4",
                 {"data.packing": True, "training.micro_batch_size": 1}),
     BenchConfig("rt-full-loss", "rocktune", "chunked loss off: HF's full-logits loss path",
@@ -47,8 +61,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("rt-adamw-torch", "rocktune", "foreach/fused AdamW off: the per-parameter for-loop AdamW",
                 {"training.optimizer": "adamw_torch"}),
     BenchConfig("rt-no-liger", "rocktune", "Liger kernels off", {"model.liger": "off"}, needs_gpu=True),
-    BenchConfig("rt-compile", "rocktune", "torch.compile on the decoder", {"training.compile": True},
-                default_on_cpu=False),
+    BenchConfig("rt-compile", "rocktune", "torch.compile on the decoder, whatever the platform default",
+                {"training.compile": True}, in_default_set=False),
     BenchConfig("rt-mb8", "rocktune", "micro-batch 8 x accumulation 1", {"training.micro_batch_size": 8,
                 "training.grad_accum": 1}, in_default_set=False),
     BenchConfig("rt-mb4", "rocktune", "micro-batch 4 x accumulation 2", {"training.micro_batch_size": 4,
@@ -58,7 +72,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 # The loss-parity pair: both fp32, rocktune in its own batch order, HF fed those very micro-batches in that order.
 PARITY = {
     "parity-rocktune": BenchConfig("parity-rocktune", "rocktune", "rocktune defaults in fp32, bucketed order",
-                                   {"training.precision": "fp32"}),
+                                   {"training.precision": "fp32", "training.batching": "examples"}),
     "parity-hf": BenchConfig("parity-hf", "hf", "HF Trainer + PEFT in fp32 (dynamic padding, sdpa), fed rocktune's "
                              "micro-batches in rocktune's order", {**HF_TUNED, "precision": "fp32",
                                                                     "sampler": "rocktune-order"}),

@@ -40,8 +40,7 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
         raise SkipBaseline("the HF Trainer needs the accelerate package, which is not installed "
                            "(pip install 'rocktune[bench]')")
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
-                              TrainerCallback, TrainingArguments, set_seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments, set_seed
 
     precision = _precision(recipe["precision"], device)
     set_seed(common["seed"])
@@ -49,8 +48,9 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": torch.bfloat16 if precision == "bf16" else torch.float32}
-    if recipe["attn_implementation"]:
-        kwargs["attn_implementation"] = recipe["attn_implementation"]
+    attn = _attention(recipe["attn_implementation"])
+    if attn:
+        kwargs["attn_implementation"] = attn
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
     lora = LoraConfig(r=common["lora_r"], lora_alpha=common["lora_alpha"], lora_dropout=0.0,
@@ -61,19 +61,26 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
     ids, labels = examples.input_ids, examples.labels
     if order is not None:  # loss parity: rocktune's micro-batches, in rocktune's order, not shuffled
         ids, labels = [ids[i] for i in order], [labels[i] for i in order]
+    collator = _collator(recipe, attn, tokenizer, common["max_length"])
+    micro, accum = common["micro_batch_size"], common["grad_accum"]
+    # What an expert tunes by hand on a GPU: the largest per-device batch that fits (a CPU has no such limit to find).
+    if recipe.get("batch") == "largest" and device == "cuda":
+        micro = largest_fitting_batch(lambda n: _trial_step(model, collator, ids, labels, n, device, precision),
+                                      micro * accum)
+        accum = common["micro_batch_size"] * common["grad_accum"] // micro
+        probe.mark_loaded(model)  # the probing forwards are not part of the measured training
     records: list[dict] = []
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="rocktune-hf-"), max_steps=steps,
-        per_device_train_batch_size=common["micro_batch_size"],
-        gradient_accumulation_steps=common["grad_accum"], learning_rate=common["lr"], weight_decay=0.0,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accum, learning_rate=common["lr"],
+        weight_decay=0.0,
         lr_scheduler_type=common["scheduler"], warmup_steps=common["warmup_steps"], max_grad_norm=1.0,
         bf16=precision == "bf16", fp16=precision == "fp16", gradient_checkpointing=recipe["gradient_checkpointing"],
         dataloader_num_workers=0, logging_steps=20, save_strategy="no", eval_strategy="no", report_to="none",
         seed=common["seed"], remove_unused_columns=False, disable_tqdm=True, use_cpu=device == "cpu",
         train_sampling_strategy="sequential" if order is not None else recipe["sampler"],
+        use_liger_kernel=_liger(recipe.get("liger", False), device),
     )
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=recipe["padding"], max_length=common["max_length"],
-                                      label_pad_token_id=IGNORE)
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -83,7 +90,8 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
             if device == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            records.append({**trainer.acc, "step": len(records) + 1, "step_s": now - self.t})
+            acc = {**trainer.acc, "loss": float(trainer.acc["loss"])}  # after the step's sync: costs nothing
+            records.append({**acc, "step": len(records) + 1, "step_s": now - self.t})
             trainer.acc = _zero()
             self.t = now
 
@@ -91,18 +99,21 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
         acc = _zero()
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            lab, mask = inputs["labels"], inputs["attention_mask"]
+            # The inputs are still host tensors here (the Trainer moves them inside): counting them costs no sync.
+            lab = inputs["labels"]
             self.acc["tokens"] += int((lab[:, 1:] != IGNORE).sum())
-            self.acc["real_tokens"] += int(mask.sum())
-            self.acc["batch_tokens"] += mask.numel()
+            self.acc["real_tokens"] += real_token_count(inputs)
+            self.acc["batch_tokens"] += lab.numel()
             loss = super().training_step(model, inputs, num_items_in_batch)
-            self.acc["loss"] += float(loss)
+            self.acc["loss"] = self.acc["loss"] + loss.detach().float()  # on the device: no sync per micro-batch
             return loss
 
     trainer = MeasuredTrainer(model=model, args=args, train_dataset=_Rows(ids, labels), data_collator=collator,
                               processing_class=tokenizer, callbacks=[Timer()])
     trainer.train()
     resolved = {"precision": precision, "attn_implementation": model.get_base_model().config._attn_implementation,
+                "micro_batch_size": micro, "grad_accum": accum, "collator": type(collator).__name__,
+                "liger": bool(args.use_liger_kernel),
                 "optimizer": str(args.optim), "loss_scaled_by_step_tokens": bool(trainer.model_accepts_loss_kwargs)}
     return records, resolved
 
@@ -118,3 +129,62 @@ def _precision(setting: str, device: str) -> str:
     from rocktune.train.autoconf import resolve_auto
 
     return resolve_auto(device, "auto", "sdpa").precision
+
+
+def real_token_count(inputs: dict) -> int:
+    """Non-pad tokens of a collated batch: the attention mask's ones, or every token of a flattened (padding-free)
+    batch, which has no mask."""
+    mask = inputs.get("attention_mask")
+    return int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+
+
+def largest_fitting_batch(trial, global_batch: int) -> int:
+    """The largest divisor of the global batch whose worst-case micro-batch survives ``trial(n)`` without a device
+    out-of-memory error (so the global batch is kept exactly)."""
+    from rocktune.train.step import DEVICE_OOM
+
+    for n in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0), reverse=True):
+        try:
+            trial(n)
+            return n
+        except DEVICE_OOM:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    raise SkipBaseline("not even one example per forward fits this device")
+
+
+def _trial_step(model, collator, ids, labels, n: int, device: str, precision: str) -> None:
+    """Forward + backward of the ``n`` longest examples (the worst micro-batch), gradients dropped after."""
+    longest = sorted(range(len(ids)), key=lambda i: -len(ids[i]))[:n]
+    batch = collator([{"input_ids": ids[i], "labels": labels[i], "attention_mask": [1] * len(ids[i])}
+                      for i in longest])
+    batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    with torch.autocast(device_type=device, dtype=dtype, enabled=precision != "fp32"):
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _collator(recipe: dict, attn: str | None, tokenizer, max_length: int):
+    """``flatten``: padding-free rows (DataCollatorWithFlattening), used with flash-attention's varlen kernels
+    (with SDPA a flattened row attends over its whole length, so an expert pads to the longest instead)."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    padding = recipe["padding"]
+    if padding == "flatten" and attn != "flash_attention_2":
+        padding = "longest"
+    if padding == "flatten":
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE)
+    return DataCollatorForSeq2Seq(tokenizer, padding=padding, max_length=max_length, label_pad_token_id=IGNORE)
+
+
+def _attention(setting: str | None) -> str | None:
+    """``best``: flash-attention 2 when the flash_attn package is installed, else SDPA."""
+    if setting != "best":
+        return setting
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+def _liger(setting: bool, device: str) -> bool:
+    """Liger's Triton kernels when asked for, on a GPU, with liger-kernel installed (the Trainer's own switch)."""
+    return bool(setting) and device == "cuda" and importlib.util.find_spec("liger_kernel") is not None

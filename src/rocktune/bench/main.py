@@ -10,7 +10,7 @@ from pathlib import Path
 def run_bench_command(model: str, data: str | None, configs: str | None, steps: int, warmup: int,
                       threads: int | None, device: str, out: str, n_samples: int, parity_steps: int,
                       timeout: float, rounds: int, as_json: bool, pick: bool, write_config: str | None,
-                      list_only: bool) -> int:
+                      list_only: bool, suite: str | None = None) -> int:
     from rocktune.bench.configs import CONFIGS
 
     if list_only:
@@ -23,6 +23,23 @@ def run_bench_command(model: str, data: str | None, configs: str | None, steps: 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if suite is not None:
+        from rocktune.bench.suites import run_suite
+
+        device = _device(device)
+        # The default model (tiny) means the suite's own shapes on a GPU, and a quick dry run on a CPU.
+        result = run_suite(suite, model if model != "tiny" or device == "cpu" else None, device, out, timeout,
+                           run_bench, log)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "suite.json").write_text(json.dumps(result, indent=1))
+        if as_json:
+            print(json.dumps(result, indent=1))
+        else:
+            from rocktune.bench.render import render
+
+            for report in result["reports"].values():
+                render(report)
+        return 0
     if pick and configs is None:
         configs = picker.candidates(_device(device))
     report = run_bench(model=model, data=data, configs=configs, steps=steps, warmup=warmup, threads=threads,

@@ -20,14 +20,19 @@ from rocktune.errors import UserError
 
 COMMON = {"micro_batch_size": 2, "grad_accum": 4, "max_length": 512, "lr": 2e-4, "warmup_steps": 2,
           "scheduler": "cosine", "seed": 0, "lora_r": 16, "lora_alpha": 32}
-TARGETS = {"tokens_per_s_vs_hf-seed": 3.0, "tokens_per_s_vs_hf-tuned": 1.5, "memory_vs_hf-tuned": 0.6}
+# The issue's targets for rocktune's default configuration, per device kind; MFU targets per GPU model shape.
+TARGETS = {"cpu": {"tokens_per_s_vs_hf-seed": 3.0, "tokens_per_s_vs_hf-tuned": 1.5, "memory_vs_hf-tuned": 0.6},
+           "cuda": {"tokens_per_s_vs_hf-seed": 4.0, "tokens_per_s_vs_hf-best": 1.5, "memory_vs_hf-best": 1.0}}
+MFU_TARGETS = {"qwen2.5-0.5b-shape": 0.30, "qwen2.5-1.5b-shape": 0.40}
 PARITY_REL_TOL = 1e-3
 
 
 def run_bench(model: str = "tiny", data: str | None = None, configs: str | None = None, steps: int = 5,
               warmup: int = 1, threads: int | None = None, device: str = "auto", out: str = "runs/bench",
               n_samples: int = 400, parity_steps: int = 4, timeout: float = 1800.0, rounds: int = 1,
-              log=print) -> dict:
+              log=print, common: dict | None = None, token_range: tuple[int, int] | None = None) -> dict:
+    """``common`` overrides the shared settings (global batch, max_length); ``token_range`` the synthetic lengths."""
+    common = {**COMMON, **(common or {})}
     if steps < 1:
         raise UserError(f"--steps must be at least 1 (measured optimizer steps), not {steps}")
     if warmup < 0 or parity_steps < 0 or rounds < 1:
@@ -40,10 +45,10 @@ def run_bench(model: str = "tiny", data: str | None = None, configs: str | None 
     out_dir = Path(out)
     cache = out_dir / "cache"
     model_dir = _prepare_model(model, cache)
-    data_file = workload.data_file(data, n_samples, cache)
-    lengths, loss_share = _data_lengths(model_dir, data_file, cache)
+    data_file = workload.data_file(data, n_samples, cache, token_range=token_range or workload.TOKEN_RANGE)
+    lengths, loss_share = _data_lengths(model_dir, data_file, cache, common)
     base = {"model_dir": model_dir, "data_file": data_file, "cache_dir": str(cache / "tokens"), "device": device,
-            "threads": threads, "common": COMMON}
+            "threads": threads, "common": common}
     runs: dict[str, list[dict]] = {c.name: [] for c in chosen}
     for rnd in range(rounds):
         # Alternate the order so that a drift in the machine's load does not favour the configurations run first.
@@ -56,14 +61,14 @@ def run_bench(model: str = "tiny", data: str | None = None, configs: str | None 
         log(f"bench: loss parity, {parity_steps} steps (rocktune vs HF Trainer on the same micro-batches)")
         pair = [run_one(PARITY[n], {**base, "steps": parity_steps}, out_dir, timeout) for n in PARITY]
         parity = _parity(*pair)
-    report = summarise(results, 0, lengths, device)
+    report = summarise(results, 0, lengths, device, common)
     report["workload"] = {"model": model, "model_dir": model_dir, "data_file": data_file, "examples": len(lengths),
                           "mean_tokens": sum(lengths) / len(lengths), "loss_token_share": loss_share,
                           "warmup_steps_excluded": warmup, "measured_steps": steps * rounds, "rounds": rounds,
-                          "threads": threads, **COMMON,
-                          "samples_per_step": COMMON["micro_batch_size"] * COMMON["grad_accum"]}
+                          "threads": threads, **common,
+                          "samples_per_step": common["micro_batch_size"] * common["grad_accum"]}
     report["parity"] = parity
-    report["targets"] = targets(report["configs"], parity)
+    report["targets"] = targets(report["configs"], parity, device, model)
     return report
 
 
@@ -105,7 +110,8 @@ def merge_rounds(rounds: list[dict], warmup: int) -> dict:
     return merged
 
 
-def summarise(results: list[dict], warmup: int, lengths: list[int], device: str) -> dict:
+def summarise(results: list[dict], warmup: int, lengths: list[int], device: str, common: dict | None = None) -> dict:
+    common = common or COMMON
     rows = []
     for r in results:
         cfg = _config(r["name"])
@@ -127,7 +133,7 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str)
         rows.append(row)
     by_name = {r["name"]: r for r in rows}
     for row in rows:
-        row["ratios"] = {b: _ratios(row, by_name[b]) for b in BASELINES
+        row["ratios"] = {b: _ratios(row, by_name[b], common) for b in BASELINES
                          if b in by_name and by_name[b]["status"] == "ok" and row["status"] == "ok"}
     env = next((r["environment"] for r in results if r.get("environment")), {})
     return {"schema": "rocktune-bench/1", "environment": env,
@@ -135,22 +141,26 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str)
             "configs": rows}
 
 
-def _ratios(row: dict, base: dict) -> dict:
+def _ratios(row: dict, base: dict, common: dict) -> dict:
     return {"tokens_per_s": stats.ratio(row["useful_tokens_per_s"], base["useful_tokens_per_s"]),
             "memory": stats.ratio(row["peak_memory_bytes"], base["peak_memory_bytes"]),
-            "equal_micro_batch": _micro_batch(row) == _micro_batch(base)}
+            "equal_micro_batch": _micro_batch(row, common) == _micro_batch(base, common)}
 
 
-def _micro_batch(row: dict) -> tuple:
+def _micro_batch(row: dict, common: dict) -> tuple:
     s = row["settings"]
-    return (s.get("training.micro_batch_size", COMMON["micro_batch_size"]), bool(s.get("data.packing")))
+    return (s.get("training.micro_batch_size", common["micro_batch_size"]), bool(s.get("data.packing")))
 
 
-def targets(rows: list[dict], parity: dict | None) -> dict:
+def targets(rows: list[dict], parity: dict | None, device: str = "cpu", model: str | None = None) -> dict:
     """The issue's targets, checked on rocktune's default configuration."""
     rt = next((r for r in rows if r["name"] == "rocktune" and r["status"] == "ok"), None)
     out = {}
-    for key, target in TARGETS.items():
+    if device == "cuda" and model in MFU_TARGETS:
+        value = (rt or {}).get("mfu")
+        out["mfu"] = {"value": value, "target": MFU_TARGETS[model],
+                      "met": None if value is None else value >= MFU_TARGETS[model]}
+    for key, target in TARGETS["cuda" if device == "cuda" else "cpu"].items():
         metric, _, base = key.partition("_vs_")
         r = (rt or {}).get("ratios", {}).get(base, {})
         value = r.get("tokens_per_s" if metric == "tokens_per_s" else "memory")
@@ -212,13 +222,13 @@ def _prepare_model(model: str, cache: Path) -> str:
     return path
 
 
-def _data_lengths(model_dir: str, data_file: str, cache: Path) -> tuple[list[int], float]:
+def _data_lengths(model_dir: str, data_file: str, cache: Path, common: dict) -> tuple[list[int], float]:
     """Tokenise once here (the children then hit the cache); lengths feed the attention FLOPs."""
     from rocktune.data.dataset import prepare_data
     from rocktune.model import load_tokenizer
 
-    ex, _, _ = prepare_data(data_file, None, 0.0, "auto", COMMON["max_length"], False,
-                            load_tokenizer(model_dir, False), cache / "tokens", COMMON["seed"])
+    ex, _, _ = prepare_data(data_file, None, 0.0, "auto", common["max_length"], False,
+                            load_tokenizer(model_dir, False), cache / "tokens", common["seed"])
     loss = sum(sum(1 for t in y[1:] if t != -100) for y in ex.labels)
     return ex.lengths(), loss / sum(ex.lengths())
 

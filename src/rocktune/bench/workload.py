@@ -20,7 +20,7 @@ SHAPES: dict[str, dict] = {
     "qwen2.5-1.5b-shape": {"vocab_size": 151936, "hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2,
                            "intermediate": 8960},
 }
-MIN_TOKENS, MAX_TOKENS = 50, 500
+TOKEN_RANGE = (50, 500)  # the CPU workload; the GPU suite uses 50-2,000
 
 
 def model_dir(name_or_path: str, cache: Path) -> str:
@@ -37,24 +37,26 @@ def model_dir(name_or_path: str, cache: Path) -> str:
     return str(out)
 
 
-def make_records(n: int, seed: int = 0) -> list[dict[str, str]]:
+def make_records(n: int, seed: int = 0, token_range: tuple[int, int] = TOKEN_RANGE) -> list[dict[str, str]]:
     """Byte-level tokens: one per character, plus the end-of-sequence token the encoder appends."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        total = rng.randint(MIN_TOKENS, MAX_TOKENS) - 1
+        total = rng.randint(*token_range) - 1
         n_prompt = int(total * rng.uniform(0.3, 0.7))
         rows.append({"prompt": _text(rng, n_prompt), "completion": _text(rng, total - n_prompt)})
     return rows
 
 
-def data_file(path: str | None, n: int, cache: Path, seed: int = 0) -> str:
+def data_file(path: str | None, n: int, cache: Path, seed: int = 0, token_range: tuple[int, int] = TOKEN_RANGE) -> str:
     if path is not None:
         return path
-    out = cache / f"bench_data_{n}_{seed}.jsonl"
+    lo, hi = token_range
+    out = cache / (f"bench_data_{n}_{seed}.jsonl" if token_range == TOKEN_RANGE else
+                   f"bench_data_{n}_{seed}_{lo}-{hi}.jsonl")
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(json.dumps(r) + "\n" for r in make_records(n, seed)), encoding="utf-8")
+        out.write_text("".join(json.dumps(r) + "\n" for r in make_records(n, seed, token_range)), encoding="utf-8")
     return str(out)
 
 

@@ -1,0 +1,57 @@
+"""Named benchmark suites: one command that measures what an issue's targets are about.
+
+``gpu``: both Qwen2.5 shapes (random init, built once and cached), bf16, a realistic SFT workload — 64 examples
+of 50-2,000 tokens per optimizer step, max_length 2,048 — and the configurations the GPU targets compare: rocktune's
+defaults against the seed recipe and an expert's HF setup, plus the switches that explain the gap. Each model's
+report is written as soon as it is done, so a later failure loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rocktune.errors import UserError
+
+
+@dataclass(frozen=True)
+class Suite:
+    models: tuple[str, ...]
+    configs: str
+    common: dict = field(default_factory=dict)
+    token_range: tuple[int, int] = (50, 500)
+    steps: int = 3
+    warmup: int = 1
+    parity_steps: int = 0
+
+    def samples(self) -> int:
+        """Enough examples for every measured step to be a full one, with a step to spare."""
+        per_step = self.common["micro_batch_size"] * self.common["grad_accum"]
+        return per_step * (self.steps + self.warmup + 1)
+
+
+SUITES = {
+    "gpu": Suite(models=("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"),
+                 configs="hf-seed,hf-best,rocktune,rt-examples,rt-no-compile",
+                 common={"micro_batch_size": 8, "grad_accum": 8, "max_length": 2048}, token_range=(50, 2000),
+                 steps=2, warmup=1),
+}
+
+
+def run_suite(name: str, model: str | None, device: str, out: str, timeout: float, run_bench, log) -> dict:
+    """``model`` replaces the suite's models (e.g. ``tiny`` for a CPU dry run of the whole suite)."""
+    if name not in SUITES:
+        raise UserError(f"unknown bench suite {name!r}; known: {', '.join(SUITES)}")
+    suite = SUITES[name]
+    reports = {}
+    for shape in (model,) if model else suite.models:
+        log(f"bench suite {name}: {shape}")
+        report = run_bench(model=shape, configs=suite.configs, steps=suite.steps, warmup=suite.warmup,
+                           device=device, out=str(Path(out) / shape), n_samples=suite.samples(),
+                           parity_steps=suite.parity_steps, timeout=timeout, log=log, common=suite.common,
+                           token_range=suite.token_range)
+        reports[shape] = report
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"report-{shape}.json").write_text(json.dumps(report, indent=1))
+    return {"schema": "rocktune-bench-suite/1", "suite": name, "reports": reports}
