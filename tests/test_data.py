@@ -61,7 +61,7 @@ def test_truncation_counted_and_empty_completions_dropped(tmp_path, tokenizer):
     rows = [{"prompt": "x" * 50, "completion": "y"}, {"prompt": "p", "completion": "long" * 20},
             {"prompt": "p", "completion": "ok"}]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
-    ex, stats = tokenize_file(str(f), "auto", tokenizer, 20, False, tmp_path / "cache")
+    ex, stats = tokenize_file(str(f), "auto", tokenizer, 20, False, tmp_path / "cache", truncation="end")
     assert stats.n_truncated == 2 and stats.n_dropped == 1 and len(ex) == 2
     assert max(ex.lengths()) == 20
 

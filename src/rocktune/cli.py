@@ -99,13 +99,16 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's own)")
+    p.add_argument("--overwrite", action="store_true", help="replace a different earlier demo run in --out")
     p.set_defaults(func=_run_demo)
 
 
 def _run_demo(args) -> int:
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps must be at least 1, not {args.steps}")
     from rocktune.demo.run import run_demo
 
-    return run_demo(out_dir=args.out, as_json=args.json, steps=args.steps)
+    return run_demo(out_dir=args.out, as_json=args.json, steps=args.steps, overwrite=args.overwrite)
 
 
 # --- doctor ----------------------------------------------------------------------------------------------------

@@ -19,6 +19,14 @@ def check_model_source(name_or_path: str) -> None:
     if looks_local and not Path(name_or_path).expanduser().exists():
         raise UserError(f"model path {name_or_path} does not exist; set model.name_or_path to a local model "
                         "directory or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
+    if not looks_local and not Path(name_or_path).exists():
+        from rocktune.hub import check_hub_model
+
+        note = check_hub_model(name_or_path)  # seconds, where a download without network retries for a minute
+        if note:
+            from rich.console import Console
+
+            Console(stderr=True, highlight=False).print(f"[dim]{note}[/]")
 
 
 def quiet_transformers() -> None:

@@ -2,13 +2,15 @@
 
 A record is first rendered into text segments, each marked as loss-bearing or not; segments are tokenised one by
 one so the boundary between prompt and completion is exact in tokens. ``labels`` copies ``input_ids`` where the
-segment carries loss and holds -100 elsewhere (the value PyTorch's cross-entropy ignores).
+segment carries loss and holds -100 elsewhere (the value PyTorch's cross-entropy ignores). An example longer than
+``max_length`` is cut by ``data/truncate.py``: by default the prompt side first, keeping the end of the prompt.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rocktune.data.truncate import fit, tokenize_bounded
 from rocktune.errors import UserError
 
 IGNORE = -100
@@ -28,24 +30,33 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     truncated: bool
+    prompt_cut: int = 0  # prompt-side tokens removed to fit max_length
+    completion_cut: int = 0  # completion-side tokens removed (the completion alone did not fit)
 
 
-def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt: bool, loc: str) -> Encoded:
+def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt: bool, loc: str,
+           truncation: str = "prompt") -> Encoded:
     segments = _segments(record, shape, tokenizer, loc)
     ids: list[int] = []
     labels: list[int] = []
+    is_prompt: list[bool] = []
     for i, (text, bears_loss) in enumerate(segments):
         # Only the first segment of a non-chat record gets the tokenizer's own specials (e.g. Llama's BOS);
         # chat templates already render them.
         special = i == 0 and shape != "messages"
-        seg = tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
+        keep_end = truncation == "prompt" and not bears_loss
+        seg = tokenize_bounded(tokenizer, text, special, max_length, keep_end) if text else []
         ids.extend(seg)
         labels.extend(seg if (bears_loss or train_on_prompt) else [IGNORE] * len(seg))
+        is_prompt.extend([not bears_loss] * len(seg))
     if shape != "messages" and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
         labels.append(tokenizer.eos_token_id)
-    truncated = len(ids) > max_length
-    return Encoded(ids[:max_length], labels[:max_length], truncated)
+        is_prompt.append(False)
+    bos = tokenizer.bos_token_id
+    keep_first = shape != "messages" and bos is not None and bool(ids) and ids[0] == bos
+    out = fit(ids, labels, is_prompt, max_length, truncation, keep_first)
+    return Encoded(out.input_ids, out.labels, len(ids) > max_length, out.prompt_cut, out.completion_cut)
 
 
 def _segments(record: dict, shape: str, tokenizer, loc: str) -> list[tuple[str, bool]]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from rocktune.config import config_from_dict
 from rocktune.demo.task import make_task, write_jsonl
 from rocktune.demo.tiny import build_tiny_model
+from rocktune.errors import UserError
 
 DEMO_STEPS = 800
 MODEL_SHAPE = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2}
@@ -27,15 +28,17 @@ def demo_config(base: Path, data_dir: Path, run_dir: Path, steps: int) -> dict:
     }
 
 
-def run_demo(out_dir: str, as_json: bool, steps: int | None) -> int:
+def run_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: bool = False) -> int:
     from rocktune.train.loop import train
 
     out = Path(out_dir)
-    base = build_tiny_model(out / "base_model", seed=0, **MODEL_SHAPE)
+    settings = demo_config(out / "base_model", out / "data", out / "run", steps or DEMO_STEPS)
+    check_demo_dir(out, settings, overwrite)
+    cfg = config_from_dict(settings)
+    build_tiny_model(out / "base_model", seed=0, **MODEL_SHAPE)
     train_rows, eval_rows = make_task(n_train=4000, n_eval=100, seed=0)
     write_jsonl(out / "data" / "train.jsonl", train_rows)
     write_jsonl(out / "data" / "eval.jsonl", eval_rows)
-    cfg = config_from_dict(demo_config(base, out / "data", out / "run", steps or DEMO_STEPS))
     t0 = time.perf_counter()
     result = train(cfg, overwrite=True, quiet=as_json)
     seconds = time.perf_counter() - t0
@@ -52,6 +55,35 @@ def run_demo(out_dir: str, as_json: bool, steps: int | None) -> int:
             shown += [s for s in samples if s["prompt"].startswith(skill)][:2]
         _print_summary(figures, shown)
     return 0
+
+
+def check_demo_dir(out: Path, settings: dict, overwrite: bool) -> None:
+    """Like ``train``: a demo run repeated as it was is redone; anything else in ``out`` is kept unless --overwrite.
+
+    Only the demo's own ``settings`` are compared, so a field added to the config since that run is no difference.
+    """
+    import yaml
+
+    from rocktune.train.rundir import CONFIG_NAME, diff_keys
+
+    if overwrite or not out.exists() or not any(out.iterdir()):
+        return
+    saved = out / "run" / CONFIG_NAME
+    if not saved.is_file():
+        raise UserError(f"--out {out} exists and does not hold a rocktune demo; choose another --out, or pass "
+                        "--overwrite to replace its contents.")
+    changed = diff_keys(_project(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, settings), settings)
+    if changed:
+        raise UserError(f"--out {out} holds a different demo run (differs in {', '.join(changed[:6])}); choose "
+                        "another --out, or pass --overwrite to replace it.")
+
+
+def _project(saved, like):
+    """``saved`` reduced to the key paths of ``like``."""
+    if not isinstance(like, dict):
+        return saved
+    saved = saved if isinstance(saved, dict) else {}
+    return {k: _project(saved.get(k), v) for k, v in like.items()}
 
 
 def generate(model, tokenizer, rows: list[dict]) -> list[dict]:

@@ -23,7 +23,7 @@ from rocktune.data import checks
 from rocktune.data.dataset import prepare_data
 from rocktune.model import load_tokenizer, trainable_parameters
 from rocktune.platform.environment import apply_environment
-from rocktune.train import autofit, build, checkpoint, resume, rundir
+from rocktune.train import autofit, build, checkpoint, resume, rundir, summary
 from rocktune.train.autoconf import resolve_auto
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
@@ -68,6 +68,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     rundir.check_output_dir(run_dir, resolved, overwrite, resume_run)
     if resume_run:
         resume.check_config(run_dir, resolved, resume_force)
+    if resume_run and summary.already_complete(run_dir, resume_force):
+        fig = summary.report_complete(run_dir)
+        return TrainResult(run_dir, fig.steps, eval_loss_before=fig.eval_before, eval_loss_after=fig.eval_after)
     build.seed_everything(t.seed)
 
     # Everything that can reject the input runs before the run directory is touched.
@@ -241,10 +244,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
         sampler.at(total_steps, model, metrics, bar.log)
         save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
-        bar.log(f"adapter saved to {run_dir / 'adapter'}")
-        if run_peak:  # the measured figure beside the planner's, so a wrong prediction shows itself
-            planned = f" (planner predicted {predicted_peak / 2**30:.2f} GiB)" if predicted_peak else ""
-            bar.log(f"peak device memory allocated in a step: {run_peak / 2**30:.2f} GiB{planned}")
+        summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, run_peak, predicted_peak)
     return result
 
 

@@ -1,0 +1,124 @@
+"""How a run ends: the figures that say whether it worked, where the result is, and what to run next.
+
+Every figure comes from ``metrics.jsonl`` (so a resumed run reports the whole run, not its last leg) or is measured
+here (peak memory); nothing is estimated. ``already_complete`` is the same summary for a finished run given
+``--resume``: it says so instead of loading everything to save the same adapter again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# The commands that use a run directory, each shown only once its module is installed.
+NEXT_COMMANDS = (
+    (("rocktune.generate", "rocktune.export.generate"), "rocktune generate {run}", "chat with the result"),
+    (("rocktune.export",), "rocktune export {run} --to gguf", "a GGUF for llama.cpp / Ollama"),
+    (("rocktune.report",), "rocktune report {run}", "plots and an HTML page of the run"),
+)
+
+
+@dataclass
+class RunFigures:
+    steps: int = 0
+    eval_before: float | None = None
+    eval_after: float | None = None
+    tokens: int = 0  # loss-bearing tokens over all logged steps
+    step_seconds: float = 0.0
+
+
+def read_figures(metrics_file: Path) -> RunFigures:
+    fig = RunFigures()
+    if not metrics_file.is_file():
+        return fig
+    for line in metrics_file.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash; the checkpoint's count already excludes it
+        if "eval_loss" in rec:
+            fig.eval_before = rec["eval_loss"] if fig.eval_before is None else fig.eval_before
+            fig.eval_after = rec["eval_loss"] if rec.get("step") else fig.eval_after
+        if "loss" in rec:
+            fig.steps = max(fig.steps, rec.get("step", 0))
+            fig.tokens += rec.get("tokens") or 0
+            fig.step_seconds += rec.get("step_s") or 0.0
+    return fig
+
+
+def log_summary(run_dir: Path, log, wall_s: float | None, device_peak: int = 0,
+                predicted_peak: int | None = None) -> RunFigures:
+    """Write the end-of-run block through ``log`` (the progress bar's, so it lands below the bar)."""
+    fig = read_figures(run_dir / "metrics.jsonl")
+    wall = f" in {wall_s:.1f} s wall (eval, steps and save; loading not counted)" if wall_s is not None else ""
+    log(f"[bold]run complete[/]: {fig.steps} steps{wall}")
+    if fig.eval_before is not None and fig.eval_after is not None:
+        log(f"  eval loss       {fig.eval_before:.4f} -> {fig.eval_after:.4f}")
+    if fig.step_seconds > 0:
+        log(f"  useful tokens/s {fig.tokens / fig.step_seconds:,.0f} ({fig.tokens:,} loss-bearing tokens in "
+            f"{fig.step_seconds:.1f} s of steps)")
+    log(f"  peak memory     {_memory(device_peak, predicted_peak)}")
+    log(f"  adapter         {run_dir / 'adapter'}")
+    for line in next_commands(run_dir):
+        log(line)
+    return fig
+
+
+def next_commands(run_dir: Path) -> list[str]:
+    run = _quote(str(run_dir))
+    found = [(cmd.format(run=run), why) for modules, cmd, why in NEXT_COMMANDS
+             if any(_installed(m) for m in modules)]
+    if not found:
+        return []
+    width = max(len(c) for c, _ in found)
+    return ["next:"] + [f"  {c:<{width}}  # {why}" for c, why in found]
+
+
+def already_complete(run_dir: Path, force: bool) -> bool:
+    """A run given ``--resume`` whose adapter exists has nothing left to do (its config was checked unchanged).
+
+    With ``--resume-force`` the config may have changed (e.g. a longer ``max_steps``), so the run goes on.
+    """
+    return not force and (run_dir / "adapter" / "adapter_config.json").is_file()
+
+
+def report_complete(run_dir: Path) -> RunFigures:
+    from rich.console import Console
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console.print(f"{run_dir} is already complete: nothing to resume. Pass --overwrite to train it again from "
+                  "scratch, or raise training.max_steps and pass --resume-force to train it further.")
+    return log_summary(run_dir, console.print, None)
+
+
+def _memory(device_peak: int, predicted_peak: int | None) -> str:
+    if device_peak:  # the measured figure beside the planner's, so a wrong prediction shows itself
+        planned = f" (planner predicted {predicted_peak / 2**30:.2f} GiB)" if predicted_peak else ""
+        return f"{device_peak / 2**30:.2f} GiB device memory allocated in a step{planned}"
+    rss = _peak_rss()
+    return f"{rss / 2**30:.2f} GiB process RSS (CPU run)" if rss else "not measurable on this platform"
+
+
+def _peak_rss() -> int:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
+
+
+def _quote(path: str) -> str:
+    import shlex
+
+    return shlex.quote(path) if sys.platform != "win32" else (f'"{path}"' if " " in path else path)
