@@ -62,11 +62,6 @@ class DataConfig(_Section):
         "oldest turns) first, keeping its end next to the completion; the completion is cut at its end only when it "
         "alone does not fit (the prompt then keeps its last max_length/4 tokens). end: keep the first max_length tokens."
     )
-    truncation: Literal["prompt", "end"] = Field(
-        "prompt", description="How an example longer than max_length is cut. prompt: the start of the prompt (or the "
-        "oldest turns) first, keeping its end next to the completion; the completion is cut at its end only when it "
-        "alone does not fit (the prompt then keeps its last max_length/4 tokens). end: keep the first max_length tokens."
-    )
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.")
     packing: bool = Field(
         False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing."
