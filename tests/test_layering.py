@@ -14,7 +14,10 @@ FORBIDDEN = {
     "model.py": {"train", "cli", "doctor", "bench", "demo"},
     "quant.py": {"train", "data", "model", "cli", "doctor", "bench", "demo"},
     "doctor": {"train", "data", "model", "cli", "bench", "demo", "planner"},
-    "train": {"cli", "bench", "demo"},
+    "train": {"cli", "bench", "demo", "report"},
+    # report reads run directories and data (the preview encodes with the data layer and the model's tokenizer);
+    # it never drives training, so the loop, the CLI and the commands that train stay out of it.
+    "report": {"train", "cli", "bench", "demo", "doctor", "export"},
 }
 
 

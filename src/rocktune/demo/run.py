@@ -23,7 +23,8 @@ def demo_config(base: Path, data_dir: Path, run_dir: Path, steps: int) -> dict:
         "data": {"train_file": str(data_dir / "train.jsonl"), "eval_file": str(data_dir / "eval.jsonl"),
                  "max_length": 64},
         "training": {"max_steps": steps, "micro_batch_size": 32, "lr": 3e-3, "warmup_steps": 20,
-                     "eval_every": 0, "log_every": 10, "precision": "fp32", "device": "cpu", "seed": 0},
+                     "eval_every": 0, "log_every": 10, "precision": "fp32", "device": "cpu", "seed": 0,
+                     "sample_count": 3, "sample_max_new_tokens": 6},
         "output": {"dir": str(run_dir)},
     }
 
@@ -46,7 +47,7 @@ def run_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: bool = F
     exact = sum(s["output"] == s["expected"] for s in samples) / len(samples)
     figures = {"eval_loss_before": result.eval_loss_before, "eval_loss_after": result.eval_loss_after,
                "exact_match": exact, "run_dir": str(result.run_dir), "train_seconds": round(seconds, 1),
-               "steps": result.steps}
+               "steps": result.steps, "report": _write_report(result.run_dir)}
     if as_json:
         sys.stdout.write(json.dumps(figures) + "\n")
     else:
@@ -120,3 +121,17 @@ def _print_summary(fig: dict, samples: list[dict]) -> None:
         mark = "[green]ok[/]" if s["output"] == s["expected"] else "[red]x[/]"
         console.print(f"  {s['prompt']}{s['output']!r:<10} expected {s['expected']!r:<8} {mark}")
     console.print(f"adapter: {fig['run_dir']}/adapter")
+    console.print(f"report: {fig['report']}" if fig["report"] else
+                  "report: not written (pip install 'rocktune[report]' for plots and an HTML page of the run)")
+
+
+def _write_report(run_dir: Path) -> str | None:
+    """The run's HTML report; None when the report extra (matplotlib) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from rocktune.report.rundata import load_run
+    from rocktune.report.run_report import write_report
+
+    return str(write_report([load_run(run_dir)]))

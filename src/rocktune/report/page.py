@@ -50,6 +50,7 @@ def write_atomic(path: Path, text: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode("utf-8") if isinstance(text, str) else text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the page from a web server or another user
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

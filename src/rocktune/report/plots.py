@@ -1,0 +1,123 @@
+"""The report's plots, drawn by matplotlib (Agg: no display needed) as PNG bytes.
+
+Every plot shares the step axis and marks the run's events on it — checkpoints (grey dotted), restarts after a
+crash (red), skipped updates (orange), OOM splits (purple) — so a jump in a curve can be read against what happened.
+Several runs overlay, one colour each.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rocktune.errors import UserError
+from rocktune.report.rundata import RunData
+
+GIB = 2**-30
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("rocktune report draws its plots with matplotlib, which is not installed: "
+                        "pip install 'rocktune[report]'.") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def _events(ax, run: RunData, colour, several: bool) -> None:
+    """Event marks; with several runs only restarts and OOM splits (checkpoints of all runs would be a fence)."""
+    first = True
+    if not several:
+        for step in run.checkpoints:
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1, label="checkpoint" if first else None)
+            first = False
+    for i, (step, _cause) in enumerate(run.incident_steps()):
+        ax.axvline(step, color="red", linewidth=1.5, label="restart after crash" if i == 0 else None)
+    for i, (step, pieces) in enumerate(run.oom_splits()):
+        ax.axvline(step, color="purple", linestyle="--", linewidth=1, label="OOM: micro-batch split" if i == 0 else None)
+    for i, step in enumerate(run.skipped_steps()):
+        ax.axvline(step, color="orange", linewidth=1, alpha=.6, label="update skipped" if i == 0 else None)
+
+
+def _figure(title: str, ylabel: str):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3.6), layout="constrained")
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=.3)
+    return fig, ax
+
+
+def _colours(n: int) -> list:
+    return [f"C{i % 10}" for i in range(n)]
+
+
+def loss_plot(runs: list[RunData]) -> bytes:
+    fig, ax = _figure("loss", "cross-entropy per loss-bearing token")
+    several = len(runs) > 1
+    for run, c in zip(runs, _colours(len(runs))):
+        prefix = f"{run.name}: " if several else ""
+        ax.plot(*run.series("loss"), color=c, linewidth=1, label=f"{prefix}train")
+        ev = [(r["step"], r["eval_loss"]) for r in run.evals if r.get("eval_loss") is not None]
+        if ev:
+            ax.plot(*zip(*ev), "o--", color=c, markersize=5, label=f"{prefix}eval")
+        _events(ax, run, c, several)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def series_plot(runs: list[RunData], key: str, title: str, ylabel: str, scale: float = 1.0,
+                skip_compiling: bool = False) -> bytes | None:
+    """One metric per step for every run; None when no run logged it."""
+    data = [(run, run.series(key, scale, skip_compiling)) for run in runs]
+    if not any(xs for _, (xs, _) in data):
+        return None
+    fig, ax = _figure(title, ylabel)
+    several = len(runs) > 1
+    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
+        ax.plot(xs, ys, color=c, linewidth=1, label=run.name if several else key)
+        _events(ax, run, c, several)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def memory_plot(runs: list[RunData]) -> bytes | None:
+    """Measured peak device memory per step beside the planner's prediction (a horizontal line)."""
+    data = [(run, run.series("peak_mem_bytes", GIB)) for run in runs]
+    if not any(xs for _, (xs, _) in data):
+        return None
+    fig, ax = _figure("peak device memory per step", "GiB")
+    several = len(runs) > 1
+    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
+        ax.plot(xs, ys, color=c, linewidth=1, label=f"{run.name}: measured" if several else "measured")
+        if run.predicted_peak():
+            ax.axhline(run.predicted_peak() * GIB, color=c, linestyle="--",
+                       label=f"{run.name}: planner" if several else "planner's prediction")
+        _events(ax, run, c, several)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def all_plots(runs: list[RunData]) -> dict[str, bytes]:
+    """name -> PNG, in the order the report shows them; plots without data are left out."""
+    plots = {
+        "loss": loss_plot(runs),
+        "lr": series_plot(runs, "lr", "learning-rate schedule", "lr"),
+        "grad_norm": series_plot(runs, "grad_norm", "gradient norm (before clipping)", "L2 norm"),
+        "tokens_per_s": series_plot(runs, "useful_tokens_per_s", "useful (loss-bearing) tokens/s",
+                                    "tokens/s", skip_compiling=True),
+        "memory": memory_plot(runs),
+    }
+    return {k: v for k, v in plots.items() if v is not None}

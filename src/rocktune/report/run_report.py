@@ -1,0 +1,139 @@
+"""``rocktune report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page and the plots as PNG files.
+
+One run: ``RUN_DIR/report.html`` and ``RUN_DIR/report_plots/*.png``. Several runs: their curves overlaid and the
+config keys in which they differ, in ``compare.html`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import yaml
+
+from rocktune.report import page, plots
+from rocktune.report.rundata import RunData, load_run
+
+PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm": "Gradient norm",
+               "tokens_per_s": "Throughput", "memory": "Device memory"}
+
+
+def run_report(run_dirs: list[str], out: str | None = None) -> int:
+    path = write_report([load_run(d) for d in run_dirs], Path(out) if out else None)
+    print(f"report: {path}")
+    return 0
+
+
+def write_report(runs: list[RunData], out: Path | None = None) -> Path:
+    """Write the PNGs, then the page (last, so a page on disk always has its plots); return the page's path."""
+    out = out or (runs[0].path / "report.html" if len(runs) == 1 else Path("compare.html"))
+    images = plots.all_plots(runs)
+    for name, png in images.items():
+        page.write_atomic(out.with_name(out.stem + "_plots") / f"{name}.png", png)
+    page.write_atomic(out, report_html(runs, images))
+    return out
+
+
+def report_html(runs: list[RunData], images: dict[str, bytes]) -> str:
+    title = f"rocktune run {runs[0].name}" if len(runs) == 1 else "rocktune runs: " + ", ".join(r.name for r in runs)
+    body = ["<h2>Summary</h2>", _summary(runs)]
+    for name, png in images.items():
+        body += [f"<h2>{page.esc(PLOT_TITLES[name])}</h2>", page.image(png, PLOT_TITLES[name])]
+    body.append(_events(runs))
+    if len(runs) > 1:
+        body += ["<h2>Config differences</h2>", _config_diff(runs)]
+        return page.document(title, body)
+    run = runs[0]
+    body += [_samples(run), _data(run), _platform(run), "<h2>Resolved config</h2>",
+             f"<pre>{page.esc(yaml.safe_dump(run.config, sort_keys=False))}</pre>"]
+    return page.document(title, body)
+
+
+def _fmt(x, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary_row(run: RunData) -> dict[str, str]:
+    _, losses = run.series("loss")
+    evals = [r["eval_loss"] for r in run.evals if r.get("eval_loss") is not None]
+    _, tps = run.series("useful_tokens_per_s", skip_compiling=True)
+    _, mem = run.series("peak_mem_bytes", plots.GIB)
+    _, secs = run.series("step_s")
+    predicted = run.predicted_peak()
+    return {
+        "run": run.name, "steps": str(run.steps[-1]["step"] if run.steps else 0),
+        "final train loss": _fmt(losses[-1] if losses else None),
+        "eval loss (first → last)": f"{_fmt(evals[0] if evals else None)} → {_fmt(evals[-1] if evals else None)}",
+        "useful tokens/s (median)": _fmt(statistics.median(tps) if tps else None, ",.0f"),
+        "time in steps": f"{sum(secs):.1f} s",
+        "peak memory (measured / planned)": f"{_fmt(max(mem) if mem else None, '.2f')} / "
+                                            f"{_fmt(predicted * plots.GIB if predicted else None, '.2f')} GiB",
+        "checkpoints": ", ".join(map(str, run.checkpoints)) or "-",
+        "restarts / skipped / OOM splits": f"{len(run.incidents)} / {len(run.skipped_steps())} / "
+                                           f"{len(run.oom_splits())}",
+    }
+
+
+def _summary(runs: list[RunData]) -> str:
+    rows = [summary_row(r) for r in runs]
+    if len(runs) == 1:
+        return page.table(list(rows[0].items()))
+    return page.table([tuple(r.values()) for r in rows], tuple(rows[0]))
+
+
+def _events(runs: list[RunData]) -> str:
+    rows = []
+    for run in runs:
+        rows += [(run.name, i.get("last_logged_step"), "restart after crash", f"{i.get('cause')}; restart "
+                  f"{i.get('restart')}/{i.get('max_restarts')}") for i in run.incidents]
+        rows += [(run.name, s, "update skipped", "non-finite loss or gradient") for s in run.skipped_steps()]
+        rows += [(run.name, s, "OOM split", f"micro-batches split in {p}") for s, p in run.oom_splits()]
+    if not rows:
+        return "<h2>Incidents</h2><p>None: no restart, no skipped update, no OOM split.</p>"
+    return "<h2>Incidents</h2>" + page.table(sorted(rows, key=lambda r: (r[0], r[1] or 0)),
+                                             ("run", "step", "event", "detail"))
+
+
+def _samples(run: RunData) -> str:
+    steps = run.sample_steps()
+    if not steps:
+        return "<h2>Samples</h2><p>No samples (set training.sample_count or training.sample_prompts).</p>"
+    first, last = steps[0], steps[-1]
+    before = {s["prompt"]: s["output"] for s in run.samples if s["step"] == first}
+    rows = [(s["prompt"], before.get(s["prompt"], ""), s["output"], s.get("expected") or "")
+            for s in run.samples if s["step"] == last]
+    return (f"<h2>Samples</h2><p>Greedy completions of fixed prompts at step {first} and step {last} "
+            f"(all {len(steps)} eval points are in samples.jsonl).</p>"
+            + page.table(rows, ("prompt", f"step {first}", f"step {last}", "expected")))
+
+
+def _data(run: RunData) -> str:
+    data = run.info.get("data")
+    if not data:
+        return ""
+    return "<h2>Data</h2>" + page.table([(k, v) for k, v in data.items()])
+
+
+def _platform(run: RunData) -> str:
+    info = run.info
+    if not info:
+        return ""
+    rows = [("device", info.get("device")), ("precision", info.get("precision"))]
+    rows += list(info.get("platform", {}).items())
+    notes = "".join(f"<li>{page.esc(n)}</li>" for n in info.get("notes", []))
+    return "<h2>Platform and advice applied</h2>" + page.table(rows) + (f"<ul>{notes}</ul>" if notes else "")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _config_diff(runs: list[RunData]) -> str:
+    flat = [_flatten(r.config) for r in runs]
+    keys = sorted({k for f in flat for k in f if len({repr(g.get(k)) for g in flat}) > 1})
+    if not keys:
+        return "<p>The runs' configs are identical.</p>"
+    return page.table([(k, *(str(f.get(k)) for f in flat)) for k in keys], ("key", *(r.name for r in runs)))
