@@ -18,6 +18,8 @@ FORBIDDEN = {
     # report reads run directories and data (the preview encodes with the data layer and the model's tokenizer);
     # it never drives training, so the loop, the CLI and the commands that train stay out of it.
     "report": {"train", "cli", "bench", "demo", "doctor", "export"},
+    # export reads run directories (adapter, config) and never drives training or reporting.
+    "export": {"train", "cli", "bench", "demo", "doctor", "report"},
 }
 
 

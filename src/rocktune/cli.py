@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_data(sub)
     _add_report(sub)
+    _add_export(sub)
+    _add_generate(sub)
     return parser
 
 
@@ -299,3 +301,58 @@ def _run_report(args) -> int:
     from rocktune.report.run_report import run_report
 
     return run_report(run_dirs=args.runs, out=args.out)
+
+# --- export / generate -------------------------------------------------------------------------------------------
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="use the trained adapter: merged model, GGUF, GGUF LoRA or Ollama bundle")
+    p.add_argument("run", help="run directory (holding adapter/), or a model directory for --to gguf/ollama")
+    p.add_argument("--to", required=True, choices=("merged", "gguf", "gguf-lora", "ollama"),
+                   help="merged: transformers model directory; gguf: one file for llama.cpp/LM Studio; "
+                        "gguf-lora: the adapter alone for llama.cpp --lora / Ollama ADAPTER; ollama: GGUF + Modelfile")
+    p.add_argument("--out", help="output path (default: RUN/export/merged, model-QUANT.gguf, adapter-f32.gguf, ollama/)")
+    p.add_argument("--quant", help="GGUF type: f32 f16 bf16 q8_0 q5_0 q4_0 q6_k q5_k_m q4_k_m (default f16; "
+                                   "gguf-lora: f32 or f16, default f32)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="merged weights' dtype (default: the base checkpoint's); the merge itself is fp32")
+    p.add_argument("--base", help="base model directory or hub id (default: the one the run trained on)")
+    p.add_argument("--with-base", action="store_true", help="gguf-lora: also write the base as base-f16.gguf")
+    p.add_argument("--template", default="auto", choices=("auto", "chat", "raw", "alpaca"),
+                   help="ollama: prompt format of the Modelfile (default: the one the run trained with)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args) -> int:
+    from rocktune.export.main import run_export
+
+    run_export(path=args.run, to=args.to, out=args.out, quant_name=args.quant, dtype=args.dtype, base=args.base,
+               overwrite=args.overwrite, with_base=args.with_base, template=args.template)
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate with the trained adapter (or a merged model) to see what it learned")
+    p.add_argument("run", help="run directory (holding adapter/) or a model directory")
+    p.add_argument("--prompt", help="one prompt; prints the reply")
+    p.add_argument("--chat", action="store_true", help="a short interactive loop on the terminal")
+    p.add_argument("--file", help="JSONL of {\"prompt\": ...} or {\"messages\": [...]}; prints JSONL with \"output\"")
+    p.add_argument("--base", help="base model directory or hub id (default: the one the run trained on)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit in tokens (default 128)")
+    p.add_argument("--template", default="auto", choices=("auto", "chat", "raw", "alpaca"),
+                   help="prompt format (default: the run's training format; chat template for model directories)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampling")
+    p.add_argument("--device", default="auto", help="auto (GPU when present), cpu or cuda (ROCm builds too)")
+    p.add_argument("--compare", action="store_true", help="with --prompt: also answer with the adapter switched off")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    if args.max_new_tokens < 1 or args.temperature < 0:
+        raise UserError("--max-new-tokens must be at least 1 and --temperature cannot be negative.")
+    from rocktune.export.generate import run_generate
+
+    return run_generate(path=args.run, prompt=args.prompt, chat=args.chat, file=args.file, base=args.base,
+                        max_new_tokens=args.max_new_tokens, template=args.template, temperature=args.temperature,
+                        device=args.device, compare=args.compare)

@@ -1,0 +1,139 @@
+"""``rocktune generate``: see what the training did, in one command.
+
+Base + adapter (kept unmerged, so ``--compare`` can switch the adapter off for the same prompt) or a merged /
+plain model directory; prompts are formatted the way the run trained (``style``), decoding is greedy unless a
+temperature is given, on the GPU when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rocktune.errors import UserError
+from rocktune.export import style as styles
+from rocktune.export.source import Source, resolve
+
+# End-of-turn markers that end a reply even where the tokenizer's eos is another token (base models' <|endoftext|>)
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
+
+
+def load(src: Source, device: str):
+    """(model, tokenizer) ready for generation; the adapter stays a PeftModel."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rocktune.model import quiet_transformers
+
+    quiet_transformers()
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(src.base, dtype=dtype, trust_remote_code=src.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load {src.base}: {str(exc).strip().splitlines()[0]} (offline? pass a local "
+                        "model directory with --base)") from None
+    if src.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(src.adapter))
+    return model.to(device).eval(), tok
+
+
+def stop_ids(tokenizer, model) -> list[int]:
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in TURN_ENDS if t in vocab]
+    return list(dict.fromkeys(ids))
+
+
+def complete(model, tokenizer, text: str, style: str, max_new_tokens: int, temperature: float) -> str:
+    """One reply to the already formatted ``text``; special tokens as in training (chat templates render theirs)."""
+    import torch
+
+    enc = tokenizer(text, add_special_tokens=style != "chat", return_tensors="pt")
+    ids = enc["input_ids"].to(model.device)
+    stops = stop_ids(tokenizer, model)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             eos_token_id=stops, pad_token_id=tokenizer.pad_token_id or stops[0], **sampling)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def run_generate(path: str, prompt: str | None, chat: bool, file: str | None, base: str | None, max_new_tokens: int,
+                 template: str, temperature: float, device: str, compare: bool) -> int:
+    if sum(x is not None and x is not False for x in (prompt, chat or None, file)) != 1:
+        raise UserError("give exactly one of --prompt TEXT, --chat or --file PROMPTS.jsonl.")
+    src = resolve(path, base)
+    if compare and src.adapter is None:
+        raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
+                        "without an adapter.")
+    device = _device(device)
+    model, tok = load(src, device)
+    style = styles.resolve_style(template, src.run_config, tok)
+
+    def answer(text=None, messages=None) -> str:
+        formatted = styles.render(style, tok, prompt=text, messages=messages)
+        return complete(model, tok, formatted, style, max_new_tokens, temperature)
+
+    if prompt is not None:
+        if compare:
+            with model.disable_adapter():
+                sys.stdout.write(f"base:  {answer(prompt)}\n")
+            sys.stdout.write(f"tuned: {answer(prompt)}\n")
+        else:
+            sys.stdout.write(answer(prompt) + "\n")
+    elif file is not None:
+        for row in _read_prompts(Path(file)):
+            sys.stdout.write(json.dumps({**row, "output": answer(row.get("prompt"), row.get("messages"))}) + "\n")
+    else:
+        _chat_loop(answer, style)
+    return 0
+
+
+def _device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    from rocktune.platform.environment import apply_environment
+
+    apply_environment()  # ROCm/CUDA runtime variables must be set before torch touches the device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    from rocktune.data.records import read_records
+
+    rows = []
+    for loc, rec in read_records(path):
+        if not isinstance(rec.get("prompt"), str) and not isinstance(rec.get("messages"), list):
+            raise UserError(f"{loc}: each line needs a 'prompt' string or a 'messages' list.")
+        rows.append(rec)
+    return rows
+
+
+def _chat_loop(answer, style: str) -> None:
+    """A short interactive loop; chat-style runs keep the conversation, raw ones answer each line alone."""
+    history: list[dict] = []
+    sys.stderr.write("type a message; an empty line or Ctrl-D ends\n")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if style == "chat":
+            history.append({"role": "user", "content": line})
+            reply = answer(messages=history)
+            history.append({"role": "assistant", "content": reply})
+        else:
+            reply = answer(line)
+        sys.stdout.write(reply + "\n")
+        sys.stdout.flush()

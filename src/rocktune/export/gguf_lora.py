@@ -1,0 +1,94 @@
+"""The adapter alone as a GGUF LoRA, loaded by ``llama-cli -m base.gguf --lora adapter.gguf`` and Ollama's ADAPTER.
+
+llama.cpp pairs ``<base tensor>.lora_a`` (r x in) with ``.lora_b`` (out x r) and scales B·A by alpha / r, r read
+off each B. PEFT's own scale can differ from that per module (rsLoRA's alpha/sqrt(r), rank and alpha patterns), so
+the ratio between the two is folded into B: the file then computes exactly what the PEFT model did. What llama.cpp
+cannot apply as a LoRA (DoRA, trained biases, full copies of modules, head or embedding LoRAs) is refused before
+any work, pointing at ``--to gguf``, which merges everything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from rocktune.errors import UserError
+from rocktune.export import arch as archs
+
+
+def _refuse(adapter: Path, what: str) -> None:
+    raise UserError(f"{adapter}: {what}, which a GGUF LoRA cannot carry; export the merged model instead "
+                    "(--to gguf or --to ollama), which includes every trained weight.")
+
+
+def check_adapter(adapter: Path) -> dict:
+    cfg = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    if cfg.get("peft_type", "LORA") != "LORA":
+        _refuse(adapter, f"the adapter is {cfg.get('peft_type')}, not LoRA")
+    if cfg.get("use_dora"):
+        _refuse(adapter, "the adapter is DoRA (a magnitude vector per weight)")
+    if cfg.get("bias", "none") != "none":
+        _refuse(adapter, f"the adapter trained biases (bias={cfg['bias']!r})")
+    if cfg.get("modules_to_save"):
+        _refuse(adapter, f"the adapter holds full trained copies of {cfg['modules_to_save']}")
+    return cfg
+
+
+def module_scale(module: str, cfg: dict, rank: int) -> float:
+    """PEFT's scaling of one module: alpha / r (alpha / sqrt(r) with rsLoRA), with rank/alpha patterns applied."""
+    alpha = float(cfg.get("lora_alpha", 8))
+    for pattern, value in (cfg.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            alpha = float(value)
+    return alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+
+
+def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, np.ndarray], float]:
+    """GGUF-named lora_a / lora_b arrays (fp32) and the alpha to record."""
+    from safetensors.torch import load_file
+
+    cfg = check_adapter(adapter)
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    heads = [k for k in state if "lora_embedding" in k or "lm_head" in k or "embed_tokens" in k]
+    if heads:
+        _refuse(adapter, f"the adapter changes the embedding or the output head ({heads[0]})")
+    name_of = archs.tensor_namer(model_cfg, arch)
+    alpha = float(cfg.get("lora_alpha", 8))
+    out: dict[str, np.ndarray] = {}
+    for key in sorted(k for k in state if k.endswith(".lora_A.weight")):
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        a = state[key].float().numpy()
+        b = state[key.replace(".lora_A.", ".lora_B.")].float().numpy()
+        base = name_of(module + ".weight")
+        if base is None:
+            _refuse(adapter, f"the adapter adapts {module}, which has no GGUF tensor")
+        rank = a.shape[0]
+        b = b * (module_scale(module, cfg, rank) / (alpha / rank))
+        out[base + ".lora_a"] = a
+        out[base + ".lora_b"] = archs.to_gguf_layout(base, b, model_cfg, arch)
+    if not out:
+        _refuse(adapter, "the adapter has no LoRA matrices")
+    return out, alpha
+
+
+def write_lora_gguf(tensors: dict[str, np.ndarray], alpha: float, arch: archs.Arch, path: Path, dtype: str,
+                    name: str) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch.gguf_name)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    writer.add_name(name)
+    for tname, data in tensors.items():
+        writer.add_tensor(tname, data.astype(np.float16 if dtype == "f16" else np.float32))
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()

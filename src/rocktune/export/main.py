@@ -1,0 +1,124 @@
+"""``rocktune export``: a run directory -> merged model, GGUF, GGUF LoRA or Ollama bundle.
+
+Every check that can refuse (adapter present, base found and shaped like the adapter, architecture, quantisation,
+target free) runs before a weight is loaded; every output is staged and renamed whole (``output.staged``).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rocktune.errors import UserError
+from rocktune.export import arch as archs
+from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style
+from rocktune.export.source import Source, load_config, resolve
+
+TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
+
+
+def run_export(path: str, to: str, out: str | None, quant_name: str | None, dtype: str, base: str | None,
+               overwrite: bool, with_base: bool = False, template: str = "auto") -> list[dict]:
+    """Export and print one line per file written; returns [{path, bytes, seconds}]."""
+    src = resolve(path, base)
+    name = Path(path).resolve().name
+    root = Path(out) if out else Path(path) / "export"
+    t0 = time.perf_counter()
+    if to == "merged":
+        written = [_merged(src, root if out else root / "merged", dtype, overwrite)]
+    elif to == "gguf-lora":
+        written = _gguf_lora(src, root, quant_name or "f32", overwrite, with_base, name, bool(out))
+    else:
+        q = quant_name or "f16"
+        if to == "ollama":
+            written = [_gguf(src, Path("model.gguf"), q, overwrite, name, root if out else root / "ollama", template)]
+        else:
+            written = [_gguf(src, root if out else root / f"model-{q}.gguf", q, overwrite, name)]
+    seconds = round(time.perf_counter() - t0, 1)
+    report = [{"path": str(p), "bytes": output.size_of(p), "seconds": seconds} for p in written]
+    for r in report:
+        sys.stdout.write(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB)\n")
+    sys.stdout.write(f"export --to {to} took {seconds} s\n")
+    return report
+
+
+def _merged(src: Source, target: Path, dtype: str, overwrite: bool) -> Path:
+    if src.adapter is None:
+        raise UserError(f"{src.base} is a model directory without an adapter: there is nothing to merge.")
+    output.check_target(target, overwrite)
+    model, notes = merge.merged_model(src, dtype)
+    with output.staged(target, overwrite, is_dir=True) as tmp:
+        merge.save_merged(model, src.base, src.trust_remote_code, tmp)
+    _notes(notes)
+    return target
+
+
+def _fp32_model(src: Source):
+    if src.adapter is None:
+        return merge.load_base_fp32(src.base, src.trust_remote_code), []
+    return merge.merged_model(src, "fp32")
+
+
+def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_dir: Path | None = None,
+          template: str = "auto") -> Path:
+    """One GGUF file at ``path``; with ``ollama_dir``, the directory holding it (named ``path``) and a Modelfile."""
+    cfg = load_config(src.base, src.trust_remote_code)
+    arch = archs.arch_for(cfg)
+    quant.check_quant(q, gguf_model.row_lengths(cfg))
+    output.check_target(ollama_dir or path, overwrite)
+    model, notes = _fp32_model(src)
+    tensors = gguf_model.gguf_tensors(model.state_dict(), model.config, arch)
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tokenizer = _tokenizer(src, model.config, Path(tok_dir))
+        if ollama_dir is None:
+            with output.staged(path, overwrite, is_dir=False) as tmp:
+                gguf_model.write_model_gguf(tensors, model.config, arch, Path(tok_dir), tmp, q, name)
+            _notes([n for n in notes if "tied" in n])
+            return path
+        with output.staged(ollama_dir, overwrite, is_dir=True) as tmp:
+            gguf_model.write_model_gguf(tensors, model.config, arch, Path(tok_dir), tmp / path.name, q, name)
+            text, more = ollama.modelfile(path.name, style.resolve_style(template, src.run_config, tokenizer),
+                                          tokenizer, getattr(model, "generation_config", None))
+            (tmp / "Modelfile").write_text(text, encoding="utf-8")
+    _notes(more + [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
+    return ollama_dir
+
+
+def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: bool, name: str,
+               explicit: bool) -> list[Path]:
+    if src.adapter is None:
+        raise UserError(f"{src.base} is a model directory without an adapter: there is no LoRA to export.")
+    if dtype not in ("f32", "f16"):
+        raise UserError(f"--quant {dtype}: a GGUF LoRA is written as f32 (default) or f16.")
+    cfg = load_config(src.base, src.trust_remote_code)
+    arch = archs.arch_for(cfg)
+    path = root if explicit and root.suffix == ".gguf" else root / f"adapter-{dtype}.gguf"
+    output.check_target(path, overwrite)
+    tensors, alpha = gguf_lora.lora_tensors(src.adapter, cfg, arch)
+    written = []
+    if with_base:
+        base_src = Source(src.base, None, {}, src.trust_remote_code)
+        written.append(_gguf(base_src, path.with_name("base-f16.gguf"), "f16", overwrite, name + "-base"))
+    with output.staged(path, overwrite, is_dir=False) as tmp:
+        gguf_lora.write_lora_gguf(tensors, alpha, arch, tmp, dtype, name)
+    return [path, *written]
+
+
+def _tokenizer(src: Source, model_config, tok_dir: Path):
+    """Save the base's tokenizer and the model config where gguf-py's vocabulary helpers read them."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load the tokenizer of {src.base}: {str(exc).strip().splitlines()[0]}") from None
+    tok.save_pretrained(tok_dir)
+    model_config.save_pretrained(tok_dir)
+    return tok
+
+
+def _notes(notes: list[str]) -> None:
+    for n in notes:
+        sys.stdout.write(f"note: {n}\n")

@@ -1,0 +1,104 @@
+"""Base + LoRA -> one plain transformers model, merged in fp32 and cast once.
+
+Merging in the training dtype rounds W + s·BA to bf16 per layer and drifts from what the adapter computed
+(peft#1388), so the base is loaded in fp32, merged, and only the result is cast. A tied head is untied first when
+the adapter changed the head or the embedding: merging into a shared tensor would move both, and a saved config
+that still says "tied" reloads the head from the embedding (transformers#45127, peft#2777).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rocktune.errors import UserError
+from rocktune.export.source import Source, load_config
+
+DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
+HEAD_MODULES = ("lm_head", "embed_tokens", "wte", "embed_in", "embed_out")
+
+
+def base_dtype(name_or_path: str, trust_remote_code: bool) -> str:
+    """The base checkpoint's own dtype, as rocktune names it (fp32 when the config does not say)."""
+    cfg = load_config(name_or_path, trust_remote_code)
+    dtype = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32")
+    return {"torch.bfloat16": "bf16", "bfloat16": "bf16", "torch.float16": "fp16", "float16": "fp16"}.get(dtype,
+                                                                                                       "fp32")
+
+
+def touches_head(adapter: Path) -> bool:
+    """Does the adapter change the output head or the input embedding (LoRA on them, or full copies)?"""
+    cfg = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    names: list[str] = []
+    for field in ("target_modules", "modules_to_save"):
+        value = cfg.get(field) or []
+        names += [value] if isinstance(value, str) else list(value)
+    return any(h in n for n in names for h in HEAD_MODULES if n != "all-linear")
+
+
+def load_base_fp32(name_or_path: str, trust_remote_code: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rocktune.model import quiet_transformers
+
+    quiet_transformers()
+    try:
+        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
+                                                    trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load the base model {name_or_path}: {str(exc).strip().splitlines()[0]} "
+                        "(offline? pass a local model directory with --base)") from None
+
+
+def untie_head(model) -> bool:
+    """Give the head its own copy of the embedding matrix; returns whether it was tied."""
+    import torch
+
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return True
+
+
+def merged_model(src: Source, dtype: str):
+    """Load base fp32, apply the adapter, merge, cast to ``dtype`` ('auto': the base checkpoint's dtype)."""
+    import torch
+    from peft import PeftModel
+
+    from rocktune.model import DTYPES
+
+    if src.adapter is None:
+        raise UserError(f"{src.base} is a model directory without an adapter: there is nothing to merge.")
+    target = base_dtype(src.base, src.trust_remote_code) if dtype == "auto" else dtype
+    model = load_base_fp32(src.base, src.trust_remote_code)
+    untied = untie_head(model) if touches_head(src.adapter) else False
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(src.adapter), torch_device="cpu")
+        merged = peft_model.merge_and_unload(safe_merge=True)
+    except ValueError as exc:
+        raise UserError(f"could not merge {src.adapter} into {src.base}: {str(exc).strip().splitlines()[0]}") \
+            from None
+    with torch.no_grad():
+        merged = merged.to(DTYPES[target])
+    merged.config.use_cache = True  # a training run switches it off; the exported model is for inference
+    notes = [f"merged in fp32, saved as {target}"]
+    if untied:
+        notes.append("the adapter changed the tied head/embedding: the head is saved as its own tensor "
+                     "(tie_word_embeddings=false) so it reloads as trained")
+    return merged, notes
+
+
+def save_merged(model, tokenizer_src: str, trust_remote_code: bool, out: Path) -> None:
+    """Write ``model`` and the base's tokenizer (chat template included) into the directory ``out``."""
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(out, safe_serialization=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_src, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load the tokenizer of {tokenizer_src}: {str(exc).strip().splitlines()[0]}") \
+            from None
+    tok.save_pretrained(out)

@@ -1,0 +1,75 @@
+"""An Ollama ``Modelfile`` beside the GGUF: FROM, TEMPLATE in Ollama's Go-template language, stop tokens and
+sampling defaults, ready for ``ollama create NAME -f Modelfile``.
+
+Jinja chat templates cannot be translated in general; the two families most fine-tunes use are recognised by
+their markers (ChatML: Qwen, SmolLM; Llama 3). A run trained on raw prompts gets a raw template, whatever the
+tokenizer's chat template says, because that is what the model learned.
+"""
+
+from __future__ import annotations
+
+from rocktune.data.encode import ALPACA_NO_INPUT
+
+CHATML = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
+          "{{ end }}<|im_start|>assistant\n")
+LLAMA3 = ("{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>"
+          "{{- end }}<|start_header_id|>assistant<|end_header_id|>\n\n")
+FAMILIES = {"chatml": ("<|im_start|>", CHATML, "<|im_end|>"), "llama3": ("<|start_header_id|>", LLAMA3, "<|eot_id|>")}
+
+
+def template_family(chat_template: str | None) -> str | None:
+    for family, (marker, _, _) in FAMILIES.items():
+        if chat_template and marker in chat_template:
+            return family
+    return None
+
+
+def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_name: str | None = None
+              ) -> tuple[str, list[str]]:
+    """The Modelfile text and notes for the user (e.g. a template that could not be translated)."""
+    notes: list[str] = []
+    stops = _stops(tokenizer, generation_config)
+    lines = [f"FROM ./{gguf_name}"]
+    if adapter_name:
+        lines.append(f"ADAPTER ./{adapter_name}")
+    if style == "chat":
+        family = template_family(getattr(tokenizer, "chat_template", None))
+        if family is None:
+            notes.append("the tokenizer's chat template is not one rocktune translates (ChatML, Llama 3), so the "
+                         "Modelfile has no TEMPLATE: Ollama falls back to the template it recognises in the GGUF, "
+                         "if any. Add a TEMPLATE line by hand if replies look unformatted.")
+        else:
+            lines.append(f'TEMPLATE """{FAMILIES[family][1]}"""')
+            stops.append(FAMILIES[family][2])
+    elif style == "alpaca":
+        lines.append('TEMPLATE """' + ALPACA_NO_INPUT.replace("{instruction}", "{{ .Prompt }}") + '"""')
+    else:
+        lines.append('TEMPLATE """{{ .Prompt }}"""')
+    lines += [f"PARAMETER stop {_quote(s)}" for s in dict.fromkeys(stops)]
+    lines += [f"PARAMETER {k} {v}" for k, v in _sampling(generation_config).items()]
+    return "\n".join(lines) + "\n", notes
+
+
+def _stops(tokenizer, generation_config) -> list[str]:
+    ids = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.insert(0, tokenizer.eos_token_id)
+    return [tokenizer.convert_ids_to_tokens(i) for i in dict.fromkeys(ids)]
+
+
+def _sampling(generation_config) -> dict[str, object]:
+    """The base's own sampling defaults when it has them; greedy (temperature 0) otherwise, like rocktune generate."""
+    gc = generation_config
+    if gc is None or not getattr(gc, "do_sample", False):
+        return {"temperature": 0}
+    out = {"temperature": gc.temperature}
+    if getattr(gc, "top_p", None) is not None:
+        out["top_p"] = gc.top_p
+    if getattr(gc, "top_k", None):
+        out["top_k"] = gc.top_k
+    return out
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,138 @@
+"""What an export starts from: a run directory's adapter and the base it was trained on, checked before any work.
+
+A run directory holds ``adapter/`` (PEFT format) and ``config.yaml``; a merged or plain model directory (a
+``config.json`` beside weights) is accepted too where no adapter is needed (``generate``). The base comes from the
+run's own record unless ``--base`` overrides it, and a base whose shapes differ from the adapter's is refused here,
+before a weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from rocktune.errors import UserError
+
+
+@dataclass
+class Source:
+    base: str                 # model directory or hub id of the base (or of the merged model when adapter is None)
+    adapter: Path | None      # the PEFT adapter directory, None for a plain model directory
+    run_config: dict          # the run's resolved config ({} for a plain model directory)
+    trust_remote_code: bool
+
+
+def resolve(path: str, base_override: str | None = None) -> Source:
+    """A run directory (or its adapter/ folder) or a model directory -> what to load, with the base checked."""
+    root = Path(path)
+    if not root.exists():
+        raise UserError(f"{path} does not exist; pass a run directory (the training's output.dir, holding "
+                        "adapter/) or a model directory.")
+    adapter = _find_adapter(root)
+    if adapter is None:
+        if (root / "config.json").is_file():
+            return Source(base_override or str(root), None, {}, False)
+        raise UserError(f"{path} holds no adapter: expected {root / 'adapter' / 'adapter_config.json'} (written "
+                        "when a training run finishes) or a model directory with config.json. Was the run "
+                        "interrupted before its end? `rocktune train --resume` finishes it.")
+    run_config = _read_run_config(adapter)
+    model = run_config.get("model", {})
+    base = base_override or model.get("name_or_path") or _adapter_config(adapter).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{adapter}: the adapter does not name its base model; pass --base MODEL_DIR_OR_ID.")
+    _check_base_exists(base, adapter, base_override is not None)
+    src = Source(str(base), adapter, run_config, bool(model.get("trust_remote_code", False)))
+    check_shapes(src)
+    return src
+
+
+def _find_adapter(root: Path) -> Path | None:
+    for cand in (root / "adapter", root):
+        if (cand / "adapter_config.json").is_file():
+            return cand
+    return None
+
+
+def _read_run_config(adapter: Path) -> dict:
+    for cand in (adapter / "rocktune_config.yaml", adapter.parent / "config.yaml"):
+        if cand.is_file():
+            return yaml.safe_load(cand.read_text(encoding="utf-8")) or {}
+    return {}
+
+
+def _adapter_config(adapter: Path) -> dict:
+    try:
+        return json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{adapter / 'adapter_config.json'}:{exc.lineno}: malformed JSON ({exc.msg}).") from None
+
+
+def _check_base_exists(base: str, adapter: Path, overridden: bool) -> None:
+    from rocktune.model import check_model_source
+
+    try:
+        check_model_source(base)
+    except UserError:
+        how = "check --base" if overridden else "the run's model.name_or_path is relative to where training ran " \
+              "or was moved; pass --base MODEL_DIR (the same base the adapter was trained on)"
+        raise UserError(f"the base model {base} of {adapter} does not exist; {how}.") from None
+    if base.startswith((".", "/", "~")) or Path(base).exists():
+        if not (Path(base).expanduser() / "config.json").is_file():
+            raise UserError(f"the base model directory {base} has no config.json; pass --base with the directory "
+                            "of a Hugging Face model (config.json + weights).")
+
+
+def load_config(name_or_path: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not read the config of {name_or_path}: {str(exc).strip().splitlines()[0]} "
+                        "(offline? pass a local model directory with --base)") from None
+
+
+def check_shapes(src: Source) -> None:
+    """Every LoRA pair must fit the base module it adapts: (r, in) and (out, r). Checked on a weightless model."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    weights = src.adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{src.adapter} has adapter_config.json but no adapter_model.safetensors; the adapter is "
+                        "incomplete (re-run the training's last save with `rocktune train --resume`).")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(src.base, src.trust_remote_code),
+                                                 trust_remote_code=src.trust_remote_code)
+    modules = dict(model.named_modules())
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():
+            if ".lora_A." not in key and ".lora_B." not in key:
+                continue
+            name = key.removeprefix("base_model.model.").split(".lora_")[0]
+            shape = tuple(f.get_slice(key).get_shape())
+            _check_pair(src, key, name, shape, modules.get(name))
+
+
+def _check_pair(src: Source, key: str, name: str, shape: tuple, module) -> None:
+    if module is None:
+        raise UserError(f"the adapter tensor {key} adapts {name}, which the base {src.base} does not have; the "
+                        "adapter was trained on another architecture: pass --base with its own base model.")
+    if hasattr(module, "num_embeddings"):
+        want = (None, module.num_embeddings) if ".lora_A." in key else (module.embedding_dim, None)
+    else:
+        want = (None, module.in_features) if ".lora_A." in key else (module.out_features, None)
+    if any(w is not None and w != s for w, s in zip(want, shape)):
+        raise UserError(f"the adapter tensor {key} has shape {list(shape)}, which does not fit {name} of the base "
+                        f"{src.base} ({type(module).__name__} {_dims(module)}); this adapter was trained on another "
+                        "base: pass --base with the model it was trained on.")
+
+
+def _dims(module) -> str:
+    if hasattr(module, "num_embeddings"):
+        return f"{module.num_embeddings}x{module.embedding_dim}"
+    return f"{module.in_features}->{module.out_features}"

@@ -1,0 +1,63 @@
+"""How the model was prompted in training, so that generation and Ollama prompt it the same way.
+
+A run trained on chat ``messages`` learned the chat template; one trained on prompt/completion or plain text
+learned raw text (even when the tokenizer has a template); an alpaca run learned the alpaca frame.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+STYLES = ("auto", "chat", "raw", "alpaca")
+
+
+def training_style(run_config: dict) -> str | None:
+    """chat / raw / alpaca from the run's data.format (auto: the first record of its train_file); None if unknown."""
+    data = run_config.get("data") or {}
+    fmt = data.get("format", "auto")
+    if fmt == "auto":
+        fmt = _first_record_shape(data.get("train_file"))
+    return {"messages": "chat", "prompt_completion": "raw", "text": "raw", "alpaca": "alpaca"}.get(fmt or "")
+
+
+def _first_record_shape(train_file: str | None) -> str | None:
+    from rocktune.data.records import SHAPES
+
+    if not train_file or not Path(train_file).is_file():
+        return None
+    try:
+        with open(train_file, encoding="utf-8") as f:
+            head = f.read(1 << 20).lstrip()
+        first = json.loads(head.splitlines()[0]) if not head.startswith("[") else json.loads(head)[0]
+    except (ValueError, IndexError, OSError):
+        return None
+    if not isinstance(first, dict):
+        return None
+    return next((shape for shape, keys in SHAPES.items() if all(k in first for k in keys)), None)
+
+
+def resolve_style(requested: str, run_config: dict, tokenizer) -> str:
+    if requested != "auto":
+        return requested
+    learned = training_style(run_config)
+    if learned:
+        return learned
+    return "chat" if getattr(tokenizer, "chat_template", None) else "raw"
+
+
+def render(style: str, tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> str:
+    """The text to generate from: the prompt as training formatted it."""
+    from rocktune.data.encode import ALPACA_NO_INPUT
+    from rocktune.errors import UserError
+
+    if style == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--template chat: this tokenizer has no chat template; use --template raw.")
+        msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    if prompt is None:
+        if style != "raw":
+            raise UserError(f"--template {style} takes a prompt, not a conversation.")
+        prompt = "".join(m["content"] for m in messages or [])
+    return ALPACA_NO_INPUT.format(instruction=prompt) if style == "alpaca" else prompt

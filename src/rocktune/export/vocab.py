@@ -1,0 +1,137 @@
+"""Tokenizer -> GGUF metadata, so that llama.cpp tokenises exactly like transformers.
+
+Byte-level BPE tokenizers (Qwen2/2.5/3, Llama 3, SmolLM, GPT-2) are written as llama.cpp's ``gpt2`` model with
+the pre-tokenizer named from its splitting regex; SentencePiece tokenizers (Llama 2, Mistral) as ``llama`` from
+``tokenizer.model``. gguf-py's ``SpecialVocab`` supplies merges, special ids and the chat template; whether BOS/EOS
+are added is read off the tokenizer by encoding a word, not guessed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rocktune.errors import UserError
+
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# A merge llama.cpp can never apply (BPE symbols start as single characters, never as a whole special token):
+# its loader needs the merges key, and tokenizers with no merges at all (rocktune's demo) have none to write.
+NEVER_FIRING_MERGE = "<|never|> <|merge|>"
+
+
+def pre_tokenizer_name(tokenizer_json: dict) -> str:
+    """llama.cpp's name for the pre-tokenizer, recognised from the regex it splits with."""
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    steps = _flatten(tokenizer_json.get("pre_tokenizer") or {})
+    regexes = [s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"]
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    digits = [s for s in steps if s.get("type") == "Digits" and s.get("individual_digits")]
+    if regexes == [PRETOKENIZE_REGEX]:
+        return "qwen2"
+    if regexes == [LLAMA3_REGEX]:
+        return "llama-bpe"
+    if not regexes and byte_level and byte_level[0].get("use_regex", True):
+        return "smollm" if digits else "gpt-2"
+    described = ", ".join(f"{s.get('type')}{'(' + str(s['pattern']) + ')' if 'pattern' in s else ''}" for s in steps)
+    raise UserError(f"GGUF export does not recognise this tokenizer's pre-tokenizer yet ({described or 'none'}); "
+                    "supported: the Qwen2, Llama 3, SmolLM and GPT-2 splitting rules. Use --to merged, or a "
+                    "llama.cpp converter that knows this tokenizer.")
+
+
+def _flatten(node: dict) -> list[dict]:
+    if node.get("type") == "Sequence":
+        return [s for child in node.get("pretokenizers", []) for s in _flatten(child)]
+    return [node] if node else []
+
+
+def add_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> None:
+    """Write the tokenizer of ``tokenizer_dir`` (a saved HF tokenizer) padded to the model's ``vocab_size``."""
+    tj_path = tokenizer_dir / "tokenizer.json"
+    if not tj_path.is_file():
+        raise UserError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer); GGUF export reads the "
+                        "vocabulary and merges from it.")
+    tj = json.loads(tj_path.read_text(encoding="utf-8"))
+    model = tj.get("model", {})
+    byte_bpe = model.get("type") == "BPE" and not model.get("byte_fallback")
+    if byte_bpe:
+        _add_byte_bpe(writer, tokenizer_dir, tj, vocab_size)
+    elif (tokenizer_dir / "tokenizer.model").is_file():
+        _add_sentencepiece(writer, tokenizer_dir, vocab_size)
+    else:
+        raise UserError(f"{tj_path}: GGUF export supports byte-level BPE tokenizers and SentencePiece ones with "
+                        f"tokenizer.model; this one is {model.get('type')} "
+                        f"{'with byte fallback ' if model.get('byte_fallback') else ''}without tokenizer.model.")
+    _add_specials(writer, tokenizer_dir, vocab_size, byte_bpe)
+
+
+def _add_byte_bpe(writer, tokenizer_dir: Path, tj: dict, vocab_size: int) -> None:
+    import gguf
+
+    pre = pre_tokenizer_name(tj)
+    tok = _hf_tokenizer(tokenizer_dir)
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = {i: a for i, a in tok.added_tokens_decoder.items()}
+    if max(by_id) >= vocab_size:
+        raise UserError(f"the tokenizer in {tokenizer_dir} has ids up to {max(by_id)} but the model only "
+                        f"{vocab_size} embedding rows; the tokenizer does not belong to this model.")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:  # embedding rows no token uses (vocabularies are padded to a round size)
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(added[i].content)
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+
+
+def _add_sentencepiece(writer, tokenizer_dir: Path, vocab_size: int) -> None:
+    import gguf
+    from gguf.vocab import SentencePieceVocab
+
+    try:
+        vocab = SentencePieceVocab(tokenizer_dir)
+    except ImportError:
+        raise UserError("this model's tokenizer is SentencePiece (tokenizer.model); reading it needs the "
+                        "sentencepiece package: pip install 'rocktune[gguf]'.") from None
+    tokens, scores, types = [], [], []
+    for text, score, ttype in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(ttype)
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens[:vocab_size])
+    writer.add_token_scores(scores[:vocab_size])
+    writer.add_token_types(types[:vocab_size])
+
+
+def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) -> None:
+    import gguf
+
+    special = gguf.SpecialVocab(tokenizer_dir, load_merges=True, n_vocab=vocab_size)
+    tok = _hf_tokenizer(tokenizer_dir)
+    if not special.merges and byte_bpe:
+        special.merges = [NEVER_FIRING_MERGE]
+    ids = tok("a", add_special_tokens=True)["input_ids"]
+    special.add_special_token["bos"] = tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id]
+    special.add_special_token["eos"] = tok.eos_token_id is not None and ids[-1:] == [tok.eos_token_id]
+    special.add_to_gguf(writer, quiet=True)
+
+
+def _hf_tokenizer(tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
