@@ -237,3 +237,54 @@ def test_demo_refuses_to_replace_a_different_demo_run(tmp_path, capsys):
     assert main(["demo", "--out", str(other)]) == 2
     assert "does not hold a rocktune demo" in capsys.readouterr().err
     check_demo_dir(other, settings, overwrite=True)
+
+
+def test_progress_in_a_log_file_is_plain_lines_without_a_bar(capsys):
+    from rocktune.train.progress import ProgressBar
+
+    with ProgressBar(50, 0) as bar:
+        assert not bar.console.is_terminal  # pytest captures stderr, like nohup or CI
+        for step in range(1, 51):
+            bar.update(step, 1.0, 1e-3, 100.0, None)
+    lines = capsys.readouterr().err.splitlines()
+    assert [x.split(" loss")[0] for x in lines] == ["step 1/50", "step 50/50"]  # first step at once, last once
+    assert not any("━" in x for x in lines)
+
+
+# --- config errors and --print-config --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def yaml_config(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  train_file: x.jsonl\ntraining:\n  lr: 1.0e-3\nlora:\n  r: 8\n")
+    return f
+
+
+@pytest.mark.parametrize("override,expect", [("training.lr=abc", "override 'training.lr=abc': training.lr"),
+                                             ("lora.r=-1", "override 'lora.r=-1': lora.r")])
+def test_override_errors_name_the_override_not_the_yaml_line(yaml_config, capsys, override, expect):
+    assert main(["train", "-c", str(yaml_config), override, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and f"{yaml_config}:" not in err
+
+
+def test_comma_list_override_and_yaml_errors_name_the_file(yaml_config, tmp_path, capsys):
+    assert main(["train", "-c", str(yaml_config), "lora.target_modules=q_proj, v_proj", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["lora"]["target_modules"] == ["q_proj", "v_proj"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  train_file: x\n training: [\n")
+    assert main(["train", "-c", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:3:2: not valid YAML" in err and "unicode string" not in err
+
+
+def test_print_config_explains_each_field_and_loads_back(yaml_config, tmp_path, capsys):
+    from rocktune.config import DataConfig, load_config
+
+    assert main(["train", "-c", str(yaml_config), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "  # " + DataConfig.model_fields["eval_fraction"].description in out
+    (tmp_path / "printed.yaml").write_text(out)
+    assert load_config(str(tmp_path / "printed.yaml")) == load_config(str(yaml_config))

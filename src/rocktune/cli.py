@@ -54,7 +54,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="LoRA fine-tune a causal LM on your data")
     p.add_argument("-c", "--config", help="YAML config file (fields not given keep their defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.lr=2e-4 lora.r=16")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML, each field's meaning as a comment, and exit")
     p.add_argument("--overwrite", action="store_true", help="replace an existing, different run in output.dir")
     p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its last checkpoint")
     p.add_argument("--resume-force", action="store_true",
@@ -72,7 +73,7 @@ def _run_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        sys.stdout.write(dump_config(cfg))
+        sys.stdout.write(dump_config(cfg, comments=True))
         return 0
     vram = None
     if args.vram and not args.auto:

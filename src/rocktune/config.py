@@ -7,7 +7,7 @@ names the key path (and the YAML file:line when the key came from a file) and wh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
@@ -168,18 +168,31 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> RunConf
     """Read YAML (optional), apply ``a.b=value`` overrides, validate; errors become ``UserError``."""
     raw: dict[str, Any] = {}
     lines: dict[tuple[str, ...], int] = {}
+    given: dict[tuple[str, ...], str] = {}  # key path -> the override that set it: errors name the override
     if path is not None:
         raw, lines = _read_yaml(Path(path))
     for item in overrides or []:
-        _apply_override(raw, item)
+        given[_apply_override(raw, item)] = item
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(_explain(exc, path, lines)) from None
+        raise UserError(_explain(exc, path, lines, given)) from None
 
 
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: RunConfig, comments: bool = False) -> str:
+    """The config as YAML; with ``comments`` each field's description precedes it (``train --print-config``)."""
+    data = cfg.model_dump(mode="json")
+    if not comments:
+        return yaml.safe_dump(data, sort_keys=False)
+    import textwrap
+
+    out = []
+    for name, section in type(cfg).model_fields.items():
+        out.append(f"{name}:")
+        for key, field in section.annotation.model_fields.items():
+            out += [f"  # {line}" for line in textwrap.wrap(field.description or "", 110)]
+            out += [f"  {line}" for line in yaml.safe_dump({key: data[name][key]}, sort_keys=False).splitlines()]
+    return "\n".join(out) + "\n"
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
@@ -197,7 +210,10 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
         data = yaml.safe_load(text) or {}
         node = yaml.compose(text)
     except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)  # yaml's own text names "<unicode string>", not the file
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        raise UserError(f"{where}: not valid YAML ({what or exc}); check the indentation and quoting there.") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: the top level must be a mapping of sections (model:, lora:, data:, ...).")
     return data, _line_numbers(node)
@@ -214,7 +230,7 @@ def _line_numbers(node, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], i
     return out
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str) -> tuple[str, ...]:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise UserError(f"override {item!r} is not of the form section.key=value (e.g. training.lr=2e-4).")
@@ -227,18 +243,34 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node = child
     # YAML scalar rules give the natural types: 2e-4 -> float, true -> bool, [a, b] -> list, null -> None.
     try:
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+        parsed = yaml.safe_load(value) if value != "" else ""
     except yaml.YAMLError as exc:
         raise UserError(f"override {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]}); "
                         "quote it or close its brackets, e.g. lora.target_modules=[q_proj,v_proj].") from None
+    if isinstance(parsed, str) and "," in parsed and _takes_list(tuple(parts)):
+        parsed = [x.strip() for x in parsed.split(",") if x.strip()]  # q_proj,v_proj: the form plan --targets takes
+    node[parts[-1]] = parsed
+    return tuple(parts)
 
 
-def _explain(exc: ValidationError, path: str | None, lines: dict[tuple[str, ...], int]) -> str:
+def _takes_list(loc: tuple[str, ...]) -> bool:
+    section = _section_for(loc[:-1])
+    field = section.model_fields.get(loc[-1]) if section else None
+    if field is None:
+        return False
+    return get_origin(field.annotation) is list or any(get_origin(a) is list for a in get_args(field.annotation))
+
+
+def _explain(exc: ValidationError, path: str | None, lines: dict[tuple[str, ...], int],
+             given: dict[tuple[str, ...], str] | None = None) -> str:
     problems = []
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"] if not isinstance(p, int))
         key = ".".join(loc) or "(top level)"
-        where = f"{path}:{lines[loc]}: " if path and loc in lines else ""
+        if given and loc in given:
+            where = f"override {given[loc]!r}: "
+        else:
+            where = f"{path}:{lines[loc]}: " if path and loc in lines else ""
         if err["type"] == "extra_forbidden":
             section = _section_for(loc[:-1])
             allowed = ", ".join(section.model_fields) if section else ""

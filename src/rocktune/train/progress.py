@@ -28,18 +28,20 @@ class MetricsLog:
 
 
 class ProgressBar:
-    """A live bar on a terminal; in a log file (nohup, CI, a job scheduler), where a bar cannot redraw, a plain
-    progress line every ``PLAIN_EVERY_S`` seconds and at the last step instead."""
+    """A live bar on a terminal; in a log file (nohup, CI, a job scheduler), where a bar cannot redraw, plain
+    progress lines instead: at the first step (so a log shows the run is alive), every ``PLAIN_EVERY_S`` seconds and
+    at the last step, and no bar at all (rich would print its final state once more at exit)."""
 
     PLAIN_EVERY_S = 30.0
 
     def __init__(self, total_steps: int, start_step: int, quiet: bool = False):
         self.console = Console(stderr=True, soft_wrap=True)
         self.total, self.quiet = total_steps, quiet
-        self._last_plain = time.perf_counter()
+        self._last_plain = float("-inf")
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-            TimeRemainingColumn(), console=self.console, disable=quiet, transient=False,
+            TimeRemainingColumn(), console=self.console, disable=quiet or not self.console.is_terminal,
+            transient=False,
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
         self.t0 = time.perf_counter()
