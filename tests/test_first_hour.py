@@ -288,3 +288,28 @@ def test_print_config_explains_each_field_and_loads_back(yaml_config, tmp_path, 
     assert "  # " + DataConfig.model_fields["eval_fraction"].description in out
     (tmp_path / "printed.yaml").write_text(out)
     assert load_config(str(tmp_path / "printed.yaml")) == load_config(str(yaml_config))
+
+
+# --- data messages ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("record,expect", [({"prompt": "p"}, "missing 'completion' (the prompt_completion shape"),
+                                           ({"instruction": "i", "input": "x"}, "missing 'output' (the alpaca shape"),
+                                           ({"foo": 1}, "unknown record shape")])
+def test_incomplete_records_name_the_missing_key(tmp_path, record, expect):
+    from rocktune.data import records
+
+    f = write_jsonl(tmp_path / "d.jsonl", [record])
+    with pytest.raises(UserError) as err:
+        records.detect_shape(records.read_records(f), "auto")
+    assert f"{f}:1: " in str(err.value) and expect in str(err.value)
+
+
+def test_malformed_json_message_reads_right(tmp_path):
+    from rocktune.data import records
+
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "p", "completion": "unterminated}\n')
+    with pytest.raises(UserError) as err:
+        records.read_records(f)
+    assert "at at" not in str(err.value) and "Unterminated string starting at column" in str(err.value)

@@ -52,7 +52,7 @@ def _read_jsonl(path: Path, text: str) -> list[tuple[str, dict]]:
             out.append((f"{path}:{lineno}", json.loads(line)))
         except json.JSONDecodeError as exc:
             raise UserError(
-                f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object."
+                f"{path}:{lineno}: malformed JSON ({_where(exc)}); each line must be one JSON object."
             ) from None
     return out
 
@@ -61,10 +61,15 @@ def _read_json_array(path: Path, text: str) -> list[tuple[str, dict]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno}).") from None
+        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({_where(exc)}).") from None
     if not isinstance(data, list):
         raise UserError(f"{path}: a .json data file must hold an array of records (or use JSONL, one per line).")
     return [(f"{path}[{i}]", rec) for i, rec in enumerate(data)]
+
+
+def _where(exc: json.JSONDecodeError) -> str:
+    # Some messages already end in "at" ("Unterminated string starting at").
+    return f"{exc.msg} column {exc.colno}" if exc.msg.endswith(" at") else f"{exc.msg} at column {exc.colno}"
 
 
 def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:
@@ -75,6 +80,11 @@ def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:
     for shape, keys in SHAPES.items():
         if all(k in first for k in keys):
             return shape
+    near = max(SHAPES, key=lambda s: sum(k in first for k in SHAPES[s]))
+    if any(k in first for k in SHAPES[near]):  # e.g. a prompt without its completion: name what is missing
+        missing = [k for k in SHAPES[near] if k not in first]
+        raise UserError(f"{loc}: record is missing {', '.join(repr(k) for k in missing)} (the {near} shape needs "
+                        f"{list(SHAPES[near])}; this record has {sorted(first)}).")
     known = "; ".join(f"{s}: {{{', '.join(repr(k) for k in keys)}}}" for s, keys in SHAPES.items())
     raise UserError(
         f"{loc}: unknown record shape with keys {sorted(first)}; expected one of {known} "
