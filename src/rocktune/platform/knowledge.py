@@ -176,6 +176,7 @@ PREDICATES = {
     "bnb_missing": lambda p: "bitsandbytes" not in p.libraries,
     "bnb_no_library": lambda p: p.backend == "rocm" and bnb_build(p) is None,
     "bnb_build_lacks_arch": lambda p: bool(p.devices and bnb_build(p)) and p.arch not in bnb_build(p)["archs"],
+    "bnb_cannot_run": lambda p: bool(p.devices) and p.arch not in (bnb_build(p) or {}).get("archs", ()),
 }
 
 

@@ -1,0 +1,298 @@
+"""QLoRA: the gate refuses the known-bad platforms (simulated snapshots), real 4-bit / 8-bit training on the CPU,
+the adapter on a quantised base, exact resume, the planner's quantised sizes, the 4-bit self-tests."""
+
+import dataclasses
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from rocktune.config import config_from_dict
+from rocktune.errors import UserError
+from rocktune.platform.advise import advise
+from rocktune.platform.detect import Device, Platform
+from tests.conftest import tiny_run_config, write_jsonl
+
+PLATFORMS = Path(__file__).parent / "data" / "platforms"
+# Recorded on CPU (torch 2.13, bitsandbytes 0.50.2, fp32 compute, seed 0), same run as test_train's fp32 one:
+# fp32 5.8245 5.7142 5.6387 5.5307 5.4799 5.0742. The 4-bit base moves the losses by up to 0.06, int8 by 0.005.
+EXPECTED = {
+    "nf4": [5.806789, 5.741987, 5.667994, 5.529936, 5.482534, 5.121988],
+    "int8": [5.821869, 5.716634, 5.638838, 5.529497, 5.483305, 5.078789],
+}
+
+
+def snapshot(name: str, **changes) -> Platform:
+    plat = Platform.from_dict(json.loads((PLATFORMS / f"{name}.json").read_text()))
+    libs = {**plat.libraries, "bitsandbytes": "0.50.2", **changes.pop("libraries", {})}
+    return dataclasses.replace(plat, libraries={k: v for k, v in libs.items() if v}, **changes)
+
+
+def gate(plat: Platform, quant: str = "nf4", model: str = "Qwen2.5-7B", vram: int | None = 20 * 2**30) -> list[str]:
+    from rocktune.quant import gate as run_gate
+
+    precision = advise(plat).defaults.precision
+    return run_gate(plat, quant, model, precision, vram, 1024, 16)
+
+
+# --- gating, before anything is loaded ----------------------------------------------------------------------
+
+
+REFUSED = [
+    ("gfx906", snapshot("mi50_gfx906_torch241_rocm60"), "nf4", r"no bitsandbytes build carries gfx906.*\[qlora-gfx906\]"),
+    ("old bitsandbytes on ROCm", snapshot("mi300x_gfx942", libraries={"bitsandbytes": "0.49.2"}, hip="7.0.1"),
+     "nf4", r"0\.49\.2 gave NaN losses.*\[qlora-bnb-old-rocm\]"),
+    ("int8 on RDNA2", snapshot("rx6700xt_gfx1031", hip="7.14.0", rocm="7.14"), "int8",
+     r"hipBLASLt does not support RDNA2 \(gfx1031\).*\[qlora-int8-rdna2\]"),
+    ("Windows build without the arch", snapshot("strix_halo_gfx1151_windows", hip="7.2.1", rocm="7.2.1",
+                                                devices=[Device(0, "Radeon 780M", "gfx1103")]), "nf4",
+     r"ROCm 7\.2\.1, windows\) carries no kernels for gfx1103.*\[qlora-build-lacks-arch\]"),
+    ("ROCm without a bitsandbytes library", snapshot("rx7900xt_gfx1100_linux", hip="6.2.4", rocm="6.2"), "nf4",
+     r"no linux library for ROCm 6\.2.*\[qlora-no-bnb-library\]"),
+    ("bitsandbytes missing", snapshot("cpu_only", libraries={"bitsandbytes": None}), "nf4",
+     r"needs bitsandbytes, which is not installed.*pip install 'rocktune\[qlora\]'"),
+]
+
+
+@pytest.mark.parametrize(("plat", "quant", "reason"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_gate_refuses_with_the_reason(plat, quant, reason):
+    with pytest.raises(UserError, match=reason) as info:
+        gate(plat, quant)
+    assert "model.quantization=none" in str(info.value)
+
+
+def test_refusal_names_the_bitsandbytes_build_and_the_planners_unquantised_figure():
+    from rocktune.quant import unquantised_alternative
+
+    plat = snapshot("rx6700xt_gfx1031")  # RDNA2 on ROCm 6.3: only the ROCm 7.14 library carries it
+    with pytest.raises(UserError) as info:
+        gate(plat, "nf4", "Qwen2.5-7B", 12 * 2**30)
+    text = str(info.value)
+    assert "install a torch build for ROCm 7.14 or later on linux" in text
+    assert "its ROCm 7.14 library carries gfx1031" in text
+    alternative = unquantised_alternative("Qwen2.5-7B", "fp32", 12 * 2**30, 1024, 16)
+    assert alternative and alternative in text
+    assert "Qwen2.5-7B needs" in alternative and "fits:" in alternative and "LoRA in fp32" in alternative
+
+
+def test_gate_allows_supported_platforms_and_says_what_to_watch():
+    assert gate(snapshot("rx7900xt_gfx1100_linux", hip="7.0.2", rocm="7.0")) == []
+    assert gate(snapshot("rx6700xt_gfx1031", hip="7.14.0", rocm="7.14"), "nf4") == []
+    assert gate(snapshot("strix_halo_gfx1151_windows", hip="7.2.1", rocm="7.2.1")) == []
+    assert gate(snapshot("rtx4090_linux"), "int8") == []
+    rocm64 = gate(snapshot("rx7900xt_gfx1100_linux"))  # ROCm 6.4: the library of bitsandbytes#2087
+    assert len(rocm64) == 1 and "bitsandbytes#2087" in rocm64[0] and rocm64[0].startswith("nf4: warning")
+    assert gate(snapshot("cpu_only"), "int8")[0].startswith("int8: info")
+
+
+def test_doctor_advice_flags_bitsandbytes_that_cannot_run_here():
+    ids = {f.id for f in advise(snapshot("mi50_gfx906_torch241_rocm60")).findings}
+    assert "bnb-arch-unsupported" in ids
+    ids = {f.id for f in advise(snapshot("mi300x_gfx942", libraries={"bitsandbytes": "0.49.2"})).findings}
+    assert "bnb-old-rocm" in ids
+    assert not {f.id for f in advise(snapshot("rx7900xt_gfx1100_linux")).findings} & {"bnb-arch-unsupported",
+                                                                                       "bnb-old-rocm"}
+
+
+def test_config_field():
+    base = {"data": {"train_file": "x.jsonl"}}
+    assert config_from_dict(base).model.quantization == "none"
+    assert config_from_dict({**base, "model": {"quantization": "nf4"}}).model.double_quant is True
+    with pytest.raises(UserError, match=r"model\.quantization.*nf4.*int8"):
+        config_from_dict({**base, "model": {"quantization": "int4"}})
+
+
+# --- the planner ----------------------------------------------------------------------------------------------
+
+
+def test_planner_base_weights_match_a_loaded_quantised_model(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from rocktune import quant
+    from rocktune.demo.tiny import build_tiny_model
+    from rocktune.planner.estimate import RunSpec, estimate
+    from rocktune.planner.shapes import load_shape
+
+    path = build_tiny_model(tmp_path / "wide", hidden=256, layers=2, heads=4, kv_heads=2, vocab_size=2048)
+    for q, dq in (("nf4", True), ("nf4", False), ("int8", True)):
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant.bnb_config(q, dq, torch.float32),
+                                                     dtype=torch.float32, device_map={"": "cpu"})
+        model = quant.prepare(model, False)
+        loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+        for m in model.modules():  # scales live beside the packed weights
+            w = getattr(m, "weight", None)
+            if isinstance(w, bnb.nn.Params4bit):
+                loaded += sum(v.numel() * v.element_size() for v in w.quant_state.as_dict(packed=True).values()
+                              if torch.is_tensor(v))
+            elif getattr(w, "SCB", None) is not None:
+                loaded += w.SCB.numel() * w.SCB.element_size()
+        predicted = estimate(load_shape(str(path)), RunSpec(quant=q, double_quant=dq)).by_name()["base_weights"]
+        assert predicted == pytest.approx(loaded, rel=0.01), (q, dq)
+
+
+def test_planner_proposes_nf4_only_when_nothing_else_fits():
+    from rocktune.planner import suggest_settings
+
+    big = suggest_settings("Qwen2.5-14B", 20 * 2**30, 1024, 16, "all-linear", "bf16", "sdpa", 8)
+    assert big.quant == "nf4" and "proposing an nf4 base" in big.reasons[0]
+    assert big.total_bytes <= 20 * 2**30
+    assert suggest_settings("Qwen2.5-3B", 20 * 2**30, 1024, 16, "all-linear", "bf16", "sdpa", 8).quant == "none"
+
+
+# --- real training on the CPU ----------------------------------------------------------------------------------
+
+
+def cpu_kernel_or_skip(quant: str) -> None:
+    """Skip, with bitsandbytes' own error, where it has no CPU kernel for ``quant``."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed (pip install 'rocktune[qlora]')")
+    w = torch.randn(64, 64)
+    try:
+        if quant == "int8":
+            layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+            layer.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+        else:
+            layer = bnb.nn.Linear4bit(64, 64, bias=False, quant_type=quant, compute_dtype=torch.float32)
+            layer.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type=quant)
+        layer.to("cpu")(torch.randn(2, 64, requires_grad=True)).sum().backward()
+    except (NotImplementedError, RuntimeError) as exc:
+        pytest.skip(f"bitsandbytes {bnb.__version__} has no CPU kernel for {quant}: {str(exc).splitlines()[0]}")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from rocktune.demo.task import make_task
+
+    tmp = tmp_path_factory.mktemp("qlora-data")
+    tr, ev = make_task(n_train=256, n_eval=32, seed=1)
+    return write_jsonl(tmp / "train.jsonl", tr), write_jsonl(tmp / "eval.jsonl", ev)
+
+
+def qlora_config(model_dir, task, out: Path, quant: str, **training) -> dict:
+    cfg = tiny_run_config(model_dir, task[0], task[1], out, **training)
+    cfg["model"]["quantization"] = quant
+    return cfg
+
+
+def run(model_dir, task, out: Path, quant: str, **training):
+    from rocktune.train.loop import train
+
+    return train(config_from_dict(qlora_config(model_dir, task, out, quant, **training)), quiet=True)
+
+
+@pytest.fixture(scope="module", params=["nf4", "int8"])
+def trained(request, tiny_model_dir, task, tmp_path_factory):
+    cpu_kernel_or_skip(request.param)
+    return request.param, run(tiny_model_dir, task, tmp_path_factory.mktemp(request.param) / "run", request.param)
+
+
+def fresh_base(model_dir, quant: str):
+    from transformers import AutoModelForCausalLM
+
+    from rocktune import quant as q
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q.bnb_config(quant, True, torch.float32),
+                                                 dtype=torch.float32, device_map={"": "cpu"})
+    return q.prepare(model, False)  # the same kernels as training (no CPU inference repacking)
+
+
+def test_losses_match_recorded_values(trained):
+    quant, result = trained
+    assert result.losses == pytest.approx(EXPECTED[quant], abs=5e-3)
+    assert result.eval_loss_after < result.eval_loss_before
+
+
+def test_only_adapters_train_and_the_quantised_base_is_unchanged(trained, tiny_model_dir):
+    quant, result = trained
+    trainable = {n for n, p in result.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    fresh = fresh_base(tiny_model_dir, quant).state_dict()
+    state = {k.replace(".base_layer", ""): v for k, v in result.model.get_base_model().state_dict().items()
+             if "lora_" not in k}
+    packed = [k for k, v in fresh.items() if k.endswith(".weight") and v.dtype in (torch.uint8, torch.int8)]
+    assert len(packed) == 2 * 7  # every linear of both layers was quantised
+    assert all(torch.equal(state[k], v) for k, v in fresh.items())
+    lora_b = [v for k, v in result.model.state_dict().items() if "lora_B" in k]
+    assert len(lora_b) == 2 * 7 and all(float(v.abs().sum()) > 0 for v in lora_b)
+
+
+def test_adapter_is_peft_format_and_loads_on_a_quantised_base(trained, tiny_model_dir):
+    from peft import PeftModel
+
+    quant, result = trained
+    adapter = result.run_dir / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and (adapter / "adapter_model.safetensors").is_file()
+    loaded = PeftModel.from_pretrained(fresh_base(tiny_model_dir, quant), adapter).eval()
+    result.model.eval()
+    ids = torch.tensor([[97, 98, 99, 32, 61, 32, 100]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, result.model(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_exact_on_a_4bit_base(tiny_model_dir, task, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from rocktune.train.loop import train
+
+    cpu_kernel_or_skip("nf4")
+    training = {"max_steps": 6}
+    reliability = {"save_every": 2, "keep_checkpoints": 2, "min_free_disk_mb": 0}
+    cfgs = {}
+    for name in ("ref", "killed"):
+        cfgs[name] = qlora_config(tiny_model_dir, task, tmp_path / name, "nf4", **training)
+        cfgs[name]["lora"]["dropout"] = 0.1  # RNG state must come back too
+        cfgs[name]["reliability"] = reliability
+    train(config_from_dict(cfgs["ref"]), quiet=True)
+    payload = {"config": cfgs["killed"], "overwrite": True, "resume": False, "resume_force": False, "pieces": 1}
+    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"kill_at_step": 3}))
+    proc = subprocess.run([sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    ckpt = tmp_path / "killed" / "checkpoints"
+    saved = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert saved and all((ckpt / s / "adapter_model.safetensors").is_file() for s in saved)
+    assert all(f.stat().st_size < 2**20 for s in saved for f in (ckpt / s).iterdir())  # adapter only, no base
+    train(config_from_dict(cfgs["killed"]), resume_run=True, quiet=True)
+
+    def losses(run_dir):
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in rows]
+
+    assert losses(tmp_path / "killed") == losses(tmp_path / "ref")
+    adapter = "adapter/adapter_model.safetensors"
+    assert (tmp_path / "killed" / adapter).read_bytes() == (tmp_path / "ref" / adapter).read_bytes()
+
+
+# --- the 4-bit self-tests (doctor and the pre-load check) ------------------------------------------------------
+
+
+def test_doctor_quant_checks_pass_on_cpu_and_catch_a_wrong_dequantisation():
+    pytest.importorskip("bitsandbytes")
+    from rocktune.doctor import quant_checks as qc
+    from rocktune.doctor.registry import FAULTS
+
+    for check in (qc.check_quant4, qc.check_linear4bit, qc.check_qlora_step):
+        result = check("cpu", "nf4")
+        assert result.status == "pass", (check.__name__, result.detail)
+    for kind, bad in FAULTS["dequant"].items():
+        result = qc.check_quant4("cpu", "nf4", dequant=bad)
+        assert result.status == "fail" and result.error > 10 * result.tolerance, (kind, result.detail)
+
+
+def test_preload_self_test_refuses_a_build_that_dequantises_wrongly(tiny_model_dir, monkeypatch):
+    bf = pytest.importorskip("bitsandbytes.functional")
+    from rocktune.train.quant_gate import check_quantization
+
+    notes = check_quantization("nf4", str(tiny_model_dir), "fp32", "cpu", 64, 8)
+    assert notes[-1] == "nf4 self-test on cpu passed (rows of 64, 192)"
+    real = bf.dequantize_4bit
+    monkeypatch.setattr(bf, "dequantize_4bit", lambda *a, **k: real(*a, **k) * 1.05)
+    with pytest.raises(UserError, match=r"computes wrong 4-bit results on cpu \(nf4 rows of 64"):
+        check_quantization("nf4", str(tiny_model_dir), "fp32", "cpu", 64, 8)
