@@ -266,6 +266,8 @@ def _add_data(sub) -> None:
                    help="record shape with --data (default: detected)")
     q.add_argument("--max-length", type=int, default=1024, help="tokens per example with --data (default 1024)")
     q.add_argument("--train-on-prompt", action="store_true", help="with --data: loss on prompts too")
+    q.add_argument("--truncation", default="prompt", choices=("prompt", "end"),
+                   help="with --data: how long examples are cut (see data.truncation; default prompt)")
     q.add_argument("-n", "--examples", type=int, default=3, help="examples shown token by token (default 3)")
     q.add_argument("--html", metavar="FILE", help="also write the preview as an HTML page")
     q.add_argument("--json", action="store_true", help="print one JSON object")
@@ -278,17 +280,18 @@ def _run_data_preview(args) -> int:
 
         cfg = load_config(args.config, args.overrides)
         d, m = cfg.data, cfg.model
-        data, model, trust, fmt, length, on_prompt = (d.train_file, m.name_or_path, m.trust_remote_code, d.format,
-                                                      d.max_length, d.train_on_prompt)
+        data, model, trust, fmt, length, on_prompt, cut = (d.train_file, m.name_or_path, m.trust_remote_code,
+                                                           d.format, d.max_length, d.train_on_prompt, d.truncation)
     elif args.data and args.model:
-        data, model, trust, fmt, length, on_prompt = (args.data, args.model, False, args.format, args.max_length,
-                                                      args.train_on_prompt)
+        data, model, trust, fmt, length, on_prompt, cut = (args.data, args.model, False, args.format,
+                                                           args.max_length, args.train_on_prompt, args.truncation)
     else:
         raise UserError("rocktune data preview needs -c CONFIG, or both --data FILE and --model MODEL.")
     from rocktune.report.preview import run_preview
 
     return run_preview(data_file=data, model=model, trust_remote_code=trust, shape=fmt, max_length=length,
-                       train_on_prompt=on_prompt, n_show=args.examples, html=args.html, as_json=args.json)
+                       train_on_prompt=on_prompt, n_show=args.examples, html=args.html, as_json=args.json,
+                       truncation=cut)
 
 
 def _add_report(sub) -> None:

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rocktune.data import checks, encode, records
+from rocktune.data import checks, encode, records, truncate
 from rocktune.data.dataset import Examples
 
 
@@ -27,6 +27,7 @@ class Preview:
     n_kept: int
     n_truncated: int
     n_dropped: int  # no loss-bearing token left after truncation, as in prepare_data
+    truncation_notes: list[str]  # how many were cut where, and why some were dropped (the words train logs)
     lengths: list[int]
     loss_tokens: int
     total_tokens: int
@@ -51,20 +52,25 @@ class Preview:
 
 
 def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_on_prompt: bool,
-                  n_show: int = 3) -> Preview:
+                  n_show: int = 3, truncation: str = "prompt") -> Preview:
     recs = records.read_records(data_file)
     shape = records.detect_shape(recs, shape)
     records.validate(recs, shape)
-    encoded = [(loc, encode.encode(rec, shape, tokenizer, max_length, train_on_prompt, loc)) for loc, rec in recs]
+    encoded = [(loc, encode.encode(rec, shape, tokenizer, max_length, train_on_prompt, loc, truncation))
+               for loc, rec in recs]
     kept = [(loc, e) for loc, e in encoded if checks.loss_positions(e.labels)]
     # The checks see what training would: the kept examples (all of them when none is kept, to say so).
     seen = Examples([e.input_ids for _, e in kept or encoded], [e.labels for _, e in kept or encoded])
     problems = checks.check_training_data(seen, tokenizer, shape, train_on_prompt, data_file, max_length)
     special = set(tokenizer.all_special_ids)
+    n_truncated = sum(e.truncated for _, e in encoded)
+    notes = truncate.describe(len(recs), n_truncated, sum(e.prompt_cut > 0 for _, e in encoded),
+                              sum(e.completion_cut > 0 for _, e in encoded), len(encoded) - len(kept), max_length,
+                              truncation)
     return Preview(
         data_file=str(data_file), shape=shape, max_length=max_length, train_on_prompt=train_on_prompt,
-        n_records=len(recs), n_kept=len(kept), n_truncated=sum(e.truncated for _, e in encoded),
-        n_dropped=len(encoded) - len(kept), lengths=seen.lengths(),
+        n_records=len(recs), n_kept=len(kept), n_truncated=n_truncated, n_dropped=len(encoded) - len(kept),
+        truncation_notes=notes, lengths=seen.lengths(),
         loss_tokens=sum(checks.loss_positions(lab) for lab in seen.labels), total_tokens=sum(seen.lengths()),
         stop_tokens=list(checks.stop_token_ids(tokenizer, shape).values()),
         examples=[{"loc": loc, "truncated": e.truncated, "runs": runs(e.input_ids, e.labels, tokenizer, special)}
@@ -103,13 +109,13 @@ def histogram(lengths: list[int], bins: int = 10) -> list[dict]:
 
 
 def run_preview(data_file: str, model: str, trust_remote_code: bool, shape: str, max_length: int,
-                train_on_prompt: bool, n_show: int, html: str | None, as_json: bool) -> int:
+                train_on_prompt: bool, n_show: int, html: str | None, as_json: bool, truncation: str = "prompt") -> int:
     """Print (or write) the preview; exit status 1 when a check would stop ``train``."""
     from rocktune.model import load_tokenizer
     from rocktune.report import preview_view
 
     tokenizer = load_tokenizer(model, trust_remote_code)
-    pv = build_preview(data_file, shape, tokenizer, max_length, train_on_prompt, n_show)
+    pv = build_preview(data_file, shape, tokenizer, max_length, train_on_prompt, n_show, truncation)
     if as_json:
         sys.stdout.write(json.dumps(pv.to_json()) + "\n")
     else:

@@ -13,8 +13,9 @@ def _summary(pv: Preview) -> list[tuple[str, str]]:
     return [
         ("data", pv.data_file), ("shape", pv.shape), ("records", f"{pv.n_records}"),
         ("kept for training", f"{pv.n_kept}"),
-        ("truncated", f"{pv.n_truncated} (longer than data.max_length={pv.max_length}; their tail is cut)"),
+        ("truncated", f"{pv.n_truncated} (longer than data.max_length={pv.max_length})"),
         ("dropped", f"{pv.n_dropped} (no loss-bearing token left after truncation)"),
+        *(("", note) for note in pv.truncation_notes),
         ("tokens per example", f"min {s['min']}, median {s['median']:g}, mean {s['mean']:.1f}, p95 {s['p95']}, "
                                f"max {s['max']}"),
         ("loss-bearing tokens", f"{pv.loss_tokens:,} of {pv.total_tokens:,} ({pv.loss_share:.1%})"),
