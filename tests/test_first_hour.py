@@ -313,3 +313,17 @@ def test_malformed_json_message_reads_right(tmp_path):
     with pytest.raises(UserError) as err:
         records.read_records(f)
     assert "at at" not in str(err.value) and "Unterminated string starting at column" in str(err.value)
+
+
+def test_relative_path_found_only_beside_the_config_file_is_named(tmp_path, monkeypatch, capsys):
+    sub = tmp_path / "project"
+    sub.mkdir()
+    write_jsonl(sub / "train.jsonl", [{"prompt": "p", "completion": "c"}])
+    (sub / "c.yaml").write_text("data:\n  train_file: train.jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-c", "project/c.yaml", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "project/c.yaml:2: data.train_file=train.jsonl does not exist relative to the working directory" in err
+    assert "project/train.jsonl, which exists" in err
+    monkeypatch.chdir(sub)
+    assert main(["train", "-c", "c.yaml", "--print-config"]) == 0

@@ -174,9 +174,27 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> RunConf
     for item in overrides or []:
         given[_apply_override(raw, item)] = item
     try:
-        return RunConfig.model_validate(raw)
+        cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise UserError(_explain(exc, path, lines, given)) from None
+    if path is not None:
+        _check_relative_paths(cfg, Path(path), lines, given)
+    return cfg
+
+
+def _check_relative_paths(cfg: RunConfig, config_file: Path, lines: dict, given: dict) -> None:
+    """Relative paths mean the working directory, as on the command line; a file that exists only beside the config
+    file is the classic slip, so it is named instead of surfacing later as "does not exist"."""
+    for loc in (("model", "name_or_path"), ("data", "train_file"), ("data", "eval_file")):
+        value = getattr(getattr(cfg, loc[0]), loc[1])
+        if not value or loc in given or Path(value).is_absolute() or Path(value).exists():
+            continue
+        beside = config_file.parent / value
+        if config_file.parent != Path(".") and beside.exists():
+            raise UserError(f"{config_file}:{lines.get(loc, '?')}: {'.'.join(loc)}={value} does not exist relative "
+                            f"to the working directory {Path.cwd()}, which is what relative paths in a config file "
+                            f"mean; relative to the config file it is {beside}, which exists: use that path, or run "
+                            f"from {config_file.parent}.")
 
 
 def dump_config(cfg: RunConfig, comments: bool = False) -> str:

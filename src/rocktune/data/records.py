@@ -24,7 +24,9 @@ def read_records(path: str | Path) -> list[tuple[str, dict]]:
     """Return ``(location, record)`` pairs; location is ``file:line`` or ``file[index]``."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"data file {path} does not exist; set data.train_file / data.eval_file to a JSON/JSONL file.")
+        where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        raise UserError(f"data file {path} does not exist{where}; set data.train_file / data.eval_file to a "
+                        "JSON/JSONL file.")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
