@@ -13,8 +13,8 @@ import pytest
 
 from rocktune.cli import main
 from rocktune.config import config_from_dict
-from rocktune.report.rundata import load_run
 from rocktune.report.run_report import write_report
+from rocktune.report.rundata import load_run
 from tests.conftest import tiny_run_config, write_jsonl
 
 pytest.importorskip("matplotlib", reason="the report extra (matplotlib) is not installed")

@@ -131,7 +131,7 @@ def _write_report(run_dir: Path) -> str | None:
 
     if importlib.util.find_spec("matplotlib") is None:
         return None
-    from rocktune.report.rundata import load_run
     from rocktune.report.run_report import write_report
+    from rocktune.report.rundata import load_run
 
     return str(write_report([load_run(run_dir)]))

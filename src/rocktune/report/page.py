@@ -13,7 +13,8 @@ CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: .5em 0; } td, th { padding: 2px 10px; border-bottom: 1px solid #eee;
-text-align: left; vertical-align: top; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+text-align: left; vertical-align: top; overflow-wrap: anywhere; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
 pre { background: #f6f6f6; padding: .6em; overflow-x: auto; font-size: 12px; }
 img.plot { max-width: 100%; border: 1px solid #eee; margin: .4em 0; }
 .tok { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 13px; background: #fafafa;

@@ -49,7 +49,7 @@ class Sampler:
                  max_new_tokens: int, device: str, autocast=contextlib.nullcontext, start_step: int = 0):
         self.path, self.tokenizer, self.prompts = path, tokenizer, prompts
         self.stop_ids, self.max_new_tokens, self.device, self.autocast = stop_ids, max_new_tokens, device, autocast
-        if prompts or path.exists():
+        if prompts:  # only the process that samples touches the file (other ranks of a distributed run do not)
             _keep_until(path, start_step)
 
     @classmethod
