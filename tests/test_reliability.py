@@ -95,7 +95,7 @@ def test_partial_checkpoint_without_manifest_is_skipped(tmp_path):
     (tmp_path / "step-0000009").mkdir(parents=True)
     assert "manifest" in checkpoint.verify(tmp_path / "step-0000009")
     for _ in range(2):  # and the same refusal again: nothing is renamed away when nothing could be loaded
-        with pytest.raises(UserError, match="no checkpoint .* verifies"):
+        with pytest.raises(UserError, match="no checkpoint .* can be used"):
             checkpoint.restore(tmp_path, None, None, None, None)
     assert (tmp_path / "step-0000009").is_dir()
 

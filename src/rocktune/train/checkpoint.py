@@ -3,8 +3,9 @@
 A checkpoint is ``checkpoints/step-NNNNNNN/`` holding the adapter (PEFT format), the optimizer, scheduler and
 GradScaler states, the RNG states, the data position and a ``manifest.json`` with the sha256 of every file. It is
 written under a temporary name, fsynced and renamed; ``checkpoints/latest`` then names it (also written atomically).
-Loading verifies the manifest and falls back to the previous checkpoint when the newest one is damaged. Tensors
-load through safetensors or ``torch.load(weights_only=True)``: never arbitrary pickle.
+Loading verifies the manifest, then reads and checks every part (``checkpoint_state``); a checkpoint that fails
+either way is damaged: reported, set aside, and the previous one used. Tensors load through safetensors or
+``torch.load(weights_only=True)``: never arbitrary pickle.
 """
 
 from __future__ import annotations
@@ -22,15 +23,40 @@ import torch
 from safetensors import SafetensorError
 
 from rocktune.errors import UserError
-from rocktune.train.rundir import write_atomic
+from rocktune.train import checkpoint_state
+from rocktune.train.checkpoint_state import STATE
+from rocktune.train.rundir import out_of_space, write_atomic
 
 MANIFEST = "manifest.json"
-STATE = "trainer_state.pt"
 LATEST = "latest"
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; the previous one is untouched."""
+    """A checkpoint could not be written; the previous one is untouched. ``repeat``: the same lack of space was
+    already reported in this run (the loop then stays quiet; ``SpaceSkips.summary`` counts them)."""
+
+    def __init__(self, message: str, repeat: bool = False, no_space: bool = False):
+        super().__init__(message)
+        self.repeat, self.no_space = repeat, no_space
+
+
+class SpaceSkips:
+    """Checkpoints skipped for lack of disk space: the first is reported in full, the rest counted."""
+
+    def __init__(self):
+        self.count = 0
+        self.first = ""
+
+    def add(self, message: str) -> bool:
+        """Count one skip; True when it repeats an earlier one."""
+        self.count += 1
+        self.first = self.first or message
+        return self.count > 1
+
+    def summary(self) -> str | None:
+        if self.count < 2:
+            return None
+        return f"{self.count} checkpoints were skipped for lack of disk space (the first: {self.first})"
 
 
 @dataclass
@@ -43,8 +69,19 @@ class Restored:
 
 
 def save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, position: dict, extra: dict,
-         keep: int, min_free_bytes: int = 0, before_commit=None) -> Path:
+         keep: int, min_free_bytes: int = 0, before_commit=None, skips: SpaceSkips | None = None) -> Path:
     """Write the checkpoint for ``step``; ``before_commit`` (tests) runs after the files, before the rename."""
+    try:
+        return _save(ckpt_root, step, model, optimizer, scheduler, scaler, position, extra, keep, min_free_bytes,
+                     before_commit)
+    except CheckpointWriteError as exc:
+        if skips is not None and out_of_space(exc):
+            exc.repeat = skips.add(str(exc))
+        raise
+
+
+def _save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, position: dict, extra: dict,
+          keep: int, min_free_bytes: int, before_commit) -> Path:
     ckpt_root.mkdir(parents=True, exist_ok=True)
     _check_free_space(ckpt_root, min_free_bytes)
     final = ckpt_root / f"step-{step:07d}"
@@ -79,19 +116,33 @@ def restore(ckpt_root: Path, model, optimizer, scheduler, scaler) -> Restored | 
     skipped: list[tuple[Path, str]] = []
     for path in _candidates(ckpt_root):
         problem = verify(path)
+        if problem is None:
+            try:  # read and checked whole before anything is applied: a refused one leaves the model as it was
+                state = checkpoint_state.read(path, model, optimizer)
+            except checkpoint_state.Damaged as exc:
+                problem = str(exc)
         if problem:
             skipped.append((path, problem))
             continue
-        _load_into(path, model, optimizer, scheduler, scaler)
+        checkpoint_state.apply(state, model, optimizer, scheduler, scaler)
         notes = [f"{p.name}: {why} (kept as {_set_aside(p)})" for p, why in skipped]
-        meta = json.loads((path / "meta.json").read_text())
-        random.setstate(_tuple_state(meta["py_random"]))
-        np.random.set_state(_np_state(meta["np_random"]))
-        return Restored(meta["step"], path, meta["position"], meta["extra"], notes)
+        return Restored(state.meta["step"], path, state.meta["position"], state.meta["extra"], notes)
     if skipped:  # nothing is renamed here: a second --resume must meet the same refusal, not an empty directory
-        raise UserError(f"--resume: no checkpoint in {ckpt_root} verifies "
-                        f"({'; '.join(f'{p.name}: {why}' for p, why in skipped)}); nothing trustworthy to continue "
-                        "from. Start the run again with --overwrite.")
+        raise UserError(f"--resume: no checkpoint in {ckpt_root} can be used "
+                        f"({'; '.join(f'{p.name}: {why}' for p, why in skipped)}), so there is nothing trustworthy "
+                        "to continue from. They are left as they are for inspection and nothing was written. Start "
+                        "the run again with --overwrite (this deletes them), or restore them from a backup.")
+    return None
+
+
+def last_good(ckpt_root: Path) -> int | None:
+    """The step of the newest checkpoint whose files match their manifest (what a --resume would start from)."""
+    for path in _candidates(ckpt_root):
+        if verify(path) is None:
+            try:
+                return int(json.loads((path / "meta.json").read_text())["step"])
+            except (OSError, ValueError, KeyError):
+                continue
     return None
 
 
@@ -109,29 +160,15 @@ def verify(path: Path) -> str | None:
     """Why ``path`` is not a usable checkpoint, or None when every file matches its recorded hash."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
+        hashes = dict(manifest["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
         return "manifest missing or unreadable (partial write?)"
-    for name, digest in manifest["sha256"].items():
+    for name, digest in hashes.items():
         if not (path / name).is_file():
             return f"{name} is missing"
         if _sha256(path / name) != digest:
             return f"{name} does not match its sha256 (corrupted)"
     return None
-
-
-def _load_into(path: Path, model, optimizer, scheduler, scaler) -> None:
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    device = next(p.device for p in model.parameters())
-    set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(device)))
-    state = torch.load(path / STATE, weights_only=True, map_location="cpu")
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
 def _candidates(ckpt_root: Path) -> list[Path]:
@@ -157,7 +194,8 @@ def _check_free_space(root: Path, needed: int) -> None:
     free = shutil.disk_usage(root).free
     if free < needed:
         raise CheckpointWriteError(f"only {free / 2**20:.0f} MiB free on {root}, a checkpoint needs about "
-                                   f"{needed / 2**20:.0f} MiB (adapter, optimizer state and reliability.min_free_disk_mb); free disk space")
+                                   f"{needed / 2**20:.0f} MiB (adapter, optimizer state and "
+                                   "reliability.min_free_disk_mb); free disk space", no_space=True)
 
 
 def _rng_tensors() -> dict:
@@ -172,17 +210,9 @@ def _py_random_state() -> list:
     return [version, list(internal), gauss]
 
 
-def _tuple_state(state: list) -> tuple:
-    return state[0], tuple(state[1]), state[2]
-
-
 def _np_random_state() -> list:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-
-
-def _np_state(state: list) -> tuple:
-    return state[0], np.array(state[1], dtype=np.uint32), state[2], state[3], state[4]
 
 
 def _sha256(path: Path) -> str:

@@ -5,6 +5,7 @@ Layout: ``config.yaml`` (the resolved config), ``metrics.jsonl``, ``adapter/`` (
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -15,6 +16,11 @@ import yaml
 from rocktune.errors import UserError
 
 CONFIG_NAME = "config.yaml"
+# Written by the supervisor on Ctrl-C when several ranks train (torchrun does not pass SIGINT on): rank 0 sees it,
+# and every rank checkpoints and stops after the same step.
+STOP_FILE = ".stop"
+# torch and safetensors report a full disk only in their message text, wrapping the OSError away.
+NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "os error 28", "file write failed")
 
 
 def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool = False) -> None:
@@ -69,3 +75,18 @@ def diff_keys(old, new, prefix: str = "") -> list[str]:
         keys = sorted(set(old) | set(new))
         return [d for k in keys for d in diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")]
     return [] if old == new else [prefix.rstrip(".")]
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it came from, is a full disk (or an exhausted quota)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "no_space", False):
+            return True
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            return True
+        if any(t in str(exc).lower() for t in NO_SPACE_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
