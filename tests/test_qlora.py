@@ -21,6 +21,7 @@ PLATFORMS = Path(__file__).parent / "data" / "platforms"
 EXPECTED = {
     "nf4": [5.806789, 5.741987, 5.667994, 5.529936, 5.482534, 5.121988],
     "int8": [5.821869, 5.716634, 5.638838, 5.529497, 5.483305, 5.078789],
+    "fp4": [5.731867, 5.742994, 5.602967, 5.550285, 5.440146, 5.020464],
 }
 
 
@@ -182,7 +183,7 @@ def run(model_dir, task, out: Path, quant: str, **training):
     return train(config_from_dict(qlora_config(model_dir, task, out, quant, **training)), quiet=True)
 
 
-@pytest.fixture(scope="module", params=["nf4", "int8"])
+@pytest.fixture(scope="module", params=["nf4", pytest.param("fp4", marks=pytest.mark.slow), "int8"])
 def trained(request, tiny_model_dir, task, tmp_path_factory):
     cpu_kernel_or_skip(request.param)
     return request.param, run(tiny_model_dir, task, tmp_path_factory.mktemp(request.param) / "run", request.param)
@@ -296,3 +297,18 @@ def test_preload_self_test_refuses_a_build_that_dequantises_wrongly(tiny_model_d
     monkeypatch.setattr(bf, "dequantize_4bit", lambda *a, **k: real(*a, **k) * 1.05)
     with pytest.raises(UserError, match=r"computes wrong 4-bit results on cpu \(nf4 rows of 64"):
         check_quantization("nf4", str(tiny_model_dir), "fp32", "cpu", 64, 8)
+
+
+@pytest.mark.slow
+def test_doctor_child_runs_the_4bit_checks_and_honours_an_injected_dequantisation():
+    import os
+
+    pytest.importorskip("bitsandbytes")
+    from rocktune.doctor.registry import INJECT_ENV
+    from rocktune.doctor.runner import run_checks
+
+    names = ["quant4[nf4]", "quant4[fp4]", "linear4bit[nf4]", "qlora[nf4]"]
+    env = {**{k: v for k, v in os.environ.items() if k != INJECT_ENV}, INJECT_ENV: "dequant=swap"}
+    results = {r.name: r for r in run_checks("cpu", names, env, timeout=120)}
+    assert [results[n].status for n in names] == ["fail", "fail", "pass", "pass"]
+    assert "differs from the reference" in results["quant4[nf4]"].detail
