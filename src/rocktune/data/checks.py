@@ -47,8 +47,9 @@ def enforce(problems: list[Problem], where: str) -> list[str]:
 
 
 def loss_positions(labels: list[int]) -> int:
-    """Tokens that carry loss: a label at position 0 never does (nothing precedes it), as in the batching."""
-    return sum(t != encode.IGNORE for t in labels[1:])
+    """Tokens that carry loss: a label at position 0 never does (nothing precedes it), as in the batching.
+    Counted with list methods (C loops): train runs this over every example before it starts."""
+    return len(labels) - labels.count(encode.IGNORE) - (bool(labels) and labels[0] != encode.IGNORE)
 
 
 def _masking(labels: list[list[int]], input_ids: list[list[int]], shape: str, train_on_prompt: bool) -> list[Problem]:
@@ -96,7 +97,7 @@ def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]
         return [Problem("error", "no-eos", "the tokenizer has no end-of-sequence token, so no example can teach the "
                         "model to stop; use a tokenizer with an eos_token.")]
     names = " / ".join(stops.values())
-    learned = sum(any(t in stops for t in lab[1:]) for lab in labels)
+    learned = sum(any(s in lab[1:] for s in stops) for lab in labels)
     if learned == 0:
         return [Problem("error", "stop-never-trained", f"the end token {names} never carries loss in any example, so "
                         "the model would not learn to stop generating (masked as padding, or left out by the "

@@ -8,6 +8,11 @@ from rocktune.report.preview import Preview, histogram
 BAR = 40
 
 
+def _shown(chunk: str, trained: bool) -> str:
+    """A trained newline is drawn (↵): a highlighted line break is otherwise invisible."""
+    return chunk.replace("\n", "↵\n") if trained else chunk
+
+
 def _summary(pv: Preview) -> list[tuple[str, str]]:
     s = pv.length_stats()
     return [
@@ -46,7 +51,7 @@ def print_preview(pv: Preview) -> None:
         text = Text()
         for chunk, trained, special in ex["runs"]:
             style = ("bold reverse " if special else "") + ("on dark_green" if trained else "dim")
-            text.append(chunk, style=style)
+            text.append(_shown(chunk, trained), style=style)
         console.print(text)
     _print_problems(console, pv.problems)
 
@@ -68,7 +73,7 @@ def example_html(ex: dict) -> str:
     spans = []
     for chunk, trained, special in ex["runs"]:
         cls = ("trained" if trained else "prompt") + (" special" if special else "")
-        spans.append(f"<span class=\"{cls}\">{page.esc(chunk)}</span>")
+        spans.append(f"<span class=\"{cls}\">{page.esc(_shown(chunk, trained))}</span>")
     note = " (truncated)" if ex["truncated"] else ""
     return f"<h3>{page.esc(ex['loc'])}{note}</h3><div class=\"tok\">{''.join(spans)}</div>"
 
