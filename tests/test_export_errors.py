@@ -1,0 +1,104 @@
+"""Bad input to export/generate: one clear paragraph, exit status 2, nothing half-written left behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import pytest
+
+from rocktune.cli import main
+from tests.export_fixtures import build_model, make_run
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("err") / "base", "qwen2")
+
+
+@pytest.fixture
+def run(base, tmp_path):
+    make_run(tmp_path / "run", base, ["q_proj", "v_proj"])
+    return tmp_path / "run"
+
+
+def fails(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_run_without_adapter(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("model: {}\n")
+    assert "holds no adapter" in fails(capsys, "export", str(tmp_path), "--to", "merged")
+    assert "does not exist" in fails(capsys, "export", str(tmp_path / "nope"), "--to", "gguf")
+
+
+def test_missing_and_mismatched_base(base, run, tmp_path, capsys):
+    err = fails(capsys, "export", str(run), "--to", "merged", "--base", str(tmp_path / "gone"))
+    assert "does not exist" in err and "--base" in err
+    other = build_model(tmp_path / "wide", "qwen2", hidden=128)
+    err = fails(capsys, "export", str(run), "--to", "merged", "--base", str(other))
+    assert "does not fit" in err and "q_proj" in err and "Linear 128->128" in err
+    # the run's recorded base moved away: the message says to pass --base
+    moved = tmp_path / "moved"
+    shutil.copytree(run.parent / "run", moved)
+    cfg = moved / "adapter" / "rocktune_config.yaml"
+    cfg.write_text(cfg.read_text().replace(str(base), str(tmp_path / "elsewhere")))
+    assert "pass --base" in fails(capsys, "export", str(moved), "--to", "gguf")
+    assert not (run / "export").exists()
+
+
+def test_existing_output_refused_unless_overwrite(run, capsys):
+    out = run / "export" / "model-f16.gguf"
+    out.parent.mkdir()
+    out.write_bytes(b"keep me")
+    assert "already exists" in fails(capsys, "export", str(run), "--to", "gguf")
+    assert out.read_bytes() == b"keep me"
+    assert main(["export", str(run), "--to", "gguf", "--overwrite"]) == 0
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+def test_unsupported_architecture_and_quant(run, tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300)).save_pretrained(gpt2)
+    assert "does not support the gpt2 architecture" in fails(capsys, "export", str(gpt2), "--to", "gguf")
+    assert "q3_x is not supported" in fails(capsys, "export", str(run), "--to", "gguf", "--quant", "q3_x")
+    err = fails(capsys, "export", str(run), "--to", "gguf", "--quant", "q4_k_m")
+    assert "blocks of 256" in err and "(64)" in err and "q8_0" in err
+    assert "f32 (default) or f16" in fails(capsys, "export", str(run), "--to", "gguf-lora", "--quant", "q8_0")
+    assert not (run / "export").exists() or not any((run / "export").iterdir())
+
+
+def test_gguf_lora_refuses_what_it_cannot_carry(base, tmp_path, capsys):
+    make_run(tmp_path / "head", base, ["q_proj"], modules_to_save=["lm_head"])
+    assert "full trained copies" in fails(capsys, "export", str(tmp_path / "head"), "--to", "gguf-lora")
+    make_run(tmp_path / "dora", base, ["q_proj"], use_dora=True)
+    assert "DoRA" in fails(capsys, "export", str(tmp_path / "dora"), "--to", "gguf-lora")
+
+
+@pytest.mark.parametrize("to", ["gguf", "merged"])
+def test_full_disk_leaves_nothing(run, monkeypatch, capsys, to):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if to == "gguf":
+        import gguf
+
+        monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", no_space)
+    else:
+        from transformers import PreTrainedTokenizerBase
+
+        monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", no_space)
+    err = fails(capsys, "export", str(run), "--to", to)
+    assert "disk holding" in err and "is full" in err
+    assert [p.name for p in (run / "export").iterdir()] == []
+
+
+def test_generate_input_errors(run, tmp_path, capsys):
+    assert "exactly one of" in fails(capsys, "generate", str(run))
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps({"question": "hi"}) + "\n")
+    assert "p.jsonl:1" in fails(capsys, "generate", str(run), "--file", str(bad))
