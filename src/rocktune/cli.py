@@ -180,7 +180,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--targets", default="all-linear", help="all-linear (default) or a comma list, e.g. q_proj,v_proj")
     p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
-    p.add_argument("--quant", default="none", help="none | int8 | nf4 base weights (QLoRA)")
+    p.add_argument("--quant", default="none", help="none | nf4 | fp4 | int8 base weights (QLoRA, docs/qlora.md)")
     p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2 (default sdpa)")
     p.add_argument("--checkpointing", action="store_true", help="break down with gradient checkpointing on")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
