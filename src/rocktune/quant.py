@@ -16,8 +16,6 @@ from rocktune.errors import UserError
 from rocktune.platform.advise import quant_findings
 from rocktune.platform.detect import Platform
 
-MODES = ("nf4", "fp4", "int8")
-
 
 def installed_bnb() -> str | None:
     try:

@@ -33,6 +33,8 @@ def load(path: str | None = None) -> dict:
         unknown = set(entry.get("when", {})) - set(_MATCHERS)
         if unknown:
             raise ValueError(f"knowledge entry {name}: unknown condition(s) {sorted(unknown)}")
+        if not set(entry.get("quant", ())) <= {"nf4", "fp4", "int8"}:
+            raise ValueError(f"knowledge entry {name}: quant lists nf4, fp4 and/or int8")
     return data
 
 
