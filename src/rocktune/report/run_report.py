@@ -65,9 +65,11 @@ def summary_row(run: RunData) -> dict[str, str]:
         "final train loss": _fmt(losses[-1] if losses else None),
         "eval loss (first → last)": f"{_fmt(evals[0] if evals else None)} → {_fmt(evals[-1] if evals else None)}",
         "useful tokens/s (median)": _fmt(statistics.median(tps) if tps else None, ",.0f"),
-        "time in steps": f"{sum(secs):.1f} s",
-        "peak memory (measured / planned)": f"{_fmt(max(mem) if mem else None, '.2f')} / "
-                                            f"{_fmt(predicted * plots.GIB if predicted else None, '.2f')} GiB",
+        # medians: with training.log_every > 1 the logged steps are a sample, so a sum would undercount
+        "step time (median)": f"{_fmt(statistics.median(secs) if secs else None, '.3f')} s",
+        "peak memory (measured / planned)": (f"{_fmt(max(mem) if mem else None, '.2f')} / "
+                                             f"{_fmt(predicted * plots.GIB if predicted else None, '.2f')} GiB"
+                                             if mem or predicted else "not measured (CPU run)"),
         "checkpoints": ", ".join(map(str, run.checkpoints)) or "-",
         "restarts / skipped / OOM splits": f"{len(run.incidents)} / {len(run.skipped_steps())} / "
                                            f"{len(run.oom_splits())}",
