@@ -312,3 +312,22 @@ def test_doctor_child_runs_the_4bit_checks_and_honours_an_injected_dequantisatio
     results = {r.name: r for r in run_checks("cpu", names, env, timeout=120)}
     assert [results[n].status for n in names] == ["fail", "fail", "pass", "pass"]
     assert "differs from the reference" in results["quant4[nf4]"].detail
+
+
+def test_cli_refuses_a_model_whose_rows_this_bitsandbytes_dequantises_wrongly(task, tmp_path, capsys):
+    import yaml
+
+    from rocktune.cli import main
+    from rocktune.demo.tiny import build_tiny_model
+    from rocktune.doctor.quant_checks import check_quant4
+
+    pytest.importorskip("bitsandbytes")
+    if check_quant4("cpu", "nf4", shape=(64, 96)).status == "pass":
+        pytest.skip("this bitsandbytes dequantises rows of 96 values correctly on the CPU")
+    model = build_tiny_model(tmp_path / "odd", hidden=96, layers=1, heads=4, kv_heads=2)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(qlora_config(model, task, tmp_path / "run", "nf4")))
+    assert main(["train", "--no-supervise", "-c", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "computes wrong 4-bit results on cpu (nf4 rows of 96" in err
+    assert not (tmp_path / "run").exists()  # refused before the run directory was touched
