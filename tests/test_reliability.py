@@ -263,3 +263,44 @@ def test_repeated_fault_at_one_step_steps_down_then_gives_up(tiny_model_dir, dat
     assert [i["restart"] for i in incidents] == [1, 2, None] and {i["last_logged_step"] for i in incidents} == {4}
     assert "micro-batches split in 2" in proc.stderr and "restarts used up" in proc.stderr
     assert checkpoint.verify(tmp_path / "run" / "checkpoints" / "step-0000004") is None  # the work so far is intact
+
+
+def test_deterministic_startup_error_is_not_restarted(tiny_model_dir, data, tmp_path):
+    import yaml
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(config(tiny_model_dir, data, tmp_path / "run")))
+    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"startup_error": True}))
+    proc = subprocess.run([sys.executable, "-m", "rocktune", "train", "-c", str(cfg_file)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.count("Traceback") == 1 and proc.stderr.count("not retried") == 1  # one attempt, one report
+    assert "restart 1/" not in proc.stderr
+    incidents = [json.loads(x) for x in (tmp_path / "run" / "incidents.jsonl").read_text().splitlines()]
+    assert [(i["cause"], i["restart"]) for i in incidents] == [
+        ("RuntimeError: injected start-up failure (ROCKTUNE_FAULTS)", None)]
+
+
+@pytest.mark.parametrize("attempts, code, restarts", [
+    ([(-9, None), (-9, None)], 1, [1, None]),  # killed twice before any step: the second is not retried
+    ([(5, {"cause": "disk full: x"})], 5, [None]),  # a full disk is never retried
+    ([(1, {"stepped": True, "cause": "E"}), (1, {"stepped": True, "cause": "E"}), (0, None)], 0, [1, 2]),
+    ([(-9, None), (-9, {"stepped": True}), (0, None)], 0, [1, 2]),  # got past start-up the second time
+])
+def test_supervisor_restarts_only_what_a_restart_can_fix(tmp_path, monkeypatch, attempts, code, restarts):
+    from rocktune.train import supervisor
+
+    calls = iter(attempts)
+
+    def fake_child(payload):
+        exit_code, status = next(calls)
+        if status is not None:
+            Path(payload["status_file"]).write_text(json.dumps(status))
+        return exit_code, False
+
+    monkeypatch.setattr(supervisor, "_run_child", fake_child)
+    run_dir = tmp_path / "run"
+    payload = {"config": {"output": {"dir": str(run_dir)}, "training": {"precision": "fp32"}}, "pieces": 1}
+    assert supervisor.supervise(payload, max_restarts=3) == code
+    assert [json.loads(x)["restart"] for x in (run_dir / "incidents.jsonl").read_text().splitlines()] == restarts
+    assert next(calls, None) is None  # every attempt was used, none more

@@ -9,6 +9,8 @@
   corrupt_transfer_at_step   perturb one element of that step's device copy of the batch
   fail_checkpoint_at_step    make writing that step's checkpoint fail as a full disk would ("fail_checkpoint_kind":
                     "runtime" raises the RuntimeError torch.save gives instead of OSError)
+  fail_final_write  make the final adapter write fail as a full disk would (OSError ENOSPC)
+  startup_error     raise a RuntimeError in the supervised worker before training starts (a deterministic crash)
   slow_steps        sleep that many seconds in every step (gives a test time to interrupt a run)
   marker            a file path: faults act only while it does not exist, and the first one to act creates it,
                     so a restarted process runs clean (a crash that happens once)
@@ -76,6 +78,15 @@ class Faults:
             if self.spec.get("fail_checkpoint_kind") == "runtime":  # what torch.save raises on a full disk
                 raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed (injected)")
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def final_write(self) -> None:
+        if self.spec.get("fail_final_write"):
+            self._fire()
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def startup(self) -> None:
+        if self.spec.get("startup_error"):
+            raise RuntimeError("injected start-up failure (ROCKTUNE_FAULTS)")
 
     def slow_step(self) -> None:
         if self.spec.get("slow_steps"):

@@ -23,11 +23,12 @@ from rocktune.data import checks
 from rocktune.data.dataset import prepare_data
 from rocktune.model import load_tokenizer, trainable_parameters
 from rocktune.platform.environment import apply_environment
-from rocktune.train import autofit, build, checkpoint, resume, rundir, summary
+from rocktune.train import autofit, build, checkpoint, finish, resume, rundir, summary
 from rocktune.train.autoconf import resolve_auto
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
 from rocktune.train.feed import StepFeed
+from rocktune.train.finish import save_adapter
 from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, ProgressBar
 from rocktune.train import sinks
@@ -146,13 +147,15 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set, t.sample_count, t.sample_prompts,
                             t.sample_max_new_tokens, device, autocast, start_step)
     stop = _InterruptFlag()
+    space_skips = checkpoint.SpaceSkips()
 
     def save_checkpoint(step: int) -> None:
         extra = {"pieces": pieces, "eval_loss_before": result.eval_loss_before, "data_fingerprint": stats.fingerprint,
                  "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total, "batching": feeding.mode}
         need = sum(p.numel() * 4 * 3 for p in params) + rel.min_free_disk_mb * 2**20
         checkpoint.save(ckpt_root, step, model, optimizer, scheduler, scaler, feed.position(), extra,
-                        rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step))
+                        rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step),
+                        skips=space_skips)
 
     with ProgressBar(total_steps, start_step, quiet) as bar, stop, contextlib.closing(feed):
         for msg in env_notes + choices.messages + quant_notes + fit_notes + feed_notes + notes + stats.notes:
@@ -241,27 +244,17 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 result.interrupted = True
                 return result
         result.eval_loss_after = evaluate()
-        metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
+        # Final writes check free space first; a full disk stops the run with finish.DiskFullError (exit 5).
+        need = finish.adapter_bytes(params)
+        with finish.guarded(run_dir, "the final metrics", need):
+            metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
         sampler.at(total_steps, model, metrics, bar.log)
-        save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
+        with finish.guarded(run_dir, f"the adapter to {run_dir / 'adapter'}", need, faults.final_write):
+            save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
+        if space_skips.summary():
+            bar.log(f"[yellow]{space_skips.summary()}[/]")
         summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, run_peak, predicted_peak)
     return result
-
-
-def save_adapter(model, out: Path, config_file: Path) -> None:
-    """PEFT format (adapter_config.json + adapter_model.safetensors), written beside, then swapped in."""
-    import shutil
-
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "rocktune_config.yaml").write_text(config_file.read_text())
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)  # left by a crash between the two renames below
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _digest(micro: list[dict]) -> str:
@@ -278,7 +271,8 @@ def _save_or_warn(save, step: int, log) -> bool:
         save(step)
         return True
     except checkpoint.CheckpointWriteError as exc:
-        log(f"[red]warning: {exc}; the previous checkpoint is intact and training continues[/]")
+        if not exc.repeat:  # a disk that stays full is said once, then counted (checkpoint.SpaceSkips)
+            log(f"[red]warning: {exc}; the previous checkpoint is intact and training continues[/]")
         return False
 
 

@@ -1,9 +1,11 @@
 """Crash supervision: the training runs in a child process; when it dies, continue from the last good checkpoint.
 
-User errors and fatal diagnoses end the run (restarting would not help). Anything else — a signal, a GPU memory
-access fault, an access violation, an unexpected exit — is recorded in ``incidents.jsonl`` and the child is started
-again with ``--resume``, up to ``max_restarts`` times. Two faults at the same step step down to a safer profile:
-twice as many pieces per micro-batch, fp32, and serialized kernels on ROCm.
+User errors and fatal diagnoses end the run (restarting would not help), and so do a full disk (exit 5), an
+unexpected error before the first step (exit 6 from the child) and a failure that repeats identically before the
+first step (see ``outcome``); each is recorded once in ``incidents.jsonl``. Anything else — a signal, a GPU memory
+access fault, an access violation, an unexpected exit — is recorded there and the child is started again with
+``--resume``, up to ``max_restarts`` times. Two faults at the same step step down to a safer profile: twice as many
+pieces per micro-batch, fp32, and serialized kernels on ROCm.
 """
 
 from __future__ import annotations
@@ -11,14 +13,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
 from rich.console import Console
+
+from rocktune.train import outcome
+from rocktune.train.outcome import EXIT_DISK_FULL, EXIT_STARTUP
 
 EXIT_USER_ERROR = 2
 EXIT_ROLLBACK = 3  # too many non-finite steps: continue from the checkpoint in fp32
@@ -28,23 +35,46 @@ EXIT_INTERRUPTED = 130
 
 def supervise(payload: dict, max_restarts: int) -> int:
     """Run ``payload`` (see ``worker.run_in_process``) in a child until it finishes, restarting it after crashes."""
+    talk = tempfile.mkdtemp(prefix="rocktune-")  # the child's report (outcome.py): outside the run, which may not exist
+    try:
+        return _supervise(json.loads(json.dumps(payload)), max_restarts, Path(talk) / "status.json")
+    finally:
+        shutil.rmtree(talk, ignore_errors=True)
+
+
+def _supervise(payload: dict, max_restarts: int, status: Path) -> int:
     console = Console(stderr=True, soft_wrap=True)  # one incident, one line: logs stay greppable
-    payload = json.loads(json.dumps(payload))  # ours to change between attempts
+    payload["status_file"] = str(status)  # the payload is ours to change between attempts
     run_dir = Path(payload["config"]["output"]["dir"])
     started = time.time()
     faults_by_step: dict[int, int] = {}
     restarts = 0
+    startup_cause = None  # the cause of the last attempt's failure when it came before the first step
     while True:
+        status.unlink(missing_ok=True)
         code, interrupted = _run_child(payload)
         if interrupted:  # the user's Ctrl-C, whatever the child managed to do with it: never a crash to retry
             return EXIT_INTERRUPTED
         if code in (0, EXIT_USER_ERROR, EXIT_FATAL, EXIT_INTERRUPTED):
             return code if code != EXIT_FATAL else 1
         step = _last_step(run_dir / "metrics.jsonl")
-        cause = _describe_exit(code)
-        gives_up = restarts >= max_restarts
-        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step,
+        report = outcome.read(status)
+        cause = report.get("cause") or _describe_exit(code)
+        repeated_at_start = not report.get("stepped") and cause == startup_cause
+        final = code in (EXIT_DISK_FULL, EXIT_STARTUP) or repeated_at_start
+        gives_up = final or restarts >= max_restarts
+        from rocktune.train.launch import failure_details
+
+        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, **failure_details(run_dir),
                           "restart": None if gives_up else restarts + 1, "max_restarts": max_restarts})
+        if code == EXIT_DISK_FULL:
+            return code  # the child said it all, in one paragraph
+        if final:
+            again = "again the same way " if repeated_at_start else ""
+            console.print(f"[red]training failed {again}during start-up, before any step ({cause}); a restart "
+                          f"cannot fix that, so it was not retried. See {run_dir / 'incidents.jsonl'}.[/]")
+            return 1
+        startup_cause = None if report.get("stepped") else cause
         if gives_up:
             console.print(f"[red]training died ({cause}) at step {step}; {max_restarts} restarts used up. "
                           f"See {run_dir / 'incidents.jsonl'}; continue later with --resume.[/]")
@@ -82,7 +112,12 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     """Run the worker in its own session / process group, so a terminal's Ctrl-C reaches only us; we forward it
     once (the child checkpoints and exits cleanly), and a second Ctrl-C kills the child.
     Returns the exit code and whether the user interrupted."""
-    cmd = [sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)]
+    from rocktune.train.launch import child_command, is_multi
+    from rocktune.train.rundir import STOP_FILE
+
+    cmd = child_command(payload)
+    stop_file = Path(payload["config"]["output"]["dir"]) / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # left by an earlier Ctrl-C: this attempt must not stop at once
     if os.name == "nt":
         proc = subprocess.Popen(cmd, creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
         polite = signal.CTRL_BREAK_EVENT  # the only console event a new process group can be sent
@@ -94,8 +129,14 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     def on_sigint(signum, frame):
         nonlocal interrupts
         interrupts += 1
-        if interrupts == 1:
+        if interrupts == 1 and is_multi(payload.get("launch")):
+            # torchrun does not pass a Ctrl-C on to its workers: rank 0 polls this file and all ranks stop together.
+            stop_file.parent.mkdir(parents=True, exist_ok=True)
+            stop_file.touch()
+        elif interrupts == 1:
             proc.send_signal(polite)
+        elif os.name != "nt":
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker
         else:
             proc.kill()
 
@@ -133,9 +174,12 @@ def _last_step(metrics: Path) -> int:
 
 
 def _record(run_dir: Path, incident: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "incidents.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps(incident) + "\n")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "incidents.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(incident) + "\n")
+    except OSError:
+        pass  # a full disk: the record is lost, the message on the terminal is not
 
 
 def _is_rocm() -> bool:
