@@ -94,7 +94,11 @@ def test_run_with_incidents(run, tmp_path):
             r["loss"] = float("nan")  # a skipped update
         if "loss" in r and r["step"] >= 3:
             r["pieces"] = 2  # micro-batches split after an OOM from step 3 on
+        if "loss" in r:
+            r["peak_mem_bytes"] = 2**29 + r["step"] * 2**20  # as a GPU run logs it
     write_jsonl(crashed / "metrics.jsonl", rows)
+    info = json.loads((crashed / "run_info.json").read_text())
+    (crashed / "run_info.json").write_text(json.dumps({**info, "predicted_peak_bytes": 3 * 2**28}))
     write_jsonl(crashed / "incidents.jsonl", [{"time": 0, "cause": "signal SIGKILL", "last_logged_step": 5,
                                                "restart": 1, "max_restarts": 3}])
     data = load_run(crashed)
@@ -103,6 +107,8 @@ def test_run_with_incidents(run, tmp_path):
     assert "<td>restart after crash</td><td>signal SIGKILL; restart 1/3</td>" in html
     assert "<td>update skipped</td>" in html and "micro-batches split in 2" in html
     assert "<td>restarts / skipped / OOM splits</td><td>1 / 1 / 1</td>" in html
+    assert "<td>peak memory (measured / planned)</td><td>0.51 / 0.75 GiB</td>" in html
+    assert _images(html)[-1] == "Device memory"
 
 
 def test_several_runs_overlay_and_show_config_differences(run, tmp_path):
