@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rocktune-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean llama-cpp
 
 demo: $(STAMP)
 	$(BIN)/rocktune demo
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -c "import torch; print('torch', torch.__version__, '(hip', torch.version.hip, ', cuda', torch.version.cuda, ')')"
 	touch $@
+
+# llama.cpp through llama-cpp-python, built from source for this CPU (about 6 minutes on 2 cores): k-quant GGUF
+# exports and the tests that load exported files in llama.cpp (pytest -m llama_cpp). Add CMAKE_ARGS for a GPU build.
+llama-cpp: $(STAMP)
+	$(BIN)/python -m pip install "llama-cpp-python>=0.3"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -60,7 +60,8 @@ def train_tokenizer(style: str, vocab_size: int = 420):
                                    chat_template=CHATML)
 
 
-def model_config(arch: str, vocab_size: int, tied: bool, eos: int, bos: int | None, hidden: int = 64):
+def model_config(arch: str, vocab_size: int, tied: bool, eos: int, bos: int | None, hidden: int = 64,
+                 rope: dict | None = None):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
@@ -71,10 +72,13 @@ def model_config(arch: str, vocab_size: int, tied: bool, eos: int, bos: int | No
         return Qwen2Config(rope_theta=10000.0, **common)
     if arch == "qwen3":
         return Qwen3Config(rope_theta=10000.0, head_dim=32, **common)  # head_dim * heads != hidden on purpose
+    if rope:  # e.g. Llama 3.1's scaling: {"rope_type": "llama3", "factor": 8.0, ...}
+        return LlamaConfig(rope_parameters={"rope_theta": 500000.0, **rope}, **common)
     return LlamaConfig(rope_theta=500000.0, **common)
 
 
-def build_model(out: Path, arch: str = "qwen2", tied: bool = True, seed: int = 0, hidden: int = 64) -> Path:
+def build_model(out: Path, arch: str = "qwen2", tied: bool = True, seed: int = 0, hidden: int = 64,
+                rope: dict | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +86,7 @@ def build_model(out: Path, arch: str = "qwen2", tied: bool = True, seed: int = 0
     eos = tok.convert_tokens_to_ids(tok.eos_token)
     bos = tok.convert_tokens_to_ids(tok.bos_token) if tok.bos_token else None
     torch.manual_seed(seed)
-    cfg = model_config(arch, len(tok) + 12, tied, eos, bos, hidden)  # + unused rows, as real vocabularies have
+    cfg = model_config(arch, len(tok) + 12, tied, eos, bos, hidden, rope)  # + unused rows, as real vocabularies have
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
