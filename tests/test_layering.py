@@ -12,6 +12,7 @@ FORBIDDEN = {
     "planner": {"train", "data", "model", "cli", "doctor", "bench", "demo"},
     "data": {"train", "model", "cli", "doctor", "bench", "demo", "planner"},
     "model.py": {"train", "cli", "doctor", "bench", "demo"},
+    "modelcheck.py": {"train", "data", "model", "cli", "doctor", "bench", "demo", "planner"},
     "quant.py": {"train", "data", "model", "cli", "doctor", "bench", "demo"},
     "doctor": {"train", "data", "model", "cli", "bench", "demo", "planner"},
     "train": {"cli", "bench", "demo", "report"},

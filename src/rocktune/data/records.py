@@ -1,6 +1,8 @@
 """Read JSON / JSONL files into records, detect their shape and validate every record.
 
-Errors name the file and line (JSONL) or record index (JSON array) and say how to fix the input.
+Errors name the file and line (JSONL) or record index (JSON array) and say how to fix the input. Whatever stops
+a record from parsing (malformed JSON, nesting deeper than the parser's recursion limit, an integer too long to
+convert) is such an error, never a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ SHAPES: dict[str, tuple[str, ...]] = {
     "text": ("text",),
 }
 ROLES = ("system", "user", "assistant")
+# What the model learns from in each shape: a record whose targets are all empty teaches nothing.
+TARGETS = {"prompt_completion": "completion", "alpaca": "output", "text": "text"}
 
 
 def read_records(path: str | Path) -> list[tuple[str, dict]]:
@@ -31,6 +35,8 @@ def read_records(path: str | Path) -> list[tuple[str, dict]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the file as UTF-8.") from None
+    except OSError as exc:
+        raise UserError(f"data file {path} cannot be read ({exc.strerror or exc}); check its permissions.") from None
     if not text.strip():
         raise UserError(f"data file {path} is empty; it needs at least one record.")
     if path.suffix == ".json" or text.lstrip().startswith("["):
@@ -56,7 +62,16 @@ def _read_jsonl(path: Path, text: str) -> list[tuple[str, dict]]:
             raise UserError(
                 f"{path}:{lineno}: malformed JSON ({_where(exc)}); each line must be one JSON object."
             ) from None
+        except (RecursionError, ValueError) as exc:
+            raise UserError(f"{path}:{lineno}: {_unparsable(exc)}") from None
     return out
+
+
+def _unparsable(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return ("the JSON is nested too deeply to parse (deeper than Python's recursion limit); a record needs only "
+                "strings and one list of messages: flatten or remove the nested data.")
+    return f"the JSON cannot be parsed ({str(exc).splitlines()[0][:200]}); fix or remove the record."
 
 
 def _read_json_array(path: Path, text: str) -> list[tuple[str, dict]]:
@@ -64,6 +79,8 @@ def _read_json_array(path: Path, text: str) -> list[tuple[str, dict]]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: malformed JSON ({_where(exc)}).") from None
+    except (RecursionError, ValueError) as exc:
+        raise UserError(f"{path}: {_unparsable(exc)}") from None
     if not isinstance(data, list):
         raise UserError(f"{path}: a .json data file must hold an array of records (or use JSONL, one per line).")
     return [(f"{path}[{i}]", rec) for i, rec in enumerate(data)]
@@ -122,3 +139,26 @@ def _check_messages(loc: str, rec: dict, shape: str) -> None:
             raise UserError(f"{loc}: messages[{i}] has unknown role {msg['role']!r}; allowed: {', '.join(ROLES)}.")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would carry loss.")
+
+
+def drop_empty_targets(records: list[tuple[str, dict]], shape: str, path: str | Path
+                       ) -> tuple[list[tuple[str, dict]], str | None]:
+    """Records whose every target (assistant turn, completion, output, text) is empty, removed; with a note saying
+    how many and where. Raises when nothing would remain: an error about the data, not about splitting it."""
+    empty = [loc for loc, rec in records if _targets_empty(rec, shape)]
+    if not empty:
+        return records, None
+    what = "no non-empty assistant turn" if shape == "messages" else f"an empty '{TARGETS[shape]}'"
+    where = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    if len(empty) == len(records):
+        whose = "the only record has" if len(records) == 1 else f"all {len(records)} records have"
+        fill = "assistant replies" if shape == "messages" else f"'{TARGETS[shape]}' fields"
+        raise UserError(f"{where}: {whose} {what}, so {path} holds nothing to learn from; fill in the {fill}.")
+    keep = [(loc, rec) for loc, rec in records if not _targets_empty(rec, shape)]
+    return keep, f"{len(empty)} of {len(records)} records of {path} have {what} and were dropped ({where})"
+
+
+def _targets_empty(rec: dict, shape: str) -> bool:
+    if shape == "messages":
+        return all(not m["content"].strip() for m in rec["messages"] if m["role"] == "assistant")
+    return not rec[TARGETS[shape]].strip()

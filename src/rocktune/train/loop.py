@@ -21,9 +21,9 @@ import torch
 from rocktune.config import RunConfig
 from rocktune.data import checks
 from rocktune.data.dataset import prepare_data
-from rocktune.model import load_tokenizer, trainable_parameters
+from rocktune.model import trainable_parameters
 from rocktune.platform.environment import apply_environment
-from rocktune.train import autofit, build, checkpoint, finish, resume, rundir, summary
+from rocktune.train import autofit, build, checkpoint, finish, preflight, resume, rundir, summary
 from rocktune.train.autoconf import resolve_auto
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
@@ -57,6 +57,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     env_notes = apply_environment()
     choices = resolve_auto(cfg.training.device, cfg.training.precision, cfg.model.attn_implementation)
     device, precision = choices.device, choices.precision
+    # Check, then write (train/preflight.py): data files, kernel gates and the model directory come first.
+    vocab_size = preflight.check_run(cfg.model.name_or_path, cfg.data.train_file, cfg.data.eval_file, device,
+                                     cfg.model.liger, choices.attn_implementation)
     fit_notes: list[str] = []
     predicted_peak = None
     if auto_fit:
@@ -75,13 +78,15 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     build.seed_everything(t.seed)
 
     # Everything that can reject the input runs before the run directory is touched.
-    tokenizer = load_tokenizer(m.name_or_path, m.trust_remote_code)
-    cache_dir = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
-    train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
-                                              d.train_on_prompt, tokenizer, cache_dir, t.seed, d.truncation)
-    stats.notes += checks.enforce(checks.check_training_data(train_set, tokenizer, stats.shape, d.train_on_prompt,
-                                                             d.train_file, d.max_length), d.train_file)
     sinks.require(cfg.output.tensorboard, cfg.output.wandb, cfg.output.mlflow)
+    tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
+    cache_dir = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
+    data_checks = lambda examples, shape: checks.enforce(checks.check_training_data(  # noqa: E731
+        examples, tokenizer, shape, d.train_on_prompt, d.train_file, d.max_length), d.train_file)
+    # prepare_data writes its cache only after every file, the split and data_checks passed.
+    train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
+                                              d.train_on_prompt, tokenizer, cache_dir, t.seed, d.truncation,
+                                              vocab_size, check=data_checks)
     lengths = train_set.lengths()
     compiled = build.want_compile(t.compile, choices.compile, device, t.batching)
     feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, device, precision, choices.attn_implementation,

@@ -1,0 +1,137 @@
+"""Check a local model directory before anything is loaded or written: config.json, every weight file (the
+safetensors headers parsed and the file sizes compared with them, shard indexes against the files they name) and
+the tokenizer files. Each problem is one ``UserError`` naming the file and what to do; no weights are read.
+
+A hub id is left to the loader (it resolves, or says it cannot); only directories on this machine are checked here.
+No torch: the safetensors library reads headers on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from pathlib import Path
+
+from rocktune.errors import UserError
+
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
+REDOWNLOAD = "re-download the model (or copy the file again), or point model.name_or_path at a complete copy"
+
+
+def check_model_dir(name_or_path: str) -> int | None:
+    """Raise on a broken local model directory; return its vocabulary size (None for a hub id or when unknown)."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        return None
+    config = _config(path)
+    _weights(path)
+    _tokenizer_files(path)
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return vocab if isinstance(vocab, int) else None
+
+
+def _config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise UserError(f"model directory {path} has no config.json, so it is not a complete Hugging Face model "
+                        f"directory (an interrupted download, or the wrong directory); {REDOWNLOAD}.")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{file} cannot be read ({_first_line(exc)}); {REDOWNLOAD}.") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file} does not hold a JSON object; {REDOWNLOAD}.")
+    return config
+
+
+def _weights(path: Path) -> None:
+    for name in INDEXES:
+        if (path / name).is_file():
+            for file in _shards(path / name):
+                _check_weight_file(file)
+            return
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    files = [f for f in files if not f.name.startswith(("adapter_", "training_args"))]
+    if not files:
+        raise UserError(f"model directory {path} holds no weights (no *.safetensors or pytorch_model.bin, and no "
+                        f"shard index); {REDOWNLOAD}.")
+    for file in files:
+        _check_weight_file(file)
+
+
+def _shards(index: Path) -> list[Path]:
+    try:
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"{index} cannot be read as a shard index ({_first_line(exc)}); {REDOWNLOAD}.") from None
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise UserError(f"{index} names {len(missing)} weight file(s) that are not in {index.parent} "
+                        f"({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}); the download is incomplete: "
+                        f"{REDOWNLOAD}.")
+    return [index.parent / n for n in names]
+
+
+def _check_weight_file(file: Path) -> None:
+    if file.suffix == ".safetensors":
+        _check_safetensors(file)
+    elif file.stat().st_size == 0:
+        raise UserError(f"{file} is empty (an interrupted download?); {REDOWNLOAD}.")
+    elif _looks_zip(file) and not zipfile.is_zipfile(file):
+        raise UserError(f"{file} is truncated or damaged (the end of its zip archive is missing); {REDOWNLOAD}.")
+
+
+def _check_safetensors(file: Path) -> None:
+    """safetensors parses the header and checks that it covers the file exactly; a short file is a truncated one."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        size, expected = file.stat().st_size, _described_size(file)
+        if expected is not None and size < expected:
+            why = f"is truncated: {size:,} bytes, but its header describes {expected:,} (an interrupted download?)"
+        else:
+            why = f"is not a valid safetensors file ({_first_line(exc)})"
+        raise UserError(f"{file} {why}; {REDOWNLOAD}.") from None
+
+
+def _described_size(file: Path) -> int | None:
+    """The size a safetensors file must have according to its header, or None when the header does not parse."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if n < 100 * 2**20 else None
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        return 8 + n + max(ends, default=0)
+    except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def _looks_zip(file: Path) -> bool:
+    with open(file, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"  # starts like torch's zip format, yet its end is gone
+
+
+def _tokenizer_files(path: Path) -> None:
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            if "AutoTokenizer" in (json.loads(config_file.read_text(encoding="utf-8")).get("auto_map") or {}):
+                return  # remote code brings its own tokenizer and names its own files
+        except (OSError, ValueError, AttributeError):
+            raise UserError(f"{config_file} cannot be read as JSON; {REDOWNLOAD}.") from None
+    if any((path / f).is_file() for f in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    raise UserError(f"model directory {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, …), "
+                    "so text cannot be turned into tokens; copy the tokenizer files from the model's original "
+                    "repository into it, or point model.name_or_path at the complete download.")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
