@@ -63,9 +63,7 @@ def _supervise(payload: dict, max_restarts: int, status: Path) -> int:
         repeated_at_start = not report.get("stepped") and cause == startup_cause
         final = code in (EXIT_DISK_FULL, EXIT_STARTUP) or repeated_at_start
         gives_up = final or restarts >= max_restarts
-        from rocktune.train.launch import failure_details
-
-        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, **failure_details(run_dir),
+        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step,
                           "restart": None if gives_up else restarts + 1, "max_restarts": max_restarts})
         if code == EXIT_DISK_FULL:
             return code  # the child said it all, in one paragraph
@@ -112,12 +110,7 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     """Run the worker in its own session / process group, so a terminal's Ctrl-C reaches only us; we forward it
     once (the child checkpoints and exits cleanly), and a second Ctrl-C kills the child.
     Returns the exit code and whether the user interrupted."""
-    from rocktune.train.launch import child_command, is_multi
-    from rocktune.train.rundir import STOP_FILE
-
-    cmd = child_command(payload)
-    stop_file = Path(payload["config"]["output"]["dir"]) / STOP_FILE
-    stop_file.unlink(missing_ok=True)  # left by an earlier Ctrl-C: this attempt must not stop at once
+    cmd = [sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)]
     if os.name == "nt":
         proc = subprocess.Popen(cmd, creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
         polite = signal.CTRL_BREAK_EVENT  # the only console event a new process group can be sent
@@ -129,14 +122,8 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     def on_sigint(signum, frame):
         nonlocal interrupts
         interrupts += 1
-        if interrupts == 1 and is_multi(payload.get("launch")):
-            # torchrun does not pass a Ctrl-C on to its workers: rank 0 polls this file and all ranks stop together.
-            stop_file.parent.mkdir(parents=True, exist_ok=True)
-            stop_file.touch()
-        elif interrupts == 1:
+        if interrupts == 1:
             proc.send_signal(polite)
-        elif os.name != "nt":
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker
         else:
             proc.kill()
 
