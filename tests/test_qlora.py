@@ -331,3 +331,38 @@ def test_cli_refuses_a_model_whose_rows_this_bitsandbytes_dequantises_wrongly(ta
     err = capsys.readouterr().err
     assert "computes wrong 4-bit results on cpu (nf4 rows of 96" in err
     assert not (tmp_path / "run").exists()  # refused before the run directory was touched
+
+
+SAVED_POINTS = [("small-llama", "bf16", False, "nf4")] + [
+    pytest.param(*p, marks=pytest.mark.slow) for p in (("small-llama", "bf16", True, "nf4"),
+                                                       ("small-llama", "fp32", False, "int8"),
+                                                       ("tiny-qwen2", "bf16", False, "fp4"))]
+
+
+@pytest.mark.parametrize(("name", "precision", "ckpt", "quant"), SAVED_POINTS)
+def test_planner_saved_activations_on_a_quantised_base_within_2_percent(name, precision, ckpt, quant, tmp_path):
+    """Bytes autograd saves in a real step on a QLoRA base (fp32 stream, half autocast copies) vs the planner."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rocktune.model import apply_lora, load_model
+    from rocktune.planner.estimate import RunSpec, estimate
+    from rocktune.planner.shapes import shape_from_config
+
+    cpu_kernel_or_skip(quant)
+    spec = importlib.util.spec_from_file_location(
+        "planner_validation", Path(__file__).parents[1] / "benchmarks" / "planner_validation.py")
+    pv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pv)
+    config = pv.MODELS[name]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(tmp_path / name)
+    model = apply_lora(load_model(str(tmp_path / name), precision, "sdpa", False, "cpu", quant), 8, 16, 0.0,
+                       "all-linear", ckpt)
+    model.train()
+    got = pv.measure_step(model, pv.make_batch(config["vocab_size"], 4, 64), precision)
+    run = RunSpec(micro_batch=4, seq_len=64, lora_r=8, precision=precision, checkpointing=ckpt, quant=quant,
+                  loss_fraction=got["loss_tokens"] / (4 * 63), device="cpu")
+    predicted = estimate(shape_from_config(config), run).saved_bytes
+    assert predicted == pytest.approx(got["saved_bytes"], rel=0.02)

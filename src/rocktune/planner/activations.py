@@ -37,6 +37,7 @@ class Tokens:
     rank: int
     dropout: float
     mask_bytes: int  # dropout mask element: 1 on GPUs (bool), 4 on CPU (fp32 noise tensor)
+    stream: int = 0  # bytes of the residual stream and the linears' outputs when not ``dt``: 4 on a QLoRA base
 
     @property
     def t(self) -> int:
@@ -73,7 +74,7 @@ def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> di
         _attention(shape, tok, out)
     if mlp_grad:
         i = shape.intermediate
-        out["mlp"] = 3 * t * i * dt  # gate out (act input), act out, up out; fused gate_up is 2i + i
+        out["mlp"] = 3 * t * i * (tok.stream or dt)  # gate out (act input), act out, up out; fused gate_up 2i + i
     grad_in = {"attn_in": input_grad, "attn_out": attn_grad, "mlp_in": after_attn_grad, "mlp_mid": mlp_grad}
     _lora(shape, tok, mods, grad_in, out)
     return out

@@ -99,8 +99,9 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     first = layer_saved(shape, tok, spec.targets, input_grad=spec.checkpointing)
     rest = layer_saved(shape, tok, spec.targets, input_grad=True)
     if spec.checkpointing:
-        add("activations", shape.layers * tok.t * shape.hidden * tok.dt, "saved",
-            f"checkpointing: {shape.layers} layer inputs x {tok.t} x {shape.hidden} x {tok.dt} B")
+        width = tok.stream or tok.dt
+        add("activations", shape.layers * tok.t * shape.hidden * width, "saved",
+            f"checkpointing: {shape.layers} layer inputs x {tok.t} x {shape.hidden} x {width} B")
         add("recompute", sum(rest.values()), "backward",
             f"one layer recomputed during backward: {_parts(rest)}")
         if _padded(spec) or spec.attn == "eager":  # eager always builds a float causal mask; sdpa only to pad
@@ -130,10 +131,12 @@ def _padded(spec: RunSpec) -> bool:
 
 
 def _tokens(spec: RunSpec) -> Tokens:
+    dt = DTYPE_BYTES[spec.precision]
     # PEFT's k-bit preparation keeps embeddings and norms in fp32, and a 4/8-bit linear returns its input's dtype:
-    # a quantised run's residual stream and linear outputs are fp32 even under half autocast (measured on CPU).
-    dt = 4 if spec.quant != "none" else DTYPE_BYTES[spec.precision]
+    # a quantised run's residual stream and linear outputs stay fp32 under half autocast; only what autocast
+    # casts (attention, the adapters' inputs) is half (saved bytes measured on CPU: benchmarks/planner_validation.py)
     return Tokens(batch=spec.micro_batch, seq=spec.seq_len, dt=dt, amp=dt != 4, attn=spec.attn,
+                  stream=4 if spec.quant != "none" else 0,
                   padded=_padded(spec), rank=spec.lora_r, dropout=spec.lora_dropout,
                   mask_bytes=1 if spec.device == "gpu" else 4)
 
@@ -178,8 +181,9 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
     rope = 2 * s * shape.head_dim * dt
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm fp32 input {tok.t} x {h} x 4 B + cos/sin")
     if _loss_mode(shape, spec) == "chunked":
-        # The fused loss keeps d(loss)/d(hidden) in the hidden dtype, except fp16 (fp32: it would underflow there).
-        g = 4 if spec.precision == "fp16" else dt
+        # The fused loss keeps d(loss)/d(hidden) in the hidden dtype, except fp16 (fp32: it would underflow there);
+        # the hidden states of a QLoRA base are fp32 (see _tokens).
+        g = 4 if spec.precision == "fp16" or tok.stream else dt
         add("loss_saved", n_loss * (h * g + 16), "saved",
             f"{n_loss} loss positions: hidden-state gradient x {h} x {g} B + gather indices")
     else:
@@ -197,7 +201,7 @@ def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, laye
     v, h, dt, i = shape.vocab, shape.hidden, tok.dt, shape.intermediate
     if _loss_mode(shape, spec) == "chunked":
         rows = min(spec.loss_chunk, n_loss)
-        add("loss_chunk", rows * v * (4 + (dt if tok.amp else 0)) + n_loss * h * dt, "transient",
+        add("loss_chunk", rows * v * (4 + (dt if tok.amp else 0)) + n_loss * h * (tok.stream or dt), "transient",
             f"{rows} rows x {v} vocab fp32 logits (+ half copy) + gathered hidden states")
     else:
         n_full = spec.micro_batch * (spec.seq_len - 1)
