@@ -366,3 +366,36 @@ def test_planner_saved_activations_on_a_quantised_base_within_2_percent(name, pr
                   loss_fraction=got["loss_tokens"] / (4 * 63), device="cpu")
     predicted = estimate(shape_from_config(config), run).saved_bytes
     assert predicted == pytest.approx(got["saved_bytes"], rel=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_gpu_nf4_peak_within_10_percent(tmp_path):
+    """The planner's nf4 allocated peak vs torch.cuda.max_memory_allocated for Qwen2.5-0.5B's shape (random init)."""
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rocktune.model import apply_lora, load_model
+    from rocktune.planner.estimate import RunSpec, estimate
+    from rocktune.planner.shapes import presets, shape_from_config
+
+    cpu_kernel_or_skip("nf4")  # bitsandbytes importable at all
+    spec = importlib.util.spec_from_file_location(
+        "planner_validation", Path(__file__).parents[1] / "benchmarks" / "planner_validation.py")
+    pv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pv)
+    config = {k: v for k, v in presets()["Qwen2.5-0.5B"].items() if k != "source"}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    model = apply_lora(load_model(str(tmp_path), "bf16", "sdpa", False, "cuda", "nf4"), 8, 16, 0.0, "all-linear",
+                       False)
+    model.train()
+    batch = pv.make_batch(config["vocab_size"], 1, 1024, device="cuda")
+    for _ in range(2):  # the second step holds the optimizer states, as every later one does
+        torch.cuda.reset_peak_memory_stats()
+        got = pv.measure_step(model, batch, "bf16", device="cuda")
+    run = RunSpec(micro_batch=1, seq_len=1024, lora_r=8, precision="bf16", quant="nf4",
+                  loss_fraction=got["loss_tokens"] / 1023, loss_chunk=1024)
+    predicted = estimate(shape_from_config(config), run).peak_allocated
+    assert predicted == pytest.approx(torch.cuda.max_memory_allocated(), rel=0.10)
