@@ -116,3 +116,31 @@ def make_run(run_dir: Path, base: Path, targets, modules_to_save=None, seed: int
     (run_dir / "adapter" / "rocktune_config.yaml").write_text(yaml.safe_dump(run_cfg))
     (run_dir / "config.yaml").write_text(yaml.safe_dump(run_cfg))
     return peft_model.eval()
+
+
+def build_spm_llama(out: Path, seed: int = 0) -> Path:
+    """A Llama 2-style model: SentencePiece BPE with byte fallback (tokenizer.model beside tokenizer.json)."""
+    import io
+    import json
+
+    import sentencepiece as spm
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    out.mkdir(parents=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()), model_writer=buf, vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, split_digits=True, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity", minloglevel=2)
+    (out / "tokenizer.model").write_bytes(buf.getvalue())
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True}))
+    AutoTokenizer.from_pretrained(out).save_pretrained(out)  # adds tokenizer.json, as hub checkpoints have
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                      eos_token_id=2, initializer_range=0.1, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out

@@ -138,3 +138,16 @@ def test_unmodified_base_converts_without_adapter(models, tmp_path):
     assert main(["export", str(models["qwen3"]), "--to", "gguf", "--out", str(out)]) == 0
     kv = fields(gguf.GGUFReader(out))
     assert kv["general.architecture"] == "qwen3" and kv["general.file_type"] == 1  # MOSTLY_F16, the default
+
+
+def test_sentencepiece_vocabulary_metadata(tmp_path):
+    pytest.importorskip("sentencepiece", reason="sentencepiece reads tokenizer.model (rocktune[gguf])")
+    from tests.export_fixtures import build_spm_llama
+
+    base = build_spm_llama(tmp_path / "base")
+    assert main(["export", str(base), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
+    kv = fields(gguf.GGUFReader(tmp_path / "m.gguf"))
+    assert kv["tokenizer.ggml.model"] == "llama" and kv["tokenizer.ggml.add_bos_token"] is True
+    assert len(kv["tokenizer.ggml.tokens"]) == len(kv["tokenizer.ggml.scores"]) == 400
+    assert kv["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"] and "<0x0A>" in kv["tokenizer.ggml.tokens"]
+    assert kv["tokenizer.ggml.bos_token_id"] == 1 and kv["tokenizer.ggml.eos_token_id"] == 2

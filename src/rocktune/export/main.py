@@ -116,7 +116,20 @@ def _tokenizer(src: Source, model_config, tok_dir: Path):
         raise UserError(f"could not load the tokenizer of {src.base}: {str(exc).strip().splitlines()[0]}") from None
     tok.save_pretrained(tok_dir)
     model_config.save_pretrained(tok_dir)
+    _copy_sentencepiece_model(src.base, tok_dir)
     return tok
+
+
+def _copy_sentencepiece_model(base: str, tok_dir: Path) -> None:
+    """transformers 5 no longer saves tokenizer.model; SentencePiece vocabularies (scores included) come from it."""
+    import shutil
+
+    from transformers.utils import cached_file
+
+    found = cached_file(base, "tokenizer.model", _raise_exceptions_for_missing_entries=False,
+                        _raise_exceptions_for_connection_errors=False)
+    if found and not (tok_dir / "tokenizer.model").exists():
+        shutil.copyfile(found, tok_dir / "tokenizer.model")
 
 
 def _notes(notes: list[str]) -> None:

@@ -9,6 +9,7 @@ are added is read off the tokenizer by encoding a word, not guessed.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from rocktune.errors import UserError
@@ -121,6 +122,8 @@ def _add_sentencepiece(writer, tokenizer_dir: Path, vocab_size: int) -> None:
 def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) -> None:
     import gguf
 
+    # gguf-py logs guesses about post-processor templates it half-parses; the add_* flags are measured below instead
+    logging.getLogger("gguf.vocab").setLevel(logging.ERROR)
     special = gguf.SpecialVocab(tokenizer_dir, load_merges=True, n_vocab=vocab_size)
     tok = _hf_tokenizer(tokenizer_dir)
     if not special.merges and byte_bpe:
