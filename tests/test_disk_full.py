@@ -69,6 +69,5 @@ def test_guarded_write_checks_free_space_first_and_passes_other_errors(tmp_path)
         with finish.guarded(tmp_path, "the thing", 1 << 60):
             wrote.append(1)
     assert not wrote
-    with pytest.raises(PermissionError):
-        with finish.guarded(tmp_path, "the thing", 1):
-            raise PermissionError(errno.EACCES, "Permission denied")
+    with pytest.raises(PermissionError), finish.guarded(tmp_path, "the thing", 1):
+        raise PermissionError(errno.EACCES, "Permission denied")

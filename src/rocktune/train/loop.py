@@ -251,9 +251,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         result.eval_loss_after = evaluate()
         # Final writes check free space first; a full disk stops the run with finish.DiskFullError (exit 5).
         need = finish.adapter_bytes(params)
-        with finish.guarded(run_dir, "the final metrics", need):
+        with finish.guarded(run_dir, "the final metrics and sample generations", need):
             metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
-        sampler.at(total_steps, model, metrics, bar.log)
+            sampler.at(total_steps, model, metrics, bar.log)
         with finish.guarded(run_dir, f"the adapter to {run_dir / 'adapter'}", need, faults.final_write):
             save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
         if space_skips.summary():

@@ -28,7 +28,11 @@ def check_run(name_or_path: str, train_file: str, eval_file: str | None, device:
             raise UserError(f"{key}: {file} does not exist; set it to a JSON/JSONL data file.")
     gates(device, liger, attn_implementation)
     check_model_source(name_or_path)
-    return modelcheck.check_model_dir(name_or_path)
+    try:
+        return modelcheck.check_model_dir(name_or_path)
+    except OSError as exc:  # a permission or I/O error on a file the checks open
+        raise UserError(f"the model directory {name_or_path} cannot be read ({exc}); check its permissions and "
+                        "the disk.") from None
 
 
 def gates(device: str, liger: str, attn_implementation: str) -> None:
