@@ -189,7 +189,7 @@ def test_summary_figures_come_from_metrics(tmp_path, monkeypatch):
     out: list[str] = []
     fig = summary.log_summary(tmp_path, out.append, 3.25)
     text = "\n".join(out)
-    assert (fig.steps, fig.eval_before, fig.eval_after, fig.tokens) == (2, 6.0, 1.25, 400)
+    assert (fig.steps, fig.eval_before, fig.eval_after, fig.tokens, fig.logged) == (2, 6.0, 1.25, 400, 2)
     assert "2 steps in 3.2 s wall" in text and "6.0000 -> 1.2500" in text and "400 loss-bearing tokens" in text
     assert "useful tokens/s 400 " in text and "process RSS" in text and str(tmp_path / "adapter") in text
     assert f"rocktune export {tmp_path} --to gguf" in text and f"rocktune report {tmp_path}" in text

@@ -99,19 +99,27 @@ def _run_train(args) -> int:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train the built-in tiny model on a synthetic task (offline, ~1 minute on CPU)")
-    p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/demo, with --real runs/demo-real)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's own)")
     p.add_argument("--overwrite", action="store_true", help="replace a different earlier demo run in --out")
+    p.add_argument("--real", action="store_true",
+                   help="teach a real pretrained chat model (SmolLM2-135M-Instruct, from the demo-real extra) a "
+                        "new skill instead; a few minutes on a CPU")
     p.set_defaults(func=_run_demo)
 
 
 def _run_demo(args) -> int:
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, not {args.steps}")
+    if args.real:
+        from rocktune.demo.real import run_real_demo
+
+        return run_real_demo(out_dir=args.out or "runs/demo-real", as_json=args.json, steps=args.steps,
+                             overwrite=args.overwrite)
     from rocktune.demo.run import run_demo
 
-    return run_demo(out_dir=args.out, as_json=args.json, steps=args.steps, overwrite=args.overwrite)
+    return run_demo(out_dir=args.out or "runs/demo", as_json=args.json, steps=args.steps, overwrite=args.overwrite)
 
 
 # --- doctor ----------------------------------------------------------------------------------------------------

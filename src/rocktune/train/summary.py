@@ -26,8 +26,9 @@ class RunFigures:
     steps: int = 0
     eval_before: float | None = None
     eval_after: float | None = None
-    tokens: int = 0  # loss-bearing tokens over all logged steps
-    step_seconds: float = 0.0
+    tokens: int = 0  # loss-bearing tokens over the logged steps (every training.log_every-th)
+    step_seconds: float = 0.0  # their time
+    logged: int = 0
 
 
 def read_figures(metrics_file: Path) -> RunFigures:
@@ -46,6 +47,7 @@ def read_figures(metrics_file: Path) -> RunFigures:
             fig.steps = max(fig.steps, rec.get("step", 0))
             fig.tokens += rec.get("tokens") or 0
             fig.step_seconds += rec.get("step_s") or 0.0
+            fig.logged += 1
     return fig
 
 
@@ -58,8 +60,9 @@ def log_summary(run_dir: Path, log, wall_s: float | None, device_peak: int = 0,
     if fig.eval_before is not None and fig.eval_after is not None:
         log(f"  eval loss       {fig.eval_before:.4f} -> {fig.eval_after:.4f}")
     if fig.step_seconds > 0:
-        log(f"  useful tokens/s {fig.tokens / fig.step_seconds:,.0f} ({fig.tokens:,} loss-bearing tokens in "
-            f"{fig.step_seconds:.1f} s of steps)")
+        basis = (f"{fig.tokens:,} loss-bearing tokens in {fig.step_seconds:.1f} s of steps" if fig.logged == fig.steps
+                 else f"over the {fig.logged} of {fig.steps} steps logged in metrics.jsonl")
+        log(f"  useful tokens/s {fig.tokens / fig.step_seconds:,.0f} ({basis})")
     log(f"  peak memory     {_memory(device_peak, predicted_peak)}")
     log(f"  adapter         {run_dir / 'adapter'}")
     for line in next_commands(run_dir):
