@@ -42,7 +42,8 @@ def gate(plat: Platform, quant: str = "nf4", model: str = "Qwen2.5-7B", vram: in
 
 
 REFUSED = [
-    ("gfx906", snapshot("mi50_gfx906_torch241_rocm60"), "nf4", r"no bitsandbytes build carries gfx906.*\[qlora-gfx906\]"),
+    ("gfx906", snapshot("mi50_gfx906_torch241_rocm60"), "nf4",
+     r"no bitsandbytes build carries gfx906.*\[qlora-gfx906\]"),
     ("old bitsandbytes on ROCm", snapshot("mi300x_gfx942", libraries={"bitsandbytes": "0.49.2"}, hip="7.0.1"),
      "nf4", r"0\.49\.2 gave NaN losses.*\[qlora-bnb-old-rocm\]"),
     ("int8 on RDNA2", snapshot("rx6700xt_gfx1031", hip="7.14.0", rocm="7.14"), "int8",
@@ -194,8 +195,9 @@ def fresh_base(model_dir, quant: str):
 
     from rocktune import quant as q
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q.bnb_config(quant, True, torch.float32),
-                                                 dtype=torch.float32, device_map={"": "cpu"})
+    config = q.bnb_config(quant, True, torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, dtype=torch.float32,
+                                                 device_map={"": "cpu"})
     return q.prepare(model, False)  # the same kernels as training (no CPU inference repacking)
 
 
@@ -282,6 +284,8 @@ def test_doctor_quant_checks_pass_on_cpu_and_catch_a_wrong_dequantisation():
     for check in (qc.check_quant4, qc.check_linear4bit, qc.check_qlora_step):
         result = check("cpu", "nf4")
         assert result.status == "pass", (check.__name__, result.detail)
+    result = qc.check_linear8bit("cpu")
+    assert result.status == "pass" and result.error < result.tolerance / 2, result.detail
     for kind, bad in FAULTS["dequant"].items():
         result = qc.check_quant4("cpu", "nf4", dequant=bad)
         assert result.status == "fail" and result.error > 10 * result.tolerance, (kind, result.detail)
@@ -295,7 +299,7 @@ def test_preload_self_test_refuses_a_build_that_dequantises_wrongly(tiny_model_d
     assert notes[-1] == "nf4 self-test on cpu passed (rows of 64, 192)"
     real = bf.dequantize_4bit
     monkeypatch.setattr(bf, "dequantize_4bit", lambda *a, **k: real(*a, **k) * 1.05)
-    with pytest.raises(UserError, match=r"computes wrong 4-bit results on cpu \(nf4 rows of 64"):
+    with pytest.raises(UserError, match=r"computes wrong nf4 results on cpu \(nf4 rows of 64"):
         check_quantization("nf4", str(tiny_model_dir), "fp32", "cpu", 64, 8)
 
 
@@ -329,7 +333,7 @@ def test_cli_refuses_a_model_whose_rows_this_bitsandbytes_dequantises_wrongly(ta
     cfg.write_text(yaml.safe_dump(qlora_config(model, task, tmp_path / "run", "nf4")))
     assert main(["train", "--no-supervise", "-c", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert "computes wrong 4-bit results on cpu (nf4 rows of 96" in err
+    assert "computes wrong nf4 results on cpu (nf4 rows of 96" in err
     assert not (tmp_path / "run").exists()  # refused before the run directory was touched
 
 

@@ -20,6 +20,8 @@ QUANT_TOL = 1e-3  # mean |bnb - reference| / mean |W|: codes may differ only at 
 # max error of the 4-bit linear vs x @ reference(W)^T, relative to max |ref|: bitsandbytes' CPU kernels measured
 # 3.5e-3 (half-precision rounding inside); the wrong gfx1100 kernel of bitsandbytes#2087 was off by ~1
 MATMUL_TOL = 1e-2
+# LLM.int8 also rounds the inputs to int8 per row (and fp16): measured 2.7e-3 on this CPU
+INT8_TOL = 2e-2
 
 
 def default_dequant(packed, state):
@@ -96,6 +98,34 @@ def check_linear4bit(device: str, quant_type: str = "nf4") -> CheckResult:
     return CheckResult("", "pass" if worst <= MATMUL_TOL else "fail",
                        f"{quant_type} linear, 1/8/64 rows: max error {worst:.2e} vs the reference (tol "
                        f"{MATMUL_TOL:.0e})", worst, MATMUL_TOL)
+
+
+def check_linear8bit(device: str) -> CheckResult:
+    """LLM.int8's linear (int8 rows of W, int8 rows of x, outliers kept in fp16) vs x @ row-quantised(W)^T."""
+    if (skip := _missing()) is not None:
+        return skip
+    import bitsandbytes as bnb
+
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(256, 512, generator=gen)
+    layer = bnb.nn.Linear8bitLt(512, 256, bias=False, has_fp16_weights=False, threshold=6.0, device="meta")
+    layer.weight = bnb.nn.Int8Params(w.clone(), requires_grad=False, has_fp16_weights=False)
+    layer = layer.to(device)
+    scale = w.double().abs().amax(1, keepdim=True) / 127
+    ref_w = (w.double() / scale).round().clamp(-127, 127) * scale
+    worst = 0.0
+    for rows in (1, 8, 64):
+        x = torch.randn(rows, 512, generator=gen)
+        with torch.no_grad():
+            got = layer(x.to(device)).to("cpu").double()
+        sync(device)
+        ref = x.double() @ ref_w.t()
+        if not torch.isfinite(got).all():
+            return CheckResult("", "fail", f"{rows} rows: non-finite outputs", float("inf"), INT8_TOL)
+        worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+    return CheckResult("", "pass" if worst <= INT8_TOL else "fail",
+                       f"int8 linear, 1/8/64 rows: max error {worst:.2e} vs the reference (tol {INT8_TOL:.0e})",
+                       worst, INT8_TOL)
 
 
 def _qlora_losses(device: str, quant_type: str, steps: int = 3) -> tuple[list[float], object]:

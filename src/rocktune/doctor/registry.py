@@ -94,7 +94,8 @@ def plan(device: str, faults: dict | None = None, perf: bool = True) -> list[tup
     # QLoRA's kernels: skipped with the reason when bitsandbytes is not installed
     out += [(f"quant4[{qt}]", P(q.check_quant4, device, qt, dequant=f.get("dequant", q.default_dequant)))
             for qt in ("nf4", "fp4")]
-    out += [("linear4bit[nf4]", P(q.check_linear4bit, device, "nf4")), ("qlora[nf4]", P(q.check_qlora_step, device))]
+    out += [("linear4bit[nf4]", P(q.check_linear4bit, device, "nf4")), ("linear8bit", P(q.check_linear8bit, device)),
+            ("qlora[nf4]", P(q.check_qlora_step, device))]
     if perf:
         out += [(f"perf.matmul[{dt}]", P(p.perf_matmul, device, dt))
                 for dt in (("bfloat16", "float16", "float32") if gpu else ("float32",))]

@@ -25,8 +25,7 @@ def check_quantization(quantization: str, name_or_path: str, precision: str, dev
     vram = plat.devices[0].vram_bytes if plat.devices else None
     notes = quant.gate(plat, quantization, name_or_path, precision, vram, max_length, lora_r)
     quant.check_installed(quantization)
-    if quantization != "int8":
-        notes.append(_self_test(device, quantization, name_or_path))
+    notes.append(_self_test(device, quantization, name_or_path))
     return notes
 
 
@@ -55,18 +54,23 @@ def row_lengths(name_or_path: str) -> list[int]:
 
 def _self_test(device: str, quantization: str, name_or_path: str) -> str:
     from rocktune import quant
-    from rocktune.doctor.quant_checks import check_linear4bit, check_quant4
+    from rocktune.doctor.quant_checks import check_linear4bit, check_linear8bit, check_quant4
 
-    widths = row_lengths(name_or_path)
-    results = [(f"{quantization} rows of {n}", check_quant4(device, quantization, shape=(64, n))) for n in widths]
-    if device != "cpu":
-        results.append((f"{quantization} linear", check_linear4bit(device, quantization)))
+    if quantization == "int8":
+        widths, results = [], [("int8 linear", check_linear8bit(device))]
+    else:
+        widths = row_lengths(name_or_path)
+        results = [(f"{quantization} rows of {n}", check_quant4(device, quantization, shape=(64, n))) for n in widths]
+        if device != "cpu":
+            results.append((f"{quantization} linear", check_linear4bit(device, quantization)))
     failed = [(what, r) for what, r in results if r.status == "fail"]
     if failed:
         what, r = failed[0]
         raise UserError(
-            f"model.quantization={quantization}: bitsandbytes {quant.installed_bnb()} computes wrong 4-bit results "
-            f"on {device} ({what}: {r.detail}); training on it would learn from garbage. Run `rocktune doctor` "
+            f"model.quantization={quantization}: bitsandbytes {quant.installed_bnb()} computes wrong {quantization} "
+            f"results on {device} ({what}: {r.detail}); training on it would learn from garbage. Run `rocktune doctor` "
             "for the details and the bitsandbytes build to install, or set model.quantization=none.")
+    if quantization == "int8":
+        return f"int8 self-test on {device} passed (the int8 linear against a row-quantised reference)"
     return (f"{quantization} self-test on {device} passed (rows of {', '.join(map(str, widths))}"
             f"{' and the 4-bit linear' if device != 'cpu' else ''})")
