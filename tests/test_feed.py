@@ -12,7 +12,7 @@ from rocktune.data.encode import IGNORE
 from rocktune.data.packing import epoch_steps, step_forwards
 from rocktune.errors import UserError
 from rocktune.train import autofit, build, resume
-from rocktune.train.feed import Feeding, StepFeed, rows_per_step
+from rocktune.train.feed import Feeding, StepFeed, _examples, rows_per_step
 from rocktune.train.loop import train
 from rocktune.train.step import run_with_oom_recovery
 from tests.conftest import tiny_run_config
@@ -53,33 +53,59 @@ def test_host_loss_index_matches_the_label_mask():
     assert batch["loss_targets"].tolist() == labels[:, 1:][keep].tolist() == [5, 7, 8, 3]
 
 
-def _feed(prefetch: bool, **position) -> StepFeed:
-    from rocktune.data.packing import collate_packed
+LENGTHS = [7 + (i * 13) % 50 for i in range(40)]
+EXAMPLES = [(list(range(n)), [IGNORE] * (n // 3) + list(range(n // 3, n))) for n in LENGTHS]
 
-    lengths = [7 + (i * 13) % 50 for i in range(40)]
-    examples = [(list(range(n)), [IGNORE] + list(range(1, n))) for n in lengths]
-    f = Feeding(mode="tokens", micro_batch_size=4, grad_accum=3, max_length=64, packing=False, rows_per_forward=2,
+
+def _feed(prefetch: bool, mode: str = "tokens", rank: int = 0, world: int = 1, **position) -> StepFeed:
+    from rocktune.data.batching import collate, loss_token_counts
+    from rocktune.data.packing import collate_packed
+    from rocktune.train.distributed import Dist
+
+    f = Feeding(mode=mode, micro_batch_size=4, grad_accum=3, max_length=64, packing=False, rows_per_forward=2,
                 seed=5)
-    collate = lambda rows: collate_packed([[examples[i] for i in row] for row in rows], 0)  # noqa: E731
-    return StepFeed(f, lengths, lambda p: with_loss_index(collate(p)), prefetch, **position)
+    if mode == "tokens":
+        coll = lambda rows: collate_packed([[EXAMPLES[i] for i in row] for row in rows], 0)  # noqa: E731
+    else:
+        coll = lambda idx: collate([EXAMPLES[i][0] for i in idx], [EXAMPLES[i][1] for i in idx], 0)  # noqa: E731
+    share = Dist(rank=rank, world=world).share
+    return StepFeed(f, LENGTHS, loss_token_counts([y for _, y in EXAMPLES]), lambda p: with_loss_index(coll(p)),
+                    prefetch, share, None, **position)
 
 
 def test_prefetch_hands_out_the_same_steps_and_saves_the_consumed_position():
     plain, ahead = _feed(False), _feed(True)
     try:
         for _ in range(7):  # crosses the epoch boundary (40 examples / 12 per step)
-            (p1, m1), (p2, m2) = plain.next(), ahead.next()
-            assert p1 == p2 and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(m1, m2))
+            a, b = plain.next(), ahead.next()
+            assert a.picked == b.picked and a.loss_tokens == b.loss_tokens
+            assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a.forwards, b.forwards))
             assert plain.position() == ahead.position() and plain.epoch == ahead.epoch
         saved = ahead.position()
-        expected = [ahead.next()[0] for _ in range(3)]
+        expected = [ahead.next().picked for _ in range(3)]
     finally:
         ahead.close()
     resumed = _feed(True, **saved)
     try:
-        assert [resumed.next()[0] for _ in range(3)] == expected
+        assert [resumed.next().picked for _ in range(3)] == expected
     finally:
         resumed.close()
+
+
+@pytest.mark.parametrize("mode", ["tokens", "examples"])
+def test_ranks_take_disjoint_shares_and_agree_on_the_global_token_count(mode):
+    """The loss normaliser comes from per-example counts: it equals the collated batches' count with no
+    communication, and two ranks' shares are disjoint and make up the one-process step."""
+    from rocktune.data.batching import count_loss_tokens
+
+    one, r0, r1 = _feed(False, mode), _feed(False, mode, 0, 2), _feed(False, mode, 1, 2)
+    for _ in range(5):
+        s, a, b = one.next(), r0.next(), r1.next()
+        assert s.loss_tokens == sum(count_loss_tokens(f["labels"]) for f in s.forwards)
+        assert a.loss_tokens == b.loss_tokens == s.loss_tokens
+        ids = lambda st: sorted(_examples(st.picked, mode == "tokens"))  # noqa: E731
+        assert sorted(ids(a) + ids(b)) == ids(s) and not set(ids(a)) & set(ids(b))  # a split of the same step
+        assert a.real_tokens + b.real_tokens == s.real_tokens
 
 
 def test_token_batching_trains_the_same_step_as_example_batching(tiny_model_dir, task_files, tmp_path):

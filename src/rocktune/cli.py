@@ -65,6 +65,13 @@ def _add_train(sub) -> None:
     p.add_argument("--vram", help="memory budget for --auto, e.g. 24GiB (default: the detected device)")
     p.add_argument("--no-supervise", action="store_true",
                    help="train in this process instead of a supervised child that is restarted after a crash")
+    g = p.add_argument_group("several processes (torchrun's launcher; docs/multi-gpu.md)")
+    g.add_argument("--nproc", type=int, default=1, help="worker processes on this machine: one per GPU (gloo on CPU)")
+    g.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1 (static master)")
+    g.add_argument("--master-addr", help="address of node 0 (static master; with --nnodes > 1)")
+    g.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
+    g.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous instead of a static master")
     p.set_defaults(func=_run_train)
 
 
@@ -84,7 +91,12 @@ def _run_train(args) -> int:
         vram = parse_budget(args.vram)
     resume = args.resume or args.resume_force
     payload = {"config": cfg.model_dump(mode="json"), "overwrite": args.overwrite, "resume": resume,
-               "resume_force": args.resume_force, "pieces": 1, "auto_fit": args.auto, "vram_bytes": vram}
+               "resume_force": args.resume_force, "pieces": 1, "auto_fit": args.auto, "vram_bytes": vram,
+               "launch": _launch(args)}
+    if args.no_supervise and payload["launch"]:
+        from rocktune.train.launch import run_launcher
+
+        return run_launcher(payload)
     if args.no_supervise:
         from rocktune.train.worker import run_in_process
 
@@ -94,32 +106,42 @@ def _run_train(args) -> int:
     return supervise(payload, cfg.reliability.max_restarts)
 
 
+def _launch(args) -> dict | None:
+    """The torchrun layout of ``--nproc``/``--nnodes``; None for one process (which never imports
+    torch.distributed)."""
+    if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--nproc and --nnodes must be at least 1 and --node-rank between 0 and nnodes-1 (got "
+                        f"--nproc {args.nproc} --nnodes {args.nnodes} --node-rank {args.node_rank})")
+    if args.nproc == 1 and args.nnodes == 1:
+        return None
+    if args.nnodes > 1 and not (args.master_addr or args.rdzv_endpoint):
+        raise UserError(f"--nnodes {args.nnodes} needs where node 0 is: --master-addr HOST (with --node-rank on each "
+                        "machine) or --rdzv-endpoint HOST:PORT; see docs/multi-gpu.md")
+    from rocktune.train.launch import check_available
+
+    check_available()
+    return {"nproc": args.nproc, "nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
+            "master_port": args.master_port, "rdzv_endpoint": args.rdzv_endpoint}
+
+
 # --- demo ------------------------------------------------------------------------------------------------------
 
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train the built-in tiny model on a synthetic task (offline, ~1 minute on CPU)")
-    p.add_argument("--out", default=None, help="run directory (default: runs/demo, with --real runs/demo-real)")
+    p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's own)")
     p.add_argument("--overwrite", action="store_true", help="replace a different earlier demo run in --out")
-    p.add_argument("--real", action="store_true",
-                   help="teach a real pretrained chat model (SmolLM2-135M-Instruct, from the demo-real extra) a "
-                        "new skill instead; a few minutes on a CPU")
     p.set_defaults(func=_run_demo)
 
 
 def _run_demo(args) -> int:
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, not {args.steps}")
-    if args.real:
-        from rocktune.demo.real import run_real_demo
-
-        return run_real_demo(out_dir=args.out or "runs/demo-real", as_json=args.json, steps=args.steps,
-                             overwrite=args.overwrite)
     from rocktune.demo.run import run_demo
 
-    return run_demo(out_dir=args.out or "runs/demo", as_json=args.json, steps=args.steps, overwrite=args.overwrite)
+    return run_demo(out_dir=args.out, as_json=args.json, steps=args.steps, overwrite=args.overwrite)
 
 
 # --- doctor ----------------------------------------------------------------------------------------------------

@@ -134,6 +134,13 @@ class ReliabilityConfig(_Section):
     transfer_check_every: int = Field(
         100, ge=0, description="Verify the device copy of a batch against the host on the first 3 steps and every N."
     )
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="Several processes: seconds a collective may take before the rank gives up, names "
+        "the ranks that stopped answering and stops the group (the supervisor restarts it from a checkpoint)."
+    )
+    preflight_timeout_s: float = Field(
+        60.0, gt=0, description="Several processes: seconds for the start-up barrier and the test all-reduce."
+    )
     min_free_disk_mb: int = Field(256, ge=0, description="Free space required beyond a checkpoint's own size.")
 
 

@@ -50,6 +50,12 @@ def count_loss_tokens(labels: torch.Tensor) -> int:
 LOSS_KEYS = ("loss_index", "loss_targets")
 
 
+def loss_token_counts(labels: list[list[int]]) -> list[int]:
+    """Loss-bearing tokens of each example after the causal shift: what ``count_loss_tokens`` counts for it in a
+    padded batch or in a packed row (whose first label is masked anyway), so a step's count needs no collation."""
+    return [sum(1 for y in row[1:] if y != IGNORE) for row in labels]
+
+
 def with_loss_index(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Add the loss positions (flat indices into the shifted ``(rows, width - 1)`` grid) and their targets, computed
     on the host. The device then gathers a known number of rows: a boolean mask on the device would make the host

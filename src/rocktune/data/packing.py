@@ -51,11 +51,15 @@ def epoch_steps(lengths: list[int], examples_per_step: int, seed: int, epoch: in
     return [order[i : i + examples_per_step] for i in range(0, len(order), examples_per_step)]
 
 
-def step_forwards(indices: list[int], lengths: list[int], capacity: int, rows_per_forward: int
-                  ) -> list[list[list[int]]]:
-    """One step's examples packed into rows of ``capacity`` tokens (longest first: tighter rows), then cut into as
-    few forwards of at most ``rows_per_forward`` rows as possible, of near-equal size (a lower, steadier peak)."""
-    rows = pack_rows(lengths, capacity, sorted(indices, key=lambda i: -lengths[i]))
+def step_rows(indices: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
+    """One step's examples packed into rows of ``capacity`` tokens, longest first (tighter rows)."""
+    return pack_rows(lengths, capacity, sorted(indices, key=lambda i: -lengths[i]))
+
+
+def cut_forwards(rows: list[list[int]], rows_per_forward: int) -> list[list[list[int]]]:
+    """As few forwards of at most ``rows_per_forward`` rows as possible, of near-equal size (a steadier peak)."""
+    if not rows:
+        return []
     n = -(-len(rows) // rows_per_forward)
     cuts = [len(rows) * k // n for k in range(n + 1)]  # sizes differ by at most one row
     return [rows[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -85,3 +89,9 @@ def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, w
         if len(pos) < width:
             out_pos[r, len(pos):] = torch.arange(pos[-1] + 1, pos[-1] + 1 + width - len(pos))
     return {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos}
+
+
+def step_forwards(indices: list[int], lengths: list[int], capacity: int, rows_per_forward: int
+                  ) -> list[list[list[int]]]:
+    """One process's forwards for a step: its examples packed into rows, cut into forwards."""
+    return cut_forwards(step_rows(indices, lengths, capacity), rows_per_forward)

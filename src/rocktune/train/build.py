@@ -43,6 +43,14 @@ def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool =
     return collate_idx
 
 
+def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
+    """One pad token with no loss position: a rank whose share of a small step is empty still runs one forward and
+    backward (zero gradient), so DDP's once-per-step all-reduce sees every rank."""
+    ids = torch.tensor([[pad_id]])
+    return with_loss_index({"input_ids": ids, "labels": torch.full_like(ids, -100),
+                            "position_ids": torch.zeros_like(ids)})
+
+
 def real_tokens(picked: list, lengths: list[int], packing: bool) -> int:
     """Tokens of real examples (not padding) in the micro-batches the stream handed out for one step."""
     if packing:

@@ -12,6 +12,7 @@
   fail_final_write  make the final adapter write fail as a full disk would (OSError ENOSPC)
   startup_error     raise a RuntimeError in the supervised worker before training starts (a deterministic crash)
   slow_steps        sleep that many seconds in every step (gives a test time to interrupt a run)
+  rank              several processes: only that rank (torchrun's RANK) injects the faults
   marker            a file path: faults act only while it does not exist, and the first one to act creates it,
                     so a restarted process runs clean (a crash that happens once)
 """
@@ -36,6 +37,8 @@ class Faults:
         marker = self.spec.get("marker")
         if marker and os.path.exists(marker):
             self.spec = {}
+        if "rank" in self.spec and str(self.spec["rank"]) != os.environ.get("RANK", "0"):
+            self.spec = {}  # several processes: the fault belongs to one rank
 
     def _fire(self) -> None:
         marker = self.spec.get("marker")

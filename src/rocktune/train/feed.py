@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rocktune.data.batching import BatchStream, epoch_batches
-from rocktune.data.packing import epoch_packed_batches, epoch_steps, step_forwards
+from rocktune.data.packing import cut_forwards, epoch_packed_batches, epoch_steps, step_rows
 
 CPU_ROWS = 2  # token batching forced on a CPU: small forwards are fastest there
 
@@ -73,14 +73,28 @@ def rows_per_step(lengths: list[int], examples_per_step: int, max_length: int) -
     return max(1, -(-int(examples_per_step * mean) // max_length) + 1)
 
 
-class StepFeed:
-    """Hands out one optimizer step at a time: (index structures, collated host batches)."""
+@dataclass
+class Step:
+    """One optimizer step as this process sees it."""
 
-    def __init__(self, feeding: Feeding, lengths: list[int], collate, prefetch: bool = False,
-                 epoch: int = 0, index: int = 0):
+    picked: list  # this rank's index structures (micro-batches, or forwards of rows)
+    forwards: list[dict]  # this rank's collated host batches, in order
+    loss_tokens: int  # loss-bearing tokens of the whole global step (every rank's share): the loss normaliser
+    real_tokens: int  # non-pad tokens of this rank's share
+
+
+class StepFeed:
+    """Hands out one optimizer step at a time. With several ranks every rank walks the same deterministic stream,
+    takes its disjoint share (``share``: rows of the step, or micro-batches, dealt round-robin) and derives the
+    global loss-token count from per-example counts, so the normaliser needs no communication."""
+
+    def __init__(self, feeding: Feeding, lengths: list[int], loss_counts: list[int], collate, prefetch: bool = False,
+                 share=None, idle: dict | None = None, epoch: int = 0, index: int = 0):
         self.feeding = feeding
-        self.lengths = lengths
+        self.lengths, self.loss_counts = lengths, loss_counts
         self.collate = collate
+        self.share = share or (lambda items: items)
+        self.idle = idle  # a host batch with no loss position, for a rank whose share of a small step is empty
         f = feeding
         if f.mode == "tokens":
             make = lambda e: epoch_steps(lengths, f.examples_per_step, f.seed, e)  # noqa: E731
@@ -93,7 +107,7 @@ class StepFeed:
         self._position = self.stream.position()
         self._epoch = self.stream.epoch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocktune-feed") if prefetch else None
-        self._ahead = None  # (picked, future of collated batches, position, epoch) of the prefetched step
+        self._ahead = None  # (plan, future of collated batches, position, epoch) of the prefetched step
 
     @property
     def steps_per_epoch(self) -> int:
@@ -108,33 +122,41 @@ class StepFeed:
         """Stream position after the last step handed out: where a resumed run continues."""
         return dict(self._position)
 
-    def next(self) -> tuple[list, list[dict]]:
-        picked, micro, self._position, self._epoch = self._take() if self._ahead is None else self._finish()
+    def next(self) -> Step:
+        if self._ahead is None:
+            plan = self._plan()
+            forwards, self._position, self._epoch = self._collate_all(plan[0]), self.stream.position(), self.stream.epoch
+        else:
+            plan, future, self._position, self._epoch = self._ahead
+            self._ahead, forwards = None, future.result()
         if self._pool is not None:
-            ahead = self._pick()
-            self._ahead = (ahead, self._pool.submit(self._collate_all, ahead), self.stream.position(),
+            ahead = self._plan()
+            self._ahead = (ahead, self._pool.submit(self._collate_all, ahead[0]), self.stream.position(),
                            self.stream.epoch)
-        return picked, micro
+        mine, loss_tokens = plan
+        real = sum(self.lengths[i] for i in _examples(mine, self.feeding.packed))
+        return Step(mine, forwards or [self.idle], loss_tokens, real)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _take(self):
-        picked = self._pick()
-        return picked, self._collate_all(picked), self.stream.position(), self.stream.epoch
-
-    def _finish(self):
-        picked, future, position, epoch = self._ahead
-        self._ahead = None
-        return picked, future.result(), position, epoch
-
-    def _pick(self) -> list:
+    def _plan(self) -> tuple[list, int]:
+        """(this rank's index structures, the global step's loss-bearing tokens)."""
         items = [self.stream.next() for _ in range(self._items_per_step)]
         f = self.feeding
         if f.mode == "tokens":
-            return step_forwards(items[0], self.lengths, f.max_length, f.rows_per_forward)
-        return items
+            everything = items[0]
+            mine = cut_forwards(self.share(step_rows(everything, self.lengths, f.max_length)), f.rows_per_forward)
+        else:
+            everything = _examples(items, f.packing)
+            mine = self.share(items)
+        return mine, sum(self.loss_counts[i] for i in everything)
 
     def _collate_all(self, picked: list) -> list[dict]:
         return [self.collate(p) for p in picked]
+
+
+def _examples(structures: list, packed: bool) -> list[int]:
+    """Example indices in micro-batches (lists of indices) or forwards/batches of rows (lists of lists)."""
+    return [i for s in structures for row in s for i in row] if packed else [i for s in structures for i in s]

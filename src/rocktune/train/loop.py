@@ -20,21 +20,24 @@ import torch
 
 from rocktune.config import RunConfig
 from rocktune.data import checks
+from rocktune.data.batching import loss_token_counts
 from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
 from rocktune.platform.environment import apply_environment
-from rocktune.train import autofit, build, checkpoint, finish, preflight, resume, rundir, summary
+from rocktune.train import autofit, build, checkpoint, distributed, finish, preflight, resume, rundir, summary
+from rocktune.train.rundir import STOP_FILE
 from rocktune.train.autoconf import resolve_auto
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
 from rocktune.train.feed import StepFeed
 from rocktune.train.finish import save_adapter
 from rocktune.train.guards import NumericGuard
-from rocktune.train.progress import MetricsLog, ProgressBar
+from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
 from rocktune.train import sinks
 from rocktune.train.samples import Sampler
 from rocktune.train.quant_gate import check_quantization
-from rocktune.train.step import OutOfMemoryAtMinimum, forward_backward, max_pieces, run_with_oom_recovery
+from rocktune.train.step import (LossModule, OutOfMemoryAtMinimum, StepRunner, forward_backward, max_pieces,
+                                 run_with_oom_recovery)
 
 
 @dataclass
@@ -60,6 +63,8 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     # Check, then write (train/preflight.py): data files, kernel gates and the model directory come first.
     vocab_size = preflight.check_run(cfg.model.name_or_path, cfg.data.train_file, cfg.data.eval_file, device,
                                      cfg.model.liger, choices.attn_implementation)
+    dist = distributed.from_env()  # one process unless torchrun started several
+    distributed.device_for(dist, device)
     fit_notes: list[str] = []
     predicted_peak = None
     if auto_fit:
@@ -87,6 +92,8 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
                                               d.train_on_prompt, tokenizer, cache_dir, t.seed, d.truncation,
                                               vocab_size, check=data_checks)
+    distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
+    dist.notes += distributed.preflight(dist, device, rel.preflight_timeout_s, stats.fingerprint)
     lengths = train_set.lengths()
     compiled = build.want_compile(t.compile, choices.compile, device, t.batching)
     feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, device, precision, choices.attn_implementation,
@@ -100,6 +107,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     if on_ready is not None:
         on_ready(model)
     params = trainable_parameters(model)
+    runner = StepRunner(distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device), device,
+                        build.autocast(device, precision), torch.amp.GradScaler(device, enabled=precision == "fp16"),
+                        faults, dist.world)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
     to_batch = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
@@ -107,16 +117,17 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                   pin=choices.pin_memory and device == "cuda",
                                   width=d.max_length if feeding.static_width else 0)
     # On a GPU the next step is collated while this one computes; on a CPU a thread would only compete for cores.
-    new_feed = lambda **position: StepFeed(feeding, lengths, to_batch, device == "cuda", **position)  # noqa: E731
+    new_feed = lambda **position: StepFeed(feeding, lengths, loss_token_counts(train_set.labels), to_batch,  # noqa: E731
+                                           device == "cuda", dist.share, build.idle_batch(tokenizer.pad_token_id),
+                                           **position)
     feed = new_feed()
     total_steps = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
-    scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
-    autocast = build.autocast(device, precision)
+    scaler, autocast = runner.scaler, runner.autocast
     guard = NumericGuard(rel.nan_patience, rel.zero_patience)
     eval_rows = max(t.micro_batch_size, feeding.rows_per_forward)  # no gradients: a forward's rows fit easily
-    evaluate = lambda: eval_loss(model, eval_set, eval_rows, tokenizer.pad_token_id,  # noqa: E731
-                                 device, autocast, chunk, t.loss_impl == "chunked")
+    evaluate = lambda: eval_loss(model, eval_set if dist.main else eval_set.subset([]), eval_rows,  # noqa: E731
+                                 tokenizer.pad_token_id, device, autocast, chunk, t.loss_impl == "chunked")
 
     def compile_failed(exc: BaseException) -> None:
         nonlocal compiled
@@ -130,40 +141,55 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     start_step = 0
     restored = None
     if resume_run:
-        restored = checkpoint.restore(ckpt_root, model, optimizer, scheduler, scaler)
+        restored = distributed.main_first(dist, lambda: checkpoint.restore(ckpt_root, model, optimizer, scheduler,
+                                                                           scaler), "restoring the checkpoint")
+        resume.check_world(restored, dist.world, resume_force)
         resume.check_data(restored, stats.fingerprint, resume_force)
         resume.check_batching(restored, feeding.mode)
-    if restored is None:
+    if restored is None and dist.main:
         rundir.start(run_dir, resolved, wipe=overwrite and not resume_run)
         resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
-    else:
-        rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
+    elif restored is not None:
+        if dist.main:
+            rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
+        distributed.restore_rng(dist, restored.extra.get("rank_rng"))
         start_step = restored.step
         feed.close()
         feed = new_feed(**restored.position)
         pieces = max(pieces, restored.extra.get("pieces", 1))
         guard.skipped_total = restored.extra.get("skipped_steps", 0)
         result.eval_loss_before = restored.extra.get("eval_loss_before")
-        resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
-    metrics = sinks.open_log(MetricsLog(run_dir / "metrics.jsonl"), run_dir, start_step, cfg.output.tensorboard,
-                             cfg.output.wandb, cfg.output.mlflow)
-    sinks.write_run_info(run_dir, device, precision, predicted_peak, env_notes + choices.messages + fit_notes +
-                         feed_notes + notes + stats.notes, stats, lengths, len(eval_set))
-    sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set, t.sample_count, t.sample_prompts,
+        if dist.main:
+            resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
+    distributed.barrier(dist, "the start of the run")
+    # Metrics, samples, eval, reports and the adapter come from rank 0; the other ranks train and stay quiet.
+    log_to = MetricsLog(run_dir / "metrics.jsonl") if dist.main else NullLog()
+    metrics = sinks.open_log(log_to, run_dir, start_step, cfg.output.tensorboard and dist.main,
+                             cfg.output.wandb and dist.main, cfg.output.mlflow and dist.main)
+    if dist.main:
+        sinks.write_run_info(run_dir, device, precision, predicted_peak, env_notes + choices.messages + fit_notes +
+                             feed_notes + notes + stats.notes, stats, lengths, len(eval_set))
+    sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set,
+                            t.sample_count if dist.main else 0, t.sample_prompts if dist.main else [],
                             t.sample_max_new_tokens, device, autocast, start_step)
     stop = _InterruptFlag()
     space_skips = checkpoint.SpaceSkips()
 
     def save_checkpoint(step: int) -> None:
+        rank_rng = distributed.gather_rng(dist)  # every rank takes part; rank 0 writes the checkpoint
+        if not dist.main:
+            return
         extra = {"pieces": pieces, "eval_loss_before": result.eval_loss_before, "data_fingerprint": stats.fingerprint,
-                 "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total, "batching": feeding.mode}
+                 "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total, "batching": feeding.mode,
+                 "world_size": dist.world, "rank_rng": rank_rng}
         need = sum(p.numel() * 4 * 3 for p in params) + rel.min_free_disk_mb * 2**20
         checkpoint.save(ckpt_root, step, model, optimizer, scheduler, scaler, feed.position(), extra,
                         rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step),
                         skips=space_skips)
 
-    with ProgressBar(total_steps, start_step, quiet) as bar, stop, contextlib.closing(feed):
-        for msg in env_notes + choices.messages + quant_notes + fit_notes + feed_notes + notes + stats.notes:
+    with ProgressBar(total_steps, start_step, quiet, silent=not dist.main) as bar, stop, contextlib.closing(feed):
+        for msg in env_notes + choices.messages + quant_notes + fit_notes + feed_notes + dist.notes + notes + \
+                stats.notes:
             bar.log(f"[dim]{msg}[/]")
         if restored is not None:
             for why in restored.skipped:
@@ -185,18 +211,18 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 torch.cuda.reset_peak_memory_stats()  # the logged peak is this step's, not the eval pass's
             faults.slow_step()
             # Fetch the whole step first: the loss is normalised by the loss-bearing tokens of all its micro-batches.
-            picked, micro = feed.next()
-            step_tokens = sum(int(b["loss_index"].numel()) for b in micro)
+            fed = feed.next()
+            micro, step_tokens = fed.forwards, fed.loss_tokens
             check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
             compiling = compiled and step == first_step
             if compiling:
                 bar.log(f"step {step}: compiling the decoder (this step is left out of tokens/s)")
             try:
-                step_loss, pieces = run_with_oom_recovery(
-                    lambda n: forward_backward(model, micro, step_tokens, n, device, autocast, scaler,
-                                               chunk, t.loss_impl == "chunked", faults, step, bool(check)),
-                    optimizer, pieces, max(max_pieces(b) for b in micro), bar.log,
-                    on_compile_error=compile_failed if compiling else None)
+                with distributed.collective(dist, f"step {step}'s gradient all-reduce"):
+                    step_loss, pieces = run_with_oom_recovery(
+                        lambda n: forward_backward(runner, micro, step_tokens, n, step, bool(check)),
+                        optimizer, pieces, max(max_pieces(b) for b in micro), bar.log,
+                        on_compile_error=compile_failed if compiling else None)
             except OutOfMemoryAtMinimum as exc:
                 advice = autofit.oom_advice(m.name_or_path, d.max_length, cfg.lora.r, cfg.lora.target_modules,
                                             precision, choices.attn_implementation,
@@ -205,10 +231,14 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                     f"out of memory at step {step} even with one example per forward ({exc}). {advice}") from None
             scaler.unscale_(optimizer)
             norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
-            # The step's one synchronisation: the guards and the log need the loss and gradient norm on the host.
-            # Time spent here is the host waiting for the device; the rest of the step is the host's own work.
+            # The step's one synchronisation: the guards and the log need the loss and gradient norm on the host
+            # (every rank's loss summed, and whether any rank was asked to stop). Time spent here is the host
+            # waiting for the device; the rest of the step is the host's own work.
             t_wait = time.perf_counter()
-            loss_sum, grad_norm = torch.stack([step_loss, norm.float()]).tolist()
+            asked = stop.requested or (dist.main and (run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
+            reduced = distributed.reduce_step(dist, step_loss, asked, step)
+            loss_sum, stop_any, grad_norm = torch.cat([reduced, norm.float()[None]]).tolist()
+            stop.requested = stop_any > 0
             wait_s = time.perf_counter() - t_wait
             loss = loss_sum / max(step_tokens, 1)
             # An fp16 overflow (finite loss, inf gradient) is the GradScaler's business: it skips and rescales.
@@ -231,12 +261,12 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
             if step % t.log_every == 0 or step == total_steps:
                 metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
                                "batch_tokens": sum(b["input_ids"].numel() for b in micro),
-                               "real_tokens": build.real_tokens(picked, lengths, feeding.packed),
+                               "real_tokens": fed.real_tokens,
                                "forwards": len(micro), "samples": _digest(micro),
                                "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
                                "device_wait_s": wait_s, "compiling": compiling,
                                "epoch": feed.epoch, "peak_mem_bytes": mem})
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set):
+            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set) and dist.main:
                 ev = evaluate()
                 metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
@@ -248,17 +278,19 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 bar.log(f"interrupted: {where}; continue with --resume")
                 result.interrupted = True
                 return result
-        result.eval_loss_after = evaluate()
-        # Final writes check free space first; a full disk stops the run with finish.DiskFullError (exit 5).
-        need = finish.adapter_bytes(params)
-        with finish.guarded(run_dir, "the final metrics and sample generations", need):
-            metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
-            sampler.at(total_steps, model, metrics, bar.log)
-        with finish.guarded(run_dir, f"the adapter to {run_dir / 'adapter'}", need, faults.final_write):
-            save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
-        if space_skips.summary():
-            bar.log(f"[yellow]{space_skips.summary()}[/]")
-        summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, run_peak, predicted_peak)
+        if dist.main:
+            result.eval_loss_after = evaluate()
+            # Final writes check free space first; a full disk stops the run with finish.DiskFullError (exit 5).
+            need = finish.adapter_bytes(params)
+            with finish.guarded(run_dir, "the final metrics and sample generations", need):
+                metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
+                sampler.at(total_steps, model, metrics, bar.log)
+            with finish.guarded(run_dir, f"the adapter to {run_dir / 'adapter'}", need, faults.final_write):
+                save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
+            if space_skips.summary():
+                bar.log(f"[yellow]{space_skips.summary()}[/]")
+            summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, run_peak, predicted_peak)
+        distributed.barrier(dist, "the end of the run")  # no rank leaves before the adapter is written
     return result
 
 

@@ -27,6 +27,16 @@ class MetricsLog:
         return self._lines
 
 
+class NullLog:
+    """What ranks other than 0 log to: nothing (metrics come from rank 0)."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def lines(self) -> int:
+        return 0
+
+
 class ProgressBar:
     """A live bar on a terminal; in a log file (nohup, CI, a job scheduler), where a bar cannot redraw, plain
     progress lines instead: at the first step (so a log shows the run is alive), every ``PLAIN_EVERY_S`` seconds and
@@ -34,8 +44,9 @@ class ProgressBar:
 
     PLAIN_EVERY_S = 30.0
 
-    def __init__(self, total_steps: int, start_step: int, quiet: bool = False):
-        self.console = Console(stderr=True, soft_wrap=True)
+    def __init__(self, total_steps: int, start_step: int, quiet: bool = False, silent: bool = False):
+        # silent: ranks other than 0 of a multi-process run say nothing (rank 0 speaks for the group)
+        self.console = Console(stderr=True, soft_wrap=True, quiet=silent)
         self.total, self.quiet = total_steps, quiet
         self._last_plain = float("-inf")
         self.progress = Progress(

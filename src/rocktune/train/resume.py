@@ -51,6 +51,17 @@ def check_batching(restored, mode: str) -> None:
                         f"examples in the same mode. Resume with training.batching={saved}.")
 
 
+def check_world(restored, world: int, force: bool) -> None:
+    """Each rank's data share and RNG state belong to the number of ranks the run was written with."""
+    if restored is None:
+        return
+    saved = restored.extra.get("world_size", 1)
+    if saved != world and not force:
+        raise UserError(f"--resume: checkpoint {restored.path.name} was written by {saved} process(es), this launch "
+                        f"has {world}; the same global batch would be split differently, so the result would no "
+                        f"longer be one exact run. Resume with --nproc {saved}, or pass --resume-force.")
+
+
 def truncate_metrics(path: Path, keep_lines: int) -> None:
     """Drop metric lines written after the checkpoint, so a resumed run's log equals an uninterrupted one."""
     if not path.is_file():

@@ -8,10 +8,12 @@ loss-bearing tokens the update is the same up to summation order.
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 
 import torch
 
 from rocktune.data.batching import LOSS_KEYS, with_loss_index
+from rocktune.train.distributed import no_sync
 from rocktune.train.guards import verify_transfer
 from rocktune.train.loss import causal_lm_loss_sum, step_normalised
 
@@ -49,22 +51,48 @@ def max_pieces(batch: dict[str, torch.Tensor]) -> int:
     return batch["input_ids"].shape[0]
 
 
-def forward_backward(model, micro: list[dict], step_tokens: int, pieces: int, device: str, autocast, scaler,
-                     chunk_size: int, fast_loss: bool, faults, step: int, check_transfer: bool) -> torch.Tensor:
-    """Accumulate the step's gradients; returns the summed token loss (not normalised) as a device scalar, so
-    that no micro-batch waits for the device: the loop synchronises once per optimizer step."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for batch in micro:
-        for part in split_rows(batch, pieces):
-            on_device = {k: faults.transfer(step, v.to(device, non_blocking=True)) for k, v in part.items()}
-            if check_transfer:
-                verify_transfer(part, on_device, step)
-            faults.before_forward(step)  # tests: an injected OOM, possibly after earlier pieces accumulated
-            with autocast():
-                loss_sum, _ = causal_lm_loss_sum(model, on_device, chunk_size, fast=fast_loss)
-            loss_sum = faults.loss(step, loss_sum)
-            scaler.scale(step_normalised(loss_sum, step_tokens)).backward()
-            total += loss_sum.detach().float()
+class LossModule(torch.nn.Module):
+    """The model and its loss as one module, so that DDP's forward (which prepares its gradient reducer) is the
+    call that computes the loss: rocktune's fused head + cross-entropy reaches into the decoder directly."""
+
+    def __init__(self, model, chunk_size: int, fast: bool):
+        super().__init__()
+        self.model, self.chunk_size, self.fast = model, chunk_size, fast
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_loss_sum(self.model, batch, self.chunk_size, fast=self.fast)[0]
+
+
+@dataclass
+class StepRunner:
+    """What every forward/backward of a step needs, grouped: built once per run by the loop."""
+
+    loss_of: torch.nn.Module  # LossModule, or DDP around it
+    device: str
+    autocast: object  # () -> context manager
+    scaler: torch.amp.GradScaler
+    faults: object
+    world: int = 1  # DDP averages gradients over ranks; the loss is scaled by world so they sum instead
+
+
+def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, pieces: int, step: int,
+                     check_transfer: bool) -> torch.Tensor:
+    """Accumulate the step's gradients; returns this rank's summed token loss (not normalised) as a device scalar,
+    so that no micro-batch waits for the device: the loop synchronises once per optimizer step. With DDP only the
+    step's last backward all-reduces the gradients."""
+    total = torch.zeros((), dtype=torch.float32, device=run.device)
+    parts = [part for batch in micro for part in split_rows(batch, pieces)]
+    for i, part in enumerate(parts):
+        on_device = {k: run.faults.transfer(step, v.to(run.device, non_blocking=True)) for k, v in part.items()}
+        if check_transfer:
+            verify_transfer(part, on_device, step)
+        run.faults.before_forward(step)  # tests: an injected OOM, possibly after earlier pieces accumulated
+        with no_sync(run.loss_of, last=i == len(parts) - 1):
+            with run.autocast():
+                loss_sum = run.loss_of(on_device)
+            loss_sum = run.faults.loss(step, loss_sum)
+            run.scaler.scale(step_normalised(loss_sum, step_tokens) * run.world).backward()
+        total += loss_sum.detach().float()
     return total
 
 

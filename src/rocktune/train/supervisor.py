@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from rich.console import Console
+from rich.markup import escape  # causes quote library messages, which may contain [brackets]
 
 from rocktune.train import outcome
 from rocktune.train.outcome import EXIT_DISK_FULL, EXIT_STARTUP
@@ -63,25 +64,27 @@ def _supervise(payload: dict, max_restarts: int, status: Path) -> int:
         repeated_at_start = not report.get("stepped") and cause == startup_cause
         final = code in (EXIT_DISK_FULL, EXIT_STARTUP) or repeated_at_start
         gives_up = final or restarts >= max_restarts
-        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step,
+        from rocktune.train.launch import failure_details
+
+        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, **failure_details(run_dir),
                           "restart": None if gives_up else restarts + 1, "max_restarts": max_restarts})
         if code == EXIT_DISK_FULL:
             return code  # the child said it all, in one paragraph
         if final:
             again = "again the same way " if repeated_at_start else ""
-            console.print(f"[red]training failed {again}during start-up, before any step ({cause}); a restart "
-                          f"cannot fix that, so it was not retried. See {run_dir / 'incidents.jsonl'}.[/]")
+            console.print(f"[red]training failed {again}during start-up, before any step ({escape(cause)}); a "
+                          f"restart cannot fix that, so it was not retried. See {run_dir / 'incidents.jsonl'}.[/]")
             return 1
         startup_cause = None if report.get("stepped") else cause
         if gives_up:
-            console.print(f"[red]training died ({cause}) at step {step}; {max_restarts} restarts used up. "
+            console.print(f"[red]training died ({escape(cause)}) at step {step}; {max_restarts} restarts used up. "
                           f"See {run_dir / 'incidents.jsonl'}; continue later with --resume.[/]")
             return 1
         restarts += 1
         faults_by_step[step] = faults_by_step.get(step, 0) + 1
         notes = _next_attempt(payload, run_dir, started, code == EXIT_ROLLBACK, faults_by_step[step] >= 2)
-        console.print(f"[yellow]training died ({cause}) at step {step}; restart {restarts}/{max_restarts} from the "
-                      f"last good checkpoint{'; ' + '; '.join(notes) if notes else ''}[/]")
+        console.print(f"[yellow]training died ({escape(cause)}) at step {step}; restart {restarts}/{max_restarts} "
+                      f"from the last good checkpoint{'; ' + '; '.join(notes) if notes else ''}[/]")
 
 
 def _next_attempt(payload: dict, run_dir: Path, started: float, rollback: bool, repeated: bool) -> list[str]:
@@ -110,7 +113,12 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     """Run the worker in its own session / process group, so a terminal's Ctrl-C reaches only us; we forward it
     once (the child checkpoints and exits cleanly), and a second Ctrl-C kills the child.
     Returns the exit code and whether the user interrupted."""
-    cmd = [sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)]
+    from rocktune.train.launch import child_command, is_multi
+    from rocktune.train.rundir import STOP_FILE
+
+    cmd = child_command(payload)
+    stop_file = Path(payload["config"]["output"]["dir"]) / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # left by an earlier Ctrl-C: this attempt must not stop at once
     if os.name == "nt":
         proc = subprocess.Popen(cmd, creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
         polite = signal.CTRL_BREAK_EVENT  # the only console event a new process group can be sent
@@ -122,8 +130,14 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     def on_sigint(signum, frame):
         nonlocal interrupts
         interrupts += 1
-        if interrupts == 1:
+        if interrupts == 1 and is_multi(payload.get("launch")):
+            # torchrun does not pass a Ctrl-C on to its workers: rank 0 polls this file and all ranks stop together.
+            stop_file.parent.mkdir(parents=True, exist_ok=True)
+            stop_file.touch()
+        elif interrupts == 1:
             proc.send_signal(polite)
+        elif os.name != "nt":
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker
         else:
             proc.kill()
 

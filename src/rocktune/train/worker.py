@@ -25,8 +25,9 @@ def run_in_process(payload: dict) -> int:
     try:  # a Ctrl-C can arrive while torch and transformers are still importing
         from rocktune.config import config_from_dict
         from rocktune.errors import UserError, print_error
-        from rocktune.train.guards import FatalNumerics, RollbackRequired
         from rocktune.train import outcome
+        from rocktune.train.distributed import DistributedFailure
+        from rocktune.train.guards import FatalNumerics, RollbackRequired
         from rocktune.train.loop import train
         from rocktune.train.step import OutOfMemoryAtMinimum
     except KeyboardInterrupt:
@@ -51,6 +52,10 @@ def run_in_process(payload: dict) -> int:
         return EXIT_FATAL
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except DistributedFailure as exc:  # another rank died or hung: said in one paragraph; a restart may help
+        print_error(str(exc))
+        report.failed(outcome.one_line(exc))
+        return 1
     except Exception as exc:  # noqa: BLE001 — mapped to what the supervisor can do about it
         return _crashed(exc, report, Path(payload["config"]["output"]["dir"]))
     return EXIT_INTERRUPTED if result.interrupted else 0

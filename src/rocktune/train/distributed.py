@@ -1,0 +1,275 @@
+"""Several processes, one loop: everything that differs between one device and N ranks lives here.
+
+torchrun (``torch.distributed.run``) starts the workers and sets RANK / WORLD_SIZE / LOCAL_RANK; a single process
+never imports ``torch.distributed`` (AMD's Windows wheels lack it). The strategy is PyTorch's own DDP: the frozen
+base is replicated and only the adapter's gradients are all-reduced, in DDP's buckets, once per optimizer step
+(``no_sync`` for the micro-batches before the last). Each rank runs a disjoint share of every step's samples; the
+loss is normalised by the loss-bearing tokens of the whole global step, which every rank derives from the same
+deterministic step plan, so N ranks make the same update as one process with the same global batch.
+
+Hangs are not silent: collectives run under the process group's timeout, and when one fails the rank asks a
+separate gloo group which ranks still answer (``monitored_barrier`` names the missing ones) before it stops.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from rocktune.errors import UserError
+
+
+# What gloo and NCCL/RCCL say when a peer is gone or a collective timed out.
+_COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|RCCL|Connection (reset|closed)|timed? ?out|ProcessGroup|collective",
+                               re.IGNORECASE)
+
+
+class DistributedFailure(RuntimeError):
+    """A collective failed or timed out: another rank died or hung. The message names the collective and step."""
+
+
+class PreflightFailure(UserError):
+    """The process group came up wrong (a collective returned wrong values or never returned)."""
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    timeout_s: float = 600.0
+    control: object = None  # a gloo group: barriers that can name a missing rank, object gathers
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, items: list) -> list:
+        """This rank's disjoint share of a step's forwards (rows or micro-batches), dealt round-robin."""
+        return items[self.rank :: self.world] if self.enabled else items
+
+
+def from_env() -> Dist:
+    """The launch's rank layout (torchrun's variables); one process when they are absent."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Dist(rank=int(os.environ.get("RANK", "0")), world=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def device_for(dist: Dist, device: str) -> str:
+    """Each rank drives the GPU of its local rank."""
+    if device == "cuda" and dist.enabled:
+        torch.cuda.set_device(dist.local_rank)
+        return f"cuda:{dist.local_rank}"
+    return device
+
+
+def init(dist: Dist, device: str, timeout_s: float, preflight_timeout_s: float) -> None:
+    """Bring the process group up: NCCL/RCCL on GPUs, gloo on the CPU; plus the gloo control group."""
+    if not dist.enabled:
+        return
+    import torch.distributed as td
+
+    if not td.is_available():
+        raise UserError("this torch build has no torch.distributed (AMD's Windows wheels lack it), so --nproc cannot "
+                        "start several processes; train on one GPU, or use Linux or WSL for several.")
+    dist.backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.timeout_s = timeout_s
+    kwargs = {"device_id": torch.device(device)} if dist.backend == "nccl" else {}
+    td.init_process_group(dist.backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.control = td.new_group(backend="gloo", timeout=timedelta(seconds=preflight_timeout_s))
+
+
+def preflight(dist: Dist, device: str, timeout_s: float, fingerprint: str) -> list[str]:
+    """Every rank arrives, an all-reduce of known values returns the right numbers, and every rank trains the same
+    run. A wrong result or a hang is reported as such, before any training."""
+    if not dist.enabled:
+        return []
+    import torch.distributed as td
+
+    _maybe_hang("preflight", dist.rank)
+    _answering(dist, timeout_s, "the start-up barrier")
+    values = torch.tensor([dist.rank + 1.0, (dist.rank + 1) * 2.0**-10, 1000.0 * (dist.rank + 1)], device=device)
+    if os.environ.get("ROCKTUNE_FAULT_ALLREDUCE_RANK") == str(dist.rank):  # tests: a collective that returns junk
+        values += 1.0
+    try:
+        td.all_reduce(values, async_op=True).wait(timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise DistributedFailure(_failure(dist, "the preflight's test all-reduce", exc) + _hint(dist)) from None
+    n = dist.world * (dist.world + 1) / 2
+    expected = torch.tensor([n, n * 2.0**-10, 1000.0 * n])
+    got = values.cpu()
+    if not torch.allclose(got, expected, rtol=0, atol=1e-6 * 1000 * n):
+        raise PreflightFailure(f"preflight: the test all-reduce on {dist.backend} returned {got.tolist()} on rank "
+                               f"{dist.rank}, expected {expected.tolist()}: the collective library gives wrong "
+                               f"results on this machine, so training would silently diverge{_hint(dist)}")
+    prints = [None] * dist.world
+    td.all_gather_object(prints, fingerprint, group=dist.control)
+    if len(set(prints)) > 1:
+        raise PreflightFailure("preflight: the ranks do not train the same run (config, data or tokenizer differ "
+                               f"between ranks: {', '.join(f'rank {r}: {p[:12]}' for r, p in enumerate(prints))}); "
+                               "give every node the same files.")
+    notes = [f"distributed: {dist.world} ranks, {dist.backend}; preflight passed (barrier, all-reduce of known "
+             "values, same run on every rank)"]
+    if device.startswith("cuda") and torch.cuda.device_count() > 1:
+        other = (dist.local_rank + 1) % torch.cuda.device_count()
+        peer = torch.cuda.can_device_access_peer(dist.local_rank, other)
+        how = "yes" if peer else "no (copies go through host memory; RCCL/NCCL still work, slower)"
+        notes.append(f"GPU {dist.local_rank} -> GPU {other} peer access: {how}")
+    return notes
+
+
+def wrap(model, dist: Dist, device: str):
+    """DDP around the loss module, so gradients are all-reduced by PyTorch's reducer in its buckets."""
+    if not dist.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [dist.local_rank] if device.startswith("cuda") else None
+    # LoRA: every adapter weight gets a gradient each step, so no unused-parameter search (its cost is a graph walk
+    # per backward); buffers (RoPE tables) are the same everywhere, so not broadcast on every forward.
+    import warnings
+
+    with warnings.catch_warnings():  # torch 2.13 renames the switch; the old name keeps working on torch 2.4-2.12
+        warnings.simplefilter("ignore", FutureWarning)
+        return DDP(model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=False)
+
+
+def no_sync(wrapped, last: bool):
+    """Accumulate locally for every backward of the step but the last, which all-reduces once."""
+    if last or not hasattr(wrapped, "no_sync"):
+        return contextlib.nullcontext()
+    return wrapped.no_sync()
+
+
+def reduce_step(dist: Dist, loss_sum: torch.Tensor, stop: bool, step: int) -> torch.Tensor:
+    """The step's one collective besides the gradients: the summed loss of all ranks and whether any was asked to
+    stop (Ctrl-C reaches rank 0 first; every rank must stop after the same step)."""
+    flag = torch.tensor(float(stop), device=loss_sum.device)
+    values = torch.stack([loss_sum.float(), flag])
+    if not dist.enabled:
+        return values
+    import torch.distributed as td
+
+    _maybe_hang(f"step:{step}", dist.rank)
+    try:
+        td.all_reduce(values)
+    except Exception as exc:  # gloo raises on timeout or a closed peer; NCCL's watchdog aborts the process instead
+        raise DistributedFailure(_failure(dist, f"the all-reduce of step {step}'s loss", exc)) from None
+    return values
+
+
+@contextlib.contextmanager
+def collective(dist: Dist, what: str):
+    """Around work that contains collectives (DDP's gradient all-reduce inside backward): a failure there is a peer
+    that died or hung, said as such, not a library traceback."""
+    if not dist.enabled:
+        yield
+        return
+    try:
+        yield
+    except RuntimeError as exc:
+        if not _COLLECTIVE_ERROR.search(str(exc)):
+            raise
+        raise DistributedFailure(_failure(dist, what, exc)) from None
+
+
+def gather_rng(dist: Dist) -> list[str] | None:
+    """Every rank's torch RNG state (dropout differs per rank), for rank 0's checkpoint; base64 text for JSON."""
+    if not dist.enabled:
+        return None
+    import torch.distributed as td
+
+    state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    states = [None] * dist.world
+    td.all_gather_object(states, state, group=dist.control)
+    return states
+
+
+def restore_rng(dist: Dist, states: list[str] | None) -> None:
+    if not dist.enabled or not states:
+        return
+    raw = base64.b64decode(states[dist.rank])
+    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
+
+
+def main_first(dist: Dist, action, what: str):
+    """Rank 0 acts first (e.g. restoring a checkpoint, which may set damaged ones aside), then the other ranks."""
+    if dist.main:
+        out = action()
+    barrier(dist, what)
+    if not dist.main:
+        out = action()
+    return out
+
+
+def barrier(dist: Dist, what: str) -> None:
+    if dist.enabled:
+        _answering(dist, dist.timeout_s, what)
+
+
+def close(dist: Dist) -> None:
+    if dist.enabled:
+        import torch.distributed as td
+
+        if td.is_initialized():
+            td.destroy_process_group()
+
+
+def _answering(dist: Dist, timeout_s: float, what: str) -> None:
+    import torch.distributed as td
+
+    try:
+        td.monitored_barrier(group=dist.control, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except Exception as exc:
+        raise DistributedFailure(f"rank {dist.rank}: {what} failed: {_first_line(exc)}{_hint(dist)}") from None
+
+
+def _failure(dist: Dist, what: str, exc: BaseException) -> str:
+    """Name the collective and the step, and ask the control group which ranks still answer."""
+    missing = ""
+    try:
+        _answering(dist, min(30.0, dist.timeout_s), "the liveness check")
+    except DistributedFailure as probe:
+        missing = f"; liveness check: {str(probe).split(' failed: ', 1)[-1]}"
+    return (f"rank {dist.rank}: {what} did not complete ({_first_line(exc)}){missing}. Another rank died or hung; "
+            "the supervisor restarts the group from the last checkpoint")
+
+
+def _hint(dist: Dist) -> str:
+    if dist.backend == "nccl":
+        return (". On ROCm multi-GPU machines see `rocktune doctor` (NCCL_P2P_DISABLE=1 on some RX 7900 systems, "
+                "iommu=pt, HSA_ENABLE_SDMA=0); run `rocktune doctor --nproc N` to repeat this check alone")
+    return ""
+
+
+def _maybe_hang(point: str, rank: int) -> None:
+    """Tests: ROCKTUNE_FAULT_HANG=RANK@POINT (POINT: preflight | step:N) makes that rank stop answering, once per
+    run directory marker, as a hung GPU or driver would."""
+    spec = os.environ.get("ROCKTUNE_FAULT_HANG", "")
+    if spec != f"{rank}@{point}":
+        return
+    marker = os.environ.get("ROCKTUNE_FAULT_ONCE")
+    if marker:
+        if os.path.exists(marker):
+            return
+        open(marker, "w").close()
+    while True:
+        time.sleep(60)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__

@@ -1,0 +1,151 @@
+"""Several processes through torchrun on the CPU (gloo, 2 ranks): the same result as one process, exact resume
+after a killed rank, a hung rank named within the timeout, a preflight that catches a collective returning junk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform == "win32", reason="gloo + torchrun on Linux/macOS")]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    from rocktune.demo.task import make_task
+    from tests.conftest import write_jsonl
+
+    tmp = tmp_path_factory.mktemp("dist")
+    train, _ = make_task(n_train=256, n_eval=32, seed=1)
+    return tiny_model_dir, write_jsonl(tmp / "train.jsonl", train), tmp
+
+
+def config(setup, out: Path, **training) -> Path:
+    model, data, tmp = setup
+    t = {"max_steps": 6, "micro_batch_size": 8, "grad_accum": 2, "lr": 3e-3, "warmup_steps": 1, "eval_every": 0,
+         "precision": "fp32", "device": "cpu", "seed": 0, **training}
+    cfg = {"model": {"name_or_path": str(model)}, "lora": {"r": 8, "alpha": 16},
+           "data": {"train_file": str(data), "eval_fraction": 0.0, "max_length": 64, "cache_dir": str(tmp / "cache")},
+           "training": t, "reliability": {"save_every": 2, "collective_timeout_s": 15, "preflight_timeout_s": 30},
+           "output": {"dir": str(out)}}
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def rocktune(*args, faults=None, env=None):
+    full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    if faults:
+        full["ROCKTUNE_FAULTS"] = json.dumps(faults)
+    return subprocess.run([sys.executable, "-m", "rocktune", *map(str, args)], env=full, capture_output=True,
+                          text=True, timeout=600)
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def adapter(run: Path) -> dict:
+    return load_file(run / "adapter" / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    """One process, and 2 ranks uninterrupted, examples batching: the runs the fault tests must reproduce."""
+    _, _, tmp = setup
+    one, two = tmp / "one", tmp / "two"
+    assert rocktune("train", "-c", config(setup, one), "--no-supervise").returncode == 0
+    res = rocktune("train", "-c", config(setup, two), "--no-supervise", "--nproc", 2)
+    assert res.returncode == 0, res.stderr
+    return one, two, res.stderr
+
+
+def test_two_ranks_make_the_one_process_update(reference):
+    one, two, stderr = reference
+    assert losses(two) == pytest.approx(losses(one), rel=1e-6)
+    a, b = adapter(one), adapter(two)
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    assert "2 ranks, gloo; preflight passed" in stderr
+    assert stderr.count("preflight passed") == 1  # rank 1 stays quiet: rank 0 speaks for the group
+
+
+def test_token_batching_across_ranks_matches_one_process(setup):
+    _, _, tmp = setup
+    one, two = tmp / "tok1", tmp / "tok2"
+    assert rocktune("train", "-c", config(setup, one, batching="tokens", micro_batch_tokens=128),
+                    "--no-supervise").returncode == 0
+    res = rocktune("train", "-c", config(setup, two, batching="tokens", micro_batch_tokens=128), "--no-supervise",
+                   "--nproc", 2)
+    assert res.returncode == 0, res.stderr
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)  # rows split between ranks: another summation order
+    a, b = adapter(one), adapter(two)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5
+
+
+def test_killed_rank_stops_the_group_and_the_restart_is_exact(setup, reference):
+    _, two, _ = reference
+    _, _, tmp = setup
+    run = tmp / "killed"
+    res = rocktune("train", "-c", config(setup, run), "--nproc", 2,
+                   faults={"kill_at_step": 3, "rank": 1, "marker": str(tmp / "killed.marker")})
+    assert res.returncode == 0, res.stderr
+    incidents = [json.loads(x) for x in (run / "incidents.jsonl").read_text().splitlines()]
+    assert len(incidents) == 1 and incidents[0]["failed_rank"] == 1 and "SIGKILL" in incidents[0]["rank_cause"]
+    assert losses(run) == losses(two)
+    assert (run / "adapter" / "adapter_model.safetensors").read_bytes() == \
+        (two / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_hung_rank_is_named_within_the_timeout_and_the_run_recovers(setup, reference):
+    _, two, _ = reference
+    _, _, tmp = setup
+    run = tmp / "hung"
+    res = rocktune("train", "-c", config(setup, run), "--nproc", 2,
+                   env={"ROCKTUNE_FAULT_HANG": "1@step:3", "ROCKTUNE_FAULT_ONCE": str(tmp / "hung.marker")})
+    assert res.returncode == 0, res.stderr
+    assert "step 3" in res.stderr and "Rank 1" in res.stderr, res.stderr[-3000:]
+    assert (run / "incidents.jsonl").is_file()
+    assert losses(run) == losses(two)
+
+
+def test_preflight_catches_a_collective_that_returns_wrong_values(setup):
+    _, _, tmp = setup
+    run = tmp / "junk"
+    res = rocktune("train", "-c", config(setup, run), "--nproc", 2, env={"ROCKTUNE_FAULT_ALLREDUCE_RANK": "1"})
+    assert res.returncode == 2, res.stderr
+    assert "test all-reduce on gloo returned" in res.stderr and "wrong results" in res.stderr
+    assert not run.exists()  # nothing written
+    assert "Traceback" not in res.stderr
+
+
+def test_resume_with_another_number_of_ranks_is_refused(setup, reference):
+    _, two, _ = reference
+    _, _, tmp = setup
+    run = tmp / "partial"
+    res = rocktune("train", "-c", config(setup, run), "--no-supervise", "--nproc", 2,
+                   faults={"kill_at_step": 5, "rank": 0})
+    assert res.returncode != 0
+    res = rocktune("train", "-c", config(setup, run), "--no-supervise", "--resume")
+    assert res.returncode == 2 and "--nproc 2" in res.stderr, res.stderr
+
+
+def test_launch_arguments():
+    from rocktune.train.launch import torchrun_args
+
+    assert torchrun_args({"nproc": 4}) == ["--nproc-per-node", "4", "--max-restarts", "0", "--standalone"]
+    two_nodes = torchrun_args({"nproc": 8, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1",
+                               "master_port": 29501})
+    assert two_nodes[-6:] == ["--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29501"]
+    rdzv = torchrun_args({"nproc": 8, "nnodes": 2, "rdzv_endpoint": "head:29400"})
+    assert "--rdzv-endpoint" in rdzv and "head:29400" in rdzv
+
+
+def test_bad_launch_flags_are_user_errors(tmp_path):
+    res = rocktune("train", "--nnodes", 2, "data.train_file=x.jsonl")
+    assert res.returncode == 2 and "--master-addr" in res.stderr
