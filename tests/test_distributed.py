@@ -149,3 +149,27 @@ def test_launch_arguments():
 def test_bad_launch_flags_are_user_errors(tmp_path):
     res = rocktune("train", "--nnodes", 2, "data.train_file=x.jsonl")
     assert res.returncode == 2 and "--master-addr" in res.stderr
+
+
+def test_fsdp_shards_the_layers_and_trains_like_one_process(setup):
+    """FSDP2 on gloo, with eval and sample generations (every rank must run them in step), token batching."""
+    _, _, tmp = setup
+    extra = {"batching": "tokens", "micro_batch_tokens": 128, "eval_every": 3, "sample_count": 1,
+             "sample_max_new_tokens": 4}
+    one, sharded = tmp / "fsdp1", tmp / "fsdp2"
+    for run, args in ((one, []), (sharded, ["--nproc", 2])):
+        cfg = config(setup, run, **extra)
+        raw = yaml.safe_load(cfg.read_text())
+        raw["data"]["eval_fraction"] = 0.1
+        raw["training"]["parallel"] = "fsdp"
+        cfg.write_text(yaml.safe_dump(raw))
+        res = rocktune("train", "-c", cfg, "--no-supervise", *args)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert "decoder layers sharded over 2 ranks" in res.stderr
+    assert losses(sharded) == pytest.approx(losses(one), rel=1e-5)
+    evals = lambda run: [r["eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+                         if "eval_loss" in r]
+    assert len(evals(sharded)) == 3 and evals(sharded) == pytest.approx(evals(one), rel=1e-5)
+    assert (sharded / "samples.jsonl").read_text() == (one / "samples.jsonl").read_text()
+    a, b = adapter(one), adapter(sharded)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5

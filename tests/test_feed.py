@@ -57,10 +57,10 @@ LENGTHS = [7 + (i * 13) % 50 for i in range(40)]
 EXAMPLES = [(list(range(n)), [IGNORE] * (n // 3) + list(range(n // 3, n))) for n in LENGTHS]
 
 
-def _feed(prefetch: bool, mode: str = "tokens", rank: int = 0, world: int = 1, **position) -> StepFeed:
+def _feed(prefetch: bool, mode: str = "tokens", rank: int = 0, world: int = 1, lockstep: bool = False,
+          **position) -> StepFeed:
     from rocktune.data.batching import collate, loss_token_counts
     from rocktune.data.packing import collate_packed
-    from rocktune.train.distributed import Dist
 
     f = Feeding(mode=mode, micro_batch_size=4, grad_accum=3, max_length=64, packing=False, rows_per_forward=2,
                 seed=5)
@@ -68,9 +68,8 @@ def _feed(prefetch: bool, mode: str = "tokens", rank: int = 0, world: int = 1, *
         coll = lambda rows: collate_packed([[EXAMPLES[i] for i in row] for row in rows], 0)  # noqa: E731
     else:
         coll = lambda idx: collate([EXAMPLES[i][0] for i in idx], [EXAMPLES[i][1] for i in idx], 0)  # noqa: E731
-    share = Dist(rank=rank, world=world).share
     return StepFeed(f, LENGTHS, loss_token_counts([y for _, y in EXAMPLES]), lambda p: with_loss_index(coll(p)),
-                    prefetch, share, None, **position)
+                    prefetch, (rank, world), {"idle": True}, lockstep, **position)
 
 
 def test_prefetch_hands_out_the_same_steps_and_saves_the_consumed_position():
@@ -189,3 +188,15 @@ def test_resume_refuses_a_checkpoint_of_the_other_batching_mode():
     resume.check_batching(Restored, "tokens")
     with pytest.raises(UserError, match="training.batching=tokens"):
         resume.check_batching(Restored, "examples")
+
+
+@pytest.mark.parametrize("mode", ["tokens", "examples"])
+def test_lockstep_gives_every_rank_as_many_forwards(mode):
+    """FSDP gathers weights in every forward: ranks must run the same number, padded with idle batches."""
+    feeds = [_feed(False, mode, r, 3, lockstep=True) for r in range(3)]
+    for _ in range(6):
+        steps = [f.next() for f in feeds]
+        counts = {len(s.forwards) for s in steps}
+        assert len(counts) == 1, counts
+        real = [sum(1 for b in s.forwards if b != {"idle": True}) for s in steps]
+        assert real[0] >= real[1] >= real[2]  # rank 0's round-robin share is the largest

@@ -75,6 +75,11 @@ class TrainingConfig(_Section):
     micro_batch_size: int = Field(4, gt=0, description="Examples per forward/backward (batching=examples).")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step. The global batch, in examples "
                             "per optimizer step, is micro_batch_size x grad_accum in either batching mode.")
+    parallel: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="Several processes (--nproc): ddp replicates the frozen base on every rank and all-reduces "
+        "the adapter's gradients; fsdp shards the decoder layers' weights across ranks (FSDP2), for a base that does "
+        "not fit one device. auto: ddp."
+    )
     batching: Literal["auto", "examples", "tokens"] = Field(
         "auto", description="How a step's examples become forwards. examples: micro_batch_size examples per forward "
         "(length-bucketed, or packed with data.packing); tokens: the step's examples packed without padding into "

@@ -9,7 +9,7 @@ report is written as soon as it is done, so a later failure loses nothing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rocktune.errors import UserError
@@ -24,6 +24,11 @@ class Suite:
     steps: int = 3
     warmup: int = 1
     parity_steps: int = 0
+
+    def dry(self) -> Suite:
+        """The same configurations and code paths on a small workload: a CPU check of the suite, not a measurement."""
+        return replace(self, common={"micro_batch_size": 4, "grad_accum": 2, "max_length": 256},
+                       token_range=(50, 250), steps=1, warmup=1)
 
     def samples(self) -> int:
         """Enough examples for every measured step to be a full one, with a step to spare."""
@@ -40,10 +45,10 @@ SUITES = {
 
 
 def run_suite(name: str, model: str | None, device: str, out: str, timeout: float, run_bench, log) -> dict:
-    """``model`` replaces the suite's models (e.g. ``tiny`` for a CPU dry run of the whole suite)."""
+    """``model`` replaces the suite's models and shrinks its workload (``tiny``: a CPU dry run of the whole suite)."""
     if name not in SUITES:
         raise UserError(f"unknown bench suite {name!r}; known: {', '.join(SUITES)}")
-    suite = SUITES[name]
+    suite = SUITES[name] if model is None else SUITES[name].dry()
     reports = {}
     for shape in (model,) if model else suite.models:
         log(f"bench suite {name}: {shape}")

@@ -57,9 +57,18 @@ class Dist:
     def main(self) -> bool:
         return self.rank == 0
 
-    def share(self, items: list) -> list:
-        """This rank's disjoint share of a step's forwards (rows or micro-batches), dealt round-robin."""
-        return items[self.rank :: self.world] if self.enabled else items
+
+def strategy(dist: Dist, parallel: str, quantization: str) -> tuple[str, list[str]]:
+    """``training.parallel``: ddp (the base replicated on every rank) or fsdp (decoder layers sharded); auto is DDP,
+    the fastest for LoRA while the base fits one device (``rocktune plan`` says whether it does)."""
+    if not dist.enabled:
+        return "single", []
+    chosen = "ddp" if parallel == "auto" else parallel
+    if chosen == "fsdp" and quantization != "none":
+        raise UserError("training.parallel=fsdp with model.quantization: FSDP does not shard bitsandbytes' packed "
+                        "weights. A quantised base is small: use training.parallel=ddp.")
+    why = " (auto: the base is replicated; choose fsdp when it does not fit one device)" if parallel == "auto" else ""
+    return chosen, [f"parallel: {chosen}{why}"]
 
 
 def from_env() -> Dist:
@@ -131,9 +140,13 @@ def preflight(dist: Dist, device: str, timeout_s: float, fingerprint: str) -> li
     return notes
 
 
-def wrap(model, dist: Dist, device: str):
-    """DDP around the loss module, so gradients are all-reduced by PyTorch's reducer in its buckets."""
+def wrap(model, dist: Dist, device: str, strategy: str = "ddp"):
+    """DDP around the loss module, so gradients are all-reduced by PyTorch's reducer in its buckets; or FSDP2 on the
+    decoder layers (``shard_layers``), the loss module then called as it is."""
     if not dist.enabled:
+        return model
+    if strategy == "fsdp":
+        dist.notes.append(shard_layers(model.model, dist, device))
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -145,6 +158,52 @@ def wrap(model, dist: Dist, device: str):
     with warnings.catch_warnings():  # torch 2.13 renames the switch; the old name keeps working on torch 2.4-2.12
         warnings.simplefilter("ignore", FutureWarning)
         return DDP(model, device_ids=ids, broadcast_buffers=False, find_unused_parameters=False)
+
+
+def shard_layers(peft_model, dist: Dist, device: str) -> str:
+    """FSDP2: ``fully_shard`` each decoder layer's frozen base weights across the ranks (all-gathered for its forward
+    and backward, freed after). The adapter's weights are left out (``ignored_params``): they are small, stay whole
+    on every rank (so checkpoints and the saved adapter are exactly as with one process) and their gradients are
+    all-reduced once per step by ``sync_gradients``. Embeddings, final norm and head stay replicated too: the fused
+    loss reads the head's weight directly. The model is loaded on the CPU for this; shards move to the device here."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.world,))
+    adapter = {p for p in peft_model.parameters() if p.requires_grad}
+    layers = peft_model.get_base_model().get_decoder().layers
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, ignored_params={p for p in layer.parameters() if p in adapter})
+    sharded = [p for p in peft_model.parameters() if isinstance(p, DTensor)]
+    local = sum(p.to_local().numel() * p.element_size() for p in sharded)
+    whole = sum(p.numel() * p.element_size() for p in sharded)
+    if device.startswith("cuda"):  # what FSDP does not manage moves as it is (same Parameter objects)
+        for p in peft_model.parameters():
+            if not isinstance(p, DTensor):
+                p.data = p.data.to(device)
+        for module in peft_model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                module.register_buffer(name, buf.to(device), persistent=name not in module._non_persistent_buffers_set)
+    return (f"fsdp: {len(layers)} decoder layers sharded over {dist.world} ranks: {local / 2**20:,.1f} of "
+            f"{whole / 2**20:,.1f} MiB of their base weights held by this rank")
+
+
+def sync_gradients(dist: Dist, params: list, strategy: str) -> None:
+    """FSDP2 mode: the adapter's gradients, summed over ranks in one flat all-reduce and divided by the number of
+    ranks (as DDP averages), after the step's last backward. DDP has done this already inside backward."""
+    if not dist.enabled or strategy != "fsdp":
+        return
+    import torch.distributed as td
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    td.all_reduce(flat)
+    flat /= dist.world
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
 
 
 def no_sync(wrapped, last: bool):

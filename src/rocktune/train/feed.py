@@ -85,16 +85,20 @@ class Step:
 
 class StepFeed:
     """Hands out one optimizer step at a time. With several ranks every rank walks the same deterministic stream,
-    takes its disjoint share (``share``: rows of the step, or micro-batches, dealt round-robin) and derives the
+    takes its disjoint share (rows of the step, or micro-batches, dealt round-robin) and derives the
     global loss-token count from per-example counts, so the normaliser needs no communication."""
 
     def __init__(self, feeding: Feeding, lengths: list[int], loss_counts: list[int], collate, prefetch: bool = False,
-                 share=None, idle: dict | None = None, epoch: int = 0, index: int = 0):
+                 ranks: tuple[int, int] = (0, 1), idle: dict | None = None, lockstep: bool = False, epoch: int = 0,
+                 index: int = 0):
         self.feeding = feeding
         self.lengths, self.loss_counts = lengths, loss_counts
         self.collate = collate
-        self.share = share or (lambda items: items)
+        self.rank, self.world = ranks  # (this rank, number of ranks): shares are dealt round-robin
         self.idle = idle  # a host batch with no loss position, for a rank whose share of a small step is empty
+        # lockstep (FSDP): every rank runs as many forwards as rank 0 (whose round-robin share is the largest),
+        # padding with idle batches, since each forward gathers weights from all ranks
+        self.lockstep = lockstep
         f = feeding
         if f.mode == "tokens":
             make = lambda e: epoch_steps(lengths, f.examples_per_step, f.seed, e)  # noqa: E731
@@ -133,25 +137,29 @@ class StepFeed:
             ahead = self._plan()
             self._ahead = (ahead, self._pool.submit(self._collate_all, ahead[0]), self.stream.position(),
                            self.stream.epoch)
-        mine, loss_tokens = plan
+        mine, loss_tokens, most = plan
         real = sum(self.lengths[i] for i in _examples(mine, self.feeding.packed))
-        return Step(mine, forwards or [self.idle], loss_tokens, real)
+        pad = max(most if self.lockstep else 0, 1) - len(forwards)
+        return Step(mine, forwards + [self.idle] * max(pad, 0), loss_tokens, real)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _plan(self) -> tuple[list, int]:
-        """(this rank's index structures, the global step's loss-bearing tokens)."""
+    def _plan(self) -> tuple[list, int, int]:
+        """(this rank's index structures, the global step's loss-bearing tokens, the most forwards any rank runs)."""
         items = [self.stream.next() for _ in range(self._items_per_step)]
         f = self.feeding
         if f.mode == "tokens":
             everything = items[0]
-            mine = cut_forwards(self.share(step_rows(everything, self.lengths, f.max_length)), f.rows_per_forward)
+            rows = step_rows(everything, self.lengths, f.max_length)
+            mine = cut_forwards(rows[self.rank :: self.world], f.rows_per_forward)
+            most = len(cut_forwards(rows[:: self.world], f.rows_per_forward))  # rank 0's share is the largest
         else:
             everything = _examples(items, f.packing)
-            mine = self.share(items)
-        return mine, sum(self.loss_counts[i] for i in everything)
+            mine = items[self.rank :: self.world]
+            most = len(items[:: self.world])
+        return mine, sum(self.loss_counts[i] for i in everything), most
 
     def _collate_all(self, picked: list) -> list[dict]:
         return [self.collate(p) for p in picked]

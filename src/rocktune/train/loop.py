@@ -100,16 +100,21 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                                              lengths, vram_bytes, static_width=compiled)
     predicted_peak = planned_peak or predicted_peak
     chunk = autofit.loss_chunk(t.loss_chunk_size, device)
+    strategy, strategy_note = distributed.strategy(dist, t.parallel, m.quantization)
+    dist.notes += strategy_note
+    # FSDP loads on the CPU and moves each rank's shards to its GPU: the whole base need not fit one device.
     model, notes = build.model_with_adapter(m.name_or_path, precision, choices.attn_implementation,
-                                            m.trust_remote_code, device, m.liger, cfg.lora.r, cfg.lora.alpha,
+                                            m.trust_remote_code, "cpu" if strategy == "fsdp" else device, m.liger,
+                                            cfg.lora.r, cfg.lora.alpha,
                                             cfg.lora.dropout, cfg.lora.target_modules, m.gradient_checkpointing,
                                             compiled, m.quantization, m.double_quant)
+    loss_module = distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device, strategy)
     if on_ready is not None:
         on_ready(model)
     params = trainable_parameters(model)
-    runner = StepRunner(distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device), device,
-                        build.autocast(device, precision), torch.amp.GradScaler(device, enabled=precision == "fp16"),
-                        faults, dist.world)
+    runner = StepRunner(loss_module, device, build.autocast(device, precision),
+                        torch.amp.GradScaler(device, enabled=precision == "fp16"), faults, dist.world,
+                        after_backward=lambda: distributed.sync_gradients(dist, params, strategy))
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
     to_batch = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
@@ -118,16 +123,18 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                   width=d.max_length if feeding.static_width else 0)
     # On a GPU the next step is collated while this one computes; on a CPU a thread would only compete for cores.
     new_feed = lambda **position: StepFeed(feeding, lengths, loss_token_counts(train_set.labels), to_batch,  # noqa: E731
-                                           device == "cuda", dist.share, build.idle_batch(tokenizer.pad_token_id),
-                                           **position)
+                                           device == "cuda", (dist.rank, dist.world),
+                                           build.idle_batch(tokenizer.pad_token_id), strategy == "fsdp", **position)
     feed = new_feed()
     total_steps = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
     scaler, autocast = runner.scaler, runner.autocast
     guard = NumericGuard(rel.nan_patience, rel.zero_patience)
     eval_rows = max(t.micro_batch_size, feeding.rows_per_forward)  # no gradients: a forward's rows fit easily
-    evaluate = lambda: eval_loss(model, eval_set if dist.main else eval_set.subset([]), eval_rows,  # noqa: E731
-                                 tokenizer.pad_token_id, device, autocast, chunk, t.loss_impl == "chunked")
+    # Sharded weights are gathered from every rank in each forward: then every rank evaluates and samples in step.
+    everyone = strategy == "fsdp"
+    evaluate = lambda: eval_loss(model, eval_set if dist.main or everyone else eval_set.subset([]),  # noqa: E731
+                                 eval_rows, tokenizer.pad_token_id, device, autocast, chunk, t.loss_impl == "chunked")
 
     def compile_failed(exc: BaseException) -> None:
         nonlocal compiled
@@ -169,9 +176,10 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     if dist.main:
         sinks.write_run_info(run_dir, device, precision, predicted_peak, env_notes + choices.messages + fit_notes +
                              feed_notes + notes + stats.notes, stats, lengths, len(eval_set))
-    sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set,
-                            t.sample_count if dist.main else 0, t.sample_prompts if dist.main else [],
-                            t.sample_max_new_tokens, device, autocast, start_step)
+    samples = dist.main or everyone
+    sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set, t.sample_count if samples else 0,
+                            t.sample_prompts if samples else [], t.sample_max_new_tokens, device, autocast,
+                            start_step, write=dist.main)
     stop = _InterruptFlag()
     space_skips = checkpoint.SpaceSkips()
 
@@ -266,7 +274,8 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
                                "device_wait_s": wait_s, "compiling": compiling,
                                "epoch": feed.epoch, "peak_mem_bytes": mem})
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set) and dist.main:
+            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set) and \
+                    (dist.main or everyone):
                 ev = evaluate()
                 metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
@@ -278,8 +287,10 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 bar.log(f"interrupted: {where}; continue with --resume")
                 result.interrupted = True
                 return result
+        result.eval_loss_after = evaluate()  # None on a rank that does not evaluate
+        if everyone and not dist.main:
+            sampler.at(total_steps, model, metrics, bar.log)  # in step with rank 0's generations
         if dist.main:
-            result.eval_loss_after = evaluate()
             # Final writes check free space first; a full disk stops the run with finish.DiskFullError (exit 5).
             need = finish.adapter_bytes(params)
             with finish.guarded(run_dir, "the final metrics and sample generations", need):

@@ -46,19 +46,24 @@ def render_prompt(text: str, tokenizer, shape: str) -> list[int]:
 
 class Sampler:
     def __init__(self, path: Path, tokenizer, prompts: list[tuple[list[int], list[int] | None]], stop_ids: list[int],
-                 max_new_tokens: int, device: str, autocast=contextlib.nullcontext, start_step: int = 0):
+                 max_new_tokens: int, device: str, autocast=contextlib.nullcontext, start_step: int = 0,
+                 write: bool = True):
         self.path, self.tokenizer, self.prompts = path, tokenizer, prompts
         self.stop_ids, self.max_new_tokens, self.device, self.autocast = stop_ids, max_new_tokens, device, autocast
-        if prompts:  # only the process that samples touches the file (other ranks of a distributed run do not)
+        # write=False: a rank other than 0 of a sharded (FSDP) run generates in step with rank 0 (every forward
+        # gathers weights from all ranks) but keeps quiet
+        self.write = write
+        if prompts and write:  # only the process that samples touches the file
             _keep_until(path, start_step)
 
     @classmethod
     def build(cls, run_dir: Path, tokenizer, shape: str, eval_set, count: int, extra: list[str], max_new_tokens: int,
-              device: str, autocast, start_step: int) -> Sampler:
+              device: str, autocast, start_step: int, write: bool = True) -> Sampler:
         prompts = prompts_from_examples(eval_set.input_ids, eval_set.labels, count) if count else []
         prompts += [(render_prompt(p, tokenizer, shape), None) for p in extra]
         stops = sorted({*checks.stop_token_ids(tokenizer, shape), tokenizer.eos_token_id} - {None})
-        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, max_new_tokens, device, autocast, start_step)
+        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, max_new_tokens, device, autocast, start_step,
+                   write)
 
     @torch.no_grad()
     def at(self, step: int, model, log, say) -> None:
@@ -72,6 +77,8 @@ class Sampler:
             rows.append({"step": step, "prompt": self.tokenizer.decode(ids), "output": self._complete(model, ids),
                          "expected": None if expected is None else self._text(expected)})
         model.train(was_training)
+        if not self.write:
+            return
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         for r in rows:

@@ -73,6 +73,7 @@ class StepRunner:
     scaler: torch.amp.GradScaler
     faults: object
     world: int = 1  # DDP averages gradients over ranks; the loss is scaled by world so they sum instead
+    after_backward: object = None  # () -> None after the step's last backward (FSDP mode: the adapter's all-reduce)
 
 
 def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, pieces: int, step: int,
@@ -93,6 +94,8 @@ def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, piece
             loss_sum = run.faults.loss(step, loss_sum)
             run.scaler.scale(step_normalised(loss_sum, step_tokens) * run.world).backward()
         total += loss_sum.detach().float()
+    if run.after_backward is not None:
+        run.after_backward()
     return total
 
 
