@@ -92,7 +92,7 @@ def test_real_demo_learns_and_answers_end_with_the_end_of_turn_token(request, tm
     _real_model_wanted(request)
     from rocktune.cli import main
 
-    assert main(["demo", "--real", "--steps", "12", "--json", "--out", str(tmp_path / "d")]) == 0
+    assert main(["demo", "--real", "--steps", "8", "--json", "--out", str(tmp_path / "d")]) == 0
     fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(fig) >= {"eval_loss_before", "eval_loss_after", "exact_match", "run_dir", "train_seconds", "steps"}
     assert fig["eval_loss_after"] < 0.7 * fig["eval_loss_before"] and fig["exact_match_before"] == 0.0

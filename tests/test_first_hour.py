@@ -186,6 +186,7 @@ def test_summary_figures_come_from_metrics(tmp_path, monkeypatch):
              {"step": 2, "loss": 4.0, "tokens": 100, "step_s": 0.5}, {"step": 2, "eval_loss": 1.25}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"torn')
     monkeypatch.setattr(summary, "_installed", lambda m: m in ("rocktune.export", "rocktune.report"))
+    assert "rocktune generate" not in "\n".join(summary.next_commands(tmp_path))
     out: list[str] = []
     fig = summary.log_summary(tmp_path, out.append, 3.25)
     text = "\n".join(out)
@@ -194,6 +195,10 @@ def test_summary_figures_come_from_metrics(tmp_path, monkeypatch):
     assert "useful tokens/s 400 " in text and "process RSS" in text and str(tmp_path / "adapter") in text
     assert f"rocktune export {tmp_path} --to gguf" in text and f"rocktune report {tmp_path}" in text
     assert "generate" not in text
+    monkeypatch.setattr(summary, "_installed", lambda m: True)
+    assert f"rocktune generate {tmp_path} --prompt 'two mugs' --compare" in "\n".join(
+        summary.next_commands(tmp_path, prompt="two mugs"))
+    assert f"rocktune generate {tmp_path} --chat" in "\n".join(summary.next_commands(tmp_path))
 
 
 def test_a_run_ends_with_its_figures_and_a_finished_run_is_not_redone(tiny_model_dir, tmp_path, capsys):

@@ -51,12 +51,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rocktune"
 
 
+def model_dir() -> Path:
+    return cache_root() / "smollm2-135m-instruct"
+
+
 def converted_model(log) -> Path:
     """The cached HF directory of the packaged model, converted now if it is missing or from another version."""
     gguf = find_gguf()
     source = {"package": PACKAGE, "version": importlib.metadata.version(PACKAGE), "gguf": GGUF_NAME,
               "bytes": gguf.stat().st_size}
-    out = cache_root() / "smollm2-135m-instruct"
+    out = model_dir()
     marker = out / "rocktune_source.json"
     if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == source:
         return out

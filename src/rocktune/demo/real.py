@@ -37,15 +37,16 @@ def real_demo_config(base: Path, data_dir: Path, run_dir: Path, steps: int) -> d
 def run_real_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: bool = False) -> int:
     from rich.console import Console
 
-    from rocktune.demo.gguf_model import converted_model
+    from rocktune.demo.gguf_model import converted_model, find_gguf, model_dir
     from rocktune.train.loop import train
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     out = Path(out_dir)
     t_start = time.perf_counter()
-    base = converted_model(console.print)
-    settings = real_demo_config(base, out / "data", out / "run", steps or REAL_STEPS)
-    check_demo_dir(out, settings, overwrite)
+    find_gguf()
+    settings = real_demo_config(model_dir(), out / "data", out / "run", steps or REAL_STEPS)
+    check_demo_dir(out, settings, overwrite)  # before the conversion: a refusal costs nothing
+    converted_model(console.print)
     train_rows, eval_rows = make_chat_task(N_TRAIN, N_EVAL, seed=0)
     write_jsonl(out / "data" / "train.jsonl", train_rows)
     write_jsonl(out / "data" / "eval.jsonl", eval_rows)
@@ -118,7 +119,7 @@ def _print_table(fig: dict, eos: str, run_dir: Path) -> None:
     console.print(f"eval loss {fig['eval_loss_before']:.4f} -> {fig['eval_loss_after']:.4f}; held-out exact match "
                   f"{fig['exact_match_before']:.0%} -> {fig['exact_match']:.0%}; training {fig['train_seconds']} s "
                   f"({fig['steps']} steps on {fig['device']}), {fig['total_seconds']} s in all")
-    for line in next_commands(run_dir):
+    for line in next_commands(run_dir, prompt="Please send two small red mugs"):
         console.print(line, markup=False)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # The commands that use a run directory, each shown only once its module is installed.
 NEXT_COMMANDS = (
-    (("rocktune.generate", "rocktune.export.generate"), "rocktune generate {run}", "chat with the result"),
+    (("rocktune.generate", "rocktune.export.generate"), "rocktune generate {run} {ask}", "chat with the result"),
     (("rocktune.export",), "rocktune export {run} --to gguf", "a GGUF for llama.cpp / Ollama"),
     (("rocktune.report",), "rocktune report {run}", "plots and an HTML page of the run"),
 )
@@ -70,9 +70,11 @@ def log_summary(run_dir: Path, log, wall_s: float | None, device_peak: int = 0,
     return fig
 
 
-def next_commands(run_dir: Path) -> list[str]:
+def next_commands(run_dir: Path, prompt: str | None = None) -> list[str]:
+    """``prompt``: generate answers it beside the base model's answer instead of opening a chat."""
     run = _quote(str(run_dir))
-    found = [(cmd.format(run=run), why) for modules, cmd, why in NEXT_COMMANDS
+    ask = f"--prompt {_quote(prompt)} --compare" if prompt else "--chat"
+    found = [(cmd.format(run=run, ask=ask), why) for modules, cmd, why in NEXT_COMMANDS
              if any(_installed(m) for m in modules)]
     if not found:
         return []
