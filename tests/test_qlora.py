@@ -403,3 +403,22 @@ def test_gpu_nf4_peak_within_10_percent(tmp_path):
                   loss_fraction=got["loss_tokens"] / 1023, loss_chunk=1024)
     predicted = estimate(shape_from_config(config), run).peak_allocated
     assert predicted == pytest.approx(torch.cuda.max_memory_allocated(), rel=0.10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trained", ["nf4"], indirect=True)
+def test_oom_recovery_on_a_4bit_base_sees_the_same_samples(trained, tiny_model_dir, task, tmp_path):
+    """An OOM mid-step splits the micro-batches; on a 4-bit base the step's arithmetic stays the same."""
+    from rocktune.train.faults import Faults
+    from rocktune.train.loop import train
+
+    _, plain = trained
+    cfg = qlora_config(tiny_model_dir, task, tmp_path / "oom", "nf4")
+    result = train(config_from_dict(cfg), quiet=True, faults=Faults({"oom_at_step": 3, "oom_at_forward": 2}))
+
+    def rows(run_dir):
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+    got, want = rows(result.run_dir), rows(plain.run_dir)
+    assert [r["samples"] for r in got] == [r["samples"] for r in want]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
