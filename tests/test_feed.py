@@ -200,3 +200,29 @@ def test_lockstep_gives_every_rank_as_many_forwards(mode):
         assert len(counts) == 1, counts
         real = [sum(1 for b in s.forwards if b != {"idle": True}) for s in steps]
         assert real[0] >= real[1] >= real[2]  # rank 0's round-robin share is the largest
+
+
+def test_planner_per_rank_memory_for_ddp_and_fsdp():
+    from rocktune.planner import RunSpec, estimate, load_shape
+
+    shape = load_shape("Qwen2.5-7B")
+    one = estimate(shape, RunSpec(precision="bf16", seq_len=1024))
+    ddp = estimate(shape, RunSpec(precision="bf16", seq_len=1024, ranks=4, parallel="ddp"))
+    fsdp = estimate(shape, RunSpec(precision="bf16", seq_len=1024, ranks=4, parallel="fsdp"))
+    counts = shape.param_counts()
+    assert ddp.by_name()["base_weights"] == one.by_name()["base_weights"] == shape.n_params * 2
+    assert fsdp.by_name()["base_weights"] == counts["layers"] * 2 / 4 + (shape.n_params - counts["layers"]) * 2
+    assert fsdp.by_name()["fsdp_gathered_layers"] == 2 * counts["layers"] // shape.layers * 2
+    assert ddp.by_name()["gradient_buckets"] == ddp.by_name()["lora_grads"]
+    assert fsdp.total_bytes < one.total_bytes < ddp.total_bytes
+
+
+def test_parallel_auto_picks_fsdp_only_when_the_replicated_base_does_not_fit():
+    cfg = config_from_dict({"model": {"name_or_path": "Qwen2.5-7B"}, "data": {"train_file": "x", "max_length": 1024}})
+    assert autofit.choose_parallel(cfg, 1, "cuda", "bf16", "sdpa", 16 * GIB)[0] == "ddp"  # one process
+    assert autofit.choose_parallel(cfg, 4, "cuda", "bf16", "sdpa", 80 * GIB)[0] == "ddp"
+    chosen, notes = autofit.choose_parallel(cfg, 4, "cuda", "bf16", "sdpa", 20 * GIB)  # 15.2 GB of weights
+    assert chosen == "fsdp" and "--parallel fsdp" in notes[0]
+    assert autofit.choose_parallel(cfg, 4, "cpu", "fp32", "sdpa", None)[0] == "ddp"
+    cfg.training.parallel = "fsdp"
+    assert autofit.choose_parallel(cfg, 4, "cuda", "bf16", "sdpa", 80 * GIB)[0] == "fsdp"  # as asked

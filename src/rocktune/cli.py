@@ -219,6 +219,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--loss-chunk", type=int, default=256, help="loss positions per chunk (default 256)")
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--nproc", type=int, default=1, help="ranks training together: the breakdown is per rank")
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
+                   help="with --nproc > 1: ddp (base replicated) or fsdp (decoder layers sharded)")
     p.set_defaults(func=_run_plan)
 
 
@@ -229,7 +232,7 @@ def _run_plan(args) -> int:
                     global_batch=args.global_batch, lora_r=args.lora_r, targets=args.targets,
                     precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
                     lora_dropout=args.lora_dropout, loss=args.loss, loss_chunk=args.loss_chunk, device=args.device,
-                    as_json=args.json)
+                    as_json=args.json, ranks=args.nproc, parallel=args.parallel)
 
 
 # --- bench -----------------------------------------------------------------------------------------------------

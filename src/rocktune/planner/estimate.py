@@ -42,6 +42,8 @@ class RunSpec:
     loss_fraction: float = 1.0  # share of positions whose next token carries loss
     padded: bool | None = None  # a padding mask is present; None: whenever micro_batch > 1
     device: str = "gpu"  # gpu | cpu (dropout mask dtype, context allowance)
+    ranks: int = 1  # processes training together (--nproc x nodes); the estimate is per rank
+    parallel: str = "ddp"  # ddp: base replicated | fsdp: decoder layers' base weights sharded over the ranks
 
 
 @dataclass
@@ -147,7 +149,9 @@ def _parts(parts: dict[str, int]) -> str:
 
 def _static(shape: ModelShape, spec: RunSpec, add) -> None:
     dt = DTYPE_BYTES[spec.precision]
-    if spec.quant == "none":
+    if spec.quant == "none" and spec.ranks > 1 and spec.parallel == "fsdp":
+        _fsdp_weights(shape, spec, dt, add)
+    elif spec.quant == "none":
         add("base_weights", shape.n_params * dt, "static", f"{shape.n_params:,} params x {dt} B ({spec.precision})")
     else:
         linear, quantised = shape.layers * sum(i * o for _, i, o, _ in shape.linears()), 0
@@ -163,6 +167,22 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
     add("lora_params", n * 4, "static", f"{n:,} params (r={spec.lora_r} on {', '.join(mods)}) x 4 B fp32")
     add("lora_grads", n * 4, "static", f"{n:,} fp32 gradients (the frozen base gets none)")
     add("adamw_states", n * 8, "static", f"{n:,} x 2 fp32 states (exp_avg, exp_avg_sq), LoRA params only")
+    if spec.ranks > 1:  # DDP's reducer copies gradients into its buckets; FSDP mode all-reduces one flat copy
+        add("gradient_buckets", n * 4, "static", f"{n:,} fp32 adapter gradients in the all-reduce buffers")
+
+
+def _fsdp_weights(shape: ModelShape, spec: RunSpec, dt: int, add) -> None:
+    """FSDP2: each rank keeps 1/ranks of the decoder layers' weights; a layer is gathered whole for its forward and
+    backward, and the next one is prefetched, so two layers' weights exist at once. Embeddings, final norm and head
+    are replicated (the fused loss reads the head's weight directly)."""
+    counts = shape.param_counts()
+    layers = counts["layers"]
+    rest = shape.n_params - layers
+    add("base_weights", layers * dt / spec.ranks + rest * dt, "static",
+        f"{layers:,} layer params / {spec.ranks} ranks + {rest:,} replicated (embeddings, norm, head) x {dt} B")
+    add("fsdp_gathered_layers", 2 * layers // shape.layers * dt, "transient",
+        f"two decoder layers gathered whole (the one computing and the prefetched next): 2 x "
+        f"{layers // shape.layers:,} params x {dt} B")
 
 
 def quantised_bytes(n_in: int, n_out: int, quant: str, double_quant: bool = True) -> int:

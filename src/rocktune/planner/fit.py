@@ -202,11 +202,12 @@ def fit_token_rows(shape: ModelShape, base: RunSpec, budget: int, max_rows: int,
 def suggest_token_budget(model: str, vram_bytes: int | None, max_length: int, lora_r: int, target_modules,
                          precision: str, attn_implementation: str, checkpointing: bool, loss_chunk: int,
                          loss_mode: str, max_rows: int, lora_dropout: float = 0.0, quant: str = "none",
-                         double_quant: bool = True) -> TokenBudget:
+                         double_quant: bool = True, ranks: int = 1, parallel: str = "ddp") -> TokenBudget:
+    """The token budget per forward; with ``ranks`` > 1 per rank, for DDP or FSDP (``parallel``)."""
     shape = load_shape(model)
     budget, device, source = (vram_bytes, "gpu", "given") if vram_bytes else detect_budget()
     base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules), precision=precision,
                    attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
                    loss_mode=loss_mode, loss_chunk=loss_chunk, checkpointing=checkpointing, device=device,
-                   quant=quant, double_quant=double_quant)
+                   quant=quant, double_quant=double_quant, ranks=ranks, parallel=parallel)
     return fit_token_rows(shape, base, budget, max_rows, source)

@@ -14,7 +14,8 @@ from rocktune.planner.shapes import load_shape
 
 def run_plan(model: str, vram: str | None, max_length: int, micro_batch: int, global_batch: int, lora_r: int,
              targets: str, precision: str, quant: str, attn: str, checkpointing: bool, lora_dropout: float,
-             loss: str, loss_chunk: int, device: str | None, as_json: bool) -> int:
+             loss: str, loss_chunk: int, device: str | None, as_json: bool, ranks: int = 1,
+             parallel: str = "ddp") -> int:
     shape = load_shape(model)
     if precision not in DTYPE_BYTES or attn not in ATTN or quant not in ("none", *QUANT):
         raise UserError(f"precision must be one of {', '.join(DTYPE_BYTES)}, attn one of {', '.join(ATTN)}, "
@@ -28,7 +29,7 @@ def run_plan(model: str, vram: str | None, max_length: int, micro_batch: int, gl
     tgt = targets if targets in ("all-linear", "all") else tuple(t.strip() for t in targets.split(",") if t.strip())
     spec = RunSpec(micro_batch=micro_batch, seq_len=max_length, lora_r=lora_r, targets=tgt, precision=precision,
                    quant=quant, attn=attn, checkpointing=checkpointing, lora_dropout=lora_dropout, loss_mode=loss,
-                   loss_chunk=loss_chunk, device=device or kind)
+                   loss_chunk=loss_chunk, device=device or kind, ranks=ranks, parallel=parallel)
     est = estimate(shape, spec)
     other = estimate(shape, replace(spec, checkpointing=not checkpointing))
     try:

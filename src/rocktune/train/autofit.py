@@ -53,8 +53,41 @@ def loss_chunk(setting, device: str) -> int:
     return setting if isinstance(setting, int) else LOSS_CHUNK[device]
 
 
+def choose_parallel(cfg: RunConfig, world: int, device: str, precision: str, attn_implementation: str,
+                    vram_bytes: int | None) -> tuple[str, list[str]]:
+    """``training.parallel: auto``: DDP (fastest for LoRA) unless the planner says one packed row does not fit a
+    device with the base replicated but does with the decoder layers sharded over the ranks."""
+    chosen = cfg.training.parallel
+    if world == 1 or chosen != "auto":
+        return chosen if chosen != "auto" else "ddp", []
+    if device != "cuda" or cfg.model.quantization != "none":
+        return "ddp", ["parallel auto -> ddp"]
+    if _fits(cfg, precision, attn_implementation, vram_bytes, world, "ddp") or \
+            not _fits(cfg, precision, attn_implementation, vram_bytes, world, "fsdp"):
+        return "ddp", ["parallel auto -> ddp (the base fits each device)"]
+    return "fsdp", [f"parallel auto -> fsdp: the base does not fit one device replicated, but does sharded over "
+                    f"{world} ranks (rocktune plan --nproc {world} --parallel fsdp)"]
+
+
+def _fits(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None, ranks: int,
+          parallel: str) -> bool:
+    from rocktune.planner import suggest_token_budget
+
+    try:
+        suggest_token_budget(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
+                             cfg.lora.target_modules, precision, attn_implementation,
+                             cfg.model.gradient_checkpointing, loss_chunk(cfg.training.loss_chunk_size, "cuda"),
+                             cfg.training.loss_impl, 1, cfg.lora.dropout, ranks=ranks, parallel=parallel)
+        return True
+    except UserError:
+        return False
+    except Exception:  # a model the planner cannot size: the replicated default
+        return True
+
+
 def plan_feeding(cfg: RunConfig, device: str, precision: str, attn_implementation: str, lengths: list[int],
-                 vram_bytes: int | None, static_width: bool) -> tuple[Feeding, list[str], int | None]:
+                 vram_bytes: int | None, static_width: bool, ranks: int = 1, parallel: str = "ddp"
+                 ) -> tuple[Feeding, list[str], int | None]:
     """How this run cuts its steps into forwards (see ``train/feed.py``), the reasons to log, and the planner's
     predicted peak when it chose the token budget."""
     t, d = cfg.training, cfg.data
@@ -71,14 +104,14 @@ def plan_feeding(cfg: RunConfig, device: str, precision: str, attn_implementatio
     elif device != "cuda":
         rows = min(CPU_ROWS, cap)
     else:
-        rows, peak, note = _planned_rows(cfg, precision, attn_implementation, vram_bytes, cap)
+        rows, peak, note = _planned_rows(cfg, precision, attn_implementation, vram_bytes, cap, ranks, parallel)
         notes.append(note)
     feeding = dataclasses.replace(feeding, rows_per_forward=rows, static_width=static_width)
     return feeding, [feeding.describe(), *notes], peak
 
 
 def _planned_rows(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None,
-                  cap: int) -> tuple[int, int | None, str]:
+                  cap: int, ranks: int, parallel: str) -> tuple[int, int | None, str]:
     from rocktune.planner import suggest_token_budget
 
     t = cfg.training
@@ -87,7 +120,7 @@ def _planned_rows(cfg: RunConfig, precision: str, attn_implementation: str, vram
                                     cfg.lora.target_modules, precision, attn_implementation,
                                     cfg.model.gradient_checkpointing, loss_chunk(t.loss_chunk_size, "cuda"),
                                     t.loss_impl, cap, cfg.lora.dropout, quant=cfg.model.quantization,
-                                    double_quant=cfg.model.double_quant)
+                                    double_quant=cfg.model.double_quant, ranks=ranks, parallel=parallel)
     except UserError:
         raise
     except Exception as exc:  # a model the planner cannot size still trains, on a modest fixed budget

@@ -58,17 +58,15 @@ class Dist:
         return self.rank == 0
 
 
-def strategy(dist: Dist, parallel: str, quantization: str) -> tuple[str, list[str]]:
-    """``training.parallel``: ddp (the base replicated on every rank) or fsdp (decoder layers sharded); auto is DDP,
-    the fastest for LoRA while the base fits one device (``rocktune plan`` says whether it does)."""
+def strategy(dist: Dist, parallel: str, quantization: str) -> str:
+    """``training.parallel`` resolved (``autofit.choose_parallel``): ddp (the base replicated on every rank) or fsdp
+    (decoder layers sharded); "single" for one process."""
     if not dist.enabled:
-        return "single", []
-    chosen = "ddp" if parallel == "auto" else parallel
-    if chosen == "fsdp" and quantization != "none":
+        return "single"
+    if parallel == "fsdp" and quantization != "none":
         raise UserError("training.parallel=fsdp with model.quantization: FSDP does not shard bitsandbytes' packed "
                         "weights. A quantised base is small: use training.parallel=ddp.")
-    why = " (auto: the base is replicated; choose fsdp when it does not fit one device)" if parallel == "auto" else ""
-    return chosen, [f"parallel: {chosen}{why}"]
+    return parallel
 
 
 def from_env() -> Dist:

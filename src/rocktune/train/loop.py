@@ -96,12 +96,14 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     dist.notes += distributed.preflight(dist, device, rel.preflight_timeout_s, stats.fingerprint)
     lengths = train_set.lengths()
     compiled = build.want_compile(t.compile, choices.compile, device, t.batching)
+    parallel, parallel_notes = autofit.choose_parallel(cfg, dist.world, device, precision,
+                                                       choices.attn_implementation, vram_bytes)
+    strategy = distributed.strategy(dist, parallel, m.quantization)
+    dist.notes += parallel_notes
     feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, device, precision, choices.attn_implementation,
-                                                             lengths, vram_bytes, static_width=compiled)
+                                                             lengths, vram_bytes, compiled, dist.world, parallel)
     predicted_peak = planned_peak or predicted_peak
     chunk = autofit.loss_chunk(t.loss_chunk_size, device)
-    strategy, strategy_note = distributed.strategy(dist, t.parallel, m.quantization)
-    dist.notes += strategy_note
     # FSDP loads on the CPU and moves each rank's shards to its GPU: the whole base need not fit one device.
     model, notes = build.model_with_adapter(m.name_or_path, precision, choices.attn_implementation,
                                             m.trust_remote_code, "cpu" if strategy == "fsdp" else device, m.liger,
