@@ -151,3 +151,18 @@ def test_sentencepiece_vocabulary_metadata(tmp_path):
     assert len(kv["tokenizer.ggml.tokens"]) == len(kv["tokenizer.ggml.scores"]) == 400
     assert kv["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"] and "<0x0A>" in kv["tokenizer.ggml.tokens"]
     assert kv["tokenizer.ggml.bos_token_id"] == 1 and kv["tokenizer.ggml.eos_token_id"] == 2
+
+
+def test_modelfile_keeps_the_templates_default_system_prompt(models):
+    from transformers import AutoTokenizer
+
+    from rocktune.export.ollama import modelfile
+
+    tok = AutoTokenizer.from_pretrained(models["qwen2"])
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are Tiny.<|im_end|>\n"
+                         "{% endif %}" + tok.chat_template)
+    text, notes = modelfile("model.gguf", "chat", tok, None)
+    assert 'SYSTEM """You are Tiny."""' in text and not notes
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    text, notes = modelfile("model.gguf", "chat", tok, None)
+    assert "TEMPLATE" not in text and "not one rocktune translates" in notes[0]

@@ -15,6 +15,9 @@ CHATML = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end
 LLAMA3 = ("{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>"
           "{{- end }}<|start_header_id|>assistant<|end_header_id|>\n\n")
 FAMILIES = {"chatml": ("<|im_start|>", CHATML, "<|im_end|>"), "llama3": ("<|start_header_id|>", LLAMA3, "<|eot_id|>")}
+# the system turn a template inserts by itself when the conversation has none (SmolLM2's, Qwen2.5's, Llama 3.1's)
+DEFAULT_SYSTEM = {"chatml": r"<\|im_start\|>system\n(.*?)<\|im_end\|>",
+                  "llama3": r"<\|start_header_id\|>system<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>"}
 
 
 def template_family(chat_template: str | None) -> str | None:
@@ -41,6 +44,9 @@ def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_
         else:
             lines.append(f'TEMPLATE """{FAMILIES[family][1]}"""')
             stops.append(FAMILIES[family][2])
+            system = _default_system(tokenizer, family)
+            if system:
+                lines.append(f'SYSTEM """{system}"""')
     elif style == "alpaca":
         lines.append('TEMPLATE """' + ALPACA_NO_INPUT.replace("{instruction}", "{{ .Prompt }}") + '"""')
     else:
@@ -48,6 +54,16 @@ def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_
     lines += [f"PARAMETER stop {_quote(s)}" for s in dict.fromkeys(stops)]
     lines += [f"PARAMETER {k} {v}" for k, v in _sampling(generation_config).items()]
     return "\n".join(lines) + "\n", notes
+
+
+def _default_system(tokenizer, family: str) -> str | None:
+    """Ollama's TEMPLATE only sees the messages it is given; a default the Jinja template adds goes in SYSTEM."""
+    import re
+
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                             add_generation_prompt=False)
+    found = re.search(DEFAULT_SYSTEM[family], rendered, re.S)
+    return found.group(1) if found else None
 
 
 def _stops(tokenizer, generation_config) -> list[str]:
