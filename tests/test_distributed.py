@@ -173,3 +173,10 @@ def test_fsdp_shards_the_layers_and_trains_like_one_process(setup):
     assert (sharded / "samples.jsonl").read_text() == (one / "samples.jsonl").read_text()
     a, b = adapter(one), adapter(sharded)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5
+
+
+def test_doctor_runs_the_preflight_alone():
+    ok = rocktune("doctor", "--nproc", 2)
+    assert ok.returncode == 0 and "2 ranks, gloo; preflight passed" in ok.stdout, ok.stderr[-2000:]
+    bad = rocktune("doctor", "--nproc", 2, env={"ROCKTUNE_FAULT_ALLREDUCE_RANK": "0"})
+    assert bad.returncode == 2 and "wrong results" in bad.stderr

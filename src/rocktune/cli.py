@@ -165,6 +165,9 @@ def _run_doctor(args) -> int:
 
     if args.simulate and not Path(args.simulate).is_file():
         raise UserError(f"--simulate: no such file {args.simulate}")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="instead: start N processes (torchrun) and run train's multi-GPU preflight alone: barrier, "
+                        "an all-reduce of known values, peer access, each under a timeout")
     if args.timeout <= 0:
         raise UserError("--timeout must be positive")
     from rocktune.doctor.main import run_doctor
@@ -175,6 +178,11 @@ def _run_doctor(args) -> int:
 
 # --- env -------------------------------------------------------------------------------------------------------
 
+    if args.nproc > 1:
+        from rocktune.train.launch import check_available, run_preflight
+
+        check_available()
+        return run_preflight(args.nproc, min(args.timeout, 120.0))
 
 def _add_env(sub) -> None:
     p = sub.add_parser("env", help="print the environment variables rocktune advises for this machine (export lines)")

@@ -330,3 +330,28 @@ def _maybe_hang(point: str, rank: int) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _preflight_alone() -> int:
+    """``python -m rocktune.train.distributed`` under torchrun (``rocktune doctor --nproc N``)."""
+    from rocktune.errors import print_error
+
+    dist = from_env()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_for(dist, device)
+    timeout = float(os.environ.get("ROCKTUNE_PREFLIGHT_TIMEOUT", "60"))
+    try:
+        init(dist, device, timeout, timeout)
+        notes = preflight(dist, device, timeout, "doctor")
+    except (UserError, DistributedFailure) as exc:
+        print_error(str(exc))
+        return 2
+    finally:
+        close(dist)
+    if dist.main:
+        print("\n".join(notes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_preflight_alone())

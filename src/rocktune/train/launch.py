@@ -76,6 +76,23 @@ def run_launcher(payload: dict) -> int:
         return code if code >= 0 else 128 - code  # a signal, as a shell reports it
 
 
+def run_preflight(nproc: int, timeout_s: float) -> int:
+    """``rocktune doctor --nproc N``: the preflight of ``train --nproc N`` alone, on this machine's devices."""
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ["ROCKTUNE_PREFLIGHT_TIMEOUT"] = str(timeout_s)
+    args = parse_args(torchrun_args({"nproc": nproc}) + ["-m", "rocktune.train.distributed"])
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 1
+
+
 def failure_details(run_dir: Path) -> dict:
     """What the launcher recorded about the first failing rank ({} for one process)."""
     try:
