@@ -23,7 +23,8 @@ def run_export(path: str, to: str, out: str | None, quant_name: str | None, dtyp
                overwrite: bool, with_base: bool = False, template: str = "auto") -> list[dict]:
     """Export and print one line per file written; returns [{path, bytes, seconds}]."""
     src = resolve(path, base)
-    name = Path(path).resolve().name
+    resolved = Path(path).resolve()
+    name = resolved.parent.name if resolved.name in ("run", "adapter") else resolved.name  # runs/demo/run -> demo
     root = Path(out) if out else Path(path) / "export"
     t0 = time.perf_counter()
     if to == "merged":
