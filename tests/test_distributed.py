@@ -180,3 +180,27 @@ def test_doctor_runs_the_preflight_alone():
     assert ok.returncode == 0 and "2 ranks, gloo; preflight passed" in ok.stdout, ok.stderr[-2000:]
     bad = rocktune("doctor", "--nproc", 2, env={"ROCKTUNE_FAULT_ALLREDUCE_RANK": "0"})
     assert bad.returncode == 2 and "wrong results" in bad.stderr
+
+
+def test_ctrl_c_stops_every_rank_after_the_same_step_with_a_checkpoint(setup, reference):
+    import signal
+    import time
+
+    _, two, _ = reference
+    _, _, tmp = setup
+    run = tmp / "ctrlc"
+    env = dict(os.environ, OMP_NUM_THREADS="1", ROCKTUNE_FAULTS=json.dumps({"slow_steps": 1.0}))
+    proc = subprocess.Popen([sys.executable, "-m", "rocktune", "train", "-c", str(config(setup, run)),
+                             "--nproc", "2"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "metrics.jsonl").is_file() or len(losses(run)) < 2:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted: checkpoint at step" in stderr
+    stopped = len(losses(run))
+    assert (run / "checkpoints" / f"step-{stopped:07d}").is_dir() and stopped < 6
+    res = rocktune("train", "-c", config(setup, run), "--nproc", 2, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert losses(run) == losses(two)

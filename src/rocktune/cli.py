@@ -270,6 +270,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--write-config", help="where --pick writes the config (default <out>/best.yaml)")
     p.add_argument("--list", action="store_true", help="list the configurations and exit")
     p.set_defaults(func=_run_bench)
+    p.add_argument("--nproc", type=int, default=1,
+                   help="also run rocktune's defaults on N processes (rocktune train --nproc N, same global batch)")
+    p.add_argument("--suite", choices=("gpu",),
+                   help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
+                        "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry run)")
 
 
 def _run_bench(args) -> int:
@@ -289,7 +294,7 @@ def _run_bench(args) -> int:
                              n_samples=args.samples, parity_steps=args.parity_steps, timeout=args.timeout,
                              rounds=args.rounds,
                              as_json=args.json, pick=args.pick, write_config=args.write_config,
-                             list_only=args.list, suite=args.suite)
+                             list_only=args.list, suite=args.suite, nproc=args.nproc)
 
 
 # --- data preview / report -------------------------------------------------------------------------------------

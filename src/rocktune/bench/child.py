@@ -41,14 +41,37 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
     from rocktune.train import loop
 
     raw = rocktune_config(spec)
-    # RSS growth counts from the moment the model with its adapter exists, as for the HF baselines.
-    loop.train(config_from_dict(raw), overwrite=True, quiet=True, on_ready=probe.mark_loaded)
+    if spec.get("nproc", 1) > 1:
+        _run_ranks(raw, spec["nproc"], spec["threads"])
+        probe.loaded = {}
+    else:
+        # RSS growth counts from the moment the model with its adapter exists, as for the HF baselines.
+        loop.train(config_from_dict(raw), overwrite=True, quiet=True, on_ready=probe.mark_loaded)
     rows = [json.loads(line) for line in (Path(spec["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
               "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"],
               "device_wait_s": r.get("device_wait_s"), "forwards": r.get("forwards"), "compiling": r.get("compiling")}
              for r in rows if "loss" in r]
     return steps, {"config": raw}
+
+
+def _run_ranks(raw: dict, nproc: int, threads: int) -> None:
+    """``rocktune train --nproc N`` as a user runs it (torchrun, the same global batch), threads split between the
+    ranks on a CPU. The peak memory of worker processes is not measured here (reported as absent)."""
+    import os
+    import subprocess
+
+    import yaml
+
+    cfg = Path(raw["output"]["dir"]).with_suffix(".yaml")
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(yaml.safe_dump(raw))
+    per_rank = str(max(1, threads // nproc))
+    env = {**os.environ, "OMP_NUM_THREADS": per_rank, "MKL_NUM_THREADS": per_rank}
+    proc = subprocess.run([sys.executable, "-m", "rocktune", "train", "-c", str(cfg), "--no-supervise", "--overwrite",
+                           "--nproc", str(nproc)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rocktune train --nproc {nproc} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
 def main(spec_path: str, result_path: str) -> int:

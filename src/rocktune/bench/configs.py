@@ -23,6 +23,7 @@ class BenchConfig:
     needs_gpu: bool = False
     in_default_set: bool = True  # part of a plain `rocktune bench`
     default_on_cpu: bool = True
+    nproc: int = 1  # ranks (rocktune train --nproc): bench --nproc N adds rocktune's defaults on N ranks
 
 
 # The recipe knobs of the HF baselines: precision (fp32 | auto = rocktune's precision policy for the device),
@@ -78,6 +79,14 @@ PARITY = {
                                                                     "sampler": "rocktune-order"}),
 }
 BASELINES = [n for n, c in CONFIGS.items() if c.baseline]
+
+
+def on_ranks(nproc: int) -> BenchConfig:
+    """rocktune's defaults on ``nproc`` processes (the same global batch), registered so reports can name it."""
+    cfg = BenchConfig(f"rocktune-x{nproc}", "rocktune", f"rocktune defaults on {nproc} processes (torchrun: DDP; "
+                      "gloo on a CPU, threads split between the ranks)", {}, nproc=nproc)
+    CONFIGS[cfg.name] = cfg
+    return cfg
 
 
 def default_names(device: str) -> list[str]:

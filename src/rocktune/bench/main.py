@@ -10,7 +10,7 @@ from pathlib import Path
 def run_bench_command(model: str, data: str | None, configs: str | None, steps: int, warmup: int,
                       threads: int | None, device: str, out: str, n_samples: int, parity_steps: int,
                       timeout: float, rounds: int, as_json: bool, pick: bool, write_config: str | None,
-                      list_only: bool, suite: str | None = None) -> int:
+                      list_only: bool, suite: str | None = None, nproc: int = 1) -> int:
     from rocktune.bench.configs import CONFIGS
 
     if list_only:
@@ -44,7 +44,7 @@ def run_bench_command(model: str, data: str | None, configs: str | None, steps: 
         configs = picker.candidates(_device(device))
     report = run_bench(model=model, data=data, configs=configs, steps=steps, warmup=warmup, threads=threads,
                        device=device, out=out, n_samples=n_samples, parity_steps=parity_steps, timeout=timeout,
-                       rounds=rounds, log=log)
+                       rounds=rounds, log=log, nproc=nproc)
     report["command"] = "rocktune " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("rocktune") else None
     if pick:
         best = picker.fastest(report)

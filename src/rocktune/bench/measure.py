@@ -56,6 +56,10 @@ class MemoryProbe:
     def report(self) -> dict:
         import torch
 
+        if not self.loaded:  # the training ran in other processes (bench --nproc): nothing of ours to report
+            return {"rss_loaded_bytes": None, "rss_peak_bytes": None, "rss_growth_bytes": None,
+                    "rss_peak_source": "not measured (worker processes)"}
+
         hwm = _status_kib("VmHWM") if self.peak_source.startswith("VmHWM") else None
         peak = hwm * 1024 if hwm is not None else _maxrss_bytes()
         loaded = self.loaded.get("rss_bytes")

@@ -30,7 +30,8 @@ PARITY_REL_TOL = 1e-3
 def run_bench(model: str = "tiny", data: str | None = None, configs: str | None = None, steps: int = 5,
               warmup: int = 1, threads: int | None = None, device: str = "auto", out: str = "runs/bench",
               n_samples: int = 400, parity_steps: int = 4, timeout: float = 1800.0, rounds: int = 1,
-              log=print, common: dict | None = None, token_range: tuple[int, int] | None = None) -> dict:
+              log=print, common: dict | None = None, token_range: tuple[int, int] | None = None,
+              nproc: int = 1) -> dict:
     """``common`` overrides the shared settings (global batch, max_length); ``token_range`` the synthetic lengths."""
     common = {**COMMON, **(common or {})}
     if steps < 1:
@@ -49,6 +50,10 @@ def run_bench(model: str = "tiny", data: str | None = None, configs: str | None 
     lengths, loss_share = _data_lengths(model_dir, data_file, cache, common)
     base = {"model_dir": model_dir, "data_file": data_file, "cache_dir": str(cache / "tokens"), "device": device,
             "threads": threads, "common": common}
+    if nproc > 1:
+        from rocktune.bench.configs import on_ranks
+
+        chosen = chosen + [on_ranks(nproc)]
     runs: dict[str, list[dict]] = {c.name: [] for c in chosen}
     for rnd in range(rounds):
         # Alternate the order so that a drift in the machine's load does not favour the configurations run first.
@@ -75,7 +80,8 @@ def run_bench(model: str = "tiny", data: str | None = None, configs: str | None 
 def run_one(cfg: BenchConfig, spec: dict, out_dir: Path, timeout: float) -> dict:
     """Run one configuration in a fresh interpreter; the child writes its result file even when it fails."""
     run_dir = out_dir / "runs" / cfg.name
-    spec = {**spec, "name": cfg.name, "kind": cfg.kind, "settings": cfg.settings, "run_dir": str(run_dir)}
+    spec = {**spec, "name": cfg.name, "kind": cfg.kind, "settings": cfg.settings, "run_dir": str(run_dir),
+            "nproc": cfg.nproc}
     if cfg.needs_gpu and spec["device"] == "cpu":
         return {"name": cfg.name, "kind": cfg.kind, "status": "skipped", "reason": "needs a ROCm/CUDA device"}
     run_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,8 @@ from rocktune.data.batching import loss_token_counts
 from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
 from rocktune.platform.environment import apply_environment
-from rocktune.train import autofit, build, checkpoint, distributed, finish, preflight, resume, rundir, summary
-from rocktune.train.rundir import STOP_FILE
+from rocktune.train import (autofit, build, checkpoint, distributed, finish, preflight, resume, rundir, sinks,
+                            summary)
 from rocktune.train.autoconf import resolve_auto
 from rocktune.train.evaluate import eval_loss
 from rocktune.train.faults import Faults
@@ -33,9 +33,9 @@ from rocktune.train.feed import StepFeed
 from rocktune.train.finish import save_adapter
 from rocktune.train.guards import NumericGuard
 from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
-from rocktune.train import sinks
-from rocktune.train.samples import Sampler
 from rocktune.train.quant_gate import check_quantization
+from rocktune.train.rundir import STOP_FILE
+from rocktune.train.samples import Sampler
 from rocktune.train.step import (LossModule, OutOfMemoryAtMinimum, StepRunner, forward_backward, max_pieces,
                                  run_with_oom_recovery)
 
@@ -272,7 +272,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
                                "batch_tokens": sum(b["input_ids"].numel() for b in micro),
                                "real_tokens": fed.real_tokens,
-                               "forwards": len(micro), "samples": _digest(micro),
+                               "forwards": len(micro), "pieces": pieces, "samples": _digest(micro),
                                "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
                                "device_wait_s": wait_s, "compiling": compiling,
                                "epoch": feed.epoch, "peak_mem_bytes": mem})
