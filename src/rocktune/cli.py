@@ -129,19 +129,27 @@ def _launch(args) -> dict | None:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="train the built-in tiny model on a synthetic task (offline, ~1 minute on CPU)")
-    p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/demo, with --real runs/demo-real)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's own)")
     p.add_argument("--overwrite", action="store_true", help="replace a different earlier demo run in --out")
+    p.add_argument("--real", action="store_true",
+                   help="teach a real pretrained chat model (SmolLM2-135M-Instruct, from the demo-real extra) a "
+                        "new skill instead; a few minutes on a CPU")
     p.set_defaults(func=_run_demo)
 
 
 def _run_demo(args) -> int:
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, not {args.steps}")
+    if args.real:
+        from rocktune.demo.real import run_real_demo
+
+        return run_real_demo(out_dir=args.out or "runs/demo-real", as_json=args.json, steps=args.steps,
+                             overwrite=args.overwrite)
     from rocktune.demo.run import run_demo
 
-    return run_demo(out_dir=args.out, as_json=args.json, steps=args.steps, overwrite=args.overwrite)
+    return run_demo(out_dir=args.out or "runs/demo", as_json=args.json, steps=args.steps, overwrite=args.overwrite)
 
 
 # --- doctor ----------------------------------------------------------------------------------------------------
@@ -157,6 +165,9 @@ def _add_doctor(sub) -> None:
     p.add_argument("--no-checks", action="store_true", help="snapshot and advice only")
     p.add_argument("--no-perf", action="store_true", help="skip the TFLOP/s and GB/s measurements")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung check is killed (default 300)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="instead: start N processes (torchrun) and run train's multi-GPU preflight alone: barrier, "
+                        "an all-reduce of known values, peer access, each under a timeout")
     p.set_defaults(func=_run_doctor)
 
 
@@ -165,11 +176,13 @@ def _run_doctor(args) -> int:
 
     if args.simulate and not Path(args.simulate).is_file():
         raise UserError(f"--simulate: no such file {args.simulate}")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="instead: start N processes (torchrun) and run train's multi-GPU preflight alone: barrier, "
-                        "an all-reduce of known values, peer access, each under a timeout")
     if args.timeout <= 0:
         raise UserError("--timeout must be positive")
+    if args.nproc > 1:
+        from rocktune.train.launch import check_available, run_preflight
+
+        check_available()
+        return run_preflight(args.nproc, min(args.timeout, 120.0))
     from rocktune.doctor.main import run_doctor
 
     return run_doctor(as_json=args.json, no_device=args.no_device, simulate=args.simulate,
@@ -178,11 +191,6 @@ def _run_doctor(args) -> int:
 
 # --- env -------------------------------------------------------------------------------------------------------
 
-    if args.nproc > 1:
-        from rocktune.train.launch import check_available, run_preflight
-
-        check_available()
-        return run_preflight(args.nproc, min(args.timeout, 120.0))
 
 def _add_env(sub) -> None:
     p = sub.add_parser("env", help="print the environment variables rocktune advises for this machine (export lines)")
@@ -219,6 +227,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--targets", default="all-linear", help="all-linear (default) or a comma list, e.g. q_proj,v_proj")
     p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--quant", default="none", help="none | nf4 | fp4 | int8 base weights (QLoRA, docs/qlora.md)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks training together: the breakdown is per rank")
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
+                   help="with --nproc > 1: ddp (base replicated) or fsdp (decoder layers sharded)")
     p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2 (default sdpa)")
     p.add_argument("--checkpointing", action="store_true", help="break down with gradient checkpointing on")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
@@ -227,9 +238,6 @@ def _add_plan(sub) -> None:
     p.add_argument("--loss-chunk", type=int, default=256, help="loss positions per chunk (default 256)")
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--nproc", type=int, default=1, help="ranks training together: the breakdown is per rank")
-    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
-                   help="with --nproc > 1: ddp (base replicated) or fsdp (decoder layers sharded)")
     p.set_defaults(func=_run_plan)
 
 
@@ -262,6 +270,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (ROCm builds too)")
     p.add_argument("--samples", type=int, default=400, help="examples in the synthetic data (default 400)")
     p.add_argument("--out", default="runs/bench", help="scratch runs, cache and report.json (default runs/bench)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="also run rocktune's defaults on N processes (rocktune train --nproc N, same global batch)")
+    p.add_argument("--suite", choices=("gpu",),
+                   help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
+                        "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry run)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before one configuration is killed")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole set this many times, alternating the order; medians pool all rounds")
@@ -270,17 +283,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--write-config", help="where --pick writes the config (default <out>/best.yaml)")
     p.add_argument("--list", action="store_true", help="list the configurations and exit")
     p.set_defaults(func=_run_bench)
-    p.add_argument("--nproc", type=int, default=1,
-                   help="also run rocktune's defaults on N processes (rocktune train --nproc N, same global batch)")
-    p.add_argument("--suite", choices=("gpu",),
-                   help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
-                        "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry run)")
 
 
 def _run_bench(args) -> int:
-    p.add_argument("--suite", choices=("gpu",),
-                   help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
-                        "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry run)")
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, not {args.steps}")
     if args.warmup < 0 or args.parity_steps < 0 or args.samples < 8:
@@ -351,6 +356,7 @@ def _run_report(args) -> int:
     from rocktune.report.run_report import run_report
 
     return run_report(run_dirs=args.runs, out=args.out)
+
 
 # --- export / generate -------------------------------------------------------------------------------------------
 
