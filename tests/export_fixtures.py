@@ -64,10 +64,10 @@ def model_config(arch: str, vocab_size: int, tied: bool, eos: int, bos: int | No
                  rope: dict | None = None):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=tied, initializer_range=0.1, eos_token_id=eos, bos_token_id=bos,
-                  rms_norm_eps=1e-6)
+    common = {"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": hidden * 2,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "tie_word_embeddings": tied, "initializer_range": 0.1,
+              "eos_token_id": eos, "bos_token_id": bos, "rms_norm_eps": 1e-6}
     if arch == "qwen2":
         return Qwen2Config(rope_theta=10000.0, **common)
     if arch == "qwen3":

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.export_fixtures import build_model, make_run
 from rocktune.cli import main
+from tests.export_fixtures import build_model, make_run
 
 IDS = torch.arange(5, 60).reshape(1, -1)
 # (target_modules, modules_to_save): attention only; LoRA on the head; on the embedding; a full head copy; all

@@ -62,7 +62,7 @@ def _default_system(tokenizer, family: str) -> str | None:
 
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                              add_generation_prompt=False)
-    found = re.search(DEFAULT_SYSTEM[family], rendered, re.S)
+    found = re.search(DEFAULT_SYSTEM[family], rendered, re.DOTALL)
     return found.group(1) if found else None
 
 

@@ -79,9 +79,9 @@ def _check_base_exists(base: str, adapter: Path, overridden: bool) -> None:
         how = "check --base" if overridden else "the run's model.name_or_path is relative to where training ran " \
               "or was moved; pass --base MODEL_DIR (the same base the adapter was trained on)"
         raise UserError(f"the base model {base} of {adapter} does not exist; {how}.") from None
-    if base.startswith((".", "/", "~")) or Path(base).exists():
-        if not (Path(base).expanduser() / "config.json").is_file():
-            raise UserError(f"the base model directory {base} has no config.json; pass --base with the directory "
+    local = base.startswith((".", "/", "~")) or Path(base).exists()
+    if local and not (Path(base).expanduser() / "config.json").is_file():
+        raise UserError(f"the base model directory {base} has no config.json; pass --base with the directory "
                             "of a Hugging Face model (config.json + weights).")
 
 
@@ -110,7 +110,7 @@ def check_shapes(src: Source) -> None:
                                                  trust_remote_code=src.trust_remote_code)
     modules = dict(model.named_modules())
     with safe_open(str(weights), framework="pt") as f:
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             if ".lora_A." not in key and ".lora_B." not in key:
                 continue
             name = key.removeprefix("base_model.model.").split(".lora_")[0]
