@@ -78,3 +78,22 @@ def test_generate_file_compare_and_merged_dir(base, tmp_path, capsys):
     assert main(["generate", str(run / "export" / "merged"), "--prompt", PROMPTS[1], "--template", "raw",
                  "--max-new-tokens", "16", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == want[1] + "\n"
+
+
+def test_generate_chat_loop_keeps_the_conversation(base, tmp_path, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    model = make_run(run, base, ["q_proj", "v_proj"], data_format="messages")
+    tok = AutoTokenizer.from_pretrained(base)
+    lines = iter(["Hello world", "add 3 4 =", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["generate", str(run), "--chat", "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == reference(model, tok, "Hello world", chat=True, n=8)
+    history = [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "add 3 4 ="}]
+    text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
+    assert second == tok.decode(argmax_loop(model, ids, stops, 8), skip_special_tokens=True)
