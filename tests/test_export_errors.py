@@ -98,7 +98,7 @@ def test_full_disk_leaves_nothing(run, monkeypatch, capsys, to):
 
 
 def test_generate_input_errors(run, tmp_path, capsys):
-    assert "exactly one of" in fails(capsys, "generate", str(run))
+    assert "give one of" in fails(capsys, "generate", str(run), "--chat", "--prompt", "hi")
     bad = tmp_path / "p.jsonl"
     bad.write_text(json.dumps({"question": "hi"}) + "\n")
     assert "p.jsonl:1" in fails(capsys, "generate", str(run), "--file", str(bad))

@@ -392,7 +392,7 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate with the trained adapter (or a merged model) to see what it learned")
     p.add_argument("run", help="run directory (holding adapter/) or a model directory")
     p.add_argument("--prompt", help="one prompt; prints the reply")
-    p.add_argument("--chat", action="store_true", help="a short interactive loop on the terminal")
+    p.add_argument("--chat", action="store_true", help="a short interactive loop on the terminal (the default)")
     p.add_argument("--file", help="JSONL of {\"prompt\": ...} or {\"messages\": [...]}; prints JSONL with \"output\"")
     p.add_argument("--base", help="base model directory or hub id (default: the one the run trained on)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit in tokens (default 128)")

@@ -67,8 +67,8 @@ def complete(model, tokenizer, text: str, style: str, max_new_tokens: int, tempe
 
 def run_generate(path: str, prompt: str | None, chat: bool, file: str | None, base: str | None, max_new_tokens: int,
                  template: str, temperature: float, device: str, compare: bool) -> int:
-    if sum(x is not None and x is not False for x in (prompt, chat or None, file)) != 1:
-        raise UserError("give exactly one of --prompt TEXT, --chat or --file PROMPTS.jsonl.")
+    if sum(x is not None for x in (prompt, chat or None, file)) > 1:
+        raise UserError("give one of --prompt TEXT, --chat or --file PROMPTS.jsonl (none: --chat).")
     src = resolve(path, base)
     if compare and src.adapter is None:
         raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
