@@ -102,3 +102,17 @@ def test_generate_input_errors(run, tmp_path, capsys):
     bad = tmp_path / "p.jsonl"
     bad.write_text(json.dumps({"question": "hi"}) + "\n")
     assert "p.jsonl:1" in fails(capsys, "generate", str(run), "--file", str(bad))
+
+
+def test_overwrite_never_replaces_an_unrelated_directory(run, tmp_path, capsys):
+    mine = tmp_path / "my-models"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    assert "not an earlier export" in fails(capsys, "export", str(run), "--to", "merged", "--out", str(mine),
+                                            "--overwrite")
+    assert "is a directory" in fails(capsys, "export", str(run), "--to", "gguf", "--out", str(mine), "--overwrite")
+    assert (mine / "notes.txt").read_text() == "precious"
+    # an earlier export is replaced; the adapter directory given directly exports beside it, not into it
+    assert main(["export", str(run / "adapter"), "--to", "merged"]) == 0
+    assert main(["export", str(run), "--to", "merged", "--overwrite"]) == 0
+    assert (run / "export" / "merged" / "config.json").is_file() and not (run / "adapter" / "export").exists()

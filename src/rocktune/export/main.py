@@ -25,7 +25,8 @@ def run_export(path: str, to: str, out: str | None, quant_name: str | None, dtyp
     src = resolve(path, base)
     resolved = Path(path).resolve()
     name = resolved.parent.name if resolved.name in ("run", "adapter") else resolved.name  # runs/demo/run -> demo
-    root = Path(out) if out else Path(path) / "export"
+    # the export goes beside adapter/, also when the adapter directory itself was given
+    root = Path(out) if out else (src.adapter.parent if src.adapter == Path(path) else Path(path)) / "export"
     t0 = time.perf_counter()
     if to == "merged":
         written = [_merged(src, root if out else root / "merged", dtype, overwrite)]
@@ -48,7 +49,7 @@ def run_export(path: str, to: str, out: str | None, quant_name: str | None, dtyp
 def _merged(src: Source, target: Path, dtype: str, overwrite: bool) -> Path:
     if src.adapter is None:
         raise UserError(f"{src.base} is a model directory without an adapter: there is nothing to merge.")
-    output.check_target(target, overwrite)
+    output.check_target(target, overwrite, is_dir=True)
     model, notes = merge.merged_model(src, dtype)
     with output.staged(target, overwrite, is_dir=True) as tmp:
         merge.save_merged(model, src.base, src.trust_remote_code, tmp)
@@ -68,7 +69,7 @@ def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_di
     cfg = load_config(src.base, src.trust_remote_code)
     arch = archs.arch_for(cfg)
     quant.check_quant(q, gguf_model.row_lengths(cfg))
-    output.check_target(ollama_dir or path, overwrite)
+    output.check_target(ollama_dir or path, overwrite, is_dir=ollama_dir is not None)
     model, notes = _fp32_model(src)
     tensors = gguf_model.gguf_tensors(model.state_dict(), model.config, arch)
     with tempfile.TemporaryDirectory() as tok_dir:
@@ -96,7 +97,7 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
     cfg = load_config(src.base, src.trust_remote_code)
     arch = archs.arch_for(cfg)
     path = root if explicit and root.suffix == ".gguf" else root / f"adapter-{dtype}.gguf"
-    output.check_target(path, overwrite)
+    output.check_target(path, overwrite, is_dir=False)
     tensors, alpha = gguf_lora.lora_tensors(src.adapter, cfg, arch)
     written = []
     if with_base:

@@ -14,16 +14,26 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 
+MARKERS = ("config.json", "Modelfile")  # what a merged model or an Ollama bundle directory always holds
 
-def check_target(path: Path, overwrite: bool) -> None:
-    if path.exists() and not overwrite:
+
+def check_target(path: Path, overwrite: bool, is_dir: bool | None = None) -> None:
+    if not path.exists():
+        return
+    if not overwrite:
         raise UserError(f"{path} already exists; pass --overwrite to replace it, or --out to write elsewhere.")
+    if is_dir is False and path.is_dir():
+        raise UserError(f"{path} is a directory; --out names the .gguf file to write.")
+    # --overwrite replaces an earlier export, never an unrelated directory someone pointed --out at
+    if is_dir and (not path.is_dir() or (any(path.iterdir()) and not any((path / m).is_file() for m in MARKERS))):
+        raise UserError(f"{path} exists and is not an earlier export (no {' or '.join(MARKERS)}); --overwrite only "
+                        "replaces those. Choose another --out.")
 
 
 @contextlib.contextmanager
 def staged(path: Path, overwrite: bool, is_dir: bool):
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on any failure it is removed."""
-    check_target(path, overwrite)
+    check_target(path, overwrite, is_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial")
     _remove(tmp)
