@@ -118,7 +118,7 @@ def make_run(run_dir: Path, base: Path, targets, modules_to_save=None, seed: int
     return peft_model.eval()
 
 
-def build_spm_llama(out: Path, seed: int = 0) -> Path:
+def build_spm_llama(out: Path, seed: int = 0, added: tuple[str, ...] = ()) -> Path:
     """A Llama 2-style model: SentencePiece BPE with byte fallback (tokenizer.model beside tokenizer.json)."""
     import io
     import json
@@ -137,9 +137,11 @@ def build_spm_llama(out: Path, seed: int = 0) -> Path:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "add_bos_token": True}))
-    AutoTokenizer.from_pretrained(out).save_pretrained(out)  # adds tokenizer.json, as hub checkpoints have
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_special_tokens({"additional_special_tokens": list(added)})  # chat fine-tunes add markers on top
+    tok.save_pretrained(out)  # adds tokenizer.json, as hub checkpoints have
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=400 + len(added) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
                       eos_token_id=2, initializer_range=0.1, tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)

@@ -144,11 +144,13 @@ def test_sentencepiece_vocabulary_metadata(tmp_path):
     pytest.importorskip("sentencepiece", reason="sentencepiece reads tokenizer.model (rocktune[gguf])")
     from tests.export_fixtures import build_spm_llama
 
-    base = build_spm_llama(tmp_path / "base")
+    base = build_spm_llama(tmp_path / "base", added=("<|im_end|>",))
     assert main(["export", str(base), "--to", "gguf", "--out", str(tmp_path / "m.gguf")]) == 0
     kv = fields(gguf.GGUFReader(tmp_path / "m.gguf"))
     assert kv["tokenizer.ggml.model"] == "llama" and kv["tokenizer.ggml.add_bos_token"] is True
-    assert len(kv["tokenizer.ggml.tokens"]) == len(kv["tokenizer.ggml.scores"]) == 400
+    assert len(kv["tokenizer.ggml.tokens"]) == len(kv["tokenizer.ggml.scores"]) == 405
+    assert kv["tokenizer.ggml.tokens"][400:402] == ["<|im_end|>", "[PAD401]"]
+    assert list(kv["tokenizer.ggml.token_type"][400:402]) == [gguf.TokenType.CONTROL, gguf.TokenType.UNUSED]
     assert kv["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"] and "<0x0A>" in kv["tokenizer.ggml.tokens"]
     assert kv["tokenizer.ggml.bos_token_id"] == 1 and kv["tokenizer.ggml.eos_token_id"] == 2
 

@@ -108,10 +108,15 @@ def _add_sentencepiece(writer, tokenizer_dir: Path, vocab_size: int) -> None:
         tokens.append(text)
         scores.append(score)
         types.append(ttype)
+    added = _hf_tokenizer(tokenizer_dir).added_tokens_decoder  # tokens added on top of tokenizer.model
     for i in range(len(tokens), vocab_size):
-        tokens.append(f"[PAD{i}]".encode())
+        if i in added:
+            tokens.append(added[i].content.encode())
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(f"[PAD{i}]".encode())
+            types.append(gguf.TokenType.UNUSED)
         scores.append(-1000.0)
-        types.append(gguf.TokenType.UNUSED)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens[:vocab_size])
