@@ -99,9 +99,9 @@ def init(dist: Dist, device: str, timeout_s: float, preflight_timeout_s: float) 
     dist.control = td.new_group(backend="gloo", timeout=timedelta(seconds=preflight_timeout_s))
 
 
-def preflight(dist: Dist, device: str, timeout_s: float, fingerprint: str) -> list[str]:
-    """Every rank arrives, an all-reduce of known values returns the right numbers, and every rank trains the same
-    run. A wrong result or a hang is reported as such, before any training."""
+def preflight(dist: Dist, device: str, timeout_s: float) -> list[str]:
+    """Every rank arrives and an all-reduce of known values returns the right numbers. A wrong result or a hang is
+    reported as such, before anything is written."""
     if not dist.enabled:
         return []
     import torch.distributed as td
@@ -122,20 +122,28 @@ def preflight(dist: Dist, device: str, timeout_s: float, fingerprint: str) -> li
         raise PreflightFailure(f"preflight: the test all-reduce on {dist.backend} returned {got.tolist()} on rank "
                                f"{dist.rank}, expected {expected.tolist()}: the collective library gives wrong "
                                f"results on this machine, so training would silently diverge{_hint(dist)}")
-    prints = [None] * dist.world
-    td.all_gather_object(prints, fingerprint, group=dist.control)
-    if len(set(prints)) > 1:
-        raise PreflightFailure("preflight: the ranks do not train the same run (config, data or tokenizer differ "
-                               f"between ranks: {', '.join(f'rank {r}: {p[:12]}' for r, p in enumerate(prints))}); "
-                               "give every node the same files.")
     notes = [f"distributed: {dist.world} ranks, {dist.backend}; preflight passed (barrier, all-reduce of known "
-             "values, same run on every rank)"]
+             "values)"]
     if device.startswith("cuda") and torch.cuda.device_count() > 1:
         other = (dist.local_rank + 1) % torch.cuda.device_count()
         peer = torch.cuda.can_device_access_peer(dist.local_rank, other)
         how = "yes" if peer else "no (copies go through host memory; RCCL/NCCL still work, slower)"
         notes.append(f"GPU {dist.local_rank} -> GPU {other} peer access: {how}")
     return notes
+
+
+def same_run(dist: Dist, fingerprint: str) -> None:
+    """Every rank trains the same run: the fingerprints of config, data and tokenizer agree."""
+    if not dist.enabled:
+        return
+    import torch.distributed as td
+
+    prints = [None] * dist.world
+    td.all_gather_object(prints, fingerprint, group=dist.control)
+    if len(set(prints)) > 1:
+        raise PreflightFailure("preflight: the ranks do not train the same run (config, data or tokenizer differ "
+                               f"between ranks: {', '.join(f'rank {r}: {p[:12]}' for r, p in enumerate(prints))}); "
+                               "give every node the same files.")
 
 
 def wrap(model, dist: Dist, device: str, strategy: str = "ddp"):
@@ -342,7 +350,7 @@ def _preflight_alone() -> int:
     timeout = float(os.environ.get("ROCKTUNE_PREFLIGHT_TIMEOUT", "60"))
     try:
         init(dist, device, timeout, timeout)
-        notes = preflight(dist, device, timeout, "doctor")
+        notes = preflight(dist, device, timeout)
     except (UserError, DistributedFailure) as exc:
         print_error(str(exc))
         return 2

@@ -4,7 +4,7 @@ The supervised child is then this launcher instead of one worker: ``python -m ro
 runs torchrun in-process (``--max-restarts 0``: restarting is the supervisor's job, from the last checkpoint) and
 turns torchrun's "a child failed" into the first failing rank's own exit status, so a user error in every rank is
 still a user error (exit 2, never retried) and a killed rank is still a crash to restart. It names that rank on
-stderr and in ``.rank_failure.json`` for the supervisor's incident log.
+stderr and in ``rank_failure.json`` beside the supervisor's status file, for its incident log.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-FAILURE_FILE = ".rank_failure.json"
+FAILURE_FILE = "rank_failure.json"
 
 
 def is_multi(launch: dict | None) -> bool:
@@ -57,8 +57,8 @@ def run_launcher(payload: dict) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(torchrun_args(payload["launch"]) + ["-m", "rocktune.train.worker", json.dumps(payload)])
-    run_dir = Path(payload["config"]["output"]["dir"])
-    (run_dir / FAILURE_FILE).unlink(missing_ok=True)
+    # Beside the supervisor's status file (a temporary directory of its own): the run directory may not exist.
+    report = Path(payload["status_file"]).with_name(FAILURE_FILE) if payload.get("status_file") else None
     try:
         run(args)
         return 0
@@ -68,11 +68,8 @@ def run_launcher(payload: dict) -> int:
         cause = f"signal {failure.signal_name()}" if code < 0 else f"exit status {code}"
         if code not in (0, 2, 130):  # a user error or Ctrl-C was already told by the rank itself
             print(f"rocktune: rank {rank} failed first ({cause}); the other ranks were stopped", file=sys.stderr)
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / FAILURE_FILE).write_text(json.dumps({"failed_rank": rank, "rank_cause": cause}), encoding="utf-8")
-        except OSError:
-            pass
+        if report is not None:
+            report.write_text(json.dumps({"failed_rank": rank, "rank_cause": cause}), encoding="utf-8")
         return code if code >= 0 else 128 - code  # a signal, as a shell reports it
 
 
@@ -93,12 +90,15 @@ def run_preflight(nproc: int, timeout_s: float) -> int:
         return failure.exitcode if failure.exitcode > 0 else 1
 
 
-def failure_details(run_dir: Path) -> dict:
-    """What the launcher recorded about the first failing rank ({} for one process)."""
+def failure_details(status_file: Path) -> dict:
+    """What the launcher recorded about the first failing rank of the last attempt ({} for one process); read once."""
+    path = status_file.with_name(FAILURE_FILE)
     try:
-        return json.loads((run_dir / FAILURE_FILE).read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    finally:
+        path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

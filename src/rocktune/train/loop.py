@@ -88,12 +88,15 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     cache_dir = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
     data_checks = lambda examples, shape: checks.enforce(checks.check_training_data(  # noqa: E731
         examples, tokenizer, shape, d.train_on_prompt, d.train_file, d.max_length), d.train_file)
-    # prepare_data writes its cache only after every file, the split and data_checks passed.
-    train_set, eval_set, stats = prepare_data(d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length,
-                                              d.train_on_prompt, tokenizer, cache_dir, t.seed, d.truncation,
-                                              vocab_size, check=data_checks)
+    # Several ranks: the group is proven sound before anything is written, and rank 0 writes the token cache that
+    # the others then read.
     distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
-    dist.notes += distributed.preflight(dist, device, rel.preflight_timeout_s, stats.fingerprint)
+    dist.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
+    # prepare_data writes its cache only after every file, the split and data_checks passed.
+    train_set, eval_set, stats = distributed.main_first(dist, lambda: prepare_data(
+        d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length, d.train_on_prompt, tokenizer, cache_dir,
+        t.seed, d.truncation, vocab_size, check=data_checks), "preparing the data")
+    distributed.same_run(dist, stats.fingerprint)
     lengths = train_set.lengths()
     compiled = build.want_compile(t.compile, choices.compile, device, t.batching)
     parallel, parallel_notes = autofit.choose_parallel(cfg, dist.world, device, precision,
