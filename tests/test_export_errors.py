@@ -79,7 +79,7 @@ def test_gguf_lora_refuses_what_it_cannot_carry(base, tmp_path, capsys):
     assert "DoRA" in fails(capsys, "export", str(tmp_path / "dora"), "--to", "gguf-lora")
 
 
-@pytest.mark.parametrize("to", ["gguf", "merged"])
+@pytest.mark.parametrize("to", ["gguf", "merged", "merged-safetensors"])
 def test_full_disk_leaves_nothing(run, monkeypatch, capsys, to):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -88,10 +88,19 @@ def test_full_disk_leaves_nothing(run, monkeypatch, capsys, to):
         import gguf
 
         monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", no_space)
-    else:
+    elif to == "merged":
         from transformers import PreTrainedTokenizerBase
 
         monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", no_space)
+    else:  # safetensors raises its own error type, with the OS message in it
+        import transformers.modeling_utils
+        from safetensors import SafetensorError
+
+        def torn(*args, **kwargs):
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, message: \"No space left on device\" })")
+
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", torn)
+        to = "merged"
     err = fails(capsys, "export", str(run), "--to", to)
     assert "disk holding" in err and "is full" in err
     assert [p.name for p in (run / "export").iterdir()] == []

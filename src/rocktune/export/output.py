@@ -43,11 +43,11 @@ def staged(path: Path, overwrite: bool, is_dir: bool):
         yield tmp
         _fsync(tmp)
         _swap(tmp, path)
-    except OSError as exc:
+    except BaseException as exc:
         _remove(tmp)
-        raise UserError(_describe(exc, path)) from None
-    except BaseException:
-        _remove(tmp)
+        # safetensors and torch report a full disk as their own error types, with the OS message inside
+        if isinstance(exc, OSError) or "No space left" in str(exc):
+            raise UserError(_describe(exc, path)) from None
         raise
 
 
@@ -77,11 +77,11 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _describe(exc: OSError, path: Path) -> str:
-    if exc.errno == errno.ENOSPC:
+def _describe(exc: BaseException, path: Path) -> str:
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
         return (f"the disk holding {path.parent} is full; nothing was written (the partial output was removed). "
                 "Free space or pass --out on another disk; a smaller --quant (e.g. q8_0) also needs less.")
-    return f"could not write {path}: {exc.strerror or exc} (the partial output was removed)."
+    return f"could not write {path}: {getattr(exc, 'strerror', None) or exc} (the partial output was removed)."
 
 
 def size_of(path: Path) -> int:
