@@ -66,7 +66,7 @@ def _swap(tmp: Path, path: Path) -> None:
 def _fsync(path: Path) -> None:
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     for f in files:
-        with open(f, "rb") as fh:
+        with open(f, "r+b") as fh:  # opened for writing: on Windows fsync (FlushFileBuffers) needs write access
             os.fsync(fh.fileno())
 
 
