@@ -50,6 +50,7 @@ def _merged(src: Source, target: Path, dtype: str, overwrite: bool) -> Path:
     if src.adapter is None:
         raise UserError(f"{src.base} is a model directory without an adapter: there is nothing to merge.")
     output.check_target(target, overwrite, is_dir=True)
+    sys.stderr.write(f"loading {src.base} in fp32 and merging {src.adapter}\n")
     model, notes = merge.merged_model(src, dtype)
     with output.staged(target, overwrite, is_dir=True) as tmp:
         merge.save_merged(model, src.base, src.trust_remote_code, tmp)
@@ -58,6 +59,8 @@ def _merged(src: Source, target: Path, dtype: str, overwrite: bool) -> Path:
 
 
 def _fp32_model(src: Source):
+    # a 7B base takes minutes to load and merge on a CPU: say what is happening (stderr keeps stdout for results)
+    sys.stderr.write(f"loading {src.base} in fp32{' and merging ' + str(src.adapter) if src.adapter else ''}\n")
     if src.adapter is None:
         return merge.load_base_fp32(src.base, src.trust_remote_code), []
     return merge.merged_model(src, "fp32")
@@ -72,6 +75,7 @@ def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_di
     output.check_target(ollama_dir or path, overwrite, is_dir=ollama_dir is not None)
     model, notes = _fp32_model(src)
     tensors = gguf_model.gguf_tensors(model.state_dict(), model.config, arch)
+    sys.stderr.write(f"writing GGUF ({q})\n")
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer = _tokenizer(src, model.config, Path(tok_dir))
         if ollama_dir is None:
