@@ -60,8 +60,9 @@ def complete(model, tokenizer, text: str, style: str, max_new_tokens: int, tempe
     stops = stop_ids(tokenizer, model)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops or [0])[0]
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             eos_token_id=stops, pad_token_id=tokenizer.pad_token_id or stops[0], **sampling)
+                             eos_token_id=stops or None, pad_token_id=pad, **sampling)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
