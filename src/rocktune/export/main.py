@@ -69,6 +69,7 @@ def _fp32_model(src: Source):
 def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_dir: Path | None = None,
           template: str = "auto") -> Path:
     """One GGUF file at ``path``; with ``ollama_dir``, the directory holding it (named ``path``) and a Modelfile."""
+    _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
     arch = archs.arch_for(cfg)
     quant.check_quant(q, gguf_model.row_lengths(cfg))
@@ -98,6 +99,7 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
         raise UserError(f"{src.base} is a model directory without an adapter: there is no LoRA to export.")
     if dtype not in ("f32", "f16"):
         raise UserError(f"--quant {dtype}: a GGUF LoRA is written as f32 (default) or f16.")
+    _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
     arch = archs.arch_for(cfg)
     path = root if explicit and root.suffix == ".gguf" else root / f"adapter-{dtype}.gguf"
@@ -136,6 +138,13 @@ def _copy_sentencepiece_model(base: str, tok_dir: Path) -> None:
                         _raise_exceptions_for_connection_errors=False)
     if found and not (tok_dir / "tokenizer.model").exists():
         shutil.copyfile(found, tok_dir / "tokenizer.model")
+
+
+def _need_gguf() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError("GGUF export needs the gguf package (ggml-org's gguf-py): pip install 'rocktune[gguf]'.")
 
 
 def _notes(notes: list[str]) -> None:
