@@ -120,7 +120,7 @@ def _print_table(fig: dict, eos: str, run_dir: Path) -> None:
                   f"{fig['exact_match_before']:.0%} -> {fig['exact_match']:.0%}; training {fig['train_seconds']} s "
                   f"({fig['steps']} steps on {fig['device']}), {fig['total_seconds']} s in all")
     for line in next_commands(run_dir, prompt="Please send two small red mugs"):
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)  # a command must stay copyable, never wrapped
 
 
 def _short(text: str, limit: int = 90) -> str:
