@@ -332,3 +332,20 @@ def test_relative_path_found_only_beside_the_config_file_is_named(tmp_path, monk
     assert "project/train.jsonl, which exists" in err
     monkeypatch.chdir(sub)
     assert main(["train", "-c", "c.yaml", "--print-config"]) == 0
+
+
+def test_auto_states_one_memory_figure_with_or_without_vram(tiny_model_dir, task_files, tmp_path):
+    import re
+
+    from rocktune.config import config_from_dict
+    from rocktune.planner.budget import detect_budget
+    from rocktune.train import autofit
+
+    cfg = config_from_dict(tiny_run_config(tiny_model_dir, task_files[0], task_files[1], tmp_path / "run"))
+    detected, _, _ = detect_budget()
+    runs = [autofit.apply_fit(cfg, "fp32", "sdpa", vram) for vram in (None, detected)]
+    assert runs[0][1] == runs[1][1] and runs[0][2] == runs[1][2]
+    notes, peak = runs[0][1], runs[0][2]
+    assert sum("needs" in n for n in notes) == 1 and not any(n.startswith("chosen:") for n in notes)
+    total, _, shown_peak, overhead = map(float, re.findall(r"([\d.]+) GiB", notes[0])[:4])
+    assert shown_peak == round(peak / 2**30, 2) and abs(total - shown_peak - overhead) <= 0.011

@@ -37,10 +37,12 @@ class Suggestion:
 def suggest_settings(model: str, vram_bytes: int | None, max_length: int, lora_r: int,
                      target_modules: list[str] | str, precision: str, attn_implementation: str,
                      global_batch: int, loss_mode: str = "chunked", lora_dropout: float = 0.0,
-                     quant: str = "none", double_quant: bool = True) -> Suggestion:
-    """``precision="auto"`` lets the planner pick between bf16 and fp32 (pass the platform's choice if known)."""
+                     quant: str = "none", double_quant: bool = True, device: str | None = None) -> Suggestion:
+    """``precision="auto"`` lets the planner pick between bf16 and fp32 (pass the platform's choice if known).
+    ``device`` ("gpu" | "cpu"), when the caller knows it, keeps a given ``vram_bytes`` on the same device's overheads
+    as the detected budget would be (``train --auto`` with and without ``--vram`` then agree)."""
     shape = load_shape(model)
-    budget, device, source = (vram_bytes, "gpu", "given") if vram_bytes else detect_budget()
+    budget, device, source = (vram_bytes, device or "gpu", "given") if vram_bytes else detect_budget()
     base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules),
                    attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
                    loss_mode=loss_mode, quant=quant, double_quant=double_quant, device=device)

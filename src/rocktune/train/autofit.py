@@ -13,13 +13,17 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
               ) -> tuple[RunConfig, list[str], int]:
     """A copy of ``cfg`` with the planner's settings, the reasons to log, and the predicted peak allocated bytes.
     The global batch is kept."""
+    import torch
+
     from rocktune.planner import suggest_settings
 
     t = cfg.training
+    on_gpu = t.device != "cpu" and torch.cuda.is_available()  # what resolve_auto decides, for the overheads
     sug = suggest_settings(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
                            cfg.lora.target_modules, precision, attn_implementation,
                            t.micro_batch_size * t.grad_accum, loss_mode=t.loss_impl, lora_dropout=cfg.lora.dropout,
-                           quant=cfg.model.quantization, double_quant=cfg.model.double_quant)
+                           quant=cfg.model.quantization, double_quant=cfg.model.double_quant,
+                           device="gpu" if on_gpu else "cpu")
     fitted = cfg.model_copy(deep=True)
     fitted.model.quantization = sug.quant  # nf4 only when the planner proposed it: nothing else fits
     fitted.training.micro_batch_size = sug.micro_batch_size
@@ -28,9 +32,16 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
     fitted.data.max_length = sug.max_length
     chosen = (f"--auto: {'model.quantization=nf4 ' if sug.quant != cfg.model.quantization else ''}"
               f"micro_batch_size={sug.micro_batch_size} grad_accum={sug.grad_accum} "
-              f"gradient_checkpointing={sug.gradient_checkpointing} max_length={sug.max_length} "
-              f"(predicted peak {sug.predicted_peak_bytes / 2**30:.2f} GiB of {sug.budget_bytes / 2**30:.2f} GiB)")
-    return fitted, [chosen, *sug.reasons], sug.predicted_peak_bytes
+              f"gradient_checkpointing={sug.gradient_checkpointing} max_length={sug.max_length}: needs "
+              f"{_gib(sug.total_bytes)} of the {_gib(sug.budget_bytes)} budget ({_gib(sug.predicted_peak_bytes)} peak "
+              f"allocated, the figure the run measures, + {_gib(sug.total_bytes - sug.predicted_peak_bytes)} "
+              "allocator overhead and device context)")
+    # The planner's own "chosen:" line states the same choice with the total alone: one figure, said once.
+    return fitted, [chosen, *sug.reasons[1:]], sug.predicted_peak_bytes
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def oom_advice(model: str, max_length: int, lora_r: int, target_modules, precision: str, attn_implementation: str,
