@@ -226,3 +226,29 @@ def test_parallel_auto_picks_fsdp_only_when_the_replicated_base_does_not_fit():
     assert autofit.choose_parallel(cfg, 4, "cpu", "fp32", "sdpa", None)[0] == "ddp"
     cfg.training.parallel = "fsdp"
     assert autofit.choose_parallel(cfg, 4, "cuda", "bf16", "sdpa", 80 * GIB)[0] == "fsdp"  # as asked
+
+
+def test_lockstep_pads_the_parts_of_a_split_step():
+    """FSDP with pieces > 1: a rank whose rows split into fewer parts still runs as many forwards as any other."""
+    from rocktune.train.faults import Faults
+    from rocktune.train.step import StepRunner, forward_backward
+
+    calls = []
+
+    class Fake(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, batch):
+            calls.append(batch["input_ids"].shape)
+            return self.w * batch["loss_index"].numel()
+
+    one_row = with_loss_index({"input_ids": torch.ones(1, 4, dtype=torch.long),
+                               "labels": torch.tensor([[IGNORE, 1, 2, 3]])})
+    idle = build.idle_batch(0)
+    run = StepRunner(Fake(), "cpu", __import__("contextlib").nullcontext, torch.amp.GradScaler("cpu", enabled=False),
+                     Faults({}), lockstep_idle=idle)
+    total = forward_backward(run, [one_row, one_row], step_tokens=6, pieces=2, step=1, check_transfer=False)
+    assert len(calls) == 4 and calls.count((1, 1)) == 2  # 2 unsplittable rows + 2 idle forwards
+    assert float(total) == 6.0

@@ -65,6 +65,10 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
     micro, accum = common["micro_batch_size"], common["grad_accum"]
     # What an expert tunes by hand on a GPU: the largest per-device batch that fits (a CPU has no such limit to find).
     if recipe.get("batch") == "largest" and device == "cuda":
+        if _liger(recipe.get("liger", False), device):  # the Trainer patches in train(); probe what will train
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+            _apply_liger_kernel_to_instance(model=model.get_base_model())
         micro = largest_fitting_batch(lambda n: _trial_step(model, collator, ids, labels, n, device, precision),
                                       micro * accum)
         accum = common["micro_batch_size"] * common["grad_accum"] // micro

@@ -63,10 +63,34 @@ def strategy(dist: Dist, parallel: str, quantization: str) -> str:
     (decoder layers sharded); "single" for one process."""
     if not dist.enabled:
         return "single"
+    if parallel == "fsdp" and not _has_fsdp2():
+        raise UserError(f"training.parallel=fsdp needs FSDP2 (torch >= 2.6 with ignored_params; this is torch "
+                        f"{torch.__version__}). Use training.parallel=ddp, or a newer torch where your GPU has one.")
     if parallel == "fsdp" and quantization != "none":
         raise UserError("training.parallel=fsdp with model.quantization: FSDP does not shard bitsandbytes' packed "
                         "weights. A quantised base is small: use training.parallel=ddp.")
     return parallel
+
+
+def _has_fsdp2() -> bool:
+    import inspect
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return False
+    return "ignored_params" in inspect.signature(fully_shard).parameters
+
+
+def mean_over_ranks(dist: Dist, total: float, tokens: int) -> float | None:
+    """A token-weighted mean from every rank's (sum, count): eval under DDP, each rank on its share."""
+    if dist.enabled:
+        import torch.distributed as td
+
+        both = torch.tensor([float(total), float(tokens)], dtype=torch.float64)
+        td.all_reduce(both, group=dist.control)
+        total, tokens = both.tolist()
+    return total / tokens if tokens else None
 
 
 def from_env() -> Dist:
@@ -94,9 +118,12 @@ def init(dist: Dist, device: str, timeout_s: float, preflight_timeout_s: float) 
                         "start several processes; train on one GPU, or use Linux or WSL for several.")
     dist.backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.timeout_s = timeout_s
-    kwargs = {"device_id": torch.device(device)} if dist.backend == "nccl" else {}
+    # torch wants the indexed device; the loop's "cuda" means the current device, set by device_for
+    kwargs = {"device_id": torch.device("cuda", dist.local_rank)} if dist.backend == "nccl" else {}
     td.init_process_group(dist.backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    dist.control = td.new_group(backend="gloo", timeout=timedelta(seconds=preflight_timeout_s))
+    # The control group carries object gathers that wait on rank 0's own work (checkpoint RNG states): the long
+    # timeout; its barriers pass their own, short one.
+    dist.control = td.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def preflight(dist: Dist, device: str, timeout_s: float) -> list[str]:
@@ -181,7 +208,10 @@ def shard_layers(peft_model, dist: Dist, device: str) -> str:
     adapter = {p for p in peft_model.parameters() if p.requires_grad}
     layers = peft_model.get_base_model().get_decoder().layers
     for layer in layers:
-        fully_shard(layer, mesh=mesh, ignored_params={p for p in layer.parameters() if p in adapter})
+        # Each layer is its own FSDP root (no root wrap), and a root keeps its weights gathered after forward unless
+        # told otherwise: reshard, or every rank would end up holding the whole base.
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True,
+                    ignored_params={p for p in layer.parameters() if p in adapter})
     sharded = [p for p in peft_model.parameters() if isinstance(p, DTensor)]
     local = sum(p.to_local().numel() * p.element_size() for p in sharded)
     whole = sum(p.numel() * p.element_size() for p in sharded)
@@ -252,12 +282,18 @@ def collective(dist: Dist, what: str):
 
 
 def gather_rng(dist: Dist) -> list[str] | None:
-    """Every rank's torch RNG state (dropout differs per rank), for rank 0's checkpoint; base64 text for JSON."""
+    """Every rank's torch RNG states (CPU, and its own GPU's: dropout draws from them), for rank 0's checkpoint;
+    base64 text for JSON. Ranks are seeded alike, so the adapter starts identical everywhere."""
     if not dist.enabled:
         return None
     import torch.distributed as td
 
-    state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    state = {"cpu": b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = b64(torch.cuda.get_rng_state(dist.local_rank))
     states = [None] * dist.world
     td.all_gather_object(states, state, group=dist.control)
     return states
@@ -266,8 +302,13 @@ def gather_rng(dist: Dist) -> list[str] | None:
 def restore_rng(dist: Dist, states: list[str] | None) -> None:
     if not dist.enabled or not states:
         return
-    raw = base64.b64decode(states[dist.rank])
-    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+    mine = states[dist.rank]
+    torch.set_rng_state(tensor(mine["cpu"]))
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor(mine["cuda"]), dist.local_rank)
 
 
 def main_first(dist: Dist, action, what: str):

@@ -9,11 +9,18 @@ from rocktune.data.dataset import Examples
 from rocktune.train.loss import causal_lm_loss_sum
 
 
-@torch.no_grad()
 def eval_loss(model, examples: Examples, batch_size: int, pad_id: int, device: str, autocast,
               chunk_size: int, fast: bool = True) -> float | None:
+    total, tokens = eval_sums(model, examples, batch_size, pad_id, device, autocast, chunk_size, fast)
+    return total / tokens if tokens else None
+
+
+@torch.no_grad()
+def eval_sums(model, examples: Examples, batch_size: int, pad_id: int, device: str, autocast,
+              chunk_size: int, fast: bool = True) -> tuple[float, int]:
+    """(summed token loss, loss-bearing tokens) over ``examples``: several ranks add theirs before dividing."""
     if len(examples) == 0:
-        return None
+        return 0.0, 0
     was_training = model.training
     model.eval()
     order = sorted(range(len(examples)), key=lambda i: len(examples.input_ids[i]))
@@ -24,7 +31,7 @@ def eval_loss(model, examples: Examples, batch_size: int, pad_id: int, device: s
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast():
             loss_sum, n = causal_lm_loss_sum(model, batch, chunk_size, fast=fast)
-        total += float(loss_sum)
+        total += loss_sum.detach().float()  # on the device: one synchronisation at the end, not one per batch
         tokens += n
     model.train(was_training)
-    return total / max(tokens, 1)
+    return float(total), tokens

@@ -27,7 +27,7 @@ from rocktune.platform.environment import apply_environment
 from rocktune.train import (autofit, build, checkpoint, distributed, finish, preflight, resume, rundir, sinks,
                             summary)
 from rocktune.train.autoconf import resolve_auto
-from rocktune.train.evaluate import eval_loss
+from rocktune.train.evaluate import eval_sums
 from rocktune.train.faults import Faults
 from rocktune.train.feed import StepFeed
 from rocktune.train.finish import save_adapter
@@ -119,7 +119,8 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     params = trainable_parameters(model)
     runner = StepRunner(loss_module, device, build.autocast(device, precision),
                         torch.amp.GradScaler(device, enabled=precision == "fp16"), faults, dist.world,
-                        after_backward=lambda: distributed.sync_gradients(dist, params, strategy))
+                        after_backward=lambda: distributed.sync_gradients(dist, params, strategy),
+                        lockstep_idle=build.idle_batch(tokenizer.pad_token_id) if strategy == "fsdp" else None)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
     to_batch = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
@@ -138,8 +139,11 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     eval_rows = max(t.micro_batch_size, feeding.rows_per_forward)  # no gradients: a forward's rows fit easily
     # Sharded weights are gathered from every rank in each forward: then every rank evaluates and samples in step.
     everyone = strategy == "fsdp"
-    evaluate = lambda: eval_loss(model, eval_set if dist.main or everyone else eval_set.subset([]),  # noqa: E731
-                                 eval_rows, tokenizer.pad_token_id, device, autocast, chunk, t.loss_impl == "chunked")
+    # DDP: each rank evaluates its share and the sums are added; FSDP: every rank runs every eval forward.
+    eval_share = eval_set if everyone or not dist.enabled else \
+        eval_set.subset(list(range(dist.rank, len(eval_set), dist.world)))
+    evaluate = lambda: distributed.mean_over_ranks(dist, *eval_sums(  # noqa: E731
+        model, eval_share, eval_rows, tokenizer.pad_token_id, device, autocast, chunk, t.loss_impl == "chunked"))
 
     def compile_failed(exc: BaseException) -> None:
         nonlocal compiled
@@ -184,7 +188,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     samples = dist.main or everyone
     sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set, t.sample_count if samples else 0,
                             t.sample_prompts if samples else [], t.sample_max_new_tokens, device, autocast,
-                            start_step, write=dist.main)
+                            start_step, write=dist.main, synced=everyone)
     stop = _InterruptFlag()
     space_skips = checkpoint.SpaceSkips()
 
@@ -235,7 +239,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                     step_loss, pieces = run_with_oom_recovery(
                         lambda n: forward_backward(runner, micro, step_tokens, n, step, bool(check)),
                         optimizer, pieces, max(max_pieces(b) for b in micro), bar.log,
-                        on_compile_error=compile_failed if compiling else None)
+                        # Dynamo may recompile at any step (new shapes); a rank of several cannot re-run alone
+                        on_compile_error=compile_failed if compiled and not dist.enabled else None,
+                        alone=not dist.enabled)
             except OutOfMemoryAtMinimum as exc:
                 advice = autofit.oom_advice(m.name_or_path, d.max_length, cfg.lora.r, cfg.lora.target_modules,
                                             precision, choices.attn_implementation,
@@ -279,8 +285,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
                                "device_wait_s": wait_s, "compiling": compiling,
                                "epoch": feed.epoch, "peak_mem_bytes": mem})
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set) and \
-                    (dist.main or everyone):
+            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set):
                 ev = evaluate()
                 metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
@@ -291,8 +296,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 where = f"checkpoint at step {step}" if saved else "the last good checkpoint is kept"
                 bar.log(f"interrupted: {where}; continue with --resume")
                 result.interrupted = True
+                distributed.barrier(dist, "the interrupt checkpoint")  # no rank exits while rank 0 still writes
                 return result
-        result.eval_loss_after = evaluate()  # None on a rank that does not evaluate
+        result.eval_loss_after = evaluate()
         if everyone and not dist.main:
             sampler.at(total_steps, model, metrics, bar.log)  # in step with rank 0's generations
         if dist.main:

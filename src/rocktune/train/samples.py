@@ -47,23 +47,24 @@ def render_prompt(text: str, tokenizer, shape: str) -> list[int]:
 class Sampler:
     def __init__(self, path: Path, tokenizer, prompts: list[tuple[list[int], list[int] | None]], stop_ids: list[int],
                  max_new_tokens: int, device: str, autocast=contextlib.nullcontext, start_step: int = 0,
-                 write: bool = True):
+                 write: bool = True, synced: bool = False):
         self.path, self.tokenizer, self.prompts = path, tokenizer, prompts
         self.stop_ids, self.max_new_tokens, self.device, self.autocast = stop_ids, max_new_tokens, device, autocast
         # write=False: a rank other than 0 of a sharded (FSDP) run generates in step with rank 0 (every forward
         # gathers weights from all ranks) but keeps quiet
         self.write = write
+        self.synced = synced  # FSDP: every rank keeps decoding until all are done (transformers' synced_gpus)
         if prompts and write:  # only the process that samples touches the file
             _keep_until(path, start_step)
 
     @classmethod
     def build(cls, run_dir: Path, tokenizer, shape: str, eval_set, count: int, extra: list[str], max_new_tokens: int,
-              device: str, autocast, start_step: int, write: bool = True) -> Sampler:
+              device: str, autocast, start_step: int, write: bool = True, synced: bool = False) -> Sampler:
         prompts = prompts_from_examples(eval_set.input_ids, eval_set.labels, count) if count else []
         prompts += [(render_prompt(p, tokenizer, shape), None) for p in extra]
         stops = sorted({*checks.stop_token_ids(tokenizer, shape), tokenizer.eos_token_id} - {None})
         return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, max_new_tokens, device, autocast, start_step,
-                   write)
+                   write, synced)
 
     @torch.no_grad()
     def at(self, step: int, model, log, say) -> None:
@@ -90,7 +91,8 @@ class Sampler:
         with self.autocast():
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
                                  max_new_tokens=self.max_new_tokens, eos_token_id=self.stop_ids,
-                                 pad_token_id=self.tokenizer.pad_token_id)
+                                 pad_token_id=self.tokenizer.pad_token_id,
+                                 **({"synced_gpus": True} if self.synced else {}))
         return self._text(out[0, len(ids):].tolist())
 
     def _text(self, ids: list[int]) -> str:

@@ -22,6 +22,12 @@ from rocktune.train.loss import causal_lm_loss_sum, step_normalised
 DEVICE_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
+class OutOfMemoryInGroup(RuntimeError):
+    """Out of memory on one rank of several: a rank cannot split its share alone (the others are already waiting in
+    the step's collectives), so the group stops and the supervisor restarts it from the last checkpoint; a repeat
+    at the same step splits every forward."""
+
+
 class OutOfMemoryAtMinimum(RuntimeError):
     """Out of memory with one example (or packed row) per forward: nothing left to split."""
 
@@ -74,6 +80,7 @@ class StepRunner:
     faults: object
     world: int = 1  # DDP averages gradients over ranks; the loss is scaled by world so they sum instead
     after_backward: object = None  # () -> None after the step's last backward (FSDP mode: the adapter's all-reduce)
+    lockstep_idle: dict | None = None  # FSDP: every rank runs the same number of forwards, padded with this batch
 
 
 def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, pieces: int, step: int,
@@ -83,6 +90,8 @@ def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, piece
     step's last backward all-reduces the gradients."""
     total = torch.zeros((), dtype=torch.float32, device=run.device)
     parts = [part for batch in micro for part in split_rows(batch, pieces)]
+    if run.lockstep_idle is not None:  # each forward gathers weights from every rank: all ranks run as many
+        parts += [run.lockstep_idle] * (len(micro) * pieces - len(parts))
     for i, part in enumerate(parts):
         on_device = {k: run.faults.transfer(step, v.to(run.device, non_blocking=True)) for k, v in part.items()}
         if check_transfer:
@@ -104,15 +113,18 @@ def is_compile_error(exc: BaseException) -> bool:
     return type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
-def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log, on_compile_error=None
-                          ) -> tuple[torch.Tensor, int]:
+def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log, on_compile_error=None,
+                          alone: bool = True) -> tuple[torch.Tensor, int]:
     """Call ``attempt(pieces)`` until it fits; returns (its result, the pieces that worked). A compile failure is
-    handed to ``on_compile_error`` (which turns compilation off) and the step is run again, once."""
+    handed to ``on_compile_error`` (which turns compilation off) and the step is run again, once. ``alone=False``
+    (one rank of several): nothing is retried here, since the other ranks cannot follow."""
     while True:
         try:
             return attempt(pieces), pieces
         except DEVICE_OOM as exc:
             message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            if not alone:
+                raise OutOfMemoryInGroup(f"{message}: the group restarts from its last checkpoint") from None
         except Exception as exc:
             if on_compile_error is None or not is_compile_error(exc):
                 raise

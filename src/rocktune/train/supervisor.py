@@ -136,8 +136,9 @@ def _run_child(payload: dict) -> tuple[int, bool]:
             stop_file.touch()
         elif interrupts == 1:
             proc.send_signal(polite)
-        elif os.name != "nt":
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker
+        elif interrupts == 2 and is_multi(payload.get("launch")):
+            # torchrun runs each worker in a session of its own: only its agent can stop them all (on SIGTERM)
+            proc.terminate()
         else:
             proc.kill()
 

@@ -32,7 +32,8 @@ def run_in_process(payload: dict) -> int:
         from rocktune.train.step import OutOfMemoryAtMinimum
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    report = outcome.Report(payload.get("status_file"))
+    # Several ranks: rank 0 reports (the launcher names the first rank that failed); one writer, one file.
+    report = outcome.Report(payload.get("status_file") if os.environ.get("RANK", "0") == "0" else None)
     try:
         faults = _watched_faults(report)
         faults.startup()
