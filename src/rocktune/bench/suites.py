@@ -40,7 +40,7 @@ SUITES = {
     "gpu": Suite(models=("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"),
                  configs="hf-seed,hf-best,rocktune,rt-examples,rt-no-compile",
                  common={"micro_batch_size": 8, "grad_accum": 8, "max_length": 2048}, token_range=(50, 2000),
-                 steps=2, warmup=1),
+                 steps=3, warmup=2),  # two warm-up steps: compilation, and a Dynamo recompile for new shapes
 }
 
 
