@@ -224,5 +224,5 @@ def test_gpu_suite_definition():
     gpu = SUITES["gpu"]
     assert gpu.models == ("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape") and gpu.token_range == (50, 2000)
     assert gpu.common["micro_batch_size"] * gpu.common["grad_accum"] == 64
-    assert gpu.samples() >= 64 * (gpu.steps + gpu.warmup)
+    assert gpu.samples() >= 64 * (gpu.steps + gpu.warmup) and gpu.warmup >= 2
     assert {"hf-seed", "hf-best", "rocktune"} <= set(gpu.configs.split(","))
