@@ -9,7 +9,7 @@ import torch
 from rocktune.config import config_from_dict
 from rocktune.data.batching import with_loss_index
 from rocktune.data.encode import IGNORE
-from rocktune.data.packing import epoch_steps, step_forwards
+from rocktune.data.packing import cut_forwards, epoch_steps, step_rows
 from rocktune.errors import UserError
 from rocktune.train import autofit, build, resume
 from rocktune.train.feed import Feeding, StepFeed, _examples, rows_per_step
@@ -31,7 +31,7 @@ def test_epoch_steps_cover_each_example_once_and_are_reproducible():
 
 def test_step_forwards_pack_rows_within_capacity_and_balance_forwards():
     lengths = [60, 50, 40, 30, 20, 10, 64, 5, 33, 27, 45, 12]
-    forwards = step_forwards(list(range(12)), lengths, capacity=64, rows_per_forward=3)
+    forwards = cut_forwards(step_rows(list(range(12)), lengths, capacity=64), rows_per_forward=3)
     rows = [row for fwd in forwards for row in fwd]
     assert sorted(i for row in rows for i in row) == list(range(12))
     assert all(sum(lengths[i] for i in row) <= 64 for row in rows)

@@ -89,9 +89,3 @@ def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, w
         if len(pos) < width:
             out_pos[r, len(pos):] = torch.arange(pos[-1] + 1, pos[-1] + 1 + width - len(pos))
     return {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos}
-
-
-def step_forwards(indices: list[int], lengths: list[int], capacity: int, rows_per_forward: int
-                  ) -> list[list[list[int]]]:
-    """One process's forwards for a step: its examples packed into rows, cut into forwards."""
-    return cut_forwards(step_rows(indices, lengths, capacity), rows_per_forward)

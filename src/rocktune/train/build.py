@@ -51,13 +51,6 @@ def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
                             "position_ids": torch.zeros_like(ids)})
 
 
-def real_tokens(picked: list, lengths: list[int], packing: bool) -> int:
-    """Tokens of real examples (not padding) in the micro-batches the stream handed out for one step."""
-    if packing:
-        return sum(lengths[i] for rows in picked for row in rows for i in row)
-    return sum(lengths[i] for idx in picked for i in idx)
-
-
 def optimizer(params, kind: str, lr: float, weight_decay: float, device: str) -> torch.optim.Optimizer:
     if kind == "auto":
         kind = "adamw_fused" if device == "cuda" else "adamw_foreach"

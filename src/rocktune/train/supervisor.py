@@ -15,7 +15,6 @@ import os
 import signal
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
