@@ -99,12 +99,10 @@ def from_env() -> Dist:
     return Dist(rank=int(os.environ.get("RANK", "0")), world=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def device_for(dist: Dist, device: str) -> str:
-    """Each rank drives the GPU of its local rank."""
-    if device == "cuda" and dist.enabled:
+def device_for(dist: Dist) -> None:
+    """Each rank drives the GPU of its local rank; "cuda" then means that one everywhere in the loop."""
+    if dist.enabled and torch.cuda.is_available():
         torch.cuda.set_device(dist.local_rank)
-        return f"cuda:{dist.local_rank}"
-    return device
 
 
 def init(dist: Dist, device: str, timeout_s: float, preflight_timeout_s: float) -> None:
@@ -387,7 +385,7 @@ def _preflight_alone() -> int:
 
     dist = from_env()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    device_for(dist, device)
+    device_for(dist)
     timeout = float(os.environ.get("ROCKTUNE_PREFLIGHT_TIMEOUT", "60"))
     try:
         init(dist, device, timeout, timeout)

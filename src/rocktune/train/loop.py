@@ -58,13 +58,13 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     """Train ``cfg``; ``on_ready(model)`` (benchmarks) is called once the model with its adapter is built."""
     # The runtime reads these variables when the device initialises: set them before anything touches it.
     env_notes = apply_environment()
+    dist = distributed.from_env()  # one process unless torchrun started several
+    distributed.device_for(dist)  # each rank's own GPU, before any self-test touches one
     choices = resolve_auto(cfg.training.device, cfg.training.precision, cfg.model.attn_implementation)
     device, precision = choices.device, choices.precision
     # Check, then write (train/preflight.py): data files, kernel gates and the model directory come first.
     vocab_size = preflight.check_run(cfg.model.name_or_path, cfg.data.train_file, cfg.data.eval_file, device,
                                      cfg.model.liger, choices.attn_implementation)
-    dist = distributed.from_env()  # one process unless torchrun started several
-    distributed.device_for(dist, device)
     fit_notes: list[str] = []
     predicted_peak = None
     if auto_fit:
