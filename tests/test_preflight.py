@@ -41,8 +41,16 @@ def broken_model(src: Path, dst: Path, how: str) -> Path:
         index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     elif how == "small_vocab":  # token ids of the data reach past the embedding: an index error on the device
+        from safetensors.torch import load_file, save_file
+
         config = json.loads((dst / "config.json").read_text())
         (dst / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+        tensors = load_file(weights)  # weights and config agree; only the tokenizer reaches further
+        save_file({k: (v[:100].contiguous() if v.shape[0] == config["vocab_size"] else v) for k, v in tensors.items()},
+                  weights)
+    elif how == "mismatched_weights":  # config.json of one model, weights of another (a botched conversion)
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
     return dst
 
 
@@ -65,6 +73,7 @@ MODEL_CASES = {
     "no_config": ("has no config.json", "re-download"),
     "missing_shard": ("model-00002-of-00002.safetensors", "incomplete"),
     "small_vocab": ("train.jsonl:1: the tokenizer gives token id", "vocab_size=100"),
+    "mismatched_weights": ("do not fit its config.json", "mlp.down_proj.weight: file"),
 }
 
 

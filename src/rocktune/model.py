@@ -82,8 +82,29 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
     except (OSError, ValueError) as exc:
         raise UserError(f"could not load model {name_or_path}: {_first_line(exc)} "
                         "(offline? pass a local model directory)") from None
+    except RuntimeError:  # transformers: weights that do not fit the architecture config.json describes
+        check_weight_shapes(name_or_path)
+        raise
     model.config.use_cache = False  # the KV cache only costs memory during training
     return model if extra else model.to(device)
+
+
+def check_weight_shapes(name_or_path: str) -> None:
+    """A local model whose weight files do not fit its config.json is refused with the tensors that differ
+    (checked on a meta-device model: no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rocktune.modelcheck import shape_mismatches
+
+    try:
+        mismatched = shape_mismatches(name_or_path, AutoModelForCausalLM, AutoConfig.from_pretrained(name_or_path))
+    except Exception:  # custom code, an unknown architecture: the loader will say what it finds
+        return
+    if mismatched:
+        raise UserError(f"model {name_or_path}: its weights do not fit its config.json ({'; '.join(mismatched)}): "
+                        "the weight files and config.json come from different models, or a conversion went wrong. "
+                        "Download the model again, or point model.name_or_path at a directory whose files belong "
+                        "together.")
 
 
 def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, gradient_checkpointing: bool):

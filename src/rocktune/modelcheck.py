@@ -135,3 +135,27 @@ def _tokenizer_files(path: Path) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def shape_mismatches(name_or_path: str, model_class, config, limit: int = 3) -> list[str]:
+    """Weights whose stored shape differs from what ``config`` builds (a meta-device model: no memory, no weights),
+    as "name: file [..], config [..]" lines; empty when they agree or the files cannot be read."""
+    import torch
+    from safetensors import safe_open
+
+    path = Path(name_or_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return []
+    with torch.device("meta"):
+        expected = {k: list(v.shape) for k, v in model_class.from_config(config).state_dict().items()}
+    out = []
+    for file in files:
+        with safe_open(str(file), framework="numpy") as f:
+            for key in f.keys():
+                stored = list(f.get_slice(key).get_shape())
+                if key in expected and expected[key] != stored:
+                    out.append(f"{key}: file {stored}, config.json {expected[key]}")
+                    if len(out) >= limit:
+                        return out
+    return out

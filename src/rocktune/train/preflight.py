@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rocktune import modelcheck
 from rocktune.errors import UserError
-from rocktune.model import check_model_source
+from rocktune.model import check_model_source, check_weight_shapes
 from rocktune.model import load_tokenizer as _load_tokenizer
 
 PROBE = "Hello, world. 123"
@@ -29,7 +29,9 @@ def check_run(name_or_path: str, train_file: str, eval_file: str | None, device:
     gates(device, liger, attn_implementation)
     check_model_source(name_or_path)
     try:
-        return modelcheck.check_model_dir(name_or_path)
+        vocab = modelcheck.check_model_dir(name_or_path)
+        check_weight_shapes(name_or_path)
+        return vocab
     except OSError as exc:  # a permission or I/O error on a file the checks open
         raise UserError(f"the model directory {name_or_path} cannot be read ({exc}); check its permissions and "
                         "the disk.") from None
