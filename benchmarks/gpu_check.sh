@@ -7,16 +7,18 @@
 set -u
 OUT=${OUT:-/tmp/rocktune-gpu-check}
 mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # rocktune runs from the source tree there
 if [ -d .whl ] && [ -z "${DRY:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/src
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if [ -n "${DRY:-}" ] && [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; fi
 PY=${PY:-python3}
 if [ -n "${DRY:-}" ]; then DEVICE=cpu; MODEL="--model tiny"; SHAPE=tiny; else DEVICE=cuda; MODEL=""; SHAPE=qwen2.5-1.5b-shape; fi
 
 # 1. The machine, and what rocktune's doctor concludes about it (1 file).
-{ nvidia-smi 2>&1; timeout 90 $PY -m rocktune doctor --json 2>&1; } > "$OUT/machine.txt"
+{ nvidia-smi 2>&1 || echo "no nvidia-smi"; timeout 90 $PY -m rocktune doctor --json 2>&1; } > "$OUT/machine.txt"
 
 # 2. The GPU-marked tests: planner peak within 10% of max_memory_allocated, and the rest (1 file).
 timeout 180 $PY -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/pytest-gpu.txt" 2>&1
