@@ -159,6 +159,7 @@ def test_compile_auto_only_on_sound_gpus_with_token_batching():
     assert not build.want_compile("auto", False, "cuda", "auto")  # gfx906, RDNA (not measured), Windows
     assert not build.want_compile("auto", True, "cpu", "auto")
     assert not build.want_compile("auto", True, "cuda", "examples")
+    assert not build.want_compile("auto", True, "cuda", "auto", world=2)  # no eager fallback for one rank of two
     assert build.want_compile(True, False, "cpu", "examples") and not build.want_compile(False, True, "cuda", "auto")
 
 

@@ -122,7 +122,8 @@ class TrainingConfig(_Section):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the decoder. auto: on with batching=tokens where the platform knowledge "
         "calls it sound (Linux; CUDA sm_70+, Instinct gfx908+; never gfx906, RDNA not yet measured, never CPU); "
-        "the first step then shows as compiling and is left out of tokens/s. A compile failure falls back to eager."
+        "the first step then shows as compiling and is left out of tokens/s. A compile failure falls back to eager. "
+        "Off by default with several processes (a rank cannot fall back alone)."
     )
     loss_chunk_size: PositiveInt | Literal["auto"] = Field(
         "auto", description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once. auto: 256 "

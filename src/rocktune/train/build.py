@@ -106,12 +106,13 @@ def liger(model, mode: str, device: str) -> str | None:
     return "liger kernels applied (RMSNorm, SwiGLU, RoPE)"
 
 
-def want_compile(setting, platform_sound: bool, device: str, batching: str) -> bool:
+def want_compile(setting, platform_sound: bool, device: str, batching: str, world: int = 1) -> bool:
     """``training.compile: auto`` compiles only where the platform knowledge calls it sound, on a GPU fed fixed-width
-    token rows (few distinct shapes, so few recompilations); true/false are taken as given."""
+    token rows (few distinct shapes, so few recompilations), in one process: a rank of several cannot fall back to
+    eager alone when compilation fails. true/false are taken as given."""
     if setting != "auto":
         return bool(setting)
-    return platform_sound and device == "cuda" and batching in ("auto", "tokens")
+    return platform_sound and device == "cuda" and batching in ("auto", "tokens") and world == 1
 
 
 def uncompile_decoder(model) -> None:

@@ -98,7 +98,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
         t.seed, d.truncation, vocab_size, check=data_checks), "preparing the data")
     distributed.same_run(dist, stats.fingerprint)
     lengths = train_set.lengths()
-    compiled = build.want_compile(t.compile, choices.compile, device, t.batching)
+    compiled = build.want_compile(t.compile, choices.compile, device, t.batching, dist.world)
     parallel, parallel_notes = autofit.choose_parallel(cfg, dist.world, device, precision,
                                                        choices.attn_implementation, vram_bytes)
     strategy = distributed.strategy(dist, parallel, m.quantization)
