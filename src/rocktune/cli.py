@@ -11,10 +11,11 @@ import argparse
 import sys
 
 from rocktune import __version__
-from rocktune.errors import UserError, print_error
+from rocktune.errors import UserError, print_error, quiet_libraries
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -16,3 +16,12 @@ def print_error(message: str) -> None:
 
     # Escaped: messages quote user input (paths, pydantic's [type=...]) that rich would read as markup.
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
+
+
+def quiet_libraries() -> None:
+    """Library log lines that are not the user's to act on, silenced where rocktune's processes start (the CLI, the
+    supervised worker). bitsandbytes' CPU backend warns at import, in every command, that an optional kernels package
+    is missing, although its plain CPU path works (and QLoRA's own self-test proves it before training)."""
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -112,4 +112,7 @@ if __name__ == "__main__":
     if hasattr(signal, "SIGBREAK"):  # Windows: the supervisor's CTRL_BREAK stops us cleanly until the loop takes over
         signal.signal(signal.SIGBREAK, signal.default_int_handler)
     _stop_when_orphaned()
+    from rocktune.errors import quiet_libraries
+
+    quiet_libraries()
     raise SystemExit(run_in_process(json.loads(sys.argv[1])))
