@@ -127,7 +127,8 @@ class TrainingConfig(_Section):
     )
     loss_chunk_size: PositiveInt | Literal["auto"] = Field(
         "auto", description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once. auto: 256 "
-        "on CPU (measured fastest there), 4096 on ROCm/CUDA (fewer, larger head matmuls)."
+        "on CPU (measured fastest there), 2048 on ROCm/CUDA (fewer, larger head matmuls; 1.2 GiB of fp32 logits at a "
+        "152k vocabulary)."
     )
 
 
