@@ -109,6 +109,16 @@ def llama3_rope_divisors(dim: int, theta: float, factor: float, low: float, high
     return np.asarray(out, dtype=np.float32)
 
 
+def write_out(writer) -> None:
+    """Header, metadata and tensors of a filled GGUFWriter, in that order, and the file closed whatever happens."""
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
 def tensor_namer(cfg, arch: Arch):
     """HF parameter name -> GGUF tensor name (None for what GGUF does not store)."""
     import gguf

@@ -86,9 +86,4 @@ def write_lora_gguf(tensors: dict[str, np.ndarray], alpha: float, arch: archs.Ar
     writer.add_name(name)
     for tname, data in tensors.items():
         writer.add_tensor(tname, data.astype(np.float16 if dtype == "f16" else np.float32))
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+    archs.write_out(writer)

@@ -68,9 +68,4 @@ def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name
     for tname, data in tensors.items():
         encoded, raw = quants.encode(data, quant)
         writer.add_tensor(tname, encoded, raw_dtype=raw)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+    archs.write_out(writer)
