@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rocktune.data.batching import collate
+from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
 from rocktune.train.loss import causal_lm_loss_sum
 
@@ -27,7 +27,8 @@ def eval_sums(model, examples: Examples, batch_size: int, pad_id: int, device: s
     total, tokens = 0.0, 0
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        batch = collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx], pad_id)
+        batch = with_loss_index(collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx],
+                                        pad_id))  # loss positions from the host, as in training: no size syncs
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast():
             loss_sum, n = causal_lm_loss_sum(model, batch, chunk_size, fast=fast)

@@ -117,10 +117,11 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     if on_ready is not None:
         on_ready(model)
     params = trainable_parameters(model)
+    idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
     runner = StepRunner(loss_module, device, build.autocast(device, precision),
                         torch.amp.GradScaler(device, enabled=precision == "fp16"), faults, dist.world,
                         after_backward=lambda: distributed.sync_gradients(dist, params, strategy),
-                        lockstep_idle=build.idle_batch(tokenizer.pad_token_id) if strategy == "fsdp" else None)
+                        lockstep_idle=idle if strategy == "fsdp" else None)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
     to_batch = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
@@ -128,9 +129,9 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                   pin=choices.pin_memory and device == "cuda",
                                   width=d.max_length if feeding.static_width else 0)
     # On a GPU the next step is collated while this one computes; on a CPU a thread would only compete for cores.
-    new_feed = lambda **position: StepFeed(feeding, lengths, loss_token_counts(train_set.labels), to_batch,  # noqa: E731
-                                           device == "cuda", (dist.rank, dist.world),
-                                           build.idle_batch(tokenizer.pad_token_id), strategy == "fsdp", **position)
+    loss_counts = loss_token_counts(train_set.labels)  # once: a resume builds the feed again
+    new_feed = lambda **position: StepFeed(feeding, lengths, loss_counts, to_batch, device == "cuda",  # noqa: E731
+                                           (dist.rank, dist.world), idle, strategy == "fsdp", **position)
     feed = new_feed()
     total_steps = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
