@@ -21,6 +21,8 @@ FORBIDDEN = {
     "report": {"train", "cli", "bench", "demo", "doctor", "export"},
     # export reads run directories (adapter, config) and never drives training or reporting.
     "export": {"train", "cli", "bench", "demo", "doctor", "report"},
+    # diffusion (Wan LoRA) is data, model and numerics for train/diffusion_loop.py, which drives it: never upward.
+    "diffusion": {"train", "cli", "bench", "demo", "doctor", "report", "export"},
 }
 
 

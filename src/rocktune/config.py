@@ -163,18 +163,64 @@ class OutputConfig(_Section):
                          "set it; experiment rocktune).")
 
 
+class DiffusionConfig(_Section):
+    """task: video-lora / image-lora only (docs/diffusion.md); the LM path ignores this section."""
+
+    resolutions: list[tuple[PositiveInt, PositiveInt]] = Field(
+        default_factory=lambda: [(832, 480), (480, 832), (624, 624)],
+        description="Resolution buckets as [width, height]. Each file goes to the bucket nearest its aspect ratio, "
+        "is resized to cover it and centre-cropped. Both sides must be multiples of the VAE's spatial factor times "
+        "the transformer's patch size (16 for Wan 2.1; 32 for the Wan 2.2 TI2V-5B VAE).",
+    )
+    frames: list[PositiveInt] = Field(
+        default_factory=lambda: [33], description="Frame-count buckets for video-lora: each must be 4k+1 (the VAE "
+        "compresses 4 frames into one latent frame after the first), e.g. 1, 17, 33, 49, 81. A clip takes the largest "
+        "bucket it can fill from its first frames; a clip shorter than the smallest bucket is reported. image-lora "
+        "uses 1.",
+    )
+    media_field: str = Field("path", description="JSONL manifest: the field with the media file (relative to the "
+                             "manifest's folder).")
+    caption_field: str = Field("caption", description="JSONL manifest: the field with the caption. In a folder the "
+                               "caption is the .txt file beside each media file.")
+    max_text_tokens: PositiveInt = Field(
+        512, description="Text-encoder tokens per caption, zero-padded as Wan's pipeline pads at inference (512).",
+    )
+    timestep_sampling: Literal["shift", "uniform", "logit_normal"] = Field(
+        "shift", description="How a training timestep is drawn. shift: u ~ U(0,1) mapped by the flow shift, "
+        "sigma = s*u / (1 + (s-1)*u), as Wan's scheduler spaces its inference timesteps; uniform: sigma = u; "
+        "logit_normal: sigma = sigmoid(N(0,1)), then shifted.",
+    )
+    shift: float | Literal["auto"] = Field(
+        "auto", description="Flow shift s. auto: the checkpoint's scheduler config (shift, or flow_shift for UniPC).",
+    )
+
+
 class RunConfig(_Section):
+    task: Literal["lm", "video-lora", "image-lora"] = Field(
+        "lm", description="lm: LoRA for a causal language model (the default). video-lora / image-lora: LoRA for a "
+        "Wan 2.1/2.2 text-to-video transformer through diffusers, trained on a folder or JSONL manifest of clips or "
+        "images with captions (the diffusion section; docs/diffusion.md).",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     reliability: ReliabilityConfig = Field(default_factory=ReliabilityConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.task != "lm"
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
         if self.data.train_file is None:
-            raise ValueError("data.train_file is required: the JSON/JSONL file to train on")
+            raise ValueError("data.train_file is required: the JSON/JSONL file to train on (video-lora/image-lora: a "
+                             "folder of media with .txt captions, or a JSONL manifest)")
+        if self.is_diffusion and self.model.name_or_path == ModelConfig.model_fields["name_or_path"].default:
+            raise ValueError(f"task={self.task} needs model.name_or_path set to a diffusers Wan checkpoint (hub id "
+                             "such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or a local directory with model_index.json)")
         return self
 
 
@@ -220,6 +266,10 @@ def dump_config(cfg: RunConfig, comments: bool = False) -> str:
 
     out = []
     for name, section in type(cfg).model_fields.items():
+        if not (isinstance(section.annotation, type) and issubclass(section.annotation, BaseModel)):
+            out += [f"# {line}" for line in textwrap.wrap(section.description or "", 112)]
+            out += yaml.safe_dump({name: data[name]}, sort_keys=False).splitlines()
+            continue
         out.append(f"{name}:")
         for key, field in section.annotation.model_fields.items():
             out += [f"  # {line}" for line in textwrap.wrap(field.description or "", 110)]
