@@ -401,11 +401,30 @@ def _add_generate(sub) -> None:
                    help="prompt format (default: the run's training format; chat template for model directories)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampling")
     p.add_argument("--device", default="auto", help="auto (GPU when present), cpu or cuda (ROCm builds too)")
-    p.add_argument("--compare", action="store_true", help="with --prompt: also answer with the adapter switched off")
+    p.add_argument("--compare", action="store_true", help="with --prompt: also answer with the adapter switched off "
+                   "(video-lora/image-lora: also render the base alone from the same seed, as NAME-base.mp4)")
+    d = p.add_argument_group("video-lora / image-lora runs (renders RUN/wan_lora.safetensors)")
+    d.add_argument("--out", help="output file, .mp4 or .png (default RUN/samples/<prompt>-seed<N>.mp4, .png for 1 frame)")
+    d.add_argument("--size", help="WIDTHxHEIGHT, multiples of 16 (default: the run's first diffusion.resolutions)")
+    d.add_argument("--frames", type=int, help="4k+1 frames (default: the run's first diffusion.frames; image-lora: 1)")
+    d.add_argument("--steps", type=int, help="denoising steps (default 30)")
+    d.add_argument("--seed", type=int, help="noise seed (default 0)")
+    d.add_argument("--guidance", type=float, help="classifier-free guidance scale (default 5.0; 1 turns it off)")
+    d.add_argument("--negative-prompt", help="what to steer away from (default none)")
     p.set_defaults(func=_run_generate)
 
 
+_DIFFUSION_OPTIONS = ("out", "size", "frames", "steps", "seed", "guidance", "negative_prompt")
+
+
 def _run_generate(args) -> int:
+    from rocktune.diffusion.generate_cli import run_config
+
+    if run_config(args.run) is not None:
+        return _run_generate_media(args)
+    given = [f"--{name.replace('_', '-')}" for name in _DIFFUSION_OPTIONS if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} apply to video-lora/image-lora runs only; {args.run} is not one.")
     if args.max_new_tokens < 1 or args.temperature < 0:
         raise UserError("--max-new-tokens must be at least 1 and --temperature cannot be negative.")
     from rocktune.export.generate import run_generate
@@ -413,3 +432,15 @@ def _run_generate(args) -> int:
     return run_generate(path=args.run, prompt=args.prompt, chat=args.chat, file=args.file, base=args.base,
                         max_new_tokens=args.max_new_tokens, template=args.template, temperature=args.temperature,
                         device=args.device, compare=args.compare)
+
+
+def _run_generate_media(args) -> int:
+    if args.prompt is None or args.chat or args.file:
+        raise UserError(f"{args.run} is a video-lora/image-lora run: give --prompt TEXT (--chat and --file are for "
+                        "language-model runs).")
+    from rocktune.diffusion.generate_cli import Request, main
+    from rocktune.export.generate import _device
+
+    chosen = {name: getattr(args, name) for name in _DIFFUSION_OPTIONS if getattr(args, name) is not None}
+    return main(args.run, Request(prompt=args.prompt, base=args.base, compare=args.compare, **chosen),
+                _device(args.device))

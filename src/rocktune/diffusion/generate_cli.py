@@ -1,0 +1,118 @@
+"""``rocktune generate RUN --prompt TEXT`` for a video-lora / image-lora run: render with ``RUN/wan_lora.safetensors``.
+
+Size and length default to the run's first resolution and frame bucket, so the sample looks like what it trained on;
+``--compare`` renders the base too, from the same seed, so the two differ only by the LoRA.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from rocktune.errors import UserError
+
+CONFIG_NAME = "config.yaml"  # the run directory's resolved config (train/rundir.py, a layer above this one)
+LORA_NAME = "wan_lora.safetensors"
+DIFFUSION_TASKS = ("video-lora", "image-lora")
+
+
+@dataclass
+class Request:
+    """One ``generate`` call; None means the run's own value."""
+
+    prompt: str
+    out: str | None = None
+    base: str | None = None
+    compare: bool = False
+    size: str | None = None  # "WIDTHxHEIGHT"
+    frames: int | None = None
+    steps: int = 30
+    seed: int = 0
+    guidance: float = 5.0
+    negative_prompt: str = ""
+
+
+def run_config(path: str) -> dict | None:
+    """The run's resolved config when ``path`` is a diffusion run directory, else None (an LM run or a model)."""
+    saved = Path(path) / CONFIG_NAME
+    if not saved.is_file():
+        return None
+    config = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+    return config if config.get("task") in DIFFUSION_TASKS else None
+
+
+def generate(run: str, request: Request, device: str) -> list[Path]:
+    """Render the prompt (and, with compare, the base alone) into RUN/samples/; returns the files written."""
+    from rocktune.diffusion.render import add_lora, load_pipeline, sample, write_media
+
+    config = run_config(run)
+    if config is None:
+        raise UserError(f"{Path(run) / CONFIG_NAME} does not describe a video-lora or image-lora run.")
+    lora = _lora_file(Path(run))
+    base = request.base or config.get("model", {}).get("name_or_path")
+    if not base:
+        raise UserError(f"{Path(run) / CONFIG_NAME} names no model.name_or_path; pass the base Wan checkpoint as --base.")
+    shot = _shot(request, config)
+    out = _out_path(Path(run), request, shot)
+    pipe = load_pipeline(base, device)
+    written = []
+    if request.compare:
+        written.append(write_media(sample(pipe, shot), out.with_name(f"{out.stem}-base{out.suffix}")))
+    add_lora(pipe, lora)
+    written.insert(0, write_media(sample(pipe, shot), out))
+    return written
+
+
+def main(run: str, request: Request, device: str) -> int:
+    for path in generate(run, request, device):
+        sys.stdout.write(f"{path}\n")
+    return 0
+
+
+def _lora_file(run: Path) -> Path:
+    lora = run / LORA_NAME
+    if not lora.is_file():
+        raise UserError(f"{lora} not found: the run has not finished. Train first, or finish an interrupted run "
+                        "with `rocktune train --resume`.")
+    return lora
+
+
+def _shot(request: Request, config: dict):
+    from rocktune.config import DiffusionConfig
+    from rocktune.diffusion.render import Shot
+
+    buckets = DiffusionConfig(**config.get("diffusion", {}))
+    width, height = _parse_size(request.size) if request.size else buckets.resolutions[0]
+    frames = request.frames or (1 if config.get("task") == "image-lora" else buckets.frames[0])
+    if width % 16 or height % 16:
+        raise UserError(f"--size {width}x{height}: Wan renders sides that are multiples of 16; try "
+                        f"{_round16(width)}x{_round16(height)}.")
+    if frames < 1 or (frames - 1) % 4:
+        raise UserError(f"--frames {frames}: Wan's VAE needs 4k+1 frames (1, 17, 33, 49, 81); try "
+                        f"{max(frames - 1, 0) // 4 * 4 + 1}.")
+    if request.steps < 1:
+        raise UserError("--steps must be at least 1.")
+    return Shot(request.prompt, int(width), int(height), frames, request.steps, request.seed, request.guidance,
+                request.negative_prompt)
+
+
+def _parse_size(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if match is None:
+        raise UserError(f"--size {text}: give WIDTHxHEIGHT, e.g. 832x480.")
+    return int(match[1]), int(match[2])
+
+
+def _round16(side: int) -> int:
+    return max(16, round(side / 16) * 16)
+
+
+def _out_path(run: Path, request: Request, shot) -> Path:
+    if request.out:
+        return Path(request.out)
+    slug = "-".join(re.findall(r"[a-z0-9]+", request.prompt.lower()))[:48].strip("-") or "sample"
+    return run / "samples" / f"{slug}-seed{shot.seed}{'.png' if shot.frames == 1 else '.mp4'}"
