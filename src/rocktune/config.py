@@ -193,6 +193,11 @@ class DiffusionConfig(_Section):
     shift: float | Literal["auto"] = Field(
         "auto", description="Flow shift s. auto: the checkpoint's scheduler config (shift, or flow_shift for UniPC).",
     )
+    cache_device: Literal["auto", "cpu"] = Field(
+        "auto", description="Where the VAE and text encoder run to build the latent cache. auto: the training device "
+        "(on a GPU the first item is encoded again on the CPU in fp32 and compared); cpu: encode on the CPU "
+        "(slow, and the way around a device whose encodes fail the checks).",
+    )
 
 
 class RunConfig(_Section):

@@ -243,3 +243,14 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def save_or_warn(save, step: int, log) -> bool:
+    """A failed checkpoint write leaves the previous checkpoint intact; the run goes on and says so."""
+    try:
+        save(step)
+        return True
+    except CheckpointWriteError as exc:
+        if not exc.repeat:  # a disk that stays full is said once, then counted (checkpoint.SpaceSkips)
+            log(f"[red]warning: {exc}; the previous checkpoint is intact and training continues[/]")
+        return False

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +30,13 @@ from rocktune.train.faults import Faults
 from rocktune.train.feed import StepFeed
 from rocktune.train.finish import save_adapter
 from rocktune.train.guards import NumericGuard
+from rocktune.train.interrupt import InterruptFlag
 from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
 from rocktune.train.quant_gate import check_quantization
 from rocktune.train.rundir import STOP_FILE
 from rocktune.train.samples import Sampler
-from rocktune.train.step import (LossModule, OutOfMemoryAtMinimum, StepRunner, forward_backward, max_pieces,
-                                 run_with_oom_recovery)
+from rocktune.train.step import (LossModule, OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward,
+                                 max_pieces, run_with_oom_recovery)
 
 
 @dataclass
@@ -190,7 +189,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
     sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set, t.sample_count if samples else 0,
                             t.sample_prompts if samples else [], t.sample_max_new_tokens, device, autocast,
                             start_step, write=dist.main, synced=everyone)
-    stop = _InterruptFlag()
+    stop = InterruptFlag()
     space_skips = checkpoint.SpaceSkips()
 
     def save_checkpoint(step: int) -> None:
@@ -249,27 +248,12 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                                             t.micro_batch_size * t.grad_accum, t.loss_impl)
                 raise OutOfMemoryAtMinimum(
                     f"out of memory at step {step} even with one example per forward ({exc}). {advice}") from None
-            scaler.unscale_(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
-            # The step's one synchronisation: the guards and the log need the loss and gradient norm on the host
-            # (every rank's loss summed, and whether any rank was asked to stop). Time spent here is the host
-            # waiting for the device; the rest of the step is the host's own work.
-            t_wait = time.perf_counter()
             asked = stop.requested or (dist.main and (run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
-            reduced = distributed.reduce_step(dist, step_loss, asked, step)
-            loss_sum, stop_any, grad_norm = torch.cat([reduced, norm.float()[None]]).tolist()
-            stop.requested = stop_any > 0
-            wait_s = time.perf_counter() - t_wait
-            loss = loss_sum / max(step_tokens, 1)
-            # An fp16 overflow (finite loss, inf gradient) is the GradScaler's business: it skips and rescales.
-            overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm)
-            if overflow or guard.check(step, loss, grad_norm):
-                scaler.step(optimizer)
-            else:
+            update = finish_step(runner, optimizer, scheduler, params, t.max_grad_norm, guard, dist, step_loss,
+                                 step_tokens, asked, step)
+            loss, grad_norm, wait_s, stop.requested = update.loss, update.grad_norm, update.wait_s, update.stop
+            if not update.applied:
                 bar.log(f"[yellow]step {step}: non-finite loss or gradient, update skipped[/]")
-            scaler.update()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
             faults.after_update(step)
 
             elapsed = time.perf_counter() - t0
@@ -292,7 +276,7 @@ def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, res
                 bar.log(f"step {step}: eval loss {ev:.4f}")
                 sampler.at(step, model, metrics, bar.log)
             due = (rel.save_every and step % rel.save_every == 0) or step == total_steps or stop.requested
-            saved = due and guard.nonfinite_in_row == 0 and _save_or_warn(save_checkpoint, step, bar.log)
+            saved = due and guard.nonfinite_in_row == 0 and checkpoint.save_or_warn(save_checkpoint, step, bar.log)
             if stop.requested:  # a rollback point must precede a non-finite streak, so none is written inside one
                 where = f"checkpoint at step {step}" if saved else "the last good checkpoint is kept"
                 bar.log(f"interrupted: {where}; continue with --resume")
@@ -323,39 +307,3 @@ def _digest(micro: list[dict]) -> str:
     for batch in micro:
         h.update(batch["input_ids"].numpy().tobytes())
     return h.hexdigest()
-
-
-def _save_or_warn(save, step: int, log) -> bool:
-    """A failed checkpoint write leaves the previous checkpoint intact; the run goes on and says so."""
-    try:
-        save(step)
-        return True
-    except checkpoint.CheckpointWriteError as exc:
-        if not exc.repeat:  # a disk that stays full is said once, then counted (checkpoint.SpaceSkips)
-            log(f"[red]warning: {exc}; the previous checkpoint is intact and training continues[/]")
-        return False
-
-
-class _InterruptFlag:
-    """First Ctrl-C: finish the step, checkpoint, exit cleanly. Second Ctrl-C: stop at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    # SIGBREAK is what the supervisor can send a child on Windows (CTRL_BREAK_EVENT).
-    SIGNALS = [signal.SIGINT] + ([signal.SIGBREAK] if hasattr(signal, "SIGBREAK") else [])
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = [(s, signal.signal(s, self._handle)) for s in self.SIGNALS]
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous or []:
-            signal.signal(sig, handler)

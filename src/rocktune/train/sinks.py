@@ -139,6 +139,15 @@ def write_run_info(run_dir: Path, device: str, precision: str, predicted_peak: i
                    stats, train_lengths: list[int], n_eval: int) -> None:
     """The facts a report needs that metrics.jsonl does not hold: platform, advice applied, the planner's
     prediction, data statistics."""
+    data = {**asdict(stats), "n_train": len(train_lengths), "n_eval": n_eval,
+            "train_tokens": sum(train_lengths), "max_example_tokens": max(train_lengths, default=0)}
+    data.pop("notes", None)
+    write_info(run_dir, device, precision, predicted_peak, notes, data)
+
+
+def write_info(run_dir: Path, device: str, precision: str, predicted_peak: int | None, notes: list[str],
+               data: dict) -> None:
+    """run_info.json with the task's own data statistics (``data``)."""
     import platform
 
     import torch
@@ -147,7 +156,5 @@ def write_run_info(run_dir: Path, device: str, precision: str, predicted_peak: i
             "platform": {"python": platform.python_version(), "os": platform.platform(), "torch": torch.__version__,
                          "hip": torch.version.hip, "cuda": torch.version.cuda,
                          "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()},
-            "data": {**asdict(stats), "n_train": len(train_lengths), "n_eval": n_eval,
-                     "train_tokens": sum(train_lengths), "max_example_tokens": max(train_lengths, default=0)}}
-    info["data"].pop("notes", None)
+            "data": data}
     write_atomic(run_dir / "run_info.json", json.dumps(info, indent=1) + "\n")

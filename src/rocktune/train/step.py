@@ -8,6 +8,8 @@ loss-bearing tokens the update is the same up to summation order.
 from __future__ import annotations
 
 import gc
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +41,7 @@ def split_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, to
         return [batch]
     indexed = "loss_index" in batch
     batch = {k: v for k, v in batch.items() if k not in LOSS_KEYS}
-    rows = batch["input_ids"].shape[0]
+    rows = _rows(batch)
     if rows == 1 and "position_ids" in batch:
         starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
         cuts = sorted({starts[i * len(starts) // pieces] for i in range(pieces)}) + [batch["input_ids"].shape[1]]
@@ -52,9 +54,14 @@ def split_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, to
 
 def max_pieces(batch: dict[str, torch.Tensor]) -> int:
     """How finely ``split_rows`` can cut this micro-batch: rows, or the examples of a single packed row."""
-    if batch["input_ids"].shape[0] == 1 and "position_ids" in batch:
+    if _rows(batch) == 1 and "position_ids" in batch:
         return int((batch["position_ids"][0] == 0).sum())
-    return batch["input_ids"].shape[0]
+    return _rows(batch)
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> int:
+    """Every tensor of a batch has one entry per row (token ids for LMs, latents for diffusion)."""
+    return next(iter(batch.values())).shape[0]
 
 
 class LossModule(torch.nn.Module):
@@ -106,6 +113,41 @@ def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, piece
     if run.after_backward is not None:
         run.after_backward()
     return total
+
+
+@dataclass
+class Update:
+    loss: float  # the step's loss, normalised by its loss-bearing tokens (all ranks)
+    grad_norm: float
+    stop: bool  # some rank was asked to stop (Ctrl-C, the supervisor's stop file)
+    wait_s: float  # the host waiting for the device at the step's one synchronisation
+    applied: bool  # False: the guard skipped a non-finite step
+
+
+def finish_step(run: StepRunner, optimizer, scheduler, params, max_grad_norm: float | None, guard, dist,
+                step_loss: torch.Tensor, step_tokens: int, asked: bool, step: int) -> Update:
+    """Clip, synchronise once (loss, stop request and gradient norm of every rank together), let the guard judge,
+    then update and advance the schedule."""
+    from rocktune.train.distributed import reduce_step
+
+    scaler = run.scaler
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    # Time spent here is the host waiting for the device; the rest of the step is the host's own work.
+    t_wait = time.perf_counter()
+    reduced = reduce_step(dist, step_loss, asked, step)
+    loss_sum, stop_any, grad_norm = torch.cat([reduced, norm.float()[None]]).tolist()
+    wait_s = time.perf_counter() - t_wait
+    loss = loss_sum / max(step_tokens, 1)
+    # An fp16 overflow (finite loss, inf gradient) is the GradScaler's business: it skips and rescales.
+    overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm)
+    applied = overflow or guard.check(step, loss, grad_norm)
+    if applied:
+        scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return Update(loss, grad_norm, stop_any > 0, wait_s, applied)
 
 
 def is_compile_error(exc: BaseException) -> bool:

@@ -52,8 +52,9 @@ def read_figures(metrics_file: Path) -> RunFigures:
 
 
 def log_summary(run_dir: Path, log, wall_s: float | None, device_peak: int = 0,
-                predicted_peak: int | None = None) -> RunFigures:
-    """Write the end-of-run block through ``log`` (the progress bar's, so it lands below the bar)."""
+                predicted_peak: int | None = None, outputs: list[str] | None = None) -> RunFigures:
+    """Write the end-of-run block through ``log`` (the progress bar's, so it lands below the bar). ``outputs``:
+    the lines naming what was written and what to run next, for a task other than LM LoRA."""
     fig = read_figures(run_dir / "metrics.jsonl")
     wall = f" in {wall_s:.1f} s wall (eval, steps and save; loading not counted)" if wall_s is not None else ""
     log(f"[bold]run complete[/]: {fig.steps} steps{wall}")
@@ -64,8 +65,8 @@ def log_summary(run_dir: Path, log, wall_s: float | None, device_peak: int = 0,
                  else f"over the {fig.logged} of {fig.steps} steps logged in metrics.jsonl")
         log(f"  useful tokens/s {fig.tokens / fig.step_seconds:,.0f} ({basis})")
     log(f"  peak memory     {_memory(device_peak, predicted_peak)}")
-    log(f"  adapter         {run_dir / 'adapter'}")
-    for line in next_commands(run_dir):
+    for line in outputs if outputs is not None else [f"  adapter         {run_dir / 'adapter'}",
+                                                       *next_commands(run_dir)]:
         log(line)
     return fig
 

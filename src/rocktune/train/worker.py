@@ -38,6 +38,8 @@ def run_in_process(payload: dict) -> int:
         faults = _watched_faults(report)
         faults.startup()
         cfg = config_from_dict(payload["config"])
+        if cfg.is_diffusion:  # Wan LoRA: its own loop over the same step, guard and checkpoint code
+            from rocktune.train.diffusion_loop import train_diffusion as train
         result = train(cfg, overwrite=payload["overwrite"], resume_run=payload["resume"],
                        resume_force=payload["resume_force"], pieces=payload["pieces"],
                        auto_fit=payload.get("auto_fit", False), vram_bytes=payload.get("vram_bytes"), faults=faults)

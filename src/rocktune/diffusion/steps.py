@@ -1,0 +1,80 @@
+"""What one optimizer step of a Wan LoRA run trains on: cached latents, their noise and noise levels, batched.
+
+A step takes the next ``per_step`` items of the epoch's shuffled order; items of one resolution/frame bucket share a
+forward (up to ``per_forward`` of them), since latents of different shapes cannot be stacked. The position (epoch,
+index) is all a checkpoint needs: the order, the noise and the sigmas follow from the seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rocktune.diffusion.cache import LatentItem, load_item
+from rocktune.diffusion.objective import draw_sigma, eval_sigma, item_generator
+
+
+@dataclass
+class Fed:
+    forwards: list[dict[str, torch.Tensor]]
+    loss_tokens: int  # latent values in the step: the loss is their mean squared error
+    names: list[str]  # the media files, in order (the metrics' sample digest)
+
+
+class LatentFeed:
+    def __init__(self, items: list[LatentItem], per_forward: int, per_step: int, seed: int, sampling: str,
+                 shift: float, text_tokens: int, epoch: int = 0, index: int = 0):
+        self.items, self.per_forward, self.per_step = items, per_forward, min(per_step, len(items))
+        self.seed, self.sampling, self.shift, self.text_tokens = seed, sampling, shift, text_tokens
+        self.epoch, self.index = epoch, index
+        self.steps_per_epoch = math.ceil(len(items) / self.per_step)
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def next(self) -> Fed:
+        if self.index >= len(self.items):
+            self.epoch, self.index = self.epoch + 1, 0
+        order = torch.randperm(len(self.items), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        chosen = order[self.index: self.index + self.per_step].tolist()
+        self.index += len(chosen)
+        rows = [(self.items[i], item_generator(self.seed, self.epoch, i), None) for i in chosen]
+        return _fed(rows, self.per_forward, self.sampling, self.shift, self.text_tokens)
+
+    def close(self) -> None:  # the loop closes feeds; this one holds no thread
+        pass
+
+
+def eval_forwards(items: list[LatentItem], per_forward: int, seed: int, shift: float, text_tokens: int) -> Fed:
+    """The eval set as one fixed batch list: its own noise per item and evenly spaced noise levels."""
+    rows = [(item, item_generator(seed, -1, i), eval_sigma(i, len(items), shift)) for i, item in enumerate(items)]
+    return _fed(rows, per_forward, "", shift, text_tokens)
+
+
+def _fed(rows, per_forward: int, sampling: str, shift: float, text_tokens: int) -> Fed:
+    """Rows (item, generator, fixed sigma or None) -> forwards grouped by bucket, in first-seen order."""
+    by_bucket: dict = {}
+    for row in rows:
+        by_bucket.setdefault(row[0].bucket, []).append(row)
+    forwards = []
+    for group in by_bucket.values():
+        for start in range(0, len(group), per_forward):
+            forwards.append(_batch(group[start: start + per_forward], sampling, shift, text_tokens))
+    return Fed(forwards, sum(item.elements for item, _, _ in rows), [item.name for item, _, _ in rows])
+
+
+def _batch(rows, sampling: str, shift: float, text_tokens: int) -> dict[str, torch.Tensor]:
+    latents, noise, sigma, text = [], [], [], []
+    for item, gen, fixed in rows:
+        data = load_item(item)
+        z = data["latents"]
+        latents.append(z)
+        noise.append(torch.randn(z.shape, generator=gen))
+        sigma.append(fixed if fixed is not None else draw_sigma(gen, sampling, shift))
+        emb = data["text"][:text_tokens]
+        # zero rows past the caption, as WanPipeline pads its prompt embeddings at inference
+        text.append(torch.cat([emb, emb.new_zeros(text_tokens - emb.shape[0], emb.shape[1])]))
+    return {"latents": torch.stack(latents), "noise": torch.stack(noise),
+            "sigma": torch.tensor(sigma, dtype=torch.float32), "text": torch.stack(text)}
