@@ -3,9 +3,9 @@
     python benchmarks/planner_validation_wan.py            # CPU grid (tiny and small random transformers)
     python benchmarks/planner_validation_wan.py --markdown # the same as a table
 
-One real step of a random diffusers ``WanTransformer3DModel`` per grid point, wrapped as training wraps it (frozen
-base loaded with diffusers' own dtype rules, PEFT LoRA on the blocks' attention and FFN linears, fp32 adapters,
-AdamW, flow-matching MSE on the prediction). Bytes saved for backward are counted with
+One real step of a random diffusers ``WanTransformer3DModel`` per grid point, built as the training loop builds it
+(``rocktune.diffusion.components``: frozen base loaded with diffusers' dtype rules, PEFT LoRA on the blocks'
+attention and FFN linears, fp32 adapters) and trained with its flow-matching loss and AdamW. Bytes saved for backward are counted with
 ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded; with gradient
 checkpointing the tensors each block's checkpoint keeps are counted too. Parameters, gradients and optimizer states
 are counted from the tensors after the step and must match the prediction exactly.
@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
+from rocktune.diffusion.objective import FlowMatchLoss
 from rocktune.planner.wan import LORA_TARGETS, estimate_wan, shape_from_config
 
 TINY = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 16,
@@ -35,30 +36,31 @@ VAE = (8, 4)  # spatial, temporal compression of the Wan 2.1 VAE
 
 
 def build(config: dict, precision: str, r: int, ckpt: bool):
-    """The transformer as training loads it: through ``from_pretrained`` so diffusers keeps its fp32 modules."""
+    """The transformer as the training loop builds it (rocktune.diffusion.components): loaded with diffusers' dtype
+    rules (its fp32 modules stay fp32), LoRA on the blocks' attention and FFN linears, fp32 adapters."""
     from diffusers import WanTransformer3DModel
-    from peft import LoraConfig, get_peft_model
+
+    from rocktune.diffusion import components
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        WanTransformer3DModel(**config).save_pretrained(tmp)
-        model = WanTransformer3DModel.from_pretrained(tmp, torch_dtype=DTYPES[precision])
-    model.requires_grad_(False)
-    if ckpt:
-        model.enable_gradient_checkpointing()
-    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=r, target_modules=LORA_TARGETS))
+        WanTransformer3DModel(**config).save_pretrained(f"{tmp}/transformer")
+        base = components.load_transformer(tmp, DTYPES[precision], "cpu")
+    model = components.apply_lora(base, r, r, 0.0, LORA_TARGETS, ckpt)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
     model.train()
     return model
 
 
-def make_batch(config: dict, width: int, height: int, frames: int, b: int, text_tokens: int, precision: str) -> dict:
+def make_batch(config: dict, width: int, height: int, frames: int, b: int, text_tokens: int) -> dict:
+    """One forward's batch as the latent feed builds it: fp32 latents, noise and text states, a noise level each."""
     g = torch.Generator().manual_seed(0)
     spatial, temporal = VAE
     shape = (b, config["in_channels"], (frames - 1) // temporal + 1, height // spatial, width // spatial)
-    dt = DTYPES[precision]
-    return {"latents": torch.randn(shape, generator=g).to(dt), "target": torch.randn(shape, generator=g),
-            "timestep": torch.rand(b, generator=g) * 1000,
-            "text": torch.randn(b, text_tokens, config["text_dim"], generator=g).to(dt)}
+    return {"latents": torch.randn(shape, generator=g), "noise": torch.randn(shape, generator=g),
+            "sigma": torch.rand(b, generator=g), "text": torch.randn(b, text_tokens, config["text_dim"], generator=g)}
 
 
 def _storage_key(t: torch.Tensor):
@@ -87,9 +89,7 @@ def measure_step(model, batch: dict, precision: str) -> dict:
     opt = torch.optim.AdamW(trainable, lr=1e-3, foreach=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        pred = model(hidden_states=batch["latents"], timestep=batch["timestep"],
-                     encoder_hidden_states=batch["text"], return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), batch["target"])
+        loss = FlowMatchLoss(model)(batch)
     loss.backward()
     opt.step()
     state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
@@ -114,7 +114,7 @@ def run_point(name: str, width: int, height: int, frames: int, b: int, r: int, p
               text_tokens: int = 512) -> dict:
     config = MODELS[name]
     model = build(config, precision, r, ckpt)
-    got = measure_step(model, make_batch(config, width, height, frames, b, text_tokens, precision), precision)
+    got = measure_step(model, make_batch(config, width, height, frames, b, text_tokens), precision)
     est = estimate_wan(shape_from_config(config, VAE, name), width, height, frames, b, text_tokens, r, precision, ckpt)
     terms = est.by_name()
     row = {"model": name, "size": f"{width}x{height}", "frames": frames, "batch": b, "rank": r,

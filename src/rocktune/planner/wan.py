@@ -6,7 +6,7 @@ tensor with ``saved_tensors_hooks`` in ``benchmarks/planner_validation_wan.py``.
 
 - the frozen base saves nothing for its own weights; each LoRA ``lora_A`` saves its input and ``lora_B`` its
   rank-``r`` input. In fp32, adapters on the same input share it (the attention output is the ``to_out`` input);
-  under bf16 autocast PEFT casts the input to fp32 and autocast back, so every adapter saves its own bf16 copy and
+  under bf16 (or fp16) autocast PEFT casts the input to fp32 and autocast back, so every adapter saves its own bf16 copy and
   bf16 copies of A and B.
 - the FP32 LayerNorms (norm1, norm2, norm3, norm_out) and the q/k RMSNorms save an fp32 input and per-token stats
   whatever the precision; the first block's norm1 saves nothing (its input needs no gradient).
@@ -29,7 +29,7 @@ from rocktune.planner.estimate import CONTEXT, FRAGMENTATION, MIB, Term
 
 # What training wraps with LoRA (peft fullmatches a string against each module name).
 LORA_TARGETS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 REQUIRED = ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers", "in_channels", "text_dim")
 
 
@@ -240,8 +240,11 @@ def _static(shape: WanShape, s: _Sizes, add) -> None:
     add("lora_params", lora * 4, "static", f"{lora:,} params (r={s.r} on attn1/attn2 q,k,v,out + FFN) x 4 B fp32")
     add("lora_grads", lora * 4, "static", f"{lora:,} fp32 gradients (the frozen base gets none)")
     add("adamw_states", lora * 8, "static", f"{lora:,} x 2 fp32 AdamW states")
-    io = s.t * math.prod(shape.patch) * (shape.in_channels * s.dt + shape.out_channels * 4) + s.c * shape.text_dim * s.dt
-    add("batch_inputs", io, "static", "noisy latents, fp32 target and text embeddings of the micro-batch")
+    # The latent feed's fp32 latents, noise, velocity target and text states, and the copies cast for the model.
+    lat = s.t * math.prod(shape.patch) * shape.in_channels
+    io = lat * (3 * 4 + s.dt) + s.c * shape.text_dim * (4 + s.dt)
+    add("batch_inputs", io, "static", f"latents, noise, target ({lat:,} x 4 B each) + text states {s.c:,} x "
+        f"{shape.text_dim} x 4 B, and their {s.dt}-byte copies for the transformer")
 
 
 def block_saved(shape: WanShape, s: _Sizes, first: bool) -> dict[str, int]:
@@ -285,8 +288,8 @@ def _saved(shape: WanShape, s: _Sizes, per_sample: int, ckpt: bool, add) -> None
         add("block_context", rope + (0 if s.amp else s.c * d * 4), "saved",
             "rotary tables" + ("" if s.amp else " + the fp32 text states the text adapters share"))
     out = s.t * math.prod(shape.patch) * shape.out_channels
-    add("head_and_loss", s.norm(s.t, d) + s.b * d * 4 + 2 * out * 4, "saved",
-        f"output LayerNorm fp32 input + MSE prediction and target ({out:,} x 4 B each)")
+    add("head_and_loss", s.norm(s.t, d) + s.b * d * 4 + out * 4, "saved",
+        f"output LayerNorm fp32 input + the loss's fp32 prediction error ({out:,} x 4 B)")
 
 
 def _transients(shape: WanShape, s: _Sizes, ckpt: bool, add) -> None:
