@@ -85,7 +85,9 @@ def _shot(request: Request, config: dict):
     from rocktune.config import DiffusionConfig
     from rocktune.diffusion.render import Shot
 
-    buckets = DiffusionConfig(**config.get("diffusion", {}))
+    # Only the two bucket fields: a run written by another rocktune version may carry keys this one lacks.
+    saved = config.get("diffusion") or {}
+    buckets = DiffusionConfig(**{key: saved[key] for key in ("resolutions", "frames") if key in saved})
     width, height = _parse_size(request.size) if request.size else buckets.resolutions[0]
     frames = request.frames or (1 if config.get("task") == "image-lora" else buckets.frames[0])
     if width % 16 or height % 16:
