@@ -239,10 +239,22 @@ def _add_plan(sub) -> None:
     p.add_argument("--loss-chunk", type=int, default=256, help="loss positions per chunk (default 256)")
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--task", choices=("lm", "video-lora", "image-lora"), default="lm",
+                   help="lm (default) or a Wan LoRA: MODEL is then a diffusers Wan directory or hub id")
+    p.add_argument("--resolution", default="832x480", help="video-lora/image-lora: WIDTHxHEIGHT (default 832x480)")
+    p.add_argument("--frames", type=int, default=81, help="video-lora: frames per clip, 4k+1 (default 81)")
+    p.add_argument("--text-tokens", type=int, default=512, help="video-lora/image-lora: text tokens (default 512)")
     p.set_defaults(func=_run_plan)
 
 
 def _run_plan(args) -> int:
+    if args.task != "lm":
+        from rocktune.planner.wan import run_wan_plan
+
+        return run_wan_plan(model=args.model, task=args.task, resolution=args.resolution, frames=args.frames,
+                            batch=args.batch, text_tokens=args.text_tokens, lora_r=args.lora_r,
+                            precision=args.precision, checkpointing=args.checkpointing, vram=args.vram,
+                            as_json=args.json)
     from rocktune.planner.report import run_plan
 
     return run_plan(model=args.model, vram=args.vram, max_length=args.max_length, micro_batch=args.batch,

@@ -25,7 +25,10 @@ from functools import cache
 from pathlib import Path
 
 from rocktune.errors import UserError
+from rocktune.planner.budget import detect_budget, parse_budget
 from rocktune.planner.estimate import CONTEXT, FRAGMENTATION, MIB, Term
+from rocktune.planner.fit import MARGIN
+from rocktune.planner.report import _fmt, _yes
 
 # What training wraps with LoRA (peft fullmatches a string against each module name).
 LORA_TARGETS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
@@ -313,3 +316,96 @@ def describe(est: WanEstimate) -> dict:
             "settings": est.settings, "tokens": est.tokens, "terms": est.by_name(),
             "saved_activation_bytes": est.saved_bytes, "total_bytes": est.total_bytes,
             "reserved_bytes": est.reserved_bytes, "terms_detail": [asdict(t) for t in est.terms]}
+
+
+# --- rocktune plan --task video-lora|image-lora ----------------------------------------------------------------
+
+MAX_FRAMES = 257  # the longest bucket searched: far past the 81 frames Wan was trained on
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UserError(f"--resolution {text!r}: write WIDTHxHEIGHT, e.g. 832x480.") from None
+    return width, height
+
+
+def largest_frames(shape: WanShape, width: int, height: int, batch: int, text_tokens: int, lora_r: int,
+                   precision: str, checkpointing: bool, usable: int) -> int | None:
+    """The largest frame bucket (temporal*k + 1) whose step fits ``usable`` bytes; None when one frame does not."""
+    best = None
+    for frames in range(1, MAX_FRAMES + 1, shape.vae_temporal):
+        est = estimate_wan(shape, width, height, frames, batch, text_tokens, lora_r, precision, checkpointing)
+        if est.reserved_bytes > usable:
+            break
+        best = frames
+    return best
+
+
+def run_wan_plan(model: str, task: str, resolution: str, frames: int, batch: int, text_tokens: int, lora_r: int,
+                 precision: str, checkpointing: bool, vram: str | None, as_json: bool) -> int:
+    shape = load_wan_shape(model)
+    width, height = parse_resolution(resolution)
+    frames = 1 if task == "image-lora" else frames
+    if vram is not None:
+        budget, source = parse_budget(vram), "given"
+    else:
+        budget, _, source = detect_budget()
+    usable = int(budget * (1 - MARGIN))
+    run = (width, height, frames, batch, text_tokens, lora_r, precision)
+    est, other = estimate_wan(shape, *run, checkpointing), estimate_wan(shape, *run, not checkpointing)
+    doc = describe(est) | {"task": task, "budget_bytes": budget, "budget_source": source,
+                           "fits": est.reserved_bytes <= usable,
+                           "other_checkpointing": {"checkpointing": not checkpointing, "terms": other.by_name(),
+                                                   "total_bytes": other.total_bytes,
+                                                   "reserved_bytes": other.reserved_bytes,
+                                                   "fits": other.reserved_bytes <= usable}}
+    if task == "video-lora":
+        fit = {ckpt: largest_frames(shape, width, height, batch, text_tokens, lora_r, precision, ckpt, usable)
+               for ckpt in (False, True)}
+        doc["largest_frames"] = {"without_checkpointing": fit[False], "with_checkpointing": fit[True]}
+        doc["checkpointing_needed"] = (fit[False] or 0) < frames <= (fit[True] or 0)
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _render(est, other, doc)
+    return 0
+
+
+def _render(est: WanEstimate, other: WanEstimate, doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    on, off = (est, other) if est.settings["gradient_checkpointing"] else (other, est)
+    s = est.settings
+    table = Table(title=f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params, {doc['task']} {s['width']}x"
+                  f"{s['height']} x {s['frames']} frames, micro-batch {s['batch']} ({est.tokens:,} latent tokens, "
+                  f"{s['text_tokens']} text tokens), LoRA r={s['lora_r']}, {s['precision']}", title_justify="left")
+    for col, justify in (("term", "left"), ("no checkpointing", "right"), ("checkpointing", "right"),
+                         ("inputs", "left")):
+        table.add_column(col, justify=justify, overflow="fold" if col == "inputs" else "ellipsis")
+    a, b = off.by_name(), on.by_name()
+    details = {t.name: t.inputs for t in on.terms} | {t.name: t.inputs for t in off.terms}
+    for name in dict.fromkeys([*a, *b]):
+        table.add_row(name, _fmt(a.get(name)), _fmt(b.get(name)), details[name])
+    table.add_section()
+    table.add_row("peak allocated", _fmt(off.total_bytes), _fmt(on.total_bytes),
+                  "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)")
+    table.add_row("[bold]reserved[/]", f"[bold]{_fmt(off.reserved_bytes)}[/]", f"[bold]{_fmt(on.reserved_bytes)}[/]",
+                  "peak + allocator overhead + device context")
+    usable = doc["budget_bytes"] * (1 - MARGIN)
+    table.add_row("fits?", _yes(off.reserved_bytes <= usable), _yes(on.reserved_bytes <= usable),
+                  f"budget {_fmt(doc['budget_bytes'])} ({doc['budget_source']}), {MARGIN:.0%} kept free")
+    console = Console()
+    console.print(table)
+    if "largest_frames" in doc:
+        most = doc["largest_frames"]
+        console.print(f"largest frame bucket that fits at {s['width']}x{s['height']}: "
+                      f"{most['without_checkpointing'] or 'none'} without checkpointing, "
+                      f"{most['with_checkpointing'] or 'none'} with; {s['frames']} frames "
+                      + ("need gradient_checkpointing: true" if doc["checkpointing_needed"] else
+                         "fit without checkpointing" if (most["without_checkpointing"] or 0) >= s["frames"] else
+                         "do not fit: lower the resolution, the frames or the rank"), highlight=False)
+    console.print("Predictions for the transformer step; the VAE and the text encoder run before training and are "
+                  "freed (their encode is not in this table).", highlight=False)
