@@ -31,8 +31,12 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rocktune.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = "diffusion_model."
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])(?:\.default)?\.weight$")
@@ -86,7 +90,8 @@ def check_targets(module_names: list[str]) -> None:
                         "image cross-attention LoRA only with both add_k_proj and add_v_proj. Target both or neither.")
 
 
-def comfy_state_dict(peft_state: dict, r: int, alpha: float, dtype=None) -> dict:
+def comfy_state_dict(peft_state: dict[str, torch.Tensor], r: int, alpha: float,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """PEFT LoRA tensors -> ``diffusion_model.<original>.lora_A/.lora_B.weight`` (+ ``.alpha`` in the blocks)."""
     import torch
 
@@ -117,7 +122,8 @@ def comfy_state_dict(peft_state: dict, r: int, alpha: float, dtype=None) -> dict
     return out
 
 
-def write_lora(path: Path, peft_state: dict, r: int, alpha: float, metadata: dict[str, str], dtype=None) -> Path:
+def write_lora(path: Path, peft_state: dict[str, torch.Tensor], r: int, alpha: float, metadata: dict[str, str],
+               dtype: torch.dtype | None = None) -> Path:
     """Write the ComfyUI/diffusers Wan LoRA file atomically (a temp name renamed over ``path``); returns ``path``.
 
     ``metadata`` (e.g. base model, task) is stored in the safetensors header beside rank, alpha and rocktune's
