@@ -101,12 +101,12 @@ def _encode_all(assigned, layout: Layout, device: str, max_text_tokens: int, out
     from safetensors.torch import save_file
 
     text_dtype = torch.float32 if device == "cpu" else torch.bfloat16  # UMT5-XXL is 23 GB in fp32
-    log(f"encoding {len(assigned)} files once: VAE in fp32, text encoder in "
+    log(f"encoding {len(assigned)} file{'s' if len(assigned) != 1 else ''} once: VAE in fp32, text encoder in "
         f"{'fp32' if text_dtype == torch.float32 else 'bf16'} on {device}")
     vae = load_vae(layout.source, device)
     mean, std = _latent_stats(vae)
     latents = []
-    for i, (media, bucket) in enumerate(assigned):
+    for media, bucket in assigned:
         pixels = load_pixels(media, bucket)
         with torch.no_grad():
             z = _encode_pixels(vae, pixels, device, mean, std)
@@ -126,7 +126,7 @@ def _encode_all(assigned, layout: Layout, device: str, max_text_tokens: int, out
         notes.append(_cross_check_text(tokenizer, encoder, assigned[0][0], texts[0], max_text_tokens))
     del encoder
     _free(device)
-    for i, (z, emb) in enumerate(zip(latents, texts)):
+    for i, (z, emb) in enumerate(zip(latents, texts, strict=True)):
         save_file({"latents": z.contiguous(), "text": emb.contiguous()}, out / f"item-{i:06d}.safetensors")
     return notes
 

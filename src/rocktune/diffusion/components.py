@@ -50,7 +50,8 @@ class Layout:
         return int(self.transformer.get("text_dim", 4096))
 
     def shift(self, setting: float | str) -> float:
-        """The flow shift: the config's number, else the scheduler's (FlowMatchEuler ``shift``, UniPC ``flow_shift``)."""
+        """The flow shift: the config's number, else the scheduler's (FlowMatchEuler ``shift``, UniPC
+        ``flow_shift``)."""
         if setting != "auto":
             return float(setting)
         return float(self.scheduler.get("flow_shift") or self.scheduler.get("shift") or 1.0)
@@ -66,8 +67,8 @@ def read_layout(source: str) -> Layout:
         missing = [p for p in PARTS if not (local / p).is_dir()]
         if missing:
             raise UserError(f"model.name_or_path={source} is not a diffusers Wan checkpoint: it has no "
-                            f"{', '.join(p + '/' for p in missing)} folder. A Wan text-to-video checkpoint in diffusers "
-                            f"layout has {', '.join(p + '/' for p in PARTS)} (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers).")
+                            f"{', '.join(p + '/' for p in missing)} folder. A Wan text-to-video checkpoint in "
+                            f"diffusers layout has {', '.join(p + '/' for p in PARTS)} (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers).")
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
     def config(cls, subfolder: str) -> dict:
@@ -88,9 +89,21 @@ def read_layout(source: str) -> Layout:
                   config(FlowMatchEulerDiscreteScheduler, "scheduler"))
 
 
+def quiet() -> None:
+    """rocktune draws its own progress: the libraries' per-file loading bars would interleave with it."""
+    from diffusers.utils import logging as diffusers_logging
+
+    from rocktune.model import quiet_transformers
+
+    quiet_transformers()
+    diffusers_logging.disable_progress_bar()
+    diffusers_logging.set_verbosity_error()
+
+
 def load_transformer(source: str, dtype, device: str):
     from diffusers import WanTransformer3DModel
 
+    quiet()
     model = WanTransformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype)
     return model.to(device).requires_grad_(False)
 
@@ -100,6 +113,7 @@ def load_vae(source: str, device: str):
     import torch
     from diffusers import AutoencoderKLWan
 
+    quiet()
     return AutoencoderKLWan.from_pretrained(source, subfolder="vae", torch_dtype=torch.float32).to(device).eval()
 
 
@@ -107,6 +121,7 @@ def load_text_encoder(source: str, dtype, device: str):
     """(tokenizer, UMT5 encoder) as WanPipeline loads them."""
     from transformers import AutoTokenizer, UMT5EncoderModel
 
+    quiet()
     tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer")
     encoder = UMT5EncoderModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype)
     return tokenizer, encoder.to(device).eval()

@@ -268,11 +268,8 @@ def _predicted_peak(cfg: RunConfig, layout, train_set: LatentSet, precision: str
 def _write_comfy(model, cfg: RunConfig, out: Path) -> None:
     from peft import get_peft_model_state_dict
 
-    from rocktune import __version__
-
     comfy.write_lora(out, get_peft_model_state_dict(model), cfg.lora.r, cfg.lora.alpha,
-                     {"rocktune_version": __version__, "base_model": cfg.model.name_or_path, "task": cfg.task,
-                      "rank": str(cfg.lora.r), "alpha": str(cfg.lora.alpha)})
+                     {"base_model": cfg.model.name_or_path, "task": cfg.task})
 
 
 def _outputs(run_dir: Path) -> list[str]:

@@ -1,0 +1,241 @@
+"""Wan LoRA training on tiny random components (CPU): the latent cache, the objective, exact resume, the output.
+
+The components are diffusers' own classes at the sizes of diffusers' Wan tests (rocktune.diffusion.tiny), the data a
+folder of generated clips with captions; every step runs the same loaders and numerics as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("av")
+
+from rocktune.config import config_from_dict  # noqa: E402
+from rocktune.diffusion import cache as cache_mod  # noqa: E402
+from rocktune.diffusion import components, media  # noqa: E402
+from rocktune.diffusion.tiny import build_tiny_wan, write_clips  # noqa: E402
+from rocktune.errors import UserError  # noqa: E402
+from rocktune.train.diffusion_loop import LORA_FILE, train_diffusion  # noqa: E402
+
+CAPTIONS = ["a red square moving right", "a blue square on a gradient", "a green square, slowly",
+            "a yellow box drifting", "a purple box", "a white box at noon", "an orange box", "a grey box"]
+STEPS = 8
+DETERMINISTIC = ("step", "loss", "lr", "grad_norm", "tokens", "latent_values", "samples", "eval_loss", "epoch")
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory) -> Path:
+    return build_tiny_wan(tmp_path_factory.mktemp("wan") / "tiny-wan")
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("clips") / "clips"
+    write_clips(folder, CAPTIONS, size=(32, 32), frames=9)
+    return folder
+
+
+def run_config(wan_dir: Path, clips: Path, out: Path, **training) -> dict:
+    t = {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum": 2, "lr": 2e-2, "warmup_steps": 0,
+         "precision": "fp32", "device": "cpu", "eval_every": 4, "seed": 0}
+    t.update(training)
+    return {"task": "video-lora", "model": {"name_or_path": str(wan_dir)}, "lora": {"r": 4, "alpha": 8, "dropout": 0.1},
+            "data": {"train_file": str(clips), "eval_fraction": 0.25, "cache_dir": str(out.parent / "cache")},
+            "diffusion": {"resolutions": [[32, 32]], "frames": [9], "max_text_tokens": 64},
+            "training": t, "reliability": {"save_every": 2, "keep_checkpoints": 2, "min_free_disk_mb": 0},
+            "output": {"dir": str(out)}}
+
+
+def logged(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k in DETERMINISTIC} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(wan_dir, clips, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    result = train_diffusion(config_from_dict(run_config(wan_dir, clips, out)), quiet=True)
+    return out, result
+
+
+def test_cache_holds_sound_latents_and_the_pipelines_text_embeddings(wan_dir, clips, tmp_path):
+    from diffusers import WanPipeline
+
+    layout = components.read_layout(str(wan_dir))
+    assigned = media.assign_buckets(media.list_items(clips), [(32, 32)], [9], "video-lora")
+    cached = cache_mod.cache_latents(assigned, layout, "cpu", 64, tmp_path, lambda m: None)
+    assert not cached.cache_hit and len(cached) == len(CAPTIONS)
+    pipe = WanPipeline.from_pretrained(wan_dir)
+    for item, (mediaitem, _) in zip(cached.items, assigned, strict=True):
+        data = cache_mod.load_item(item)
+        z, text = data["latents"], data["text"]
+        assert z.shape == (16, 3, 4, 4) and z.dtype == torch.float32  # 9 frames -> 1 + 8/4 latent frames; 32/8
+        assert torch.isfinite(z).all() and z.abs().min() >= 0 and z.abs().max() > 0.01
+        assert item.elements == z.numel()
+        # the text the transformer trains on is what WanPipeline feeds it at inference for the same caption
+        expected = pipe.encode_prompt(mediaitem.caption, do_classifier_free_guidance=False,
+                                      max_sequence_length=64)[0][0]
+        padded = torch.cat([text, text.new_zeros(64 - text.shape[0], text.shape[1])])
+        torch.testing.assert_close(padded, expected.float(), rtol=1e-5, atol=1e-6)
+    assert len({cache_mod.load_item(i)["latents"].sum().item() for i in cached.items}) == len(CAPTIONS)
+
+
+def test_cache_is_reused_without_loading_either_encoder(wan_dir, clips, tmp_path, monkeypatch):
+    layout = components.read_layout(str(wan_dir))
+    assigned = media.assign_buckets(media.list_items(clips), [(32, 32)], [9], "video-lora")
+    first = cache_mod.cache_latents(assigned, layout, "cpu", 64, tmp_path, lambda m: None)
+
+    def refuse(*a, **k):
+        raise AssertionError("an encoder was loaded for a cached data set")
+
+    monkeypatch.setattr(cache_mod, "load_vae", refuse)
+    monkeypatch.setattr(cache_mod, "load_text_encoder", refuse)
+    again = cache_mod.cache_latents(assigned, layout, "cpu", 64, tmp_path, lambda m: None)
+    assert again.cache_hit and again.fingerprint == first.fingerprint
+    # a changed caption is a different cache
+    changed = [(media.MediaItem(m.path, m.caption + "!", m.where), b) for m, b in assigned]
+    assert cache_mod.cache_key(changed, layout, 64) != first.fingerprint
+
+
+def test_zero_latents_are_refused_and_nothing_is_cached(wan_dir, clips, tmp_path, monkeypatch):
+    layout = components.read_layout(str(wan_dir))
+    assigned = media.assign_buckets(media.list_items(clips), [(32, 32)], [9], "video-lora")
+    monkeypatch.setattr(cache_mod, "_encode_pixels", lambda vae, pixels, *a: torch.zeros(16, 3, 4, 4))
+    with pytest.raises(UserError, match=r"clip_000\.mp4: the VAE latents came out as all zeros"):
+        cache_mod.cache_latents(assigned, layout, "cpu", 64, tmp_path, lambda m: None)
+    assert list(tmp_path.iterdir()) == []  # no folder, complete or temporary
+
+
+def test_device_encode_is_compared_with_a_cpu_fp32_encode(wan_dir, clips):
+    """The cross-check encodes the first frames only: the VAE is causal in time, so they must give the same leading
+    latent frames as the whole clip (else the check would flag sound devices)."""
+    layout = components.read_layout(str(wan_dir))
+    first = media.assign_buckets(media.list_items(clips), [(32, 32)], [9], "video-lora")[0]
+    vae = components.load_vae(str(wan_dir), "cpu")
+    mean, std = cache_mod._latent_stats(vae)
+    with torch.no_grad():
+        whole = cache_mod._encode_pixels(vae, media.load_pixels(*first), "cpu", mean, std)
+    note = cache_mod._cross_check_vae(vae, first, whole, mean, std)
+    assert "match a CPU fp32 encode (relative difference" in note
+    assert float(note.rsplit(" ", 1)[1].rstrip(")")) < 1e-5
+    with pytest.raises(UserError, match="differ from a CPU fp32 encode"):
+        cache_mod._cross_check_vae(vae, first, whole * 0, mean, std)
+    with pytest.raises(UserError, match="differ from a CPU fp32 encode"):
+        cache_mod._cross_check_vae(vae, first, whole * float("nan"), mean, std)
+    assert layout.temporal == 4
+
+
+def test_training_lowers_the_loss_with_recorded_values(reference):
+    out, result = reference
+    assert len(result.losses) == STEPS and all(math.isfinite(x) for x in result.losses)
+    # recorded on this CPU build (torch 2.13): a change to the objective, the noise or the data order moves them
+    assert result.losses[:3] == pytest.approx([1.6919, 1.7354, 1.5584], abs=2e-3)
+    assert result.eval_loss_after < 0.85 * result.eval_loss_before
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    # 6 clips, 4 per step: a full step then the epoch's last 2; each clip is 3 latent frames x 2x2 patches
+    assert [r["tokens"] for r in steps] == [48, 24] * (STEPS // 2)
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["data"]["n_train"] == 6 and info["data"]["n_eval"] == 2 and info["data"]["buckets"] == {"32x32x9": 6}
+
+
+def test_sigkill_then_resume_is_exact(wan_dir, clips, reference, tmp_path):
+    ref_dir, _ = reference
+    cfg = run_config(wan_dir, clips, tmp_path / "run")
+    payload = {"config": cfg, "overwrite": True, "resume": False, "resume_force": False, "pieces": 1}
+    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"kill_at_step": 5}))
+    proc = subprocess.run([sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / LORA_FILE).exists()
+    result = train_diffusion(config_from_dict(cfg), resume_run=True, quiet=True)
+    assert not result.interrupted
+    assert logged(tmp_path / "run") == logged(ref_dir)
+    name = "adapter/adapter_model.safetensors"
+    assert (tmp_path / "run" / name).read_bytes() == (ref_dir / name).read_bytes()
+    # the LoRA file's tensors are bitwise equal; safetensors orders header metadata differently per process
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    resumed, straight = load_file(tmp_path / "run" / LORA_FILE), load_file(ref_dir / LORA_FILE)
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in resumed)
+    assert safe_open(tmp_path / "run" / LORA_FILE, "pt").metadata() == safe_open(ref_dir / LORA_FILE, "pt").metadata()
+
+
+def test_lora_file_loads_in_diffusers_and_matches_the_trained_model(wan_dir, reference):
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import PeftModel
+
+    out, _ = reference
+    gen = torch.Generator().manual_seed(3)
+    x, text = torch.randn(1, 16, 3, 4, 4, generator=gen), torch.randn(1, 64, 32, generator=gen)
+    t = torch.tensor([700.0])
+    pipe = WanPipeline.from_pretrained(wan_dir)
+    with torch.no_grad():
+        before = pipe.transformer(x, t, text, return_dict=False)[0]
+        pipe.load_lora_weights(str(out / LORA_FILE))
+        after = pipe.transformer(x, t, text, return_dict=False)[0]
+        trained = PeftModel.from_pretrained(WanTransformer3DModel.from_pretrained(wan_dir, subfolder="transformer"),
+                                            str(out / "adapter")).eval()
+        expected = trained(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_image_lora_trains_on_images(wan_dir, tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255), (0, 255, 0)]):
+        Image.new("RGB", (48, 32), colour).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"a flat colour {i}")
+    cfg = run_config(wan_dir, folder, tmp_path / "run", max_steps=2, eval_every=0)
+    cfg["task"] = "image-lora"
+    cfg["data"]["eval_fraction"] = 0.0
+    cfg["diffusion"]["resolutions"] = [[48, 32], [32, 32]]
+    result = train_diffusion(config_from_dict(cfg), quiet=True)
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["data"]["buckets"] == {"48x32x1": 3}
+    assert (tmp_path / "run" / LORA_FILE).is_file()
+
+
+def test_bad_media_is_named_before_anything_is_written(wan_dir, clips, tmp_path):
+    import shutil
+
+    folder = tmp_path / "clips"
+    shutil.copytree(clips, folder)
+    (folder / "broken.mp4").write_bytes(os.urandom(2000))
+    (folder / "broken.txt").write_text("a broken clip")
+    cfg = run_config(wan_dir, folder, tmp_path / "run")
+    with pytest.raises(UserError, match=r"broken\.mp4"):
+        train_diffusion(config_from_dict(cfg), quiet=True)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_config_errors_come_before_any_work(wan_dir, clips, tmp_path):
+    cfg = run_config(wan_dir, clips, tmp_path / "run")
+    cfg["diffusion"]["frames"] = [8]
+    with pytest.raises(UserError, match=r"diffusion\.frames"):
+        train_diffusion(config_from_dict(cfg), quiet=True)
+    cfg = run_config(wan_dir, clips, tmp_path / "run")
+    cfg["lora"]["target_modules"] = ["norm2"]
+    with pytest.raises(UserError):
+        train_diffusion(config_from_dict(cfg), quiet=True)
+    with pytest.raises(UserError, match="--auto"):
+        train_diffusion(config_from_dict(run_config(wan_dir, clips, tmp_path / "run")), auto_fit=True)
+    with pytest.raises(UserError, match="diffusers Wan checkpoint"):
+        config_from_dict({"task": "video-lora", "data": {"train_file": str(clips)}})
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
