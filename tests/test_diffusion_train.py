@@ -239,3 +239,78 @@ def test_config_errors_come_before_any_work(wan_dir, clips, tmp_path):
     with pytest.raises(UserError, match="diffusers Wan checkpoint"):
         config_from_dict({"task": "video-lora", "data": {"train_file": str(clips)}})
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_oom_recovery_trains_the_same_samples(wan_dir, clips, tmp_path):
+    """An out-of-memory step is split into smaller forwards over the same clips: same samples, same losses up to
+    summation order (no dropout here: a split changes the shape dropout draws its masks for)."""
+    from rocktune.train.faults import Faults
+
+    def run(out: Path, faults: dict) -> list[dict]:
+        cfg = run_config(wan_dir, clips, out, max_steps=4, eval_every=0)
+        cfg["lora"]["dropout"] = 0.0
+        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults(faults))
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+    plain, split = run(tmp_path / "plain", {}), run(tmp_path / "split", {"oom_at_step": 2})
+    assert [r["samples"] for r in split] == [r["samples"] for r in plain]
+    assert [r["pieces"] for r in split] == [1, 2, 2, 2]  # the split holds for the rest of the run
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
+
+
+def test_guards_skip_nonfinite_steps_and_stop_on_zeros_and_bad_transfers(wan_dir, clips, tmp_path):
+    from rocktune.train.faults import Faults
+    from rocktune.train.guards import FatalNumerics
+
+    cfg = run_config(wan_dir, clips, tmp_path / "nan", max_steps=4, eval_every=0)
+    result = train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"nan_at_steps": [2]}))
+    assert math.isnan(result.losses[1]) and all(math.isfinite(x) for x in result.losses[2:])
+    cfg = run_config(wan_dir, clips, tmp_path / "zero", max_steps=8, eval_every=0)
+    cfg["reliability"]["zero_patience"] = 3
+    with pytest.raises(FatalNumerics, match="exactly zero for 3 steps"):
+        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"zero_loss": True}))
+    cfg = run_config(wan_dir, clips, tmp_path / "copy", max_steps=4, eval_every=0)
+    with pytest.raises(FatalNumerics, match="device copy of the batch's latents differs"):
+        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"corrupt_transfer_at_step": 2}))
+
+
+def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
+    """Wan 2.2 A14B: transformer/ denoises sigma >= boundary, transformer_2/ below it. A low-noise LoRA trains
+    transformer_2 on sigmas below the boundary only, and diffusers loads it into transformer_2."""
+    from diffusers import WanPipeline
+
+    from rocktune.diffusion.objective import draw_sigma, item_generator
+
+    wan2 = build_tiny_wan(tmp_path / "a14b", boundary_ratio=0.875)
+    cfg = run_config(wan2, clips, tmp_path / "run", max_steps=2, eval_every=0)
+    with pytest.raises(UserError, match="diffusion.expert=high_noise or low_noise"):
+        train_diffusion(config_from_dict(cfg), quiet=True)
+    layout = components.read_layout(str(wan2), "low_noise")
+    assert (layout.subfolder, layout.sigma_range) == ("transformer_2", (0.0, 0.875))
+    assert components.read_layout(str(wan2), "high_noise").sigma_range == (0.875, 1.0)
+    gen = item_generator(0, 0, 0)
+    assert all(0.875 <= draw_sigma(gen, "shift", 3.0, (0.875, 1.0)) <= 1.0 for _ in range(200))
+    cfg["diffusion"]["expert"] = "low_noise"
+    train_diffusion(config_from_dict(cfg), quiet=True)
+    x, text, t = torch.randn(1, 16, 3, 4, 4), torch.randn(1, 64, 32), torch.tensor([300.0])
+    pipe = WanPipeline.from_pretrained(wan2)
+    with torch.no_grad():
+        before = [m(x, t, text, return_dict=False)[0] for m in (pipe.transformer, pipe.transformer_2)]
+        pipe.load_lora_weights(str(tmp_path / "run" / LORA_FILE), load_into_transformer_2=True)
+        after = [m(x, t, text, return_dict=False)[0] for m in (pipe.transformer, pipe.transformer_2)]
+    assert torch.equal(before[0], after[0]) and (before[1] - after[1]).abs().max() > 1e-4
+    with pytest.raises(UserError, match="has one transformer"):
+        components.read_layout(str(build_tiny_wan(tmp_path / "one")), "low_noise")
+
+
+def test_the_tiny_example_config_trains_from_generated_clips(tmp_path, monkeypatch):
+    from rocktune.config import load_config
+    from rocktune.diffusion import tiny
+
+    example = Path(__file__).parents[1] / "examples" / "wan-tiny-video-lora.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert tiny.main([]) == 0  # runs/wan-tiny/{tiny-wan,clips}, the paths the example names
+    cfg = load_config(str(example), ["training.max_steps=4", "training.eval_every=0"])
+    result = train_diffusion(cfg, quiet=True)
+    assert len(result.losses) == 4 and result.eval_loss_after < result.eval_loss_before
+    assert (tmp_path / "runs" / "wan-tiny-lora" / LORA_FILE).is_file()

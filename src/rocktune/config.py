@@ -193,6 +193,12 @@ class DiffusionConfig(_Section):
     shift: float | Literal["auto"] = Field(
         "auto", description="Flow shift s. auto: the checkpoint's scheduler config (shift, or flow_shift for UniPC).",
     )
+    expert: Literal["auto", "high_noise", "low_noise"] = Field(
+        "auto", description="Wan 2.2 A14B has two transformers: transformer/ denoises the high-noise timesteps (t >= "
+        "boundary_ratio x 1000) and transformer_2/ the rest. A LoRA trains one of them, on its own noise levels only: "
+        "high_noise or low_noise (train twice for both; ComfyUI loads one file per model). auto: the only transformer "
+        "of a one-transformer checkpoint; refused for a two-expert one.",
+    )
     cache_device: Literal["auto", "cpu"] = Field(
         "auto", description="Where the VAE and text encoder run to build the latent cache. auto: the training device "
         "(on a GPU the first item is encoded again on the CPU in fp32 and compared); cpu: encode on the CPU "

@@ -23,9 +23,11 @@ class Layout:
     """What the run needs to know of a checkpoint before loading any weights."""
 
     source: str
-    transformer: dict  # transformer/config.json
+    transformer: dict  # transformer/config.json (or transformer_2/ for the low-noise expert)
     vae: dict  # vae/config.json
     scheduler: dict  # scheduler/scheduler_config.json
+    subfolder: str = "transformer"  # the transformer this run trains
+    sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels it denoises (Wan 2.2 A14B: its expert's share)
 
     @property
     def spatial(self) -> int:
@@ -57,8 +59,9 @@ class Layout:
         return float(self.scheduler.get("flow_shift") or self.scheduler.get("shift") or 1.0)
 
 
-def read_layout(source: str) -> Layout:
-    """Read the three configs (small JSON files); a missing part is named with what a Wan checkpoint holds."""
+def read_layout(source: str, expert: str = "auto") -> Layout:
+    """Read the configs (small JSON files); a missing part is named with what a Wan checkpoint holds. ``expert``
+    picks the transformer of a two-expert checkpoint (Wan 2.2 A14B) and its noise levels."""
     from rocktune.model import check_model_source
 
     check_model_source(source)
@@ -68,17 +71,22 @@ def read_layout(source: str) -> Layout:
         if missing:
             raise UserError(f"model.name_or_path={source} is not a diffusers Wan checkpoint: it has no "
                             f"{', '.join(p + '/' for p in missing)} folder. A Wan text-to-video checkpoint in "
-                            f"diffusers layout has {', '.join(p + '/' for p in PARTS)} (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers).")
+                            f"diffusers layout has {', '.join(p + '/' for p in PARTS)} "
+                            "(e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers).")
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
-    def config(cls, subfolder: str) -> dict:
+    def config(cls, subfolder: str | None) -> dict:
         try:
-            return dict(cls.load_config(source, subfolder=subfolder))
+            return dict(cls.load_config(source, subfolder=subfolder) if subfolder else cls.load_config(source))
         except (OSError, ValueError) as exc:
-            raise UserError(f"could not read {subfolder}/ of {source}: {str(exc).strip().splitlines()[0][:200]} "
+            what = f"{subfolder}/" if subfolder else "model_index.json"
+            raise UserError(f"could not read {what} of {source}: {str(exc).strip().splitlines()[0][:200]} "
                             "(offline? pass a local diffusers directory)") from None
 
-    transformer = config(WanTransformer3DModel, "transformer")
+    from diffusers import DiffusionPipeline
+
+    subfolder, sigma_range = _expert(source, config(DiffusionPipeline, None), expert)
+    transformer = config(WanTransformer3DModel, subfolder)
     if transformer.get("_class_name") not in (None, "WanTransformer3DModel"):
         raise UserError(f"{source}: transformer/ holds a {transformer.get('_class_name')}, not a "
                         "WanTransformer3DModel; task video-lora/image-lora trains Wan 2.1/2.2 text-to-video models.")
@@ -86,7 +94,25 @@ def read_layout(source: str) -> Layout:
         raise UserError(f"{source} is an image-to-video Wan model (its transformer takes CLIP image features); "
                         "rocktune trains text-to-video Wan LoRAs only (docs/diffusion.md).")
     return Layout(source, transformer, config(AutoencoderKLWan, "vae"),
-                  config(FlowMatchEulerDiscreteScheduler, "scheduler"))
+                  config(FlowMatchEulerDiscreteScheduler, "scheduler"), subfolder, sigma_range)
+
+
+def _expert(source: str, index: dict, expert: str) -> tuple[str, tuple[float, float]]:
+    """(subfolder, sigma range) of the transformer to train. WanPipeline hands timestep t to transformer/ when
+    t >= boundary_ratio x 1000 and to transformer_2/ below: each expert only ever sees its share of noise levels."""
+    two = (index.get("transformer_2") or [None])[0] is not None
+    boundary = index.get("boundary_ratio")
+    if not two:
+        if expert != "auto":
+            raise UserError(f"diffusion.expert={expert}: {source} has one transformer, not Wan 2.2 A14B's two "
+                            "experts; leave diffusion.expert at auto.")
+        return "transformer", (0.0, 1.0)
+    if expert == "auto" or boundary is None:
+        raise UserError(f"{source} has two transformers (Wan 2.2 A14B: transformer/ for high noise, transformer_2/ "
+                        f"for low noise, boundary_ratio {boundary}); set diffusion.expert=high_noise or low_noise to "
+                        "choose which one this LoRA trains (train twice for both).")
+    return ("transformer", (float(boundary), 1.0)) if expert == "high_noise" else \
+        ("transformer_2", (0.0, float(boundary)))
 
 
 def quiet() -> None:
@@ -100,11 +126,11 @@ def quiet() -> None:
     diffusers_logging.set_verbosity_error()
 
 
-def load_transformer(source: str, dtype, device: str):
+def load_transformer(source: str, dtype, device: str, subfolder: str = "transformer"):
     from diffusers import WanTransformer3DModel
 
     quiet()
-    model = WanTransformer3DModel.from_pretrained(source, subfolder="transformer", torch_dtype=dtype)
+    model = WanTransformer3DModel.from_pretrained(source, subfolder=subfolder, torch_dtype=dtype)
     return model.to(device).requires_grad_(False)
 
 

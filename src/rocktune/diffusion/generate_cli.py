@@ -55,14 +55,15 @@ def generate(run: str, request: Request, device: str) -> list[Path]:
     lora = _lora_file(Path(run))
     base = request.base or config.get("model", {}).get("name_or_path")
     if not base:
-        raise UserError(f"{Path(run) / CONFIG_NAME} names no model.name_or_path; pass the base Wan checkpoint as --base.")
+        raise UserError(f"{Path(run) / CONFIG_NAME} names no model.name_or_path; pass the base Wan checkpoint as "
+                        "--base.")
     shot = _shot(request, config)
     out = _out_path(Path(run), request, shot)
     pipe = load_pipeline(base, device)
     written = []
     if request.compare:
         written.append(write_media(sample(pipe, shot), out.with_name(f"{out.stem}-base{out.suffix}")))
-    add_lora(pipe, lora)
+    add_lora(pipe, lora, config.get("diffusion", {}).get("expert", "auto"))
     written.insert(0, write_media(sample(pipe, shot), out))
     return written
 

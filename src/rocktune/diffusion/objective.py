@@ -21,16 +21,25 @@ def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1 + (shift - 1) * u)
 
 
-def draw_sigma(gen: torch.Generator, mode: str, shift: float) -> float:
+def draw_sigma(gen: torch.Generator, mode: str, shift: float, span: tuple[float, float] = (0.0, 1.0)) -> float:
+    """One noise level; ``span`` (a Wan 2.2 expert's share) rescales the draw into [lo, hi]."""
     if mode == "uniform":
-        return float(torch.rand((), generator=gen))
-    u = torch.sigmoid(torch.randn((), generator=gen)) if mode == "logit_normal" else torch.rand((), generator=gen)
-    return float(shifted(u, shift))
+        u = torch.rand((), generator=gen)
+    else:
+        u = torch.sigmoid(torch.randn((), generator=gen)) if mode == "logit_normal" else \
+            torch.rand((), generator=gen)
+        u = shifted(u, shift)
+    return _within(float(u), span)
 
 
-def eval_sigma(i: int, n: int, shift: float) -> float:
+def eval_sigma(i: int, n: int, shift: float, span: tuple[float, float] = (0.0, 1.0)) -> float:
     """Evenly spaced quantiles through the shift: the eval set covers the noise levels with no sampling noise."""
-    return float(shifted(torch.tensor((i + 0.5) / n), shift))
+    return _within(float(shifted(torch.tensor((i + 0.5) / n), shift)), span)
+
+
+def _within(sigma: float, span: tuple[float, float]) -> float:
+    lo, hi = span
+    return lo + (hi - lo) * sigma
 
 
 def item_generator(seed: int, epoch: int, index: int) -> torch.Generator:

@@ -45,9 +45,10 @@ def load_pipeline(base: str, device: str):
     return pipe.to(device)
 
 
-def add_lora(pipe, lora_file: Path) -> None:
+def add_lora(pipe, lora_file: Path, expert: str = "auto") -> None:
+    """``expert`` low_noise: a Wan 2.2 A14B LoRA trained on transformer_2/ (diffusion.expert) goes there."""
     try:
-        pipe.load_lora_weights(str(lora_file))
+        pipe.load_lora_weights(str(lora_file), load_into_transformer_2=expert == "low_noise")
     except (ValueError, KeyError, RuntimeError) as exc:
         raise UserError(f"{lora_file}: diffusers could not load this Wan LoRA ({str(exc).strip()[:200]}); was it "
                         "trained on this base? Pass the run's base model as --base.") from None

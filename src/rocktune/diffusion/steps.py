@@ -16,6 +16,15 @@ from rocktune.diffusion.cache import LatentItem, load_item
 from rocktune.diffusion.objective import draw_sigma, eval_sigma, item_generator
 
 
+@dataclass(frozen=True)
+class Noise:
+    """How noise levels are drawn: the config's sampling and shift, and the expert's share of levels."""
+
+    sampling: str  # diffusion.timestep_sampling
+    shift: float
+    span: tuple[float, float] = (0.0, 1.0)
+
+
 @dataclass
 class Fed:
     forwards: list[dict[str, torch.Tensor]]
@@ -24,10 +33,10 @@ class Fed:
 
 
 class LatentFeed:
-    def __init__(self, items: list[LatentItem], per_forward: int, per_step: int, seed: int, sampling: str,
-                 shift: float, text_tokens: int, epoch: int = 0, index: int = 0):
+    def __init__(self, items: list[LatentItem], per_forward: int, per_step: int, seed: int, noise: Noise,
+                 text_tokens: int, epoch: int = 0, index: int = 0):
         self.items, self.per_forward, self.per_step = items, per_forward, min(per_step, len(items))
-        self.seed, self.sampling, self.shift, self.text_tokens = seed, sampling, shift, text_tokens
+        self.seed, self.noise, self.text_tokens = seed, noise, text_tokens
         self.epoch, self.index = epoch, index
         self.steps_per_epoch = math.ceil(len(items) / self.per_step)
 
@@ -41,19 +50,20 @@ class LatentFeed:
         chosen = order[self.index: self.index + self.per_step].tolist()
         self.index += len(chosen)
         rows = [(self.items[i], item_generator(self.seed, self.epoch, i), None) for i in chosen]
-        return _fed(rows, self.per_forward, self.sampling, self.shift, self.text_tokens)
+        return _fed(rows, self.per_forward, self.noise, self.text_tokens)
 
     def close(self) -> None:  # the loop closes feeds; this one holds no thread
         pass
 
 
-def eval_forwards(items: list[LatentItem], per_forward: int, seed: int, shift: float, text_tokens: int) -> Fed:
+def eval_forwards(items: list[LatentItem], per_forward: int, seed: int, noise: Noise, text_tokens: int) -> Fed:
     """The eval set as one fixed batch list: its own noise per item and evenly spaced noise levels."""
-    rows = [(item, item_generator(seed, -1, i), eval_sigma(i, len(items), shift)) for i, item in enumerate(items)]
-    return _fed(rows, per_forward, "", shift, text_tokens)
+    rows = [(item, item_generator(seed, -1, i), eval_sigma(i, len(items), noise.shift, noise.span))
+            for i, item in enumerate(items)]
+    return _fed(rows, per_forward, noise, text_tokens)
 
 
-def _fed(rows, per_forward: int, sampling: str, shift: float, text_tokens: int) -> Fed:
+def _fed(rows, per_forward: int, noise: Noise, text_tokens: int) -> Fed:
     """Rows (item, generator, fixed sigma or None) -> forwards grouped by bucket, in first-seen order."""
     by_bucket: dict = {}
     for row in rows:
@@ -61,20 +71,20 @@ def _fed(rows, per_forward: int, sampling: str, shift: float, text_tokens: int) 
     forwards = []
     for group in by_bucket.values():
         for start in range(0, len(group), per_forward):
-            forwards.append(_batch(group[start: start + per_forward], sampling, shift, text_tokens))
+            forwards.append(_batch(group[start: start + per_forward], noise, text_tokens))
     return Fed(forwards, sum(item.elements for item, _, _ in rows), [item.name for item, _, _ in rows])
 
 
-def _batch(rows, sampling: str, shift: float, text_tokens: int) -> dict[str, torch.Tensor]:
-    latents, noise, sigma, text = [], [], [], []
+def _batch(rows, noise: Noise, text_tokens: int) -> dict[str, torch.Tensor]:
+    latents, draws, sigma, text = [], [], [], []
     for item, gen, fixed in rows:
         data = load_item(item)
         z = data["latents"]
         latents.append(z)
-        noise.append(torch.randn(z.shape, generator=gen))
-        sigma.append(fixed if fixed is not None else draw_sigma(gen, sampling, shift))
+        draws.append(torch.randn(z.shape, generator=gen))
+        sigma.append(fixed if fixed is not None else draw_sigma(gen, noise.sampling, noise.shift, noise.span))
         emb = data["text"][:text_tokens]
         # zero rows past the caption, as WanPipeline pads its prompt embeddings at inference
         text.append(torch.cat([emb, emb.new_zeros(text_tokens - emb.shape[0], emb.shape[1])]))
-    return {"latents": torch.stack(latents), "noise": torch.stack(noise),
+    return {"latents": torch.stack(latents), "noise": torch.stack(draws),
             "sigma": torch.tensor(sigma, dtype=torch.float32), "text": torch.stack(text)}

@@ -50,12 +50,16 @@ def build_components(seed: int = 0, layers: int = 2, heads: int = 2, head_dim: i
             "transformer": transformer}
 
 
-def build_tiny_wan(out: Path, seed: int = 0, **shape) -> Path:
-    """Write the tiny pipeline to ``out`` (a diffusers directory with model_index.json); returns ``out``."""
+def build_tiny_wan(out: Path, seed: int = 0, boundary_ratio: float | None = None, **shape) -> Path:
+    """Write the tiny pipeline to ``out`` (a diffusers directory with model_index.json); returns ``out``.
+    ``boundary_ratio``: two experts as in Wan 2.2 A14B (a second transformer, transformer_2/, below the boundary)."""
     from diffusers import WanPipeline
 
     out = Path(out)
-    WanPipeline(**build_components(seed, **shape)).save_pretrained(out)
+    parts = build_components(seed, **shape)
+    if boundary_ratio is not None:
+        parts.update(transformer_2=build_components(seed + 1, **shape)["transformer"], boundary_ratio=boundary_ratio)
+    WanPipeline(**parts).save_pretrained(out)
     return out
 
 
@@ -89,3 +93,31 @@ def write_clips(folder: Path, captions: list[str], size: tuple[int, int] = (32, 
         path.with_suffix(".txt").write_text(caption, encoding="utf-8")
         paths.append(path)
     return paths
+
+
+CAPTIONS = ["a red square slides right across a blue gradient", "a small bright square on a green gradient",
+            "a square drifting over a red gradient", "a pale square crossing a blue gradient",
+            "a square moving left to right over green", "a bright square on a red gradient at dusk",
+            "a square gliding across a blue field", "a coloured square passing over a green gradient"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rocktune.diffusion.tiny [DIR]``: the tiny components and clips examples/wan-tiny-video-lora.yaml
+    trains on (default DIR: runs/wan-tiny)."""
+    import sys
+
+    from rocktune.diffusion.components import quiet
+    from rocktune.errors import quiet_libraries
+
+    quiet_libraries()
+    quiet()
+    args = sys.argv[1:] if argv is None else argv
+    out = Path(args[0] if args else "runs/wan-tiny")
+    build_tiny_wan(out / "tiny-wan")
+    write_clips(out / "clips", CAPTIONS, size=(48, 32), frames=9)
+    print(f"wrote {out / 'tiny-wan'} (a diffusers Wan pipeline) and {len(CAPTIONS)} captioned clips in {out / 'clips'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

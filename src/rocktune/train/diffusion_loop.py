@@ -21,7 +21,7 @@ from rocktune.config import RunConfig
 from rocktune.diffusion import comfy, components, media
 from rocktune.diffusion.cache import LatentSet, cache_latents
 from rocktune.diffusion.objective import FlowMatchLoss
-from rocktune.diffusion.steps import LatentFeed, eval_forwards
+from rocktune.diffusion.steps import LatentFeed, Noise, eval_forwards
 from rocktune.errors import UserError
 from rocktune.model import DTYPES, trainable_parameters
 from rocktune.platform.environment import apply_environment
@@ -56,7 +56,7 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     choices = resolve_auto(t.device, t.precision, "sdpa")
     device, precision = choices.device, choices.precision
     # Check, then write: the checkpoint's layout, the buckets, the LoRA targets and every media file come first.
-    layout = components.read_layout(m.name_or_path)
+    layout = components.read_layout(m.name_or_path, diff.expert)
     frames = [1] if cfg.task == "image-lora" else diff.frames
     media.check_buckets(diff.resolutions, frames, layout.spatial_multiple, layout.temporal, cfg.task)
     comfy.check_targets(components.planned_targets(layout, cfg.lora.target_modules))
@@ -82,8 +82,10 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     eval_set = cache_latents(eval_media, layout, encode_on, diff.max_text_tokens, cache_root, say) \
         if eval_media else LatentSet([], "", True, [])
     shift = layout.shift(diff.shift)
+    noise = Noise(diff.timestep_sampling, shift, layout.sigma_range)
 
-    model = components.apply_lora(components.load_transformer(m.name_or_path, DTYPES[precision], device),
+    model = components.apply_lora(components.load_transformer(m.name_or_path, DTYPES[precision], device,
+                                                              layout.subfolder),
                                   cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
                                   m.gradient_checkpointing)
     params = trainable_parameters(model)
@@ -94,14 +96,14 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
                         torch.amp.GradScaler(device, enabled=precision == "fp16"), faults)
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     new_feed = lambda **position: LatentFeed(train_set.items, t.micro_batch_size,  # noqa: E731
-                                             t.micro_batch_size * t.grad_accum, t.seed, diff.timestep_sampling,
-                                             shift, diff.max_text_tokens, **position)
+                                             t.micro_batch_size * t.grad_accum, t.seed, noise,
+                                             diff.max_text_tokens, **position)
     feed = new_feed()
     total_steps = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
     scaler, autocast = runner.scaler, runner.autocast
     guard = NumericGuard(rel.nan_patience, rel.zero_patience)
-    eval_fed = eval_forwards(eval_set.items, t.micro_batch_size, t.seed, shift, diff.max_text_tokens)
+    eval_fed = eval_forwards(eval_set.items, t.micro_batch_size, t.seed, noise, diff.max_text_tokens)
     evaluate = lambda: _eval_loss(loss_module, eval_fed, device, autocast)  # noqa: E731
     predicted_peak, plan_note = _predicted_peak(cfg, layout, train_set, precision)
 
@@ -146,7 +148,9 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
             for why in restored.skipped:
                 bar.log(f"[yellow]warning: skipped damaged checkpoint {why}[/]")
             bar.log(f"resumed from {restored.path.name} (step {start_step} of {total_steps})")
-        bar.log(f"{len(train_set)} train / {len(eval_set)} eval clips ({cfg.task}, flow shift {shift:g}); "
+        expert = "" if layout.sigma_range == (0.0, 1.0) else \
+            f", {layout.subfolder}/ at noise levels {layout.sigma_range[0]:g}-{layout.sigma_range[1]:g}"
+        bar.log(f"{len(train_set)} train / {len(eval_set)} eval clips ({cfg.task}, flow shift {shift:g}{expert}); "
                 f"{sum(p.numel() for p in params):,} trainable parameters; {precision} on {device}")
         if restored is None:
             result.eval_loss_before = evaluate()
@@ -261,7 +265,8 @@ def _predicted_peak(cfg: RunConfig, layout, train_set: LatentSet, precision: str
     est = estimate_wan(shape, largest.width, largest.height,
                        largest.frames, cfg.training.micro_batch_size, cfg.diffusion.max_text_tokens, cfg.lora.r,
                        precision, cfg.model.gradient_checkpointing)
-    return est.total_bytes, (f"planner: {est.total_bytes / 2**30:.2f} GiB predicted peak at {largest} "
+    size = f"{est.total_bytes / 2**30:.2f} GiB" if est.total_bytes >= 2**30 else f"{est.total_bytes / 2**20:.1f} MiB"
+    return est.total_bytes, (f"planner: {size} predicted peak at {largest} "
                              f"x{cfg.training.micro_batch_size} ({est.tokens:,} latent tokens per forward)")
 
 
@@ -287,6 +292,7 @@ def _data_info(cfg: RunConfig, train_set: LatentSet, eval_set: LatentSet, shift:
     for item in train_set.items:
         buckets[str(item.bucket)] = buckets.get(str(item.bucket), 0) + 1
     return {"task": cfg.task, "n_train": len(train_set), "n_eval": len(eval_set), "buckets": buckets,
+            "transformer": cfg.diffusion.expert,
             "cache_hit": train_set.cache_hit, "fingerprint": train_set.fingerprint, "flow_shift": shift,
             "timestep_sampling": cfg.diffusion.timestep_sampling}
 
