@@ -234,6 +234,10 @@ def test_config_errors_come_before_any_work(wan_dir, clips, tmp_path):
     cfg["lora"]["target_modules"] = ["norm2"]
     with pytest.raises(UserError):
         train_diffusion(config_from_dict(cfg), quiet=True)
+    cfg = run_config(wan_dir, clips, tmp_path / "run")
+    cfg["model"]["quantization"] = "nf4"
+    with pytest.raises(UserError, match="model.quantization=nf4: only for task=lm"):
+        train_diffusion(config_from_dict(cfg), quiet=True)
     with pytest.raises(UserError, match="--auto"):
         train_diffusion(config_from_dict(run_config(wan_dir, clips, tmp_path / "run")), auto_fit=True)
     with pytest.raises(UserError, match="diffusers Wan checkpoint"):

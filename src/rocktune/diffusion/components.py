@@ -59,11 +59,24 @@ class Layout:
         return float(self.scheduler.get("flow_shift") or self.scheduler.get("shift") or 1.0)
 
 
+def require_video_extra() -> None:
+    """diffusers, PyAV and Pillow come with the video extra; say so instead of an ImportError deep in a run."""
+    import importlib.util
+
+    missing = [name for module, name in (("diffusers", "diffusers"), ("av", "av (PyAV)"), ("PIL", "pillow"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise UserError(f"task video-lora/image-lora needs {', '.join(missing)}, which {verb} not installed: "
+                        "pip install 'rocktune[video]'.")
+
+
 def read_layout(source: str, expert: str = "auto") -> Layout:
     """Read the configs (small JSON files); a missing part is named with what a Wan checkpoint holds. ``expert``
     picks the transformer of a two-expert checkpoint (Wan 2.2 A14B) and its noise levels."""
     from rocktune.model import check_model_source
 
+    require_video_extra()
     check_model_source(source)
     local = Path(source).expanduser()
     if local.is_dir():

@@ -47,6 +47,7 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     if auto_fit:
         raise UserError(f"--auto chooses LM settings; for task={cfg.task} see what fits with `rocktune plan "
                         f"{cfg.model.name_or_path} --task {cfg.task} --resolution WxH --frames N --vram ...`.")
+    _refuse_lm_only(cfg)
     env_notes = apply_environment()
     dist = distributed.from_env()
     if dist.enabled:
@@ -217,6 +218,19 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
         summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, run_peak, predicted_peak,
                             outputs=_outputs(run_dir))
     return result
+
+
+def _refuse_lm_only(cfg: RunConfig) -> None:
+    """Settings that mean something for LMs only: asked for explicitly, they are refused rather than ignored."""
+    m, t = cfg.model, cfg.training
+    settings = {"model.quantization": (m.quantization, {"none"}), "model.liger": (m.liger, {"auto", "off"}),
+                "training.compile": (t.compile, {"auto", False}),
+                "training.batching": (t.batching, {"auto", "examples"}),
+                "data.packing": (cfg.data.packing, {False})}
+    asked = [f"{key}={value}" for key, (value, harmless) in settings.items() if value not in harmless]
+    if asked:
+        raise UserError(f"{', '.join(asked)}: only for task=lm, not supported for task={cfg.task} "
+                        "(docs/diffusion.md lists what is); remove it from the config.")
 
 
 def _assigned(source, cfg: RunConfig, frames: list[int]) -> list[tuple[media.MediaItem, media.Bucket]]:
