@@ -318,3 +318,22 @@ def test_the_tiny_example_config_trains_from_generated_clips(tmp_path, monkeypat
     result = train_diffusion(cfg, quiet=True)
     assert len(result.losses) == 4 and result.eval_loss_after < result.eval_loss_before
     assert (tmp_path / "runs" / "wan-tiny-lora" / LORA_FILE).is_file()
+
+
+def test_data_preview_and_export_speak_for_diffusion_runs(wan_dir, clips, reference, tmp_path, capsys):
+    import yaml
+
+    from rocktune.cli import main
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(run_config(wan_dir, clips, tmp_path / "run")))
+    assert main(["data", "preview", "-c", str(cfg_file), "--json", "-n", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["train"]["files"] == len(CAPTIONS) and doc["train"]["buckets"] == {"32x32x9": len(CAPTIONS)}
+    assert [r["caption"] for r in doc["train"]["shown"]] == CAPTIONS[:2]
+    assert doc["valid"] == {"sides_multiple_of": 16, "frames": "4k+1"}
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()  # nothing encoded or written
+    ref_dir, _ = reference
+    assert main(["export", str(ref_dir), "--to", "merged"]) == 2
+    assert "wan_lora.safetensors" in capsys.readouterr().err
+    assert not (ref_dir / "export").exists()

@@ -343,6 +343,10 @@ def _run_data_preview(args) -> int:
         from rocktune.config import load_config
 
         cfg = load_config(args.config, args.overrides)
+        if cfg.is_diffusion:
+            from rocktune.diffusion.preview import run_media_preview
+
+            return run_media_preview(cfg, args.examples, args.json)
         d, m = cfg.data, cfg.model
         data, model, trust, fmt, length, on_prompt, cut = (d.train_file, m.name_or_path, m.trust_remote_code,
                                                            d.format, d.max_length, d.train_on_prompt, d.truncation)
@@ -396,6 +400,12 @@ def _add_export(sub) -> None:
 def _run_export(args) -> int:
     from rocktune.export.main import run_export
 
+    from rocktune.diffusion.generate_cli import run_config
+
+    if run_config(args.run) is not None:
+        raise UserError(f"{args.run} is a video-lora/image-lora run: its LoRA is already exported as "
+                        f"{args.run}/wan_lora.safetensors (ComfyUI models/loras, diffusers "
+                        "WanPipeline.load_lora_weights); rocktune export converts LM adapters.")
     run_export(path=args.run, to=args.to, out=args.out, quant_name=args.quant, dtype=args.dtype, base=args.base,
                overwrite=args.overwrite, with_base=args.with_base, template=args.template)
     return 0
