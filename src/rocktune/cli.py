@@ -426,7 +426,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--compare", action="store_true", help="with --prompt: also answer with the adapter switched off "
                    "(video-lora/image-lora: also render the base alone from the same seed, as NAME-base.mp4)")
     d = p.add_argument_group("video-lora / image-lora runs (renders RUN/wan_lora.safetensors)")
-    d.add_argument("--out", help="output file, .mp4 or .png (default RUN/samples/<prompt>-seed<N>.mp4, .png for 1 frame)")
+    d.add_argument("--out", help="output file, .mp4 or .png (default RUN/samples/<prompt>-seed<N>.mp4, .png for 1 "
+                   "frame)")
     d.add_argument("--size", help="WIDTHxHEIGHT, multiples of 16 (default: the run's first diffusion.resolutions)")
     d.add_argument("--frames", type=int, help="4k+1 frames (default: the run's first diffusion.frames; image-lora: 1)")
     d.add_argument("--steps", type=int, help="denoising steps (default 30)")
