@@ -23,6 +23,7 @@ pytest.importorskip("av")
 from rocktune.config import config_from_dict  # noqa: E402
 from rocktune.diffusion import cache as cache_mod  # noqa: E402
 from rocktune.diffusion import components, media  # noqa: E402
+from rocktune.diffusion.steps import Noise, _batch  # noqa: E402
 from rocktune.diffusion.tiny import build_tiny_wan, write_clips  # noqa: E402
 from rocktune.errors import UserError  # noqa: E402
 from rocktune.train.diffusion_loop import LORA_FILE, train_diffusion  # noqa: E402
@@ -80,12 +81,14 @@ def test_cache_holds_sound_latents_and_the_pipelines_text_embeddings(wan_dir, cl
         data = cache_mod.load_item(item)
         z, text = data["latents"], data["text"]
         assert z.shape == (16, 3, 4, 4) and z.dtype == torch.float32  # 9 frames -> 1 + 8/4 latent frames; 32/8
-        assert torch.isfinite(z).all() and z.abs().min() >= 0 and z.abs().max() > 0.01
+        assert torch.isfinite(z).all() and z.std() > 0.01
         assert item.elements == z.numel()
-        # the text the transformer trains on is what WanPipeline feeds it at inference for the same caption
+        # the text the transformer trains on is what WanPipeline feeds it at inference (512 positions, its default)
         expected = pipe.encode_prompt(mediaitem.caption, do_classifier_free_guidance=False,
-                                      max_sequence_length=64)[0][0]
-        padded = torch.cat([text, text.new_zeros(64 - text.shape[0], text.shape[1])])
+                                      max_sequence_length=512)[0][0]
+        batch = _batch([(item, torch.Generator().manual_seed(0), 0.5)], Noise("shift", 3.0), 512)
+        padded = batch["text"][0]
+        assert padded.shape == (512, 32) and torch.equal(padded[: text.shape[0]], text)
         torch.testing.assert_close(padded, expected.float(), rtol=1e-5, atol=1e-6)
     assert len({cache_mod.load_item(i)["latents"].sum().item() for i in cached.items}) == len(CAPTIONS)
 
@@ -125,13 +128,13 @@ def test_device_encode_is_compared_with_a_cpu_fp32_encode(wan_dir, clips):
     mean, std = cache_mod._latent_stats(vae)
     with torch.no_grad():
         whole = cache_mod._encode_pixels(vae, media.load_pixels(*first), "cpu", mean, std)
-    note = cache_mod._cross_check_vae(vae, first, whole, mean, std)
+    note = cache_mod._cross_check_vae(str(wan_dir), first, whole, mean, std)
     assert "match a CPU fp32 encode (relative difference" in note
     assert float(note.rsplit(" ", 1)[1].rstrip(")")) < 1e-5
     with pytest.raises(UserError, match="differ from a CPU fp32 encode"):
-        cache_mod._cross_check_vae(vae, first, whole * 0, mean, std)
+        cache_mod._cross_check_vae(str(wan_dir), first, whole * 0, mean, std)
     with pytest.raises(UserError, match="differ from a CPU fp32 encode"):
-        cache_mod._cross_check_vae(vae, first, whole * float("nan"), mean, std)
+        cache_mod._cross_check_vae(str(wan_dir), first, whole * float("nan"), mean, std)
     assert layout.temporal == 4
 
 
@@ -139,7 +142,7 @@ def test_training_lowers_the_loss_with_recorded_values(reference):
     out, result = reference
     assert len(result.losses) == STEPS and all(math.isfinite(x) for x in result.losses)
     # recorded on this CPU build (torch 2.13): a change to the objective, the noise or the data order moves them
-    assert result.losses[:3] == pytest.approx([1.6919, 1.7354, 1.5584], abs=2e-3)
+    assert result.losses[:3] == pytest.approx([1.6960, 1.7367, 1.5645], abs=2e-3)
     assert result.eval_loss_after < 0.85 * result.eval_loss_before
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
@@ -231,8 +234,8 @@ def test_config_errors_come_before_any_work(wan_dir, clips, tmp_path):
     with pytest.raises(UserError, match=r"diffusion\.frames"):
         train_diffusion(config_from_dict(cfg), quiet=True)
     cfg = run_config(wan_dir, clips, tmp_path / "run")
-    cfg["lora"]["target_modules"] = ["norm2"]
-    with pytest.raises(UserError):
+    cfg["lora"]["target_modules"] = ["norm_q"]
+    with pytest.raises(UserError, match="norm_q"):
         train_diffusion(config_from_dict(cfg), quiet=True)
     cfg = run_config(wan_dir, clips, tmp_path / "run")
     cfg["model"]["quantization"] = "nf4"
@@ -295,7 +298,21 @@ def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
     gen = item_generator(0, 0, 0)
     assert all(0.875 <= draw_sigma(gen, "shift", 3.0, (0.875, 1.0)) <= 1.0 for _ in range(200))
     cfg["diffusion"]["expert"] = "low_noise"
-    train_diffusion(config_from_dict(cfg), quiet=True)
+    from rocktune.diffusion.objective import FlowMatchLoss
+
+    seen = []
+    original = FlowMatchLoss.forward
+
+    def spy(self, batch):
+        seen.append((batch["sigma"].clone(), self.model.get_base_model().patch_embedding.weight.detach().clone()))
+        return original(self, batch)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FlowMatchLoss, "forward", spy)
+        train_diffusion(config_from_dict(cfg), quiet=True)
+    experts = WanPipeline.from_pretrained(wan2)
+    assert seen and all(torch.equal(w, experts.transformer_2.patch_embedding.weight) for _, w in seen)
+    assert all(0.0 <= float(x) < 0.875 for sigma, _ in seen for x in sigma)  # training and eval draws alike
     x, text, t = torch.randn(1, 16, 3, 4, 4), torch.randn(1, 64, 32), torch.tensor([300.0])
     pipe = WanPipeline.from_pretrained(wan2)
     with torch.no_grad():
@@ -337,3 +354,36 @@ def test_data_preview_and_export_speak_for_diffusion_runs(wan_dir, clips, refere
     assert main(["export", str(ref_dir), "--to", "merged"]) == 2
     assert "wan_lora.safetensors" in capsys.readouterr().err
     assert not (ref_dir / "export").exists()
+
+
+def test_a_crash_between_the_final_writes_is_finished_by_resume(wan_dir, clips, tmp_path):
+    from rocktune.train.faults import Faults
+    from rocktune.train.finish import DiskFullError
+
+    cfg = run_config(wan_dir, clips, tmp_path / "run", max_steps=2, eval_every=0)
+    with pytest.raises(DiskFullError):
+        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"fail_final_write": True}))
+    assert (tmp_path / "run" / LORA_FILE).is_file() and not (tmp_path / "run" / "adapter").exists()
+    result = train_diffusion(config_from_dict(cfg), resume_run=True, quiet=True)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file() and not result.interrupted
+
+
+def test_a_truncated_clip_is_named_at_probe_time(clips, tmp_path):
+    """A file cut short keeps its container's frame count in the header; the probe counts decodable frames."""
+    import av
+    import numpy as np
+
+    path = tmp_path / "cut.mp4"
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for f in range(33):
+            frame = np.random.default_rng(f).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    item = media.MediaItem(path, "cut", str(path))
+    with pytest.raises(UserError, match=r"cut\.mp4"):
+        media.assign_buckets([item], [(32, 32)], [33], "video-lora")

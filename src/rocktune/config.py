@@ -182,8 +182,9 @@ class DiffusionConfig(_Section):
                              "manifest's folder).")
     caption_field: str = Field("caption", description="JSONL manifest: the field with the caption. In a folder the "
                                "caption is the .txt file beside each media file.")
-    max_text_tokens: PositiveInt = Field(
-        512, description="Text-encoder tokens per caption, zero-padded as Wan's pipeline pads at inference (512).",
+    max_text_tokens: int = Field(
+        512, gt=0, le=512, description="Caption tokens kept; longer captions are cut. The transformer always sees "
+        "512 text positions, the caption's then zeros, as WanPipeline and ComfyUI feed it at inference.",
     )
     timestep_sampling: Literal["shift", "uniform", "logit_normal"] = Field(
         "shift", description="How a training timestep is drawn. shift: u ~ U(0,1) mapped by the flow shift, "

@@ -58,39 +58,64 @@ class LatentSet:
 
 
 def load_item(item: LatentItem) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    return load_file(item.file)
+    try:
+        return load_file(item.file)
+    except (OSError, SafetensorError) as exc:
+        raise UserError(f"the latent cache file {item.file} (for {item.name}) cannot be read ({exc}); delete "
+                        f"{item.file.parent} and run again to encode the data afresh.") from None
 
 
-def cache_key(assigned: list[tuple[MediaItem, Bucket]], layout: Layout, max_text_tokens: int) -> str:
+def cache_key(assigned: list[tuple[MediaItem, Bucket]], layout: Layout, max_text_tokens: int,
+              device: str = "cpu") -> str:
+    """Everything the cached numbers depend on: the media, the checkpoint's encoders (local files, or the hub
+    snapshot in the local cache), the text length, where and in what precision the text encoder ran (a GPU's bf16
+    cache is not the CPU's fp32 one), and the libraries that clean and tokenise captions."""
+    import importlib.util
+
+    import diffusers
+    import transformers
+
     h = hashlib.sha256()
     h.update(json.dumps({"version": CACHE_VERSION, "media": media_fingerprint(assigned), "source": layout.source,
-                         "vae": layout.vae, "text_tokens": max_text_tokens,
-                         "weights": _weight_stamps(layout.source)}, sort_keys=True, default=str).encode())
+                         "vae": layout.vae, "text_tokens": max_text_tokens, "weights": _weight_stamps(layout.source),
+                         "text_dtype": str(_text_dtype(device)), "encoder_device": device,
+                         "libraries": [diffusers.__version__, transformers.__version__,
+                                       importlib.util.find_spec("ftfy") is not None]},
+                        sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 
 def cache_latents(assigned: list[tuple[MediaItem, Bucket]], layout: Layout, device: str, max_text_tokens: int,
                   cache_root: Path, log) -> LatentSet:
     """The cached set for ``assigned``: read back when present, else encoded on ``device`` and written."""
-    key = cache_key(assigned, layout, max_text_tokens)
+    key = cache_key(assigned, layout, max_text_tokens, device)
     folder = cache_root / f"wan-{key[:20]}"
     items = [LatentItem(folder / f"item-{i:06d}.safetensors", bucket, str(media.path),
                         _latent_elements(bucket, layout)) for i, (media, bucket) in enumerate(assigned)]
     if _complete(folder, key, len(items)):
         return LatentSet(items, key, True, [f"latent cache hit: {folder}"])
+    existed = cache_root.exists()
     tmp = cache_root / f".tmp-{folder.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         notes = _encode_all(assigned, layout, device, max_text_tokens, tmp, log)
-        (tmp / INDEX).write_text(json.dumps({"key": key, "items": len(items),
+        sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        (tmp / INDEX).write_text(json.dumps({"key": key, "items": len(items), "sizes": sizes,
                                              "files": [str(m.path) for m, _ in assigned]}))
-        shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder of this key (no index) is never read
-        os.replace(tmp, folder)
+        _fsync_folder(tmp)  # a power cut after the rename must not leave truncated items behind a valid index
+        if _complete(folder, key, len(items)):  # another run with the same data finished first: keep its copy
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder of this key (no index) is never read
+            os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not existed:
+            shutil.rmtree(cache_root, ignore_errors=True)  # a failed first encode leaves no trace
         raise
     size = sum(f.stat().st_size for f in folder.iterdir())
     return LatentSet(items, key, False, notes + [f"latent cache written: {len(items)} items, "
@@ -98,36 +123,36 @@ def cache_latents(assigned: list[tuple[MediaItem, Bucket]], layout: Layout, devi
 
 
 def _encode_all(assigned, layout: Layout, device: str, max_text_tokens: int, out: Path, log) -> list[str]:
+    """Captions first (small: kept in memory), then each clip's latents, written as soon as they are encoded: host
+    memory stays one clip deep however large the data set. The device is checked against the CPU on the first item
+    of each, before the rest is encoded."""
     from safetensors.torch import save_file
 
-    text_dtype = torch.float32 if device == "cpu" else torch.bfloat16  # UMT5-XXL is 23 GB in fp32
     log(f"encoding {len(assigned)} file{'s' if len(assigned) != 1 else ''} once: VAE in fp32, text encoder in "
-        f"{'fp32' if text_dtype == torch.float32 else 'bf16'} on {device}")
-    vae = load_vae(layout.source, device)
-    mean, std = _latent_stats(vae)
-    latents = []
-    for media, bucket in assigned:
-        pixels = load_pixels(media, bucket)
-        with torch.no_grad():
-            z = _encode_pixels(vae, pixels, device, mean, std)
-        _require_sound(z, "VAE latents", media, device)
-        latents.append(z)
-    notes = [_cross_check_vae(vae, assigned[0], latents[0], mean, std)] if device != "cpu" else []
-    del vae
-    _free(device)
-    tokenizer, encoder = load_text_encoder(layout.source, text_dtype, device)
-    texts = []
+        f"{'fp32' if _text_dtype(device) == torch.float32 else 'bf16'} on {device}")
+    tokenizer, encoder = load_text_encoder(layout.source, _text_dtype(device), device)
+    texts, notes = [], []
     for media, _ in assigned:
         with torch.no_grad():
             emb = _encode_text(tokenizer, encoder, media.caption, max_text_tokens)
         _require_sound(emb, "text-encoder output", media, device)
         texts.append(emb)
-    if device != "cpu":
-        notes.append(_cross_check_text(tokenizer, encoder, assigned[0][0], texts[0], max_text_tokens))
+        if device != "cpu" and len(texts) == 1:
+            notes.append(_cross_check_text(tokenizer, encoder, media, emb, max_text_tokens))
+            encoder.to(device, _text_dtype(device))  # back from the check's fp32 CPU copy (bf16 round-trips)
     del encoder
     _free(device)
-    for i, (z, emb) in enumerate(zip(latents, texts, strict=True)):
+    vae = load_vae(layout.source, device)
+    mean, std = _latent_stats(vae)
+    for i, ((media, bucket), emb) in enumerate(zip(assigned, texts, strict=True)):
+        with torch.no_grad():
+            z = _encode_pixels(vae, load_pixels(media, bucket), device, mean, std)
+        _require_sound(z, "VAE latents", media, device)
+        if device != "cpu" and i == 0:
+            notes.append(_cross_check_vae(layout.source, (media, bucket), z, mean, std))
         save_file({"latents": z.contiguous(), "text": emb.contiguous()}, out / f"item-{i:06d}.safetensors")
+    del vae
+    _free(device)
     return notes
 
 
@@ -176,17 +201,18 @@ def _require_sound(t: torch.Tensor, what: str, media: MediaItem, device: str) ->
                     "doctor`, and encode on the CPU with diffusion.cache_device=cpu; nothing was cached.")
 
 
-def _cross_check_vae(vae, first: tuple[MediaItem, Bucket], device_latents, mean, std) -> str:
+def _cross_check_vae(source: str, first: tuple[MediaItem, Bucket], device_latents, mean, std) -> str:
+    """The first clip's first frames encoded by a CPU copy of the VAE in fp32 (small: hundreds of MB)."""
     media, bucket = first
     frames = min(CHECK_FRAMES, bucket.frames)
-    pixels = load_pixels(media, Bucket(bucket.width, bucket.height, bucket.frames))[:, :frames]
-    vae.to("cpu")
+    pixels = load_pixels(media, Bucket(bucket.width, bucket.height, frames))
     with torch.no_grad():
-        on_cpu = _encode_pixels(vae, pixels, "cpu", mean, std)
+        on_cpu = _encode_pixels(load_vae(source, "cpu"), pixels, "cpu", mean, std)
     return _compare("vae", media, device_latents[:, : on_cpu.shape[1]], on_cpu)
 
 
 def _cross_check_text(tokenizer, encoder, media: MediaItem, device_emb, max_tokens: int) -> str:
+    """The first caption through the same encoder moved to the CPU in fp32 (the caller moves it back)."""
     need = sum(p.numel() for p in encoder.parameters()) * 4
     if need * 2 > _host_memory():
         return (f"text-encoder CPU cross-check skipped: an fp32 copy needs {need / 2**30:.0f} GiB, more than half "
@@ -209,19 +235,44 @@ def _compare(part: str, media: MediaItem, device_out: torch.Tensor, cpu_out: tor
 
 
 def _complete(folder: Path, key: str, n: int) -> bool:
+    """The index names this key and every item file has the size it was written with."""
     try:
         index = json.loads((folder / INDEX).read_text())
-    except (OSError, ValueError):
+        sizes = index.get("sizes", {})
+        return index.get("key") == key and index.get("items") == n and len(sizes) == n and \
+            all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError):
         return False
-    return index.get("key") == key and index.get("items") == n and \
-        all((folder / f"item-{i:06d}.safetensors").is_file() for i in range(n))
+
+
+def _fsync_folder(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb") as handle:
+            os.fsync(handle.fileno())
+    if os.name != "nt":  # a directory cannot be opened for fsync on Windows
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _text_dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.bfloat16  # UMT5-XXL is 23 GB in fp32
 
 
 def _weight_stamps(source: str) -> dict:
-    """Sizes and times of a local checkpoint's VAE and text-encoder files: a replaced file is a new cache key."""
+    """Sizes and times of the checkpoint's VAE and text-encoder files, local or in the hub cache's snapshot (whose
+    folder name is the commit): a replaced file or a new revision is a new cache key."""
     root = Path(source).expanduser()
     if not root.is_dir():
-        return {}
+        try:
+            from huggingface_hub import snapshot_download
+
+            root = Path(snapshot_download(source, local_files_only=True,
+                                          allow_patterns=["vae/*", "text_encoder/*", "tokenizer/*"]))
+        except Exception:  # noqa: BLE001 — not in the local cache: the loaders will fetch it or say why not
+            return {}
     return {str(p.relative_to(root)): [p.stat().st_size, p.stat().st_mtime_ns]
             for part in ("vae", "text_encoder", "tokenizer") for p in sorted((root / part).glob("*")) if p.is_file()}
 

@@ -16,6 +16,9 @@ from rocktune.errors import UserError
 # embedding, time/text embedders, time projection, norms and the head are left out (PEFT matches the whole name).
 DEFAULT_TARGETS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
 PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+# Text positions the transformer's cross-attention sees at inference: WanPipeline pads prompt embeddings with zeros
+# to 512 (its max_sequence_length), and the attention has no mask, so training must see the same 512.
+PIPELINE_TEXT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,11 @@ def _expert(source: str, index: dict, expert: str) -> tuple[str, tuple[float, fl
             raise UserError(f"diffusion.expert={expert}: {source} has one transformer, not Wan 2.2 A14B's two "
                             "experts; leave diffusion.expert at auto.")
         return "transformer", (0.0, 1.0)
-    if expert == "auto" or boundary is None:
+    if boundary is None:
+        raise UserError(f"{source} has two transformers but its model_index.json has no boundary_ratio, so which "
+                        "noise levels each one denoises is unknown; add the value the checkpoint was released with "
+                        "(0.875 for Wan 2.2 T2V A14B).")
+    if expert == "auto":
         raise UserError(f"{source} has two transformers (Wan 2.2 A14B: transformer/ for high noise, transformer_2/ "
                         f"for low noise, boundary_ratio {boundary}); set diffusion.expert=high_noise or low_noise to "
                         "choose which one this LoRA trains (train twice for both).")

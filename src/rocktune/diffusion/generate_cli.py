@@ -57,7 +57,10 @@ def generate(run: str, request: Request, device: str) -> list[Path]:
     if not base:
         raise UserError(f"{Path(run) / CONFIG_NAME} names no model.name_or_path; pass the base Wan checkpoint as "
                         "--base.")
-    shot = _shot(request, config)
+    from rocktune.diffusion.components import read_layout
+
+    expert = (config.get("diffusion") or {}).get("expert", "auto")
+    shot = _shot(request, config, read_layout(base, expert).spatial_multiple)
     out = _out_path(Path(run), request, shot)
     pipe = load_pipeline(base, device)
     written = []
@@ -82,7 +85,8 @@ def _lora_file(run: Path) -> Path:
     return lora
 
 
-def _shot(request: Request, config: dict):
+def _shot(request: Request, config: dict, multiple: int = 16):
+    """``multiple``: the checkpoint's side multiple (16 for Wan 2.1; 32 for the Wan 2.2 TI2V-5B VAE)."""
     from rocktune.config import DiffusionConfig
     from rocktune.diffusion.render import Shot
 
@@ -91,9 +95,9 @@ def _shot(request: Request, config: dict):
     buckets = DiffusionConfig(**{key: saved[key] for key in ("resolutions", "frames") if key in saved})
     width, height = _parse_size(request.size) if request.size else buckets.resolutions[0]
     frames = request.frames or (1 if config.get("task") == "image-lora" else buckets.frames[0])
-    if width % 16 or height % 16:
-        raise UserError(f"--size {width}x{height}: Wan renders sides that are multiples of 16; try "
-                        f"{_round16(width)}x{_round16(height)}.")
+    if width % multiple or height % multiple:
+        raise UserError(f"--size {width}x{height}: this Wan checkpoint renders sides that are multiples of "
+                        f"{multiple}; try {_round(width, multiple)}x{_round(height, multiple)}.")
     if frames < 1 or (frames - 1) % 4:
         raise UserError(f"--frames {frames}: Wan's VAE needs 4k+1 frames (1, 17, 33, 49, 81); try "
                         f"{max(frames - 1, 0) // 4 * 4 + 1}.")
@@ -110,8 +114,8 @@ def _parse_size(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def _round16(side: int) -> int:
-    return max(16, round(side / 16) * 16)
+def _round(side: int, multiple: int) -> int:
+    return max(multiple, round(side / multiple) * multiple)
 
 
 def _out_path(run: Path, request: Request, shot) -> Path:

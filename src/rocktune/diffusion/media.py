@@ -208,8 +208,9 @@ def _bucket_for(item: MediaItem, resolutions: Sequence[Sequence[int]], buckets: 
 
 
 def _probe_video(path: Path, enough: int) -> tuple[int, int, int]:
-    """Width and height as displayed, and the frame count: the container's, else counted by decoding up to
-    ``enough``. The first frame is always decoded, so a codec PyAV cannot decode is reported here, not mid-run."""
+    """Width and height as displayed, and the frame count, counted by decoding up to ``enough`` frames: a
+    container's own count is not trusted (a truncated file keeps its header's count), so a clip whose frames do not
+    decode is reported here with the others, not midway through encoding."""
     import av
 
     try:
@@ -220,19 +221,27 @@ def _probe_video(path: Path, enough: int) -> tuple[int, int, int]:
             first = next(container.decode(stream), None)
             if first is None:
                 raise _Bad("has no decodable frames")
-            width, height = (first.height, first.width) if first.rotation % 180 == 90 else (first.width, first.height)
-            frames = stream.frames or 1 + sum(1 for _ in islice(container.decode(stream), enough - 1))
+            turned = _rotation(first) % 180 == 90
+            width, height = (first.height, first.width) if turned else (first.width, first.height)
+            frames = 1 + sum(1 for _ in islice(container.decode(stream), enough - 1))
     except av.error.FFmpegError as exc:
         raise _Bad(f"cannot be decoded as video ({_reason(exc)})") from None
     return width, height, frames
 
 
+def _rotation(frame) -> int:
+    """Counter-clockwise degrees from the container; PyAV releases before 14 do not expose it (then 0)."""
+    return int(getattr(frame, "rotation", 0) or 0)
+
+
 def _probe_image(path: Path) -> tuple[int, int, int]:
-    """Width and height as displayed (EXIF orientations 5-8 swap them), read from the header only."""
+    """Width and height as displayed (EXIF orientations 5-8 swap them); the pixels are decoded too, so a truncated
+    file is reported here with the others."""
     from PIL import ExifTags, Image
 
     try:
         with Image.open(path) as image:
+            image.load()
             width, height = image.size
             if image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8):
                 width, height = height, width
@@ -274,7 +283,7 @@ def _decode_video(path: Path, count: int) -> list[Image.Image]:
         images = []
         for frame in islice(container.decode(stream), count):
             image = frame.to_image()
-            images.append(image.transpose(turns[frame.rotation]) if frame.rotation in turns else image)
+            images.append(image.transpose(turns[_rotation(frame)]) if _rotation(frame) in turns else image)
     return images
 
 

@@ -32,9 +32,14 @@ def draw_sigma(gen: torch.Generator, mode: str, shift: float, span: tuple[float,
     return _within(float(u), span)
 
 
-def eval_sigma(i: int, n: int, shift: float, span: tuple[float, float] = (0.0, 1.0)) -> float:
-    """Evenly spaced quantiles through the shift: the eval set covers the noise levels with no sampling noise."""
-    return _within(float(shifted(torch.tensor((i + 0.5) / n), shift)), span)
+def eval_sigma(i: int, n: int, mode: str, shift: float, span: tuple[float, float] = (0.0, 1.0)) -> float:
+    """The (i + 0.5)/n quantile of the training distribution of sigma: the eval set covers the noise levels training
+    draws from, evenly, with no sampling noise."""
+    q = torch.tensor((i + 0.5) / n, dtype=torch.float64)
+    if mode == "uniform":
+        return _within(float(q), span)
+    u = torch.sigmoid(torch.distributions.Normal(0.0, 1.0).icdf(q)) if mode == "logit_normal" else q
+    return _within(float(shifted(u, shift)), span)
 
 
 def _within(sigma: float, span: tuple[float, float]) -> float:

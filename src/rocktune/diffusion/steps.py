@@ -57,8 +57,9 @@ class LatentFeed:
 
 
 def eval_forwards(items: list[LatentItem], per_forward: int, seed: int, noise: Noise, text_tokens: int) -> Fed:
-    """The eval set as one fixed batch list: its own noise per item and evenly spaced noise levels."""
-    rows = [(item, item_generator(seed, -1, i), eval_sigma(i, len(items), noise.shift, noise.span))
+    """The eval set as one fixed batch list: its own noise per item and noise levels at evenly spaced quantiles of
+    the training distribution."""
+    rows = [(item, item_generator(seed, -1, i), eval_sigma(i, len(items), noise.sampling, noise.shift, noise.span))
             for i, item in enumerate(items)]
     return _fed(rows, per_forward, noise, text_tokens)
 

@@ -70,7 +70,7 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     if resume_run:
         resume.check_config(run_dir, resolved, resume_force)
     if resume_run and summary.already_complete(run_dir, resume_force):
-        fig = summary.report_complete(run_dir)
+        fig = summary.report_complete(run_dir, _outputs(run_dir))
         return TrainResult(run_dir, fig.steps, eval_loss_before=fig.eval_before, eval_loss_after=fig.eval_after)
     build.seed_everything(t.seed)
     sinks.require(cfg.output.tensorboard, cfg.output.wandb, cfg.output.mlflow)
@@ -98,13 +98,13 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
     new_feed = lambda **position: LatentFeed(train_set.items, t.micro_batch_size,  # noqa: E731
                                              t.micro_batch_size * t.grad_accum, t.seed, noise,
-                                             diff.max_text_tokens, **position)
+                                             components.PIPELINE_TEXT_TOKENS, **position)
     feed = new_feed()
     total_steps = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
     scaler, autocast = runner.scaler, runner.autocast
     guard = NumericGuard(rel.nan_patience, rel.zero_patience)
-    eval_fed = eval_forwards(eval_set.items, t.micro_batch_size, t.seed, noise, diff.max_text_tokens)
+    eval_fed = eval_forwards(eval_set.items, t.micro_batch_size, t.seed, noise, components.PIPELINE_TEXT_TOKENS)
     evaluate = lambda: _eval_loss(loss_module, eval_fed, device, autocast)  # noqa: E731
     predicted_peak, plan_note = _predicted_peak(cfg, layout, train_set, precision)
 
@@ -210,9 +210,12 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
         need = finish.adapter_bytes(params) * 2
         with finish.guarded(run_dir, "the final metrics", need):
             metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
+        # The LoRA file first: adapter/ is what marks a run complete (summary.already_complete), so a crash between
+        # the two leaves a run that --resume finishes instead of one that claims to be done without its file.
+        with finish.guarded(run_dir, f"the LoRA to {run_dir / LORA_FILE}", need):
+            _write_comfy(model, cfg, run_dir / LORA_FILE)
         with finish.guarded(run_dir, f"the adapter to {run_dir / 'adapter'}", need, faults.final_write):
             save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
-            _write_comfy(model, cfg, run_dir / LORA_FILE)
         if space_skips.summary():
             bar.log(f"[yellow]{space_skips.summary()}[/]")
         summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, run_peak, predicted_peak,
@@ -226,11 +229,13 @@ def _refuse_lm_only(cfg: RunConfig) -> None:
     settings = {"model.quantization": (m.quantization, {"none"}), "model.liger": (m.liger, {"auto", "off"}),
                 "training.compile": (t.compile, {"auto", False}),
                 "training.batching": (t.batching, {"auto", "examples"}),
-                "data.packing": (cfg.data.packing, {False})}
+                "data.packing": (cfg.data.packing, {False}), "training.sample_count": (t.sample_count, {0}),
+                "training.sample_prompts": (tuple(t.sample_prompts), {()})}
     asked = [f"{key}={value}" for key, (value, harmless) in settings.items() if value not in harmless]
     if asked:
         raise UserError(f"{', '.join(asked)}: only for task=lm, not supported for task={cfg.task} "
-                        "(docs/diffusion.md lists what is); remove it from the config.")
+                        "(docs/diffusion.md lists what is; render samples after training with rocktune generate); "
+                        "remove it from the config.")
 
 
 def _assigned(source, cfg: RunConfig, frames: list[int]) -> list[tuple[media.MediaItem, media.Bucket]]:
@@ -277,7 +282,7 @@ def _predicted_peak(cfg: RunConfig, layout, train_set: LatentSet, precision: str
     except UserError as exc:
         return None, f"planner: no estimate ({exc})"
     est = estimate_wan(shape, largest.width, largest.height,
-                       largest.frames, cfg.training.micro_batch_size, cfg.diffusion.max_text_tokens, cfg.lora.r,
+                       largest.frames, cfg.training.micro_batch_size, components.PIPELINE_TEXT_TOKENS, cfg.lora.r,
                        precision, cfg.model.gradient_checkpointing)
     size = f"{est.total_bytes / 2**30:.2f} GiB" if est.total_bytes >= 2**30 else f"{est.total_bytes / 2**20:.1f} MiB"
     return est.total_bytes, (f"planner: {size} predicted peak at {largest} "

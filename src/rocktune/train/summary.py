@@ -91,13 +91,13 @@ def already_complete(run_dir: Path, force: bool) -> bool:
     return not force and (run_dir / "adapter" / "adapter_config.json").is_file()
 
 
-def report_complete(run_dir: Path) -> RunFigures:
+def report_complete(run_dir: Path, outputs: list[str] | None = None) -> RunFigures:
     from rich.console import Console
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     console.print(f"{run_dir} is already complete: nothing to resume. Pass --overwrite to train it again from "
                   "scratch, or raise training.max_steps and pass --resume-force to train it further.")
-    return log_summary(run_dir, console.print, None)
+    return log_summary(run_dir, console.print, None, outputs=outputs)
 
 
 def _memory(device_peak: int, predicted_peak: int | None) -> str:
