@@ -243,7 +243,9 @@ def _add_plan(sub) -> None:
                    help="lm (default) or a Wan LoRA: MODEL is then a diffusers Wan directory or hub id")
     p.add_argument("--resolution", default="832x480", help="video-lora/image-lora: WIDTHxHEIGHT (default 832x480)")
     p.add_argument("--frames", type=int, default=81, help="video-lora: frames per clip, 4k+1 (default 81)")
-    p.add_argument("--text-tokens", type=int, default=512, help="video-lora/image-lora: text tokens (default 512)")
+    p.add_argument("--text-tokens", type=int, default=512,
+                   help="video-lora/image-lora: text positions per sample (default 512: what training and WanPipeline "
+                        "use; change it only to plan for another pipeline)")
     p.set_defaults(func=_run_plan)
 
 
