@@ -354,6 +354,10 @@ def test_data_preview_and_export_speak_for_diffusion_runs(wan_dir, clips, refere
     assert main(["export", str(ref_dir), "--to", "merged"]) == 2
     assert "wan_lora.safetensors" in capsys.readouterr().err
     assert not (ref_dir / "export").exists()
+    out = tmp_path / "report.html"
+    assert main(["report", str(ref_dir), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "rocktune generate" in page and "32x32x9" in page and "set training.sample_count" not in page
 
 
 def test_a_crash_between_the_final_writes_is_finished_by_resume(wan_dir, clips, tmp_path):

@@ -6,6 +6,8 @@ config keys in which they differ, in ``compare.html`` (or ``--out``).
 
 from __future__ import annotations
 
+import html
+
 import statistics
 from pathlib import Path
 
@@ -98,6 +100,9 @@ def _events(runs: list[RunData]) -> str:
 
 def _samples(run: RunData) -> str:
     steps = run.sample_steps()
+    if not steps and run.config.get("task") in ("video-lora", "image-lora"):
+        return (f"<h2>Samples</h2><p>Render clips with the trained LoRA: <code>rocktune generate "
+                f"{html.escape(str(run.path))} --prompt \"...\" --compare</code> (docs/diffusion.md).</p>")
     if not steps:
         return "<h2>Samples</h2><p>No samples (set training.sample_count or training.sample_prompts).</p>"
     first, last = steps[0], steps[-1]
