@@ -391,3 +391,14 @@ def test_a_truncated_clip_is_named_at_probe_time(clips, tmp_path):
     item = media.MediaItem(path, "cut", str(path))
     with pytest.raises(UserError, match=r"cut\.mp4"):
         media.assign_buckets([item], [(32, 32)], [33], "video-lora")
+
+
+def test_the_planner_warns_before_encoding_when_the_peak_exceeds_the_device(wan_dir, clips, tmp_path):
+    from rocktune.train.diffusion_loop import _predicted_peak
+
+    cfg = config_from_dict(run_config(wan_dir, clips, tmp_path / "run"))
+    buckets = [media.Bucket(32, 32, 9), media.Bucket(32, 32, 5)]
+    peak, note = _predicted_peak(cfg, buckets, "fp32", None)
+    assert peak > 0 and note.startswith("planner:") and "32x32x9 x2" in note
+    peak, note = _predicted_peak(cfg, buckets, "fp32", peak // 2)
+    assert note.startswith("warning:") and "model.gradient_checkpointing=true it is" in note

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 
-LIBRARIES = ("transformers", "peft", "bitsandbytes", "flash-attn", "liger-kernel", "torchao", "triton")
+LIBRARIES = ("transformers", "peft", "bitsandbytes", "flash-attn", "liger-kernel", "torchao", "triton",
+             "diffusers", "av")  # the last two: task video-lora / image-lora
 ENV_PREFIXES = ("HSA_", "HIP_", "ROCR_", "ROCM_", "AMD_", "CUDA_", "NCCL_", "RCCL_", "PYTORCH_", "TORCH_",
                 "MIOPEN_", "FLASH_ATTENTION_", "GPU_", "DISABLE_ADDMM", "OMP_NUM_THREADS")
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")

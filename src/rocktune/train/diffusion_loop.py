@@ -63,6 +63,8 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     comfy.check_targets(components.planned_targets(layout, cfg.lora.target_modules))
     train_media, eval_media = _split(_assigned(d.train_file, cfg, frames), d.eval_file, d.eval_fraction, t.seed,
                                      lambda source: _assigned(source, cfg, frames))
+    # Before the (long) encode: the planner's peak for the largest bucket, and a warning when it exceeds the GPU.
+    predicted_peak, plan_note = _predicted_peak(cfg, [b for _, b in train_media], precision, _device_bytes(device))
     faults = faults or Faults()
     run_dir = Path(cfg.output.dir)
     resolved = cfg.model_dump(mode="json")
@@ -78,6 +80,7 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     # Encode once, then free the VAE and the text encoder: training holds only the transformer.
     cache_root = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
     say = _console(quiet)
+    say(plan_note if not plan_note.startswith("warning") else f"[yellow]{plan_note}[/]")
     encode_on = "cpu" if diff.cache_device == "cpu" else device
     train_set = cache_latents(train_media, layout, encode_on, diff.max_text_tokens, cache_root, say)
     eval_set = cache_latents(eval_media, layout, encode_on, diff.max_text_tokens, cache_root, say) \
@@ -106,7 +109,6 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
     guard = NumericGuard(rel.nan_patience, rel.zero_patience)
     eval_fed = eval_forwards(eval_set.items, t.micro_batch_size, t.seed, noise, components.PIPELINE_TEXT_TOKENS)
     evaluate = lambda: _eval_loss(loss_module, eval_fed, device, autocast)  # noqa: E731
-    predicted_peak, plan_note = _predicted_peak(cfg, layout, train_set, precision)
 
     result = TrainResult(run_dir=run_dir, steps=total_steps, model=model)
     ckpt_root = run_dir / "checkpoints"
@@ -128,8 +130,9 @@ def train_diffusion(cfg: RunConfig, overwrite: bool = False, resume_run: bool = 
         resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
     metrics = sinks.open_log(MetricsLog(run_dir / "metrics.jsonl"), run_dir, start_step, cfg.output.tensorboard,
                              cfg.output.wandb, cfg.output.mlflow)
-    notes = env_notes + choices.messages + train_set.notes + eval_set.notes + [plan_note]
-    sinks.write_info(run_dir, device, precision, predicted_peak, notes, _data_info(cfg, train_set, eval_set, shift))
+    notes = env_notes + choices.messages + train_set.notes + eval_set.notes  # the plan note was said before encoding
+    sinks.write_info(run_dir, device, precision, predicted_peak, notes + [plan_note],
+                     _data_info(cfg, train_set, eval_set, shift))
     stop = InterruptFlag()
     space_skips = checkpoint.SpaceSkips()
     per_token = int(layout.vae.get("z_dim", 16)) * math.prod(layout.patch)  # latent values per transformer token
@@ -272,21 +275,39 @@ def _eval_loss(loss_module, fed, device: str, autocast) -> float | None:
     return float(total) / fed.loss_tokens
 
 
-def _predicted_peak(cfg: RunConfig, layout, train_set: LatentSet, precision: str) -> tuple[int | None, str]:
-    """The planner's estimate for the largest bucket in use, at the configured micro batch."""
+def _predicted_peak(cfg: RunConfig, buckets: list[media.Bucket], precision: str,
+                    device_bytes: int | None) -> tuple[int | None, str]:
+    """The planner's estimate for the largest bucket in use, at the configured micro batch; when it exceeds the
+    device (``device_bytes``), the note says so and what gradient checkpointing would need instead."""
     from rocktune.planner.wan import estimate_wan, load_wan_shape
 
-    largest = max((item.bucket for item in train_set.items), key=lambda b: b.width * b.height * b.frames)
+    largest = max(buckets, key=lambda b: b.width * b.height * b.frames)
     try:
         shape = load_wan_shape(cfg.model.name_or_path)
     except UserError as exc:
         return None, f"planner: no estimate ({exc})"
-    est = estimate_wan(shape, largest.width, largest.height,
-                       largest.frames, cfg.training.micro_batch_size, components.PIPELINE_TEXT_TOKENS, cfg.lora.r,
-                       precision, cfg.model.gradient_checkpointing)
-    size = f"{est.total_bytes / 2**30:.2f} GiB" if est.total_bytes >= 2**30 else f"{est.total_bytes / 2**20:.1f} MiB"
-    return est.total_bytes, (f"planner: {size} predicted peak at {largest} "
-                             f"x{cfg.training.micro_batch_size} ({est.tokens:,} latent tokens per forward)")
+
+    def peak(checkpointing: bool):
+        return estimate_wan(shape, largest.width, largest.height, largest.frames, cfg.training.micro_batch_size,
+                            components.PIPELINE_TEXT_TOKENS, cfg.lora.r, precision, checkpointing)
+
+    est = peak(cfg.model.gradient_checkpointing)
+    note = (f"planner: {_size(est.total_bytes)} predicted peak at {largest} x{cfg.training.micro_batch_size} "
+            f"({est.tokens:,} latent tokens per forward)")
+    if device_bytes and est.total_bytes > device_bytes:
+        note = f"warning: {note}, more than this device's {_size(device_bytes)}"
+        if not cfg.model.gradient_checkpointing:
+            note += (f"; with model.gradient_checkpointing=true it is {_size(peak(True).total_bytes)}, "
+                     "set it before the run reaches its first step")
+    return est.total_bytes, note
+
+
+def _device_bytes(device: str) -> int | None:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if device == "cuda" else None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _write_comfy(model, cfg: RunConfig, out: Path) -> None:
