@@ -402,3 +402,15 @@ def test_the_planner_warns_before_encoding_when_the_peak_exceeds_the_device(wan_
     assert peak > 0 and note.startswith("planner:") and "32x32x9 x2" in note
     peak, note = _predicted_peak(cfg, buckets, "fp32", peak // 2)
     assert note.startswith("warning:") and "model.gradient_checkpointing=true it is" in note
+
+
+def test_the_gpu_branch_of_the_cache_runs_its_cross_checks(wan_dir, clips, tmp_path):
+    """Any device other than "cpu" takes the GPU branch: bf16 text encoder, both CPU fp32 cross-checks on the first
+    item. "cpu:0" is such a device here, so the branch runs without a GPU."""
+    layout = components.read_layout(str(wan_dir))
+    assigned = media.assign_buckets(media.list_items(clips), [(32, 32)], [9], "video-lora")[:2]
+    cached = cache_mod.cache_latents(assigned, layout, "cpu:0", 64, tmp_path, lambda m: None)
+    checks = [n for n in cached.notes if "match a CPU fp32 encode" in n]
+    assert [n.split(" match")[0] for n in checks] == ["text-encoder output", "VAE latents"]
+    assert float(checks[0].rsplit(" ", 1)[1].rstrip(")")) < 0.05  # bf16 encoder vs fp32
+    assert cached.fingerprint != cache_mod.cache_key(assigned, layout, 64, "cpu")  # bf16 text: its own cache
