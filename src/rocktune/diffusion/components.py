@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.errors import UserError
+from rocktune.planner.wan import LORA_TARGETS
 
 # The blocks' attention and feed-forward linears: what Wan LoRAs in the wild adapt and what ComfyUI maps. The patch
 # embedding, time/text embedders, time projection, norms and the head are left out (PEFT matches the whole name).
-DEFAULT_TARGETS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
+# One pattern for training and the planner, which sizes exactly these.
+DEFAULT_TARGETS = LORA_TARGETS
 PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 # Text positions the transformer's cross-attention sees at inference: WanPipeline pads prompt embeddings with zeros
 # to 512 (its max_sequence_length), and the attention has no mask, so training must see the same 512.

@@ -39,6 +39,7 @@ class LatentFeed:
         self.seed, self.noise, self.text_tokens = seed, noise, text_tokens
         self.epoch, self.index = epoch, index
         self.steps_per_epoch = math.ceil(len(items) / self.per_step)
+        self._order_of, self._epoch_order = None, []  # the epoch whose shuffled order is held, and that order
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
@@ -46,14 +47,17 @@ class LatentFeed:
     def next(self) -> Fed:
         if self.index >= len(self.items):
             self.epoch, self.index = self.epoch + 1, 0
-        order = torch.randperm(len(self.items), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        chosen = order[self.index: self.index + self.per_step].tolist()
+        chosen = self._order()[self.index: self.index + self.per_step]
         self.index += len(chosen)
         rows = [(self.items[i], item_generator(self.seed, self.epoch, i), None) for i in chosen]
         return _fed(rows, self.per_forward, self.noise, self.text_tokens)
 
-    def close(self) -> None:  # the loop closes feeds; this one holds no thread
-        pass
+    def _order(self) -> list[int]:
+        """The epoch's shuffled order, drawn once per epoch from the seed."""
+        if self._order_of != self.epoch:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._order_of, self._epoch_order = self.epoch, torch.randperm(len(self.items), generator=gen).tolist()
+        return self._epoch_order
 
 
 def eval_forwards(items: list[LatentItem], per_forward: int, seed: int, noise: Noise, text_tokens: int) -> Fed:

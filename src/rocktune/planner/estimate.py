@@ -54,11 +54,10 @@ class Term:
     inputs: str
 
 
-@dataclass
-class Estimate:
-    shape: ModelShape
-    spec: RunSpec
-    terms: list[Term] = field(default_factory=list)
+class TermSums:
+    """Sums over ``self.terms`` by phase: what the LM and Wan estimates share."""
+
+    terms: list[Term]
 
     def by_name(self) -> dict[str, int]:
         return {t.name: t.bytes for t in self.terms}
@@ -71,13 +70,20 @@ class Estimate:
         return self.phase("saved")
 
     @property
-    def peak_allocated(self) -> int:
-        return self.phase("static") + self.saved_bytes + self.peak_transient_bytes
-
-    @property
     def peak_transient_bytes(self) -> int:
         """Only one of these phases happens at a time; the backward terms (recompute + gradients) coexist."""
         return max(self.phase("transient"), self.phase("backward"), self.phase("step"))
+
+
+@dataclass
+class Estimate(TermSums):
+    shape: ModelShape
+    spec: RunSpec
+    terms: list[Term] = field(default_factory=list)
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.phase("static") + self.saved_bytes + self.peak_transient_bytes
 
     @property
     def total_bytes(self) -> int:

@@ -70,16 +70,16 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     a, b = off.by_name(), on.by_name()
     details = {t.name: t.inputs for t in off.terms} | {t.name: t.inputs for t in on.terms if t.name not in a}
     for name in names:
-        table.add_row(name, _fmt(a.get(name)), _fmt(b.get(name)), details[name])
+        table.add_row(name, fmt_bytes(a.get(name)), fmt_bytes(b.get(name)), details[name])
     table.add_section()
-    table.add_row("peak allocated", _fmt(off.peak_allocated), _fmt(on.peak_allocated),
+    table.add_row("peak allocated", fmt_bytes(off.peak_allocated), fmt_bytes(on.peak_allocated),
                   "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)")
-    table.add_row("[bold]total[/]", f"[bold]{_fmt(off.total_bytes)}[/]", f"[bold]{_fmt(on.total_bytes)}[/]",
+    table.add_row("[bold]total[/]", f"[bold]{fmt_bytes(off.total_bytes)}[/]", f"[bold]{fmt_bytes(on.total_bytes)}[/]",
                   "peak + allocator overhead + device context")
     budget = doc["budget_bytes"]
     usable = budget * (1 - MARGIN)
-    table.add_row("fits?", _yes(off.total_bytes <= usable), _yes(on.total_bytes <= usable),
-                  f"budget {_fmt(budget)} ({doc['budget_source']}), {MARGIN:.0%} kept free")
+    table.add_row("fits?", yes_no(off.total_bytes <= usable), yes_no(on.total_bytes <= usable),
+                  f"budget {fmt_bytes(budget)} ({doc['budget_source']}), {MARGIN:.0%} kept free")
     console = Console()
     console.print(table)
     fit = doc["fit"]
@@ -94,9 +94,9 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
         console.print(f"  - {reason}", highlight=False)
 
 
-def _fmt(n) -> str:
+def fmt_bytes(n) -> str:
     return "—" if n is None else f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
-def _yes(ok: bool) -> str:
+def yes_no(ok: bool) -> str:
     return "[green]yes[/]" if ok else "[red]no[/]"

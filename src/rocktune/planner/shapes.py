@@ -96,13 +96,7 @@ def load_shape(model: str) -> ModelShape:
             raise UserError(f"{model} is a directory without a config.json; pass the model directory that "
                             "holds config.json, a config.json file, or a preset name.")
     if path.is_file():
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"{path} is not a readable JSON file: {exc}") from None
-        if not isinstance(config, dict):
-            raise UserError(f"{path} does not hold a JSON object; is it a Hugging Face config.json?")
-        return shape_from_config(config, name=str(path))
+        return shape_from_config(read_config(path), name=str(path))
     key = _preset_key(model)
     if key is None:
         raise UserError(f"unknown model {model!r}: not a file, not a directory with config.json, and not a preset. "
@@ -144,3 +138,14 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         norms_per_layer=traits["norms"], attn_softcap=config.get("attn_logit_softcapping"),
         final_softcap=config.get("final_logit_softcapping"),
     )
+
+
+def read_config(path: Path) -> dict:
+    """A config.json as a dict, or a UserError naming the file (the LM and the Wan planner read theirs alike)."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} is not a readable JSON file: {exc}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} does not hold a JSON object; is it a Hugging Face config.json?")
+    return config

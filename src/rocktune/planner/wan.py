@@ -6,8 +6,8 @@ tensor with ``saved_tensors_hooks`` in ``benchmarks/planner_validation_wan.py``.
 
 - the frozen base saves nothing for its own weights; each LoRA ``lora_A`` saves its input and ``lora_B`` its
   rank-``r`` input. In fp32, adapters on the same input share it (the attention output is the ``to_out`` input);
-  under bf16 (or fp16) autocast PEFT casts the input to fp32 and autocast back, so every adapter saves its own bf16 copy and
-  bf16 copies of A and B.
+  under bf16 (or fp16) autocast PEFT casts the input to fp32 and autocast back, so every adapter saves its own bf16
+  copy and bf16 copies of A and B.
 - the FP32 LayerNorms (norm1, norm2, norm3, norm_out) and the q/k RMSNorms save an fp32 input and per-token stats
   whatever the precision; the first block's norm1 saves nothing (its input needs no gradient).
 - attention saves q, k, v, the output and an fp32 log-sum-exp per head and query; cross-attention's k and v have the
@@ -26,13 +26,13 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.planner.budget import detect_budget, parse_budget
-from rocktune.planner.estimate import CONTEXT, FRAGMENTATION, MIB, Term
+from rocktune.planner.estimate import CONTEXT, DTYPE_BYTES, FRAGMENTATION, MIB, Term, TermSums
 from rocktune.planner.fit import MARGIN
-from rocktune.planner.report import _fmt, _yes
+from rocktune.planner.report import fmt_bytes, yes_no
+from rocktune.planner.shapes import read_config
 
 # What training wraps with LoRA (peft fullmatches a string against each module name).
 LORA_TARGETS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 REQUIRED = ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers", "in_channels", "text_dim")
 
 
@@ -69,7 +69,8 @@ class WanShape:
         block = 8 * (d * d + d) + 4 * d + (2 * d if self.cross_attn_norm else 0) + 2 * d * f + f + d + 6 * d
         return {"patch_embedding": self.in_channels * patch * d + d,
                 "condition_embedder": self._time_embedder() + 6 * d * d + 6 * d + self.text_dim * d + d + d * d + d,
-                "blocks": self.layers * block, "head": d * self.out_channels * patch + self.out_channels * patch + 2 * d}
+                "blocks": self.layers * block,
+                "head": d * self.out_channels * patch + self.out_channels * patch + 2 * d}
 
     def _time_embedder(self) -> int:
         return self.freq_dim * self.dim + self.dim + self.dim * self.dim + self.dim
@@ -99,25 +100,11 @@ class WanShape:
 
 
 @dataclass
-class WanEstimate:
+class WanEstimate(TermSums):
     shape: WanShape
     settings: dict
     tokens: int  # latent tokens of the micro-batch
     terms: list[Term] = field(default_factory=list)
-
-    def by_name(self) -> dict[str, int]:
-        return {t.name: t.bytes for t in self.terms}
-
-    def phase(self, phase: str) -> int:
-        return sum(t.bytes for t in self.terms if t.phase == phase)
-
-    @property
-    def saved_bytes(self) -> int:
-        return self.phase("saved")
-
-    @property
-    def peak_transient_bytes(self) -> int:
-        return max(self.phase("transient"), self.phase("backward"), self.phase("step"))
 
     @property
     def total_bytes(self) -> int:
@@ -147,26 +134,16 @@ def load_wan_shape(model: str) -> WanShape:
         if not config_path.is_file():
             raise UserError(f"{model} has no transformer/config.json (nor config.json): pass a diffusers Wan "
                             "directory with model_index.json, or a preset such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers.")
-        vae = _read_json(path / "vae" / "config.json") if (path / "vae" / "config.json").is_file() else {}
+        vae = read_config(path / "vae" / "config.json") if (path / "vae" / "config.json").is_file() else {}
         # AutoencoderKLWan's defaults when its config leaves them out, as WanPipeline reads them
         factors = (vae.get("scale_factor_spatial") or 8, vae.get("scale_factor_temporal") or 4)
-        return shape_from_config(_read_json(config_path), factors, str(config_path))
+        return shape_from_config(read_config(config_path), factors, str(config_path))
     key = next((k for k in presets() if k.lower() == model.rsplit("/", 1)[-1].lower()), None)
     if key is None:
         raise UserError(f"unknown Wan model {model!r}: not a local diffusers directory and not a preset. Known "
                         f"presets: {', '.join('Wan-AI/' + k for k in presets())}.")
     config = presets()[key]
     return shape_from_config(config, (config["vae_scale_factor_spatial"], config["vae_scale_factor_temporal"]), key)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path} is not a readable JSON file: {exc}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path} does not hold a JSON object; is it a diffusers config.json?")
-    return data
 
 
 def shape_from_config(config: dict, vae_factors: tuple[int, int] = (8, 4), name: str = "config") -> WanShape:
@@ -388,15 +365,15 @@ def _render(est: WanEstimate, other: WanEstimate, doc: dict) -> None:
     a, b = off.by_name(), on.by_name()
     details = {t.name: t.inputs for t in on.terms} | {t.name: t.inputs for t in off.terms}
     for name in dict.fromkeys([*a, *b]):
-        table.add_row(name, _fmt(a.get(name)), _fmt(b.get(name)), details[name])
+        table.add_row(name, fmt_bytes(a.get(name)), fmt_bytes(b.get(name)), details[name])
     table.add_section()
-    table.add_row("peak allocated", _fmt(off.total_bytes), _fmt(on.total_bytes),
+    table.add_row("peak allocated", fmt_bytes(off.total_bytes), fmt_bytes(on.total_bytes),
                   "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)")
-    table.add_row("[bold]reserved[/]", f"[bold]{_fmt(off.reserved_bytes)}[/]", f"[bold]{_fmt(on.reserved_bytes)}[/]",
+    table.add_row("[bold]reserved[/]", f"[bold]{fmt_bytes(off.reserved_bytes)}[/]", f"[bold]{fmt_bytes(on.reserved_bytes)}[/]",
                   "peak + allocator overhead + device context")
     usable = doc["budget_bytes"] * (1 - MARGIN)
-    table.add_row("fits?", _yes(off.reserved_bytes <= usable), _yes(on.reserved_bytes <= usable),
-                  f"budget {_fmt(doc['budget_bytes'])} ({doc['budget_source']}), {MARGIN:.0%} kept free")
+    table.add_row("fits?", yes_no(off.reserved_bytes <= usable), yes_no(on.reserved_bytes <= usable),
+                  f"budget {fmt_bytes(doc['budget_bytes'])} ({doc['budget_source']}), {MARGIN:.0%} kept free")
     console = Console()
     console.print(table)
     if "largest_frames" in doc:
