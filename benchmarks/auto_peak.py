@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     from rocktune.bench import workload
     from rocktune.config import config_from_dict
     from rocktune.planner import RunSpec, estimate, load_shape
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
+    from rocktune.train.request import RunOptions
 
     tmp = Path(tempfile.mkdtemp(prefix="rt-auto-peak-"))
     cache = Path("/tmp/rt-suite") / args.model / "cache"  # the suite's cached model and data, when it ran first
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
                "reliability": {"save_every": 0}, "output": {"dir": str(tmp / f"{budget}-{ckpt}")}}
         point = {"model": args.model, "micro_batch_tokens": budget, "checkpointing": ckpt}
         try:
-            train(config_from_dict(raw), overwrite=True, quiet=True)
+            train(config_from_dict(raw), RunOptions(overwrite=True), quiet=True)
             rows = [json.loads(x) for x in (tmp / f"{budget}-{ckpt}" / "metrics.jsonl").read_text().splitlines()]
             steps = [r for r in rows if "loss" in r]
             forward_rows = max(-(-r["batch_tokens"] // (r["forwards"] * args.max_length)) for r in steps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from rocktune.bench.runner import run_bench
+from rocktune.bench.runner import BenchRequest, run_bench
 
 SUITES = {
     "cpu": [{"model": "tiny", "steps": 3, "warmup": 1, "rounds": 2, "device": "cpu"}],
@@ -29,7 +29,7 @@ def main(suite: str) -> int:
     if suite not in SUITES:
         print("usage: bench_suite.py {cpu|gpu}", file=sys.stderr)
         return 2
-    reports = [run_bench(out=f"runs/bench-{suite}-{i}", log=lambda m: print(m, file=sys.stderr), **kw)
+    reports = [run_bench(BenchRequest(out=f"runs/bench-{suite}-{i}", **kw), lambda m: print(m, file=sys.stderr))
                for i, kw in enumerate(SUITES[suite])]
     print(json.dumps(reports, indent=1))
     return 0

@@ -65,7 +65,7 @@ def _storage_key(t: torch.Tensor):
 
 def measure_step(model, batch: dict, precision: str, device: str = "cpu") -> dict:
     """Run one training step; count saved-for-backward bytes and the training state."""
-    from rocktune.train.loss import causal_lm_loss_sum
+    from rocktune.tasks.lm.loss import causal_lm_loss_sum
 
     params = {_storage_key(p)[0] for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -139,9 +139,12 @@ def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt
 
 def cpu_grid(quick: bool = False):
     if quick:
-        points = [("tiny-qwen2", 1, 64, 8, "fp32", "sdpa", False, 0.0), ("tiny-qwen2", 3, 48, 4, "bf16", "eager", False, 0.0),
-                  ("tiny-qwen2", 2, 64, 16, "fp32", "eager", True, 0.1), ("small-llama", 2, 96, 8, "bf16", "sdpa", False, 0.1),
-                  ("small-llama", 1, 128, 8, "fp32", "sdpa", True, 0.0), ("tiny-qwen3", 2, 64, 8, "fp32", "sdpa", False, 0.0),
+        points = [("tiny-qwen2", 1, 64, 8, "fp32", "sdpa", False, 0.0),
+                  ("tiny-qwen2", 3, 48, 4, "bf16", "eager", False, 0.0),
+                  ("tiny-qwen2", 2, 64, 16, "fp32", "eager", True, 0.1),
+                  ("small-llama", 2, 96, 8, "bf16", "sdpa", False, 0.1),
+                  ("small-llama", 1, 128, 8, "fp32", "sdpa", True, 0.0),
+                  ("tiny-qwen3", 2, 64, 8, "fp32", "sdpa", False, 0.0),
                   ("tiny-phi3", 2, 64, 8, "bf16", "eager", False, 0.0)]
     else:
         # rank and dropout change only small terms: they alternate instead of multiplying the grid

@@ -5,7 +5,8 @@
 
 One real step of a random diffusers ``WanTransformer3DModel`` per grid point, built as the training loop builds it
 (``rocktune.diffusion.components``: frozen base loaded with diffusers' dtype rules, PEFT LoRA on the blocks'
-attention and FFN linears, fp32 adapters) and trained with its flow-matching loss and AdamW. Bytes saved for backward are counted with
+attention and FFN linears, fp32 adapters) and trained with its flow-matching loss and AdamW. Bytes saved for backward
+are counted with
 ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded; with gradient
 checkpointing the tensors each block's checkpoint keeps are counted too. Parameters, gradients and optimizer states
 are counted from the tensors after the step and must match the prediction exactly.
@@ -139,7 +140,8 @@ def markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['size']} | {r['frames']} | {r['batch']} | {r['tokens']} "
-                     f"| {r['text_tokens']} | {r['rank']} | {r['precision']} | {'on' if r['checkpointing'] else 'off'} | {r['saved_measured']:,} "
+                     f"| {r['text_tokens']} | {r['rank']} | {r['precision']} | {'on' if r['checkpointing'] else 'off'} "
+                     f"| {r['saved_measured']:,} "
                      f"| {r['saved_predicted']:,} | {r['saved_error']:+.1%} |")
     return "\n".join(lines)
 

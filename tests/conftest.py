@@ -53,3 +53,25 @@ def tiny_run_config(model_dir: Path, train_file: Path, eval_file: Path | None, o
         "training": t,
         "output": {"dir": str(out_dir)},
     }
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """The LM fault-injection tests' data (tests/lm_runs.py): the demo task, 200 train and 16 eval records."""
+    from rocktune.demo.task import make_task
+
+    tmp = tmp_path_factory.mktemp("rel")
+    tr, ev = make_task(n_train=200, n_eval=16, seed=2)
+    return write_jsonl(tmp / "train.jsonl", tr), write_jsonl(tmp / "eval.jsonl", ev)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir, data, tmp_path_factory) -> Path:
+    """One uninterrupted LM run (tests/lm_runs.py's config): what every faulted run must reproduce exactly."""
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from tests.lm_runs import config
+
+    out = tmp_path_factory.mktemp("ref") / "run"
+    train(config_from_dict(config(tiny_model_dir, data, out)), quiet=True)
+    return out

@@ -114,9 +114,9 @@ def test_baseline_that_cannot_run_is_skipped_with_reason(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_bench_end_to_end_losses_match_hf(tiny_model_dir, tmp_path):
     """Two configurations x 2 steps: rocktune's loop and the HF Trainer on the same micro-batches."""
-    report = runner.run_bench(model=str(tiny_model_dir), configs="parity-rocktune,parity-hf", steps=2, warmup=0,
-                              threads=1, device="cpu", out=str(tmp_path), n_samples=32, parity_steps=0,
-                              log=lambda msg: None)
+    report = runner.run_bench(runner.BenchRequest(model=str(tiny_model_dir), configs="parity-rocktune,parity-hf",
+                                                  steps=2, warmup=0, threads=1, device="cpu", out=str(tmp_path),
+                                                  n_samples=32, parity_steps=0), log=lambda msg: None)
     json.dumps(report)  # the whole report is JSON
     assert {"schema", "environment", "workload", "configs", "parity", "targets"} <= set(report)
     assert report["environment"]["torch_threads"] == 1
@@ -166,7 +166,8 @@ def test_summarise_computes_mfu_for_a_gpu_result():
                 "shape": {"matmul_params": 494_000_000, "layers": 24, "attn_dim": 896, "dtype": "bfloat16"},
                 "environment": {"gpu": "NVIDIA H200", "device": "cuda"}}
 
-    rep = runner.summarise([result("hf-seed", 1000, 4e9), result("hf-tuned", 1200, 3e9), result("rocktune", 50000, 2e9)],
+    rep = runner.summarise([result("hf-seed", 1000, 4e9), result("hf-tuned", 1200, 3e9),
+                            result("rocktune", 50000, 2e9)],
                            0, [500, 1500], "cuda")
     rt = next(r for r in rep["configs"] if r["name"] == "rocktune")
     fpt = stats.flops_per_token(494_000_000, 24, 896, [500, 1500])
@@ -215,7 +216,8 @@ def test_flattened_batches_count_every_token_as_real():
     from rocktune.bench.hf_baseline import real_token_count
 
     assert real_token_count({"input_ids": torch.ones(1, 30)}) == 30
-    assert real_token_count({"input_ids": torch.ones(2, 5), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])}) == 7
+    batch = {"input_ids": torch.ones(2, 5), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])}
+    assert real_token_count(batch) == 7
 
 
 def test_gpu_suite_definition():

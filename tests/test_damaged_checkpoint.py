@@ -21,14 +21,15 @@ import yaml
 from rocktune.config import config_from_dict
 from rocktune.train import checkpoint
 from rocktune.train.checkpoint_state import REFUSED
-from rocktune.train.loop import train
-from tests.test_reliability import adapter_bytes, config, data, logged, reference, run_worker  # noqa: F401
+from rocktune.tasks import train
+from rocktune.train.request import RunOptions
+from tests.lm_runs import adapter_bytes, config, logged, run_worker
 
 STEP6 = "step-0000006"
 
 
 @pytest.fixture(scope="module")
-def killed_run(tiny_model_dir, data, tmp_path_factory):  # noqa: F811
+def killed_run(tiny_model_dir, data, tmp_path_factory):
     """A run SIGKILLed after step 7: checkpoints at steps 4 and 6, no adapter."""
     out = tmp_path_factory.mktemp("killed") / "run"
     assert run_worker(config(tiny_model_dir, data, out), {"kill_at_step": 7}) < 0
@@ -36,7 +37,7 @@ def killed_run(tiny_model_dir, data, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture
-def run(killed_run, tiny_model_dir, data, tmp_path):  # noqa: F811
+def run(killed_run, tiny_model_dir, data, tmp_path):
     """A private copy of the killed run and its config (written to c.yaml for the CLI)."""
     out = tmp_path / "run"
     shutil.copytree(killed_run, out)
@@ -75,7 +76,7 @@ def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
-def test_tampered_pickle_is_refused_and_previous_checkpoint_used(run, reference, tmp_path):  # noqa: F811
+def test_tampered_pickle_is_refused_and_previous_checkpoint_used(run, reference, tmp_path):
     out, _ = run
     marker = tmp_path / "payload-ran"
     tamper(out / "checkpoints" / STEP6, marker)
@@ -134,12 +135,12 @@ def _bad_meta(ckpt: Path) -> str:
 
 
 @pytest.mark.parametrize("damage", [_wrong_shape, _missing_state, _torn_state, _bad_meta])
-def test_unloadable_checkpoint_falls_back_to_previous(run, reference, damage, capsys):  # noqa: F811
+def test_unloadable_checkpoint_falls_back_to_previous(run, reference, damage, capsys):
     out, cfg = run
     ckpt = out / "checkpoints" / STEP6
     why = damage(ckpt)
     rehash(ckpt)
-    result = train(config_from_dict(cfg), resume_run=True)
+    result = train(config_from_dict(cfg), RunOptions(resume=True))
     assert not result.interrupted
     err = " ".join(capsys.readouterr().err.split())
     assert err.count("skipped damaged checkpoint") == 1 and why in err

@@ -134,7 +134,8 @@ def test_bucketing_covers_all_and_cuts_padding():
 
 def test_stream_position_resumes_same_batches():
     lengths = list(range(1, 51))
-    make = lambda epoch: epoch_batches(lengths, 4, 1, epoch)  # noqa: E731
+    def make(epoch):
+        return epoch_batches(lengths, 4, 1, epoch)
     a = BatchStream(make)
     seq = [a.next() for _ in range(30)]  # crosses an epoch boundary (13 batches per epoch)
     b = BatchStream(make, epoch=1, index=4)

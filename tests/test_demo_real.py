@@ -25,8 +25,10 @@ def _real_model_wanted(request) -> None:
 def test_chat_task_is_seeded_held_out_and_answers_match_the_orders():
     train, evals = make_chat_task(300, 20, seed=0)
     assert (train, evals) == make_chat_task(300, 20, seed=0)
-    user = lambda r: r["messages"][0]["content"]  # noqa: E731
-    answer = lambda r: json.loads(r["messages"][1]["content"])  # noqa: E731
+    def user(r):
+        return r["messages"][0]["content"]
+    def answer(r):
+        return json.loads(r["messages"][1]["content"])
     assert not {json.dumps(answer(r)) for r in evals} & {json.dumps(answer(r)) for r in train}
     for r in evals + train[:50]:
         a = answer(r)

@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +17,15 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("av")
 
-from rocktune.config import config_from_dict  # noqa: E402
-from rocktune.diffusion import cache as cache_mod  # noqa: E402
-from rocktune.diffusion import components, media  # noqa: E402
-from rocktune.diffusion.steps import Noise, _batch  # noqa: E402
-from rocktune.diffusion.tiny import build_tiny_wan, write_clips  # noqa: E402
-from rocktune.errors import UserError  # noqa: E402
-from rocktune.train.diffusion_loop import LORA_FILE, train_diffusion  # noqa: E402
+from rocktune.config import config_from_dict
+from rocktune.diffusion import cache as cache_mod
+from rocktune.diffusion import components, media
+from rocktune.diffusion.steps import Noise, _batch
+from rocktune.diffusion.tiny import build_tiny_wan, write_clips
+from rocktune.errors import UserError
+from rocktune.diffusion.comfy import LORA_FILE
+from rocktune.tasks import train
+from rocktune.train.request import RunOptions
 
 CAPTIONS = ["a red square moving right", "a blue square on a gradient", "a green square, slowly",
             "a yellow box drifting", "a purple box", "a white box at noon", "an orange box", "a grey box"]
@@ -65,7 +64,7 @@ def logged(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(wan_dir, clips, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "run"
-    result = train_diffusion(config_from_dict(run_config(wan_dir, clips, out)), quiet=True)
+    result = train(config_from_dict(run_config(wan_dir, clips, out)), quiet=True)
     return out, result
 
 
@@ -153,29 +152,6 @@ def test_training_lowers_the_loss_with_recorded_values(reference):
     assert info["data"]["n_train"] == 6 and info["data"]["n_eval"] == 2 and info["data"]["buckets"] == {"32x32x9": 6}
 
 
-def test_sigkill_then_resume_is_exact(wan_dir, clips, reference, tmp_path):
-    ref_dir, _ = reference
-    cfg = run_config(wan_dir, clips, tmp_path / "run")
-    payload = {"config": cfg, "overwrite": True, "resume": False, "resume_force": False, "pieces": 1}
-    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"kill_at_step": 5}))
-    proc = subprocess.run([sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)], env=env,
-                          capture_output=True, text=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert not (tmp_path / "run" / LORA_FILE).exists()
-    result = train_diffusion(config_from_dict(cfg), resume_run=True, quiet=True)
-    assert not result.interrupted
-    assert logged(tmp_path / "run") == logged(ref_dir)
-    name = "adapter/adapter_model.safetensors"
-    assert (tmp_path / "run" / name).read_bytes() == (ref_dir / name).read_bytes()
-    # the LoRA file's tensors are bitwise equal; safetensors orders header metadata differently per process
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    resumed, straight = load_file(tmp_path / "run" / LORA_FILE), load_file(ref_dir / LORA_FILE)
-    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in resumed)
-    assert safe_open(tmp_path / "run" / LORA_FILE, "pt").metadata() == safe_open(ref_dir / LORA_FILE, "pt").metadata()
-
-
 def test_lora_file_loads_in_diffusers_and_matches_the_trained_model(wan_dir, reference):
     from diffusers import WanPipeline, WanTransformer3DModel
     from peft import PeftModel
@@ -208,7 +184,7 @@ def test_image_lora_trains_on_images(wan_dir, tmp_path):
     cfg["task"] = "image-lora"
     cfg["data"]["eval_fraction"] = 0.0
     cfg["diffusion"]["resolutions"] = [[48, 32], [32, 32]]
-    result = train_diffusion(config_from_dict(cfg), quiet=True)
+    result = train(config_from_dict(cfg), quiet=True)
     assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
     info = json.loads((tmp_path / "run" / "run_info.json").read_text())
     assert info["data"]["buckets"] == {"48x32x1": 3}
@@ -224,7 +200,7 @@ def test_bad_media_is_named_before_anything_is_written(wan_dir, clips, tmp_path)
     (folder / "broken.txt").write_text("a broken clip")
     cfg = run_config(wan_dir, folder, tmp_path / "run")
     with pytest.raises(UserError, match=r"broken\.mp4"):
-        train_diffusion(config_from_dict(cfg), quiet=True)
+        train(config_from_dict(cfg), quiet=True)
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
@@ -232,53 +208,20 @@ def test_config_errors_come_before_any_work(wan_dir, clips, tmp_path):
     cfg = run_config(wan_dir, clips, tmp_path / "run")
     cfg["diffusion"]["frames"] = [8]
     with pytest.raises(UserError, match=r"diffusion\.frames"):
-        train_diffusion(config_from_dict(cfg), quiet=True)
+        train(config_from_dict(cfg), quiet=True)
     cfg = run_config(wan_dir, clips, tmp_path / "run")
     cfg["lora"]["target_modules"] = ["norm_q"]
     with pytest.raises(UserError, match="norm_q"):
-        train_diffusion(config_from_dict(cfg), quiet=True)
+        train(config_from_dict(cfg), quiet=True)
     cfg = run_config(wan_dir, clips, tmp_path / "run")
     cfg["model"]["quantization"] = "nf4"
     with pytest.raises(UserError, match="model.quantization=nf4: only for task=lm"):
-        train_diffusion(config_from_dict(cfg), quiet=True)
+        train(config_from_dict(cfg), quiet=True)
     with pytest.raises(UserError, match="--auto"):
-        train_diffusion(config_from_dict(run_config(wan_dir, clips, tmp_path / "run")), auto_fit=True)
+        train(config_from_dict(run_config(wan_dir, clips, tmp_path / "run")), RunOptions(auto_fit=True))
     with pytest.raises(UserError, match="diffusers Wan checkpoint"):
         config_from_dict({"task": "video-lora", "data": {"train_file": str(clips)}})
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
-
-
-def test_oom_recovery_trains_the_same_samples(wan_dir, clips, tmp_path):
-    """An out-of-memory step is split into smaller forwards over the same clips: same samples, same losses up to
-    summation order (no dropout here: a split changes the shape dropout draws its masks for)."""
-    from rocktune.train.faults import Faults
-
-    def run(out: Path, faults: dict) -> list[dict]:
-        cfg = run_config(wan_dir, clips, out, max_steps=4, eval_every=0)
-        cfg["lora"]["dropout"] = 0.0
-        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults(faults))
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-
-    plain, split = run(tmp_path / "plain", {}), run(tmp_path / "split", {"oom_at_step": 2})
-    assert [r["samples"] for r in split] == [r["samples"] for r in plain]
-    assert [r["pieces"] for r in split] == [1, 2, 2, 2]  # the split holds for the rest of the run
-    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
-
-
-def test_guards_skip_nonfinite_steps_and_stop_on_zeros_and_bad_transfers(wan_dir, clips, tmp_path):
-    from rocktune.train.faults import Faults
-    from rocktune.train.guards import FatalNumerics
-
-    cfg = run_config(wan_dir, clips, tmp_path / "nan", max_steps=4, eval_every=0)
-    result = train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"nan_at_steps": [2]}))
-    assert math.isnan(result.losses[1]) and all(math.isfinite(x) for x in result.losses[2:])
-    cfg = run_config(wan_dir, clips, tmp_path / "zero", max_steps=8, eval_every=0)
-    cfg["reliability"]["zero_patience"] = 3
-    with pytest.raises(FatalNumerics, match="exactly zero for 3 steps"):
-        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"zero_loss": True}))
-    cfg = run_config(wan_dir, clips, tmp_path / "copy", max_steps=4, eval_every=0)
-    with pytest.raises(FatalNumerics, match="device copy of the batch's latents differs"):
-        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"corrupt_transfer_at_step": 2}))
 
 
 def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
@@ -291,7 +234,7 @@ def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
     wan2 = build_tiny_wan(tmp_path / "a14b", boundary_ratio=0.875)
     cfg = run_config(wan2, clips, tmp_path / "run", max_steps=2, eval_every=0)
     with pytest.raises(UserError, match="diffusion.expert=high_noise or low_noise"):
-        train_diffusion(config_from_dict(cfg), quiet=True)
+        train(config_from_dict(cfg), quiet=True)
     layout = components.read_layout(str(wan2), "low_noise")
     assert (layout.subfolder, layout.sigma_range) == ("transformer_2", (0.0, 0.875))
     assert components.read_layout(str(wan2), "high_noise").sigma_range == (0.875, 1.0)
@@ -309,7 +252,7 @@ def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FlowMatchLoss, "forward", spy)
-        train_diffusion(config_from_dict(cfg), quiet=True)
+        train(config_from_dict(cfg), quiet=True)
     experts = WanPipeline.from_pretrained(wan2)
     assert seen and all(torch.equal(w, experts.transformer_2.patch_embedding.weight) for _, w in seen)
     assert all(0.0 <= float(x) < 0.875 for sigma, _ in seen for x in sigma)  # training and eval draws alike
@@ -332,7 +275,7 @@ def test_the_tiny_example_config_trains_from_generated_clips(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert tiny.main([]) == 0  # runs/wan-tiny/{tiny-wan,clips}, the paths the example names
     cfg = load_config(str(example), ["training.max_steps=4", "training.eval_every=0"])
-    result = train_diffusion(cfg, quiet=True)
+    result = train(cfg, quiet=True)
     assert len(result.losses) == 4 and result.eval_loss_after < result.eval_loss_before
     assert (tmp_path / "runs" / "wan-tiny-lora" / LORA_FILE).is_file()
 
@@ -360,18 +303,6 @@ def test_data_preview_and_export_speak_for_diffusion_runs(wan_dir, clips, refere
     assert "rocktune generate" in page and "32x32x9" in page and "set training.sample_count" not in page
 
 
-def test_a_crash_between_the_final_writes_is_finished_by_resume(wan_dir, clips, tmp_path):
-    from rocktune.train.faults import Faults
-    from rocktune.train.finish import DiskFullError
-
-    cfg = run_config(wan_dir, clips, tmp_path / "run", max_steps=2, eval_every=0)
-    with pytest.raises(DiskFullError):
-        train_diffusion(config_from_dict(cfg), quiet=True, faults=Faults({"fail_final_write": True}))
-    assert (tmp_path / "run" / LORA_FILE).is_file() and not (tmp_path / "run" / "adapter").exists()
-    result = train_diffusion(config_from_dict(cfg), resume_run=True, quiet=True)
-    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file() and not result.interrupted
-
-
 def test_a_truncated_clip_is_named_at_probe_time(clips, tmp_path):
     """A file cut short keeps its container's frame count in the header; the probe counts decodable frames."""
     import av
@@ -394,13 +325,13 @@ def test_a_truncated_clip_is_named_at_probe_time(clips, tmp_path):
 
 
 def test_the_planner_warns_before_encoding_when_the_peak_exceeds_the_device(wan_dir, clips, tmp_path):
-    from rocktune.train.diffusion_loop import _predicted_peak
+    from rocktune.tasks.wan.inputs import predicted_peak
 
     cfg = config_from_dict(run_config(wan_dir, clips, tmp_path / "run"))
     buckets = [media.Bucket(32, 32, 9), media.Bucket(32, 32, 5)]
-    peak, note = _predicted_peak(cfg, buckets, "fp32", None)
+    peak, note = predicted_peak(cfg, buckets, "fp32", None)
     assert peak > 0 and note.startswith("planner:") and "32x32x9 x2" in note
-    peak, note = _predicted_peak(cfg, buckets, "fp32", peak // 2)
+    peak, note = predicted_peak(cfg, buckets, "fp32", peak // 2)
     assert note.startswith("warning:") and "model.gradient_checkpointing=true it is" in note
 
 

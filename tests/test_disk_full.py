@@ -14,18 +14,19 @@ import yaml
 
 from rocktune.config import config_from_dict
 from rocktune.train import checkpoint, finish
-from rocktune.train.loop import train
-from rocktune.train.outcome import EXIT_DISK_FULL
-from tests.test_reliability import adapter_bytes, config, data, logged, reference  # noqa: F401
+from rocktune.tasks import train
+from rocktune.train.request import RunOptions
+from rocktune.exits import DISK_FULL
+from tests.lm_runs import adapter_bytes, config, logged
 
 
-def test_full_disk_at_final_write_stops_once_and_resume_finishes(tiny_model_dir, data, reference, tmp_path):  # noqa: F811
+def test_full_disk_at_final_write_stops_once_and_resume_finishes(tiny_model_dir, data, reference, tmp_path):
     cfg = config(tiny_model_dir, data, tmp_path / "run")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"fail_final_write": True}))  # every attempt would fail
     proc = subprocess.run([sys.executable, "-m", "rocktune", "train", "-c", str(tmp_path / "c.yaml")], env=env,
                           capture_output=True, text=True)
-    assert proc.returncode == EXIT_DISK_FULL, proc.stderr
+    assert proc.returncode == DISK_FULL, proc.stderr
     assert "Traceback" not in proc.stderr and "restart" not in proc.stderr
     err = " ".join(proc.stderr.split())
     assert err.count("error:") == 1
@@ -38,12 +39,12 @@ def test_full_disk_at_final_write_stops_once_and_resume_finishes(tiny_model_dir,
     assert checkpoint.verify(run / "checkpoints" / "step-0000008") is None
     assert not (run / "adapter").exists() and not (run / "adapter.tmp").exists()
     # Space freed: the resume writes what the uninterrupted run wrote.
-    train(config_from_dict(cfg), resume_run=True, quiet=True)
+    train(config_from_dict(cfg), RunOptions(resume=True), quiet=True)
     assert logged(run) == logged(reference)
     assert adapter_bytes(run) == adapter_bytes(reference)
 
 
-def test_low_space_warning_said_once_then_summarised(tiny_model_dir, data, reference, tmp_path, capsys):  # noqa: F811
+def test_low_space_warning_said_once_then_summarised(tiny_model_dir, data, reference, tmp_path, capsys):
     cfg = config(tiny_model_dir, data, tmp_path / "run")
     cfg["reliability"]["min_free_disk_mb"] = 1 << 40  # more than any disk has: every checkpoint is refused up front
     result = train(config_from_dict(cfg), quiet=True)

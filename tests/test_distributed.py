@@ -136,13 +136,13 @@ def test_resume_with_another_number_of_ranks_is_refused(setup, reference):
 
 
 def test_launch_arguments():
-    from rocktune.train.launch import torchrun_args
+    from rocktune.process.launch import torchrun_args
+    from rocktune.train.request import Launch
 
-    assert torchrun_args({"nproc": 4}) == ["--nproc-per-node", "4", "--max-restarts", "0", "--standalone"]
-    two_nodes = torchrun_args({"nproc": 8, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1",
-                               "master_port": 29501})
+    assert torchrun_args(Launch(nproc=4)) == ["--nproc-per-node", "4", "--max-restarts", "0", "--standalone"]
+    two_nodes = torchrun_args(Launch(nproc=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501))
     assert two_nodes[-6:] == ["--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29501"]
-    rdzv = torchrun_args({"nproc": 8, "nnodes": 2, "rdzv_endpoint": "head:29400"})
+    rdzv = torchrun_args(Launch(nproc=8, nnodes=2, rdzv_endpoint="head:29400"))
     assert "--rdzv-endpoint" in rdzv and "head:29400" in rdzv
 
 
@@ -167,8 +167,9 @@ def test_fsdp_shards_the_layers_and_trains_like_one_process(setup):
         assert res.returncode == 0, res.stderr[-3000:]
     assert "decoder layers sharded over 2 ranks" in res.stderr
     assert losses(sharded) == pytest.approx(losses(one), rel=1e-5)
-    evals = lambda run: [r["eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())  # noqa: E731
-                         if "eval_loss" in r]
+    def evals(run):
+        return [r["eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "eval_loss" in r]
     assert len(evals(sharded)) == 3 and evals(sharded) == pytest.approx(evals(one), rel=1e-5)
     assert (sharded / "samples.jsonl").read_text() == (one / "samples.jsonl").read_text()
     a, b = adapter(one), adapter(sharded)

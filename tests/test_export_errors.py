@@ -97,7 +97,8 @@ def test_full_disk_leaves_nothing(run, monkeypatch, capsys, to):
         from safetensors import SafetensorError
 
         def torn(*args, **kwargs):
-            raise SafetensorError("Error while serializing: IoError(Os { code: 28, message: \"No space left on device\" })")
+            raise SafetensorError(
+                "Error while serializing: IoError(Os { code: 28, message: \"No space left on device\" })")
 
         monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", torn)
         to = "merged"

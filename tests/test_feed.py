@@ -11,9 +11,11 @@ from rocktune.data.batching import with_loss_index
 from rocktune.data.encode import IGNORE
 from rocktune.data.packing import cut_forwards, epoch_steps, step_rows
 from rocktune.errors import UserError
-from rocktune.train import autofit, build, resume
-from rocktune.train.feed import Feeding, StepFeed, _examples, rows_per_step
-from rocktune.train.loop import train
+from rocktune.tasks.lm import autofit, build
+from rocktune.train import resume
+from rocktune.train.autoconf import AutoChoices
+from rocktune.tasks.lm.feed import Feeding, StepFeed, _examples, rows_per_step
+from rocktune.tasks import train
 from rocktune.train.step import run_with_oom_recovery
 from tests.conftest import tiny_run_config
 
@@ -65,9 +67,11 @@ def _feed(prefetch: bool, mode: str = "tokens", rank: int = 0, world: int = 1, l
     f = Feeding(mode=mode, micro_batch_size=4, grad_accum=3, max_length=64, packing=False, rows_per_forward=2,
                 seed=5)
     if mode == "tokens":
-        coll = lambda rows: collate_packed([[EXAMPLES[i] for i in row] for row in rows], 0)  # noqa: E731
+        def coll(rows):
+            return collate_packed([[EXAMPLES[i] for i in row] for row in rows], 0)
     else:
-        coll = lambda idx: collate([EXAMPLES[i][0] for i in idx], [EXAMPLES[i][1] for i in idx], 0)  # noqa: E731
+        def coll(idx):
+            return collate([EXAMPLES[i][0] for i in idx], [EXAMPLES[i][1] for i in idx], 0)
     return StepFeed(f, LENGTHS, loss_token_counts([y for _, y in EXAMPLES]), lambda p: with_loss_index(coll(p)),
                     prefetch, (rank, world), {"idle": True}, lockstep, **position)
 
@@ -102,7 +106,8 @@ def test_ranks_take_disjoint_shares_and_agree_on_the_global_token_count(mode):
         s, a, b = one.next(), r0.next(), r1.next()
         assert s.loss_tokens == sum(count_loss_tokens(f["labels"]) for f in s.forwards)
         assert a.loss_tokens == b.loss_tokens == s.loss_tokens
-        ids = lambda st: sorted(_examples(st.picked, mode == "tokens"))  # noqa: E731
+        def ids(st):
+            return sorted(_examples(st.picked, mode == "tokens"))
         assert sorted(ids(a) + ids(b)) == ids(s) and not set(ids(a)) & set(ids(b))  # a split of the same step
         assert a.real_tokens + b.real_tokens == s.real_tokens
 
@@ -135,17 +140,17 @@ def test_auto_batching_is_examples_on_cpu_and_tokens_on_a_gpu():
     cfg = config_from_dict({"model": {"name_or_path": "Qwen2.5-0.5B"}, "data": {"train_file": "x", "max_length": 2048},
                             "training": {"micro_batch_size": 8, "grad_accum": 8}})
     lengths = [50 + (i * 37) % 1950 for i in range(500)]
-    cpu, notes, _ = autofit.plan_feeding(cfg, "cpu", "fp32", "sdpa", lengths, None, False)
+    cpu, notes, _ = autofit.plan_feeding(cfg, AutoChoices("cpu", "fp32", "sdpa"), lengths, None, False)
     assert cpu.mode == "examples" and "fastest on a CPU" in notes[0]
-    big, notes, peak = autofit.plan_feeding(cfg, "cuda", "bf16", "sdpa", lengths, 140 * GIB, False)
+    big, notes, peak = autofit.plan_feeding(cfg, AutoChoices("cuda", "bf16", "sdpa"), lengths, 140 * GIB, False)
     assert big.mode == "tokens" and big.rows_per_forward == rows_per_step(lengths, 64, 2048)  # the whole step
     assert peak and peak < 140 * GIB and "all a step holds" in notes[1]
-    small, notes, peak = autofit.plan_feeding(cfg, "cuda", "bf16", "sdpa", lengths, 8 * GIB, False)
+    small, notes, peak = autofit.plan_feeding(cfg, AutoChoices("cuda", "bf16", "sdpa"), lengths, 8 * GIB, False)
     assert 1 <= small.rows_per_forward < big.rows_per_forward and peak < 8 * GIB
     with pytest.raises(UserError, match="one packed row"):
-        autofit.plan_feeding(cfg, "cuda", "fp32", "eager", lengths, 2 * GIB, False)
+        autofit.plan_feeding(cfg, AutoChoices("cuda", "fp32", "eager"), lengths, 2 * GIB, False)
     cfg.training.micro_batch_tokens = 5000
-    given, _, _ = autofit.plan_feeding(cfg, "cuda", "bf16", "sdpa", lengths, None, False)
+    given, _, _ = autofit.plan_feeding(cfg, AutoChoices("cuda", "bf16", "sdpa"), lengths, None, False)
     assert given.rows_per_forward == 2  # whole rows of max_length within the budget
 
 

@@ -339,7 +339,7 @@ def test_auto_states_one_memory_figure_with_or_without_vram(tiny_model_dir, task
 
     from rocktune.config import config_from_dict
     from rocktune.planner.budget import detect_budget
-    from rocktune.train import autofit
+    from rocktune.tasks.lm import autofit
 
     cfg = config_from_dict(tiny_run_config(tiny_model_dir, task_files[0], task_files[1], tmp_path / "run"))
     detected, _, _ = detect_budget()

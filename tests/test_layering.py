@@ -1,4 +1,5 @@
-"""Layers import downward only (DESIGN.md): checked on the source, so a new upward import fails here."""
+"""Layers import downward only (DESIGN.md, docs/architecture.md): checked on the source, so a new upward import
+fails here; and no two modules import each other, directly or round a circle, even inside functions."""
 
 import ast
 from pathlib import Path
@@ -6,23 +7,33 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).parent.parent / "src" / "rocktune"
+# The processes and the tasks sit above the engine; nothing below them drives training.
+ABOVE_ENGINE = {"cli", "bench", "demo", "process", "tasks"}
 # layer -> rocktune subpackages/modules it must never import
 FORBIDDEN = {
-    "platform": {"train", "data", "model", "cli", "doctor", "bench", "demo", "planner"},
-    "planner": {"train", "data", "model", "cli", "doctor", "bench", "demo"},
-    "data": {"train", "model", "cli", "doctor", "bench", "demo", "planner"},
-    "model.py": {"train", "cli", "doctor", "bench", "demo"},
-    "modelcheck.py": {"train", "data", "model", "cli", "doctor", "bench", "demo", "planner"},
-    "quant.py": {"train", "data", "model", "cli", "doctor", "bench", "demo"},
-    "doctor": {"train", "data", "model", "cli", "bench", "demo", "planner"},
-    "train": {"cli", "bench", "demo", "report"},
+    "errors.py": {"*"},
+    "exits.py": {"*"},
+    "atomic.py": {"*"},
+    "platform": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
+    "planner": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
+    "data": {"train", "model", "doctor", "planner", "diffusion", *ABOVE_ENGINE},
+    "model.py": {"train", "doctor", *ABOVE_ENGINE},
+    "modelcheck.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
+    "quant.py": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
+    "doctor": {"train", "data", "model", "planner", *ABOVE_ENGINE},
+    # the engine: the one loop and its reliability parts know no task (no LM data code, no diffusers)
+    "train": {"report", "diffusion", "export", *ABOVE_ENGINE},
+    # a task is set up from the engine's parts; it never starts processes or reads back reports
+    "tasks": {"cli", "bench", "demo", "process", "report", "export"},
+    # supervisor, worker, torchrun launcher: above the tasks, below the CLI
+    "process": {"cli", "bench", "demo", "report", "export", "doctor"},
     # report reads run directories and data (the preview encodes with the data layer and the model's tokenizer);
     # it never drives training, so the loop, the CLI and the commands that train stay out of it.
-    "report": {"train", "cli", "bench", "demo", "doctor", "export"},
+    "report": {"train", "doctor", "export", *ABOVE_ENGINE},
     # export reads run directories (adapter, config) and never drives training or reporting.
-    "export": {"train", "cli", "bench", "demo", "doctor", "report"},
-    # diffusion (Wan LoRA) is data, model and numerics for train/diffusion_loop.py, which drives it: never upward.
-    "diffusion": {"train", "cli", "bench", "demo", "doctor", "report", "export"},
+    "export": {"train", "doctor", "report", *ABOVE_ENGINE},
+    # diffusion (Wan LoRA) is data, model and numerics for tasks/wan/task.py, which drives it: never upward.
+    "diffusion": {"train", "doctor", "report", "export", *ABOVE_ENGINE},
 }
 
 
@@ -31,6 +42,8 @@ def rocktune_imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rocktune."):
             out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom) and node.module == "rocktune":  # from rocktune import exits
+            out |= {a.name for a in node.names}
         elif isinstance(node, ast.Import):
             out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("rocktune.")}
     return out
@@ -40,8 +53,75 @@ def rocktune_imports(path: Path) -> set[str]:
 def test_no_upward_imports(layer):
     files = [SRC / layer] if layer.endswith(".py") else sorted((SRC / layer).rglob("*.py"))
     assert files
-    bad = {f"{f.relative_to(SRC)} imports rocktune.{m}" for f in files for m in rocktune_imports(f) & FORBIDDEN[layer]}
+    forbidden = FORBIDDEN[layer]
+    bad = {f"{f.relative_to(SRC)} imports rocktune.{m}" for f in files for m in rocktune_imports(f)
+           if m in forbidden or ("*" in forbidden and m != "__init__")}
     assert not bad, sorted(bad)
+
+
+def test_every_package_has_a_layer():
+    """A new package must be placed in FORBIDDEN, or it would escape this test."""
+    placed = {k.removesuffix(".py") for k in FORBIDDEN} | {"cli", "bench", "demo", "config", "hub", "__main__",
+                                                          "__init__"}
+    present = {p.stem if p.is_file() else p.name for p in SRC.iterdir() if p.suffix == ".py" or
+               (p.is_dir() and (p / "__init__.py").exists())}
+    assert present <= placed, sorted(present - placed)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """rocktune module -> the rocktune modules it imports anywhere in its file (functions included)."""
+    names = {}
+    for f in SRC.rglob("*.py"):
+        parts = f.relative_to(SRC.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for name, f in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_between_files():
+    assert not circles(module_graph())
+
+
+def test_the_circle_check_can_fail():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_plan_does_not_import_torch():

@@ -12,7 +12,7 @@ import pytest
 from rocktune.config import config_from_dict
 from rocktune.errors import UserError
 from rocktune.train import sinks
-from rocktune.train.samples import Sampler, prompts_from_examples
+from rocktune.tasks.lm.samples import Sampler, prompts_from_examples
 from tests.conftest import tiny_run_config, write_jsonl
 
 
@@ -20,7 +20,7 @@ from tests.conftest import tiny_run_config, write_jsonl
 def live_run(tiny_model_dir, tmp_path_factory):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     from rocktune.demo.task import make_task
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
 
     tmp = tmp_path_factory.mktemp("live")
     tr, ev = make_task(n_train=64, n_eval=8, seed=1)

@@ -4,7 +4,8 @@ import torch
 from rocktune.data.batching import collate, count_loss_tokens
 from rocktune.data.encode import IGNORE
 from rocktune.model import apply_lora, load_model
-from rocktune.train.loss import causal_lm_loss_sum, step_normalised
+from rocktune.tasks.lm.loss import causal_lm_loss_sum
+from rocktune.train.step import step_normalised
 
 
 @pytest.fixture
@@ -59,9 +60,9 @@ def test_accumulation_equals_one_big_batch(lora_model):
     g_acc = grads(lora_model)
     lora_model.zero_grad()
     width = max(a["input_ids"].shape[1], b["input_ids"].shape[1])
-    rows = [(r[:int(m.sum())].tolist(), l[:int(m.sum())].tolist()) for mb in (a, b)
-            for r, l, m in zip(mb["input_ids"], mb["labels"], mb["attention_mask"])]
-    big = collate([r for r, _ in rows], [l for _, l in rows], pad_id=256)
+    rows = [(r[:int(m.sum())].tolist(), lab[:int(m.sum())].tolist()) for mb in (a, b)
+            for r, lab, m in zip(mb["input_ids"], mb["labels"], mb["attention_mask"])]
+    big = collate([r for r, _ in rows], [lab for _, lab in rows], pad_id=256)
     assert big["input_ids"].shape[1] == width
     loss_sum, n = causal_lm_loss_sum(lora_model, big)
     assert n == step_tokens

@@ -118,7 +118,8 @@ def test_unknown_target_module():
 
 
 def test_suggest_settings_fits_and_explains():
-    sug = suggest_settings("Qwen2.5-3B", 32 * 2**30, 1024, 8, list(SEED_TARGETS), "fp32", "sdpa", global_batch=8)
+    sug = suggest_settings("Qwen2.5-3B", 32 * 2**30, RunSpec(seq_len=1024, lora_r=8,
+                           targets=list(SEED_TARGETS), precision="fp32", attn="sdpa"), 8)
     assert sug.micro_batch_size * sug.grad_accum == 8
     assert sug.total_bytes <= 0.95 * 32 * 2**30 and sug.predicted_peak_bytes < sug.total_bytes
     assert sug.max_length == 1024 and sug.precision == "fp32"
@@ -126,10 +127,12 @@ def test_suggest_settings_fits_and_explains():
 
 
 def test_small_budget_shortens_then_fails_with_smallest_budget():
-    sug = suggest_settings("Qwen2.5-0.5B", 3 * 2**30, 8192, 8, "all-linear", "bf16", "eager", global_batch=4)
+    sug = suggest_settings("Qwen2.5-0.5B", 3 * 2**30, RunSpec(seq_len=8192, lora_r=8,
+                           targets="all-linear", precision="bf16", attn="eager"), 4)
     assert sug.max_length < 8192 and any("shortened" in r for r in sug.reasons)
     with pytest.raises(UserError, match=r"budget of at least \d+\.\d+ GiB"):
-        suggest_settings("Qwen2.5-7B", 4 * 2**30, 1024, 8, "all-linear", "bf16", "sdpa", global_batch=8)
+        suggest_settings("Qwen2.5-7B", 4 * 2**30, RunSpec(seq_len=1024, lora_r=8,
+                         targets="all-linear", precision="bf16", attn="sdpa"), 8)
 
 
 def test_cli_json(capsys):

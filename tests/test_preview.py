@@ -133,7 +133,7 @@ def test_template_rendering_differently_from_the_tokenizers_own(tmp_path, tokeni
 def test_train_stops_before_touching_the_run_dir(tmp_path, no_eot_model):
     data = write_jsonl(tmp_path / "chat.jsonl", CHAT * 4)
     cfg = config_from_dict(tiny_run_config(no_eot_model, data, None, tmp_path / "out"))
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
 
     with pytest.raises(UserError, match="<|endoftext|> never carries loss"):
         train(cfg, quiet=True)

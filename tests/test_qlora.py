@@ -14,6 +14,7 @@ from rocktune.errors import UserError
 from rocktune.platform.advise import advise
 from rocktune.platform.detect import Device, Platform
 from tests.conftest import tiny_run_config, write_jsonl
+from rocktune.train.request import RunOptions, RunRequest
 
 PLATFORMS = Path(__file__).parent / "data" / "platforms"
 # Recorded on CPU (torch 2.13, bitsandbytes 0.50.2, fp32 compute, seed 0), same run as test_train's fp32 one:
@@ -136,12 +137,14 @@ def test_planner_base_weights_match_a_loaded_quantised_model(tmp_path):
 
 
 def test_planner_proposes_nf4_only_when_nothing_else_fits():
-    from rocktune.planner import suggest_settings
+    from rocktune.planner import RunSpec, suggest_settings
 
-    big = suggest_settings("Qwen2.5-14B", 20 * 2**30, 1024, 16, "all-linear", "bf16", "sdpa", 8)
+    big = suggest_settings("Qwen2.5-14B", 20 * 2**30, RunSpec(seq_len=1024, lora_r=16,
+                           targets="all-linear", precision="bf16", attn="sdpa"), 8)
     assert big.quant == "nf4" and "proposing an nf4 base" in big.reasons[0]
     assert big.total_bytes <= 20 * 2**30
-    assert suggest_settings("Qwen2.5-3B", 20 * 2**30, 1024, 16, "all-linear", "bf16", "sdpa", 8).quant == "none"
+    assert suggest_settings("Qwen2.5-3B", 20 * 2**30, RunSpec(seq_len=1024, lora_r=16,
+                            targets="all-linear", precision="bf16", attn="sdpa"), 8).quant == "none"
 
 
 # --- real training on the CPU ----------------------------------------------------------------------------------
@@ -179,7 +182,7 @@ def qlora_config(model_dir, task, out: Path, quant: str, **training) -> dict:
 
 
 def run(model_dir, task, out: Path, quant: str, **training):
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
 
     return train(config_from_dict(qlora_config(model_dir, task, out, quant, **training)), quiet=True)
 
@@ -242,7 +245,7 @@ def test_sigkill_then_resume_is_exact_on_a_4bit_base(tiny_model_dir, task, tmp_p
     import subprocess
     import sys
 
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
 
     cpu_kernel_or_skip("nf4")
     training = {"max_steps": 6}
@@ -253,16 +256,16 @@ def test_sigkill_then_resume_is_exact_on_a_4bit_base(tiny_model_dir, task, tmp_p
         cfgs[name]["lora"]["dropout"] = 0.1  # RNG state must come back too
         cfgs[name]["reliability"] = reliability
     train(config_from_dict(cfgs["ref"]), quiet=True)
-    payload = {"config": cfgs["killed"], "overwrite": True, "resume": False, "resume_force": False, "pieces": 1}
+    request = RunRequest(cfgs["killed"], RunOptions(overwrite=True))
     env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"kill_at_step": 3}))
-    proc = subprocess.run([sys.executable, "-m", "rocktune.train.worker", json.dumps(payload)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "rocktune.process.worker", request.to_json()], env=env,
                           capture_output=True, text=True, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     ckpt = tmp_path / "killed" / "checkpoints"
     saved = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
     assert saved and all((ckpt / s / "adapter_model.safetensors").is_file() for s in saved)
     assert all(f.stat().st_size < 2**20 for s in saved for f in (ckpt / s).iterdir())  # adapter only, no base
-    train(config_from_dict(cfgs["killed"]), resume_run=True, quiet=True)
+    train(config_from_dict(cfgs["killed"]), RunOptions(resume=True), quiet=True)
 
     def losses(run_dir):
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -293,7 +296,7 @@ def test_doctor_quant_checks_pass_on_cpu_and_catch_a_wrong_dequantisation():
 
 def test_preload_self_test_refuses_a_build_that_dequantises_wrongly(tiny_model_dir, monkeypatch):
     bf = pytest.importorskip("bitsandbytes.functional")
-    from rocktune.train.quant_gate import check_quantization
+    from rocktune.tasks.lm.quant_gate import check_quantization
 
     notes = check_quantization("nf4", str(tiny_model_dir), "fp32", "cpu", 64, 8)
     assert notes[-1] == "nf4 self-test on cpu passed (rows of 64, 192)"
@@ -410,7 +413,7 @@ def test_gpu_nf4_peak_within_10_percent(tmp_path):
 def test_oom_recovery_on_a_4bit_base_sees_the_same_samples(trained, tiny_model_dir, task, tmp_path):
     """An OOM mid-step splits the micro-batches; on a 4-bit base the step's arithmetic stays the same."""
     from rocktune.train.faults import Faults
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
 
     _, plain = trained
     cfg = qlora_config(tiny_model_dir, task, tmp_path / "oom", "nf4")

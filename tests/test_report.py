@@ -16,6 +16,7 @@ from rocktune.config import config_from_dict
 from rocktune.report.run_report import write_report
 from rocktune.report.rundata import load_run
 from tests.conftest import tiny_run_config, write_jsonl
+from rocktune.train.request import RunOptions
 
 pytest.importorskip("matplotlib", reason="the report extra (matplotlib) is not installed")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -35,7 +36,7 @@ def _config(model_dir, tmp, out, **training):
 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
 
     tmp = tmp_path_factory.mktemp("report")
     return train(config_from_dict(_config(tiny_model_dir, tmp, tmp / "run")), quiet=True)
@@ -66,7 +67,7 @@ def test_report_of_a_run(run, capsys):
 
 def test_resumed_run_reports_one_series_and_the_same_losses(run, tiny_model_dir, tmp_path):
     from rocktune.train.faults import Faults
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
 
     class InterruptAfter4(Faults):
         def after_update(self, step):  # as Ctrl-C would: the loop checkpoints step 4 and returns
@@ -75,7 +76,7 @@ def test_resumed_run_reports_one_series_and_the_same_losses(run, tiny_model_dir,
 
     cfg = config_from_dict(_config(tiny_model_dir, tmp_path, tmp_path / "run"))
     assert train(cfg, quiet=True, faults=InterruptAfter4({})).interrupted
-    resumed = train(cfg, quiet=True, resume_run=True)
+    resumed = train(cfg, RunOptions(resume=True), quiet=True)
     data = load_run(resumed.run_dir)
     steps, losses = data.series("loss")
     assert steps == [1, 2, 3, 4, 5, 6]

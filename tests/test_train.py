@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from rocktune.cli import main
 from rocktune.config import config_from_dict
 from rocktune.errors import UserError
-from rocktune.train.loop import train
+from rocktune.tasks import train
+from rocktune.train.request import RunOptions
 from tests.conftest import tiny_run_config
 
 # Recorded on CPU (torch 2.13, fp32, seed 0). Tolerance covers BLAS differences between machines, not drift:
@@ -109,19 +110,21 @@ def test_bad_input_clear_error_nothing_written(tmp_path, tiny_model_dir, task_fi
     out = tmp_path / "out"
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_run_config(tiny_model_dir, task_files[0], task_files[1], out)))
-    code = main(["train", "--no-supervise", "-c", str(cfg), override.format(missing=tmp_path / "missing.jsonl", bad=bad)])
+    code = main(["train", "--no-supervise", "-c", str(cfg),
+                 override.format(missing=tmp_path / "missing.jsonl", bad=bad)])
     err = capsys.readouterr().err
     assert code == 2 and re.search(pattern, err) and "Traceback" not in err
     assert not out.exists()
 
 
 def test_auto_fit_uses_the_planner(tiny_model_dir, task_files, tmp_path):
-    from rocktune.planner import suggest_settings
+    from rocktune.planner import RunSpec, suggest_settings
 
     cfg = config_from_dict(tiny_run_config(tiny_model_dir, task_files[0], task_files[1], tmp_path / "out",
                                            max_steps=2, micro_batch_size=2, grad_accum=8))
-    result = train(cfg, quiet=True, auto_fit=True, vram_bytes=2 * 2**30)
-    sug = suggest_settings(str(tiny_model_dir), 2 * 2**30, 64, 8, "all-linear", "fp32", "sdpa", 16)
+    result = train(cfg, RunOptions(auto_fit=True, vram_bytes=2 * 2**30), quiet=True)
+    sug = suggest_settings(str(tiny_model_dir), 2 * 2**30, RunSpec(seq_len=64, lora_r=8,
+                           targets="all-linear", precision="fp32", attn="sdpa"), 16)
     import yaml
 
     saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
@@ -129,4 +132,4 @@ def test_auto_fit_uses_the_planner(tiny_model_dir, task_files, tmp_path):
         (sug.micro_batch_size, sug.grad_accum)
     assert sug.micro_batch_size * sug.grad_accum == 16
     with pytest.raises(UserError, match="smallest"):
-        train(cfg, quiet=True, auto_fit=True, vram_bytes=2**20)
+        train(cfg, RunOptions(auto_fit=True, vram_bytes=2**20), quiet=True)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rocktune import __version__
+from rocktune import __version__, exits
+from rocktune.data.truncate import MODES as TRUNCATION_MODES
 from rocktune.errors import UserError, print_error, quiet_libraries
+from rocktune.export.merge import DTYPE_NAMES
+from rocktune.export.style import STYLES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print_error(str(exc))
-        return 2
+        return exits.USER_ERROR
     except KeyboardInterrupt:
         print_error("interrupted")
-        return 130
+        return exits.INTERRUPTED
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,24 +93,25 @@ def _run_train(args) -> int:
         from rocktune.planner.budget import parse_budget
 
         vram = parse_budget(args.vram)
-    resume = args.resume or args.resume_force
-    payload = {"config": cfg.model_dump(mode="json"), "overwrite": args.overwrite, "resume": resume,
-               "resume_force": args.resume_force, "pieces": 1, "auto_fit": args.auto, "vram_bytes": vram,
-               "launch": _launch(args)}
-    if args.no_supervise and payload["launch"]:
-        from rocktune.train.launch import run_launcher
+    from rocktune.train.request import RunOptions, RunRequest
 
-        return run_launcher(payload)
+    options = RunOptions(overwrite=args.overwrite, resume=args.resume or args.resume_force,
+                         resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram)
+    request = RunRequest(cfg.model_dump(mode="json"), options, _launch(args))
+    if args.no_supervise and request.multi:
+        from rocktune.process.launch import run_launcher
+
+        return run_launcher(request)
     if args.no_supervise:
-        from rocktune.train.worker import run_in_process
+        from rocktune.process.worker import run_in_process
 
-        return run_in_process(payload)
-    from rocktune.train.supervisor import supervise
+        return run_in_process(request)
+    from rocktune.process.supervisor import supervise
 
-    return supervise(payload, cfg.reliability.max_restarts)
+    return supervise(request, cfg.reliability.max_restarts)
 
 
-def _launch(args) -> dict | None:
+def _launch(args):
     """The torchrun layout of ``--nproc``/``--nnodes``; None for one process (which never imports
     torch.distributed)."""
     if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
@@ -118,11 +122,11 @@ def _launch(args) -> dict | None:
     if args.nnodes > 1 and not (args.master_addr or args.rdzv_endpoint):
         raise UserError(f"--nnodes {args.nnodes} needs where node 0 is: --master-addr HOST (with --node-rank on each "
                         "machine) or --rdzv-endpoint HOST:PORT; see docs/multi-gpu.md")
-    from rocktune.train.launch import check_available
+    from rocktune.process.launch import check_available
+    from rocktune.train.request import Launch
 
     check_available()
-    return {"nproc": args.nproc, "nnodes": args.nnodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
-            "master_port": args.master_port, "rdzv_endpoint": args.rdzv_endpoint}
+    return Launch(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
 
 
 # --- demo ------------------------------------------------------------------------------------------------------
@@ -180,7 +184,7 @@ def _run_doctor(args) -> int:
     if args.timeout <= 0:
         raise UserError("--timeout must be positive")
     if args.nproc > 1:
-        from rocktune.train.launch import check_available, run_preflight
+        from rocktune.process.launch import check_available, run_preflight
 
         check_available()
         return run_preflight(args.nproc, min(args.timeout, 120.0))
@@ -257,13 +261,16 @@ def _run_plan(args) -> int:
                             batch=args.batch, text_tokens=args.text_tokens, lora_r=args.lora_r,
                             precision=args.precision, checkpointing=args.checkpointing, vram=args.vram,
                             as_json=args.json)
+    from rocktune.planner.estimate import RunSpec
     from rocktune.planner.report import run_plan
 
-    return run_plan(model=args.model, vram=args.vram, max_length=args.max_length, micro_batch=args.batch,
-                    global_batch=args.global_batch, lora_r=args.lora_r, targets=args.targets,
-                    precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
-                    lora_dropout=args.lora_dropout, loss=args.loss, loss_chunk=args.loss_chunk, device=args.device,
-                    as_json=args.json, ranks=args.nproc, parallel=args.parallel)
+    targets = args.targets if args.targets in ("all-linear", "all") else \
+        tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    spec = RunSpec(micro_batch=args.batch, seq_len=args.max_length, lora_r=args.lora_r, targets=targets,
+                   precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
+                   lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
+                   parallel=args.parallel)
+    return run_plan(args.model, args.vram, spec, args.global_batch, args.json, args.device)
 
 
 # --- bench -----------------------------------------------------------------------------------------------------
@@ -289,7 +296,8 @@ def _add_bench(sub) -> None:
                    help="also run rocktune's defaults on N processes (rocktune train --nproc N, same global batch)")
     p.add_argument("--suite", choices=("gpu",),
                    help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
-                        "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry run)")
+                        "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry "
+                        "run)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before one configuration is killed")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole set this many times, alternating the order; medians pool all rounds")
@@ -308,13 +316,14 @@ def _run_bench(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise UserError("--threads must be at least 1")
     from rocktune.bench.main import run_bench_command
+    from rocktune.bench.runner import BenchRequest
 
-    return run_bench_command(model=args.model, data=args.data, configs=args.configs, steps=args.steps,
-                             warmup=args.warmup, threads=args.threads, device=args.device, out=args.out,
-                             n_samples=args.samples, parity_steps=args.parity_steps, timeout=args.timeout,
-                             rounds=args.rounds,
-                             as_json=args.json, pick=args.pick, write_config=args.write_config,
-                             list_only=args.list, suite=args.suite, nproc=args.nproc)
+    req = BenchRequest(model=args.model, data=args.data, configs=args.configs, steps=args.steps,
+                       warmup=args.warmup, threads=args.threads, device=args.device, out=args.out,
+                       n_samples=args.samples, parity_steps=args.parity_steps, timeout=args.timeout,
+                       rounds=args.rounds, nproc=args.nproc)
+    return run_bench_command(req, as_json=args.json, pick=args.pick, write_config=args.write_config,
+                             list_only=args.list, suite=args.suite)
 
 
 # --- data preview / report -------------------------------------------------------------------------------------
@@ -332,7 +341,7 @@ def _add_data(sub) -> None:
                    help="record shape with --data (default: detected)")
     q.add_argument("--max-length", type=int, default=1024, help="tokens per example with --data (default 1024)")
     q.add_argument("--train-on-prompt", action="store_true", help="with --data: loss on prompts too")
-    q.add_argument("--truncation", default="prompt", choices=("prompt", "end"),
+    q.add_argument("--truncation", default="prompt", choices=TRUNCATION_MODES,
                    help="with --data: how long examples are cut (see data.truncation; default prompt)")
     q.add_argument("-n", "--examples", type=int, default=3, help="examples shown token by token (default 3)")
     q.add_argument("--html", metavar="FILE", help="also write the preview as an HTML page")
@@ -357,7 +366,7 @@ def _run_data_preview(args) -> int:
                                                            args.max_length, args.train_on_prompt, args.truncation)
     else:
         raise UserError("rocktune data preview needs -c CONFIG, or both --data FILE and --model MODEL.")
-    from rocktune.report.preview import run_preview
+    from rocktune.report.preview_view import run_preview
 
     return run_preview(data_file=data, model=model, trust_remote_code=trust, shape=fmt, max_length=length,
                        train_on_prompt=on_prompt, n_show=args.examples, html=args.html, as_json=args.json,
@@ -386,14 +395,15 @@ def _add_export(sub) -> None:
     p.add_argument("--to", required=True, choices=("merged", "gguf", "gguf-lora", "ollama"),
                    help="merged: transformers model directory; gguf: one file for llama.cpp/LM Studio; "
                         "gguf-lora: the adapter alone for llama.cpp --lora / Ollama ADAPTER; ollama: GGUF + Modelfile")
-    p.add_argument("--out", help="output path (default: RUN/export/merged, model-QUANT.gguf, adapter-f32.gguf, ollama/)")
+    p.add_argument("--out",
+                   help="output path (default: RUN/export/merged, model-QUANT.gguf, adapter-f32.gguf, ollama/)")
     p.add_argument("--quant", help="GGUF type: f32 f16 bf16 q8_0 q5_0 q4_0 q6_k q5_k_m q4_k_m (default f16; "
                                    "gguf-lora: f32 or f16, default f32)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help="merged weights' dtype (default: the base checkpoint's); the merge itself is fp32")
     p.add_argument("--base", help="base model directory or hub id (default: the one the run trained on)")
     p.add_argument("--with-base", action="store_true", help="gguf-lora: also write the base as base-f16.gguf")
-    p.add_argument("--template", default="auto", choices=("auto", "chat", "raw", "alpaca"),
+    p.add_argument("--template", default="auto", choices=STYLES,
                    help="ollama: prompt format of the Modelfile (default: the one the run trained with)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.set_defaults(func=_run_export)
@@ -402,11 +412,12 @@ def _add_export(sub) -> None:
 def _run_export(args) -> int:
     from rocktune.export.main import run_export
 
+    from rocktune.diffusion.comfy import LORA_FILE
     from rocktune.diffusion.generate_cli import run_config
 
     if run_config(args.run) is not None:
         raise UserError(f"{args.run} is a video-lora/image-lora run: its LoRA is already exported as "
-                        f"{args.run}/wan_lora.safetensors (ComfyUI models/loras, diffusers "
+                        f"{args.run}/{LORA_FILE} (ComfyUI models/loras, diffusers "
                         "WanPipeline.load_lora_weights); rocktune export converts LM adapters.")
     run_export(path=args.run, to=args.to, out=args.out, quant_name=args.quant, dtype=args.dtype, base=args.base,
                overwrite=args.overwrite, with_base=args.with_base, template=args.template)
@@ -421,7 +432,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--file", help="JSONL of {\"prompt\": ...} or {\"messages\": [...]}; prints JSONL with \"output\"")
     p.add_argument("--base", help="base model directory or hub id (default: the one the run trained on)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit in tokens (default 128)")
-    p.add_argument("--template", default="auto", choices=("auto", "chat", "raw", "alpaca"),
+    p.add_argument("--template", default="auto", choices=STYLES,
                    help="prompt format (default: the run's training format; chat template for model directories)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampling")
     p.add_argument("--device", default="auto", help="auto (GPU when present), cpu or cuda (ROCm builds too)")
@@ -464,8 +475,8 @@ def _run_generate_media(args) -> int:
         raise UserError(f"{args.run} is a video-lora/image-lora run: give --prompt TEXT (--chat and --file are for "
                         "language-model runs).")
     from rocktune.diffusion.generate_cli import Request, main
-    from rocktune.export.generate import _device
+    from rocktune.platform.environment import resolve_device
 
     chosen = {name: getattr(args, name) for name in _DIFFUSION_OPTIONS if getattr(args, name) is not None}
     return main(args.run, Request(prompt=args.prompt, base=args.base, compare=args.compare, **chosen),
-                _device(args.device))
+                resolve_device(args.device))

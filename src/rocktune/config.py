@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 
 class _Section(BaseModel):
@@ -60,7 +60,8 @@ class DataConfig(_Section):
     truncation: Literal["prompt", "end"] = Field(
         "prompt", description="How an example longer than max_length is cut. prompt: the start of the prompt (or the "
         "oldest turns) first, keeping its end next to the completion; the completion is cut at its end only when it "
-        "alone does not fit (the prompt then keeps its last max_length/4 tokens). end: keep the first max_length tokens."
+        "alone does not fit (the prompt then keeps its last max_length/4 tokens). end: keep the first max_length "
+        "tokens."
     )
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.")
     packing: bool = Field(
@@ -339,7 +340,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> tuple[str, ...]:
     try:
         parsed = yaml.safe_load(value) if value != "" else ""
     except yaml.YAMLError as exc:
-        raise UserError(f"override {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]}); "
+        raise UserError(f"override {item!r}: the value is not valid YAML ({first_line(exc)}); "
                         "quote it or close its brackets, e.g. lora.target_modules=[q_proj,v_proj].") from None
     if isinstance(parsed, str) and "," in parsed and _takes_list(tuple(parts)):
         parsed = [x.strip() for x in parsed.split(",") if x.strip()]  # q_proj,v_proj: the form plan --targets takes

@@ -25,3 +25,15 @@ def quiet_libraries() -> None:
     import logging
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception in one short line for a message: library errors often run to pages, and some have no text."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``first_line`` with the exception's type in front: for logs and incidents, where the type is the clue."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {first_line(exc, limit)}" if text else type(exc).__name__

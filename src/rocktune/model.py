@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,7 +49,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool):
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load the tokenizer of {name_or_path}: {_first_line(exc)} "
+        raise UserError(f"could not load the tokenizer of {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory)") from None
     if tok.pad_token_id is None:
         # Padding positions never carry loss or attention, so any id works; eos is always in the vocabulary.
@@ -80,7 +80,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
             trust_remote_code=trust_remote_code, **extra,
         )
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load model {name_or_path}: {_first_line(exc)} "
+        raise UserError(f"could not load model {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory)") from None
     except RuntimeError:  # transformers: weights that do not fit the architecture config.json describes
         check_weight_shapes(name_or_path)
@@ -98,7 +98,7 @@ def check_weight_shapes(name_or_path: str) -> None:
 
     try:
         mismatched = shape_mismatches(name_or_path, AutoModelForCausalLM, AutoConfig.from_pretrained(name_or_path))
-    except Exception:  # custom code, an unknown architecture: the loader will say what it finds
+    except Exception:  # noqa: BLE001 -- custom code, an unknown architecture: the loader will say what it finds
         return
     if mismatched:
         raise UserError(f"model {name_or_path}: its weights do not fit its config.json ({'; '.join(mismatched)}): "
@@ -123,7 +123,7 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:
-        raise UserError(f"lora.target_modules={target_modules!r}: {_first_line(exc)}") from None
+        raise UserError(f"lora.target_modules={target_modules!r}: {first_line(exc)}") from None
     # PEFT keeps adapters in fp32 by default (autocast_adapter_dtype): these are the fp32 master weights.
     return peft_model
 
@@ -131,7 +131,3 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -13,7 +13,7 @@ import struct
 import zipfile
 from pathlib import Path
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
@@ -41,7 +41,7 @@ def _config(path: Path) -> dict:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise UserError(f"{file} cannot be read ({_first_line(exc)}); {REDOWNLOAD}.") from None
+        raise UserError(f"{file} cannot be read ({first_line(exc)}); {REDOWNLOAD}.") from None
     if not isinstance(config, dict):
         raise UserError(f"{file} does not hold a JSON object; {REDOWNLOAD}.")
     return config
@@ -66,7 +66,7 @@ def _shards(index: Path) -> list[Path]:
     try:
         names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise UserError(f"{index} cannot be read as a shard index ({_first_line(exc)}); {REDOWNLOAD}.") from None
+        raise UserError(f"{index} cannot be read as a shard index ({first_line(exc)}); {REDOWNLOAD}.") from None
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
         raise UserError(f"{index} names {len(missing)} weight file(s) that are not in {index.parent} "
@@ -96,7 +96,7 @@ def _check_safetensors(file: Path) -> None:
         if expected is not None and size < expected:
             why = f"is truncated: {size:,} bytes, but its header describes {expected:,} (an interrupted download?)"
         else:
-            why = f"is not a valid safetensors file ({_first_line(exc)})"
+            why = f"is not a valid safetensors file ({first_line(exc)})"
         raise UserError(f"{file} {why}; {REDOWNLOAD}.") from None
 
 
@@ -131,10 +131,6 @@ def _tokenizer_files(path: Path) -> None:
                     "so text cannot be turned into tokens; copy the tokenizer files from the model's original "
                     "repository into it, or point model.name_or_path at the complete download.")
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def shape_mismatches(name_or_path: str, model_class, config, limit: int = 3) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 from rocktune.platform.advise import quant_findings
 from rocktune.platform.detect import Platform
 
@@ -91,9 +91,9 @@ def check_installed(quantization: str) -> None:
                         "pip install 'rocktune[qlora]' (see docs/qlora.md for the ROCm builds).")
     quiet_bnb()
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes  # noqa: F401 -- imported to prove it loads here (its native library)
     except (ImportError, OSError, RuntimeError) as exc:
-        raise UserError(f"bitsandbytes is installed but does not load here: {str(exc).splitlines()[0][:300]}. "
+        raise UserError(f"bitsandbytes is installed but does not load here: {first_line(exc, 300)}. "
                         "Run `rocktune doctor` for the bitsandbytes build this platform needs.") from None
 
 

@@ -10,6 +10,7 @@ import json
 import sys
 import traceback
 from pathlib import Path
+from rocktune.errors import one_line
 
 
 def rocktune_config(spec: dict) -> dict:
@@ -38,7 +39,8 @@ def rocktune_config(spec: dict) -> dict:
 
 def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
     from rocktune.config import config_from_dict
-    from rocktune.train import loop
+    from rocktune.tasks import train
+    from rocktune.train.request import RunOptions
 
     raw = rocktune_config(spec)
     if spec.get("nproc", 1) > 1:
@@ -46,7 +48,7 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
         probe.loaded = {}
     else:
         # RSS growth counts from the moment the model with its adapter exists, as for the HF baselines.
-        loop.train(config_from_dict(raw), overwrite=True, quiet=True, on_ready=probe.mark_loaded)
+        train(config_from_dict(raw), RunOptions(overwrite=True), quiet=True, on_ready=probe.mark_loaded)
     rows = [json.loads(line) for line in (Path(spec["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
               "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"],
@@ -83,7 +85,7 @@ def main(spec_path: str, result_path: str) -> int:
         from rocktune.bench.hf_baseline import SkipBaseline
 
         skipped = isinstance(exc, SkipBaseline)
-        result.update(status="skipped" if skipped else _failure_status(exc), reason=_first_line(exc))
+        result.update(status="skipped" if skipped else _failure_status(exc), reason=one_line(exc))
         if not skipped:
             result["traceback"] = traceback.format_exc(limit=6)
     Path(result_path).write_text(json.dumps(result))
@@ -150,10 +152,6 @@ def _failure_status(exc: BaseException) -> str:
     text = str(exc).lower()
     return "oom" if "out of memory" in text or type(exc).__name__ == "OutOfMemoryError" else "error"
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.bench import stats, workload
 from rocktune.bench.configs import BASELINES, PARITY, BenchConfig, select
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
+from rocktune.platform.environment import resolve_device
 
 COMMON = {"micro_batch_size": 2, "grad_accum": 4, "max_length": 512, "lr": 2e-4, "warmup_steps": 2,
           "scheduler": "cosine", "seed": 0, "lora_r": 16, "lora_alpha": 32}
@@ -27,20 +29,39 @@ MFU_TARGETS = {"qwen2.5-0.5b-shape": 0.30, "qwen2.5-1.5b-shape": 0.40}
 PARITY_REL_TOL = 1e-3
 
 
-def run_bench(model: str = "tiny", data: str | None = None, configs: str | None = None, steps: int = 5,
-              warmup: int = 1, threads: int | None = None, device: str = "auto", out: str = "runs/bench",
-              n_samples: int = 400, parity_steps: int = 4, timeout: float = 1800.0, rounds: int = 1,
-              log=print, common: dict | None = None, token_range: tuple[int, int] | None = None,
-              nproc: int = 1) -> dict:
-    """``common`` overrides the shared settings (global batch, max_length); ``token_range`` the synthetic lengths."""
-    common = {**COMMON, **(common or {})}
+@dataclass
+class BenchRequest:
+    """One ``rocktune bench`` measurement: the workload, the configurations and how they are timed."""
+
+    model: str = "tiny"  # a named shape (tiny, qwen2.5-0.5b-shape...) or a model directory
+    data: str | None = None  # a JSONL file; default: synthetic Alpaca-like records
+    configs: str | None = None  # comma-separated names (rocktune bench --list); default: the device's set
+    steps: int = 5  # measured optimizer steps per configuration
+    warmup: int = 1  # steps run first and left out of the figures
+    threads: int | None = None  # torch intra-op threads of each child (default: torch's own)
+    device: str = "auto"
+    out: str = "runs/bench"
+    n_samples: int = 400  # synthetic records
+    parity_steps: int = 4  # rocktune vs the HF Trainer on the same micro-batches; 0 skips it
+    timeout: float = 1800.0  # seconds before one configuration is killed
+    rounds: int = 1  # the whole set this many times, alternating the order
+    common: dict | None = None  # overrides of the shared settings (global batch, max_length)
+    token_range: tuple[int, int] | None = None  # the synthetic records' lengths
+    nproc: int = 1  # also run rocktune on this many ranks
+
+
+def run_bench(req: BenchRequest, log=print) -> dict:
+    model, data, configs, steps, warmup = req.model, req.data, req.configs, req.steps, req.warmup
+    threads, device, out, rounds, timeout = req.threads, req.device, req.out, req.rounds, req.timeout
+    n_samples, parity_steps, token_range, nproc = req.n_samples, req.parity_steps, req.token_range, req.nproc
+    common = {**COMMON, **(req.common or {})}
     if steps < 1:
         raise UserError(f"--steps must be at least 1 (measured optimizer steps), not {steps}")
     if warmup < 0 or parity_steps < 0 or rounds < 1:
         raise UserError("--warmup and --parity-steps cannot be negative; --rounds must be at least 1")
     if configs is not None:
         select(configs, "cpu")  # unknown names fail before torch is imported
-    device = _device(device)
+    device = resolve_device(device)
     chosen = select(configs, device)
     threads = threads or _default_threads()
     out_dir = Path(out)
@@ -195,16 +216,6 @@ def _config(name: str) -> BenchConfig:
     return CONFIGS.get(name) or PARITY[name]
 
 
-def _device(device: str) -> str:
-    if device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device must be auto, cpu or cuda, not {device!r}")
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def _default_threads() -> int:
     import torch
 
@@ -222,7 +233,7 @@ def _prepare_model(model: str, cache: Path) -> str:
     try:
         AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load model {model}: {str(exc).strip().splitlines()[0]} "
+        raise UserError(f"could not load model {model}: {first_line(exc)} "
                         f"(pass a local model directory or one of {', '.join(workload.SHAPES)})") from None
     load_tokenizer(path, False)
     return path

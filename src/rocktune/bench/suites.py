@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rocktune.bench.runner import BenchRequest
 from rocktune.errors import UserError
 
 
@@ -52,10 +53,10 @@ def run_suite(name: str, model: str | None, device: str, out: str, timeout: floa
     reports = {}
     for shape in (model,) if model else suite.models:
         log(f"bench suite {name}: {shape}")
-        report = run_bench(model=shape, configs=suite.configs, steps=suite.steps, warmup=suite.warmup,
-                           device=device, out=str(Path(out) / shape), n_samples=suite.samples(),
-                           parity_steps=suite.parity_steps, timeout=timeout, log=log, common=suite.common,
-                           token_range=suite.token_range)
+        report = run_bench(BenchRequest(model=shape, configs=suite.configs, steps=suite.steps, warmup=suite.warmup,
+                                        device=device, out=str(Path(out) / shape), n_samples=suite.samples(),
+                                        parity_steps=suite.parity_steps, timeout=timeout, common=suite.common,
+                                        token_range=suite.token_range), log)
         reports[shape] = report
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"report-{shape}.json").write_text(json.dumps(report, indent=1))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rocktune.data import cache, encode, records, truncate
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 
 @dataclass
@@ -81,7 +81,8 @@ def tokenize_file(path: str, shape: str, tokenizer, max_length: int, train_on_pr
         raise UserError(f"{path}: no record has anything to learn from: " + truncate.why_empty(max_length, truncation))
     meta = {"n_records": len(recs), "n_truncated": truncated, "n_dropped": dropped, "shape": shape,
             "n_prompt_cut": prompt_cut, "n_completion_cut": completion_cut, "max_id": top}
-    store = lambda: cache.store(cache_dir, key, ids, labels, meta)  # noqa: E731
+    def store():
+        return cache.store(cache_dir, key, ids, labels, meta)
     store() if pending is None else pending.append(store)
     return Examples(ids, labels), DataStats(shape, len(recs), truncated, dropped, False, key,
                                             [empty_note] if empty_note else [], prompt_cut, completion_cut)
@@ -95,7 +96,7 @@ def _encode(rec: dict, shape: str, tokenizer, max_length: int, train_on_prompt: 
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 — templates and tokenizers raise many types; the record is the cause
-        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        text = first_line(exc)
         raise UserError(f"{loc}: this record cannot be tokenised ({type(exc).__name__}: {text}); fix or remove "
                         "it.") from None
 

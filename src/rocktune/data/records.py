@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 # Keys that identify each shape; detection looks at the first record, validation checks every record.
 SHAPES: dict[str, tuple[str, ...]] = {
@@ -71,7 +71,7 @@ def _unparsable(exc: Exception) -> str:
     if isinstance(exc, RecursionError):
         return ("the JSON is nested too deeply to parse (deeper than Python's recursion limit); a record needs only "
                 "strings and one list of messages: flatten or remove the nested data.")
-    return f"the JSON cannot be parsed ({str(exc).splitlines()[0][:200]}); fix or remove the record."
+    return f"the JSON cannot be parsed ({first_line(exc)}); fix or remove the record."
 
 
 def _read_json_array(path: Path, text: str) -> list[tuple[str, dict]]:

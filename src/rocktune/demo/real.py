@@ -38,7 +38,8 @@ def run_real_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: boo
     from rich.console import Console
 
     from rocktune.demo.gguf_model import converted_model, find_gguf, model_dir
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
+    from rocktune.train.request import RunOptions
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     out = Path(out_dir)
@@ -51,7 +52,7 @@ def run_real_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: boo
     write_jsonl(out / "data" / "train.jsonl", train_rows)
     write_jsonl(out / "data" / "eval.jsonl", eval_rows)
     t0 = time.perf_counter()
-    result = train(config_from_dict(settings), overwrite=True, quiet=as_json)
+    result = train(config_from_dict(settings), RunOptions(overwrite=True), quiet=as_json)
     seconds = time.perf_counter() - t0
     model, tokenizer = result.model, result.tokenizer
     after = chat_answers(model, tokenizer, eval_rows)

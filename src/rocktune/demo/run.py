@@ -30,7 +30,8 @@ def demo_config(base: Path, data_dir: Path, run_dir: Path, steps: int) -> dict:
 
 
 def run_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: bool = False) -> int:
-    from rocktune.train.loop import train
+    from rocktune.tasks import train
+    from rocktune.train.request import RunOptions
 
     out = Path(out_dir)
     settings = demo_config(out / "base_model", out / "data", out / "run", steps or DEMO_STEPS)
@@ -41,7 +42,7 @@ def run_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: bool = F
     write_jsonl(out / "data" / "train.jsonl", train_rows)
     write_jsonl(out / "data" / "eval.jsonl", eval_rows)
     t0 = time.perf_counter()
-    result = train(cfg, overwrite=True, quiet=as_json)
+    result = train(cfg, RunOptions(overwrite=True), quiet=as_json)
     seconds = time.perf_counter() - t0
     samples = generate(result.model, result.tokenizer, eval_rows)
     exact = sum(s["output"] == s["expected"] for s in samples) / len(samples)

@@ -38,6 +38,7 @@ from rocktune.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+LORA_FILE = "wan_lora.safetensors"  # in the run directory: ComfyUI and diffusers' WanPipeline both load it
 PREFIX = "diffusion_model."
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])(?:\.default)?\.weight$")
 _BLOCK = re.compile(r"^blocks\.(?P<index>\d+)\.(?P<rest>.+)$")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 from rocktune.planner.wan import LORA_TARGETS
 
 # The blocks' attention and feed-forward linears: what Wan LoRAs in the wild adapt and what ComfyUI maps. The patch
@@ -98,7 +98,7 @@ def read_layout(source: str, expert: str = "auto") -> Layout:
             return dict(cls.load_config(source, subfolder=subfolder) if subfolder else cls.load_config(source))
         except (OSError, ValueError) as exc:
             what = f"{subfolder}/" if subfolder else "model_index.json"
-            raise UserError(f"could not read {what} of {source}: {str(exc).strip().splitlines()[0][:200]} "
+            raise UserError(f"could not read {what} of {source}: {first_line(exc)} "
                             "(offline? pass a local diffusers directory)") from None
 
     from diffusers import DiffusionPipeline
@@ -191,7 +191,7 @@ def apply_lora(transformer, r: int, alpha: float, dropout: float, target_modules
                                                        target_modules=targets(target_modules)))
     except ValueError as exc:  # PEFT: no module matched
         raise UserError(f"lora.target_modules={target_modules!r} matches no linear layer of the Wan transformer "
-                        f"({str(exc).splitlines()[0][:160]}); use all-linear (the blocks' attention and "
+                        f"({first_line(exc, 160)}); use all-linear (the blocks' attention and "
                         "feed-forward) or module names such as [to_q, to_k, to_v, to_out.0].") from None
     return model
 

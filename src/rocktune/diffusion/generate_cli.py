@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from rocktune.diffusion.comfy import LORA_FILE
 from rocktune.errors import UserError
 
 CONFIG_NAME = "config.yaml"  # the run directory's resolved config (train/rundir.py, a layer above this one)
-LORA_NAME = "wan_lora.safetensors"
 DIFFUSION_TASKS = ("video-lora", "image-lora")
 
 
@@ -78,7 +78,7 @@ def main(run: str, request: Request, device: str) -> int:
 
 
 def _lora_file(run: Path) -> Path:
-    lora = run / LORA_NAME
+    lora = run / LORA_FILE
     if not lora.is_file():
         raise UserError(f"{lora} not found: the run has not finished. Train first, or finish an interrupted run "
                         "with `rocktune train --resume`.")

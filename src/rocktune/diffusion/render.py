@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 VIDEO_SUFFIXES = (".mp4",)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -40,7 +40,7 @@ def load_pipeline(base: str, device: str):
         vae = AutoencoderKLWan.from_pretrained(base, subfolder="vae", dtype=torch.float32)
         pipe = WanPipeline.from_pretrained(base, vae=vae, dtype=dtype)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load the Wan pipeline {base}: {str(exc).strip().splitlines()[0]} (offline? pass "
+        raise UserError(f"could not load the Wan pipeline {base}: {first_line(exc)} (offline? pass "
                         "a local diffusers directory with model_index.json as --base)") from None
     return pipe.to(device)
 

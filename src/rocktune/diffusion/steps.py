@@ -44,6 +44,9 @@ class LatentFeed:
     def position(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
 
+    def close(self) -> None:
+        """Nothing to release: items load in the step that uses them (the LM feed has a collate thread)."""
+
     def next(self) -> Fed:
         if self.index >= len(self.items):
             self.epoch, self.index = self.epoch + 1, 0

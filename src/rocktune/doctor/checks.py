@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from rocktune.errors import first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
           "uint8": torch.uint8}
@@ -138,7 +139,7 @@ def check_matmul(device: str, dtype: str, m: int = 192, k: int = 256, n: int = 1
         got = matmul(a.to(device), b.to(device)).to("cpu").double()
         sync(device)
     except RuntimeError as exc:  # e.g. HIPBLAS_STATUS_NOT_SUPPORTED, or no kernel for this dtype
-        return CheckResult("", "fail", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        return CheckResult("", "fail", f"{type(exc).__name__}: {first_line(exc)}")
     tol = MATMUL_TOL[dt]
     if not torch.isfinite(got).all():
         return CheckResult("", "fail", f"{int((~torch.isfinite(got)).sum())} non-finite outputs", float("inf"), tol)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rocktune.doctor.checks import DTYPES, CheckResult, sync
+from rocktune.errors import first_line
 
 SDPA_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -32,7 +33,7 @@ def check_sdpa(device: str, backend: str, dtype: str, attention=default_attentio
         got = attention(q.to(device), k.to(device), v.to(device), backend).to("cpu").double()
         sync(device)
     except RuntimeError as exc:
-        text = str(exc).splitlines()[0][:160]
+        text = first_line(exc, 160)
         if "No available kernel" in str(exc) or "not supported" in str(exc).lower():
             return CheckResult("", "skip", f"backend not available here: {text}")
         return CheckResult("", "fail", f"{type(exc).__name__}: {text}")

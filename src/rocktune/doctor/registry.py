@@ -15,6 +15,7 @@ from rocktune.doctor import checks as c
 from rocktune.doctor import model_checks as m
 from rocktune.doctor import perf as p
 from rocktune.doctor import quant_checks as q
+from rocktune.errors import one_line
 
 INJECT_ENV = "ROCKTUNE_DOCTOR_INJECT"
 CONVERSIONS = [("float32", "bfloat16"), ("bfloat16", "float32"), ("float32", "float16"), ("float16", "float32"),
@@ -109,7 +110,6 @@ def run_one(name: str, fn: Callable[[], c.CheckResult]) -> c.CheckResult:
     try:
         result = c.timed(fn)
     except Exception as exc:  # noqa: BLE001 - any error of the device stack is a finding
-        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
-        result = c.CheckResult("", "fail", f"{type(exc).__name__}: {first_line}")
+        result = c.CheckResult("", "fail", one_line(exc))
     result.name = name
     return result

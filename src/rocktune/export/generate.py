@@ -11,9 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 from rocktune.export import style as styles
 from rocktune.export.source import Source, resolve
+from rocktune.platform.environment import resolve_device
 
 # End-of-turn markers that end a reply even where the tokenizer's eos is another token (base models' <|endoftext|>)
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
@@ -32,7 +33,7 @@ def load(src: Source, device: str):
         tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(src.base, dtype=dtype, trust_remote_code=src.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load {src.base}: {str(exc).strip().splitlines()[0]} (offline? pass a local "
+        raise UserError(f"could not load {src.base}: {first_line(exc)} (offline? pass a local "
                         "model directory with --base)") from None
     if src.adapter is not None:
         from peft import PeftModel
@@ -74,7 +75,7 @@ def run_generate(path: str, prompt: str | None, chat: bool, file: str | None, ba
     if compare and src.adapter is None:
         raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
                         "without an adapter.")
-    device = _device(device)
+    device = resolve_device(device)
     model, tok = load(src, device)
     style = styles.resolve_style(template, src.run_config, tok)
 
@@ -95,17 +96,6 @@ def run_generate(path: str, prompt: str | None, chat: bool, file: str | None, ba
     else:
         _chat_loop(answer, style)
     return 0
-
-
-def _device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    from rocktune.platform.environment import apply_environment
-
-    apply_environment()  # ROCm/CUDA runtime variables must be set before torch touches the device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _read_prompts(path: Path) -> list[dict]:

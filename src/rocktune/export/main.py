@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 from rocktune.export import arch as archs
 from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style
 from rocktune.export.source import Source, load_config, resolve
@@ -121,7 +121,7 @@ def _tokenizer(src: Source, model_config, tok_dir: Path):
     try:
         tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load the tokenizer of {src.base}: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"could not load the tokenizer of {src.base}: {first_line(exc)}") from None
     tok.save_pretrained(tok_dir)
     model_config.save_pretrained(tok_dir)
     _copy_sentencepiece_model(src.base, tok_dir)

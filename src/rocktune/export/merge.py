@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 from rocktune.export.source import Source, load_config
 
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
@@ -47,7 +47,7 @@ def load_base_fp32(name_or_path: str, trust_remote_code: bool):
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load the base model {name_or_path}: {str(exc).strip().splitlines()[0]} "
+        raise UserError(f"could not load the base model {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory with --base)") from None
 
 
@@ -79,7 +79,7 @@ def merged_model(src: Source, dtype: str):
         peft_model = PeftModel.from_pretrained(model, str(src.adapter), torch_device="cpu")
         merged = peft_model.merge_and_unload(safe_merge=True)
     except ValueError as exc:
-        raise UserError(f"could not merge {src.adapter} into {src.base}: {str(exc).strip().splitlines()[0]}") \
+        raise UserError(f"could not merge {src.adapter} into {src.base}: {first_line(exc)}") \
             from None
     with torch.no_grad():
         merged = merged.to(DTYPES[target])
@@ -99,6 +99,6 @@ def save_merged(model, tokenizer_src: str, trust_remote_code: bool, out: Path) -
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_src, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not load the tokenizer of {tokenizer_src}: {str(exc).strip().splitlines()[0]}") \
+        raise UserError(f"could not load the tokenizer of {tokenizer_src}: {first_line(exc)}") \
             from None
     tok.save_pretrained(out)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 
 @dataclass
@@ -91,7 +91,7 @@ def load_config(name_or_path: str, trust_remote_code: bool):
     try:
         return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UserError(f"could not read the config of {name_or_path}: {str(exc).strip().splitlines()[0]} "
+        raise UserError(f"could not read the config of {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory with --base)") from None
 
 

@@ -45,6 +45,14 @@ class RunSpec:
     ranks: int = 1  # processes training together (--nproc x nodes); the estimate is per rank
     parallel: str = "ddp"  # ddp: base replicated | fsdp: decoder layers' base weights sharded over the ranks
 
+    def __post_init__(self):
+        # Accept the config's forms: a list of module names, one name, "auto" attention (SDPA where it runs).
+        t = self.targets
+        if not isinstance(t, str) or t not in ("all-linear", "all"):
+            object.__setattr__(self, "targets", (t,) if isinstance(t, str) else tuple(t))
+        if self.attn == "auto":
+            object.__setattr__(self, "attn", "sdpa")
+
 
 @dataclass
 class Term:
@@ -99,7 +107,8 @@ def lora_param_count(shape: ModelShape, spec: RunSpec) -> int:
 
 def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     est = Estimate(shape, spec)
-    add = lambda name, n, phase, inputs: est.terms.append(Term(name, int(n), phase, inputs))  # noqa: E731
+    def add(name, n, phase, inputs):
+        return est.terms.append(Term(name, int(n), phase, inputs))
     _static(shape, spec, add)
     tok = _tokens(spec)
     n_loss = max(1, round(spec.loss_fraction * spec.micro_batch * (spec.seq_len - 1)))

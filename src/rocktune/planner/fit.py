@@ -34,19 +34,15 @@ class Suggestion:
     quant: str = "none"  # "nf4" when the planner proposes a quantised base because nothing else fits
 
 
-def suggest_settings(model: str, vram_bytes: int | None, max_length: int, lora_r: int,
-                     target_modules: list[str] | str, precision: str, attn_implementation: str,
-                     global_batch: int, loss_mode: str = "chunked", lora_dropout: float = 0.0,
-                     quant: str = "none", double_quant: bool = True, device: str | None = None) -> Suggestion:
-    """``precision="auto"`` lets the planner pick between bf16 and fp32 (pass the platform's choice if known).
+def suggest_settings(model: str, vram_bytes: int | None, base: RunSpec, global_batch: int,
+                     device: str | None = None) -> Suggestion:
+    """Micro batch, checkpointing and length for ``base`` (its seq_len is the wanted max_length) that fit the budget.
+    ``base.precision="auto"`` lets the planner pick between bf16 and fp32 (pass the platform's choice if known).
     ``device`` ("gpu" | "cpu"), when the caller knows it, keeps a given ``vram_bytes`` on the same device's overheads
     as the detected budget would be (``train --auto`` with and without ``--vram`` then agree)."""
     shape = load_shape(model)
     budget, device, source = (vram_bytes, device or "gpu", "given") if vram_bytes else detect_budget()
-    base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules),
-                   attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
-                   loss_mode=loss_mode, quant=quant, double_quant=double_quant, device=device)
-    return fit(shape, base, budget, precision, max(1, global_batch), source)
+    return fit(shape, replace(base, device=device), budget, base.precision, max(1, global_batch), source)
 
 
 def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_batch: int,
@@ -103,12 +99,10 @@ def _propose_nf4(shape: ModelShape, base: RunSpec, budget: int, precision: str, 
     return sug
 
 
-def describe_fit(model: str, vram_bytes: int | None, max_length: int, lora_r: int, target_modules,
-                 precision: str, attn_implementation: str, global_batch: int, loss_mode: str = "chunked") -> str:
+def describe_fit(model: str, vram_bytes: int | None, base: RunSpec, global_batch: int) -> str:
     """One paragraph for the OOM handler: what would fit instead, or the smallest budget that would."""
     try:
-        sug = suggest_settings(model, vram_bytes, max_length, lora_r, target_modules, precision,
-                               attn_implementation, global_batch, loss_mode)
+        sug = suggest_settings(model, vram_bytes, base, global_batch)
     except UserError as exc:
         return str(exc)
     return (f"rocktune plan suggests: micro_batch_size={sug.micro_batch_size} grad_accum={sug.grad_accum} "
@@ -153,12 +147,6 @@ def _describe(s: RunSpec) -> str:
             f"{'' if s.quant == 'none' else ' on an ' + s.quant + ' base'}, max_length {s.seq_len}")
 
 
-def _targets(target_modules):
-    if isinstance(target_modules, str):
-        return target_modules if target_modules in ("all-linear", "all") else (target_modules,)
-    return tuple(target_modules)
-
-
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
@@ -182,7 +170,8 @@ def fit_token_rows(shape: ModelShape, base: RunSpec, budget: int, max_rows: int,
     """The most rows of ``base.seq_len`` packed tokens per forward that fit ``budget`` (``MARGIN`` kept free), up to
     ``max_rows`` (what a step holds). Memory grows with rows, so a bisection finds the largest."""
     usable = int(budget * (1 - MARGIN))
-    spec = lambda rows: replace(base, micro_batch=rows, padded=base.attn != "flash_attention_2")  # noqa: E731
+    def spec(rows):
+        return replace(base, micro_batch=rows, padded=base.attn != "flash_attention_2")
     if estimate(shape, spec(1)).total_bytes > usable:
         one = estimate(shape, spec(1))
         raise UserError(f"{shape.name}: one packed row of {base.seq_len} tokens needs {_gib(one.total_bytes)}, more "
@@ -201,15 +190,9 @@ def fit_token_rows(shape: ModelShape, base: RunSpec, budget: int, max_rows: int,
                        total_bytes=est.total_bytes, budget_bytes=budget, reason=reason)
 
 
-def suggest_token_budget(model: str, vram_bytes: int | None, max_length: int, lora_r: int, target_modules,
-                         precision: str, attn_implementation: str, checkpointing: bool, loss_chunk: int,
-                         loss_mode: str, max_rows: int, lora_dropout: float = 0.0, quant: str = "none",
-                         double_quant: bool = True, ranks: int = 1, parallel: str = "ddp") -> TokenBudget:
-    """The token budget per forward; with ``ranks`` > 1 per rank, for DDP or FSDP (``parallel``)."""
+def suggest_token_budget(model: str, vram_bytes: int | None, base: RunSpec, max_rows: int) -> TokenBudget:
+    """The token budget per forward for ``base`` (its seq_len is the row length); with ``base.ranks`` > 1 per rank,
+    for DDP or FSDP (``base.parallel``)."""
     shape = load_shape(model)
     budget, device, source = (vram_bytes, "gpu", "given") if vram_bytes else detect_budget()
-    base = RunSpec(seq_len=max_length, lora_r=lora_r, targets=_targets(target_modules), precision=precision,
-                   attn=attn_implementation if attn_implementation != "auto" else "sdpa", lora_dropout=lora_dropout,
-                   loss_mode=loss_mode, loss_chunk=loss_chunk, checkpointing=checkpointing, device=device,
-                   quant=quant, double_quant=double_quant, ranks=ranks, parallel=parallel)
-    return fit_token_rows(shape, base, budget, max_rows, source)
+    return fit_token_rows(shape, replace(base, device=device), budget, max_rows, source)

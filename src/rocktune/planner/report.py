@@ -12,28 +12,24 @@ from rocktune.planner.fit import MARGIN, fit
 from rocktune.planner.shapes import load_shape
 
 
-def run_plan(model: str, vram: str | None, max_length: int, micro_batch: int, global_batch: int, lora_r: int,
-             targets: str, precision: str, quant: str, attn: str, checkpointing: bool, lora_dropout: float,
-             loss: str, loss_chunk: int, device: str | None, as_json: bool, ranks: int = 1,
-             parallel: str = "ddp") -> int:
+def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_json: bool,
+             device: str | None = None) -> int:
+    """``spec``: the run as given on the command line; ``device``: what the budget is (default: detected)."""
     shape = load_shape(model)
-    if precision not in DTYPE_BYTES or attn not in ATTN or quant not in ("none", *QUANT):
+    if spec.precision not in DTYPE_BYTES or spec.attn not in ATTN or spec.quant not in ("none", *QUANT):
         raise UserError(f"precision must be one of {', '.join(DTYPE_BYTES)}, attn one of {', '.join(ATTN)}, "
                         f"quant one of none, {', '.join(QUANT)}.")
-    if min(max_length, micro_batch, global_batch, lora_r, loss_chunk) < 1 or max_length < 2:
+    if min(spec.seq_len, spec.micro_batch, global_batch, spec.lora_r, spec.loss_chunk) < 1 or spec.seq_len < 2:
         raise UserError("max-length (>= 2), batch, global-batch, lora-r and loss-chunk must be positive integers.")
     if vram is not None:
         budget, kind, source = parse_budget(vram), "gpu", "given"
     else:
         budget, kind, source = detect_budget()
-    tgt = targets if targets in ("all-linear", "all") else tuple(t.strip() for t in targets.split(",") if t.strip())
-    spec = RunSpec(micro_batch=micro_batch, seq_len=max_length, lora_r=lora_r, targets=tgt, precision=precision,
-                   quant=quant, attn=attn, checkpointing=checkpointing, lora_dropout=lora_dropout, loss_mode=loss,
-                   loss_chunk=loss_chunk, device=device or kind, ranks=ranks, parallel=parallel)
+    spec = replace(spec, device=device or kind)
     est = estimate(shape, spec)
-    other = estimate(shape, replace(spec, checkpointing=not checkpointing))
+    other = estimate(shape, replace(spec, checkpointing=not spec.checkpointing))
     try:
-        suggestion = asdict(fit(shape, spec, budget, precision, global_batch, source))
+        suggestion = asdict(fit(shape, spec, budget, spec.precision, global_batch, source))
     except UserError as exc:
         suggestion = {"error": str(exc)}
     usable = int(budget * (1 - MARGIN))

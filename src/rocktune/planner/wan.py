@@ -179,7 +179,10 @@ def estimate_wan(shape: WanShape, width: int, height: int, frames: int, batch: i
     est = WanEstimate(shape, {"width": width, "height": height, "frames": frames, "batch": batch,
                               "text_tokens": text_tokens, "lora_r": lora_r, "precision": precision,
                               "gradient_checkpointing": gradient_checkpointing}, sizes.t)
-    add = lambda name, n, phase, inputs: est.terms.append(Term(name, int(n), phase, inputs))
+
+    def add(name: str, n: float, phase: str, inputs: str) -> None:
+        est.terms.append(Term(name, int(n), phase, inputs))
+
     _static(shape, sizes, add)
     _saved(shape, sizes, per_sample, gradient_checkpointing, add)
     _transients(shape, sizes, gradient_checkpointing, add)
@@ -369,7 +372,8 @@ def _render(est: WanEstimate, other: WanEstimate, doc: dict) -> None:
     table.add_section()
     table.add_row("peak allocated", fmt_bytes(off.total_bytes), fmt_bytes(on.total_bytes),
                   "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)")
-    table.add_row("[bold]reserved[/]", f"[bold]{fmt_bytes(off.reserved_bytes)}[/]", f"[bold]{fmt_bytes(on.reserved_bytes)}[/]",
+    table.add_row("[bold]reserved[/]", f"[bold]{fmt_bytes(off.reserved_bytes)}[/]",
+                  f"[bold]{fmt_bytes(on.reserved_bytes)}[/]",
                   "peak + allocator overhead + device context")
     usable = doc["budget_bytes"] * (1 - MARGIN)
     table.add_row("fits?", yes_no(off.reserved_bytes <= usable), yes_no(on.reserved_bytes <= usable),

@@ -204,7 +204,7 @@ def _build_archs(torch) -> list[str]:
     getter = getattr(torch._C, "_cuda_getArchFlags", None)
     try:
         flags = getter() if getter else None
-    except Exception:
+    except Exception:  # noqa: BLE001 -- a probe of an optional library: absent is the answer
         return []
     return sorted(set(flags.split())) if flags else []
 

@@ -8,37 +8,51 @@ A variable the user already set is never overwritten: their value wins and we sa
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import MutableMapping
 
 from rocktune.platform.advise import Advice, EnvAdvice, advise
 from rocktune.platform.detect import Platform, detect
 
-_cache: dict[str, object] = {}
-
 
 def apply_environment(environ: MutableMapping[str, str] | None = None, platform: Platform | None = None,
                       ) -> list[str]:
-    """Set the ``documented`` env advice for this machine; return one message per decision.
-
-    The device list comes from a child process (``probe="child"``) so this process stays uninitialised.
-    """
-    environ = os.environ if environ is None else environ
-    messages = []
+    """Set the ``documented`` env advice for ``platform`` (default: this machine); return one message per decision."""
     if platform is None:
-        import torch
-
-        if torch.cuda.is_initialized():
-            messages.append("the GPU was initialised before the environment advice: some variables may not apply")
-        platform = detect("child" if (torch.version.hip or torch.version.cuda) else "passive")
-        _cache["platform"] = platform  # only this machine's own snapshot is reused by resolve_auto
-    advice = advise(platform)
-    messages += apply_advice(advice, environ)
-    return messages
+        return prepare_environment(environ)[1]
+    return apply_advice(advise(platform), os.environ if environ is None else environ)
 
 
-def cached_platform() -> Platform | None:
-    """This machine's snapshot from the last ``apply_environment`` call (train.autoconf reuses it)."""
-    return _cache.get("platform")  # type: ignore[return-value]
+def resolve_device(requested: str) -> str:
+    """``auto`` -> the GPU when torch sees one, else the CPU; the runtime variables set first either way, since
+    ROCm/CUDA read them when the device initialises. The one resolver for generate, export and the bench (training
+    resolves through train/context.py, which also proves the precision on the device)."""
+    from rocktune.errors import UserError
+
+    if requested != "auto" and requested != "cpu" and not re.fullmatch(r"cuda(:\d+)?", requested):
+        raise UserError(f"--device must be auto, cpu or cuda (ROCm builds of torch call the GPU cuda too), not "
+                        f"{requested!r}")
+    if requested == "cpu":
+        return requested
+    apply_environment()
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def prepare_environment(environ: MutableMapping[str, str] | None = None) -> tuple[Platform, list[str]]:
+    """This machine's snapshot and the advice for it applied: what a run resolves its choices from (train/context.py
+    keeps the snapshot, so nothing is detected twice). The device list comes from a child process
+    (``probe="child"``) so this process stays uninitialised."""
+    import torch
+
+    messages = []
+    if torch.cuda.is_initialized():
+        messages.append("the GPU was initialised before the environment advice: some variables may not apply")
+    platform = detect("child" if (torch.version.hip or torch.version.cuda) else "passive")
+    return platform, messages + apply_advice(advise(platform), os.environ if environ is None else environ)
 
 
 def apply_advice(advice: Advice, environ: MutableMapping[str, str]) -> list[str]:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import base64
 import html
-import os
-import tempfile
-from pathlib import Path
+
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }
@@ -42,17 +40,3 @@ def table(rows: list[tuple], header: tuple | None = None) -> str:
 
 def image(png: bytes, alt: str) -> str:
     return f"<img class=\"plot\" alt=\"{esc(alt)}\" src=\"data:image/png;base64,{base64.b64encode(png).decode()}\">"
-
-
-def write_atomic(path: Path, text: str | bytes) -> None:
-    """Written beside under a temporary name, then renamed: a reader never sees half a page."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8") if isinstance(text, str) else text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the page from a web server or another user
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

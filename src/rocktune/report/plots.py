@@ -43,7 +43,7 @@ def _events(ax, run: RunData, colour, several: bool) -> None:
             first = False
     for i, (step, _cause) in enumerate(run.incident_steps()):
         ax.axvline(step, color="red", linewidth=1.5, label="restart after crash" if i == 0 else None)
-    for i, (step, pieces) in enumerate(run.oom_splits()):
+    for i, (step, _pieces) in enumerate(run.oom_splits()):
         ax.axvline(step, color="purple", linestyle="--", linewidth=1,
                    label="OOM: micro-batch split" if i == 0 else None)
     for i, step in enumerate(run.skipped_steps()):

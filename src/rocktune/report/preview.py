@@ -7,11 +7,8 @@ masking, so what the preview shows is what gets trained.
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from rocktune.data import checks, encode, records, truncate
 from rocktune.data.dataset import Examples
@@ -106,24 +103,3 @@ def histogram(lengths: list[int], bins: int = 10) -> list[dict]:
         counts[min((n - lo) // width, bins - 1)] += 1
     return [{"from": lo + i * width, "to": lo + (i + 1) * width - 1, "count": c} for i, c in enumerate(counts)
             if lo + i * width <= hi]
-
-
-def run_preview(data_file: str, model: str, trust_remote_code: bool, shape: str, max_length: int,
-                train_on_prompt: bool, n_show: int, html: str | None, as_json: bool, truncation: str = "prompt") -> int:
-    """Print (or write) the preview; exit status 1 when a check would stop ``train``."""
-    from rocktune.model import load_tokenizer
-    from rocktune.report import preview_view
-
-    tokenizer = load_tokenizer(model, trust_remote_code)
-    pv = build_preview(data_file, shape, tokenizer, max_length, train_on_prompt, n_show, truncation)
-    if as_json:
-        sys.stdout.write(json.dumps(pv.to_json()) + "\n")
-    else:
-        preview_view.print_preview(pv)
-    if html:
-        from rocktune.report.page import write_atomic
-
-        write_atomic(Path(html), preview_view.preview_html(pv))
-        if not as_json:
-            print(f"preview page: {html}")
-    return 1 if any(p["level"] == "error" for p in pv.problems) else 0

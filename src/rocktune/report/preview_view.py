@@ -1,9 +1,15 @@
-"""The data preview shown: rich colours in a terminal, or one HTML page (``--html``)."""
+"""``rocktune data preview``: the preview (report/preview.py) shown in a terminal with rich colours, or written as one
+HTML page (``--html``)."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+from rocktune.atomic import write_atomic
 from rocktune.report import page
-from rocktune.report.preview import Preview, histogram
+from rocktune.report.preview import Preview, build_preview, histogram
 
 BAR = 40
 
@@ -92,3 +98,21 @@ def preview_html(pv: Preview) -> str:
                 "</p>")
     body += [example_html(ex) for ex in pv.examples]
     return page.document(f"rocktune data preview — {pv.data_file}", body)
+
+
+def run_preview(data_file: str, model: str, trust_remote_code: bool, shape: str, max_length: int,
+                train_on_prompt: bool, n_show: int, html: str | None, as_json: bool, truncation: str = "prompt") -> int:
+    """Print (or write) the preview; exit status 1 when a check would stop ``train``."""
+    from rocktune.model import load_tokenizer
+
+    tokenizer = load_tokenizer(model, trust_remote_code)
+    pv = build_preview(data_file, shape, tokenizer, max_length, train_on_prompt, n_show, truncation)
+    if as_json:
+        sys.stdout.write(json.dumps(pv.to_json()) + "\n")
+    else:
+        print_preview(pv)
+    if html:
+        write_atomic(Path(html), preview_html(pv))
+        if not as_json:
+            print(f"preview page: {html}")
+    return 1 if any(p["level"] == "error" for p in pv.problems) else 0

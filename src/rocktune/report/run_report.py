@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from rocktune.atomic import write_atomic
 from rocktune.report import page, plots
 from rocktune.report.rundata import RunData, load_run
 
@@ -31,8 +32,8 @@ def write_report(runs: list[RunData], out: Path | None = None) -> Path:
     out = out or (runs[0].path / "report.html" if len(runs) == 1 else Path("compare.html"))
     images = plots.all_plots(runs)
     for name, png in images.items():
-        page.write_atomic(out.with_name(out.stem + "_plots") / f"{name}.png", png)
-    page.write_atomic(out, report_html(runs, images))
+        write_atomic(out.with_name(out.stem + "_plots") / f"{name}.png", png)
+    write_atomic(out, report_html(runs, images))
     return out
 
 

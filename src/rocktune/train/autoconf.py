@@ -1,8 +1,8 @@
 """Resolve the ``auto`` fields of a run for the machine at hand.
 
-Contract used by the training loop (keep the signature): called before the model is built, after the
-environment advice was applied (if the loop did not apply it, this does, while the device is still untouched).
-Returns concrete choices plus messages that explain each one.
+Called before the model is built, with the platform snapshot taken when the environment advice was applied
+(train/context.py); without one it applies the advice itself while the device is still untouched. Returns concrete
+choices plus messages that explain each one.
 
 ``precision: auto`` follows the arch's precision policy from the knowledge base, then proves it on the device:
 a failed bf16 conversion or matmul self-test falls back (fp16 where the arch has fp16 units, else fp32).
@@ -39,12 +39,12 @@ def resolve_auto(device: str, precision: str, attn_implementation: str, *, self_
     """Turn ``auto`` values into concrete ones; values that are not ``auto`` pass through unchanged."""
     import torch
 
-    from rocktune.platform import environment
-
     messages: list[str] = []
-    if platform is None and environment.cached_platform() is None and not torch.cuda.is_initialized():
-        messages += environment.apply_environment()  # the loop did not: do it while the device is untouched
-    plat = platform or environment.cached_platform()
+    plat = platform
+    if plat is None and not torch.cuda.is_initialized():  # the caller did not: do it while the device is untouched
+        from rocktune.platform.environment import prepare_environment
+
+        plat, messages = prepare_environment()
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("training.device=cuda but this torch build sees no GPU "
                         f"(torch {torch.__version__}, hip {torch.version.hip}, cuda {torch.version.cuda}); "

@@ -25,7 +25,8 @@ from safetensors import SafetensorError
 from rocktune.errors import UserError
 from rocktune.train import checkpoint_state
 from rocktune.train.checkpoint_state import STATE
-from rocktune.train.rundir import out_of_space, write_atomic
+from rocktune.atomic import write_atomic
+from rocktune.train.rundir import out_of_space
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -68,29 +69,38 @@ class Restored:
     skipped: list[str]  # damaged newer checkpoints that were passed over, with the reason
 
 
-def save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, position: dict, extra: dict,
-         keep: int, min_free_bytes: int = 0, before_commit=None, skips: SpaceSkips | None = None) -> Path:
+@dataclass
+class TrainState:
+    """The run's objects a checkpoint saves and restores."""
+
+    model: object  # the PEFT model: its adapter weights
+    optimizer: object
+    scheduler: object
+    scaler: object  # torch.amp.GradScaler (fp16's loss scale; disabled otherwise)
+
+
+def save(ckpt_root: Path, step: int, state: TrainState, position: dict, extra: dict, keep: int,
+         min_free_bytes: int = 0, before_commit=None, skips: SpaceSkips | None = None) -> Path:
     """Write the checkpoint for ``step``; ``before_commit`` (tests) runs after the files, before the rename."""
     try:
-        return _save(ckpt_root, step, model, optimizer, scheduler, scaler, position, extra, keep, min_free_bytes,
-                     before_commit)
+        return _save(ckpt_root, step, state, position, extra, keep, min_free_bytes, before_commit)
     except CheckpointWriteError as exc:
         if skips is not None and out_of_space(exc):
             exc.repeat = skips.add(str(exc))
         raise
 
 
-def _save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, position: dict, extra: dict,
-          keep: int, min_free_bytes: int, before_commit) -> Path:
+def _save(ckpt_root: Path, step: int, state: TrainState, position: dict, extra: dict, keep: int,
+          min_free_bytes: int, before_commit) -> Path:
     ckpt_root.mkdir(parents=True, exist_ok=True)
     _check_free_space(ckpt_root, min_free_bytes)
     final = ckpt_root / f"step-{step:07d}"
     tmp = ckpt_root / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(), "rng": _rng_tensors()}, tmp / STATE)
+        state.model.save_pretrained(tmp, safe_serialization=True)
+        torch.save({"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
+                    "scaler": state.scaler.state_dict(), "rng": _rng_tensors()}, tmp / STATE)
         meta = {"step": step, "position": position, "extra": extra, "py_random": _py_random_state(),
                 "np_random": _np_random_state()}
         (tmp / "meta.json").write_text(json.dumps(meta))
@@ -111,22 +121,22 @@ def _save(ckpt_root: Path, step: int, model, optimizer, scheduler, scaler, posit
     return final
 
 
-def restore(ckpt_root: Path, model, optimizer, scheduler, scaler) -> Restored | None:
+def restore(ckpt_root: Path, state: TrainState) -> Restored | None:
     """Load the newest checkpoint that verifies; None when there is none."""
     skipped: list[tuple[Path, str]] = []
     for path in _candidates(ckpt_root):
         problem = verify(path)
         if problem is None:
             try:  # read and checked whole before anything is applied: a refused one leaves the model as it was
-                state = checkpoint_state.read(path, model, optimizer)
+                saved = checkpoint_state.read(path, state.model, state.optimizer)
             except checkpoint_state.Damaged as exc:
                 problem = str(exc)
         if problem:
             skipped.append((path, problem))
             continue
-        checkpoint_state.apply(state, model, optimizer, scheduler, scaler)
+        checkpoint_state.apply(saved, state.model, state.optimizer, state.scheduler, state.scaler)
         notes = [f"{p.name}: {why} (kept as {_set_aside(p)})" for p, why in skipped]
-        return Restored(state.meta["step"], path, state.meta["position"], state.meta["extra"], notes)
+        return Restored(saved.meta["step"], path, saved.meta["position"], saved.meta["extra"], notes)
     if skipped:  # nothing is renamed here: a second --resume must meet the same refusal, not an empty directory
         raise UserError(f"--resume: no checkpoint in {ckpt_root} can be used "
                         f"({'; '.join(f'{p.name}: {why}' for p, why in skipped)}), so there is nothing trustworthy "

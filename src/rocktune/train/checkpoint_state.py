@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rocktune.errors import first_line
 
 ADAPTER = "adapter_model.safetensors"
 STATE = "trainer_state.pt"
@@ -69,7 +70,7 @@ def _read_adapter(file: Path, device) -> dict:
     try:
         return load_file(file, device=str(device))
     except (OSError, SafetensorError, ValueError) as exc:
-        raise Damaged(f"{file.name} cannot be read ({_first_line(exc)})") from None
+        raise Damaged(f"{file.name} cannot be read ({first_line(exc)})") from None
 
 
 def _check_adapter(tensors: dict, model) -> None:
@@ -96,9 +97,9 @@ def _read_trainer(file: Path) -> dict:
         if "weights only" in str(exc).lower() or "weights_only" in str(exc):
             raise Damaged(f"{file.name} {REFUSED} (or it was written by a newer torch than "
                           f"{torch.__version__})") from None
-        raise Damaged(f"{file.name} cannot be read ({_first_line(exc)})") from None
+        raise Damaged(f"{file.name} cannot be read ({first_line(exc)})") from None
     except Exception as exc:  # noqa: BLE001 — any failure to read is a damaged file, whatever torch raises
-        raise Damaged(f"{file.name} cannot be read ({type(exc).__name__}: {_first_line(exc)})") from None
+        raise Damaged(f"{file.name} cannot be read ({type(exc).__name__}: {first_line(exc)})") from None
     parts = ("optimizer", "scheduler", "scaler", "rng")
     if not isinstance(state, dict) or any(not isinstance(state.get(k), dict) for k in parts):
         raise Damaged(f"{file.name} does not hold the optimizer, scheduler, scaler and RNG states")
@@ -130,7 +131,7 @@ def _read_meta(file: Path) -> dict:
         meta = json.loads(file.read_text(encoding="utf-8"))
         ok = isinstance(meta["step"], int) and isinstance(meta["position"], dict) and isinstance(meta["extra"], dict)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise Damaged(f"{META} cannot be read ({_first_line(exc)})") from None
+        raise Damaged(f"{META} cannot be read ({first_line(exc)})") from None
     if not ok:
         raise Damaged(f"{META}: step, data position or run state has the wrong type")
     return meta
@@ -144,10 +145,6 @@ def _random_states(meta: dict) -> tuple[tuple, tuple]:
         random.Random().setstate(py_state)  # tried on throwaway generators: a bad state must not half-set the real ones
         np.random.RandomState().set_state(np_state)
     except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
-        raise Damaged(f"{META}: unusable random-number state ({_first_line(exc)})") from None
+        raise Damaged(f"{META}: unusable random-number state ({first_line(exc)})") from None
     return py_state, np_state
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__

@@ -23,7 +23,8 @@ from datetime import timedelta
 
 import torch
 
-from rocktune.errors import UserError
+from rocktune import exits
+from rocktune.errors import UserError, first_line
 
 
 # What gloo and NCCL/RCCL say when a peer is gone or a collective timed out.
@@ -338,7 +339,7 @@ def _answering(dist: Dist, timeout_s: float, what: str) -> None:
     try:
         td.monitored_barrier(group=dist.control, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
     except Exception as exc:
-        raise DistributedFailure(f"rank {dist.rank}: {what} failed: {_first_line(exc)}{_hint(dist)}") from None
+        raise DistributedFailure(f"rank {dist.rank}: {what} failed: {first_line(exc)}{_hint(dist)}") from None
 
 
 def _failure(dist: Dist, what: str, exc: BaseException) -> str:
@@ -348,7 +349,7 @@ def _failure(dist: Dist, what: str, exc: BaseException) -> str:
         _answering(dist, min(30.0, dist.timeout_s), "the liveness check")
     except DistributedFailure as probe:
         missing = f"; liveness check: {str(probe).split(' failed: ', 1)[-1]}"
-    return (f"rank {dist.rank}: {what} did not complete ({_first_line(exc)}){missing}. Another rank died or hung; "
+    return (f"rank {dist.rank}: {what} did not complete ({first_line(exc)}){missing}. Another rank died or hung; "
             "the supervisor restarts the group from the last checkpoint")
 
 
@@ -374,10 +375,6 @@ def _maybe_hang(point: str, rank: int) -> None:
         time.sleep(60)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
-
 
 def _preflight_alone() -> int:
     """``python -m rocktune.train.distributed`` under torchrun (``rocktune doctor --nproc N``)."""
@@ -392,12 +389,12 @@ def _preflight_alone() -> int:
         notes = preflight(dist, device, timeout)
     except (UserError, DistributedFailure) as exc:
         print_error(str(exc))
-        return 2
+        return exits.USER_ERROR
     finally:
         close(dist)
     if dist.main:
         print("\n".join(notes))
-    return 0
+    return exits.OK
 
 
 if __name__ == "__main__":

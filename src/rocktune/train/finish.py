@@ -1,5 +1,5 @@
 """The writes at the end of a run, guarded like checkpoints: free space checked first, temporary name + rename,
-and a full disk reported as one paragraph (``DiskFullError``, exit ``EXIT_DISK_FULL``) that the supervisor never
+and a full disk reported as one paragraph (``DiskFullError``, ``exits.DISK_FULL``) that the supervisor never
 retries — a restart would re-train to the last step and meet the same full disk.
 """
 
@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 
 from rocktune.train import checkpoint
 from rocktune.train.rundir import CONFIG_NAME, out_of_space
+from rocktune.errors import first_line
 
 SLACK_BYTES = 1 << 20  # adapter_config.json, the copied config, filesystem blocks
 
@@ -49,7 +50,7 @@ def guarded(run_dir: Path, what: str, need_bytes: int, fault=None):
         if not out_of_space(exc):
             raise
         free = shutil.disk_usage(run_dir).free
-        raise DiskFullError(explain(run_dir, what, need_bytes, free, exc), f"{what}: {_first_line(exc)}") from None
+        raise DiskFullError(explain(run_dir, what, need_bytes, free, exc), f"{what}: {first_line(exc)}") from None
 
 
 def explain(run_dir: Path, what: str, need_bytes: int | None, free: int, exc: BaseException | None = None) -> str:
@@ -58,7 +59,7 @@ def explain(run_dir: Path, what: str, need_bytes: int | None, free: int, exc: Ba
     safe = (f"The last checkpoint (step {step}) is intact and verifies." if step is not None else
             "No checkpoint could be kept, so the run will start over.")
     need = f"; it needs about {_mib(need_bytes)}" if need_bytes else ""
-    why = f" ({_first_line(exc)})" if exc is not None else ""
+    why = f" ({first_line(exc)})" if exc is not None else ""
     return (f"could not write {what}: no space left on the disk holding {run_dir}{why}{need}, and {_mib(free)} "
             f"is free. {safe} Free some space (or move the run to a bigger disk) and finish the run with: "
             f"rocktune train -c {run_dir / CONFIG_NAME} --resume")
@@ -86,7 +87,3 @@ def save_adapter(model, out: Path, config_file: Path) -> None:
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -1,14 +1,14 @@
-"""The training loop. Read it top to bottom: setup, optional resume, one optimizer step per iteration, save.
+"""The training loop, written once for every task. Read it top to bottom: ``run`` checks and sets up, ``_steps``
+runs one optimizer step per iteration, ``_finish`` evaluates and writes the results.
 
-No trainer class, no callbacks: every step is here. Shared numerics (loss normalisation, token counting) live in
-``train/loss.py`` and ``data/batching.py`` so that the loop, the eval pass and the benchmarks agree. Reliability
-pieces (checkpoints, guards, OOM recovery) are small modules the loop calls at the points where they act.
+No trainer class, no callbacks: every step is here. What differs between tasks (data, model, loss, evaluation,
+samples, extra files) comes from a task object (train/task.py; tasks/lm, tasks/wan). Reliability pieces
+(checkpoints, guards, OOM recovery, interrupts) are small modules called at the points where they act.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -16,27 +16,18 @@ from pathlib import Path
 
 import torch
 
-from rocktune.config import RunConfig
-from rocktune.data import checks
-from rocktune.data.batching import loss_token_counts
-from rocktune.data.dataset import prepare_data
+from rocktune.errors import first_line
 from rocktune.model import trainable_parameters
-from rocktune.platform.environment import apply_environment
-from rocktune.train import (autofit, build, checkpoint, distributed, finish, preflight, resume, rundir, sinks,
-                            summary)
-from rocktune.train.autoconf import resolve_auto
-from rocktune.train.evaluate import eval_sums
-from rocktune.train.faults import Faults
-from rocktune.train.feed import StepFeed
+from rocktune.train import build, checkpoint, distributed, finish, resume, rundir, sinks, summary
+from rocktune.train.context import RunContext
 from rocktune.train.finish import save_adapter
 from rocktune.train.guards import NumericGuard
 from rocktune.train.interrupt import InterruptFlag
 from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
-from rocktune.train.quant_gate import check_quantization
 from rocktune.train.rundir import STOP_FILE
-from rocktune.train.samples import Sampler
-from rocktune.train.step import (LossModule, OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward,
-                                 max_pieces, run_with_oom_recovery)
+from rocktune.train.step import (OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward, max_pieces,
+                                 run_with_oom_recovery)
+from rocktune.train.task import Prepared, Task
 
 
 @dataclass
@@ -47,263 +38,230 @@ class TrainResult:
     eval_loss_before: float | None = None
     eval_loss_after: float | None = None
     interrupted: bool = False
+    peak_mem_bytes: int = 0  # the largest step's device peak (0 on a CPU)
     model: object = None
     tokenizer: object = None
 
 
-def train(cfg: RunConfig, overwrite: bool = False, resume_run: bool = False, resume_force: bool = False,
-          quiet: bool = False, pieces: int = 1, faults: Faults | None = None, auto_fit: bool = False,
-          vram_bytes: int | None = None, on_ready=None) -> TrainResult:
-    """Train ``cfg``; ``on_ready(model)`` (benchmarks) is called once the model with its adapter is built."""
-    # The runtime reads these variables when the device initialises: set them before anything touches it.
-    env_notes = apply_environment()
-    dist = distributed.from_env()  # one process unless torchrun started several
-    distributed.device_for(dist)  # each rank's own GPU, before any self-test touches one
-    choices = resolve_auto(cfg.training.device, cfg.training.precision, cfg.model.attn_implementation)
-    device, precision = choices.device, choices.precision
-    # Check, then write (train/preflight.py): data files, kernel gates and the model directory come first.
-    vocab_size = preflight.check_run(cfg.model.name_or_path, cfg.data.train_file, cfg.data.eval_file, device,
-                                     cfg.model.liger, choices.attn_implementation)
-    fit_notes: list[str] = []
-    predicted_peak = None
-    if auto_fit:
-        cfg, fit_notes, predicted_peak = autofit.apply_fit(cfg, precision, choices.attn_implementation, vram_bytes)
-    t, m, d, rel = cfg.training, cfg.model, cfg.data, cfg.reliability
-    quant_notes = check_quantization(m.quantization, m.name_or_path, precision, device, d.max_length, cfg.lora.r)
-    faults = faults or Faults()
-    run_dir = Path(cfg.output.dir)
-    resolved = cfg.model_dump(mode="json")
-    rundir.check_output_dir(run_dir, resolved, overwrite, resume_run)
-    if resume_run:
-        resume.check_config(run_dir, resolved, resume_force)
-    if resume_run and summary.already_complete(run_dir, resume_force):
-        fig = summary.report_complete(run_dir)
-        return TrainResult(run_dir, fig.steps, eval_loss_before=fig.eval_before, eval_loss_after=fig.eval_after)
-    build.seed_everything(t.seed)
+@dataclass
+class Run:
+    """What the steps share once setup is done."""
 
-    # Everything that can reject the input runs before the run directory is touched.
+    ctx: RunContext
+    task: Task
+    parts: Prepared
+    runner: StepRunner
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    guard: NumericGuard
+    feed: object
+    total_steps: int
+    start_step: int
+    pieces: int
+    restored: object  # checkpoint.Restored or None
+    result: TrainResult
+    metrics: object = None
+    space_skips: checkpoint.SpaceSkips = field(default_factory=checkpoint.SpaceSkips)
+
+    @property
+    def state(self) -> checkpoint.TrainState:
+        return checkpoint.TrainState(self.parts.model, self.optimizer, self.scheduler, self.runner.scaler)
+
+
+def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
+    """Train ``task``; ``on_ready(model)`` (benchmarks) is called once the model with its adapter is built."""
+    task.check(ctx)  # check, then write: every input the task can check without writing
+    cfg, opts = ctx.cfg, ctx.options
+    resolved = cfg.model_dump(mode="json")
+    rundir.check_output_dir(ctx.run_dir, resolved, opts.overwrite, opts.resume)
+    if opts.resume:
+        resume.check_config(ctx.run_dir, resolved, opts.resume_force)
+    if opts.resume and summary.already_complete(ctx.run_dir, opts.resume_force):
+        fig = summary.report_complete(ctx.run_dir, task.outputs(ctx.run_dir))
+        return TrainResult(ctx.run_dir, fig.steps, eval_loss_before=fig.eval_before, eval_loss_after=fig.eval_after)
+    build.seed_everything(cfg.training.seed)
     sinks.require(cfg.output.tensorboard, cfg.output.wandb, cfg.output.mlflow)
-    tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
-    cache_dir = Path(d.cache_dir) if d.cache_dir else run_dir.resolve().parent / ".rocktune_cache"
-    data_checks = lambda examples, shape: checks.enforce(checks.check_training_data(  # noqa: E731
-        examples, tokenizer, shape, d.train_on_prompt, d.train_file, d.max_length), d.train_file)
-    # Several ranks: the group is proven sound before anything is written, and rank 0 writes the token cache that
-    # the others then read.
-    distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
-    dist.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
-    # prepare_data writes its cache only after every file, the split and data_checks passed.
-    train_set, eval_set, stats = distributed.main_first(dist, lambda: prepare_data(
-        d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length, d.train_on_prompt, tokenizer, cache_dir,
-        t.seed, d.truncation, vocab_size, check=data_checks), "preparing the data")
-    distributed.same_run(dist, stats.fingerprint)
-    lengths = train_set.lengths()
-    compiled = build.want_compile(t.compile, choices.compile, device, t.batching, dist.world)
-    parallel, parallel_notes = autofit.choose_parallel(cfg, dist.world, device, precision,
-                                                       choices.attn_implementation, vram_bytes)
-    strategy = distributed.strategy(dist, parallel, m.quantization)
-    dist.notes += parallel_notes
-    feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, device, precision, choices.attn_implementation,
-                                                             lengths, vram_bytes, compiled, dist.world, parallel)
-    predicted_peak = planned_peak or predicted_peak
-    chunk = autofit.loss_chunk(t.loss_chunk_size, device)
-    # FSDP loads on the CPU and moves each rank's shards to its GPU: the whole base need not fit one device.
-    model, notes = build.model_with_adapter(m.name_or_path, precision, choices.attn_implementation,
-                                            m.trust_remote_code, "cpu" if strategy == "fsdp" else device, m.liger,
-                                            cfg.lora.r, cfg.lora.alpha,
-                                            cfg.lora.dropout, cfg.lora.target_modules, m.gradient_checkpointing,
-                                            compiled, m.quantization, m.double_quant)
-    loss_module = distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device, strategy)
+    parts = task.prepare(ctx)
     if on_ready is not None:
-        on_ready(model)
-    params = trainable_parameters(model)
-    idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
-    runner = StepRunner(loss_module, device, build.autocast(device, precision),
-                        torch.amp.GradScaler(device, enabled=precision == "fp16"), faults, dist.world,
-                        after_backward=lambda: distributed.sync_gradients(dist, params, strategy),
-                        lockstep_idle=idle if strategy == "fsdp" else None)
-    optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, device)
-    # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
-    to_batch = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
-                                  one_row=choices.attn_implementation == "flash_attention_2",
-                                  pin=choices.pin_memory and device == "cuda",
-                                  width=d.max_length if feeding.static_width else 0)
-    # On a GPU the next step is collated while this one computes; on a CPU a thread would only compete for cores.
-    loss_counts = loss_token_counts(train_set.labels)  # once: a resume builds the feed again
-    new_feed = lambda **position: StepFeed(feeding, lengths, loss_counts, to_batch, device == "cuda",  # noqa: E731
-                                           (dist.rank, dist.world), idle, strategy == "fsdp", **position)
-    feed = new_feed()
-    total_steps = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
-    scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total_steps)
-    scaler, autocast = runner.scaler, runner.autocast
-    guard = NumericGuard(rel.nan_patience, rel.zero_patience)
-    eval_rows = max(t.micro_batch_size, feeding.rows_per_forward)  # no gradients: a forward's rows fit easily
-    # Sharded weights are gathered from every rank in each forward: then every rank evaluates and samples in step.
-    everyone = strategy == "fsdp"
-    # DDP: each rank evaluates its share and the sums are added; FSDP: every rank runs every eval forward.
-    eval_share = eval_set if everyone or not dist.enabled else \
-        eval_set.subset(list(range(dist.rank, len(eval_set), dist.world)))
-    evaluate = lambda: distributed.mean_over_ranks(dist, *eval_sums(  # noqa: E731
-        model, eval_share, eval_rows, tokenizer.pad_token_id, device, autocast, chunk, t.loss_impl == "chunked"))
+        on_ready(parts.model)
+    r = _setup(task, ctx, parts)
+    _begin(r, resolved)
+    with ProgressBar(r.total_steps, r.start_step, ctx.quiet, silent=not ctx.dist.main) as bar, \
+            InterruptFlag() as stop, contextlib.closing(r.feed):
+        for msg in ctx.notes:
+            bar.log(f"[dim]{msg}[/]")
+        if r.restored is not None:
+            for why in r.restored.skipped:
+                bar.log(f"[yellow]warning: skipped damaged checkpoint {why}[/]")
+            bar.log(f"resumed from {r.restored.path.name} (step {r.start_step} of {r.total_steps})")
+        bar.log(f"{parts.intro}; {sum(p.numel() for p in parts.params):,} trainable parameters; {ctx.precision} on "
+                f"{ctx.device}")
+        task.start(r.start_step, r.metrics, bar.log)
+        if r.restored is None:
+            r.result.eval_loss_before = task.evaluate()
+            r.metrics.write({"step": 0, "eval_loss": r.result.eval_loss_before})
+            task.after_eval(0, r.metrics, bar.log)
+        if _steps(r, bar, stop):
+            _finish(r, bar)
+    return r.result
+
+
+def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
+    t, rel = ctx.cfg.training, ctx.cfg.reliability
+    parts.params = trainable_parameters(parts.model)
+    feed = task.new_feed()
+    total = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
+    optimizer = build.optimizer(parts.params, t.optimizer, t.lr, t.weight_decay, ctx.device)
+    scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total)
+    runner = StepRunner(parts.loss, ctx.device, build.autocast(ctx.device, ctx.precision),
+                        torch.amp.GradScaler(ctx.device, enabled=ctx.precision == "fp16"), ctx.faults, ctx.dist.world,
+                        parts.after_backward, parts.idle, optimizer, scheduler, parts.params, t.max_grad_norm,
+                        NumericGuard(rel.nan_patience, rel.zero_patience), ctx.dist)
+    result = TrainResult(run_dir=ctx.run_dir, steps=total, model=parts.model, tokenizer=parts.tokenizer)
+    r = Run(ctx, task, parts, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces, None,
+            result)
+    if ctx.options.resume:
+        r.restored = distributed.main_first(ctx.dist, lambda: checkpoint.restore(ctx.run_dir / "checkpoints",
+                                                                                 r.state), "restoring the checkpoint")
+    if r.restored is not None:
+        task.check_resume(r.restored, ctx.options.resume_force)
+        resume.check_data(r.restored, parts.fingerprint, ctx.options.resume_force)
+        task.resumed(r.restored)
+        r.start_step, r.pieces = r.restored.step, max(r.pieces, r.restored.extra.get("pieces", 1))
+        feed.close()
+        r.feed = task.new_feed(**r.restored.position)
+        r.guard.skipped_total = r.restored.extra.get("skipped_steps", 0)
+        result.eval_loss_before = r.restored.extra.get("eval_loss_before")
+    return r
+
+
+def _begin(r: Run, resolved: dict) -> None:
+    """Rank 0 starts (or continues) the run directory; metrics and run_info.json are opened."""
+    ctx, run_dir = r.ctx, r.ctx.run_dir
+    if ctx.dist.main and r.restored is None:
+        rundir.start(run_dir, resolved, wipe=ctx.options.overwrite and not ctx.options.resume)
+        resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
+    elif ctx.dist.main:
+        rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
+        resume.truncate_metrics(run_dir / "metrics.jsonl", r.restored.extra["metrics_lines"])
+    distributed.barrier(ctx.dist, "the start of the run")
+    # Metrics, samples, eval, reports and the adapter come from rank 0; the other ranks train and stay quiet.
+    main, out = ctx.dist.main, ctx.cfg.output
+    r.metrics = sinks.open_log(MetricsLog(run_dir / "metrics.jsonl") if main else NullLog(), run_dir, r.start_step,
+                               out.tensorboard and main, out.wandb and main, out.mlflow and main)
+    if main:
+        sinks.write_info(run_dir, ctx.device, ctx.precision, r.parts.predicted_peak, ctx.notes, r.parts.data_info)
+
+
+def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
+    """One optimizer step per iteration; False when interrupted (a checkpoint was written)."""
+    ctx, task, parts, t, rel = r.ctx, r.task, r.parts, r.ctx.cfg.training, r.ctx.cfg.reliability
+    dist, faults, run_peak = ctx.dist, ctx.faults, 0
+    compiled = parts.compiled
 
     def compile_failed(exc: BaseException) -> None:
         nonlocal compiled
         compiled = False
-        build.uncompile_decoder(model)
-        bar.log(f"[yellow]torch.compile failed ({str(exc).strip().splitlines()[0][:200]}); continuing without "
-                "it (set training.compile=false to skip the attempt)[/]")
+        task.uncompile()
+        bar.log(f"[yellow]torch.compile failed ({first_line(exc)}); continuing without it (set "
+                "training.compile=false to skip the attempt)[/]")
 
-    result = TrainResult(run_dir=run_dir, steps=total_steps, model=model, tokenizer=tokenizer)
-    ckpt_root = run_dir / "checkpoints"
-    start_step = 0
-    restored = None
-    if resume_run:
-        restored = distributed.main_first(dist, lambda: checkpoint.restore(ckpt_root, model, optimizer, scheduler,
-                                                                           scaler), "restoring the checkpoint")
-        resume.check_world(restored, dist.world, resume_force)
-        resume.check_data(restored, stats.fingerprint, resume_force)
-        resume.check_batching(restored, feeding.mode)
-    if restored is None and dist.main:
-        rundir.start(run_dir, resolved, wipe=overwrite and not resume_run)
-        resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
-    elif restored is not None:
-        if dist.main:
-            rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
-        distributed.restore_rng(dist, restored.extra.get("rank_rng"))
-        start_step = restored.step
-        feed.close()
-        feed = new_feed(**restored.position)
-        pieces = max(pieces, restored.extra.get("pieces", 1))
-        guard.skipped_total = restored.extra.get("skipped_steps", 0)
-        result.eval_loss_before = restored.extra.get("eval_loss_before")
-        if dist.main:
-            resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
-    distributed.barrier(dist, "the start of the run")
-    # Metrics, samples, eval, reports and the adapter come from rank 0; the other ranks train and stay quiet.
-    log_to = MetricsLog(run_dir / "metrics.jsonl") if dist.main else NullLog()
-    metrics = sinks.open_log(log_to, run_dir, start_step, cfg.output.tensorboard and dist.main,
-                             cfg.output.wandb and dist.main, cfg.output.mlflow and dist.main)
-    if dist.main:
-        sinks.write_run_info(run_dir, device, precision, predicted_peak, env_notes + choices.messages + fit_notes +
-                             feed_notes + notes + stats.notes, stats, lengths, len(eval_set))
-    samples = dist.main or everyone
-    sampler = Sampler.build(run_dir, tokenizer, stats.shape, eval_set, t.sample_count if samples else 0,
-                            t.sample_prompts if samples else [], t.sample_max_new_tokens, device, autocast,
-                            start_step, write=dist.main, synced=everyone)
-    stop = InterruptFlag()
-    space_skips = checkpoint.SpaceSkips()
+    parts.model.train()
+    first_step = r.start_step + 1
+    for step in range(first_step, r.total_steps + 1):
+        t0 = time.perf_counter()
+        if ctx.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()  # the logged peak is this step's, not the eval pass's
+        faults.slow_step()
+        # Fetch the whole step first: the loss is normalised by the loss-bearing units of all its micro-batches.
+        fed = r.feed.next()
+        check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
+        compiling = compiled and step == first_step
+        if compiling:
+            bar.log(f"step {step}: compiling the decoder (this step is left out of tokens/s)")
+        try:
+            with distributed.collective(dist, f"step {step}'s gradient all-reduce"):
+                step_loss, r.pieces = run_with_oom_recovery(
+                    lambda n: forward_backward(r.runner, fed.forwards, fed.loss_tokens, n, step, bool(check)),  # noqa: B023 -- called before the next iteration
+                    r.optimizer, r.pieces, max(max_pieces(b) for b in fed.forwards), bar.log,
+                    # Dynamo may recompile at any step (new shapes); a rank of several cannot re-run alone
+                    on_compile_error=compile_failed if compiled and not dist.enabled else None,
+                    alone=not dist.enabled)
+        except OutOfMemoryAtMinimum as exc:
+            raise OutOfMemoryAtMinimum(task.oom_message(step, exc)) from None
+        asked = stop.requested or (dist.main and (ctx.run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
+        update = finish_step(r.runner, step_loss, fed.loss_tokens, asked, step)
+        stop.requested = update.stop
+        if not update.applied:
+            bar.log(f"[yellow]step {step}: non-finite loss or gradient, update skipped[/]")
+        if ctx.on_step_done is not None:
+            ctx.on_step_done(step)
+        faults.after_update(step)
 
-    def save_checkpoint(step: int) -> None:
-        rank_rng = distributed.gather_rng(dist)  # every rank takes part; rank 0 writes the checkpoint
-        if not dist.main:
-            return
-        extra = {"pieces": pieces, "eval_loss_before": result.eval_loss_before, "data_fingerprint": stats.fingerprint,
-                 "metrics_lines": metrics.lines(), "skipped_steps": guard.skipped_total, "batching": feeding.mode,
-                 "world_size": dist.world, "rank_rng": rank_rng}
-        need = sum(p.numel() * 4 * 3 for p in params) + rel.min_free_disk_mb * 2**20
-        checkpoint.save(ckpt_root, step, model, optimizer, scheduler, scaler, feed.position(), extra,
-                        rel.keep_checkpoints, need, before_commit=lambda: faults.checkpoint_write(step),
-                        skips=space_skips)
-
-    with ProgressBar(total_steps, start_step, quiet, silent=not dist.main) as bar, stop, contextlib.closing(feed):
-        for msg in env_notes + choices.messages + quant_notes + fit_notes + feed_notes + dist.notes + notes + \
-                stats.notes:
-            bar.log(f"[dim]{msg}[/]")
-        if restored is not None:
-            for why in restored.skipped:
-                bar.log(f"[yellow]warning: skipped damaged checkpoint {why}[/]")
-            bar.log(f"resumed from {restored.path.name} (step {start_step} of {total_steps})")
-        bar.log(f"{len(train_set)} train / {len(eval_set)} eval examples ({stats.shape}, cache "
-                f"{'hit' if stats.cache_hit else 'written'}); {sum(p.numel() for p in params):,} trainable "
-                f"parameters; {precision} on {device}")
-        if restored is None:
-            result.eval_loss_before = evaluate()
-            metrics.write({"step": 0, "eval_loss": result.eval_loss_before})
-            sampler.at(0, model, metrics, bar.log)
-        model.train()
-        run_peak = 0
-        first_step = start_step + 1
-        for step in range(first_step, total_steps + 1):
-            t0 = time.perf_counter()
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()  # the logged peak is this step's, not the eval pass's
-            faults.slow_step()
-            # Fetch the whole step first: the loss is normalised by the loss-bearing tokens of all its micro-batches.
-            fed = feed.next()
-            micro, step_tokens = fed.forwards, fed.loss_tokens
-            check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
-            compiling = compiled and step == first_step
-            if compiling:
-                bar.log(f"step {step}: compiling the decoder (this step is left out of tokens/s)")
-            try:
-                with distributed.collective(dist, f"step {step}'s gradient all-reduce"):
-                    step_loss, pieces = run_with_oom_recovery(
-                        lambda n: forward_backward(runner, micro, step_tokens, n, step, bool(check)),
-                        optimizer, pieces, max(max_pieces(b) for b in micro), bar.log,
-                        # Dynamo may recompile at any step (new shapes); a rank of several cannot re-run alone
-                        on_compile_error=compile_failed if compiled and not dist.enabled else None,
-                        alone=not dist.enabled)
-            except OutOfMemoryAtMinimum as exc:
-                advice = autofit.oom_advice(m.name_or_path, d.max_length, cfg.lora.r, cfg.lora.target_modules,
-                                            precision, choices.attn_implementation,
-                                            t.micro_batch_size * t.grad_accum, t.loss_impl)
-                raise OutOfMemoryAtMinimum(
-                    f"out of memory at step {step} even with one example per forward ({exc}). {advice}") from None
-            asked = stop.requested or (dist.main and (run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
-            update = finish_step(runner, optimizer, scheduler, params, t.max_grad_norm, guard, dist, step_loss,
-                                 step_tokens, asked, step)
-            loss, grad_norm, wait_s, stop.requested = update.loss, update.grad_norm, update.wait_s, update.stop
-            if not update.applied:
-                bar.log(f"[yellow]step {step}: non-finite loss or gradient, update skipped[/]")
-            faults.after_update(step)
-
-            elapsed = time.perf_counter() - t0
-            result.losses.append(loss)
-            lr = scheduler.get_last_lr()[0]
-            mem = torch.cuda.max_memory_allocated() if device == "cuda" else None
-            run_peak = max(run_peak, mem or 0)
-            bar.update(step, loss, lr, step_tokens / elapsed, mem)
-            if step % t.log_every == 0 or step == total_steps:
-                metrics.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens,
-                               "batch_tokens": sum(b["input_ids"].numel() for b in micro),
-                               "real_tokens": fed.real_tokens,
-                               "forwards": len(micro), "pieces": pieces, "samples": _digest(micro),
-                               "useful_tokens_per_s": step_tokens / elapsed, "step_s": elapsed,
-                               "device_wait_s": wait_s, "compiling": compiling,
-                               "epoch": feed.epoch, "peak_mem_bytes": mem})
-            if t.eval_every and step % t.eval_every == 0 and step < total_steps and len(eval_set):
-                ev = evaluate()
-                metrics.write({"step": step, "eval_loss": ev})
+        elapsed = time.perf_counter() - t0
+        r.result.losses.append(update.loss)
+        lr = r.scheduler.get_last_lr()[0]
+        mem = torch.cuda.max_memory_allocated() if ctx.device == "cuda" else None
+        run_peak = max(run_peak, mem or 0)
+        record = task.record(fed)
+        bar.update(step, update.loss, lr, record["tokens"] / elapsed, mem)
+        if step % t.log_every == 0 or step == r.total_steps:
+            r.metrics.write({"step": step, "loss": update.loss, "lr": lr, "grad_norm": update.grad_norm, **record,
+                             "forwards": len(fed.forwards), "pieces": r.pieces,
+                             "useful_tokens_per_s": record["tokens"] / elapsed, "step_s": elapsed,
+                             "device_wait_s": update.wait_s, "compiling": compiling, "epoch": r.feed.epoch,
+                             "peak_mem_bytes": mem})
+        if t.eval_every and step % t.eval_every == 0 and step < r.total_steps:
+            ev = task.evaluate()
+            if ev is not None:
+                r.metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
-                sampler.at(step, model, metrics, bar.log)
-            due = (rel.save_every and step % rel.save_every == 0) or step == total_steps or stop.requested
-            saved = due and guard.nonfinite_in_row == 0 and checkpoint.save_or_warn(save_checkpoint, step, bar.log)
-            if stop.requested:  # a rollback point must precede a non-finite streak, so none is written inside one
-                where = f"checkpoint at step {step}" if saved else "the last good checkpoint is kept"
-                bar.log(f"interrupted: {where}; continue with --resume")
-                result.interrupted = True
-                distributed.barrier(dist, "the interrupt checkpoint")  # no rank exits while rank 0 still writes
-                return result
-        result.eval_loss_after = evaluate()
-        if everyone and not dist.main:
-            sampler.at(total_steps, model, metrics, bar.log)  # in step with rank 0's generations
-        if dist.main:
-            # Final writes check free space first; a full disk stops the run with finish.DiskFullError (exit 5).
-            need = finish.adapter_bytes(params)
-            with finish.guarded(run_dir, "the final metrics and sample generations", need):
-                metrics.write({"step": total_steps, "eval_loss": result.eval_loss_after})
-                sampler.at(total_steps, model, metrics, bar.log)
-            with finish.guarded(run_dir, f"the adapter to {run_dir / 'adapter'}", need, faults.final_write):
-                save_adapter(model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
-            if space_skips.summary():
-                bar.log(f"[yellow]{space_skips.summary()}[/]")
-            summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, run_peak, predicted_peak)
-        distributed.barrier(dist, "the end of the run")  # no rank leaves before the adapter is written
-    return result
+                task.after_eval(step, r.metrics, bar.log)
+        due = (rel.save_every and step % rel.save_every == 0) or step == r.total_steps or stop.requested
+        saved = due and r.guard.nonfinite_in_row == 0 and checkpoint.save_or_warn(
+            lambda at: _save_checkpoint(r, at), step, bar.log)
+        if stop.requested:  # a rollback point must precede a non-finite streak, so none is written inside one
+            where = f"checkpoint at step {step}" if saved else "the last good checkpoint is kept"
+            bar.log(f"interrupted: {where}; continue with --resume")
+            r.result.interrupted = True
+            distributed.barrier(dist, "the interrupt checkpoint")  # no rank exits while rank 0 still writes
+            return False
+    r.result.peak_mem_bytes = run_peak
+    return True
 
 
-def _digest(micro: list[dict]) -> str:
-    """Short hash of the step's token ids: two runs that log the same digests saw the same samples."""
-    h = hashlib.blake2b(digest_size=6)
-    for batch in micro:
-        h.update(batch["input_ids"].numpy().tobytes())
-    return h.hexdigest()
+def _save_checkpoint(r: Run, step: int) -> None:
+    ctx, rel = r.ctx, r.ctx.cfg.reliability
+    extra = r.task.checkpoint_extra()  # every rank takes part (e.g. gathering RNG states); rank 0 writes
+    if not ctx.dist.main:
+        return
+    extra.update({"pieces": r.pieces, "eval_loss_before": r.result.eval_loss_before,
+                  "data_fingerprint": r.parts.fingerprint, "metrics_lines": r.metrics.lines(),
+                  "skipped_steps": r.guard.skipped_total})
+    need = sum(p.numel() * 4 * 3 for p in r.parts.params) + rel.min_free_disk_mb * 2**20
+    checkpoint.save(ctx.run_dir / "checkpoints", step, r.state, r.feed.position(), extra, rel.keep_checkpoints, need,
+                    before_commit=lambda: ctx.faults.checkpoint_write(step), skips=r.space_skips)
+
+
+def _finish(r: Run, bar) -> None:
+    """The final eval and, on rank 0, the final writes (free space checked first; a full disk stops the run with
+    finish.DiskFullError, exit 5). The adapter comes last: adapter/ is what marks a run complete."""
+    ctx, task, run_dir, total = r.ctx, r.task, r.ctx.run_dir, r.total_steps
+    r.result.eval_loss_after = task.evaluate()
+    if ctx.dist.main:
+        need = finish.adapter_bytes(r.parts.params)
+        with finish.guarded(run_dir, "the final metrics" + task.samples_what, need):
+            r.metrics.write({"step": total, "eval_loss": r.result.eval_loss_after})
+            task.after_eval(total, r.metrics, bar.log)
+        for what, write in task.final_files(run_dir):
+            with finish.guarded(run_dir, what, need):
+                write()
+        with finish.guarded(run_dir, f"the adapter to {run_dir / 'adapter'}", need, ctx.faults.final_write):
+            save_adapter(r.parts.model, run_dir / "adapter", run_dir / rundir.CONFIG_NAME)
+        if r.space_skips.summary():
+            bar.log(f"[yellow]{r.space_skips.summary()}[/]")
+        summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, r.result.peak_mem_bytes,
+                            r.parts.predicted_peak, outputs=task.outputs(run_dir))
+    elif r.parts.lockstep:
+        task.after_eval(total, r.metrics, bar.log)  # in step with rank 0's generations
+    distributed.barrier(ctx.dist, "the end of the run")  # no rank leaves before the adapter is written

@@ -7,7 +7,8 @@ from pathlib import Path
 import yaml
 
 from rocktune.errors import UserError
-from rocktune.train.rundir import CONFIG_NAME, diff_keys, write_atomic
+from rocktune.atomic import write_atomic
+from rocktune.train.rundir import CONFIG_NAME, diff_keys
 
 # Keys that may change between a run and its resume without changing what the resumed steps compute. The length
 # of the run is not among them: it shapes the learning-rate schedule, so extending a run needs --resume-force.

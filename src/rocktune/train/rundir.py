@@ -6,13 +6,12 @@ Layout: ``config.yaml`` (the resolved config), ``metrics.jsonl``, ``adapter/`` (
 from __future__ import annotations
 
 import errno
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import yaml
 
+from rocktune.atomic import write_atomic
 from rocktune.errors import UserError
 
 CONFIG_NAME = "config.yaml"
@@ -55,19 +54,6 @@ def start(run_dir: Path, config: dict, wipe: bool) -> None:
 
 def write_config(run_dir: Path, config: dict) -> None:
     write_atomic(run_dir / CONFIG_NAME, yaml.safe_dump(config, sort_keys=False))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def diff_keys(old, new, prefix: str = "") -> list[str]:

@@ -11,11 +11,10 @@ import atexit
 import importlib.util
 import json
 import math
-from dataclasses import asdict
 from pathlib import Path
 
 from rocktune.errors import UserError
-from rocktune.train.rundir import write_atomic
+from rocktune.atomic import write_atomic
 
 # metrics.jsonl key -> (chart tag, scale): the charts a person looks at, grouped as TensorBoard groups them.
 TAGS = {"loss": ("train/loss", 1), "eval_loss": ("eval/loss", 1), "lr": ("train/lr", 1),
@@ -133,16 +132,6 @@ class _MLflow:
 
     def close(self) -> None:
         self.mlflow.end_run()
-
-
-def write_run_info(run_dir: Path, device: str, precision: str, predicted_peak: int | None, notes: list[str],
-                   stats, train_lengths: list[int], n_eval: int) -> None:
-    """The facts a report needs that metrics.jsonl does not hold: platform, advice applied, the planner's
-    prediction, data statistics."""
-    data = {**asdict(stats), "n_train": len(train_lengths), "n_eval": n_eval,
-            "train_tokens": sum(train_lengths), "max_example_tokens": max(train_lengths, default=0)}
-    data.pop("notes", None)
-    write_info(run_dir, device, precision, predicted_peak, notes, data)
 
 
 def write_info(run_dir: Path, device: str, precision: str, predicted_peak: int | None, notes: list[str],

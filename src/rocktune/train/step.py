@@ -10,14 +10,14 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rocktune.data.batching import LOSS_KEYS, with_loss_index
 from rocktune.train.distributed import no_sync
 from rocktune.train.guards import verify_transfer
-from rocktune.train.loss import causal_lm_loss_sum, step_normalised
+from rocktune.errors import first_line
 
 
 # torch.OutOfMemoryError appeared in torch 2.5; gfx906 users run 2.4.1, where only the cuda alias exists.
@@ -32,6 +32,12 @@ class OutOfMemoryInGroup(RuntimeError):
 
 class OutOfMemoryAtMinimum(RuntimeError):
     """Out of memory with one example (or packed row) per forward: nothing left to split."""
+
+
+def step_normalised(loss_sum: torch.Tensor, step_tokens: int) -> torch.Tensor:
+    """Micro-batch loss for backward: its loss sum over the loss-bearing units (tokens, latent values) of the whole
+    step, so that gradient accumulation gives the same update as one big batch however they fall into forwards."""
+    return loss_sum / max(step_tokens, 1)
 
 
 def split_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
@@ -64,23 +70,11 @@ def _rows(batch: dict[str, torch.Tensor]) -> int:
     return next(iter(batch.values())).shape[0]
 
 
-class LossModule(torch.nn.Module):
-    """The model and its loss as one module, so that DDP's forward (which prepares its gradient reducer) is the
-    call that computes the loss: rocktune's fused head + cross-entropy reaches into the decoder directly."""
-
-    def __init__(self, model, chunk_size: int, fast: bool):
-        super().__init__()
-        self.model, self.chunk_size, self.fast = model, chunk_size, fast
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss_sum(self.model, batch, self.chunk_size, fast=self.fast)[0]
-
-
 @dataclass
 class StepRunner:
     """What every forward/backward of a step needs, grouped: built once per run by the loop."""
 
-    loss_of: torch.nn.Module  # LossModule, or DDP around it
+    loss_of: torch.nn.Module  # the task's loss module (batch -> loss sum), or DDP around it
     device: str
     autocast: object  # () -> context manager
     scaler: torch.amp.GradScaler
@@ -88,6 +82,13 @@ class StepRunner:
     world: int = 1  # DDP averages gradients over ranks; the loss is scaled by world so they sum instead
     after_backward: object = None  # () -> None after the step's last backward (FSDP mode: the adapter's all-reduce)
     lockstep_idle: dict | None = None  # FSDP: every rank runs the same number of forwards, padded with this batch
+    # The update at the end of the step (finish_step):
+    optimizer: object = None
+    scheduler: object = None
+    params: list = field(default_factory=list)  # the trainable parameters: clipped together
+    max_grad_norm: float | None = None
+    guard: object = None  # guards.NumericGuard
+    dist: object = None  # distributed.Dist
 
 
 def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, pieces: int, step: int,
@@ -124,28 +125,27 @@ class Update:
     applied: bool  # False: the guard skipped a non-finite step
 
 
-def finish_step(run: StepRunner, optimizer, scheduler, params, max_grad_norm: float | None, guard, dist,
-                step_loss: torch.Tensor, step_tokens: int, asked: bool, step: int) -> Update:
+def finish_step(run: StepRunner, step_loss: torch.Tensor, step_tokens: int, asked: bool, step: int) -> Update:
     """Clip, synchronise once (loss, stop request and gradient norm of every rank together), let the guard judge,
     then update and advance the schedule."""
     from rocktune.train.distributed import reduce_step
 
-    scaler = run.scaler
+    scaler, optimizer = run.scaler, run.optimizer
     scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(run.params, run.max_grad_norm or float("inf"))
     # Time spent here is the host waiting for the device; the rest of the step is the host's own work.
     t_wait = time.perf_counter()
-    reduced = reduce_step(dist, step_loss, asked, step)
+    reduced = reduce_step(run.dist, step_loss, asked, step)
     loss_sum, stop_any, grad_norm = torch.cat([reduced, norm.float()[None]]).tolist()
     wait_s = time.perf_counter() - t_wait
     loss = loss_sum / max(step_tokens, 1)
     # An fp16 overflow (finite loss, inf gradient) is the GradScaler's business: it skips and rescales.
     overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm)
-    applied = overflow or guard.check(step, loss, grad_norm)
+    applied = overflow or run.guard.check(step, loss, grad_norm)
     if applied:
         scaler.step(optimizer)
     scaler.update()
-    scheduler.step()
+    run.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return Update(loss, grad_norm, stop_any > 0, wait_s, applied)
 
@@ -164,7 +164,7 @@ def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log, o
         try:
             return attempt(pieces), pieces
         except DEVICE_OOM as exc:
-            message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            message = first_line(exc) if str(exc).strip() else "out of memory"
             if not alone:
                 raise OutOfMemoryInGroup(f"{message}: the group restarts from its last checkpoint") from None
         except Exception as exc:

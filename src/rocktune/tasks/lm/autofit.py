@@ -6,7 +6,7 @@ import dataclasses
 
 from rocktune.config import RunConfig
 from rocktune.errors import UserError
-from rocktune.train.feed import CPU_ROWS, Feeding, resolve_mode, rows_for_budget, rows_per_step
+from rocktune.tasks.lm.feed import CPU_ROWS, Feeding, resolve_mode, rows_for_budget, rows_per_step
 
 
 def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None
@@ -19,11 +19,8 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
 
     t = cfg.training
     on_gpu = t.device != "cpu" and torch.cuda.is_available()  # what resolve_auto decides, for the overheads
-    sug = suggest_settings(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
-                           cfg.lora.target_modules, precision, attn_implementation,
-                           t.micro_batch_size * t.grad_accum, loss_mode=t.loss_impl, lora_dropout=cfg.lora.dropout,
-                           quant=cfg.model.quantization, double_quant=cfg.model.double_quant,
-                           device="gpu" if on_gpu else "cpu")
+    sug = suggest_settings(cfg.model.name_or_path, vram_bytes, planner_spec(cfg, precision, attn_implementation),
+                           t.micro_batch_size * t.grad_accum, device="gpu" if on_gpu else "cpu")
     fitted = cfg.model_copy(deep=True)
     fitted.model.quantization = sug.quant  # nf4 only when the planner proposed it: nothing else fits
     fitted.training.micro_batch_size = sug.micro_batch_size
@@ -44,14 +41,24 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def oom_advice(model: str, max_length: int, lora_r: int, target_modules, precision: str, attn_implementation: str,
-               global_batch: int, loss_impl: str) -> str:
+def planner_spec(cfg: RunConfig, precision: str, attn_implementation: str, **changes):
+    """The planner's description of this run (``planner.RunSpec``); ``changes`` set the fields a question varies."""
+    from rocktune.planner import RunSpec
+
+    m, lora = cfg.model, cfg.lora
+    return RunSpec(seq_len=cfg.data.max_length, lora_r=lora.r, targets=lora.target_modules, precision=precision,
+                   attn=attn_implementation, lora_dropout=lora.dropout, loss_mode=cfg.training.loss_impl,
+                   quant=m.quantization, double_quant=m.double_quant, **changes)
+
+
+def oom_advice(cfg: RunConfig, precision: str, attn_implementation: str) -> str:
     from rocktune.planner import describe_fit
 
+    t = cfg.training
     try:
-        return describe_fit(model, None, max_length, lora_r, target_modules, precision, attn_implementation,
-                            global_batch, loss_impl)
-    except Exception as exc:  # the planner may not know this architecture; the OOM message must still go out
+        return describe_fit(cfg.model.name_or_path, None, planner_spec(cfg, precision, attn_implementation),
+                            t.micro_batch_size * t.grad_accum)
+    except Exception as exc:  # noqa: BLE001 -- the planner may not know this architecture; the OOM message must go out
         return f"(rocktune plan could not size this model: {exc})"
 
 
@@ -85,23 +92,21 @@ def _fits(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: 
     from rocktune.planner import suggest_token_budget
 
     try:
-        suggest_token_budget(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
-                             cfg.lora.target_modules, precision, attn_implementation,
-                             cfg.model.gradient_checkpointing, loss_chunk(cfg.training.loss_chunk_size, "cuda"),
-                             cfg.training.loss_impl, 1, cfg.lora.dropout, ranks=ranks, parallel=parallel)
+        suggest_token_budget(cfg.model.name_or_path, vram_bytes, _budget_spec(cfg, precision, attn_implementation,
+                                                                               ranks, parallel), 1)
         return True
     except UserError:
         return False
-    except Exception:  # a model the planner cannot size: the replicated default
+    except Exception:  # noqa: BLE001 -- a model the planner cannot size: the replicated default
         return True
 
 
-def plan_feeding(cfg: RunConfig, device: str, precision: str, attn_implementation: str, lengths: list[int],
-                 vram_bytes: int | None, static_width: bool, ranks: int = 1, parallel: str = "ddp"
-                 ) -> tuple[Feeding, list[str], int | None]:
-    """How this run cuts its steps into forwards (see ``train/feed.py``), the reasons to log, and the planner's
-    predicted peak when it chose the token budget."""
+def plan_feeding(cfg: RunConfig, choices, lengths: list[int], vram_bytes: int | None, static_width: bool,
+                 ranks: int = 1, parallel: str = "ddp") -> tuple[Feeding, list[str], int | None]:
+    """How this run cuts its steps into forwards (see ``tasks/lm/feed.py``), the reasons to log, and the planner's
+    predicted peak when it chose the token budget. ``choices``: the resolved device, precision and attention."""
     t, d = cfg.training, cfg.data
+    device, precision, attn_implementation = choices.device, choices.precision, choices.attn_implementation
     mode = resolve_mode(t.batching, device)
     feeding = Feeding(mode=mode, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                       max_length=d.max_length, packing=d.packing, seed=t.seed)
@@ -121,20 +126,22 @@ def plan_feeding(cfg: RunConfig, device: str, precision: str, attn_implementatio
     return feeding, [feeding.describe(), *notes], peak
 
 
+def _budget_spec(cfg: RunConfig, precision: str, attn_implementation: str, ranks: int, parallel: str):
+    """A token budget is asked for the run's own checkpointing and GPU loss chunk."""
+    return planner_spec(cfg, precision, attn_implementation, checkpointing=cfg.model.gradient_checkpointing,
+                        loss_chunk=loss_chunk(cfg.training.loss_chunk_size, "cuda"), ranks=ranks, parallel=parallel)
+
+
 def _planned_rows(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None,
                   cap: int, ranks: int, parallel: str) -> tuple[int, int | None, str]:
     from rocktune.planner import suggest_token_budget
 
-    t = cfg.training
     try:
-        plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes, cfg.data.max_length, cfg.lora.r,
-                                    cfg.lora.target_modules, precision, attn_implementation,
-                                    cfg.model.gradient_checkpointing, loss_chunk(t.loss_chunk_size, "cuda"),
-                                    t.loss_impl, cap, cfg.lora.dropout, quant=cfg.model.quantization,
-                                    double_quant=cfg.model.double_quant, ranks=ranks, parallel=parallel)
+        plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes,
+                                    _budget_spec(cfg, precision, attn_implementation, ranks, parallel), cap)
     except UserError:
         raise
-    except Exception as exc:  # a model the planner cannot size still trains, on a modest fixed budget
+    except Exception as exc:  # noqa: BLE001 -- a model the planner cannot size still trains, on a fixed budget
         rows = max(1, min(cap, FALLBACK_TOKENS // cfg.data.max_length))
         return rows, None, (f"micro_batch_tokens auto: the planner cannot size this model ({exc}); using {rows} "
                             f"rows — set training.micro_batch_tokens to use more of the device")

@@ -49,7 +49,8 @@ class Feeding:
     def describe(self) -> str:
         if self.mode == "tokens":
             return (f"batching: tokens — {self.examples_per_step} examples per optimizer step packed into rows of "
-                    f"{self.max_length}, up to {self.rows_per_forward} rows ({self.rows_per_forward * self.max_length:,}"
+                    f"{self.max_length}, up to {self.rows_per_forward} rows "
+                    f"({self.rows_per_forward * self.max_length:,}"
                     f" tokens) per forward")
         kind = "packed rows" if self.packing else "examples (length-bucketed)"
         return (f"batching: examples — {self.micro_batch_size} {kind} per forward x {self.grad_accum} = "
@@ -101,11 +102,14 @@ class StepFeed:
         self.lockstep = lockstep
         f = feeding
         if f.mode == "tokens":
-            make = lambda e: epoch_steps(lengths, f.examples_per_step, f.seed, e)  # noqa: E731
+            def make(e):
+                return epoch_steps(lengths, f.examples_per_step, f.seed, e)
         elif f.packing:
-            make = lambda e: epoch_packed_batches(lengths, f.micro_batch_size, f.max_length, f.seed, e)  # noqa: E731
+            def make(e):
+                return epoch_packed_batches(lengths, f.micro_batch_size, f.max_length, f.seed, e)
         else:
-            make = lambda e: epoch_batches(lengths, f.micro_batch_size, f.seed, e)  # noqa: E731
+            def make(e):
+                return epoch_batches(lengths, f.micro_batch_size, f.seed, e)
         self.stream = BatchStream(make, epoch, index)
         self._items_per_step = 1 if f.mode == "tokens" else f.grad_accum
         self._position = self.stream.position()
@@ -129,7 +133,8 @@ class StepFeed:
     def next(self) -> Step:
         if self._ahead is None:
             plan = self._plan()
-            forwards, self._position, self._epoch = self._collate_all(plan[0]), self.stream.position(), self.stream.epoch
+            forwards = self._collate_all(plan[0])
+            self._position, self._epoch = self.stream.position(), self.stream.epoch
         else:
             plan, future, self._position, self._epoch = self._ahead
             self._ahead, forwards = None, future.result()

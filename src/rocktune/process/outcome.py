@@ -13,9 +13,6 @@ import json
 import re
 from pathlib import Path
 
-EXIT_DISK_FULL = 5  # a write failed for lack of disk space; never restarted
-EXIT_STARTUP = 6  # an unexpected error before the first step; never restarted
-
 # Messages of device faults that a fresh process may not meet again (HIP/CUDA runtime errors, collective timeouts).
 DEVICE_FAULT = re.compile(r"CUDA error|HIP error|hipError|cudaError|illegal memory access|memory access fault|"
                           r"HIPBLAS|CUBLAS|NCCL|RCCL|out of memory|can't allocate memory|AcceleratorError",
@@ -55,9 +52,3 @@ def read(path: Path) -> dict:
 
 def device_fault(exc: BaseException) -> bool:
     return bool(DEVICE_FAULT.search(f"{type(exc).__name__}: {exc}"))
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
-

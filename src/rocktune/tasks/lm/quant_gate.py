@@ -15,13 +15,13 @@ from rocktune.errors import UserError
 
 
 def check_quantization(quantization: str, name_or_path: str, precision: str, device: str, max_length: int,
-                       lora_r: int) -> list[str]:
+                       lora_r: int, platform=None) -> list[str]:
     """Raise UserError when the run must not load a quantised base here; else the notes to log."""
     if quantization == "none":
         return []
     from rocktune import quant
 
-    plat = _platform(device, quant.installed_bnb())
+    plat = _platform(platform, device, quant.installed_bnb())
     vram = plat.devices[0].vram_bytes if plat.devices else None
     notes = quant.gate(plat, quantization, name_or_path, precision, vram, max_length, lora_r)
     quant.check_installed(quantization)
@@ -29,11 +29,11 @@ def check_quantization(quantization: str, name_or_path: str, precision: str, dev
     return notes
 
 
-def _platform(device: str, bnb_version: str | None):
-    from rocktune.platform import environment
+def _platform(plat, device: str, bnb_version: str | None):
+    """The run's platform snapshot (``platform``; detected here when none is given) as the training device sees it."""
     from rocktune.platform.detect import detect, torch_devices
 
-    plat = environment.cached_platform() or detect("passive")
+    plat = plat or detect("passive")
     libraries = {k: v for k, v in plat.libraries.items() if k != "bitsandbytes"}
     if bnb_version:
         libraries["bitsandbytes"] = bnb_version  # what is importable now, not when the snapshot was taken

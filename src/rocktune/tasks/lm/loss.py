@@ -24,11 +24,6 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def step_normalised(loss_sum: torch.Tensor, step_tokens: int) -> torch.Tensor:
-    """Micro-batch loss for backward: its token-loss sum over the loss-bearing tokens of the whole step."""
-    return loss_sum / max(step_tokens, 1)
-
-
 def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 1024,
                        fast: bool = True) -> tuple[torch.Tensor, int]:
     labels = batch["labels"]
@@ -106,3 +101,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         (grad_hidden,) = ctx.saved_tensors
         return (grad_hidden * grad_out.to(grad_hidden.dtype)).to(ctx.hidden_dtype), None, None, None, None
+
+
+class LossModule(torch.nn.Module):
+    """The model and its loss as one module, so that DDP's forward (which prepares its gradient reducer) is the
+    call that computes the loss: rocktune's fused head + cross-entropy reaches into the decoder directly."""
+
+    def __init__(self, model, chunk_size: int, fast: bool):
+        super().__init__()
+        self.model, self.chunk_size, self.fast = model, chunk_size, fast
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_loss_sum(self.model, batch, self.chunk_size, fast=self.fast)[0]

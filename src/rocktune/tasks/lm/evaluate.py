@@ -6,13 +6,7 @@ import torch
 
 from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
-from rocktune.train.loss import causal_lm_loss_sum
-
-
-def eval_loss(model, examples: Examples, batch_size: int, pad_id: int, device: str, autocast,
-              chunk_size: int, fast: bool = True) -> float | None:
-    total, tokens = eval_sums(model, examples, batch_size, pad_id, device, autocast, chunk_size, fast)
-    return total / tokens if tokens else None
+from rocktune.tasks.lm.loss import causal_lm_loss_sum
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 
 from rocktune import modelcheck
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 from rocktune.model import check_model_source, check_weight_shapes
 from rocktune.model import load_tokenizer as _load_tokenizer
 
@@ -37,14 +37,20 @@ def check_run(name_or_path: str, train_file: str, eval_file: str | None, device:
                         "the disk.") from None
 
 
-def gates(device: str, liger: str, attn_implementation: str) -> None:
-    """Kernels this machine cannot run. The same refusals stand where the kernels are applied (``build.liger``,
-    ``model.load_model``); here they come before the data is tokenised."""
+def liger_gate(device: str, liger: str) -> None:
+    """``model.liger=on`` where Liger cannot run: refused here before the data is tokenised, and again where the
+    kernels are applied (``build.liger``), for callers that skip the preflight."""
     if liger == "on" and device != "cuda":
         raise UserError("model.liger=on needs a ROCm or CUDA device (Liger kernels are Triton GPU kernels); "
                         "use model.liger=auto or off on CPU.")
     if liger == "on" and importlib.util.find_spec("liger_kernel") is None:
         raise UserError("model.liger=on but liger-kernel is not installed: pip install 'rocktune[liger]'.")
+
+
+def gates(device: str, liger: str, attn_implementation: str) -> None:
+    """Kernels this machine cannot run. The same refusals stand where the kernels are applied (``build.liger``,
+    ``model.load_model``); here they come before the data is tokenised."""
+    liger_gate(device, liger)
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UserError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
                         "installed; use sdpa (the default) or install flash-attn for your GPU.")
@@ -60,7 +66,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool):
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 — whatever the tokenizer libraries raise, the files are the cause
-        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        text = first_line(exc)
         raise UserError(f"the tokenizer of {name_or_path} does not load ({type(exc).__name__}: {text}); its "
                         f"tokenizer files are damaged or incomplete: {modelcheck.REDOWNLOAD}.") from None
     if not ids or len(tokenizer) < 2:

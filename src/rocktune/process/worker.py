@@ -1,4 +1,4 @@
-"""The supervised child: ``python -m rocktune.train.worker PAYLOAD_JSON``. Maps outcomes to exit codes.
+"""The supervised child: ``python -m rocktune.process.worker REQUEST_JSON``. Maps outcomes to exit statuses.
 
 ``run_in_process`` is also what ``rocktune train --no-supervise`` calls, so both paths report failures alike:
 a user error is one paragraph (exit 2), a full disk one paragraph (exit 5), an unexpected error a traceback — exit 6
@@ -7,7 +7,6 @@ when it came before the first optimizer step (deterministic: the supervisor does
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -17,81 +16,68 @@ import time
 import traceback
 from pathlib import Path
 
-from rocktune.train.outcome import EXIT_DISK_FULL, EXIT_STARTUP
-from rocktune.train.supervisor import EXIT_FATAL, EXIT_INTERRUPTED, EXIT_ROLLBACK, EXIT_USER_ERROR
+from rocktune import exits
+from rocktune.train.request import RunRequest
 
 
-def run_in_process(payload: dict) -> int:
+def run_in_process(request: RunRequest) -> int:
     try:  # a Ctrl-C can arrive while torch and transformers are still importing
         from rocktune.config import config_from_dict
-        from rocktune.errors import UserError, print_error
-        from rocktune.train import outcome
+        from rocktune.errors import UserError, one_line, print_error
+        from rocktune.process import outcome
+        from rocktune.tasks import train
         from rocktune.train.distributed import DistributedFailure
+        from rocktune.train.faults import Faults
         from rocktune.train.guards import FatalNumerics, RollbackRequired
-        from rocktune.train.loop import train
         from rocktune.train.step import OutOfMemoryAtMinimum
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return exits.INTERRUPTED
     # Several ranks: rank 0 reports (the launcher names the first rank that failed); one writer, one file.
-    report = outcome.Report(payload.get("status_file") if os.environ.get("RANK", "0") == "0" else None)
+    report = outcome.Report(request.status_file if os.environ.get("RANK", "0") == "0" else None)
     try:
-        faults = _watched_faults(report)
+        faults = Faults()
         faults.startup()
-        cfg = config_from_dict(payload["config"])
-        if cfg.is_diffusion:  # Wan LoRA: its own loop over the same step, guard and checkpoint code
-            from rocktune.train.diffusion_loop import train_diffusion as train
-        result = train(cfg, overwrite=payload["overwrite"], resume_run=payload["resume"],
-                       resume_force=payload["resume_force"], pieces=payload["pieces"],
-                       auto_fit=payload.get("auto_fit", False), vram_bytes=payload.get("vram_bytes"), faults=faults)
+        cfg = config_from_dict(request.config)
+        # The first completed step ends start-up: a failure after it is worth a restart.
+        result = train(cfg, request.options, faults=faults, on_step_done=lambda step: report.step_done())
     except UserError as exc:
         print_error(str(exc))
-        return EXIT_USER_ERROR
+        return exits.USER_ERROR
     except RollbackRequired as exc:
         print_error(f"{exc}; the run continues from its last checkpoint in fp32 (under the supervisor, or by "
                     "rerunning with --resume-force training.precision=fp32)")
-        return EXIT_ROLLBACK
+        return exits.ROLLBACK
     except (FatalNumerics, OutOfMemoryAtMinimum) as exc:
         print_error(f"{exc} The last good checkpoint is in {cfg.output.dir}/checkpoints.")
-        return EXIT_FATAL
+        return exits.FATAL
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return exits.INTERRUPTED
     except DistributedFailure as exc:  # another rank died or hung: said in one paragraph; a restart may help
         print_error(str(exc))
-        report.failed(outcome.one_line(exc))
-        return 1
+        report.failed(one_line(exc))
+        return exits.CRASH
     except Exception as exc:  # noqa: BLE001 — mapped to what the supervisor can do about it
-        return _crashed(exc, report, Path(payload["config"]["output"]["dir"]))
-    return EXIT_INTERRUPTED if result.interrupted else 0
+        return _crashed(exc, report, Path(request.run_dir))
+    return exits.INTERRUPTED if result.interrupted else exits.OK
 
 
 def _crashed(exc: Exception, report, run_dir: Path) -> int:
-    from rocktune.errors import print_error
-    from rocktune.train import finish, outcome
+    from rocktune.errors import one_line, print_error
+    from rocktune.process import outcome
+    from rocktune.train import finish
     from rocktune.train.rundir import out_of_space
 
     if out_of_space(exc):  # wherever it struck: a restart would only fill the same disk again
         if not isinstance(exc, finish.DiskFullError):
             where = run_dir if run_dir.exists() else run_dir.parent
             free = shutil.disk_usage(where).free if where.exists() else 0
-            exc = finish.DiskFullError(finish.explain(run_dir, "a file", None, free, exc), outcome.one_line(exc))
+            exc = finish.DiskFullError(finish.explain(run_dir, "a file", None, free, exc), one_line(exc))
         print_error(str(exc))
         report.failed(f"disk full: {exc.cause}")
-        return EXIT_DISK_FULL
+        return exits.DISK_FULL
     traceback.print_exc()
-    report.failed(outcome.one_line(exc))
-    return 1 if report.stepped or outcome.device_fault(exc) else EXIT_STARTUP
-
-
-def _watched_faults(report):
-    """The loop's fault hooks, plus the note to the supervisor that the first optimizer step has completed."""
-    from rocktune.train.faults import Faults
-
-    class Watched(Faults):
-        def after_update(self, step: int) -> None:
-            report.step_done()  # the update is done: a kill right after it is no longer a start-up failure
-            super().after_update(step)
-
-    return Watched()
+    report.failed(one_line(exc))
+    return exits.CRASH if report.stepped or outcome.device_fault(exc) else exits.STARTUP
 
 
 def _stop_when_orphaned() -> None:
@@ -117,4 +103,4 @@ if __name__ == "__main__":
     from rocktune.errors import quiet_libraries
 
     quiet_libraries()
-    raise SystemExit(run_in_process(json.loads(sys.argv[1])))
+    raise SystemExit(run_in_process(RunRequest.from_json(sys.argv[1])))

@@ -9,6 +9,7 @@ random numbers and dropout is off in eval mode, so sampling leaves an exact resu
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import json
 from pathlib import Path
 
@@ -44,6 +45,17 @@ def render_prompt(text: str, tokenizer, shape: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+@dataclass
+class SampleSettings:
+    """What to generate: ``count`` eval prompts plus the given ``prompts``, greedy, on ``device``."""
+
+    count: int
+    prompts: list[str]
+    max_new_tokens: int
+    device: str
+    autocast: object = contextlib.nullcontext
+
+
 class Sampler:
     def __init__(self, path: Path, tokenizer, prompts: list[tuple[list[int], list[int] | None]], stop_ids: list[int],
                  max_new_tokens: int, device: str, autocast=contextlib.nullcontext, start_step: int = 0,
@@ -58,13 +70,13 @@ class Sampler:
             _keep_until(path, start_step)
 
     @classmethod
-    def build(cls, run_dir: Path, tokenizer, shape: str, eval_set, count: int, extra: list[str], max_new_tokens: int,
-              device: str, autocast, start_step: int, write: bool = True, synced: bool = False) -> Sampler:
-        prompts = prompts_from_examples(eval_set.input_ids, eval_set.labels, count) if count else []
-        prompts += [(render_prompt(p, tokenizer, shape), None) for p in extra]
+    def build(cls, run_dir: Path, tokenizer, shape: str, eval_set, settings: SampleSettings, start_step: int,
+              write: bool = True, synced: bool = False) -> Sampler:
+        prompts = prompts_from_examples(eval_set.input_ids, eval_set.labels, settings.count) if settings.count else []
+        prompts += [(render_prompt(p, tokenizer, shape), None) for p in settings.prompts]
         stops = sorted({*checks.stop_token_ids(tokenizer, shape), tokenizer.eos_token_id} - {None})
-        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, max_new_tokens, device, autocast, start_step,
-                   write, synced)
+        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings.max_new_tokens, settings.device,
+                   settings.autocast, start_step, write, synced)
 
     @torch.no_grad()
     def at(self, step: int, model, log, say) -> None:
@@ -101,7 +113,7 @@ class Sampler:
 
 def _keep_until(path: Path, step: int) -> None:
     """A resumed run drops the samples logged after its checkpoint (they are generated again); a new run, all."""
-    from rocktune.train.rundir import write_atomic
+    from rocktune.atomic import write_atomic
 
     kept = []
     if step and path.is_file():

@@ -1,6 +1,6 @@
 """``rocktune train --nproc N``: several worker processes through torchrun's launcher (``torch.distributed.run``).
 
-The supervised child is then this launcher instead of one worker: ``python -m rocktune.train.launch PAYLOAD``. It
+The supervised child is then this launcher instead of one worker: ``python -m rocktune.process.launch REQUEST``. It
 runs torchrun in-process (``--max-restarts 0``: restarting is the supervisor's job, from the last checkpoint) and
 turns torchrun's "a child failed" into the first failing rank's own exit status, so a user error in every rank is
 still a user error (exit 2, never retried) and a killed rank is still a crash to restart. It names that rank on
@@ -13,32 +13,29 @@ import json
 import sys
 from pathlib import Path
 
+from rocktune import exits
+from rocktune.train.request import Launch, RunRequest
+
 FAILURE_FILE = "rank_failure.json"
 
 
-def is_multi(launch: dict | None) -> bool:
-    launch = launch or {}
-    return launch.get("nproc", 1) > 1 or launch.get("nnodes", 1) > 1
-
-
-def torchrun_args(launch: dict) -> list[str]:
+def torchrun_args(launch: Launch) -> list[str]:
     """One node: ``--standalone`` (a free local port). Several: a static master (``--master-addr/--master-port``
     with ``--node-rank``) or a c10d rendezvous endpoint (``--rdzv-endpoint``)."""
-    args = ["--nproc-per-node", str(launch.get("nproc", 1)), "--max-restarts", "0"]
-    nnodes = launch.get("nnodes", 1)
-    if nnodes == 1 and not launch.get("rdzv_endpoint"):
+    args = ["--nproc-per-node", str(launch.nproc), "--max-restarts", "0"]
+    if launch.nnodes == 1 and not launch.rdzv_endpoint:
         return args + ["--standalone"]
-    args += ["--nnodes", str(nnodes)]
-    if launch.get("rdzv_endpoint"):
-        return args + ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch["rdzv_endpoint"],
-                       "--rdzv-id", launch.get("rdzv_id") or "rocktune"]
-    return args + ["--node-rank", str(launch.get("node_rank", 0)), "--master-addr", launch["master_addr"],
-                   "--master-port", str(launch.get("master_port", 29500))]
+    args += ["--nnodes", str(launch.nnodes)]
+    if launch.rdzv_endpoint:
+        return args + ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint,
+                       "--rdzv-id", launch.rdzv_id or "rocktune"]
+    return args + ["--node-rank", str(launch.node_rank), "--master-addr", launch.master_addr,
+                   "--master-port", str(launch.master_port)]
 
 
-def child_command(payload: dict) -> list[str]:
-    module = "rocktune.train.launch" if is_multi(payload.get("launch")) else "rocktune.train.worker"
-    return [sys.executable, "-m", module, json.dumps(payload)]
+def child_command(request: RunRequest) -> list[str]:
+    module = "rocktune.process.launch" if request.multi else "rocktune.process.worker"
+    return [sys.executable, "-m", module, request.to_json()]
 
 
 def check_available() -> None:
@@ -52,21 +49,21 @@ def check_available() -> None:
                         "cannot start several processes. Train on one GPU here, or use Linux or WSL for several.")
 
 
-def run_launcher(payload: dict) -> int:
+def run_launcher(request: RunRequest) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(torchrun_args(payload["launch"]) + ["-m", "rocktune.train.worker", json.dumps(payload)])
+    args = parse_args(torchrun_args(request.launch) + ["-m", "rocktune.process.worker", request.to_json()])
     # Beside the supervisor's status file (a temporary directory of its own): the run directory may not exist.
-    report = Path(payload["status_file"]).with_name(FAILURE_FILE) if payload.get("status_file") else None
+    report = Path(request.status_file).with_name(FAILURE_FILE) if request.status_file else None
     try:
         run(args)
-        return 0
+        return exits.OK
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
         cause = f"signal {failure.signal_name()}" if code < 0 else f"exit status {code}"
-        if code not in (0, 2, 130):  # a user error or Ctrl-C was already told by the rank itself
+        if code not in (exits.OK, exits.USER_ERROR, exits.INTERRUPTED):  # the rank itself told those
             print(f"rocktune: rank {rank} failed first ({cause}); the other ranks were stopped", file=sys.stderr)
         if report is not None:
             report.write_text(json.dumps({"failed_rank": rank, "rank_cause": cause}), encoding="utf-8")
@@ -81,13 +78,13 @@ def run_preflight(nproc: int, timeout_s: float) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ["ROCKTUNE_PREFLIGHT_TIMEOUT"] = str(timeout_s)
-    args = parse_args(torchrun_args({"nproc": nproc}) + ["-m", "rocktune.train.distributed"])
+    args = parse_args(torchrun_args(Launch(nproc=nproc)) + ["-m", "rocktune.train.distributed"])
     try:
         run(args)
-        return 0
+        return exits.OK
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        return failure.exitcode if failure.exitcode > 0 else 1
+        return failure.exitcode if failure.exitcode > 0 else exits.CRASH
 
 
 def failure_details(status_file: Path) -> dict:
@@ -102,4 +99,4 @@ def failure_details(status_file: Path) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_launcher(json.loads(sys.argv[1])))
+    raise SystemExit(run_launcher(RunRequest.from_json(sys.argv[1])))

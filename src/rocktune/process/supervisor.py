@@ -10,6 +10,7 @@ pieces per micro-batch, fp32, and serialized kernels on ROCm.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,103 +21,100 @@ import time
 from pathlib import Path
 
 import yaml
-
 from rich.console import Console
 from rich.markup import escape  # causes quote library messages, which may contain [brackets]
 
-from rocktune.train import outcome
-from rocktune.train.outcome import EXIT_DISK_FULL, EXIT_STARTUP
-
-EXIT_USER_ERROR = 2
-EXIT_ROLLBACK = 3  # too many non-finite steps: continue from the checkpoint in fp32
-EXIT_FATAL = 4  # a diagnosis that restarting cannot fix (silent zeros, OOM at one example)
-EXIT_INTERRUPTED = 130
+from rocktune import exits
+from rocktune.process import outcome
+from rocktune.train.request import RunRequest
 
 
-def supervise(payload: dict, max_restarts: int) -> int:
-    """Run ``payload`` (see ``worker.run_in_process``) in a child until it finishes, restarting it after crashes."""
+def supervise(request: RunRequest, max_restarts: int) -> int:
+    """Run ``request`` (see ``worker.run_in_process``) in a child until it finishes, restarting it after crashes."""
     talk = tempfile.mkdtemp(prefix="rocktune-")  # the child's report (outcome.py): outside the run, which may not exist
     try:
-        return _supervise(json.loads(json.dumps(payload)), max_restarts, Path(talk) / "status.json")
+        return _supervise(RunRequest.from_json(request.to_json()), max_restarts, Path(talk) / "status.json")
     finally:
         shutil.rmtree(talk, ignore_errors=True)
 
 
-def _supervise(payload: dict, max_restarts: int, status: Path) -> int:
+def _supervise(request: RunRequest, max_restarts: int, status: Path) -> int:
     console = Console(stderr=True, soft_wrap=True)  # one incident, one line: logs stay greppable
-    payload["status_file"] = str(status)  # the payload is ours to change between attempts
-    run_dir = Path(payload["config"]["output"]["dir"])
+    request.status_file = str(status)  # the request is ours (a copy) to change between attempts
+    run_dir = Path(request.run_dir)
     started = time.time()
     faults_by_step: dict[int, int] = {}
     restarts = 0
     startup_cause = None  # the cause of the last attempt's failure when it came before the first step
     while True:
         status.unlink(missing_ok=True)
-        code, interrupted = _run_child(payload)
+        code, interrupted = _run_child(request)
         if interrupted:  # the user's Ctrl-C, whatever the child managed to do with it: never a crash to retry
-            return EXIT_INTERRUPTED
-        if code in (0, EXIT_USER_ERROR, EXIT_FATAL, EXIT_INTERRUPTED):
-            return code if code != EXIT_FATAL else 1
+            return exits.INTERRUPTED
+        if code in exits.FINAL:
+            return code if code != exits.FATAL else exits.CRASH
         step = _last_step(run_dir / "metrics.jsonl")
         report = outcome.read(status)
         cause = report.get("cause") or _describe_exit(code)
         repeated_at_start = not report.get("stepped") and cause == startup_cause
-        final = code in (EXIT_DISK_FULL, EXIT_STARTUP) or repeated_at_start
+        final = code in (exits.DISK_FULL, exits.STARTUP) or repeated_at_start
         gives_up = final or restarts >= max_restarts
-        from rocktune.train.launch import failure_details
+        from rocktune.process.launch import failure_details
 
         _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, **failure_details(status),
                           "restart": None if gives_up else restarts + 1, "max_restarts": max_restarts})
-        if code == EXIT_DISK_FULL:
+        if code == exits.DISK_FULL:
             return code  # the child said it all, in one paragraph
         if final:
             again = "again the same way " if repeated_at_start else ""
             console.print(f"[red]training failed {again}during start-up, before any step ({escape(cause)}); a "
                           f"restart cannot fix that, so it was not retried. See {run_dir / 'incidents.jsonl'}.[/]")
-            return 1
+            return exits.CRASH
         startup_cause = None if report.get("stepped") else cause
         if gives_up:
             console.print(f"[red]training died ({escape(cause)}) at step {step}; {max_restarts} restarts used up. "
                           f"See {run_dir / 'incidents.jsonl'}; continue later with --resume.[/]")
-            return 1
+            return exits.CRASH
         restarts += 1
         faults_by_step[step] = faults_by_step.get(step, 0) + 1
-        notes = _next_attempt(payload, run_dir, started, code == EXIT_ROLLBACK, faults_by_step[step] >= 2)
+        request, notes = _next_attempt(request, run_dir, started, code == exits.ROLLBACK, faults_by_step[step] >= 2)
         console.print(f"[yellow]training died ({escape(cause)}) at step {step}; restart {restarts}/{max_restarts} "
                       f"from the last good checkpoint{'; ' + '; '.join(notes) if notes else ''}[/]")
 
 
-def _next_attempt(payload: dict, run_dir: Path, started: float, rollback: bool, repeated: bool) -> list[str]:
+def _next_attempt(request: RunRequest, run_dir: Path, started: float, rollback: bool, repeated: bool
+                  ) -> tuple[RunRequest, list[str]]:
     notes = []
+    options = request.options
     saved = run_dir / "config.yaml"
     if saved.is_file() and saved.stat().st_mtime >= started - 1:  # 1 s: coarse mtimes on some filesystems
         # Our child started the run: continue exactly that run (its config, already fitted by --auto), never wipe.
-        payload["config"] = yaml.safe_load(saved.read_text())
-        payload.update(overwrite=False, resume=True, auto_fit=False)
+        request = dataclasses.replace(request, config=yaml.safe_load(saved.read_text()))
+        options = dataclasses.replace(options, overwrite=False, resume=True, auto_fit=False)
     # Otherwise the child died before it wrote anything: repeat the first attempt as asked (--overwrite included).
-    training = payload["config"]["training"]
+    training = request.config["training"]
     if (rollback or repeated) and training["precision"] != "fp32":
         training["precision"] = "fp32"
-        payload["resume_force"] = True  # the supervisor's own, announced change of precision
+        options = dataclasses.replace(options, resume_force=True)  # the supervisor's own, announced change
         notes.append("precision -> fp32")
     if repeated:
-        payload["pieces"] *= 2
-        notes.append(f"micro-batches split in {payload['pieces']}")
+        options = dataclasses.replace(options, pieces=options.pieces * 2)
+        notes.append(f"micro-batches split in {options.pieces}")
         if os.environ.get("AMD_SERIALIZE_KERNEL") is None and _is_rocm():
             os.environ["AMD_SERIALIZE_KERNEL"] = "3"
             notes.append("AMD_SERIALIZE_KERNEL=3 (serialized kernels)")
-    return notes
+    return dataclasses.replace(request, options=options), notes
 
 
-def _run_child(payload: dict) -> tuple[int, bool]:
+def _run_child(request: RunRequest) -> tuple[int, bool]:
     """Run the worker in its own session / process group, so a terminal's Ctrl-C reaches only us; we forward it
     once (the child checkpoints and exits cleanly), and a second Ctrl-C kills the child.
     Returns the exit code and whether the user interrupted."""
-    from rocktune.train.launch import child_command, is_multi
+    from rocktune.process.launch import child_command
     from rocktune.train.rundir import STOP_FILE
 
-    cmd = child_command(payload)
-    stop_file = Path(payload["config"]["output"]["dir"]) / STOP_FILE
+    cmd = child_command(request)
+    stop_file = Path(request.run_dir) / STOP_FILE
     stop_file.unlink(missing_ok=True)  # left by an earlier Ctrl-C: this attempt must not stop at once
     if os.name == "nt":
         proc = subprocess.Popen(cmd, creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
@@ -129,13 +127,13 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     def on_sigint(signum, frame):
         nonlocal interrupts
         interrupts += 1
-        if interrupts == 1 and is_multi(payload.get("launch")):
+        if interrupts == 1 and request.multi:
             # torchrun does not pass a Ctrl-C on to its workers: rank 0 polls this file and all ranks stop together.
             stop_file.parent.mkdir(parents=True, exist_ok=True)
             stop_file.touch()
         elif interrupts == 1:
             proc.send_signal(polite)
-        elif interrupts == 2 and is_multi(payload.get("launch")):
+        elif interrupts == 2 and request.multi:
             # torchrun runs each worker in a session of its own: only its agent can stop them all (on SIGTERM)
             proc.terminate()
         else:
@@ -147,11 +145,11 @@ def _run_child(payload: dict) -> tuple[int, bool]:
     finally:
         signal.signal(signal.SIGINT, previous)
         if interrupts > 1:
-            raise SystemExit(EXIT_INTERRUPTED)
+            raise SystemExit(exits.INTERRUPTED)
 
 
 def _describe_exit(code: int) -> str:
-    if code == EXIT_ROLLBACK:
+    if code == exits.ROLLBACK:
         return "non-finite loss or gradients several steps in a row"
     if code < 0:
         try:

@@ -1,0 +1,90 @@
+"""Builders of the LM task's components: the base with its adapter and kernels, the collate, the idle batch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from rocktune.data.batching import collate, with_loss_index
+from rocktune.data.dataset import Examples
+from rocktune.data.packing import collate_packed
+from rocktune.model import apply_lora, load_model
+from rocktune.tasks.lm.preflight import liger_gate
+
+
+def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
+                 width: int = 0):
+    """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row, ``pin``
+    puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it), ``width``
+    pads packed rows to at least that many tokens (static shapes)."""
+    def finish(batch):
+        batch = with_loss_index(batch)
+        return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
+
+    if packing:
+        def collate_rows(rows):
+            rows = [[i for row in rows for i in row]] if one_row else rows
+            return finish(collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows],
+                                         pad_id, 0 if one_row else width))
+        return collate_rows
+
+    def collate_idx(idx):
+        return finish(collate([examples.input_ids[i] for i in idx], [examples.labels[i] for i in idx], pad_id))
+    return collate_idx
+
+
+def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
+    """One pad token with no loss position: a rank whose share of a small step is empty still runs one forward and
+    backward (zero gradient), so DDP's once-per-step all-reduce sees every rank."""
+    ids = torch.tensor([[pad_id]])
+    return with_loss_index({"input_ids": ids, "labels": torch.full_like(ids, -100),
+                            "position_ids": torch.zeros_like(ids)})
+
+
+def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation: str, device: str,
+                       compile_: bool) -> tuple[object, list[str]]:
+    """Base model on the device (quantised when asked, after ``quant_gate``), kernels patched, LoRA applied;
+    returns it with notes on what was done. ``model_cfg``/``lora_cfg``: the config's ``model`` and ``lora``."""
+    m = model_cfg
+    model = load_model(m.name_or_path, precision, attn_implementation, m.trust_remote_code, device, m.quantization,
+                       m.double_quant)
+    notes = [n for n in (liger(model, m.liger, device),) if n]  # patches the base, so before PEFT wraps it
+    model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
+                       m.gradient_checkpointing)
+    if compile_:
+        notes.append(compile_decoder(model))
+    return model, notes
+
+
+def liger(model, mode: str, device: str) -> str | None:
+    """Patch Liger's fused RMSNorm/SwiGLU/RoPE into the model; returns a message, None when not applied."""
+    liger_gate(device, mode)
+    if mode == "off" or (mode == "auto" and (device != "cuda" or importlib.util.find_spec("liger_kernel") is None)):
+        return None
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    # rocktune's own chunked loss already avoids full logits, so Liger's fused cross-entropy is not needed.
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    fused_linear_cross_entropy=False, cross_entropy=False)
+    return "liger kernels applied (RMSNorm, SwiGLU, RoPE)"
+
+
+def want_compile(setting, platform_sound: bool, device: str, batching: str, world: int = 1) -> bool:
+    """``training.compile: auto`` compiles only where the platform knowledge calls it sound, on a GPU fed fixed-width
+    token rows (few distinct shapes, so few recompilations), in one process: a rank of several cannot fall back to
+    eager alone when compilation fails. true/false are taken as given."""
+    if setting != "auto":
+        return bool(setting)
+    return platform_sound and device == "cuda" and batching in ("auto", "tokens") and world == 1
+
+
+def uncompile_decoder(model) -> None:
+    """Undo ``nn.Module.compile``: the module's plain forward is called again."""
+    model.get_base_model().get_decoder()._compiled_call_impl = None
+
+
+def compile_decoder(model) -> str:
+    base = model.get_base_model()
+    base.get_decoder().compile()
+    return "torch.compile applied to the decoder (the first steps include compilation)"

@@ -1,0 +1,87 @@
+"""What the engine needs from a task: the LM (tasks/lm) and Wan video/image LoRA (tasks/wan) provide one each.
+
+The engine (train/loop.py) owns everything a run does the same way whatever it trains: the run directory, resume,
+the step with OOM recovery, the numeric guard, checkpoints, Ctrl-C, metrics and the final writes. A task owns its
+data, its model and loss, its evaluation and what it writes besides the adapter. The hooks are called in this order:
+``refuse`` (config only) -> ``check`` (inputs, nothing written) -> the engine's run-directory checks -> ``prepare``
+(data, model: may write caches) -> ``start`` -> per step ``new_feed``/``record``/``after_eval`` -> ``final_files``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from rocktune.train.context import RunContext
+from rocktune.train.request import RunOptions
+
+
+@dataclass
+class Prepared:
+    """The task's model and data, ready for the engine."""
+
+    model: torch.nn.Module  # the PEFT model whose adapter trains
+    loss: torch.nn.Module  # batch -> summed loss of its loss-bearing units (DDP/FSDP-wrapped where several ranks)
+    fingerprint: str  # of the training data: a resume refuses other data
+    intro: str  # one console line: data and model
+    data_info: dict  # run_info.json's "data" section
+    predicted_peak: int | None = None  # the planner's figure, printed beside the measured one
+    compiled: bool = False  # the decoder is compiled: a compile failure falls back to eager once
+    lockstep: bool = False  # FSDP: every rank runs every eval forward and generation (weights are gathered)
+    after_backward: Callable[[], None] | None = None  # after the step's last backward (FSDP: the adapter all-reduce)
+    idle: dict | None = None  # FSDP: a batch without loss that pads a rank's forwards to rank 0's count
+    tokenizer: object = None
+    params: list = field(default_factory=list)  # filled by the engine: the trainable parameters
+
+
+class Feed(Protocol):
+    """One optimizer step at a time; ``position()`` is where a resumed run continues."""
+
+    steps_per_epoch: int
+    epoch: int
+
+    def next(self): ...  # -> an object with .forwards (host batches) and .loss_tokens (the step's normaliser)
+
+    def position(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class Task(Protocol):
+    kind: str  # "lm", "video-lora", "image-lora": names it in messages
+    samples_what: str  # the final writes' words for what comes with the final metrics ("" when nothing)
+
+    def attn_setting(self) -> str: ...  # the attention setting the context resolves
+
+    def refuse(self, options: RunOptions) -> None: ...  # config-only refusals, before the device or any file is touched
+
+    def check(self, ctx: RunContext) -> None: ...  # may set ctx.cfg (--auto); raises UserError; writes nothing
+
+    def prepare(self, ctx: RunContext) -> Prepared: ...
+
+    def new_feed(self, **position) -> Feed: ...
+
+    def evaluate(self) -> float | None: ...
+
+    def check_resume(self, restored, force: bool) -> None: ...  # before anything of the checkpoint is applied
+
+    def resumed(self, restored) -> None: ...  # the task's own state from the checkpoint (e.g. each rank's RNG)
+
+    def checkpoint_extra(self) -> dict: ...  # task state a checkpoint keeps (the engine adds its own)
+
+    def start(self, start_step: int, metrics, log) -> None: ...  # metrics are open: e.g. the sample writer
+
+    def record(self, fed) -> dict: ...  # a logged step's task metrics; "tokens" is the throughput's unit
+
+    def after_eval(self, step: int, metrics, log) -> None: ...  # e.g. sample generations
+
+    def final_files(self, run_dir: Path) -> list[tuple[str, Callable[[], None]]]: ...  # written before adapter/
+
+    def outputs(self, run_dir: Path) -> list[str] | None: ...  # the summary's lines (None: the LM default)
+
+    def oom_message(self, step: int, exc: BaseException) -> str: ...
+
+    def uncompile(self) -> None: ...
