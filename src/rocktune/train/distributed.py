@@ -18,7 +18,7 @@ import contextlib
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -48,7 +48,6 @@ class Dist:
     backend: str | None = None
     timeout_s: float = 600.0
     control: object = None  # a gloo group: barriers that can name a missing rank, object gathers
-    notes: list[str] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
@@ -172,13 +171,15 @@ def same_run(dist: Dist, fingerprint: str) -> None:
                                "give every node the same files.")
 
 
-def wrap(model, dist: Dist, device: str, strategy: str = "ddp"):
+def wrap(model, dist: Dist, device: str, strategy: str = "ddp", notes: list[str] | None = None):
     """DDP around the loss module, so gradients are all-reduced by PyTorch's reducer in its buckets; or FSDP2 on the
-    decoder layers (``shard_layers``), the loss module then called as it is."""
+    decoder layers (``shard_layers``), the loss module then called as it is. What was done is added to ``notes``."""
     if not dist.enabled:
         return model
     if strategy == "fsdp":
-        dist.notes.append(shard_layers(model.model, dist, device))
+        note = shard_layers(model.model, dist, device)
+        if notes is not None:
+            notes.append(note)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -90,7 +90,8 @@ class LMTask:
         ctx.notes += notes + feed_notes + model_notes + stats.notes
         self.model = model
         fsdp = self.strategy == "fsdp"
-        loss = distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device, self.strategy)
+        loss = distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device, self.strategy,
+                                ctx.notes)
         params = trainable_parameters(model)
         idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
         self._idle = idle
