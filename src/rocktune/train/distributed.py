@@ -31,8 +31,19 @@ _COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|RCCL|Connection (reset|closed)|timed?
                                re.IGNORECASE)
 
 
+# How gloo's monitored_barrier names the ranks that did not arrive: "Rank 1 failed to pass monitoredBarrier in 30000
+# ms" (wait_all_ranks=False) or "Ranks 1, 3 failed to pass ..." (wait_all_ranks=True).
+_MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
 class DistributedFailure(RuntimeError):
-    """A collective failed or timed out: another rank died or hung. The message names the collective and step."""
+    """A collective failed or timed out: another rank died or hung. The message names the collective and step;
+    ``unanswered`` holds the ranks the liveness check found missing (the hung ones; empty when it could not tell),
+    which the incident log names instead of the rank that noticed."""
+
+    def __init__(self, message: str, unanswered: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.unanswered = tuple(unanswered)
 
 
 class PreflightFailure(UserError):
@@ -260,7 +271,7 @@ def reduce_step(dist: Dist, loss_sum: torch.Tensor, stop: bool, step: int) -> to
     try:
         td.all_reduce(values)
     except Exception as exc:  # gloo raises on timeout or a closed peer; NCCL's watchdog aborts the process instead
-        raise DistributedFailure(_failure(dist, f"the all-reduce of step {step}'s loss", exc)) from None
+        raise _failure(dist, f"the all-reduce of step {step}'s loss", exc) from None
     return values
 
 
@@ -276,7 +287,7 @@ def collective(dist: Dist, what: str):
     except RuntimeError as exc:
         if not _COLLECTIVE_ERROR.search(str(exc)):
             raise
-        raise DistributedFailure(_failure(dist, what, exc)) from None
+        raise _failure(dist, what, exc) from None
 
 
 def gather_rng(dist: Dist) -> list[str] | None:
@@ -338,18 +349,27 @@ def _answering(dist: Dist, timeout_s: float, what: str) -> None:
     try:
         td.monitored_barrier(group=dist.control, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
     except Exception as exc:
-        raise DistributedFailure(f"rank {dist.rank}: {what} failed: {_first_line(exc)}{_hint(dist)}") from None
+        raise DistributedFailure(f"rank {dist.rank}: {what} failed: {_first_line(exc)}{_hint(dist)}",
+                                 missing_ranks(str(exc))) from None
 
 
-def _failure(dist: Dist, what: str, exc: BaseException) -> str:
+def missing_ranks(text: str) -> tuple[int, ...]:
+    """The ranks a monitored_barrier error names as not arriving; () when it names none."""
+    found = _MISSING_RANKS.search(text)
+    return tuple(int(r) for r in found.group(1).replace(",", " ").split()) if found else ()
+
+
+def _failure(dist: Dist, what: str, exc: BaseException) -> DistributedFailure:
     """Name the collective and the step, and ask the control group which ranks still answer."""
-    missing = ""
+    missing, unanswered = "", ()
     try:
         _answering(dist, min(30.0, dist.timeout_s), "the liveness check")
     except DistributedFailure as probe:
         missing = f"; liveness check: {str(probe).split(' failed: ', 1)[-1]}"
-    return (f"rank {dist.rank}: {what} did not complete ({_first_line(exc)}){missing}. Another rank died or hung; "
-            "the supervisor restarts the group from the last checkpoint")
+        unanswered = probe.unanswered
+    return DistributedFailure(f"rank {dist.rank}: {what} did not complete ({_first_line(exc)}){missing}. Another "
+                              "rank died or hung; the supervisor restarts the group from the last checkpoint",
+                              unanswered)
 
 
 def _hint(dist: Dist) -> str:

@@ -57,7 +57,7 @@ def run_in_process(payload: dict) -> int:
         return EXIT_INTERRUPTED
     except DistributedFailure as exc:  # another rank died or hung: said in one paragraph; a restart may help
         print_error(str(exc))
-        report.failed(outcome.one_line(exc))
+        report.failed(outcome.one_line(exc), exc.unanswered)
         return 1
     except Exception as exc:  # noqa: BLE001 — mapped to what the supervisor can do about it
         return _crashed(exc, report, Path(payload["config"]["output"]["dir"]))
