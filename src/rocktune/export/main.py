@@ -14,15 +14,16 @@ from pathlib import Path
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
 from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style
-from rocktune.export.source import Source, load_config, resolve
+from rocktune.export.source import Origin, Source, load_config, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
 
 
-def run_export(path: str, to: str, out: str | None, quant_name: str | None, dtype: str, base: str | None,
-               overwrite: bool, with_base: bool = False, template: str = "auto") -> list[dict]:
+def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None, dtype: str, overwrite: bool,
+               with_base: bool = False, template: str = "auto") -> list[dict]:
     """Export and print one line per file written; returns [{path, bytes, seconds}]."""
-    src = resolve(path, base)
+    src = resolve(origin.path, origin.base, origin.trust_remote_code)
+    path = origin.path
     resolved = Path(path).resolve()
     name = resolved.parent.name if resolved.name in ("run", "adapter") else resolved.name  # runs/demo/run -> demo
     # the export goes beside adapter/, also when the adapter directory itself was given
