@@ -1,7 +1,9 @@
 """Outputs appear whole or not at all: written under a temporary name beside the target, renamed at the end.
 
 An existing output is refused unless ``overwrite``; a full disk (or any write error) removes the temporary and
-becomes one clear ``UserError``.
+becomes one clear ``UserError``. Working files (the tokenizer a GGUF is built from) are staged beside the target too,
+never in the system's temporary folder: a killed export leaves only dot-named leftovers next to its own output, which
+the next export to that target clears.
 """
 
 from __future__ import annotations
@@ -57,6 +59,19 @@ def staged(path: Path, overwrite: bool, is_dir: bool):
             why = exc.strerror or exc
             raise UserError(f"could not write {path}: {why} (the partial output was removed).") from None
         raise
+
+
+@contextlib.contextmanager
+def scratch(path: Path):
+    """Yield an empty working directory ``.NAME.scratch`` beside ``path``, removed on the way out (and, left by a
+    killed export, on the next export to ``path``)."""
+    work = path.with_name(f".{path.name}.scratch")
+    _remove(work)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    finally:
+        _remove(work)
 
 
 def _swap(tmp: Path, path: Path) -> None:
