@@ -104,11 +104,11 @@ def failure_details(status_file: Path, unanswered: list[int] | None = None) -> d
     finally:
         path.unlink(missing_ok=True)
     noticed = details.get("failed_rank")
-    if unanswered and noticed not in unanswered:
-        details = {"failed_rank": unanswered[0], "rank_cause": f"stopped answering (hung); rank {noticed} noticed "
-                   f"and stopped with {details.get('rank_cause', 'an error')}", "noticed_by": noticed,
-                   "unanswered_ranks": list(unanswered)}
-    return details
+    if not unanswered or noticed in unanswered:  # a rank that died is both the first to fail and silent
+        return details
+    how = details.get("rank_cause", "an error")
+    return {"failed_rank": unanswered[0], "rank_cause": f"stopped answering (hung); rank {noticed} noticed and "
+            f"stopped with {how}", "noticed_by": noticed, "unanswered_ranks": list(unanswered)}
 
 
 if __name__ == "__main__":
