@@ -110,7 +110,8 @@ def test_hung_rank_is_named_within_the_timeout_and_the_run_recovers(setup, refer
                    env={"ROCKTUNE_FAULT_HANG": "1@step:3", "ROCKTUNE_FAULT_ONCE": str(tmp / "hung.marker")})
     assert res.returncode == 0, res.stderr
     assert "step 3" in res.stderr and "Rank 1" in res.stderr, res.stderr[-3000:]
-    assert (run / "incidents.jsonl").is_file()
+    [incident] = [json.loads(x) for x in (run / "incidents.jsonl").read_text().splitlines()]
+    assert (incident["failed_rank"], incident["noticed_by"]) == (1, 0)  # the rank that hung, not the one that saw it
     assert losses(run) == losses(two)
 
 

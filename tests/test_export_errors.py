@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -79,15 +84,20 @@ def test_gguf_lora_refuses_what_it_cannot_carry(base, tmp_path, capsys):
     assert "DoRA" in fails(capsys, "export", str(tmp_path / "dora"), "--to", "gguf-lora")
 
 
-@pytest.mark.parametrize("to", ["gguf", "merged", "merged-safetensors"])
+@pytest.mark.parametrize("to", ["gguf", "gguf-short", "gguf-lora-short", "ollama-short", "merged",
+                                "merged-safetensors"])
 def test_full_disk_leaves_nothing(run, monkeypatch, capsys, to):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    if to == "gguf":
+    def short_write(*args, **kwargs):  # what numpy's tofile, gguf-py's writer, raises on a full disk: no errno
+        raise OSError("49152 requested and 36624 written")
+
+    if to.startswith(("gguf", "ollama")):
         import gguf
 
-        monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", no_space)
+        monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write if "short" in to else no_space)
+        to = to.removesuffix("-short")
     elif to == "merged":
         from transformers import PreTrainedTokenizerBase
 
@@ -103,7 +113,8 @@ def test_full_disk_leaves_nothing(run, monkeypatch, capsys, to):
         monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", torn)
         to = "merged"
     err = fails(capsys, "export", str(run), "--to", to)
-    assert "disk holding" in err and "is full" in err
+    assert f"the disk holding {run / 'export'} is full (" in err and "MiB free when the write failed)" in err
+    assert "requested" not in err and "could not write" not in err
     assert [p.name for p in (run / "export").iterdir()] == []
 
 
@@ -126,3 +137,46 @@ def test_overwrite_never_replaces_an_unrelated_directory(run, tmp_path, capsys):
     assert main(["export", str(run / "adapter"), "--to", "merged"]) == 0
     assert main(["export", str(run), "--to", "merged", "--overwrite"]) == 0
     assert (run / "export" / "merged" / "config.json").is_file() and not (run / "adapter" / "export").exists()
+
+
+# An export killed while it writes the GGUF: write_model_gguf is replaced by a stall that reports where the tokenizer
+# was staged, so the parent's SIGKILL lands at a known point, after the staging and before any output.
+KILLED_EXPORT = """
+import sys, time
+from pathlib import Path
+from rocktune.cli import main
+from rocktune.export import gguf_model
+
+def stalled(tensors, cfg, arch, tokenizer_dir, *rest):
+    Path(sys.argv[2]).write_text(str(tokenizer_dir))
+    time.sleep(600)
+
+gguf_model.write_model_gguf = stalled
+main(["export", sys.argv[1], "--to", "gguf"])
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_killed_gguf_export_leaves_nothing_in_the_system_temp_folder(run, tmp_path, capsys):
+    system_tmp, staged_at = tmp_path / "system-tmp", tmp_path / "staged-at"
+    system_tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(system_tmp), TEMP=str(system_tmp), TMP=str(system_tmp))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_EXPORT, str(run), str(staged_at)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not staged_at.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert staged_at.exists(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "timed out"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    staged = Path(staged_at.read_text())
+    assert staged == run / "export" / ".model-f16.gguf.scratch" and (staged / "tokenizer.json").is_file()
+    assert list(system_tmp.iterdir()) == []  # the bug: a tmpXXXX tokenizer directory stayed here
+    assert [p.name for p in (run / "export").iterdir()] == [".model-f16.gguf.scratch"]  # dot-named, beside its output
+    # the next export to the same target clears what the killed one left
+    assert main(["export", str(run), "--to", "gguf"]) == 0
+    capsys.readouterr()
+    assert [p.name for p in (run / "export").iterdir()] == ["model-f16.gguf"]

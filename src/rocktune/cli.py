@@ -406,11 +406,19 @@ def _add_export(sub) -> None:
     p.add_argument("--template", default="auto", choices=STYLES,
                    help="ollama: prompt format of the Modelfile (default: the one the run trained with)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _add_trust_remote_code(p)
     p.set_defaults(func=_run_export)
+
+
+def _add_trust_remote_code(p) -> None:
+    # The only way to allow it: a run directory's own model.trust_remote_code is refused (it may come from anywhere)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run Python code shipped with the base model (off; a run directory cannot turn it on)")
 
 
 def _run_export(args) -> int:
     from rocktune.export.main import run_export
+    from rocktune.export.source import Origin
 
     from rocktune.diffusion.comfy import LORA_FILE
     from rocktune.diffusion.generate_cli import run_config
@@ -419,8 +427,8 @@ def _run_export(args) -> int:
         raise UserError(f"{args.run} is a video-lora/image-lora run: its LoRA is already exported as "
                         f"{args.run}/{LORA_FILE} (ComfyUI models/loras, diffusers "
                         "WanPipeline.load_lora_weights); rocktune export converts LM adapters.")
-    run_export(path=args.run, to=args.to, out=args.out, quant_name=args.quant, dtype=args.dtype, base=args.base,
-               overwrite=args.overwrite, with_base=args.with_base, template=args.template)
+    run_export(Origin(args.run, args.base, args.trust_remote_code), to=args.to, out=args.out, quant_name=args.quant,
+               dtype=args.dtype, overwrite=args.overwrite, with_base=args.with_base, template=args.template)
     return 0
 
 
@@ -438,6 +446,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (GPU when present), cpu or cuda (ROCm builds too)")
     p.add_argument("--compare", action="store_true", help="with --prompt: also answer with the adapter switched off "
                    "(video-lora/image-lora: also render the base alone from the same seed, as NAME-base.mp4)")
+    _add_trust_remote_code(p)
     d = p.add_argument_group("video-lora / image-lora runs (renders RUN/wan_lora.safetensors)")
     d.add_argument("--out", help="output file, .mp4 or .png (default RUN/samples/<prompt>-seed<N>.mp4, .png for 1 "
                    "frame)")
@@ -464,10 +473,11 @@ def _run_generate(args) -> int:
     if args.max_new_tokens < 1 or args.temperature < 0:
         raise UserError("--max-new-tokens must be at least 1 and --temperature cannot be negative.")
     from rocktune.export.generate import run_generate
+    from rocktune.export.source import Origin
 
-    return run_generate(path=args.run, prompt=args.prompt, chat=args.chat, file=args.file, base=args.base,
-                        max_new_tokens=args.max_new_tokens, template=args.template, temperature=args.temperature,
-                        device=args.device, compare=args.compare)
+    return run_generate(Origin(args.run, args.base, args.trust_remote_code), prompt=args.prompt, chat=args.chat,
+                        file=args.file, max_new_tokens=args.max_new_tokens, template=args.template,
+                        temperature=args.temperature, device=args.device, compare=args.compare)
 
 
 def _run_generate_media(args) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rocktune.errors import UserError, first_line
 from rocktune.export import style as styles
-from rocktune.export.source import Source, resolve
+from rocktune.export.source import Origin, Source, resolve
 from rocktune.platform.environment import resolve_device
 
 # End-of-turn markers that end a reply even where the tokenizer's eos is another token (base models' <|endoftext|>)
@@ -67,11 +67,11 @@ def complete(model, tokenizer, text: str, style: str, max_new_tokens: int, tempe
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def run_generate(path: str, prompt: str | None, chat: bool, file: str | None, base: str | None, max_new_tokens: int,
+def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | None, max_new_tokens: int,
                  template: str, temperature: float, device: str, compare: bool) -> int:
     if sum(x is not None for x in (prompt, chat or None, file)) > 1:
         raise UserError("give one of --prompt TEXT, --chat or --file PROMPTS.jsonl (none: --chat).")
-    src = resolve(path, base)
+    src = resolve(origin.path, origin.base, origin.trust_remote_code)
     if compare and src.adapter is None:
         raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
                         "without an adapter.")

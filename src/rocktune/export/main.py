@@ -7,22 +7,22 @@ target free) runs before a weight is loaded; every output is staged and renamed 
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from rocktune.errors import UserError, first_line
 from rocktune.export import arch as archs
 from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style
-from rocktune.export.source import Source, load_config, resolve
+from rocktune.export.source import Origin, Source, load_config, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
 
 
-def run_export(path: str, to: str, out: str | None, quant_name: str | None, dtype: str, base: str | None,
-               overwrite: bool, with_base: bool = False, template: str = "auto") -> list[dict]:
+def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None, dtype: str, overwrite: bool,
+               with_base: bool = False, template: str = "auto") -> list[dict]:
     """Export and print one line per file written; returns [{path, bytes, seconds}]."""
-    src = resolve(path, base)
+    src = resolve(origin.path, origin.base, origin.trust_remote_code)
+    path = origin.path
     resolved = Path(path).resolve()
     name = resolved.parent.name if resolved.name in ("run", "adapter") else resolved.name  # runs/demo/run -> demo
     # the export goes beside adapter/, also when the adapter directory itself was given
@@ -77,15 +77,15 @@ def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_di
     model, notes = _fp32_model(src)
     tensors = gguf_model.gguf_tensors(model.state_dict(), model.config, arch)
     sys.stderr.write(f"writing GGUF ({q})\n")
-    with tempfile.TemporaryDirectory() as tok_dir:
-        tokenizer = _tokenizer(src, model.config, Path(tok_dir))
+    with output.scratch(ollama_dir or path) as tok_dir:  # beside the output: a kill leaves nothing in the system's temp
+        tokenizer = _tokenizer(src, model.config, tok_dir)
         if ollama_dir is None:
             with output.staged(path, overwrite, is_dir=False) as tmp:
-                gguf_model.write_model_gguf(tensors, model.config, arch, Path(tok_dir), tmp, q, name)
+                gguf_model.write_model_gguf(tensors, model.config, arch, tok_dir, tmp, q, name)
             _notes([n for n in notes if "tied" in n])
             return path
         with output.staged(ollama_dir, overwrite, is_dir=True) as tmp:
-            gguf_model.write_model_gguf(tensors, model.config, arch, Path(tok_dir), tmp / path.name, q, name)
+            gguf_model.write_model_gguf(tensors, model.config, arch, tok_dir, tmp / path.name, q, name)
             text, more = ollama.modelfile(path.name, style.resolve_style(template, src.run_config, tokenizer),
                                           tokenizer, getattr(model, "generation_config", None))
             (tmp / "Modelfile").write_text(text, encoding="utf-8")

@@ -1,7 +1,9 @@
 """Outputs appear whole or not at all: written under a temporary name beside the target, renamed at the end.
 
 An existing output is refused unless ``overwrite``; a full disk (or any write error) removes the temporary and
-becomes one clear ``UserError``.
+becomes one clear ``UserError``. Working files (the tokenizer a GGUF is built from) are staged beside the target too,
+never in the system's temporary folder: a killed export leaves only dot-named leftovers next to its own output, which
+the next export to that target clears.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
 from rocktune.errors import UserError
 
 MARKERS = ("config.json", "Modelfile")  # what a merged model or an Ollama bundle directory always holds
+# numpy's tofile (gguf-py writes every tensor with it) reports a full disk as a short write, without an errno
+SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+NO_SPACE_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def check_target(path: Path, overwrite: bool, is_dir: bool | None = None) -> None:
@@ -44,11 +50,28 @@ def staged(path: Path, overwrite: bool, is_dir: bool):
         _fsync(tmp)
         _swap(tmp, path)
     except BaseException as exc:
+        full = _no_space(exc)
+        free = _free(path.parent) if full else None  # measured before the partial output frees its share
         _remove(tmp)
-        # safetensors and torch report a full disk as their own error types, with the OS message inside
-        if isinstance(exc, OSError) or "No space left" in str(exc):
-            raise UserError(_describe(exc, path)) from None
+        if full:
+            raise UserError(_full_disk(path, free)) from None
+        if isinstance(exc, OSError):
+            why = exc.strerror or exc
+            raise UserError(f"could not write {path}: {why} (the partial output was removed).") from None
         raise
+
+
+@contextlib.contextmanager
+def scratch(path: Path):
+    """Yield an empty working directory ``.NAME.scratch`` beside ``path``, removed on the way out (and, left by a
+    killed export, on the next export to ``path``)."""
+    work = path.with_name(f".{path.name}.scratch")
+    _remove(work)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    finally:
+        _remove(work)
 
 
 def _swap(tmp: Path, path: Path) -> None:
@@ -77,11 +100,24 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _describe(exc: BaseException, path: Path) -> str:
-    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
-        return (f"the disk holding {path.parent} is full; nothing was written (the partial output was removed). "
-                "Free space or pass --out on another disk; a smaller --quant (e.g. q8_0) also needs less.")
-    return f"could not write {path}: {getattr(exc, 'strerror', None) or exc} (the partial output was removed)."
+def _no_space(exc: BaseException) -> bool:
+    """A full disk or quota, however it is reported: an errno, the OS message inside safetensors' or torch's own
+    error types, or numpy's short write."""
+    text = str(exc)
+    return getattr(exc, "errno", None) in NO_SPACE_ERRNOS or "No space left" in text or bool(SHORT_WRITE.search(text))
+
+
+def _free(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _full_disk(path: Path, free: int | None) -> str:
+    left = f" ({free / 2**20:.1f} MiB free when the write failed)" if free is not None else ""
+    return (f"the disk holding {path.parent} is full{left}; nothing was written (the partial output was removed). "
+            "Free space or pass --out on another disk; a smaller --quant (e.g. q8_0) also needs less.")
 
 
 def size_of(path: Path) -> int:

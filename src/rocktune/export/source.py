@@ -4,6 +4,10 @@ A run directory holds ``adapter/`` (PEFT format) and ``config.yaml``; a merged o
 ``config.json`` beside weights) is accepted too where no adapter is needed (``generate``). The base comes from the
 run's own record unless ``--base`` overrides it, and a base whose shapes differ from the adapter's is refused here,
 before a weight is loaded.
+
+Remote code (a model's own Python files, ``trust_remote_code``) runs only when the command line says so
+(``--trust-remote-code``): a run directory or adapter may come from anywhere, so its ``model.trust_remote_code: true``
+is a request that is refused, naming the file, never a permission.
 """
 
 from __future__ import annotations
@@ -22,11 +26,20 @@ class Source:
     base: str                 # model directory or hub id of the base (or of the merged model when adapter is None)
     adapter: Path | None      # the PEFT adapter directory, None for a plain model directory
     run_config: dict          # the run's resolved config ({} for a plain model directory)
-    trust_remote_code: bool
+    trust_remote_code: bool   # given on the command line; never taken from run_config
 
 
-def resolve(path: str, base_override: str | None = None) -> Source:
-    """A run directory (or its adapter/ folder) or a model directory -> what to load, with the base checked."""
+@dataclass(frozen=True)
+class Origin:
+    """What the command line names: the run (or adapter, or model) directory, ``--base`` and ``--trust-remote-code``."""
+    path: str
+    base: str | None = None
+    trust_remote_code: bool = False
+
+
+def resolve(path: str, base_override: str | None = None, trust_remote_code: bool = False) -> Source:
+    """A run directory (or its adapter/ folder) or a model directory -> what to load, with the base checked.
+    ``trust_remote_code``: the user's own ``--trust-remote-code``, the only way remote code is allowed."""
     root = Path(path)
     if not root.exists():
         raise UserError(f"{path} does not exist; pass a run directory (the training's output.dir, holding "
@@ -34,17 +47,19 @@ def resolve(path: str, base_override: str | None = None) -> Source:
     adapter = _find_adapter(root)
     if adapter is None:
         if (root / "config.json").is_file():
-            return Source(base_override or str(root), None, {}, False)
+            return Source(base_override or str(root), None, {}, trust_remote_code)
         raise UserError(f"{path} holds no adapter: expected {root / 'adapter' / 'adapter_config.json'} (written "
                         "when a training run finishes) or a model directory with config.json. Was the run "
                         "interrupted before its end? `rocktune train --resume` finishes it.")
-    run_config = _read_run_config(adapter)
+    run_config, config_file = _read_run_config(adapter)
     model = run_config.get("model", {})
     base = base_override or model.get("name_or_path") or _adapter_config(adapter).get("base_model_name_or_path")
     if not base:
         raise UserError(f"{adapter}: the adapter does not name its base model; pass --base MODEL_DIR_OR_ID.")
+    if model.get("trust_remote_code") and not trust_remote_code:
+        raise UserError(_remote_code_refusal(config_file, base))
     _check_base_exists(base, adapter, base_override is not None)
-    src = Source(str(base), adapter, run_config, bool(model.get("trust_remote_code", False)))
+    src = Source(str(base), adapter, run_config, trust_remote_code)
     check_shapes(src)
     return src
 
@@ -56,11 +71,19 @@ def _find_adapter(root: Path) -> Path | None:
     return None
 
 
-def _read_run_config(adapter: Path) -> dict:
+def _read_run_config(adapter: Path) -> tuple[dict, Path | None]:
+    """The run's config and the file it came from (None: neither file is there)."""
     for cand in (adapter / "rocktune_config.yaml", adapter.parent / "config.yaml"):
         if cand.is_file():
-            return yaml.safe_load(cand.read_text(encoding="utf-8")) or {}
-    return {}
+            return yaml.safe_load(cand.read_text(encoding="utf-8")) or {}, cand
+    return {}, None
+
+
+def _remote_code_refusal(config_file: Path, base: str) -> str:
+    return (f"{config_file} sets model.trust_remote_code: true, which would run the Python code shipped with the base "
+            f"model {base}. It was not honoured: a run directory or adapter can come from anywhere, so it never turns "
+            "code execution on by itself, and nothing was loaded. If you trust that model's code, pass "
+            "--trust-remote-code to this command.")
 
 
 def _adapter_config(adapter: Path) -> dict:

@@ -87,15 +87,25 @@ def run_preflight(nproc: int, timeout_s: float) -> int:
         return failure.exitcode if failure.exitcode > 0 else exits.CRASH
 
 
-def failure_details(status_file: Path) -> dict:
-    """What the launcher recorded about the first failing rank of the last attempt ({} for one process); read once."""
+def failure_details(status_file: Path, unanswered: list[int] | None = None) -> dict:
+    """What the launcher recorded about the first failing rank of the last attempt ({} for one process); read once.
+
+    In a hang the first rank to fail is the one that noticed (its collective timed out), not the one that hung: when
+    rank 0's liveness check named ranks that stopped answering (``unanswered``, from its status report), the
+    incident names the first of those and keeps the noticing rank as ``noticed_by``."""
     path = status_file.with_name(FAILURE_FILE)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        details = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     finally:
         path.unlink(missing_ok=True)
+    noticed = details.get("failed_rank")
+    if not unanswered or noticed in unanswered:  # a rank that died is both the first to fail and silent
+        return details
+    how = details.get("rank_cause", "an error")
+    return {"failed_rank": unanswered[0], "rank_cause": f"stopped answering (hung); rank {noticed} noticed and "
+            f"stopped with {how}", "noticed_by": noticed, "unanswered_ranks": list(unanswered)}
 
 
 if __name__ == "__main__":

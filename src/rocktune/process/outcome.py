@@ -31,8 +31,10 @@ class Report:
             self.stepped = True
             self._write({"stepped": True})
 
-    def failed(self, cause: str) -> None:
-        self._write({"stepped": self.stepped, "cause": cause})
+    def failed(self, cause: str, unanswered: tuple[int, ...] = ()) -> None:
+        """``unanswered``: ranks that stopped answering (a hang another rank noticed), for the incident log."""
+        data = {"stepped": self.stepped, "cause": cause}
+        self._write({**data, "unanswered": list(unanswered)} if unanswered else data)
 
     def _write(self, data: dict) -> None:
         if self.path is not None:

@@ -61,7 +61,8 @@ def _supervise(request: RunRequest, max_restarts: int, status: Path) -> int:
         gives_up = final or restarts >= max_restarts
         from rocktune.process.launch import failure_details
 
-        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, **failure_details(status),
+        ranks = failure_details(status, report.get("unanswered"))
+        _record(run_dir, {"time": time.time(), "cause": cause, "last_logged_step": step, **ranks,
                           "restart": None if gives_up else restarts + 1, "max_restarts": max_restarts})
         if code == exits.DISK_FULL:
             return code  # the child said it all, in one paragraph

@@ -54,7 +54,7 @@ def run_in_process(request: RunRequest) -> int:
         return exits.INTERRUPTED
     except DistributedFailure as exc:  # another rank died or hung: said in one paragraph; a restart may help
         print_error(str(exc))
-        report.failed(one_line(exc))
+        report.failed(one_line(exc), exc.unanswered)
         return exits.CRASH
     except Exception as exc:  # noqa: BLE001 — mapped to what the supervisor can do about it
         return _crashed(exc, report, Path(request.run_dir))

@@ -2,8 +2,9 @@
 
 A checkpoint is ``checkpoints/step-NNNNNNN/`` holding the adapter (PEFT format), the optimizer, scheduler and
 GradScaler states, the RNG states, the data position and a ``manifest.json`` with the sha256 of every file. It is
-written under a temporary name, fsynced and renamed; ``checkpoints/latest`` then names it (also written atomically).
-Loading verifies the manifest, then reads and checks every part (``checkpoint_state``); a checkpoint that fails
+written under a temporary name, fsynced and renamed; ``checkpoints/latest`` then names it (also written atomically,
+for people and tools; loading goes by step number, so a kill before the pointer moves loses nothing). Loading
+verifies the manifest, then reads and checks every part (``checkpoint_state``); a checkpoint that fails
 either way is damaged: reported, set aside, and the previous one used. Tensors load through safetensors or
 ``torch.load(weights_only=True)``: never arbitrary pickle.
 """
@@ -182,17 +183,12 @@ def verify(path: Path) -> str | None:
 
 
 def _candidates(ckpt_root: Path) -> list[Path]:
-    """Newest first, with the one ``latest`` names at the front."""
+    """Newest step first. ``latest`` is not consulted: a kill between a checkpoint's rename and the pointer's update
+    leaves it naming the previous one, although the newer one is complete (and verification decides that)."""
     if not ckpt_root.is_dir():
         return []
-    found = sorted((p for p in ckpt_root.glob("step-*") if p.is_dir()), reverse=True)
-    latest = ckpt_root / LATEST
-    if latest.is_file():
-        named = ckpt_root / latest.read_text().strip()
-        if named in found:
-            found.remove(named)
-            found.insert(0, named)
-    return found
+    found = [p for p in ckpt_root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:

@@ -32,8 +32,19 @@ _COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|RCCL|Connection (reset|closed)|timed?
                                re.IGNORECASE)
 
 
+# How gloo's monitored_barrier names the ranks that did not arrive: "Rank 1 failed to pass monitoredBarrier in 30000
+# ms" (wait_all_ranks=False) or "Ranks 1, 3 failed to pass ..." (wait_all_ranks=True).
+_MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
 class DistributedFailure(RuntimeError):
-    """A collective failed or timed out: another rank died or hung. The message names the collective and step."""
+    """A collective failed or timed out: another rank died or hung. The message names the collective and step;
+    ``unanswered`` holds the ranks the liveness check found missing (the hung ones; empty when it could not tell),
+    which the incident log names instead of the rank that noticed."""
+
+    def __init__(self, message: str, unanswered: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.unanswered = tuple(unanswered)
 
 
 class PreflightFailure(UserError):
@@ -138,7 +149,7 @@ def preflight(dist: Dist, device: str, timeout_s: float) -> list[str]:
         values += 1.0
     try:
         td.all_reduce(values, async_op=True).wait(timedelta(seconds=timeout_s))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- whatever the backend raises, the collective failed: named, then stopped
         raise DistributedFailure(_failure(dist, "the preflight's test all-reduce", exc) + _hint(dist)) from None
     n = dist.world * (dist.world + 1) / 2
     expected = torch.tensor([n, n * 2.0**-10, 1000.0 * n])
@@ -261,8 +272,8 @@ def reduce_step(dist: Dist, loss_sum: torch.Tensor, stop: bool, step: int) -> to
     _maybe_hang(f"step:{step}", dist.rank)
     try:
         td.all_reduce(values)
-    except Exception as exc:  # gloo raises on timeout or a closed peer; NCCL's watchdog aborts the process instead
-        raise DistributedFailure(_failure(dist, f"the all-reduce of step {step}'s loss", exc)) from None
+    except Exception as exc:  # noqa: BLE001 -- gloo raises on timeout or a closed peer; NCCL's watchdog aborts the process instead
+        raise _failure(dist, f"the all-reduce of step {step}'s loss", exc) from None
     return values
 
 
@@ -278,7 +289,7 @@ def collective(dist: Dist, what: str):
     except RuntimeError as exc:
         if not _COLLECTIVE_ERROR.search(str(exc)):
             raise
-        raise DistributedFailure(_failure(dist, what, exc)) from None
+        raise _failure(dist, what, exc) from None
 
 
 def gather_rng(dist: Dist) -> list[str] | None:
@@ -339,19 +350,28 @@ def _answering(dist: Dist, timeout_s: float, what: str) -> None:
 
     try:
         td.monitored_barrier(group=dist.control, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-    except Exception as exc:
-        raise DistributedFailure(f"rank {dist.rank}: {what} failed: {first_line(exc)}{_hint(dist)}") from None
+    except Exception as exc:  # noqa: BLE001 -- whatever the backend raises, the collective failed: named, then stopped
+        raise DistributedFailure(f"rank {dist.rank}: {what} failed: {first_line(exc)}{_hint(dist)}",
+                                 missing_ranks(str(exc))) from None
 
 
-def _failure(dist: Dist, what: str, exc: BaseException) -> str:
+def missing_ranks(text: str) -> tuple[int, ...]:
+    """The ranks a monitored_barrier error names as not arriving; () when it names none."""
+    found = _MISSING_RANKS.search(text)
+    return tuple(int(r) for r in found.group(1).replace(",", " ").split()) if found else ()
+
+
+def _failure(dist: Dist, what: str, exc: BaseException) -> DistributedFailure:
     """Name the collective and the step, and ask the control group which ranks still answer."""
-    missing = ""
+    missing, unanswered = "", ()
     try:
         _answering(dist, min(30.0, dist.timeout_s), "the liveness check")
     except DistributedFailure as probe:
         missing = f"; liveness check: {str(probe).split(' failed: ', 1)[-1]}"
-    return (f"rank {dist.rank}: {what} did not complete ({first_line(exc)}){missing}. Another rank died or hung; "
-            "the supervisor restarts the group from the last checkpoint")
+        unanswered = probe.unanswered
+    return DistributedFailure(f"rank {dist.rank}: {what} did not complete ({first_line(exc)}){missing}. Another "
+                              "rank died or hung; the supervisor restarts the group from the last checkpoint",
+                              unanswered)
 
 
 def _hint(dist: Dist) -> str:
