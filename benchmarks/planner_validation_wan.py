@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from rocktune.diffusion.objective import FlowMatchLoss
-from rocktune.planner.wan import LORA_TARGETS, estimate_wan, shape_from_config
+from rocktune.planner.wan import LORA_TARGETS, WanSpec, estimate_wan, shape_from_config
 
 TINY = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 16,
         "out_channels": 16, "text_dim": 32, "freq_dim": 256, "ffn_dim": 32, "num_layers": 2, "cross_attn_norm": True,
@@ -116,7 +116,8 @@ def run_point(name: str, width: int, height: int, frames: int, b: int, r: int, p
     config = MODELS[name]
     model = build(config, precision, r, ckpt)
     got = measure_step(model, make_batch(config, width, height, frames, b, text_tokens), precision)
-    est = estimate_wan(shape_from_config(config, VAE, name), width, height, frames, b, text_tokens, r, precision, ckpt)
+    est = estimate_wan(shape_from_config(config, VAE, name),
+                       WanSpec(width, height, frames, b, text_tokens, r, precision, ckpt))
     terms = est.by_name()
     row = {"model": name, "size": f"{width}x{height}", "frames": frames, "batch": b, "rank": r,
            "precision": precision, "checkpointing": ckpt, "tokens": est.tokens, "text_tokens": text_tokens,

@@ -38,10 +38,11 @@ def _step(model, optimizer) -> None:
 
 def test_kill_between_rename_and_latest_resumes_from_the_newer_checkpoint(trainee, tmp_path, monkeypatch):
     model, optimizer, scheduler, scaler = trainee
+    state = checkpoint.TrainState(model, optimizer, scheduler, scaler)
     root = tmp_path / "checkpoints"
 
     def save(step: int):
-        return checkpoint.save(root, step, model, optimizer, scheduler, scaler, {"epoch": 0}, {}, keep=3)
+        return checkpoint.save(root, step, state, {"epoch": 0}, {}, keep=3)
 
     _step(model, optimizer)
     save(2)
@@ -62,7 +63,7 @@ def test_kill_between_rename_and_latest_resumes_from_the_newer_checkpoint(traine
     want = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
 
     _step(model, optimizer)  # move the weights away, so the restore has to bring step 4's back
-    restored = checkpoint.restore(root, model, optimizer, scheduler, scaler)
+    restored = checkpoint.restore(root, state)
     assert (restored.step, restored.path.name, restored.skipped) == (4, "step-0000004", [])
     got = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

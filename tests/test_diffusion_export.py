@@ -245,13 +245,12 @@ def lora_file(tmp_path_factory, base_transformer) -> Path:
 
 
 def test_render_with_and_without_lora(tiny_wan, lora_file):
-    from rocktune.diffusion.render import render
+    from rocktune.diffusion.render import Shot, render
 
-    shot = {"prompt": PROMPT, "width": 32, "height": 32, "frames": 9, "steps": 2, "seed": 3, "device": "cpu",
-            "guidance": 1.0}
-    base = render(str(tiny_wan), None, **shot)
-    again = render(str(tiny_wan), None, **shot)
-    tuned = render(str(tiny_wan), lora_file, **shot)
+    shot = Shot(PROMPT, width=32, height=32, frames=9, steps=2, seed=3, guidance=1.0)
+    base = render(str(tiny_wan), None, shot, "cpu")
+    again = render(str(tiny_wan), None, shot, "cpu")
+    tuned = render(str(tiny_wan), lora_file, shot, "cpu")
     assert base.shape == tuned.shape == (9, 32, 32, 3) and base.dtype == np.uint8
     assert np.array_equal(base, again)
     diff = np.abs(base.astype(int) - tuned)

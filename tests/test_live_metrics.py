@@ -12,7 +12,7 @@ import pytest
 from rocktune.config import config_from_dict
 from rocktune.errors import UserError
 from rocktune.train import sinks
-from rocktune.tasks.lm.samples import Sampler, prompts_from_examples
+from rocktune.tasks.lm.samples import SampleSettings, Sampler, prompts_from_examples
 from tests.conftest import tiny_run_config, write_jsonl
 
 
@@ -64,7 +64,7 @@ def test_samples_at_each_eval_point_with_fixed_prompts(live_run):
         assert [r["expected"] for r in at] == [ev[0]["completion"], ev[1]["completion"], None]
     # The final model completes the prompts as logged at the last eval point (greedy: reproducible).
     again = Sampler(result.run_dir / "again.jsonl", result.tokenizer, [(result.tokenizer(ev[0]["prompt"])["input_ids"],
-                    None)], [result.tokenizer.eos_token_id], 4, "cpu")
+                    None)], [result.tokenizer.eos_token_id], SampleSettings(0, [], 4, "cpu"))
     assert again._complete(result.model, again.prompts[0][0]) == at[0]["output"]
 
 
@@ -77,9 +77,10 @@ def test_prompt_is_everything_before_the_first_trained_token():
 def test_resume_drops_samples_after_the_checkpoint(tmp_path, tokenizer):
     path = tmp_path / "samples.jsonl"
     write_jsonl(path, [{"step": s, "prompt": "p", "output": "o"} for s in (0, 2, 4)])
-    Sampler(path, tokenizer, [([1], None)], [256], 4, "cpu", start_step=2)
+    Sampler(path, tokenizer, [([1], None)], [256], SampleSettings(0, [], 4, "cpu"), start_step=2)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 2]
-    Sampler(path, tokenizer, [([1], None)], [256], 4, "cpu", start_step=0)  # a fresh run starts the file over
+    # a fresh run starts the file over
+    Sampler(path, tokenizer, [([1], None)], [256], SampleSettings(0, [], 4, "cpu"), start_step=0)
     assert path.read_text() == ""
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rocktune.errors import UserError
-from rocktune.planner.wan import estimate_wan, largest_frames, load_wan_shape
+from rocktune.planner.wan import WanSpec, estimate_wan, largest_frames, load_wan_shape
 
 _spec = importlib.util.spec_from_file_location(
     "planner_validation_wan", Path(__file__).parents[1] / "benchmarks" / "planner_validation_wan.py")
@@ -35,12 +35,12 @@ def tiny_wan(tmp_path_factory) -> Path:
 def test_latent_tokens_follow_vae_and_patch():
     shape = load_wan_shape(WAN21)
     # 81 frames -> 21 latent frames; 480/8/2 = 30, 832/8/2 = 52
-    assert estimate_wan(shape, 832, 480, 81, 1, 512, 16, "bf16", True).tokens == 21 * 30 * 52 == 32760
-    assert estimate_wan(shape, 480, 832, 33, 2, 512, 16, "bf16", True).tokens == 2 * 9 * 52 * 30
-    assert estimate_wan(shape, 832, 480, 1, 1, 512, 16, "bf16", False).tokens == 30 * 52
+    assert estimate_wan(shape, WanSpec(832, 480, 81, 1, 512, 16, "bf16", True)).tokens == 21 * 30 * 52 == 32760
+    assert estimate_wan(shape, WanSpec(480, 832, 33, 2, 512, 16, "bf16", True)).tokens == 2 * 9 * 52 * 30
+    assert estimate_wan(shape, WanSpec(832, 480, 1, 1, 512, 16, "bf16", False)).tokens == 30 * 52
     ti2v = load_wan_shape("Wan-AI/Wan2.2-TI2V-5B-Diffusers")  # 16x VAE: 1280x704 -> 80x44 latents -> 40x22
     assert (ti2v.vae_spatial, ti2v.vae_temporal) == (16, 4)
-    assert estimate_wan(ti2v, 1280, 704, 121, 1, 512, 16, "bf16", True).tokens == 31 * 22 * 40
+    assert estimate_wan(ti2v, WanSpec(1280, 704, 121, 1, 512, 16, "bf16", True)).tokens == 31 * 22 * 40
 
 
 @pytest.mark.parametrize("hub_id, low, high", [
@@ -54,7 +54,7 @@ def test_preset_parameter_counts(hub_id, low, high):
 def test_wan21_13b_shape_and_lora_count():
     shape = load_wan_shape(WAN21)
     assert (shape.layers, shape.dim, shape.ffn, shape.heads) == (30, 1536, 8960, 12)
-    est = estimate_wan(shape, 832, 480, 81, 1, 512, 16, "bf16", True)
+    est = estimate_wan(shape, WanSpec(832, 480, 81, 1, 512, 16, "bf16", True))
     # r x (in + out) for 8 attention linears of 1536 and the FFN pair, 30 blocks
     lora = 30 * 16 * (8 * 2 * 1536 + 2 * (1536 + 8960))
     assert est.by_name()["lora_params"] == 4 * lora and est.by_name()["adamw_states"] == 8 * lora
@@ -73,9 +73,9 @@ def test_local_directory_counts_the_real_transformer(tiny_wan):
 
 def test_checkpointing_and_precision_order_the_estimates():
     shape = load_wan_shape(WAN21)
-    full = estimate_wan(shape, 832, 480, 81, 1, 512, 16, "bf16", False)
-    ckpt = estimate_wan(shape, 832, 480, 81, 1, 512, 16, "bf16", True)
-    fp32 = estimate_wan(shape, 832, 480, 81, 1, 512, 16, "fp32", True)
+    full = estimate_wan(shape, WanSpec(832, 480, 81, 1, 512, 16, "bf16", False))
+    ckpt = estimate_wan(shape, WanSpec(832, 480, 81, 1, 512, 16, "bf16", True))
+    fp32 = estimate_wan(shape, WanSpec(832, 480, 81, 1, 512, 16, "fp32", True))
     assert ckpt.saved_bytes * 10 < full.saved_bytes
     assert ckpt.total_bytes < full.total_bytes < full.reserved_bytes
     assert fp32.total_bytes > ckpt.total_bytes
@@ -85,17 +85,18 @@ def test_checkpointing_and_precision_order_the_estimates():
 def test_largest_frames_is_a_4k_plus_1_bucket_that_fits():
     shape = load_wan_shape(WAN21)
     usable = 22 * 2**30
-    most = largest_frames(shape, 832, 480, 1, 512, 16, "bf16", True, usable)
+    most = largest_frames(shape, WanSpec(832, 480, 1, 1, 512, 16, "bf16", True), usable)
     assert most is not None and (most - 1) % 4 == 0
-    assert estimate_wan(shape, 832, 480, most, 1, 512, 16, "bf16", True).reserved_bytes <= usable
-    assert estimate_wan(shape, 832, 480, most + 4, 1, 512, 16, "bf16", True).reserved_bytes > usable
-    assert largest_frames(shape, 832, 480, 1, 512, 16, "bf16", True, 2**30) is None  # weights alone are 2.6 GiB
+    assert estimate_wan(shape, WanSpec(832, 480, most, 1, 512, 16, "bf16", True)).reserved_bytes <= usable
+    assert estimate_wan(shape, WanSpec(832, 480, most + 4, 1, 512, 16, "bf16", True)).reserved_bytes > usable
+    # weights alone are 2.6 GiB
+    assert largest_frames(shape, WanSpec(832, 480, 1, 1, 512, 16, "bf16", True), 2**30) is None
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda s: estimate_wan(s, 830, 480, 81, 1, 512, 16, "bf16", True), "multiples of 16"),
-    (lambda s: estimate_wan(s, 832, 480, 80, 1, 512, 16, "bf16", True), r"4k\+1"),
-    (lambda s: estimate_wan(s, 832, 480, 81, 1, 512, 16, "int8", True), "precision"),
+    (lambda s: estimate_wan(s, WanSpec(830, 480, 81, 1, 512, 16, "bf16", True)), "multiples of 16"),
+    (lambda s: estimate_wan(s, WanSpec(832, 480, 80, 1, 512, 16, "bf16", True)), r"4k\+1"),
+    (lambda s: estimate_wan(s, WanSpec(832, 480, 81, 1, 512, 16, "int8", True)), "precision"),
 ])
 def test_bad_settings_are_user_errors(call, words):
     with pytest.raises(UserError, match=words):

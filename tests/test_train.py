@@ -133,3 +133,15 @@ def test_auto_fit_uses_the_planner(tiny_model_dir, task_files, tmp_path):
     assert sug.micro_batch_size * sug.grad_accum == 16
     with pytest.raises(UserError, match="smallest"):
         train(cfg, RunOptions(auto_fit=True, vram_bytes=2**20), quiet=True)
+
+
+def test_one_list_of_notes_reaches_the_console_and_run_info(tiny_model_dir, task_files, tmp_path, capsys):
+    """Every decision the run logs (environment, auto choices, feeding, data) is in run_info.json too, in order."""
+    cfg = tiny_run_config(tiny_model_dir, *task_files, tmp_path / "out", max_steps=1)
+    cfg["training"]["precision"] = "auto"
+    train(config_from_dict(cfg))
+    err = " ".join(capsys.readouterr().err.split())
+    notes = json.loads((tmp_path / "out" / "run_info.json").read_text())["notes"]
+    assert any(n.startswith("precision auto -> ") for n in notes) and any(n.startswith("batching: ") for n in notes)
+    positions = [err.find(" ".join(n.split())) for n in notes]
+    assert -1 not in positions and positions == sorted(positions), notes

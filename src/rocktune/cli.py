@@ -255,12 +255,12 @@ def _add_plan(sub) -> None:
 
 def _run_plan(args) -> int:
     if args.task != "lm":
-        from rocktune.planner.wan import run_wan_plan
+        from rocktune.planner.wan import WanSpec, parse_resolution, run_wan_plan
 
-        return run_wan_plan(model=args.model, task=args.task, resolution=args.resolution, frames=args.frames,
-                            batch=args.batch, text_tokens=args.text_tokens, lora_r=args.lora_r,
-                            precision=args.precision, checkpointing=args.checkpointing, vram=args.vram,
-                            as_json=args.json)
+        width, height = parse_resolution(args.resolution)
+        spec = WanSpec(width, height, args.frames, args.batch, args.text_tokens, args.lora_r, args.precision,
+                       args.checkpointing)
+        return run_wan_plan(args.model, args.task, spec, args.vram, args.json)
     from rocktune.planner.estimate import RunSpec
     from rocktune.planner.report import run_plan
 

@@ -67,13 +67,12 @@ def sample(pipe, shot: Shot) -> np.ndarray:
     return (frames.clip(0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
-def render(base: str, lora_file: Path | None, prompt: str, width: int, height: int, frames: int, steps: int,
-           seed: int, device: str, guidance: float, negative_prompt: str = "") -> np.ndarray:
+def render(base: str, lora_file: Path | None, shot: Shot, device: str) -> np.ndarray:
     """One clip (or image, frames=1) from ``base``, with the LoRA file when given: uint8 [frames, H, W, 3]."""
     pipe = load_pipeline(base, device)
     if lora_file is not None:
         add_lora(pipe, lora_file)
-    return sample(pipe, Shot(prompt, width, height, frames, steps, seed, guidance, negative_prompt))
+    return sample(pipe, shot)
 
 
 def write_media(frames: np.ndarray, out: Path, fps: int = 16) -> Path:

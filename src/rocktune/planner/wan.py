@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -168,8 +168,24 @@ def lora_param_count(shape: WanShape, r: int) -> int:
     return shape.layers * sum(r * (n_in + n_out) for _, n_in, n_out, _ in shape.linears())
 
 
-def estimate_wan(shape: WanShape, width: int, height: int, frames: int, batch: int, text_tokens: int, lora_r: int,
-                 precision: str, gradient_checkpointing: bool) -> WanEstimate:
+@dataclass(frozen=True)
+class WanSpec:
+    """One Wan LoRA step as the planner sizes it (the Wan counterpart of ``RunSpec``)."""
+
+    width: int
+    height: int
+    frames: int  # 4k+1 (1 for an image)
+    batch: int = 1
+    text_tokens: int = 512  # what WanPipeline and training pad the prompt to
+    lora_r: int = 16
+    precision: str = "bf16"
+    checkpointing: bool = False
+
+
+def estimate_wan(shape: WanShape, spec: WanSpec) -> WanEstimate:
+    width, height, frames, batch = spec.width, spec.height, spec.frames, spec.batch
+    text_tokens, lora_r, precision, gradient_checkpointing = spec.text_tokens, spec.lora_r, spec.precision, \
+        spec.checkpointing
     if precision not in DTYPE_BYTES:
         raise UserError(f"precision {precision!r} is not supported for Wan LoRA: use one of {', '.join(DTYPE_BYTES)}.")
     if min(batch, text_tokens, lora_r) < 1:
@@ -311,30 +327,29 @@ def parse_resolution(text: str) -> tuple[int, int]:
     return width, height
 
 
-def largest_frames(shape: WanShape, width: int, height: int, batch: int, text_tokens: int, lora_r: int,
-                   precision: str, checkpointing: bool, usable: int) -> int | None:
-    """The largest frame bucket (temporal*k + 1) whose step fits ``usable`` bytes; None when one frame does not."""
+def largest_frames(shape: WanShape, spec: WanSpec, usable: int) -> int | None:
+    """The largest frame bucket (temporal*k + 1) whose step of ``spec`` (its frames aside) fits ``usable`` bytes;
+    None when one frame does not."""
     best = None
     for frames in range(1, MAX_FRAMES + 1, shape.vae_temporal):
-        est = estimate_wan(shape, width, height, frames, batch, text_tokens, lora_r, precision, checkpointing)
+        est = estimate_wan(shape, replace(spec, frames=frames))
         if est.reserved_bytes > usable:
             break
         best = frames
     return best
 
 
-def run_wan_plan(model: str, task: str, resolution: str, frames: int, batch: int, text_tokens: int, lora_r: int,
-                 precision: str, checkpointing: bool, vram: str | None, as_json: bool) -> int:
+def run_wan_plan(model: str, task: str, spec: WanSpec, vram: str | None, as_json: bool) -> int:
     shape = load_wan_shape(model)
-    width, height = parse_resolution(resolution)
-    frames = 1 if task == "image-lora" else frames
+    if task == "image-lora":
+        spec = replace(spec, frames=1)
+    frames, checkpointing = spec.frames, spec.checkpointing
     if vram is not None:
         budget, source = parse_budget(vram), "given"
     else:
         budget, _, source = detect_budget()
     usable = int(budget * (1 - MARGIN))
-    run = (width, height, frames, batch, text_tokens, lora_r, precision)
-    est, other = estimate_wan(shape, *run, checkpointing), estimate_wan(shape, *run, not checkpointing)
+    est, other = estimate_wan(shape, spec), estimate_wan(shape, replace(spec, checkpointing=not checkpointing))
     doc = describe(est) | {"task": task, "budget_bytes": budget, "budget_source": source,
                            "fits": est.reserved_bytes <= usable,
                            "other_checkpointing": {"checkpointing": not checkpointing, "terms": other.by_name(),
@@ -342,8 +357,7 @@ def run_wan_plan(model: str, task: str, resolution: str, frames: int, batch: int
                                                    "reserved_bytes": other.reserved_bytes,
                                                    "fits": other.reserved_bytes <= usable}}
     if task == "video-lora":
-        fit = {ckpt: largest_frames(shape, width, height, batch, text_tokens, lora_r, precision, ckpt, usable)
-               for ckpt in (False, True)}
+        fit = {ckpt: largest_frames(shape, replace(spec, checkpointing=ckpt), usable) for ckpt in (False, True)}
         doc["largest_frames"] = {"without_checkpointing": fit[False], "with_checkpointing": fit[True]}
         doc["checkpointing_needed"] = (fit[False] or 0) < frames <= (fit[True] or 0)
     if as_json:

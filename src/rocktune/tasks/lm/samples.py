@@ -9,8 +9,8 @@ random numbers and dropout is off in eval mode, so sampling leaves an exact resu
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,10 +58,10 @@ class SampleSettings:
 
 class Sampler:
     def __init__(self, path: Path, tokenizer, prompts: list[tuple[list[int], list[int] | None]], stop_ids: list[int],
-                 max_new_tokens: int, device: str, autocast=contextlib.nullcontext, start_step: int = 0,
-                 write: bool = True, synced: bool = False):
-        self.path, self.tokenizer, self.prompts = path, tokenizer, prompts
-        self.stop_ids, self.max_new_tokens, self.device, self.autocast = stop_ids, max_new_tokens, device, autocast
+                 settings: SampleSettings, start_step: int = 0, write: bool = True, synced: bool = False):
+        """``prompts``: (token ids, expected completion or None); ``settings``: length, device and autocast."""
+        self.path, self.tokenizer, self.prompts, self.stop_ids = path, tokenizer, prompts, stop_ids
+        self.max_new_tokens, self.device, self.autocast = settings.max_new_tokens, settings.device, settings.autocast
         # write=False: a rank other than 0 of a sharded (FSDP) run generates in step with rank 0 (every forward
         # gathers weights from all ranks) but keeps quiet
         self.write = write
@@ -75,8 +75,7 @@ class Sampler:
         prompts = prompts_from_examples(eval_set.input_ids, eval_set.labels, settings.count) if settings.count else []
         prompts += [(render_prompt(p, tokenizer, shape), None) for p in settings.prompts]
         stops = sorted({*checks.stop_token_ids(tokenizer, shape), tokenizer.eos_token_id} - {None})
-        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings.max_new_tokens, settings.device,
-                   settings.autocast, start_step, write, synced)
+        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings, start_step, write, synced)
 
     @torch.no_grad()
     def at(self, step: int, model, log, say) -> None:

@@ -49,7 +49,7 @@ def predicted_peak(cfg: RunConfig, buckets: list[media.Bucket], precision: str,
                     device_bytes: int | None) -> tuple[int | None, str]:
     """The planner's estimate for the largest bucket in use, at the configured micro batch; when it exceeds the
     device (``device_bytes``), the note says so and what gradient checkpointing would need instead."""
-    from rocktune.planner.wan import estimate_wan, load_wan_shape
+    from rocktune.planner.wan import WanSpec, estimate_wan, load_wan_shape
 
     largest = max(buckets, key=lambda b: b.width * b.height * b.frames)
     try:
@@ -58,8 +58,8 @@ def predicted_peak(cfg: RunConfig, buckets: list[media.Bucket], precision: str,
         return None, f"planner: no estimate ({exc})"
 
     def peak(checkpointing: bool):
-        return estimate_wan(shape, largest.width, largest.height, largest.frames, cfg.training.micro_batch_size,
-                            components.PIPELINE_TEXT_TOKENS, cfg.lora.r, precision, checkpointing)
+        return estimate_wan(shape, WanSpec(largest.width, largest.height, largest.frames, cfg.training.micro_batch_size,
+                                           components.PIPELINE_TEXT_TOKENS, cfg.lora.r, precision, checkpointing))
 
     est = peak(cfg.model.gradient_checkpointing)
     note = (f"planner: {size(est.total_bytes)} predicted peak at {largest} x{cfg.training.micro_batch_size} "
