@@ -23,6 +23,10 @@ FORBIDDEN = {
     "export": {"train", "cli", "bench", "demo", "doctor", "report"},
     # diffusion (Wan LoRA) is data, model and numerics for train/diffusion_loop.py, which drives it: never upward.
     "diffusion": {"train", "cli", "bench", "demo", "doctor", "report", "export"},
+    # the hardened readers of outside files sit under every layer that opens such files (modelcheck, data, export,
+    # report, config), so they import nothing of rocktune but errors.
+    "readers": {"train", "data", "model", "cli", "doctor", "bench", "demo", "planner", "platform", "config",
+                "modelcheck", "quant", "report", "export", "diffusion", "hub"},
 }
 
 
