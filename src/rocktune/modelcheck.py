@@ -21,14 +21,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 REDOWNLOAD = "re-download the model (or copy the file again), or point model.name_or_path at a complete copy"
 
 
-def check_model_dir(name_or_path: str) -> int | None:
-    """Raise on a broken local model directory; return its vocabulary size (None for a hub id or when unknown)."""
+def check_model_dir(name_or_path: str, tokenizer: bool = True) -> int | None:
+    """Raise on a broken local model directory; return its vocabulary size (None for a hub id or when unknown).
+    ``tokenizer=False`` leaves the tokenizer files to the caller (export says which one it needs itself)."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         return None
     config = _config(path)
     _weights(path)
-    _tokenizer_files(path)
+    if tokenizer:
+        _tokenizer_files(path)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return vocab if isinstance(vocab, int) else None
 

@@ -65,10 +65,10 @@ def _read_jsonl(path: Path, text: str) -> list[tuple[str, dict]]:
 
 def _advice(exc: JsonProblem, jsonl: bool = True) -> str:
     # the hardened reader says what is wrong; a data file adds how to fix a record
+    if exc.malformed:
+        return f"{exc}; each line must be one JSON object." if jsonl else f"{exc}."
     if "nested too deeply" in str(exc):
         return f"{exc}; a record needs only strings and one list of messages: flatten or remove the nested data."
-    if str(exc).startswith("malformed"):
-        return f"{exc}; each line must be one JSON object." if jsonl else f"{exc}."
     return f"{exc}; fix or remove the record."
 
 

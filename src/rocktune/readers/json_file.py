@@ -17,7 +17,12 @@ class JsonProblem(ValueError):
 
     def __init__(self, reason: str, lineno: int | None = None):
         super().__init__(reason)
-        self.lineno = lineno  # the line of malformed JSON, for multi-line files
+        self.lineno = lineno  # set for malformed JSON only (the line of the error), None for a hostile shape
+
+    @property
+    def malformed(self) -> bool:
+        """Plain syntax error (e.g. a line cut short by a crash), as opposed to nesting or numbers out of bounds."""
+        return self.lineno is not None
 
 
 def parse_json(text: str | bytes) -> Any:

@@ -18,14 +18,34 @@ def render_chat_template(tokenizer, messages: list[dict], **kwargs: Any):
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except SecurityError as exc:
-        raise UserError(f"the chat template in {template_file(tokenizer)} was refused: it reaches for Python "
-                        f"internals that a template has no use for ({_first_line(exc)}), which is how a crafted "
-                        "template tries to run code. Nothing was written. Use the model's original tokenizer files, "
-                        "or remove the chat template from that file.") from None
+        raise _refused(tokenizer, exc) from None
     except TemplateError as exc:
         raise UserError(f"the chat template in {template_file(tokenizer)} failed to render "
                         f"({type(exc).__name__}: {_first_line(exc)}); fix the template, or use the model's original "
                         "tokenizer files.") from None
+
+
+def check_chat_template(tokenizer) -> None:
+    """Render a one-message probe so that a template reaching for internals is refused before any work; a template
+    that raises on the probe on purpose (``raise_exception``, e.g. for a missing system turn) is left to the render
+    that uses it."""
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    except SecurityError as exc:
+        raise _refused(tokenizer, exc) from None
+    except TemplateError:
+        pass
+
+
+def _refused(tokenizer, exc: Exception) -> UserError:
+    return UserError(f"the chat template in {template_file(tokenizer)} was refused: it reaches for Python internals "
+                     f"that a template has no use for ({_first_line(exc)}), which is how a crafted template tries to "
+                     "run code. Use the model's original tokenizer files, or remove the chat template from that "
+                     "file.")
 
 
 def template_file(tokenizer) -> str:
