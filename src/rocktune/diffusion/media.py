@@ -133,7 +133,7 @@ def _from_manifest(manifest: Path, media_field: str, caption_field: str) -> tupl
         try:
             items.append(_manifest_item(parse_json(line), base, where, (media_field, caption_field)))
         except JsonProblem as exc:
-            problems.append(f"{where}: not valid JSON ({exc})")
+            problems.append(f"{where}: {str(exc).replace('malformed JSON', 'not valid JSON', 1)}")
         except _Bad as exc:
             problems.append(f"{where}: {exc}")
     return items, problems
