@@ -313,3 +313,43 @@ def test_sweep_spares_live_processes(tmp_path):
         (folder / "inside").mkdir(parents=True)
     assert sweep(tmp_path) == [dead]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+# --- the readers on their own (in-process, milliseconds) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (_huge_header, "more than the 100,000,000 the format allows"),
+    (_offsets_past_end, "is truncated: 150 bytes, but its header describes 1,073,741,910"),
+    (lambda f: f.write_bytes(b"\x01\x00"), "too short for a safetensors file"),
+    (lambda f: f.write_bytes(struct.pack("<Q", 64) + b"{}"), "header claims 64 bytes, but the whole file holds only 10"),
+    (lambda f: None, None),  # the real file passes
+], ids=["huge-header", "offsets-past-end", "two-bytes", "header-past-end", "valid"])
+def test_safetensors_reader(pristine, tmp_path, spoil, message):
+    from rocktune.errors import UserError
+    from rocktune.readers.safetensors_file import check_safetensors
+
+    file = tmp_path / "model.safetensors"
+    shutil.copy(pristine[0] / "model.safetensors", file)
+    spoil(file)
+    if message is None:
+        check_safetensors(file, "fix it.")
+        return
+    with pytest.raises(UserError) as caught:
+        check_safetensors(file, "fix it.")
+    assert str(file) in str(caught.value) and message in str(caught.value) and str(caught.value).endswith("fix it.")
+
+
+@pytest.mark.parametrize("text, malformed, reason", [
+    (DEEP_JSON, False, "nested too deeply"),
+    ('{"a": ' * 100_000 + "1" + "}" * 100_000, False, "nested too deeply"),
+    ('{"step": 3, "loss": 1.', True, "malformed JSON"),  # a line cut short by a crash
+    ("9" * 5000, False, "cannot be parsed"),  # past int's digit limit
+])
+def test_json_reader(text, malformed, reason):
+    from rocktune.readers.json_file import JsonProblem, parse_json
+
+    with pytest.raises(JsonProblem) as caught:
+        parse_json(text)
+    assert caught.value.malformed is malformed and reason in str(caught.value)
+    assert parse_json('{"a": [1, {"b": null}]}') == {"a": [1, {"b": None}]}

@@ -5,7 +5,6 @@ memory grows, and that, malformed JSON and unconvertible numbers become one ``Us
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,25 +44,11 @@ def read_json(path: Path, fix: str, expect: type | None = dict) -> Any:
     except OSError as exc:
         raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {fix}") from None
     except JsonProblem as exc:
-        raise UserError(f"{path}: {exc}; {fix}") from None
+        where = f"{path}:{exc.lineno}" if exc.lineno else str(path)
+        raise UserError(f"{where}: {exc}; {fix}") from None
     if expect is not None and not isinstance(data, expect):
         raise UserError(f"{path} does not hold a JSON {_kind(expect)}; {fix}")
     return data
-
-
-def read_json_lines(path: Path, fix: str) -> Iterator[tuple[int, Any]]:
-    """``(line number, value)`` for each non-blank line of a JSONL file; a bad line is a ``UserError`` naming
-    ``path:line``."""
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise UserError(f"{path} cannot be read ({exc.strerror or exc}); {fix}") from None
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                yield lineno, parse_json(line)
-            except JsonProblem as exc:
-                raise UserError(f"{path}:{lineno}: {exc}; {fix}") from None
 
 
 def _where(exc: json.JSONDecodeError) -> str:

@@ -89,7 +89,8 @@ def _jsonl(path: Path) -> list[dict]:
         except JsonProblem as exc:
             if exc.malformed:
                 continue
-            raise UserError(f"{path}:{lineno}: {exc}; {DAMAGED}") from None
+            raise UserError(f"{path}:{lineno}: {exc}; the run directory is damaged: remove that line, or restore "
+                            "the file from a copy.") from None
         if isinstance(rec, dict):
             out.append(rec)
     return out
