@@ -34,6 +34,12 @@ FORBIDDEN = {
     "export": {"train", "doctor", "report", *ABOVE_ENGINE},
     # diffusion (Wan LoRA) is data, model and numerics for tasks/wan/task.py, which drives it: never upward.
     "diffusion": {"train", "doctor", "report", "export", *ABOVE_ENGINE},
+    # the hardened readers of outside files sit under every layer that opens such files (modelcheck, data, export,
+    # report, config), so they import nothing of rocktune but errors.
+    "readers": {"train", "data", "model", "doctor", "planner", "platform", "config", "modelcheck", "quant", "report",
+                "export", "diffusion", "hub", "exits", "atomic", "tempdir", *ABOVE_ENGINE},
+    # the CLI enters the private temporary folder before anything else is imported: standard library only.
+    "tempdir.py": {"*"},
 }
 
 

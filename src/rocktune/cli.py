@@ -417,6 +417,13 @@ def _add_trust_remote_code(p) -> None:
 
 
 def _run_export(args) -> int:
+    from rocktune.tempdir import private_tempdir
+
+    with private_tempdir():  # entered before torch is imported: its compile cache goes there and is removed after
+        return _export(args)
+
+
+def _export(args) -> int:
     from rocktune.export.main import run_export
     from rocktune.export.source import Origin
 
@@ -463,6 +470,13 @@ _DIFFUSION_OPTIONS = ("out", "size", "frames", "steps", "seed", "guidance", "neg
 
 
 def _run_generate(args) -> int:
+    from rocktune.tempdir import private_tempdir
+
+    with private_tempdir():  # entered before torch is imported: its compile cache goes there and is removed after
+        return _generate(args)
+
+
+def _generate(args) -> int:
     from rocktune.diffusion.generate_cli import run_config
 
     if run_config(args.run) is not None:

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from rocktune.errors import UserError, first_line
+from rocktune.readers.yaml_file import read_yaml
 
 
 class _Section(BaseModel):
@@ -300,15 +301,8 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
     if not path.is_file():
         raise UserError(f"config file {path} does not exist; pass an existing YAML file with -c (see examples/).")
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = yaml.safe_load(text) or {}
-        node = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)  # yaml's own text names "<unicode string>", not the file
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
-        raise UserError(f"{where}: not valid YAML ({what or exc}); check the indentation and quoting there.") from None
+    data, node = read_yaml(path, "see examples/ for a config's layout.")
+    data = data or {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: the top level must be a mapping of sections (model:, lora:, data:, ...).")
     return data, _line_numbers(node)

@@ -8,12 +8,12 @@ No torch: the safetensors library reads headers on its own.
 
 from __future__ import annotations
 
-import json
-import struct
 import zipfile
 from pathlib import Path
 
 from rocktune.errors import UserError, first_line
+from rocktune.readers.json_file import read_json
+from rocktune.readers.safetensors_file import check_safetensors
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
@@ -21,14 +21,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 REDOWNLOAD = "re-download the model (or copy the file again), or point model.name_or_path at a complete copy"
 
 
-def check_model_dir(name_or_path: str) -> int | None:
-    """Raise on a broken local model directory; return its vocabulary size (None for a hub id or when unknown)."""
+def check_model_dir(name_or_path: str, tokenizer: bool = True) -> int | None:
+    """Raise on a broken local model directory; return its vocabulary size (None for a hub id or when unknown).
+    ``tokenizer=False`` leaves the tokenizer files to the caller (export says which one it needs itself)."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         return None
     config = _config(path)
     _weights(path)
-    _tokenizer_files(path)
+    if tokenizer:
+        _tokenizer_files(path)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return vocab if isinstance(vocab, int) else None
 
@@ -38,13 +40,7 @@ def _config(path: Path) -> dict:
     if not file.is_file():
         raise UserError(f"model directory {path} has no config.json, so it is not a complete Hugging Face model "
                         f"directory (an interrupted download, or the wrong directory); {REDOWNLOAD}.")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{file} cannot be read ({first_line(exc)}); {REDOWNLOAD}.") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{file} does not hold a JSON object; {REDOWNLOAD}.")
-    return config
+    return read_json(file, f"{REDOWNLOAD}.")
 
 
 def _weights(path: Path) -> None:
@@ -63,9 +59,10 @@ def _weights(path: Path) -> None:
 
 
 def _shards(index: Path) -> list[Path]:
+    index_data = read_json(index, f"{REDOWNLOAD}.")
     try:
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        names = sorted(set(index_data["weight_map"].values()))
+    except (KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"{index} cannot be read as a shard index ({first_line(exc)}); {REDOWNLOAD}.") from None
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
@@ -77,39 +74,11 @@ def _shards(index: Path) -> list[Path]:
 
 def _check_weight_file(file: Path) -> None:
     if file.suffix == ".safetensors":
-        _check_safetensors(file)
+        check_safetensors(file, f"{REDOWNLOAD}.")
     elif file.stat().st_size == 0:
         raise UserError(f"{file} is empty (an interrupted download?); {REDOWNLOAD}.")
     elif _looks_zip(file) and not zipfile.is_zipfile(file):
         raise UserError(f"{file} is truncated or damaged (the end of its zip archive is missing); {REDOWNLOAD}.")
-
-
-def _check_safetensors(file: Path) -> None:
-    """safetensors parses the header and checks that it covers the file exactly; a short file is a truncated one."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), framework="numpy"):
-            pass
-    except (SafetensorError, OSError) as exc:
-        size, expected = file.stat().st_size, _described_size(file)
-        if expected is not None and size < expected:
-            why = f"is truncated: {size:,} bytes, but its header describes {expected:,} (an interrupted download?)"
-        else:
-            why = f"is not a valid safetensors file ({first_line(exc)})"
-        raise UserError(f"{file} {why}; {REDOWNLOAD}.") from None
-
-
-def _described_size(file: Path) -> int | None:
-    """The size a safetensors file must have according to its header, or None when the header does not parse."""
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n)) if n < 100 * 2**20 else None
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-        return 8 + n + max(ends, default=0)
-    except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError, AttributeError):
-        return None
 
 
 def _looks_zip(file: Path) -> bool:
@@ -119,12 +88,8 @@ def _looks_zip(file: Path) -> bool:
 
 def _tokenizer_files(path: Path) -> None:
     config_file = path / "tokenizer_config.json"
-    if config_file.is_file():
-        try:
-            if "AutoTokenizer" in (json.loads(config_file.read_text(encoding="utf-8")).get("auto_map") or {}):
-                return  # remote code brings its own tokenizer and names its own files
-        except (OSError, ValueError, AttributeError):
-            raise UserError(f"{config_file} cannot be read as JSON; {REDOWNLOAD}.") from None
+    if config_file.is_file() and "AutoTokenizer" in (read_json(config_file, f"{REDOWNLOAD}.").get("auto_map") or {}):
+        return  # remote code brings its own tokenizer and names its own files
     if any((path / f).is_file() for f in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
         return
     raise UserError(f"model directory {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, …), "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rocktune.data import encode, records
 from rocktune.errors import UserError
+from rocktune.readers.template import render_chat_template
 
 TEMPLATE_PROBES = 16  # conversations compared with the tokenizer's own rendering: a template bug shows in any of them
 PROBE = "rocktune-probe-reply"
@@ -84,8 +85,8 @@ def end_of_turn_id(tokenizer) -> int | None:
     """The first special token the chat template writes after an assistant reply (e.g. <|im_end|>, <|eot_id|>)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
-                                         tokenize=False, add_generation_prompt=False)
+    text = render_chat_template(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
+                                tokenize=False, add_generation_prompt=False)
     after = text.split(PROBE, 1)[-1]
     special = set(tokenizer.all_special_ids)
     return next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
@@ -112,7 +113,7 @@ def _template(recs: list[tuple[str, dict]], tokenizer, max_length: int) -> list[
     """Compare rocktune's per-turn tokenisation with the tokenizer's own rendering of the same conversation."""
     for loc, rec in recs:
         ours = encode.encode(rec, "messages", tokenizer, max_length, True, loc).input_ids
-        own = tokenizer.apply_chat_template(rec["messages"], tokenize=True, add_generation_prompt=False)
+        own = render_chat_template(tokenizer, rec["messages"], tokenize=True, add_generation_prompt=False)
         own = list(own["input_ids"] if hasattr(own, "keys") else own)[:max_length]
         if ours == own:
             continue

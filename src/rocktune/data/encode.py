@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rocktune.data.truncate import fit, tokenize_bounded
 from rocktune.errors import UserError
+from rocktune.readers.template import render_chat_template
 
 IGNORE = -100
 ALPACA_WITH_INPUT = (
@@ -84,7 +85,7 @@ def _chat_segments(messages: list[dict], tokenizer, loc: str) -> list[tuple[str,
         )
 
     def render(msgs, gen):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return render_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=gen)
 
     segments: list[tuple[str, bool]] = []
     done = ""

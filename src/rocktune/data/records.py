@@ -7,10 +7,10 @@ convert) is such an error, never a traceback.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from rocktune.errors import UserError, first_line
+from rocktune.errors import UserError
+from rocktune.readers.json_file import JsonProblem, parse_json
 
 # Keys that identify each shape; detection looks at the first record, validation checks every record.
 SHAPES: dict[str, tuple[str, ...]] = {
@@ -57,38 +57,30 @@ def _read_jsonl(path: Path, text: str) -> list[tuple[str, dict]]:
         if not line.strip():
             continue
         try:
-            out.append((f"{path}:{lineno}", json.loads(line)))
-        except json.JSONDecodeError as exc:
-            raise UserError(
-                f"{path}:{lineno}: malformed JSON ({_where(exc)}); each line must be one JSON object."
-            ) from None
-        except (RecursionError, ValueError) as exc:
-            raise UserError(f"{path}:{lineno}: {_unparsable(exc)}") from None
+            out.append((f"{path}:{lineno}", parse_json(line)))
+        except JsonProblem as exc:
+            raise UserError(f"{path}:{lineno}: {_advice(exc)}") from None
     return out
 
 
-def _unparsable(exc: Exception) -> str:
-    if isinstance(exc, RecursionError):
-        return ("the JSON is nested too deeply to parse (deeper than Python's recursion limit); a record needs only "
-                "strings and one list of messages: flatten or remove the nested data.")
-    return f"the JSON cannot be parsed ({first_line(exc)}); fix or remove the record."
+def _advice(exc: JsonProblem, jsonl: bool = True) -> str:
+    # the hardened reader says what is wrong; a data file adds how to fix a record
+    if exc.malformed:
+        return f"{exc}; each line must be one JSON object." if jsonl else f"{exc}."
+    if "nested too deeply" in str(exc):
+        return f"{exc}; a record needs only strings and one list of messages: flatten or remove the nested data."
+    return f"{exc}; fix or remove the record."
 
 
 def _read_json_array(path: Path, text: str) -> list[tuple[str, dict]]:
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({_where(exc)}).") from None
-    except (RecursionError, ValueError) as exc:
-        raise UserError(f"{path}: {_unparsable(exc)}") from None
+        data = parse_json(text)
+    except JsonProblem as exc:
+        where = f"{path}:{exc.lineno}" if exc.lineno else str(path)
+        raise UserError(f"{where}: {_advice(exc, jsonl=False)}") from None
     if not isinstance(data, list):
         raise UserError(f"{path}: a .json data file must hold an array of records (or use JSONL, one per line).")
     return [(f"{path}[{i}]", rec) for i, rec in enumerate(data)]
-
-
-def _where(exc: json.JSONDecodeError) -> str:
-    # Some messages already end in "at" ("Unterminated string starting at").
-    return f"{exc.msg} column {exc.colno}" if exc.msg.endswith(" at") else f"{exc.msg} at column {exc.colno}"
 
 
 def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:

@@ -11,10 +11,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from rocktune.diffusion.comfy import LORA_FILE
 from rocktune.errors import UserError
+from rocktune.readers.yaml_file import read_yaml
 
 CONFIG_NAME = "config.yaml"  # the run directory's resolved config (train/rundir.py, a layer above this one)
 DIFFUSION_TASKS = ("video-lora", "image-lora")
@@ -41,8 +40,8 @@ def run_config(path: str) -> dict | None:
     saved = Path(path) / CONFIG_NAME
     if not saved.is_file():
         return None
-    config = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
-    return config if config.get("task") in DIFFUSION_TASKS else None
+    config = read_yaml(saved, "restore the run directory from a copy, or train again.")[0] or {}
+    return config if isinstance(config, dict) and config.get("task") in DIFFUSION_TASKS else None
 
 
 def generate(run: str, request: Request, device: str) -> list[Path]:

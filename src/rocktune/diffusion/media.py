@@ -24,6 +24,7 @@ from rocktune.diffusion.buckets import (
     nearest_resolution,
 )
 from rocktune.errors import UserError
+from rocktune.readers.json_file import JsonProblem, parse_json
 
 if TYPE_CHECKING:
     import torch
@@ -130,9 +131,9 @@ def _from_manifest(manifest: Path, media_field: str, caption_field: str) -> tupl
             continue
         where = f"{manifest}:{number}"
         try:
-            items.append(_manifest_item(json.loads(line), base, where, (media_field, caption_field)))
-        except json.JSONDecodeError as exc:
-            problems.append(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
+            items.append(_manifest_item(parse_json(line), base, where, (media_field, caption_field)))
+        except JsonProblem as exc:
+            problems.append(f"{where}: {str(exc).replace('malformed JSON', 'not valid JSON', 1)}")
         except _Bad as exc:
             problems.append(f"{where}: {exc}")
     return items, problems

@@ -9,7 +9,6 @@ any work, pointing at ``--to gguf``, which merges everything.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
+from rocktune.readers.json_file import read_json
 
 
 def _refuse(adapter: Path, what: str) -> None:
@@ -26,7 +26,7 @@ def _refuse(adapter: Path, what: str) -> None:
 
 
 def check_adapter(adapter: Path) -> dict:
-    cfg = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    cfg = read_json(adapter / "adapter_config.json", "restore the run directory from a copy, or train again.")
     if cfg.get("peft_type", "LORA") != "LORA":
         _refuse(adapter, f"the adapter is {cfg.get('peft_type')}, not LoRA")
     if cfg.get("use_dora"):

@@ -23,6 +23,8 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
     """Export and print one line per file written; returns [{path, bytes, seconds}]."""
     src = resolve(origin.path, origin.base, origin.trust_remote_code)
     path = origin.path
+    if to in ("gguf", "ollama"):
+        _check_chat_template(src)
     resolved = Path(path).resolve()
     name = resolved.parent.name if resolved.name in ("run", "adapter") else resolved.name  # runs/demo/run -> demo
     # the export goes beside adapter/, also when the adapter directory itself was given
@@ -126,6 +128,20 @@ def _tokenizer(src: Source, model_config, tok_dir: Path):
     model_config.save_pretrained(tok_dir)
     _copy_sentencepiece_model(src.base, tok_dir)
     return tok
+
+
+def _check_chat_template(src: Source) -> None:
+    """The GGUF carries the base's chat template and the Modelfile is derived from it: a template the sandbox
+    refuses is refused here, before minutes of merging and before anything is written."""
+    from transformers import AutoTokenizer
+
+    from rocktune.readers.template import check_chat_template
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
+    except (OSError, ValueError):
+        return  # said with its fix where the tokenizer is loaded for the export
+    check_chat_template(tok)
 
 
 def _copy_sentencepiece_model(base: str, tok_dir: Path) -> None:

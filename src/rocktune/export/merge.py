@@ -8,11 +8,11 @@ that still says "tied" reloads the head from the embedding (transformers#45127, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rocktune.errors import UserError, first_line
 from rocktune.export.source import Source, load_config
+from rocktune.readers.json_file import read_json
 
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 HEAD_MODULES = ("lm_head", "embed_tokens", "wte", "embed_in", "embed_out")
@@ -28,7 +28,7 @@ def base_dtype(name_or_path: str, trust_remote_code: bool) -> str:
 
 def touches_head(adapter: Path) -> bool:
     """Does the adapter change the output head or the input embedding (LoRA on them, or full copies)?"""
-    cfg = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    cfg = read_json(adapter / "adapter_config.json", "restore the run directory from a copy, or train again.")
     names: list[str] = []
     for field in ("target_modules", "modules_to_save"):
         value = cfg.get(field) or []

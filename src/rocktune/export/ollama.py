@@ -9,6 +9,7 @@ tokenizer's chat template says, because that is what the model learned.
 from __future__ import annotations
 
 from rocktune.data.encode import ALPACA_NO_INPUT
+from rocktune.readers.template import render_chat_template
 
 CHATML = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
           "{{ end }}<|im_start|>assistant\n")
@@ -60,8 +61,8 @@ def _default_system(tokenizer, family: str) -> str | None:
     """Ollama's TEMPLATE only sees the messages it is given; a default the Jinja template adds goes in SYSTEM."""
     import re
 
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
-                                             add_generation_prompt=False)
+    rendered = render_chat_template(tokenizer, [{"role": "user", "content": "x"}], tokenize=False,
+                                    add_generation_prompt=False)
     found = re.search(DEFAULT_SYSTEM[family], rendered, re.DOTALL)
     return found.group(1) if found else None
 

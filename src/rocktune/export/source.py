@@ -12,13 +12,16 @@ is a request that is refused, naming the file, never a permission.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from rocktune.errors import UserError, first_line
+from rocktune.readers.json_file import read_json
+from rocktune.readers.safetensors_file import check_safetensors
+from rocktune.readers.yaml_file import read_yaml
+
+# a run directory's files are rocktune's own; one that does not read was damaged or replaced
+RETRAIN = "the run directory is damaged: restore it from a copy, or train again"
 
 
 @dataclass
@@ -47,18 +50,21 @@ def resolve(path: str, base_override: str | None = None, trust_remote_code: bool
     adapter = _find_adapter(root)
     if adapter is None:
         if (root / "config.json").is_file():
+            _check_local_model(base_override or str(root))
             return Source(base_override or str(root), None, {}, trust_remote_code)
         raise UserError(f"{path} holds no adapter: expected {root / 'adapter' / 'adapter_config.json'} (written "
                         "when a training run finishes) or a model directory with config.json. Was the run "
                         "interrupted before its end? `rocktune train --resume` finishes it.")
     run_config, config_file = _read_run_config(adapter)
-    model = run_config.get("model", {})
-    base = base_override or model.get("name_or_path") or _adapter_config(adapter).get("base_model_name_or_path")
+    model = run_config.get("model", {}) if isinstance(run_config.get("model"), dict) else {}
+    adapter_config = _adapter_config(adapter)  # read here, hardened, before PEFT parses it on its own
+    base = base_override or model.get("name_or_path") or adapter_config.get("base_model_name_or_path")
     if not base:
         raise UserError(f"{adapter}: the adapter does not name its base model; pass --base MODEL_DIR_OR_ID.")
     if model.get("trust_remote_code") and not trust_remote_code:
         raise UserError(_remote_code_refusal(config_file, base))
     _check_base_exists(base, adapter, base_override is not None)
+    _check_local_model(str(base))
     src = Source(str(base), adapter, run_config, trust_remote_code)
     check_shapes(src)
     return src
@@ -75,7 +81,10 @@ def _read_run_config(adapter: Path) -> tuple[dict, Path | None]:
     """The run's config and the file it came from (None: neither file is there)."""
     for cand in (adapter / "rocktune_config.yaml", adapter.parent / "config.yaml"):
         if cand.is_file():
-            return yaml.safe_load(cand.read_text(encoding="utf-8")) or {}, cand
+            data = read_yaml(cand, RETRAIN + ".")[0] or {}
+            if not isinstance(data, dict):
+                raise UserError(f"{cand} does not hold a run's config (a mapping of sections); {RETRAIN}.")
+            return data, cand
     return {}, None
 
 
@@ -87,10 +96,16 @@ def _remote_code_refusal(config_file: Path, base: str) -> str:
 
 
 def _adapter_config(adapter: Path) -> dict:
-    try:
-        return json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{adapter / 'adapter_config.json'}:{exc.lineno}: malformed JSON ({exc.msg}).") from None
+    return read_json(adapter / "adapter_config.json", f"{RETRAIN} (or re-export the adapter).")
+
+
+def _check_local_model(base: str) -> None:
+    """The base (or plain model) directory checked as ``train`` checks it: config.json and every safetensors header
+    bounded and inside its file (the targets that need a tokenizer say so themselves); a hub id is left to the
+    loader."""
+    from rocktune.modelcheck import check_model_dir
+
+    check_model_dir(base, tokenizer=False)
 
 
 def _check_base_exists(base: str, adapter: Path, overridden: bool) -> None:
@@ -128,6 +143,7 @@ def check_shapes(src: Source) -> None:
     if not weights.is_file():
         raise UserError(f"{src.adapter} has adapter_config.json but no adapter_model.safetensors; the adapter is "
                         "incomplete (re-run the training's last save with `rocktune train --resume`).")
+    check_safetensors(weights, f"{RETRAIN}.")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(src.base, src.trust_remote_code),
                                                  trust_remote_code=src.trust_remote_code)

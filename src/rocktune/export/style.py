@@ -6,8 +6,10 @@ learned raw text (even when the tokenizer has a template); an alpaca run learned
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from rocktune.readers.json_file import JsonProblem, parse_json
+from rocktune.readers.template import render_chat_template
 
 STYLES = ("auto", "chat", "raw", "alpaca")
 
@@ -29,8 +31,8 @@ def _first_record_shape(train_file: str | None) -> str | None:
     try:
         with open(train_file, encoding="utf-8") as f:
             head = f.read(1 << 20).lstrip()
-        first = json.loads(head.splitlines()[0]) if not head.startswith("[") else json.loads(head)[0]
-    except (ValueError, IndexError, OSError):
+        first = parse_json(head.splitlines()[0]) if not head.startswith("[") else parse_json(head)[0]
+    except (JsonProblem, IndexError, KeyError, TypeError, OSError, ValueError):
         return None
     if not isinstance(first, dict):
         return None
@@ -55,7 +57,7 @@ def render(style: str, tokenizer, prompt: str | None = None, messages: list[dict
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--template chat: this tokenizer has no chat template; use --template raw.")
         msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return render_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=True)
     if prompt is None:
         if style != "raw":
             raise UserError(f"--template {style} takes a prompt, not a conversation.")

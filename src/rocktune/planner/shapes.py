@@ -142,9 +142,11 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
 
 def read_config(path: Path) -> dict:
     """A config.json as a dict, or a UserError naming the file (the LM and the Wan planner read theirs alike)."""
+    from rocktune.readers.json_file import JsonProblem, parse_json
+
     try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        config = parse_json(path.read_bytes())
+    except (OSError, JsonProblem) as exc:  # JsonProblem: malformed, nested too deeply (the depth bound), ...
         raise UserError(f"{path} is not a readable JSON file: {exc}") from None
     if not isinstance(config, dict):
         raise UserError(f"{path} does not hold a JSON object; is it a Hugging Face config.json?")

@@ -85,11 +85,9 @@ class Platform:
 
 
 def load_platform(path: str | os.PathLike) -> Platform:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read platform snapshot {path}: {exc}") from exc
-    return Platform.from_dict(data)
+    from rocktune.readers.json_file import read_json
+
+    return Platform.from_dict(read_json(Path(path), "write one with `rocktune doctor --json`."))
 
 
 def detect(probe: str = "device") -> Platform:

@@ -8,15 +8,17 @@ checkpoint's line count before it appends.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from rocktune.errors import UserError
+from rocktune.readers.json_file import JsonProblem, parse_json, read_json
+from rocktune.readers.yaml_file import read_yaml
+
+# the run directory's files are written by rocktune; one that does not read was damaged or replaced
+DAMAGED = "the run directory is damaged: restore the file from a copy, or delete it to report without it."
 
 CHECKPOINT = re.compile(r"step-(\d+)$")
 
@@ -67,8 +69,8 @@ def load_run(path: str | Path) -> RunData:
         raise UserError(f"{run} is not a rocktune run directory (no metrics.jsonl); pass the output.dir of a run "
                         "that rocktune train has started.")
     rows = _jsonl(metrics)
-    config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
-    info = json.loads((run / "run_info.json").read_text()) if (run / "run_info.json").is_file() else {}
+    config = read_yaml(run / "config.yaml", DAMAGED)[0] if (run / "config.yaml").is_file() else {}
+    info = read_json(run / "run_info.json", DAMAGED) if (run / "run_info.json").is_file() else {}
     ckpts = sorted(int(m.group(1)) for p in (run / "checkpoints").glob("step-*") if (m := CHECKPOINT.match(p.name)))
     return RunData(path=run, name=run.name if run.name != "run" else f"{run.parent.name}/{run.name}",
                    steps=[r for r in rows if "loss" in r], evals=[r for r in rows if "eval_loss" in r],
@@ -81,11 +83,14 @@ def _jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
+            rec = parse_json(line)
+        except JsonProblem as exc:
+            if exc.malformed:
+                continue
+            raise UserError(f"{path}:{lineno}: {exc}; the run directory is damaged: remove that line, or restore "
+                            "the file from a copy.") from None
         if isinstance(rec, dict):
             out.append(rec)
     return out

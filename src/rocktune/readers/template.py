@@ -1,0 +1,66 @@
+"""Chat templates come from the model's tokenizer files, i.e. from outside. transformers renders them in jinja's
+immutable sandbox, which refuses a template that reaches for Python internals (``__class__``, ``__globals__``,
+mutating methods) by raising ``SecurityError`` mid-render; that refusal, and any other template failure, becomes
+one ``UserError`` naming the file the template came from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rocktune.errors import UserError
+
+
+def render_chat_template(tokenizer, messages: list[dict], **kwargs: Any):
+    """``tokenizer.apply_chat_template(messages, **kwargs)``, its template's failures as a ``UserError``."""
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except SecurityError as exc:
+        raise _refused(tokenizer, exc) from None
+    except TemplateError as exc:
+        raise UserError(f"the chat template in {template_file(tokenizer)} failed to render "
+                        f"({type(exc).__name__}: {_first_line(exc)}); fix the template, or use the model's original "
+                        "tokenizer files.") from None
+
+
+def check_chat_template(tokenizer) -> None:
+    """Render a one-message probe so that a template reaching for internals is refused before any work; a template
+    that raises on the probe on purpose (``raise_exception``, e.g. for a missing system turn) is left to the render
+    that uses it."""
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    except SecurityError as exc:
+        raise _refused(tokenizer, exc) from None
+    except TemplateError:
+        pass
+
+
+def _refused(tokenizer, exc: Exception) -> UserError:
+    return UserError(f"the chat template in {template_file(tokenizer)} was refused: it reaches for Python internals "
+                     f"that a template has no use for ({_first_line(exc)}), which is how a crafted template tries to "
+                     "run code. Use the model's original tokenizer files, or remove the chat template from that "
+                     "file.")
+
+
+def template_file(tokenizer) -> str:
+    """Where a tokenizer's chat template was read from: chat_template.jinja or tokenizer_config.json of its
+    directory, or the hub id when it came from the hub cache."""
+    source = str(getattr(tokenizer, "name_or_path", "") or "")
+    folder = Path(source).expanduser()
+    if source and folder.is_dir():
+        for name in ("chat_template.jinja", "tokenizer_config.json"):
+            if (folder / name).is_file():
+                return str(folder / name)
+        return str(folder)
+    return f"the tokenizer files of {source}" if source else "the tokenizer's files"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
