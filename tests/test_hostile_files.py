@@ -228,7 +228,18 @@ def _bomb_run_config(t: Path, run: Path) -> tuple[list[str], Path]:
     return ["export", str(run), "--to", "merged"], run / "config.yaml"
 
 
-YAML_CASES = {"train-config": _bomb_config, "run-config-export": _bomb_run_config}
+def _bomb_in_output_dir(t: Path, run: Path) -> tuple[list[str], Path]:
+    """A shared run directory given as output.dir: train reads its config.yaml to tell this run from another."""
+    (run / "config.yaml").write_text(alias_bomb() + "model:\n  name_or_path: *l8\n", encoding="utf-8")
+    cfg_file = _train_config(t, t / "base")
+    cfg = yaml.safe_load(cfg_file.read_text(encoding="utf-8"))
+    cfg["output"]["dir"] = str(run)
+    cfg_file.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return ["train", "-c", str(cfg_file)], run / "config.yaml"
+
+
+YAML_CASES = {"train-config": _bomb_config, "run-config-export": _bomb_run_config,
+              "run-config-as-output-dir": _bomb_in_output_dir}
 
 
 @pytest.mark.parametrize("case", sorted(YAML_CASES))

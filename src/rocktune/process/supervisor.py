@@ -20,13 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.markup import escape  # causes quote library messages, which may contain [brackets]
 
 from rocktune import exits
 from rocktune.process import outcome
 from rocktune.train.request import RunRequest
+from rocktune.readers.json_file import parse_json
+from rocktune.readers.yaml_file import read_yaml
 
 
 def supervise(request: RunRequest, max_restarts: int) -> int:
@@ -90,7 +91,7 @@ def _next_attempt(request: RunRequest, run_dir: Path, started: float, rollback: 
     saved = run_dir / "config.yaml"
     if saved.is_file() and saved.stat().st_mtime >= started - 1:  # 1 s: coarse mtimes on some filesystems
         # Our child started the run: continue exactly that run (its config, already fitted by --auto), never wipe.
-        request = dataclasses.replace(request, config=yaml.safe_load(saved.read_text()))
+        request = dataclasses.replace(request, config=read_yaml(saved, "it was written by this run's child.")[0])
         options = dataclasses.replace(options, overwrite=False, resume=True, auto_fit=False)
     # Otherwise the child died before it wrote anything: repeat the first attempt as asked (--overwrite included).
     training = request.config["training"]
@@ -167,7 +168,7 @@ def _last_step(metrics: Path) -> int:
     if metrics.is_file():
         for line in metrics.read_text(encoding="utf-8").splitlines():
             try:
-                step = max(step, int(json.loads(line).get("step", 0)))
+                step = max(step, int(parse_json(line).get("step", 0)))
             except ValueError:
                 break  # a line cut short by the crash
     return step

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 
 class JsonProblem(ValueError):
@@ -34,7 +34,7 @@ def parse_json(text: str | bytes) -> Any:
         raise JsonProblem("the JSON is nested too deeply to parse (deeper than Python's recursion limit, about "
                           "1,000 levels)") from None
     except ValueError as exc:  # e.g. an integer longer than int's digit limit
-        raise JsonProblem(f"the JSON cannot be parsed ({_first_line(exc)})") from None
+        raise JsonProblem(f"the JSON cannot be parsed ({first_line(exc)})") from None
 
 
 def read_json(path: Path, fix: str, expect: type | None = dict) -> Any:
@@ -58,8 +58,3 @@ def _where(exc: json.JSONDecodeError) -> str:
 
 def _kind(expect: type) -> str:
     return {dict: "object", list: "array"}.get(expect, expect.__name__)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

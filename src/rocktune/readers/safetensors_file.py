@@ -8,7 +8,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 from rocktune.readers.json_file import JsonProblem, parse_json
 
 # safetensors refuses headers above 100 MB itself; the same bound here lets the message say so before it is opened.
@@ -39,7 +39,7 @@ def check_safetensors(file: Path, fix: str) -> None:
         if expected is not None and size < expected:
             why = f"is truncated: {size:,} bytes, but its header describes {expected:,} (an interrupted download?)"
         else:
-            why = f"is not a valid safetensors file ({_first_line(exc)})"
+            why = f"is not a valid safetensors file ({first_line(exc)})"
         raise UserError(f"{file} {why}; {fix}") from None
 
 
@@ -55,8 +55,3 @@ def described_size(file: Path) -> int | None:
         return 8 + n + max(ends, default=0)
     except (OSError, JsonProblem, struct.error, TypeError, KeyError, IndexError, AttributeError, ValueError):
         return None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rocktune.errors import UserError
+from rocktune.errors import UserError, first_line
 
 
 def render_chat_template(tokenizer, messages: list[dict], **kwargs: Any):
@@ -21,7 +21,7 @@ def render_chat_template(tokenizer, messages: list[dict], **kwargs: Any):
         raise _refused(tokenizer, exc) from None
     except TemplateError as exc:
         raise UserError(f"the chat template in {template_file(tokenizer)} failed to render "
-                        f"({type(exc).__name__}: {_first_line(exc)}); fix the template, or use the model's original "
+                        f"({type(exc).__name__}: {first_line(exc)}); fix the template, or use the model's original "
                         "tokenizer files.") from None
 
 
@@ -43,7 +43,7 @@ def check_chat_template(tokenizer) -> None:
 
 def _refused(tokenizer, exc: Exception) -> UserError:
     return UserError(f"the chat template in {template_file(tokenizer)} was refused: it reaches for Python internals "
-                     f"that a template has no use for ({_first_line(exc)}), which is how a crafted template tries to "
+                     f"that a template has no use for ({first_line(exc)}), which is how a crafted template tries to "
                      "run code. Use the model's original tokenizer files, or remove the chat template from that "
                      "file.")
 
@@ -59,8 +59,3 @@ def template_file(tokenizer) -> str:
                 return str(folder / name)
         return str(folder)
     return f"the tokenizer files of {source}" if source else "the tokenizer's files"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -28,6 +28,7 @@ from rocktune.train import checkpoint_state
 from rocktune.train.checkpoint_state import STATE
 from rocktune.atomic import write_atomic
 from rocktune.train.rundir import out_of_space
+from rocktune.readers.json_file import parse_json
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -151,7 +152,7 @@ def last_good(ckpt_root: Path) -> int | None:
     for path in _candidates(ckpt_root):
         if verify(path) is None:
             try:
-                return int(json.loads((path / "meta.json").read_text())["step"])
+                return int(parse_json((path / "meta.json").read_bytes())["step"])
             except (OSError, ValueError, KeyError):
                 continue
     return None
@@ -170,7 +171,7 @@ def _set_aside(path: Path) -> str:
 def verify(path: Path) -> str | None:
     """Why ``path`` is not a usable checkpoint, or None when every file matches its recorded hash."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = parse_json((path / MANIFEST).read_bytes())
         hashes = dict(manifest["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return "manifest missing or unreadable (partial write?)"

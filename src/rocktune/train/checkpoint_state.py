@@ -8,7 +8,6 @@ run code or build objects other than tensors and plain containers — a refusal 
 
 from __future__ import annotations
 
-import json
 import pickle
 import random
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from rocktune.errors import first_line
+from rocktune.readers.json_file import parse_json
 
 ADAPTER = "adapter_model.safetensors"
 STATE = "trainer_state.pt"
@@ -128,7 +128,7 @@ def _check_optimizer(saved: dict, optimizer) -> None:
 
 def _read_meta(file: Path) -> dict:
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
+        meta = parse_json(file.read_bytes())
         ok = isinstance(meta["step"], int) and isinstance(meta["position"], dict) and isinstance(meta["extra"], dict)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise Damaged(f"{META} cannot be read ({first_line(exc)})") from None

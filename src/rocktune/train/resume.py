@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
 
 from rocktune.errors import UserError
 from rocktune.atomic import write_atomic
-from rocktune.train.rundir import CONFIG_NAME, diff_keys
+from rocktune.train.rundir import CONFIG_NAME, DAMAGED_CONFIG, diff_keys
+from rocktune.readers.yaml_file import read_yaml
 
 # Keys that may change between a run and its resume without changing what the resumed steps compute. The length
 # of the run is not among them: it shapes the learning-rate schedule, so extending a run needs --resume-force.
@@ -22,7 +22,7 @@ def check_config(run_dir: Path, config: dict, force: bool) -> None:
     saved = run_dir / CONFIG_NAME
     if not saved.is_file():
         return  # killed before it wrote anything: the resume is simply the start of the run
-    changed = [k for k in diff_keys(yaml.safe_load(saved.read_text()) or {}, config)
+    changed = [k for k in diff_keys(read_yaml(saved, DAMAGED_CONFIG)[0] or {}, config)
                if not k.startswith(RESUMABLE_CHANGES)]
     if changed and not force:
         raise UserError(f"--resume: the config differs from the run in {run_dir} in {', '.join(changed[:8])}; "

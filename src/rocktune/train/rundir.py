@@ -13,8 +13,10 @@ import yaml
 
 from rocktune.atomic import write_atomic
 from rocktune.errors import UserError
+from rocktune.readers.yaml_file import read_yaml
 
 CONFIG_NAME = "config.yaml"
+DAMAGED_CONFIG = "the run directory's config.yaml is damaged: restore it, or pass --overwrite to start again."
 # Written by the supervisor on Ctrl-C when several ranks train (torchrun does not pass SIGINT on): rank 0 sees it,
 # and every rank checkpoints and stops after the same step.
 STOP_FILE = ".stop"
@@ -33,7 +35,7 @@ def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool 
                         "output.dir, or pass --overwrite to replace its contents.")
     if resume:
         return
-    old = yaml.safe_load(saved.read_text()) or {}
+    old = read_yaml(saved, DAMAGED_CONFIG)[0] or {}  # a shared run directory's file may be hostile
     changed = diff_keys(old, config)
     if changed:
         raise UserError(f"output.dir {run_dir} already holds a different run (differs in {', '.join(changed[:6])}); "

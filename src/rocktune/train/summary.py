@@ -8,10 +8,11 @@ here (peak memory); nothing is estimated. ``already_complete`` is the same summa
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from rocktune.readers.json_file import JsonProblem, parse_json
 
 # The commands that use a run directory, each shown only once its module is installed.
 NEXT_COMMANDS = (
@@ -37,8 +38,8 @@ def read_figures(metrics_file: Path) -> RunFigures:
         return fig
     for line in metrics_file.read_text(encoding="utf-8").splitlines():
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+            rec = parse_json(line)
+        except JsonProblem:
             continue  # a line torn by a crash; the checkpoint's count already excludes it
         if "eval_loss" in rec:
             fig.eval_before = rec["eval_loss"] if fig.eval_before is None else fig.eval_before

@@ -17,6 +17,8 @@ import torch
 
 from rocktune.data import checks
 from rocktune.data.encode import ALPACA_NO_INPUT, IGNORE
+from rocktune.readers.json_file import parse_json
+from rocktune.readers.template import render_chat_template
 
 SHOWN_CHARS = 80
 
@@ -37,8 +39,8 @@ def prompts_from_examples(input_ids: list[list[int]], labels: list[list[int]], c
 def render_prompt(text: str, tokenizer, shape: str) -> list[int]:
     """A user's prompt, dressed the way the data's prompts are (so the model sees the form it is trained on)."""
     if shape == "messages" and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = render_chat_template(tokenizer, [{"role": "user", "content": text}], tokenize=False,
+                                    add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if shape == "alpaca":
         text = ALPACA_NO_INPUT.format(instruction=text)
@@ -118,7 +120,7 @@ def _keep_until(path: Path, step: int) -> None:
     if step and path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             with contextlib.suppress(ValueError):
-                if json.loads(line)["step"] <= step:
+                if parse_json(line)["step"] <= step:
                     kept.append(line + "\n")
     write_atomic(path, "".join(kept))
 
