@@ -107,7 +107,7 @@ def test_hung_rank_is_named_within_the_timeout_and_the_run_recovers(setup, refer
     _, _, tmp = setup
     run = tmp / "hung"
     res = rocktune("train", "-c", config(setup, run), "--nproc", 2,
-                   env={"ROCKTUNE_FAULT_HANG": "1@step:3", "ROCKTUNE_FAULT_ONCE": str(tmp / "hung.marker")})
+                   faults={"hang": "1@step:3", "marker": str(tmp / "hung.marker")})
     assert res.returncode == 0, res.stderr
     assert "step 3" in res.stderr and "Rank 1" in res.stderr, res.stderr[-3000:]
     [incident] = [json.loads(x) for x in (run / "incidents.jsonl").read_text().splitlines()]
@@ -118,7 +118,7 @@ def test_hung_rank_is_named_within_the_timeout_and_the_run_recovers(setup, refer
 def test_preflight_catches_a_collective_that_returns_wrong_values(setup):
     _, _, tmp = setup
     run = tmp / "junk"
-    res = rocktune("train", "-c", config(setup, run), "--nproc", 2, env={"ROCKTUNE_FAULT_ALLREDUCE_RANK": "1"})
+    res = rocktune("train", "-c", config(setup, run), "--nproc", 2, faults={"junk_all_reduce_rank": 1})
     assert res.returncode == 2, res.stderr
     assert "test all-reduce on gloo returned" in res.stderr and "wrong results" in res.stderr
     assert not run.exists()  # nothing written
@@ -180,7 +180,7 @@ def test_fsdp_shards_the_layers_and_trains_like_one_process(setup):
 def test_doctor_runs_the_preflight_alone():
     ok = rocktune("doctor", "--nproc", 2)
     assert ok.returncode == 0 and "2 ranks, gloo; preflight passed" in ok.stdout, ok.stderr[-2000:]
-    bad = rocktune("doctor", "--nproc", 2, env={"ROCKTUNE_FAULT_ALLREDUCE_RANK": "0"})
+    bad = rocktune("doctor", "--nproc", 2, faults={"junk_all_reduce_rank": 0})
     assert bad.returncode == 2 and "wrong results" in bad.stderr
 
 

@@ -11,14 +11,21 @@ from rocktune.doctor import perf as p
 from rocktune.doctor.registry import FAULTS, parse_faults, plan, run_one
 
 
-def test_real_cpu_checks_pass():
-    for name, fn in plan("cpu", perf=False):
-        if name.startswith("lora"):
-            continue  # covered (with its peft import) by the end-to-end doctor test
-        result = run_one(name, fn)
-        assert result.status in ("pass", "skip"), (name, result.detail)
-        if name.startswith(("transfer[pinned", "allocator")):
-            assert result.status == "skip"
+CPU_CHECKS = [(name, fn) for name, fn in plan("cpu", perf=False)
+              if not name.startswith("lora")]  # lora: covered (with its peft import) by the end-to-end doctor test
+
+
+def test_the_cpu_plan_holds_the_checks():
+    names = {name for name, _ in CPU_CHECKS}
+    assert {"transfer[pageable]", "matmul[float32]", "convert[float32->bfloat16]", "allocator"} <= names
+
+
+@pytest.mark.parametrize("name, fn", CPU_CHECKS, ids=[name for name, _ in CPU_CHECKS])
+def test_real_cpu_checks_pass(name, fn):
+    result = run_one(name, fn)
+    assert result.status in ("pass", "skip"), result.detail
+    if name.startswith(("transfer[pinned", "allocator")):
+        assert result.status == "skip"  # no pinned memory or device allocator without a GPU
 
 
 @pytest.mark.parametrize("kind", ["zero", "perturb"])

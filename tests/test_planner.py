@@ -87,8 +87,9 @@ def test_seed_case_static_terms_are_lora_only():
 def test_seed_case_fits_32gb_with_and_without_checkpointing():
     shape = load_shape("Qwen2.5-3B")
     off, on = estimate(shape, seed_spec()), estimate(shape, seed_spec(checkpointing=True))
-    assert 19 * 2**30 < off.total_bytes < 24 * 2**30
-    assert 12 * 2**30 < on.total_bytes < 15 * 2**30
+    # the figures docs/planner.md documents (21.07 / 13.01 GiB): a change to a term shows here and there
+    assert off.total_bytes / 2**30 == pytest.approx(21.07, abs=0.005)
+    assert on.total_bytes / 2**30 == pytest.approx(13.01, abs=0.005)
     assert on.by_name()["activations"] == 36 * 1024 * 2048 * 4  # one fp32 layer input per layer
 
 

@@ -60,6 +60,11 @@ def test_resolve_auto_on_this_machine():
     if not torch.cuda.is_available():
         assert (choices.device, choices.precision, choices.attn_implementation) == ("cpu", "fp32", "sdpa")
         assert "device auto -> cpu" in choices.messages
+    else:  # a GPU: the device, and a precision that passed its self-test on it (each choice said)
+        assert choices.device == "cuda" and "device auto -> cuda" in choices.messages
+        assert choices.precision in ("bf16", "fp16", "fp32")
+        assert any(m.startswith("precision auto -> ") for m in choices.messages)
+        assert choices.grad_scaler == (choices.precision == "fp16")
 
 
 def _fake_checks(monkeypatch, failing: set[str]):

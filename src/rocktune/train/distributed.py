@@ -17,7 +17,6 @@ import base64
 import contextlib
 import os
 import re
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +24,7 @@ import torch
 
 from rocktune import exits
 from rocktune.errors import UserError, first_line
+from rocktune.train import faults
 
 
 # What gloo and NCCL/RCCL say when a peer is gone or a collective timed out.
@@ -142,10 +142,10 @@ def preflight(dist: Dist, device: str, timeout_s: float) -> list[str]:
         return []
     import torch.distributed as td
 
-    _maybe_hang("preflight", dist.rank)
+    faults.hang_here("preflight", dist.rank)
     _answering(dist, timeout_s, "the start-up barrier")
     values = torch.tensor([dist.rank + 1.0, (dist.rank + 1) * 2.0**-10, 1000.0 * (dist.rank + 1)], device=device)
-    if os.environ.get("ROCKTUNE_FAULT_ALLREDUCE_RANK") == str(dist.rank):  # tests: a collective that returns junk
+    if faults.junk_all_reduce(dist.rank):  # tests: a collective that returns junk
         values += 1.0
     try:
         td.all_reduce(values, async_op=True).wait(timedelta(seconds=timeout_s))
@@ -269,7 +269,7 @@ def reduce_step(dist: Dist, loss_sum: torch.Tensor, stop: bool, step: int) -> to
         return values
     import torch.distributed as td
 
-    _maybe_hang(f"step:{step}", dist.rank)
+    faults.hang_here(f"step:{step}", dist.rank)
     try:
         td.all_reduce(values)
     except Exception as exc:  # noqa: BLE001 -- gloo raises on timeout or a closed peer; NCCL's watchdog aborts the process instead
@@ -379,22 +379,6 @@ def _hint(dist: Dist) -> str:
         return (". On ROCm multi-GPU machines see `rocktune doctor` (NCCL_P2P_DISABLE=1 on some RX 7900 systems, "
                 "iommu=pt, HSA_ENABLE_SDMA=0); run `rocktune doctor --nproc N` to repeat this check alone")
     return ""
-
-
-def _maybe_hang(point: str, rank: int) -> None:
-    """Tests: ROCKTUNE_FAULT_HANG=RANK@POINT (POINT: preflight | step:N) makes that rank stop answering, once per
-    run directory marker, as a hung GPU or driver would."""
-    spec = os.environ.get("ROCKTUNE_FAULT_HANG", "")
-    if spec != f"{rank}@{point}":
-        return
-    marker = os.environ.get("ROCKTUNE_FAULT_ONCE")
-    if marker:
-        if os.path.exists(marker):
-            return
-        open(marker, "w").close()
-    while True:
-        time.sleep(60)
-
 
 
 def _preflight_alone() -> int:

@@ -6,6 +6,7 @@
                     "oom_repeat": true), at its forward number "oom_at_forward" (default 1)
   nan_at_steps      make the loss of those steps NaN
   zero_loss         make every loss exactly zero (the seeds' silent-zeros failure)
+  overflow_at_step  scale that step's loss by 1e30: finite in fp32, its fp16 gradients overflow (GradScaler's case)
   corrupt_transfer_at_step   perturb one element of that step's device copy of the batch
   fail_checkpoint_at_step    make writing that step's checkpoint fail as a full disk would ("fail_checkpoint_kind":
                     "runtime" raises the RuntimeError torch.save gives instead of OSError)
@@ -15,6 +16,13 @@
   rank              several processes: only that rank (torchrun's RANK) injects the faults
   marker            a file path: faults act only while it does not exist, and the first one to act creates it,
                     so a restarted process runs clean (a crash that happens once)
+Several processes (read by train/distributed.py through ``hang_here`` and ``junk_all_reduce``, whatever "rank" says):
+  hang              "RANK@POINT" (POINT: preflight | step:N): that rank stops answering there, as a hung GPU or
+                    driver would (once, with "marker")
+  junk_all_reduce_rank   that rank adds junk to the preflight's test all-reduce (a collective returning wrong values)
+
+This is the one list: no other variable injects a fault. What tells the supervisor that the first step completed is
+not a fault hook (``train(..., on_step_done=)``).
 """
 
 from __future__ import annotations
@@ -26,7 +34,6 @@ import signal
 import time
 
 import torch
-
 
 
 class Faults:
@@ -68,6 +75,8 @@ class Faults:
             return loss_sum * float("nan")
         if self.spec.get("zero_loss"):
             return loss_sum * 0.0
+        if self.spec.get("overflow_at_step") == step:
+            return loss_sum * 1e30
         return loss_sum
 
     def transfer(self, step: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -94,3 +103,26 @@ class Faults:
     def slow_step(self) -> None:
         if self.spec.get("slow_steps"):
             time.sleep(float(self.spec["slow_steps"]))
+
+
+def _injected() -> dict:
+    return json.loads(os.environ.get("ROCKTUNE_FAULTS", "{}"))
+
+
+def hang_here(point: str, rank: int) -> None:
+    """``hang``: this rank stops answering at ``point``, once per ``marker``."""
+    spec = _injected()
+    if spec.get("hang") != f"{rank}@{point}":
+        return
+    marker = spec.get("marker")
+    if marker:
+        if os.path.exists(marker):
+            return
+        open(marker, "w").close()
+    while True:
+        time.sleep(60)
+
+
+def junk_all_reduce(rank: int) -> bool:
+    """``junk_all_reduce_rank``: this rank's preflight all-reduce contributes wrong values."""
+    return _injected().get("junk_all_reduce_rank") == rank
