@@ -191,7 +191,7 @@ def test_gpu_targets_include_mfu_per_shape_and_hf_best():
 
 def test_largest_fitting_batch_keeps_the_global_batch_and_backs_off_on_oom():
     from rocktune.bench.hf_baseline import SkipBaseline, largest_fitting_batch
-    from rocktune.train.step import DEVICE_OOM
+    from rocktune.train.oom import DEVICE_OOM
 
     tried = []
 

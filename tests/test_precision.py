@@ -48,3 +48,34 @@ def test_fp16_run_killed_mid_way_resumes_exactly(tiny_model_dir, data, tmp_path)
     assert logged(tmp_path / "killed") == logged(tmp_path / "straight")
     assert adapter_bytes(tmp_path / "killed") == adapter_bytes(tmp_path / "straight")
     assert scaler_state(tmp_path / "killed", 4)["scale"] == scaler_state(tmp_path / "straight", 4)["scale"]
+
+
+def _compiled_run(tiny_model_dir, data, out, **training) -> dict:
+    cfg = config(tiny_model_dir, data, out, max_steps=3, batching="tokens", micro_batch_tokens=256, **training)
+    cfg["lora"]["dropout"] = 0.0
+    return cfg
+
+
+@pytest.mark.slow
+def test_compile_on_the_cpu_with_static_width_rows_and_a_real_compiler_failure_falling_back(
+        tiny_model_dir, data, tmp_path, monkeypatch, capsys):
+    """compile=true: the decoder is compiled (rows padded to max_length, so one shape) and trains to eager's losses;
+    with the C++ compiler Inductor calls made to fail, the real error falls back to eager and the run finishes."""
+    pytest.importorskip("torch._inductor")
+    eager = train(config_from_dict(_compiled_run(tiny_model_dir, data, tmp_path / "eager", compile=False)),
+                  quiet=True)
+    compiled = train(config_from_dict(_compiled_run(tiny_model_dir, data, tmp_path / "compiled", compile=True)),
+                     quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert [r["compiling"] for r in rows] == [True, False, False]
+    assert all(r["batch_tokens"] % 64 == 0 for r in rows)  # static width: every row padded to max_length (64)
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    torch._dynamo.reset()
+    fell_back = train(config_from_dict(_compiled_run(tiny_model_dir, data, tmp_path / "broken", compile=True)))
+    err = capsys.readouterr().err
+    assert "torch.compile failed" in err and "continuing without it" in err
+    assert fell_back.losses == pytest.approx(eager.losses, rel=1e-4)

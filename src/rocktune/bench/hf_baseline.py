@@ -145,7 +145,7 @@ def real_token_count(inputs: dict) -> int:
 def largest_fitting_batch(trial, global_batch: int) -> int:
     """The largest divisor of the global batch whose worst-case micro-batch survives ``trial(n)`` without a device
     out-of-memory error (so the global batch is kept exactly)."""
-    from rocktune.train.step import DEVICE_OOM
+    from rocktune.train.oom import DEVICE_OOM
 
     for n in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0), reverse=True):
         try:

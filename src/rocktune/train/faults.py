@@ -58,7 +58,7 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def before_forward(self, step: int) -> None:
-        from rocktune.train.step import DEVICE_OOM
+        from rocktune.train.oom import DEVICE_OOM
 
         n = self._forwards[step] = self._forwards.get(step, 0) + 1
         if self.spec.get("oom_at_step") != step or (self._oom_fired and not self.spec.get("oom_repeat")):

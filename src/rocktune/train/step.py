@@ -17,11 +17,8 @@ import torch
 from rocktune.data.batching import LOSS_KEYS, with_loss_index
 from rocktune.train.distributed import no_sync
 from rocktune.train.guards import verify_transfer
+from rocktune.train.oom import DEVICE_OOM
 from rocktune.errors import first_line
-
-
-# torch.OutOfMemoryError appeared in torch 2.5; gfx906 users run 2.4.1, where only the cuda alias exists.
-DEVICE_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class OutOfMemoryInGroup(RuntimeError):
