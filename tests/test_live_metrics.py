@@ -120,3 +120,35 @@ def test_missing_client_is_refused_before_the_run(monkeypatch):
     with pytest.raises(UserError, match="output.mlflow=true but the mlflow package is not installed"):
         sinks.require(tensorboard=False, wandb=False, mlflow=True)
     sinks.require(tensorboard=False, wandb=False, mlflow=False)
+
+
+@pytest.mark.slow
+def test_real_mlflow_and_wandb_clients_receive_the_run(tiny_model_dir, task_files, tmp_path, monkeypatch):
+    """The real clients, locally: MLflow into a SQLite store (read back through its own client), W&B offline (its
+    run file holds the logged series; the run's summary holds the last values). No server, no network."""
+    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from tests.conftest import tiny_run_config
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tiny_run_config(tiny_model_dir, *task_files, tmp_path / "run", max_steps=3)
+    cfg["output"].update(mlflow=True, wandb=True)
+    summaries = []
+    original = sinks._WandB.close
+    monkeypatch.setattr(sinks._WandB, "close", lambda self: summaries.append(dict(self.run.summary)) or original(self))
+    train(config_from_dict(cfg), quiet=True)
+    losses = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    [run] = MlflowClient().search_runs([mlflow.get_experiment_by_name("rocktune").experiment_id])
+    history = MlflowClient().get_metric_history(run.info.run_id, "train_loss")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["loss"])) for r in losses]
+    [wandb_file] = (tmp_path / "run").rglob("run-*.wandb")
+    data = wandb_file.read_bytes()  # W&B's record log: each history item's key and value as JSON text
+    assert b"train/loss" in data and b"perf/useful_tokens_per_s" in data
+    assert all(json.dumps(r["loss"]).encode() in data for r in losses), [r["loss"] for r in losses]
+    assert summaries and summaries[0]["_step"] >= 1

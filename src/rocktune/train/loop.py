@@ -86,8 +86,9 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
         on_ready(parts.model)
     r = _setup(task, ctx, parts)
     _begin(r, resolved)
+    # The feed's collate thread and the metric sinks (TensorBoard, W&B, MLflow runs) end with the run, however it ends.
     with ProgressBar(r.total_steps, r.start_step, ctx.quiet, silent=not ctx.dist.main) as bar, \
-            InterruptFlag() as stop, contextlib.closing(r.feed):
+            InterruptFlag() as stop, contextlib.closing(r.feed), contextlib.closing(r.metrics):
         for msg in ctx.notes:
             bar.log(f"[dim]{msg}[/]")
         if r.restored is not None:

@@ -46,7 +46,7 @@ class LiveLog:
 
     def __init__(self, base, sinks: list):
         self.base, self.sinks = base, sinks
-        atexit.register(self.close)  # the loop has no teardown of its own; flushing here loses no event
+        atexit.register(self.close)  # the loop closes it; this covers a process that ends another way
 
     def write(self, record: dict) -> None:
         self.base.write(record)
