@@ -9,15 +9,17 @@ import torch
 from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
 from rocktune.data.packing import collate_packed
-from rocktune.model import apply_lora, load_model
+from rocktune.attention import choose as choose_attention
+from rocktune.model import DTYPES, apply_lora, load_model
 from rocktune.tasks.lm.preflight import liger_gate
 
 
 def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
-                 width: int = 0):
+                 width: int = 0, segments: bool = False):
     """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row, ``pin``
     puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it), ``width``
-    pads packed rows to at least that many tokens (static shapes)."""
+    pads packed rows to at least that many tokens (static shapes), ``segments`` adds the document bounds that
+    varlen attention reads (``cu_seq_lens``)."""
     def finish(batch):
         batch = with_loss_index(batch)
         return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
@@ -26,7 +28,7 @@ def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool =
         def collate_rows(rows):
             rows = [[i for row in rows for i in row]] if one_row else rows
             return finish(collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows],
-                                         pad_id, 0 if one_row else width))
+                                         pad_id, 0 if one_row else width, segments))
         return collate_rows
 
     def collate_idx(idx):
@@ -40,6 +42,12 @@ def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
     ids = torch.tensor([[pad_id]])
     return with_loss_index({"input_ids": ids, "labels": torch.full_like(ids, -100),
                             "position_ids": torch.zeros_like(ids)})
+
+
+def attention(setting: str, ctx, packed: bool, compiled: bool) -> tuple[str, str | None]:
+    """The attention implementation to load the model with, and why (``rocktune.attention.choose``): varlen is
+    self-tested on the device in the run's precision before it is trusted."""
+    return choose_attention(setting, ctx.attn, ctx.device, (packed, compiled), DTYPES[ctx.precision])
 
 
 def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation: str, device: str,
