@@ -81,6 +81,9 @@ def run_bench(req: BenchRequest, log=print) -> dict:
         for cfg in chosen if rnd % 2 == 0 else chosen[::-1]:
             log(f"bench: {cfg.name} ({warmup} warm-up + {steps} measured steps, round {rnd + 1}/{rounds})")
             runs[cfg.name].append(run_one(cfg, {**base, "steps": warmup + steps}, out_dir, timeout))
+            # each result on disk as it comes: a run cut short (the GPU check's time limit) keeps what finished
+            (out_dir / "results").mkdir(parents=True, exist_ok=True)
+            (out_dir / "results" / f"{cfg.name}-{rnd}.json").write_text(json.dumps(runs[cfg.name][-1]))
     results = [merge_rounds(r, warmup) for r in runs.values()]
     parity = None
     if parity_steps:

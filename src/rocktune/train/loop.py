@@ -120,12 +120,15 @@ def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
     result = TrainResult(run_dir=ctx.run_dir, steps=total, model=parts.model, tokenizer=parts.tokenizer)
     r = Run(ctx, task, parts, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces, None,
             result)
+    def check(found) -> None:  # before the checkpoint is applied: a refused resume changes nothing
+        task.check_resume(found, ctx.options.resume_force)
+        resume.check_data(found, parts.fingerprint, ctx.options.resume_force)
+
     if ctx.options.resume:
         r.restored = distributed.main_first(ctx.dist, lambda: checkpoint.restore(ctx.run_dir / "checkpoints",
-                                                                                 r.state), "restoring the checkpoint")
+                                                                                 r.state, check),
+                                            "restoring the checkpoint")
     if r.restored is not None:
-        task.check_resume(r.restored, ctx.options.resume_force)
-        resume.check_data(r.restored, parts.fingerprint, ctx.options.resume_force)
         task.resumed(r.restored)
         r.start_step, r.pieces = r.restored.step, max(r.pieces, r.restored.extra.get("pieces", 1))
         feed.close()

@@ -129,8 +129,12 @@ class LMTask:
             self._autocast, self._chunk, t.loss_impl == "chunked"))
 
     def check_resume(self, restored, force: bool) -> None:
+        """Runs on the checkpoint read but not applied (checkpoint.restore): a refusal leaves the model as it was."""
         resume.check_world(restored, self.ctx.dist.world, force)
         resume.check_batching(restored, self.feeding.mode)
+        note = distributed.check_rng(self.ctx.dist, restored.extra.get("rank_rng"), force)
+        if note:
+            self.ctx.notes.append(note)
 
     def resumed(self, restored) -> None:
         distributed.restore_rng(self.ctx.dist, restored.extra.get("rank_rng"))
