@@ -161,10 +161,11 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
     ctx, task, parts, t, rel = r.ctx, r.task, r.parts, r.ctx.cfg.training, r.ctx.cfg.reliability
     dist, faults, run_peak = ctx.dist, ctx.faults, 0
     compiled = parts.compiled
+    fallback = None  # a compile failure, for the metrics row of the step it happened in (the bench reports it)
 
     def compile_failed(exc: BaseException) -> None:
-        nonlocal compiled
-        compiled = False
+        nonlocal compiled, fallback
+        compiled, fallback = False, first_line(exc)
         task.uncompile()
         bar.log(f"[yellow]torch.compile failed ({first_line(exc)}); continuing without it (set "
                 "training.compile=false to skip the attempt)[/]")
@@ -213,7 +214,8 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
                              "forwards": len(fed.forwards), "pieces": r.pieces,
                              "useful_tokens_per_s": record["tokens"] / elapsed, "step_s": elapsed,
                              "device_wait_s": update.wait_s, "compiling": compiling, "epoch": r.feed.epoch,
-                             "peak_mem_bytes": mem})
+                             "peak_mem_bytes": mem, **({"compile_fallback": fallback} if fallback else {})})
+            fallback = None
         if t.eval_every and step % t.eval_every == 0 and step < r.total_steps:
             ev = task.evaluate()
             if ev is not None:
