@@ -7,7 +7,8 @@ Packed rows of random documents (50 to ``--max-length`` tokens) as the collate b
 ``attn_implementation: auto`` picks for this device (its self-test included; the note says why), LoRA r 16 on all
 linear layers, rocktune's chunked loss, under the precision policy's autocast. One warm-up forward/backward, then one
 profiled. Writes ``profile.json`` (the choice, op counts, time, peak memory) and ``profile.txt`` (the top ops) under
-``--out``, and prints the JSON. ``--lora-ops`` also counts the ops inside the LoRA layers alone (docs/speed.md).
+``--out``, and prints the JSON. ``--lora peft`` runs PEFT's own LoRA forward instead of rocktune's lean one, and
+``--precision bf16`` a bf16 base under bf16 autocast on a CPU too: the op counts of docs/speed.md.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--out", default="/tmp/rt-profile")
+    ap.add_argument("--precision", default="auto", help="auto (the platform policy) | fp32 | bf16 | fp16")
+    ap.add_argument("--lora", default="lean", choices=("lean", "peft"),
+                    help="rocktune's lean LoRA forward (default, as training runs) or PEFT's own")
     args = ap.parse_args(argv)
 
     import torch
@@ -48,6 +52,7 @@ def main(argv=None) -> int:
 
     from rocktune.attention import VARLEN, choose
     from rocktune.bench import workload
+    from rocktune.lean_lora import lean_lora
     from rocktune.model import DTYPES, apply_lora, load_model
     from rocktune.platform.advise import device_precision
     from rocktune.tasks.lm.loss import LossModule
@@ -55,10 +60,11 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    precision = device_precision(args.device)
+    precision = device_precision(args.device) if args.precision == "auto" else args.precision
     attn, note = choose("auto", "sdpa", args.device, (True, False), DTYPES[precision])
     model_dir = workload.model_dir(args.model, Path("/tmp/rt-suite") / args.model / "cache")
     model = apply_lora(load_model(model_dir, precision, attn, False, args.device), 16, 32, 0.0, "all-linear", False)
+    lora_note = lean_lora(model) if args.lora == "lean" else "LoRA side path: PEFT's own forward"
     vocab = model.get_base_model().config.vocab_size
     batch = packed_batch(args.rows, args.max_length, vocab, attn == VARLEN)
     batch = {k: v.to(args.device) for k, v in batch.items()}
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
     sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
     (out / "profile.txt").write_text(events.table(sort_by=sort, row_limit=30))
     result = {"device": args.device, "model": args.model, "precision": precision, "attention": attn,
-              "attention_note": note, "rows": args.rows, "max_length": args.max_length,
+              "attention_note": note, "lora": lora_note, "rows": args.rows, "max_length": args.max_length,
               "tokens": int(batch["input_ids"].numel()), "profiled_step_s": round(seconds, 4),
               "aten_op_calls": sum(e.count for e in aten),
               "top_ops": {e.key: e.count for e in sorted(aten, key=lambda e: -e.count)[:15]},

@@ -9,6 +9,7 @@ import torch
 from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
 from rocktune.data.packing import collate_packed
+from rocktune.lean_lora import lean_lora
 from rocktune.attention import choose as choose_attention
 from rocktune.model import DTYPES, apply_lora, load_model
 from rocktune.tasks.lm.preflight import liger_gate
@@ -60,6 +61,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     notes = [n for n in (liger(model, m.liger, device),) if n]  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
                        m.gradient_checkpointing)
+    notes += [n for n in (lean_lora(model),) if n]  # same parameters and files, no fp32 round trip per layer
     if compile_:
         notes.append(compile_decoder(model))
     return model, notes
