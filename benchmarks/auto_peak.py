@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="qwen2.5-1.5b-shape")
     ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--points", type=int, default=len(POINTS), help="the first N points only (a shorter check)")
+    ap.add_argument("--dry-run", action="store_true", help="1 step of 4 examples per point: the code path only")
     args = ap.parse_args(argv)
 
     from rocktune.bench import workload
@@ -38,11 +40,12 @@ def main(argv=None) -> int:
     data = workload.data_file(None, 256, cache, token_range=(50, 2000))
     shape = load_shape(model_dir)
     precision = "bf16" if args.device == "cuda" else "fp32"
-    for budget, ckpt in POINTS:
+    for budget, ckpt in POINTS[: args.points]:
         raw = {"model": {"name_or_path": model_dir, "gradient_checkpointing": ckpt},
                "data": {"train_file": data, "eval_fraction": 0.0, "max_length": args.max_length,
                         "cache_dir": str(cache / "tokens")},
-               "training": {"max_steps": 3, "micro_batch_size": 8, "grad_accum": 8, "batching": "tokens",
+               "training": {"max_steps": 1 if args.dry_run else 3, "micro_batch_size": 2 if args.dry_run else 8,
+                            "grad_accum": 2 if args.dry_run else 8, "batching": "tokens",
                             "micro_batch_tokens": budget, "precision": precision, "device": args.device,
                             "eval_every": 0, "compile": False},
                "reliability": {"save_every": 0}, "output": {"dir": str(tmp / f"{budget}-{ckpt}")}}

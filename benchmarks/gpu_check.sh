@@ -1,33 +1,72 @@
 #!/usr/bin/env bash
-# The whole GPU check of issue 9 as ONE script for the H100/H200 test machine (../shared/gpu/README.md).
-# Run ../shared/gpu/prepare.sh here first, then on the device (carry .whl):
-#     bash benchmarks/gpu_check.sh            # writes at most 8 files under $OUT
-# Dry run on a CPU (every stage, tiny model):   DRY=1 OUT=/tmp/gpucheck bash benchmarks/gpu_check.sh
-# Each stage has its own timeout and writes its result as soon as it ends, so one hang or crash loses nothing else.
+# The GPU check in three parts, each finishing within 8 minutes on the H100/H200 test machine, whose limit is
+# 10 minutes per command (../shared/gpu/README.md). Run ../shared/gpu/prepare.sh here first, then there (carry .whl):
+#
+#     bash benchmarks/gpu_check.sh a     # doctor (the varlen attention self-test included), pytest -m gpu (the real
+#                                        # train() on CUDA: token batching, compile, guards, a forced OOM split, a
+#                                        # checkpoint, a kill and an exact resume), one profiled training step
+#     bash benchmarks/gpu_check.sh b     # the bench suite on the Qwen2.5-0.5B shape (hf-seed, hf-best, rocktune, ...)
+#     bash benchmarks/gpu_check.sh c     # the 1.5B shape (hf-best vs rocktune), planner's peak vs the measured one
+#
+# Each stage runs under its own timeout; a part's timeouts add to at most 450 s, plus at most 30 s of wheel install.
+# Each stage writes into $OUT as it goes (stages.txt says when each began and how it ended), so a stage cut short
+# loses nothing before it. Dry run on a CPU (tiny model, the same stages and commands): add --dry-run (or DRY=1);
+# GPU_CHECK_CONFIGS and GPU_CHECK_POINTS shrink parts b and c further (the default test suite does).
 set -u
+PART=${1:-}
+case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "usage: gpu_check.sh {a|b|c} [--dry-run]" >&2; exit 2 ;; esac
+case "$PART" in a|b|c) ;; *) echo "usage: gpu_check.sh {a|b|c} [--dry-run]" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/rocktune-gpu-check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # rocktune runs from the source tree there
-if [ -d .whl ] && [ -z "${DRY:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if [ -n "${DRY:-}" ] && [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; fi
-PY=${PY:-python3}
-if [ -n "${DRY:-}" ]; then DEVICE=cpu; MODEL="--model tiny"; SHAPE=tiny; else DEVICE=cuda; MODEL=""; SHAPE=qwen2.5-1.5b-shape; fi
 
-# 1. The machine, and what rocktune's doctor concludes about it (1 file).
-{ nvidia-smi 2>&1 || echo "no nvidia-smi"; timeout 90 $PY -m rocktune doctor --json 2>&1; } > "$OUT/machine.txt"
+# stage NAME SECONDS FILE COMMAND...: stdout to $OUT/FILE, stderr to $OUT/NAME.err, under its own timeout
+stage() {
+  local name=$1 secs=$2 file=$3
+  shift 3
+  echo "$(date -u +%H:%M:%S) $name begins (timeout ${secs}s)" >> "$OUT/stages.txt"
+  timeout "$secs" "$@" > "$OUT/$file" 2> "$OUT/$name.err"
+  local rc=$?  # before anything else resets it
+  echo "$(date -u +%H:%M:%S) $name ends: exit status $rc$([ $rc = 124 ] && echo ' (timed out)')" >> "$OUT/stages.txt"
+}
 
-# 2. The GPU-marked tests: planner peak within 10% of max_memory_allocated, and the rest (1 file).
-timeout 180 $PY -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/pytest-gpu.txt" 2>&1
+if [ -n "${DRY:-}" ]; then
+  PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; PROFILE="--rows 2 --max-length 256"; DOCTOR="--no-perf"
+  SHORT="--max-length 256 --dry-run"
+else
+  if [ -d .whl ]; then
+    echo "$(date -u +%H:%M:%S) install begins (timeout 30s)" >> "$OUT/stages.txt"
+    timeout 30 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+      .whl/*.whl > "$OUT/install.txt" 2>&1 || { echo "wheel install failed" >> "$OUT/stages.txt"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+  fi
+  PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; PROFILE=""; DOCTOR=""; SHORT=""
+fi
 
-# 3. The bench suite: both Qwen2.5 shapes, hf-seed / hf-best / rocktune and the switches (3 files).
-timeout 480 $PY -m rocktune bench --suite gpu --device $DEVICE $MODEL --out /tmp/rt-suite --json \
-  > "$OUT/suite.json" 2> "$OUT/suite.err"
-cp /tmp/rt-suite/report-*.json "$OUT/" 2>/dev/null
-
-# 4. The real training loop with --auto on the 1.5B shape: planner's predicted peak vs the measured one (1 file).
-timeout 240 $PY benchmarks/auto_peak.py --device $DEVICE --model $SHAPE > "$OUT/auto_peak.txt" 2>&1
-ls -la "$OUT"
+case "$PART" in
+  a)
+    stage machine 15 machine.txt sh -c 'nvidia-smi || echo "no nvidia-smi"'
+    stage doctor 60 doctor.json $PY -m rocktune doctor --json $DOCTOR
+    stage pytest-gpu 270 pytest-gpu.txt $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests
+    stage profile 90 profile-stdout.json $PY benchmarks/profile_step.py --device $DEVICE --model $SMALL \
+      --out "$OUT/profile" $PROFILE
+    ;;
+  b)
+    # 5 configurations x at most 85 s each, plus building the 0.5B shape (seconds) and tokenising
+    stage suite-0.5b 450 suite-0.5b.json $PY -m rocktune bench --suite gpu --device $DEVICE --model $SMALL \
+      --out /tmp/rt-suite --timeout 85 --json ${GPU_CHECK_CONFIGS:+--configs $GPU_CHECK_CONFIGS}
+    mkdir -p "$OUT/results-0.5b" && cp /tmp/rt-suite/$SMALL/results/*.json "$OUT/results-0.5b/" 2>/dev/null
+    ;;
+  c)
+    # building the 1.5B shape takes about a minute; then hf-best and rocktune, at most 120 s each. auto_peak.py
+    # reuses the shape and the data the suite cached under /tmp/rt-suite/<shape>/cache
+    stage suite-1.5b 320 suite-1.5b.json $PY -m rocktune bench --suite gpu --device $DEVICE --model $LARGE \
+      --out /tmp/rt-suite --timeout 120 --json --configs ${GPU_CHECK_CONFIGS:-hf-best,rocktune}
+    mkdir -p "$OUT/results-1.5b" && cp /tmp/rt-suite/$LARGE/results/*.json "$OUT/results-1.5b/" 2>/dev/null
+    stage auto-peak 130 auto_peak.jsonl $PY benchmarks/auto_peak.py --device $DEVICE --model $LARGE \
+      --points ${GPU_CHECK_POINTS:-2} $SHORT
+    ;;
+esac
+ls -la "$OUT" >> "$OUT/stages.txt"
+cat "$OUT/stages.txt"

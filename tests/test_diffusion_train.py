@@ -305,7 +305,7 @@ def test_data_preview_and_export_speak_for_diffusion_runs(wan_dir, clips, refere
 
 def test_a_truncated_clip_is_named_at_probe_time(clips, tmp_path):
     """A file cut short keeps its container's frame count in the header; the probe counts decodable frames."""
-    import av
+    av = pytest.importorskip("av")  # optional (absent on the GPU test machine)
     import numpy as np
 
     path = tmp_path / "cut.mp4"

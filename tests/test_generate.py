@@ -97,3 +97,17 @@ def test_generate_chat_loop_keeps_the_conversation(base, tmp_path, monkeypatch, 
     ids = tok(text, add_special_tokens=False)["input_ids"]
     stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
     assert second == tok.decode(argmax_loop(model, ids, stops, 8), skip_special_tokens=True)
+
+
+def test_generate_loads_in_the_platform_policys_precision(tiny_model_dir, monkeypatch):
+    """The dtype comes from platform.advise.device_precision (fp32 on gfx906), asked with the device's name."""
+    import torch
+
+    from rocktune.export import generate
+    from rocktune.export.source import Source
+    from rocktune.platform import advise
+
+    asked = []
+    monkeypatch.setattr(advise, "device_precision", lambda device: asked.append(device) or "bf16")
+    model, _ = generate.load(Source(str(tiny_model_dir), None, {}, False), "cpu")
+    assert asked == ["cpu"] and next(model.parameters()).dtype == torch.bfloat16

@@ -18,6 +18,9 @@ FORBIDDEN = {
     "planner": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
     "data": {"train", "model", "doctor", "planner", "diffusion", *ABOVE_ENGINE},
     "model.py": {"train", "doctor", *ABOVE_ENGINE},
+    # varlen attention glue: used by the doctor's self-test and by the LM task's model building
+    "attention.py": {"train", "model", "doctor", "planner", *ABOVE_ENGINE},
+    "lean_lora.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "modelcheck.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "quant.py": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
     "doctor": {"train", "data", "model", "planner", *ABOVE_ENGINE},

@@ -157,3 +157,17 @@ def test_bad_snapshots_are_user_errors(bad):
 
     with pytest.raises(UserError):
         Platform.from_dict(bad)
+
+
+@pytest.mark.parametrize("name,device,want", [("mi50_gfx906_torch251_rocm62", "cuda", "fp32"),
+                                               ("mi300x_gfx942", "cuda:0", "bf16"), ("rtx4090_linux", "cuda", "bf16"),
+                                               ("mi300x_gfx942", "cpu", "fp32")])
+def test_generate_takes_its_precision_from_the_platform_policy(name, device, want, monkeypatch):
+    """rocktune generate's dtype: the knowledge base's policy (fp32 on gfx906), never is_bf16_supported()."""
+    import torch
+
+    from rocktune.platform.advise import device_precision
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what ROCm says on every device
+    plat = Platform.from_dict(json.loads((PLATFORMS / f"{name}.json").read_text()))
+    assert device_precision(device, plat) == want

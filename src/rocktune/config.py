@@ -24,8 +24,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     name_or_path: str = Field("Qwen/Qwen2.5-0.5B-Instruct", description="HF hub id or local directory of a causal LM.")
     trust_remote_code: bool = Field(False, description="Run Python code shipped with the model (off: it executes).")
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
-        "auto", description="Attention kernel; auto asks the platform advice (sdpa on most machines)."
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen", "flex_attention"] = Field(
+        "auto", description="Attention kernel; auto: varlen on a GPU over packed rows when its self-test passes, "
+        "else flex attention (compile on), else the platform advice (sdpa)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     liger: Literal["auto", "on", "off"] = Field(

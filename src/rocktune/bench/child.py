@@ -54,7 +54,20 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
               "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"],
               "device_wait_s": r.get("device_wait_s"), "forwards": r.get("forwards"), "compiling": r.get("compiling")}
              for r in rows if "loss" in r]
-    return steps, {"config": raw}
+    return steps, {"config": raw, **ran(Path(spec["run_dir"]), rows)}
+
+
+def ran(run_dir: Path, rows: list[dict]) -> dict:
+    """What the run actually used, from its run_info.json notes and metrics: the attention and why, whether the
+    decoder was compiled, and every compile failure it fell back from (step and message)."""
+    info = run_dir / "run_info.json"
+    notes = json.loads(info.read_text()).get("notes", []) if info.is_file() else []
+    attention = next((n.removeprefix("attention: ") for n in notes if n.startswith("attention: ")), None)
+    if attention is None:  # no note (examples on a CPU, or a set value): the resolved setting says it
+        attention = next((n for n in notes if n.startswith("attn_implementation")), None)
+    return {"attention": attention, "compiled": any(n.startswith("torch.compile applied") for n in notes),
+            "compile_fallbacks": [{"step": r["step"], "error": r["compile_fallback"]} for r in rows
+                                  if r.get("compile_fallback")]}
 
 
 def _run_ranks(raw: dict, nproc: int, threads: int) -> None:

@@ -33,19 +33,23 @@ HF_SEED = {"precision": "fp32", "padding": "max_length", "gradient_checkpointing
 HF_TUNED = {"precision": "auto", "padding": "longest", "gradient_checkpointing": False,
             "attn_implementation": "sdpa", "sampler": "group_by_length"}
 
-# An expert's HF setup today: bf16, flash-attention 2 with padding-free flattened rows when flash_attn is
-# installed (SDPA with dynamic padding and group_by_length otherwise), Liger kernels when installed, and the largest
+# An expert's HF setup today, with nothing the machine lacks: bf16, padding-free flattened rows with per-example
+# position ids (DataCollatorWithFlattening: transformers separates the examples from the position ids), attention
+# flash-attention 2 when flash_attn is installed, else flex attention on a GPU (a document block mask, no dense
+# square), SDPA on a CPU; fused AdamW and the Trainer's torch_compile on a GPU; Liger when installed; the largest
 # per-device batch that fits (probed on the worst micro-batch), the global batch kept.
 HF_BEST = {"precision": "auto", "padding": "flatten", "gradient_checkpointing": False, "attn_implementation": "best",
-           "sampler": "group_by_length", "liger": True, "batch": "largest"}
+           "sampler": "group_by_length", "liger": True, "batch": "largest", "compile": True,
+           "optim": "adamw_torch_fused"}
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("hf-seed", "hf", "HF Trainer + PEFT, seed 002: fp32, pad to max_length, checkpointing, batch 2x4",
                 HF_SEED, baseline=True),
     BenchConfig("hf-tuned", "hf", "HF Trainer + PEFT, careful: bf16 where supported, sdpa, group_by_length, "
                 "dynamic padding, no checkpointing", HF_TUNED, baseline=True),
-    BenchConfig("hf-best", "hf", "HF Trainer + PEFT as an expert sets it up: bf16, FA2 + padding-free flattening "
-                "(else SDPA + group_by_length), Liger when installed, largest per-device batch that fits",
+    BenchConfig("hf-best", "hf", "HF Trainer + PEFT as an expert sets it up: bf16, padding-free flattening with "
+                "position ids, FA2 when installed else flex attention, fused AdamW, torch_compile, Liger when "
+                "installed, largest per-device batch that fits",
                 HF_BEST, baseline=True, default_on_cpu=False),
     BenchConfig("rocktune", "rocktune", "rocktune defaults: on a GPU token batching (packed rows, planner-sized "
                 "forwards, compile where sound, Liger), on a CPU length bucketing; chunked loss at loss positions "

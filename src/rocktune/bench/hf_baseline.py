@@ -48,7 +48,7 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": torch.bfloat16 if precision == "bf16" else torch.float32}
-    attn = _attention(recipe["attn_implementation"])
+    attn = _attention(recipe["attn_implementation"], device)
     if attn:
         kwargs["attn_implementation"] = attn
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
@@ -83,7 +83,7 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
         dataloader_num_workers=0, logging_steps=20, save_strategy="no", eval_strategy="no", report_to="none",
         seed=common["seed"], remove_unused_columns=False, disable_tqdm=True, use_cpu=device == "cpu",
         train_sampling_strategy="sequential" if order is not None else recipe["sampler"],
-        use_liger_kernel=_liger(recipe.get("liger", False), device),
+        use_liger_kernel=_liger(recipe.get("liger", False), device), **expert_arguments(recipe, device),
     )
 
     class Timer(TrainerCallback):
@@ -117,7 +117,7 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
     trainer.train()
     resolved = {"precision": precision, "attn_implementation": model.get_base_model().config._attn_implementation,
                 "micro_batch_size": micro, "grad_accum": accum, "collator": type(collator).__name__,
-                "liger": bool(args.use_liger_kernel),
+                "liger": bool(args.use_liger_kernel), "torch_compile": bool(args.torch_compile),
                 "optimizer": str(args.optim), "loss_scaled_by_step_tokens": bool(trainer.model_accepts_loss_kwargs)}
     return records, resolved
 
@@ -169,24 +169,35 @@ def _trial_step(model, collator, ids, labels, n: int, device: str, precision: st
     model.zero_grad(set_to_none=True)
 
 
+def expert_arguments(recipe: dict, device: str) -> dict:
+    """The Trainer's own switches an expert turns on, on a GPU: ``torch_compile`` and the fused AdamW (no extra
+    package). On a CPU compilation would cost more than the bench's few steps and fused AdamW is CUDA's."""
+    if device != "cuda":
+        return {}
+    return {**({"torch_compile": True} if recipe.get("compile") else {}),
+            **({"optim": recipe["optim"]} if recipe.get("optim") else {})}
+
+
 def _collator(recipe: dict, attn: str | None, tokenizer, max_length: int):
-    """``flatten``: padding-free rows (DataCollatorWithFlattening), used with flash-attention's varlen kernels
-    (with SDPA a flattened row attends over its whole length, so an expert pads to the longest instead)."""
+    """``flatten``: padding-free rows (DataCollatorWithFlattening) with per-example position ids, from which
+    transformers keeps the examples apart under flash-attention (varlen), flex attention (a document block mask) and
+    SDPA (a block-diagonal mask)."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     padding = recipe["padding"]
-    if padding == "flatten" and attn != "flash_attention_2":
-        padding = "longest"
     if padding == "flatten":
         return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE)
     return DataCollatorForSeq2Seq(tokenizer, padding=padding, max_length=max_length, label_pad_token_id=IGNORE)
 
 
-def _attention(setting: str | None) -> str | None:
-    """``best``: flash-attention 2 when the flash_attn package is installed, else SDPA."""
+def _attention(setting: str | None, device: str = "cpu") -> str | None:
+    """``best``: flash-attention 2 when the flash_attn package is installed, else flex attention on a GPU (needs no
+    package: a block mask from the flattened rows' position ids, compiled by transformers), else SDPA."""
     if setting != "best":
         return setting
-    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "flex_attention" if device == "cuda" else "sdpa"
 
 
 def _liger(setting: bool, device: str) -> bool:

@@ -31,7 +31,7 @@ def run_bench_command(req: BenchRequest, as_json: bool, pick: bool, write_config
         device = resolve_device(req.device)
         # The default model (tiny) means the suite's own shapes on a GPU, and a quick dry run on a CPU.
         result = run_suite(suite, req.model if req.model != "tiny" or device == "cpu" else None, device, req.out,
-                           req.timeout, run_bench, log)
+                           req.timeout, run_bench, log, req.configs)
         Path(req.out).mkdir(parents=True, exist_ok=True)
         (Path(req.out) / "suite.json").write_text(json.dumps(result, indent=1))
         if as_json:

@@ -22,8 +22,8 @@ def render(report: dict) -> None:
                         f"tokens, {w['loss_token_share']:.0%} loss-bearing), {w['samples_per_step']} samples/step, "
                         f"medians of {w['measured_steps']} steps after {w['warmup_steps_excluded']} warm-up; "
                         f"peak mem = {report['peak_memory_kind']}")
-    for col in ("config", "useful tok/s", "s/step", "peak mem", "padding", "MFU", "final loss", "×seed", "×tuned",
-                "mem×tuned"):
+    for col in ("config", "useful tok/s", "s/step", "peak mem", "padding", "MFU", "MFU all-token head", "final loss",
+                "×seed", "×tuned", "mem×tuned", "×best HF"):
         table.add_column(col, justify="left" if col == "config" else "right", no_wrap=col == "config")
     not_run = []
     for r in report["configs"]:
@@ -34,11 +34,16 @@ def render(report: dict) -> None:
         table.add_row(
             r["name"], _fmt(r["useful_tokens_per_s"], ",.0f"), _fmt(r["step_s"], ".2f"),
             _mib(r["peak_memory_bytes"]), _fmt(r["padding_fraction"], ".0%"), _fmt(r["mfu"], ".1%"),
+            _fmt(r.get("mfu_all_token_head"), ".1%"),
             _fmt(r["final_loss"], ".3f"), _fmt(ratios.get("hf-seed", {}).get("tokens_per_s"), ".2f", "×"),
             _fmt(ratios.get("hf-tuned", {}).get("tokens_per_s"), ".2f", "×"),
-            _fmt(ratios.get("hf-tuned", {}).get("memory"), ".2f", "×"))
+            _fmt(ratios.get("hf-tuned", {}).get("memory"), ".2f", "×"),
+            _fmt(ratios.get("best-hf", {}).get("tokens_per_s"), ".2f", "×"))
     console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(table)
+    if report.get("best_hf"):
+        console.print(f"×best HF: against {report['best_hf']}, the fastest Hugging Face row that ran. "
+                      f"{report.get('mfu_convention', '')}")
     for line in not_run:
         console.print(line)
     p = report.get("parity")

@@ -36,10 +36,21 @@ def flops_per_token(matmul_params: int, layers: int, attn_dim: int, lengths: lis
     return 4.0 * matmul_params + 6.0 * layers * attn_dim * s_eff
 
 
-def mfu(real_tokens_per_s: float | None, flops_token: float | None, peak_flops: float | None) -> float | None:
+def mfu(real_tokens_per_s: float | None, flops_token: float | None, peak_flops: float | None,
+        head: tuple[int, float | None] = (0, None)) -> float | None:
+    """Model FLOPs utilisation. ``head`` = (the head's weights H, loss-bearing tokens/s): the head's 4H is then
+    charged at loss positions only, the rest of ``flops_token`` at every non-pad token. A causal LM's useful work is
+    the next-token prediction at positions that carry loss; rocktune computes the head only there. Without it
+    (H = 0) the head is charged at every token: the usual all-token convention, reported beside it."""
+    head_params, loss_tokens_per_s = head
     if real_tokens_per_s is None or not flops_token or not peak_flops:
         return None
-    return real_tokens_per_s * flops_token / peak_flops
+    if not head_params:
+        return real_tokens_per_s * flops_token / peak_flops
+    if loss_tokens_per_s is None:
+        return None
+    body = flops_token - 4.0 * head_params
+    return (real_tokens_per_s * body + loss_tokens_per_s * 4.0 * head_params) / peak_flops
 
 
 def summarise_steps(steps: list[dict], warmup: int) -> dict:

@@ -45,11 +45,15 @@ SUITES = {
 }
 
 
-def run_suite(name: str, model: str | None, device: str, out: str, timeout: float, run_bench, log) -> dict:
-    """``model`` replaces the suite's models and shrinks its workload (``tiny``: a CPU dry run of the whole suite)."""
+def run_suite(name: str, model: str | None, device: str, out: str, timeout: float, run_bench, log,
+              configs: str | None = None) -> dict:
+    """``model``: one of the suite's shapes runs alone, at the suite's workload (the GPU check runs one shape per
+    part); any other model replaces the suite's and shrinks its workload (``tiny``: a CPU dry run of the whole suite).
+    ``configs`` replaces the suite's configurations (a part with less time runs fewer)."""
     if name not in SUITES:
         raise UserError(f"unknown bench suite {name!r}; known: {', '.join(SUITES)}")
-    suite = SUITES[name] if model is None else SUITES[name].dry()
+    suite = SUITES[name] if model is None or model in SUITES[name].models else SUITES[name].dry()
+    suite = replace(suite, configs=configs) if configs else suite
     reports = {}
     for shape in (model,) if model else suite.models:
         log(f"bench suite {name}: {shape}")

@@ -65,10 +65,11 @@ def cut_forwards(rows: list[list[int]], rows_per_forward: int) -> list[list[list
     return [rows[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
-def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, width: int = 0
-                   ) -> dict[str, torch.Tensor]:
+def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, width: int = 0,
+                   segments: bool = False) -> dict[str, torch.Tensor]:
     """``rows`` holds (input_ids, labels) per example; rows are right-padded to the longest row, or to ``width``
-    when that is larger (static shapes for torch.compile and a steadier allocator)."""
+    when that is larger (static shapes for torch.compile and a steadier allocator). ``segments`` adds
+    ``cu_seq_lens`` (see ``cu_seq_lens``) for variable-length attention."""
     flat = []
     for row in rows:
         ids, labels, pos = [], [], []
@@ -88,4 +89,27 @@ def collate_packed(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, w
         out_pos[r, : len(pos)] = torch.tensor(pos)
         if len(pos) < width:
             out_pos[r, len(pos):] = torch.arange(pos[-1] + 1, pos[-1] + 1 + width - len(pos))
-    return {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos}
+    out = {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos}
+    if segments:
+        out["cu_seq_lens"] = cu_seq_lens([[len(x) for x, _ in row] for row in rows], width)
+    return out
+
+
+def cu_seq_lens(rows: list[list[int]], width: int) -> torch.Tensor:
+    """Document bounds of packed rows for variable-length attention: int32 offsets into the flattened
+    ``rows x width`` tokens, starting at 0, one per document end; a row's padding is one trailing segment of its
+    own (it attends only to itself, and no loss is read there). Built on the host, so the device never searches the
+    position ids for document starts."""
+    bounds = [0]
+    for r, lengths in enumerate(rows):
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        if bounds[-1] < (r + 1) * width:
+            bounds.append((r + 1) * width)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def cut_segments(cu: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The bounds of the flat tokens ``start:end`` (both document bounds: a row's start, or an example's) as a piece
+    of their own: what an out-of-memory split of a forward hands to each smaller forward."""
+    return (cu[(cu >= start) & (cu <= end)] - start).to(torch.int32)

@@ -123,3 +123,17 @@ def check_allocator(device: str, budget_mb: int = 256) -> CheckResult:
     torch.cuda.empty_cache()
     return CheckResult("", "pass", f"allocated {metrics['allocated_mb']} MB, reserved {metrics['reserved_mb']} MB "
                        f"({frag:.0%} reserved but unused)", frag, None, metrics)
+
+
+def check_varlen(device: str, dtype: str, kernel=None) -> CheckResult:
+    """Variable-length attention over packed rows (what ``attn_implementation: auto`` picks on a GPU when this
+    passes): forward and backward through rocktune's glue against fp32 math attention with the dense mask.
+    ``kernel`` replaces torch's (CUDA-only) kernel: the CPU tests pass the per-segment reference."""
+    from rocktune.attention import SELF_TEST_TOL, self_test, varlen_kernel
+
+    if kernel is None and not device.startswith("cuda"):
+        return CheckResult("", "skip", "torch's varlen_attn runs on ROCm/CUDA only")
+    if kernel is None and varlen_kernel() is None:
+        return CheckResult("", "skip", f"torch {torch.__version__} has no torch.nn.attention.varlen (>= 2.10)")
+    result = self_test(device, DTYPES[dtype], kernel)
+    return CheckResult("", "pass" if result.ok else "fail", result.detail, result.error, SELF_TEST_TOL[DTYPES[dtype]])

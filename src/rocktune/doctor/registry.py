@@ -88,6 +88,9 @@ def plan(device: str, faults: dict | None = None, perf: bool = True) -> list[tup
         [("MATH", "float32")] + [(b, dt) for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
                                  for dt in ("bfloat16", "float16")])
     out += [(f"sdpa[{b},{dt}]", P(m.check_sdpa, device, b, dt)) for b, dt in sdpa]
+    # varlen attention: what attn_implementation auto picks over packed rows on a GPU when this passes
+    out += [(f"varlen[{dt}]", P(m.check_varlen, device, dt)) for dt in (("bfloat16", "float16") if gpu else
+                                                                         ("float32",))]
     out += [("lora[float32]", P(m.check_lora, device, "float32"))]
     if gpu:
         out += [("lora[bfloat16]", P(m.check_lora, device, "bfloat16"))]

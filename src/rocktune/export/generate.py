@@ -22,13 +22,15 @@ TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</
 
 def load(src: Source, device: str):
     """(model, tokenizer) ready for generation; the adapter stays a PeftModel."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rocktune.model import quiet_transformers
 
     quiet_transformers()
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    from rocktune.model import DTYPES
+    from rocktune.platform.advise import device_precision
+
+    dtype = DTYPES[device_precision(device)]  # the platform's policy: fp32 on gfx906, where bf16 is emulated
     try:
         tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(src.base, dtype=dtype, trust_remote_code=src.trust_remote_code)

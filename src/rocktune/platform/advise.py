@@ -148,3 +148,21 @@ def _apply_rule(rule: dict, ctx: dict, advice: Advice) -> None:
     if rule.get("message"):
         finding = Finding(rule["id"], rule.get("level", "info"), why, _fmt(rule.get("fix", ""), ctx), src, conf)
         advice.findings.append(finding)
+
+
+def device_precision(device: str, plat: Platform | None = None) -> str:
+    """The precision policy of the device that ``device`` names (``cpu``, ``cuda``, ``cuda:N``): fp32 on a CPU and on
+    archs whose policy is fp32 (gfx906), the knowledge base's choice elsewhere. For inference (``rocktune generate``)
+    as for training: ``torch.cuda.is_bf16_supported()`` says True on every ROCm device, so it is never asked.
+    ``plat``: this machine's snapshot (detected when not given; tests feed one in)."""
+    if not device.startswith("cuda"):
+        return "fp32"
+    from dataclasses import replace
+
+    from rocktune.platform.detect import detect, torch_devices
+
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if plat is None:
+        plat = replace(detect("passive"), devices=torch_devices())
+    devices = [d for d in plat.devices if d.index == index] or plat.devices[index:index + 1]
+    return advise(replace(plat, devices=devices)).defaults.precision if devices else "fp32"

@@ -123,8 +123,10 @@ def _save(ckpt_root: Path, step: int, state: TrainState, position: dict, extra: 
     return final
 
 
-def restore(ckpt_root: Path, state: TrainState) -> Restored | None:
-    """Load the newest checkpoint that verifies; None when there is none."""
+def restore(ckpt_root: Path, state: TrainState, check=None) -> Restored | None:
+    """Load the newest checkpoint that verifies; None when there is none. ``check(found)`` (the resume's checks: the
+    number of processes, the RNG states, the data) runs on the checkpoint read but not yet applied: a refusal leaves
+    the model, the optimizer and the checkpoints as they were."""
     skipped: list[tuple[Path, str]] = []
     for path in _candidates(ckpt_root):
         problem = verify(path)
@@ -136,9 +138,12 @@ def restore(ckpt_root: Path, state: TrainState) -> Restored | None:
         if problem:
             skipped.append((path, problem))
             continue
+        found = Restored(saved.meta["step"], path, saved.meta["position"], saved.meta["extra"], [])
+        if check is not None:
+            check(found)
         checkpoint_state.apply(saved, state.model, state.optimizer, state.scheduler, state.scaler)
-        notes = [f"{p.name}: {why} (kept as {_set_aside(p)})" for p, why in skipped]
-        return Restored(saved.meta["step"], path, saved.meta["position"], saved.meta["extra"], notes)
+        found.skipped = [f"{p.name}: {why} (kept as {_set_aside(p)})" for p, why in skipped]
+        return found
     if skipped:  # nothing is renamed here: a second --resume must meet the same refusal, not an empty directory
         raise UserError(f"--resume: no checkpoint in {ckpt_root} can be used "
                         f"({'; '.join(f'{p.name}: {why}' for p, why in skipped)}), so there is nothing trustworthy "

@@ -150,7 +150,8 @@ def preflight(dist: Dist, device: str, timeout_s: float) -> list[str]:
     try:
         td.all_reduce(values, async_op=True).wait(timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 -- whatever the backend raises, the collective failed: named, then stopped
-        raise DistributedFailure(_failure(dist, "the preflight's test all-reduce", exc) + _hint(dist)) from None
+        failure = _failure(dist, "the preflight's test all-reduce", exc)
+        raise DistributedFailure(f"{failure}{_hint(dist)}", failure.unanswered) from None
     n = dist.world * (dist.world + 1) / 2
     expected = torch.tensor([n, n * 2.0**-10, 1000.0 * n])
     got = values.cpu()
@@ -310,8 +311,36 @@ def gather_rng(dist: Dist) -> list[str] | None:
     return states
 
 
-def restore_rng(dist: Dist, states: list[str] | None) -> None:
-    if not dist.enabled or not states:
+def rng_mismatch(dist: Dist, states: list[dict] | None) -> str | None:
+    """Why the saved per-rank RNG states cannot be restored in this launch, or None when they can (or none were
+    saved): one state per rank, and a GPU state only where this rank has that GPU."""
+    if not states:
+        return None
+    if len(states) != dist.world:
+        return f"RNG states were saved for {len(states)} process(es), this launch has {dist.world}"
+    mine = states[dist.rank]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if "cuda" in mine and gpus <= dist.local_rank:
+        return (f"rank {dist.rank} saved the RNG state of its GPU {dist.local_rank}, but this machine shows "
+                f"{gpus} GPU(s)")
+    return None
+
+
+def check_rng(dist: Dist, states: list[dict] | None, force: bool) -> str | None:
+    """Before anything is applied: refuse a resume whose RNG states do not fit this launch (fewer GPUs or processes
+    than saved); with ``force`` go on without them and return the note that says so."""
+    problem = rng_mismatch(dist, states)
+    if problem is None:
+        return None
+    if not force:
+        raise UserError(f"--resume: {problem}, so dropout could not continue the same random stream and the run "
+                        "would no longer be one exact run. Resume on the same number of GPUs and processes, or pass "
+                        "--resume-force to continue with fresh random numbers.")
+    return f"resume: {problem}; continuing with fresh random numbers (--resume-force)"
+
+
+def restore_rng(dist: Dist, states: list[dict] | None) -> None:
+    if not dist.enabled or rng_mismatch(dist, states) is not None:  # checked (or forced) before the resume applied
         return
     def tensor(text: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()

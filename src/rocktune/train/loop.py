@@ -121,12 +121,15 @@ def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
     result = TrainResult(run_dir=ctx.run_dir, steps=total, model=parts.model, tokenizer=parts.tokenizer)
     r = Run(ctx, task, parts, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces, None,
             result)
+    def check(found) -> None:  # before the checkpoint is applied: a refused resume changes nothing
+        task.check_resume(found, ctx.options.resume_force)
+        resume.check_data(found, parts.fingerprint, ctx.options.resume_force)
+
     if ctx.options.resume:
         r.restored = distributed.main_first(ctx.dist, lambda: checkpoint.restore(ctx.run_dir / "checkpoints",
-                                                                                 r.state), "restoring the checkpoint")
+                                                                                 r.state, check),
+                                            "restoring the checkpoint")
     if r.restored is not None:
-        task.check_resume(r.restored, ctx.options.resume_force)
-        resume.check_data(r.restored, parts.fingerprint, ctx.options.resume_force)
         task.resumed(r.restored)
         r.start_step, r.pieces = r.restored.step, max(r.pieces, r.restored.extra.get("pieces", 1))
         feed.close()
@@ -159,10 +162,11 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
     ctx, task, parts, t, rel = r.ctx, r.task, r.parts, r.ctx.cfg.training, r.ctx.cfg.reliability
     dist, faults, run_peak = ctx.dist, ctx.faults, 0
     compiled = parts.compiled
+    fallback = None  # a compile failure, for the metrics row of the step it happened in (the bench reports it)
 
     def compile_failed(exc: BaseException) -> None:
-        nonlocal compiled
-        compiled = False
+        nonlocal compiled, fallback
+        compiled, fallback = False, first_line(exc)
         task.uncompile()
         bar.log(f"[yellow]torch.compile failed ({first_line(exc)}); continuing without it (set "
                 "training.compile=false to skip the attempt)[/]")
@@ -211,7 +215,8 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
                              "forwards": len(fed.forwards), "pieces": r.pieces,
                              "useful_tokens_per_s": record["tokens"] / elapsed, "step_s": elapsed,
                              "device_wait_s": update.wait_s, "compiling": compiling, "epoch": r.feed.epoch,
-                             "peak_mem_bytes": mem})
+                             "peak_mem_bytes": mem, **({"compile_fallback": fallback} if fallback else {})})
+            fallback = None
         if t.eval_every and step % t.eval_every == 0 and step < r.total_steps:
             ev = task.evaluate()
             if ev is not None:

@@ -47,8 +47,13 @@ def planner_spec(cfg: RunConfig, precision: str, attn_implementation: str, **cha
 
     m, lora = cfg.model, cfg.lora
     return RunSpec(seq_len=cfg.data.max_length, lora_r=lora.r, targets=lora.target_modules, precision=precision,
-                   attn=attn_implementation, lora_dropout=lora.dropout, loss_mode=cfg.training.loss_impl,
+                   attn=_planner_attn(attn_implementation), lora_dropout=lora.dropout, loss_mode=cfg.training.loss_impl,
                    quant=m.quantization, double_quant=m.double_quant, **changes)
+
+
+def _planner_attn(attn_implementation: str) -> str:
+    """varlen and flex attention keep no dense mask; the planner sizes them as SDPA, which errs on the large side."""
+    return attn_implementation if attn_implementation in ("sdpa", "eager", "flash_attention_2") else "sdpa"
 
 
 def oom_advice(cfg: RunConfig, precision: str, attn_implementation: str) -> str:

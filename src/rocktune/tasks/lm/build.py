@@ -9,15 +9,18 @@ import torch
 from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
 from rocktune.data.packing import collate_packed
-from rocktune.model import apply_lora, load_model
+from rocktune.lean_lora import lean_lora
+from rocktune.attention import choose as choose_attention
+from rocktune.model import DTYPES, apply_lora, load_model
 from rocktune.tasks.lm.preflight import liger_gate
 
 
 def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
-                 width: int = 0):
+                 width: int = 0, segments: bool = False):
     """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row, ``pin``
     puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it), ``width``
-    pads packed rows to at least that many tokens (static shapes)."""
+    pads packed rows to at least that many tokens (static shapes), ``segments`` adds the document bounds that
+    varlen attention reads (``cu_seq_lens``)."""
     def finish(batch):
         batch = with_loss_index(batch)
         return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
@@ -26,7 +29,7 @@ def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool =
         def collate_rows(rows):
             rows = [[i for row in rows for i in row]] if one_row else rows
             return finish(collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows],
-                                         pad_id, 0 if one_row else width))
+                                         pad_id, 0 if one_row else width, segments))
         return collate_rows
 
     def collate_idx(idx):
@@ -42,6 +45,12 @@ def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
                             "position_ids": torch.zeros_like(ids)})
 
 
+def attention(setting: str, ctx, packed: bool, compiled: bool) -> tuple[str, str | None]:
+    """The attention implementation to load the model with, and why (``rocktune.attention.choose``): varlen is
+    self-tested on the device in the run's precision before it is trusted."""
+    return choose_attention(setting, ctx.attn, ctx.device, (packed, compiled), DTYPES[ctx.precision])
+
+
 def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation: str, device: str,
                        compile_: bool) -> tuple[object, list[str]]:
     """Base model on the device (quantised when asked, after ``quant_gate``), kernels patched, LoRA applied;
@@ -52,6 +61,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     notes = [n for n in (liger(model, m.liger, device),) if n]  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
                        m.gradient_checkpointing)
+    notes += [n for n in (lean_lora(model),) if n]  # same parameters and files, no fp32 round trip per layer
     if compile_:
         notes.append(compile_decoder(model))
     return model, notes

@@ -32,6 +32,8 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
     n_tokens = int(index.numel()) if index is not None else count_loss_tokens(labels)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    if "cu_seq_lens" in batch:
+        inputs.update(varlen_inputs(batch))
     if not (fast and _fast_path_ok(base)):
         logits = model(**inputs).logits
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
@@ -46,6 +48,15 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
     head = base.get_output_embeddings()
     loss = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_size)
     return loss, n_tokens
+
+
+def varlen_inputs(batch: dict[str, torch.Tensor]) -> dict:
+    """The keyword arguments transformers hands every attention layer for variable-length attention
+    (rocktune.attention): the host-built document bounds, and as ``max_length`` the row width: no document is longer,
+    and it is a constant (``data.max_length``) whenever compile pads rows to a static width, so the compiled graph
+    is not specialised per batch."""
+    cu, width = batch["cu_seq_lens"], batch["input_ids"].shape[1]
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": width, "max_length_k": width}
 
 
 def _fast_path_ok(base) -> bool:

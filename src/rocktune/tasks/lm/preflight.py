@@ -13,6 +13,7 @@ import importlib.util
 from pathlib import Path
 
 from rocktune import modelcheck
+from rocktune.attention import varlen_gate
 from rocktune.errors import UserError, first_line
 from rocktune.model import check_model_source, check_weight_shapes
 from rocktune.model import load_tokenizer as _load_tokenizer
@@ -54,6 +55,8 @@ def gates(device: str, liger: str, attn_implementation: str) -> None:
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UserError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
                         "installed; use sdpa (the default) or install flash-attn for your GPU.")
+    if attn_implementation == "varlen":
+        varlen_gate(device)
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool):

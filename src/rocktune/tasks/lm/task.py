@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from rocktune.attention import VARLEN
 from rocktune.config import RunConfig
 from rocktune.data import checks
 from rocktune.data.batching import loss_token_counts
@@ -84,10 +85,12 @@ class LMTask:
                                                                  compiled, dist.world, parallel)
         self.feeding = feeding
         chunk = autofit.loss_chunk(t.loss_chunk_size, device)
+        attn, attn_note = build.attention(m.attn_implementation, ctx, feeding.packed, compiled)
+        self.attn = attn
         # FSDP loads on the CPU and moves each rank's shards to its GPU: the whole base need not fit one device.
-        model, model_notes = build.model_with_adapter(m, cfg.lora, ctx.precision, ctx.attn,
+        model, model_notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn,
                                                       "cpu" if self.strategy == "fsdp" else device, compiled)
-        ctx.notes += notes + feed_notes + model_notes + stats.notes
+        ctx.notes += notes + feed_notes + [n for n in (attn_note,) if n] + model_notes + stats.notes
         self.model = model
         fsdp = self.strategy == "fsdp"
         loss = distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device, self.strategy,
@@ -97,9 +100,10 @@ class LMTask:
         self._idle = idle
         # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
         self._collate = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
-                                           one_row=ctx.attn == "flash_attention_2",
+                                           one_row=attn == "flash_attention_2",
                                            pin=ctx.choices.pin_memory and device == "cuda",
-                                           width=d.max_length if feeding.static_width else 0)
+                                           width=d.max_length if feeding.static_width else 0,
+                                           segments=attn == VARLEN)
         self._lengths, self._loss_counts = lengths, loss_token_counts(train_set.labels)  # once: resume rebuilds
         # DDP: each rank evaluates its share and the sums are added; FSDP: every rank runs every eval forward.
         self._eval_share = eval_set if fsdp or not dist.enabled else \
@@ -126,8 +130,12 @@ class LMTask:
             self._autocast, self._chunk, t.loss_impl == "chunked"))
 
     def check_resume(self, restored, force: bool) -> None:
+        """Runs on the checkpoint read but not applied (checkpoint.restore): a refusal leaves the model as it was."""
         resume.check_world(restored, self.ctx.dist.world, force)
         resume.check_batching(restored, self.feeding.mode)
+        note = distributed.check_rng(self.ctx.dist, restored.extra.get("rank_rng"), force)
+        if note:
+            self.ctx.notes.append(note)
 
     def resumed(self, restored) -> None:
         distributed.restore_rng(self.ctx.dist, restored.extra.get("rank_rng"))

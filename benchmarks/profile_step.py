@@ -1,0 +1,111 @@
+"""One training forward/backward of rocktune's LM path under torch.profiler: which attention ran, the ops, the time.
+
+    python benchmarks/profile_step.py --device cuda --model qwen2.5-0.5b-shape --out /tmp/prof     # on a GPU
+    python benchmarks/profile_step.py --device cpu --model tiny --out /tmp/prof                    # CPU / dry run
+
+Packed rows of random documents (50 to ``--max-length`` tokens) as the collate builds them, the attention that
+``attn_implementation: auto`` picks for this device (its self-test included; the note says why), LoRA r 16 on all
+linear layers, rocktune's chunked loss, under the precision policy's autocast. One warm-up forward/backward, then one
+profiled. Writes ``profile.json`` (the choice, op counts, time, peak memory) and ``profile.txt`` (the top ops) under
+``--out``, and prints the JSON. ``--lora peft`` runs PEFT's own LoRA forward instead of rocktune's lean one, and
+``--precision bf16`` a bf16 base under bf16 autocast on a CPU too: the op counts of docs/speed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+
+def packed_batch(rows: int, max_length: int, vocab: int, segments: bool, seed: int = 0) -> dict:
+    from rocktune.data.batching import with_loss_index
+    from rocktune.data.packing import collate_packed, pack_rows
+
+    rng = random.Random(seed)
+    docs = []
+    while sum(len(d) for d in docs) < rows * max_length * 0.9:
+        n = rng.randint(50, max_length)
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        docs.append((ids, ids))
+    packed = pack_rows([len(x) for x, _ in docs], max_length, list(range(len(docs))))[:rows]
+    return with_loss_index(collate_packed([[docs[i] for i in row] for row in packed], 0, max_length, segments))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="qwen2.5-0.5b-shape")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--out", default="/tmp/rt-profile")
+    ap.add_argument("--precision", default="auto", help="auto (the platform policy) | fp32 | bf16 | fp16")
+    ap.add_argument("--lora", default="lean", choices=("lean", "peft"),
+                    help="rocktune's lean LoRA forward (default, as training runs) or PEFT's own")
+    args = ap.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rocktune.attention import VARLEN, choose
+    from rocktune.bench import workload
+    from rocktune.lean_lora import lean_lora
+    from rocktune.model import DTYPES, apply_lora, load_model
+    from rocktune.platform.advise import device_precision
+    from rocktune.tasks.lm.loss import LossModule
+    from rocktune.train.build import autocast
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    precision = device_precision(args.device) if args.precision == "auto" else args.precision
+    attn, note = choose("auto", "sdpa", args.device, (True, False), DTYPES[precision])
+    model_dir = workload.model_dir(args.model, Path("/tmp/rt-suite") / args.model / "cache")
+    model = apply_lora(load_model(model_dir, precision, attn, False, args.device), 16, 32, 0.0, "all-linear", False)
+    lora_note = lean_lora(model) if args.lora == "lean" else "LoRA side path: PEFT's own forward"
+    vocab = model.get_base_model().config.vocab_size
+    batch = packed_batch(args.rows, args.max_length, vocab, attn == VARLEN)
+    batch = {k: v.to(args.device) for k, v in batch.items()}
+    loss_module, cast = LossModule(model, 2048 if args.device == "cuda" else 256, True), autocast(args.device,
+                                                                                                   precision)
+
+    def step():
+        with cast():
+            loss = loss_module(batch)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up: kernels chosen, the allocator filled
+    sync()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    seconds = time.perf_counter() - t0
+    events = prof.key_averages()
+    aten = [e for e in events if e.key.startswith("aten::")]
+    sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    (out / "profile.txt").write_text(events.table(sort_by=sort, row_limit=30))
+    result = {"device": args.device, "model": args.model, "precision": precision, "attention": attn,
+              "attention_note": note, "lora": lora_note, "rows": args.rows, "max_length": args.max_length,
+              "tokens": int(batch["input_ids"].numel()), "profiled_step_s": round(seconds, 4),
+              "aten_op_calls": sum(e.count for e in aten),
+              "top_ops": {e.key: e.count for e in sorted(aten, key=lambda e: -e.count)[:15]},
+              "peak_allocated_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
+              "measured_on": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    (out / "profile.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
