@@ -153,3 +153,28 @@ def test_cli_json_and_html(tmp_path, tiny_model_dir, capsys):
     page = html.read_text()
     assert '<span class="trained"> AB</span><span class="trained special">&lt;|endoftext|&gt;</span>' in page
     assert main(["data", "preview"]) == 2
+
+
+def _conversations(n: int, seed: int = 0) -> list[dict]:
+    """Synthetic 1-4-turn conversations, long enough that a small data.max_length truncates most of them."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "You answer questions about numbers. " * rng.randint(1, 3)}]
+        for turn in range(rng.randint(1, 4)):
+            msgs += [{"role": "user", "content": f"Question {i}.{turn}: what is {rng.randint(0, 999)} squared? " * 3},
+                     {"role": "assistant", "content": f"It is {rng.randint(0, 10**6)}, as computed. " * 2}]
+        out.append({"messages": msgs})
+    return out
+
+
+def test_truncated_multi_turn_chat_is_not_a_template_difference(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "chat.jsonl", _conversations(24))
+    pv = build_preview(str(data), "auto", tokenizer, 128, False)
+    assert pv.n_truncated >= 16  # the comparison really sees truncated examples
+    assert pv.problems == []
+    # The check itself still fires on a real difference, truncated or not.
+    pv = build_preview(str(data), "auto", _OwnRenderDiffers(tokenizer), 128, False)
+    assert {p["code"] for p in pv.problems} == {"template-differs"}

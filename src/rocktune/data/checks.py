@@ -15,6 +15,7 @@ from rocktune.errors import UserError
 
 TEMPLATE_PROBES = 16  # conversations compared with the tokenizer's own rendering: a template bug shows in any of them
 PROBE = "rocktune-probe-reply"
+UNBOUNDED = 1 << 40  # a max_length no conversation reaches: the template comparison sees it untruncated
 
 
 @dataclass
@@ -33,7 +34,7 @@ def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool, 
         return problems
     problems += _stop_token(examples.labels, tokenizer, shape)
     if shape == "messages" and data_file and max_length:
-        problems += _template(records.read_records(data_file)[:TEMPLATE_PROBES], tokenizer, max_length)
+        problems += _template(records.read_records(data_file)[:TEMPLATE_PROBES], tokenizer)
     return problems
 
 
@@ -108,12 +109,15 @@ def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]
     return []
 
 
-def _template(recs: list[tuple[str, dict]], tokenizer, max_length: int) -> list[Problem]:
-    """Compare rocktune's per-turn tokenisation with the tokenizer's own rendering of the same conversation."""
+def _template(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
+    """Compare rocktune's per-turn tokenisation with the tokenizer's own rendering of the same conversation.
+
+    Both sides are compared whole: truncation (data.truncation=prompt cuts the oldest turns) is not a template
+    difference, and comparing a truncated example with the start of the own rendering flagged every long chat."""
     for loc, rec in recs:
-        ours = encode.encode(rec, "messages", tokenizer, max_length, True, loc).input_ids
+        ours = encode.encode(rec, "messages", tokenizer, UNBOUNDED, True, loc).input_ids
         own = tokenizer.apply_chat_template(rec["messages"], tokenize=True, add_generation_prompt=False)
-        own = list(own["input_ids"] if hasattr(own, "keys") else own)[:max_length]
+        own = list(own["input_ids"] if hasattr(own, "keys") else own)
         if ours == own:
             continue
         if tokenizer.decode(ours) != tokenizer.decode(own):
