@@ -359,9 +359,11 @@ def _run_data_preview(args) -> int:
 
             return run_media_preview(cfg, args.examples, args.json)
         d, m = cfg.data, cfg.model
+        section = d  # columns, split, subset, revision, num_proc: the source as train opens it
         data, model, trust, fmt, length, on_prompt, cut = (d.train_file, m.name_or_path, m.trust_remote_code,
                                                            d.format, d.max_length, d.train_on_prompt, d.truncation)
     elif args.data and args.model:
+        section = None
         data, model, trust, fmt, length, on_prompt, cut = (args.data, args.model, False, args.format,
                                                            args.max_length, args.train_on_prompt, args.truncation)
     else:
@@ -370,7 +372,7 @@ def _run_data_preview(args) -> int:
 
     return run_preview(data_file=data, model=model, trust_remote_code=trust, shape=fmt, max_length=length,
                        train_on_prompt=on_prompt, n_show=args.examples, html=args.html, as_json=args.json,
-                       truncation=cut)
+                       truncation=cut, data=section)
 
 
 def _add_report(sub) -> None:

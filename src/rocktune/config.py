@@ -50,8 +50,23 @@ class LoraConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_file: str | None = Field(None, description="JSON or JSONL training data (see README for the shapes).")
-    eval_file: str | None = Field(None, description="Separate eval data; when absent eval_fraction is split off.")
+    train_file: str | None = Field(
+        None, description="Training data: a JSON/JSONL, parquet, CSV or Arrow file, a datasets save_to_disk folder, "
+        "or a hub dataset id (see split/subset/revision; offline: the local datasets cache). Shapes: README."
+    )
+    eval_file: str | None = Field(None, description="Separate eval data, any kind train_file takes; when absent "
+                                  "eval_fraction is split off.")
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Source column for each record key the shape needs, e.g. {prompt: "
+        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages)."
+    )
+    split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.")
+    eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.")
+    subset: str | None = Field(None, description="Subset (configuration) of a hub dataset.")
+    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a hub dataset.")
+    num_proc: PositiveInt | None = Field(
+        None, description="Processes that tokenise; default: all of the machine's cores (a small set uses one)."
+    )
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of train_file held out for eval.")
     format: Literal["auto", "text", "prompt_completion", "messages", "alpaca"] = Field(
         "auto", description="Record shape; auto detects it per file from the first record's keys."

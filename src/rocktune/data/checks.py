@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rocktune.data import encode, records
+from rocktune.data import encode
 from rocktune.errors import UserError
 
 TEMPLATE_PROBES = 16  # conversations compared with the tokenizer's own rendering: a template bug shows in any of them
@@ -25,16 +25,16 @@ class Problem:
     message: str
 
 
-def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool, data_file: str | None = None,
-                        max_length: int | None = None) -> list[Problem]:
-    """Problems of ``examples`` (token ids + labels, as training sees them); ``data_file`` enables the template
-    comparison for chat data."""
+def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool,
+                        probes: list[tuple[str, dict]] | None = None) -> list[Problem]:
+    """Problems of ``examples`` (token ids + labels, as training sees them); ``probes`` (the first records of the
+    source, ``DataStats.probes``) enable the template comparison for chat data."""
     problems = _masking(examples.labels, examples.input_ids, shape, train_on_prompt)
     if any(p.code == "no-loss-tokens" for p in problems):
         return problems
     problems += _stop_token(examples.labels, tokenizer, shape)
-    if shape == "messages" and data_file and max_length:
-        problems += _template(records.read_records(data_file)[:TEMPLATE_PROBES], tokenizer)
+    if shape == "messages" and probes:
+        problems += _template(probes[:TEMPLATE_PROBES], tokenizer)
     return problems
 
 
@@ -53,8 +53,8 @@ def loss_positions(labels: list[int]) -> int:
     return len(labels) - labels.count(encode.IGNORE) - (bool(labels) and labels[0] != encode.IGNORE)
 
 
-def _masking(labels: list[list[int]], input_ids: list[list[int]], shape: str, train_on_prompt: bool) -> list[Problem]:
-    trained = [loss_positions(lab) for lab in labels]
+def _masking(labels, input_ids, shape: str, train_on_prompt: bool) -> list[Problem]:
+    trained = labels.loss_counts().tolist() if hasattr(labels, "loss_counts") else [loss_positions(x) for x in labels]
     if not any(trained):
         return [Problem("error", "no-loss-tokens", "no example has a loss-bearing token, so there is nothing to "
                         "learn; check that completions / assistant turns are not empty and fit data.max_length.")]
