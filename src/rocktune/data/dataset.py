@@ -177,7 +177,7 @@ class _Encode:
                "prompt_cut": [0] * len(idx), "completion_cut": [0] * len(idx), "empty": empty,
                "kept": [False] * len(idx), "max_id": [-1] * len(idx)}
         for j, enc in zip(todo, encoded):
-            kept = any(t != IGNORE for t in enc.labels[1:])
+            kept = checks.loss_positions(enc.labels) > 0  # list.count: no per-token Python loop
             out["truncated"][j], out["prompt_cut"][j], out["completion_cut"][j] = (enc.truncated, enc.prompt_cut,
                                                                                   enc.completion_cut)
             out["max_id"][j], out["kept"][j] = max(enc.input_ids, default=-1), kept

@@ -55,20 +55,23 @@ def encode_many(recs: list[dict], tokenizer, s: EncodeSettings, locs: list[str],
     window = (s.max_length + MARGIN) * CHARS_PER_TOKEN
     toks = _tokenize(segs, tokenizer, s, window, locs)
     out = []
+    eos = tokenizer.eos_token_id if s.shape != "messages" else None
+    bos = tokenizer.bos_token_id if s.shape != "messages" else None
     for rec_segs, rec_toks in zip(segs, toks):
         ids: list[int] = []
         labels: list[int] = []
-        is_prompt: list[bool] = []
         for (_, bears_loss), seg in zip(rec_segs, rec_toks):
             ids += seg
             labels += seg if (bears_loss or s.train_on_prompt) else [IGNORE] * len(seg)
-            is_prompt += [not bears_loss] * len(seg)
-        if s.shape != "messages" and tokenizer.eos_token_id is not None:
-            ids.append(tokenizer.eos_token_id)
-            labels.append(tokenizer.eos_token_id)
-            is_prompt.append(False)
-        bos = tokenizer.bos_token_id
-        keep_first = s.shape != "messages" and bos is not None and bool(ids) and ids[0] == bos
+        if eos is not None:
+            ids.append(eos)
+            labels.append(eos)
+        if len(ids) <= s.max_length:  # most examples: nothing to cut, no per-token bookkeeping
+            out.append(Encoded(ids, labels, False))
+            continue
+        is_prompt = [p for (_, bears_loss), seg in zip(rec_segs, rec_toks) for p in [not bears_loss] * len(seg)]
+        is_prompt += [False] * (eos is not None)
+        keep_first = bos is not None and ids[0] == bos
         fitted = fit_arrays(ids, labels, is_prompt, s.max_length, s.truncation, keep_first)
         out.append(Encoded(fitted.input_ids, fitted.labels, len(ids) > s.max_length, fitted.prompt_cut,
                            fitted.completion_cut))
@@ -113,7 +116,8 @@ def _tokenize(segs: list[list[tuple[str, bool]]], tokenizer, s: EncodeSettings, 
         if not items:
             continue
         try:
-            ids = tokenizer([t for _, _, t in items], add_special_tokens=special)["input_ids"]
+            ids = tokenizer([t for _, _, t in items], add_special_tokens=special, return_attention_mask=False,
+                            return_token_type_ids=False)["input_ids"]
         except Exception:  # noqa: BLE001 - find the record the tokenizer refuses, one by one, to name it
             ids = [_guard(lambda t=t, sp=special: tokenizer(t, add_special_tokens=sp)["input_ids"], locs[r])
                    for r, _, t in items]
