@@ -182,3 +182,68 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path, tokenizer, monkeypa
     assert [ex.input_ids[i] for i in range(len(ex))] == _expect(tokenizer) and "(hub," in stats.source
     with pytest.raises(UserError, match="tester/missing is a hub dataset id, HF_HUB_OFFLINE is set"):
         tokenize_file("tester/missing", d, tokenizer, tmp_path / "cache")
+
+
+def test_token_rows_count_like_the_lists():
+    from rocktune.data.batching import loss_token_counts
+    from rocktune.data.checks import loss_positions
+    from rocktune.data.tokens import TokenRows, from_lists
+
+    rows = [[-100, 5, 7], [3], [], [-100, -100, 9, 256], [256, 1]]
+    flat, offsets = from_lists(rows)
+    view = TokenRows(flat, offsets).take([4, 0, 3, 1, 2])
+    picked = [rows[i] for i in (4, 0, 3, 1, 2)]
+    assert list(view) == picked and view.lengths().tolist() == [2, 3, 4, 1, 0]
+    assert loss_token_counts(view) == [loss_positions(r) for r in picked] == [1, 2, 2, 0, 0]
+    assert view.rows_with([256]) == 1  # the leading 256 of row 4 is position 0: not trained
+
+
+def test_counts_in_blocks_match(monkeypatch):
+    """Counting reads the flat array in blocks of whole rows; a block edge inside the set changes nothing."""
+    from rocktune.data import tokens
+
+    rows = synthetic_rows = [[-100] * (i % 5) + list(range(i % 7)) for i in range(200)]
+    flat, offsets = tokens.from_lists(synthetic_rows)
+    whole = tokens.TokenRows(flat, offsets).loss_counts()
+    monkeypatch.setattr(tokens, "BLOCK", 9)
+    assert tokens.TokenRows(flat, offsets).loss_counts().tolist() == whole.tolist() == \
+        [sum(1 for y in r[1:] if y != -100) for r in rows]
+
+
+def test_cache_is_mapped_not_copied(tmp_path):
+    """A rank that loads the cache maps it: its private memory grows by a small part of the cache's size, even after
+    the lengths, the loss counts and a batch's rows were read (what training reads before its first step)."""
+    import subprocess
+    import sys
+
+    from rocktune.data import cache
+
+    n_rows, width = 200_000, 100
+    entry = cache.Entry(tmp_path, "k")
+    offsets = np.arange(n_rows + 1, dtype=np.int64) * width
+    ids = np.arange(n_rows * width, dtype=np.int32) % 250
+    entry.write("offsets", len(offsets), np.int64, [offsets])
+    entry.write("input_ids", len(ids), np.int32, [ids])
+    entry.write("labels", len(ids), np.int32, [np.where(ids % 3 == 0, -100, ids)])
+    entry.commit({"n_records": n_rows})
+    size = cache.size_bytes(tmp_path, "k")
+    code = f"""
+import re
+from pathlib import Path
+def anon():
+    return int(re.search(r"RssAnon:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+from rocktune.data import cache
+from rocktune.data.batching import loss_token_counts
+from rocktune.data.dataset import _examples
+before = anon()
+arrays, meta = cache.load(Path({str(tmp_path)!r}), "k")
+ex = _examples(arrays)
+lengths, counts = ex.lengths(), loss_token_counts(ex.labels)
+rows = [ex.input_ids[i] for i in range(0, len(ex), 1000)]
+print(anon() - before, len(lengths), sum(counts))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    grown, n, trained = int(out[0]), int(out[1]), int(out[2])
+    assert n == n_rows and trained == int((np.where(ids % 3 == 0, -100, ids).reshape(n_rows, width)[:, 1:] != -100
+                                           ).sum())
+    assert size > 150 * 2**20 and grown < size / 8, (grown, size)

@@ -67,9 +67,18 @@ class Entry:
         cache_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
 
-    def array(self, name: str, n: int, dtype) -> np.ndarray:
-        """A writable memory-mapped array of ``n`` items, filled by the caller chunk by chunk."""
-        return np.lib.format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=(n,))
+    def write(self, name: str, n: int, dtype, chunks) -> None:
+        """A ``.npy`` file of ``n`` items written from ``chunks`` in order, with ordinary writes: pages written
+        through a memory map would count in this process's RSS, pages written to a file do not."""
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (n,)}
+        written = 0
+        with open(self.tmp / f"{name}.npy", "wb") as f:
+            np.lib.format.write_array_header_1_0(f, header)
+            for chunk in chunks:
+                f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+                written += len(chunk)
+        if written != n:
+            raise AssertionError(f"{name}: {written} items written, {n} announced")
 
     def mapped(self) -> dict[str, np.ndarray]:
         return {name: np.load(self.tmp / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
@@ -96,5 +105,5 @@ def store(cache_dir: Path, key: str, ids: list[list[int]], labels: list[list[int
     flat_labels, _ = from_lists(labels)
     entry = Entry(cache_dir, key)
     for name, arr in (("input_ids", flat_ids), ("labels", flat_labels), ("offsets", offsets)):
-        entry.array(name, len(arr), arr.dtype)[:] = arr
+        entry.write(name, len(arr), arr.dtype, [arr])
     entry.commit(meta)

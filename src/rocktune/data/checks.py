@@ -98,7 +98,8 @@ def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]
         return [Problem("error", "no-eos", "the tokenizer has no end-of-sequence token, so no example can teach the "
                         "model to stop; use a tokenizer with an eos_token.")]
     names = " / ".join(stops.values())
-    learned = sum(any(s in lab[1:] for s in stops) for lab in labels)
+    learned = labels.rows_with(list(stops)) if hasattr(labels, "rows_with") else \
+        sum(any(s in lab[1:] for s in stops) for lab in labels)
     if learned == 0:
         return [Problem("error", "stop-never-trained", f"the end token {names} never carries loss in any example, so "
                         "the model would not learn to stop generating (masked as padding, or left out by the "

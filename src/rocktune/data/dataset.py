@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from rocktune.data import cache, checks, fastencode, records, sources, truncate
-from rocktune.data.encode import IGNORE
 from rocktune.data.tokens import TokenRows
 from rocktune.errors import UserError
 
@@ -264,18 +263,10 @@ def _write(out, entry: cache.Entry, meta: dict) -> None:
     ids_col, labels_col = out.data.column("input_ids"), out.data.column("labels")
     lengths = np.concatenate([c.value_lengths().fill_null(0).to_numpy() for c in ids_col.chunks]).astype(np.int64)
     kept = _column(out, "kept")
-    offsets = entry.array("offsets", int(kept.sum()) + 1, np.int64)
-    offsets[0] = 0
-    np.cumsum(lengths[kept], out=offsets[1:])
-    total = int(offsets[-1])
+    offsets = np.concatenate([[0], np.cumsum(lengths[kept])]).astype(np.int64)
+    entry.write("offsets", len(offsets), np.int64, [offsets])
     for name, col in (("input_ids", ids_col), ("labels", labels_col)):
-        flat, pos = entry.array(name, total, np.int32), 0
-        for chunk in col.chunks:
-            values = chunk.flatten().to_numpy()
-            flat[pos:pos + len(values)] = values
-            pos += len(values)
-        flat.flush()
-    offsets.flush()
+        entry.write(name, int(offsets[-1]), np.int32, (chunk.flatten().to_numpy() for chunk in col.chunks))
 
 
 def _examples(arrays: dict) -> Examples:

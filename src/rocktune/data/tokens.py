@@ -40,11 +40,29 @@ class TokenRows(Sequence):
 
     def loss_counts(self) -> np.ndarray:
         """Loss-bearing labels per row after the causal shift (position 0 never counts), without a Python loop."""
-        trained = np.asarray(self.flat != IGNORE, dtype=np.int64)
-        cum = np.concatenate([[0], np.cumsum(trained)])
-        starts, ends = self.offsets[self.index], self.offsets[self.index + 1]
-        first = np.where(ends > starts, trained[np.minimum(starts, max(len(trained) - 1, 0))], 0)
-        return cum[ends] - cum[starts] - first
+        return _inner_counts(self.flat, self.offsets, lambda x: x != IGNORE)[self.index]
+
+    def rows_with(self, values: list[int]) -> int:
+        """Rows holding any of ``values`` after their first position (a trained end token)."""
+        return int((_inner_counts(self.flat, self.offsets, lambda x: np.isin(x, values))[self.index] > 0).sum())
+
+
+BLOCK = 1 << 20  # tokens per pass: the temporary arrays stay near 10 MB however large the set
+
+
+def _inner_counts(flat: np.ndarray, offsets: np.ndarray, test) -> np.ndarray:
+    """Per stored row: positions 1.. where ``test`` holds; the flat array is read in blocks of whole rows."""
+    out = np.zeros(len(offsets) - 1, dtype=np.int64)
+    row = 0
+    while row < len(out):
+        end = int(np.searchsorted(offsets, offsets[row] + BLOCK, side="right")) - 1
+        end = min(max(end, row + 1), len(out))  # at least one row, however long
+        base = int(offsets[row])
+        cum = np.concatenate([[0], np.cumsum(test(flat[base:int(offsets[end])]), dtype=np.int64)])
+        starts, ends = offsets[row:end] - base, offsets[row + 1:end + 1] - base
+        out[row:end] = cum[ends] - cum[np.minimum(starts + 1, ends)]
+        row = end
+    return out
 
 
 def from_lists(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
