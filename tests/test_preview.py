@@ -178,3 +178,21 @@ def test_truncated_multi_turn_chat_is_not_a_template_difference(tmp_path, tokeni
     # The check itself still fires on a real difference, truncated or not.
     pv = build_preview(str(data), "auto", _OwnRenderDiffers(tokenizer), 128, False)
     assert {p["code"] for p in pv.problems} == {"template-differs"}
+
+
+def test_preview_shows_source_mapping_rate_and_cache_size(tmp_path, tiny_model_dir, capsys):
+    import datasets
+
+    rows = [{"q": f"add {i} {i} =", "a": f" {2 * i:02d}"} for i in range(6)]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "d.parquet")
+    cfg = tiny_run_config(tiny_model_dir, tmp_path / "d.parquet", None, tmp_path / "out")
+    cfg["data"]["columns"] = {"prompt": "q", "completion": "a"}
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    assert main(["data", "preview", "-c", str(tmp_path / "c.yaml"), "--json"]) == 0
+    pv = json.loads(capsys.readouterr().out)
+    assert pv["source"].startswith(f"{tmp_path / 'd.parquet'} (parquet, 6 rows; columns prompt<-q, completion<-a)")
+    assert pv["records_per_s"] > 0 and pv["cache_bytes"] > 6 * 4 * 2 and pv["n_kept"] == 6
+    assert main(["data", "preview", "-c", str(tmp_path / "c.yaml")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "records/s" in out and "token cache" in out and "prompt<-q" in out
+    assert not (tmp_path / "out").exists()  # a preview leaves nothing behind

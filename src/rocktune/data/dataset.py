@@ -212,8 +212,8 @@ def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, nu
     if quiet:
         datasets.disable_progress_bars()
     try:
-        # Tokenizers' own threads would fight the worker processes for the same cores.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false" if procs > 1 else "true")
+        if procs > 1:  # tokenizers' threads would fight the workers for the cores, and must not cross a fork
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         out = src.dataset.map(_Encode(tokenizer, settings, src), batched=True, batch_size=BATCH, with_indices=True,
                               remove_columns=src.dataset.column_names, features=_features(),
                               num_proc=procs if procs > 1 else None, cache_file_name=str(scratch / "tokens.arrow"),
