@@ -73,13 +73,13 @@ def test_prepared_cache_rows_equal_the_reference(tmp_path, tokenizer):
     rows = synthetic.chats(300, seed=5)
     f = write_jsonl(tmp_path / "chat.jsonl", rows)
     d = DataConfig(train_file=str(f), eval_fraction=0.0, max_length=200, num_proc=2)
-    from rocktune.data import dataset
+    from rocktune.data import tokenise
 
-    dataset.ROWS_PER_PROC, saved = 100, dataset.ROWS_PER_PROC
+    tokenise.ROWS_PER_PROC, saved = 100, tokenise.ROWS_PER_PROC  # two workers for 300 rows
     try:
         train, _, stats = prepare_data(d, tokenizer, tmp_path / "cache", 0)
     finally:
-        dataset.ROWS_PER_PROC = saved
+        tokenise.ROWS_PER_PROC = saved
     want = [encode.encode(r, "messages", tokenizer, 200, False, "x") for r in rows]
     want = [w for w in want if any(t != encode.IGNORE for t in w.labels[1:])]
     assert len(train) == len(want) and stats.n_truncated == sum(w.truncated for w in want) > 0
@@ -247,3 +247,22 @@ print(anon() - before, len(lengths), sum(counts))
     assert n == n_rows and trained == int((np.where(ids % 3 == 0, -100, ids).reshape(n_rows, width)[:, 1:] != -100
                                            ).sum())
     assert size > 150 * 2**20 and grown < size / 8, (grown, size)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "disk"])
+def test_streamed_source_gives_the_same_examples(kind, tmp_path, tokenizer):
+    """data.streaming: no Arrow copy of the source, batches spread over a pool of two workers, the same tokens."""
+    spec = _write_source(kind, tmp_path)
+    d = DataConfig(max_length=64, columns=MAPPED, streaming=True, num_proc=2)
+    ex, stats = tokenize_file(spec, d, tokenizer, tmp_path / "cache")
+    assert [ex.input_ids[i] for i in range(len(ex))] == _expect(tokenizer)
+    assert "streamed" in stats.source and stats.n_records == len(ROWS)
+    assert not list((tmp_path / "cache").rglob("*.arrow"))  # no Arrow copy of the source was made
+
+
+def test_streamed_errors_name_the_row(tmp_path, tokenizer):
+    rows = [{"prompt": "a", "completion": "b"}] * 1500 + [{"prompt": "a", "completion": 7}]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(UserError, match=r"d\.jsonl:1501: 'completion' must be a string, got int"):
+        tokenize_file(str(f), DataConfig(streaming=True, num_proc=2), tokenizer, tmp_path / "c")
+    assert not (tmp_path / "c").exists() or not list((tmp_path / "c").glob("*/meta.json"))  # nothing cached

@@ -64,6 +64,11 @@ class DataConfig(_Section):
     eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.")
     subset: str | None = Field(None, description="Subset (configuration) of a hub dataset.")
     revision: str | None = Field(None, description="Revision (branch, tag or commit) of a hub dataset.")
+    streaming: bool = Field(
+        False, description="Read the source as a stream (datasets' IterableDataset): no Arrow copy of it is made "
+        "first; batches are tokenised over num_proc processes as they arrive. For sets larger than the room for a "
+        "copy; a streamed hub id needs the network."
+    )
     num_proc: PositiveInt | None = Field(
         None, description="Processes that tokenise; default: all of the machine's cores (a small set uses one)."
     )

@@ -11,25 +11,17 @@ any cache entry is committed; on any rejection the temporary entries (and a cach
 
 from __future__ import annotations
 
-import math
-import os
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from rocktune.data import cache, checks, fastencode, records, sources, truncate
+from rocktune.data import cache, checks, fastencode, records, sources, tokenise, truncate
 from rocktune.data.tokens import TokenRows
 from rocktune.errors import UserError
-
-ROWS_PER_PROC = 4000  # below this a worker process costs more to start than it saves
-BATCH = 1000  # rows per tokenizer call in datasets.map
-PROGRESS_FROM = 20_000  # rows from which datasets.map's progress bar is shown
-
 
 @dataclass
 class Examples:
@@ -67,6 +59,7 @@ class DataStats:
     records_per_s: float = 0.0  # tokenisation rate (0 on a cache hit)
     cache_bytes: int = 0
     probes: list = field(default_factory=list)  # chat data: the first records, for the template comparison
+    n_empty: int = 0  # records without any target, dropped before tokenising (not in n_records)
 
 
 @dataclass
@@ -89,7 +82,7 @@ class Pending:
 
 def source_settings(d, cache_dir: Path, eval_side: bool = False) -> sources.SourceSettings:
     return sources.SourceSettings(dict(d.columns), d.eval_split if eval_side else d.split, d.subset, d.revision,
-                                  cache_dir)
+                                  cache_dir, d.streaming)
 
 
 def tokenize_file(spec: str, d, tokenizer, cache_dir: Path, vocab_size: int | None = None,
@@ -113,13 +106,15 @@ def tokenize_file(spec: str, d, tokenizer, cache_dir: Path, vocab_size: int | No
 def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending, eval_side: bool):
     key_name = "data.eval_file" if eval_side else "data.train_file"
     src = sources.open_source(spec, source_settings(d, cache_dir, eval_side), key_name)
-    shape = records.detect_shape([(src.where(0), _row(src.dataset[0]))], d.format)
+    head = [tokenise.row(r) for r in src.head(checks.TEMPLATE_PROBES)]
+    if not head:
+        raise tokenise.records_empty(src)
+    shape = records.detect_shape([(src.where(0), head[0])], d.format)
     key = cache.fingerprint(spec if Path(spec).is_file() else src.fingerprint, cache.tokenizer_fingerprint(tokenizer),
                             shape=shape, max_length=d.max_length, train_on_prompt=d.train_on_prompt,
                             truncation=d.truncation, empty_targets="dropped", columns=src.columns,
                             split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision)
-    probes = [(src.where(i), _row(src.dataset[i])) for i in range(min(len(src.dataset), checks.TEMPLATE_PROBES))
-              ] if shape == "messages" else []
+    probes = [(src.where(i), rec) for i, rec in enumerate(head)] if shape == "messages" else []
     hit = cache.load(cache_dir, key)
     if hit is not None:
         arrays, meta = hit
@@ -130,8 +125,8 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
         return _examples(arrays), stats
     settings = fastencode.EncodeSettings(shape, d.max_length, d.train_on_prompt, d.truncation)
     started = time.perf_counter()
-    out = _map(src, tokenizer, settings, d.num_proc)
-    rate = len(src.dataset) / max(time.perf_counter() - started, 1e-9)
+    out = tokenise.run(src, tokenizer, settings, d.num_proc)
+    rate = len(out) / max(time.perf_counter() - started, 1e-9)
     try:
         meta = _summarise(out, src, shape, vocab_size, d)
         entry = cache.Entry(cache_dir, key)
@@ -142,90 +137,6 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
     stats = _stats(meta, False, key, src.describe(), rate, sum(f.stat().st_size for f in entry.tmp.iterdir()))
     stats.probes = probes
     return _examples(entry.mapped()), stats
-
-
-def _row(row: dict) -> dict:
-    """A record as the JSON reader gives it: a key Arrow filled with null (absent in that row) is absent."""
-    out = {k: v for k, v in row.items() if v is not None}
-    if isinstance(out.get("messages"), list):
-        out["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                           for m in out["messages"]]
-    return out
-
-
-class _Encode:
-    """The ``datasets.map`` function: validate each row, drop empty targets, tokenise the rest (picklable for the
-    worker processes)."""
-
-    def __init__(self, tokenizer, settings: fastencode.EncodeSettings, src: sources.Source):
-        self.tokenizer, self.settings = tokenizer, settings
-        self.name, self.kind = src.name, src.kind
-        self.layout = fastencode.chat_layout(tokenizer) if settings.shape == "messages" else None
-
-    def __call__(self, batch: dict, idx: list[int]) -> dict:
-        shape = self.settings.shape
-        names = list(batch)
-        rows = [_row({k: batch[k][j] for k in names}) for j in range(len(idx))]
-        locs = [sources.RowLoc(self.name, self.kind, i) for i in idx]
-        records.validate(list(zip(locs, rows)), shape)
-        empty = [records.targets_empty(rec, shape) for rec in rows]
-        todo = [j for j, e in enumerate(empty) if not e]
-        encoded = fastencode.encode_many([rows[j] for j in todo], self.tokenizer, self.settings,
-                                         [locs[j] for j in todo], self.layout)
-        out = {"input_ids": [[] for _ in idx], "labels": [[] for _ in idx], "truncated": [False] * len(idx),
-               "prompt_cut": [0] * len(idx), "completion_cut": [0] * len(idx), "empty": empty,
-               "kept": [False] * len(idx), "max_id": [-1] * len(idx)}
-        for j, enc in zip(todo, encoded):
-            kept = checks.loss_positions(enc.labels) > 0  # list.count: no per-token Python loop
-            out["truncated"][j], out["prompt_cut"][j], out["completion_cut"][j] = (enc.truncated, enc.prompt_cut,
-                                                                                  enc.completion_cut)
-            out["max_id"][j], out["kept"][j] = max(enc.input_ids, default=-1), kept
-            if kept:  # nothing left to learn from (an empty completion, or cut off entirely): no tokens stored
-                out["input_ids"][j], out["labels"][j] = enc.input_ids, enc.labels
-        return out
-
-
-def _features():
-    import datasets
-
-    ints = datasets.List(datasets.Value("int32"))
-    return datasets.Features({"input_ids": ints, "labels": ints, "truncated": datasets.Value("bool"),
-                              "prompt_cut": datasets.Value("int32"), "completion_cut": datasets.Value("int32"),
-                              "empty": datasets.Value("bool"), "kept": datasets.Value("bool"),
-                              "max_id": datasets.Value("int64")})
-
-
-def workers(num_proc: int | None, n_rows: int) -> int:
-    """Processes for ``n_rows``: ``data.num_proc`` (default: the cores this process may use), fewer for a small set."""
-    cores = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    return max(1, min(cores, math.ceil(n_rows / ROWS_PER_PROC)))
-
-
-def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None):
-    """The tokenised rows in an Arrow file in a scratch folder (``out.scratch``), written by ``datasets.map``."""
-    import datasets
-
-    n = len(src.dataset)
-    procs = workers(num_proc, n)
-    scratch = Path(tempfile.mkdtemp(prefix="rocktune-tokens-"))
-    quiet = n < PROGRESS_FROM
-    if quiet:
-        datasets.disable_progress_bars()
-    try:
-        if procs > 1:  # tokenizers' threads would fight the workers for the cores, and must not cross a fork
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        out = src.dataset.map(_Encode(tokenizer, settings, src), batched=True, batch_size=BATCH, with_indices=True,
-                              remove_columns=src.dataset.column_names, features=_features(),
-                              num_proc=procs if procs > 1 else None, cache_file_name=str(scratch / "tokens.arrow"),
-                              load_from_cache_file=False, desc=f"tokenising {src.name}")
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    finally:
-        if quiet:
-            datasets.enable_progress_bars()
-    out.scratch = scratch
-    return out
 
 
 def _column(out, name: str) -> np.ndarray:
@@ -254,7 +165,7 @@ def _summarise(out, src: sources.Source, shape: str, vocab_size: int | None, d) 
     return {"n_records": int(tokenised.sum()), "n_truncated": int(_column(out, "truncated").sum()),
             "n_dropped": int((tokenised & ~kept).sum()), "shape": shape,
             "n_prompt_cut": int((_column(out, "prompt_cut") > 0).sum()),
-            "n_completion_cut": int((_column(out, "completion_cut") > 0).sum()), "max_id": top,
+            "n_completion_cut": int((_column(out, "completion_cut") > 0).sum()), "max_id": top, "n_empty": n_empty,
             "notes": [note] if note else []}
 
 
@@ -276,7 +187,7 @@ def _examples(arrays: dict) -> Examples:
 def _stats(meta: dict, hit: bool, key: str, source: str, rate: float, size: int) -> DataStats:
     return DataStats(meta["shape"], meta["n_records"], meta["n_truncated"], meta["n_dropped"], hit, key,
                      list(meta.get("notes", [])), meta.get("n_prompt_cut", 0), meta.get("n_completion_cut", 0),
-                     source, rate, size)
+                     source, rate, size, n_empty=meta.get("n_empty", 0))
 
 
 def _beyond_vocab(where, token_id: int, vocab_size: int) -> str:

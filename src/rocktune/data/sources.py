@@ -24,11 +24,18 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 class Source:
     """What a data file setting names, opened: the rows and how to name one of them in an error."""
 
-    dataset: object  # datasets.Dataset, memory-mapped
+    dataset: object  # datasets.Dataset (memory-mapped), or an IterableDataset when streamed
     name: str  # the path or hub id, as configured
     kind: str  # json, parquet, csv, arrow, disk, hub
     columns: dict[str, str] = field(default_factory=dict)  # shape key -> source column
     fingerprint: str = ""  # datasets' fingerprint of the rows (content-derived for every kind)
+    streamed: bool = False
+
+    def head(self, n: int) -> list[dict]:
+        """The first ``n`` rows (fewer when the source is shorter)."""
+        if self.streamed:
+            return list(self.dataset.take(n))
+        return [self.dataset[i] for i in range(min(n, len(self.dataset)))]
 
     def where(self, row: int) -> str:
         """``file:line`` for JSONL (a line number is what an editor opens), ``file[i]`` for a JSON array, else
@@ -37,7 +44,8 @@ class Source:
 
     def describe(self) -> str:
         mapped = ", ".join(f"{k}<-{v}" for k, v in self.columns.items())
-        return f"{self.name} ({self.kind}, {len(self.dataset)} rows{'; columns ' + mapped if mapped else ''})"
+        rows = "streamed" if self.streamed else f"{len(self.dataset)} rows"
+        return f"{self.name} ({self.kind}, {rows}{'; columns ' + mapped if mapped else ''})"
 
 
 class RowLoc:
@@ -67,6 +75,7 @@ class SourceSettings:
     subset: str | None = None
     revision: str | None = None
     cache_dir: Path | None = None  # where datasets keeps the Arrow copy of a local file
+    streaming: bool = False  # read as an IterableDataset: no Arrow copy of the source
 
 
 def is_hub_id(spec: str) -> bool:
@@ -85,8 +94,11 @@ def check_spec(spec: str, key: str) -> None:
 def open_source(spec: str, settings: SourceSettings, key: str = "data.train_file") -> Source:
     """The source ``spec`` names, its columns renamed per ``settings.columns``."""
     path = Path(spec)
+    identity = None
     if path.is_dir():
         ds, kind = _from_disk(path, settings.split, key), "disk"
+        identity = ds._fingerprint  # taken before streaming: a stream has none
+        ds = ds.to_iterable_dataset() if settings.streaming else ds
     elif path.is_file():
         kind = BUILDERS.get(path.suffix.lower())
         if kind is None:
@@ -98,10 +110,12 @@ def open_source(spec: str, settings: SourceSettings, key: str = "data.train_file
     else:
         check_spec(spec, key)
         raise AssertionError("unreachable: check_spec raised")
-    if len(ds) == 0:
+    if not settings.streaming and len(ds) == 0:
         raise UserError(f"data file {spec} holds no records.")
+    if identity is None:  # a streamed hub set has no fingerprint: what names it must do
+        identity = getattr(ds, "_fingerprint", "") or f"{spec}@{settings.revision}:{settings.subset}:{settings.split}"
     ds = _rename(ds, settings.columns, spec)
-    return Source(ds, spec, kind, dict(settings.columns), getattr(ds, "_fingerprint", ""))
+    return Source(ds, spec, kind, dict(settings.columns), identity, settings.streaming)
 
 
 def _from_file(path: Path, builder: str, settings: SourceSettings):
@@ -114,7 +128,8 @@ def _from_file(path: Path, builder: str, settings: SourceSettings):
     extra = {"features": _csv_text(path), "keep_default_na": False} if builder == "csv" else {}
     try:
         with _quiet():
-            return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache, **extra)
+            return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache,
+                                         streaming=settings.streaming, **extra)
     except Exception as exc:  # noqa: BLE001 - pyarrow/datasets raise many types for one malformed file
         if builder == "json":
             _explain_json(path)  # our reader names the line and what is wrong with it
@@ -171,7 +186,8 @@ def _from_hub(repo_id: str, settings: SourceSettings, key: str):
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         with _quiet():
-            return datasets.load_dataset(repo_id, settings.subset, split=settings.split, revision=settings.revision)
+            return datasets.load_dataset(repo_id, settings.subset, split=settings.split, revision=settings.revision,
+                                         streaming=settings.streaming)
     except Exception as exc:  # noqa: BLE001 - connection, missing split/config and cache errors differ by version
         why = "HF_HUB_OFFLINE is set" if offline else (f"the hub cannot be reached ({problem})" if problem else "")
         raise UserError(
@@ -188,16 +204,19 @@ KEYS = ("text", "prompt", "completion", "instruction", "input", "output", "messa
 def _rename(ds, columns: dict[str, str], spec: str):
     if not columns:
         return ds
+    names = ds.column_names
+    if names is None:  # a stream whose columns are known only from its first row
+        names = list(next(iter(ds.take(1)), {}))
     unknown = sorted(set(columns) - set(KEYS))
     if unknown:
         raise UserError(f"data.columns has {unknown}, which no record shape uses; its keys are record keys "
                         f"({', '.join(KEYS)}) and its values the columns of {spec} that hold them.")
-    missing = [src for src in columns.values() if src not in ds.column_names]
+    missing = [src for src in columns.values() if src not in names]
     if missing:
         raise UserError(f"data.columns maps to {missing}, which {spec} does not have (its columns: "
-                        f"{ds.column_names}); fix data.columns.")
+                        f"{names}); fix data.columns.")
     # A column already named like a shape key that is being replaced by a mapped one would collide: drop it.
-    clash = [k for k, v in columns.items() if k in ds.column_names and k != v and k not in columns.values()]
+    clash = [k for k, v in columns.items() if k in names and k != v and k not in columns.values()]
     ds = ds.remove_columns(clash) if clash else ds
     return ds.rename_columns({v: k for k, v in columns.items() if k != v})
 

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rocktune.data import checks, dataset, encode, sources, truncate
+from rocktune.data import checks, dataset, encode, sources, tokenise, truncate
 
 
 @dataclass
@@ -64,7 +64,7 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         seen, stats = dataset.tokenize_file(data_file, d, tokenizer, Path(tmp) / "cache")
         src = sources.open_source(data_file, dataset.source_settings(d, Path(tmp) / "cache"))
-        shown = [(src.where(i), dataset._row(src.dataset[i])) for i in range(min(n_show, len(src.dataset)))]
+        shown = [(src.where(i), tokenise.row(r)) for i, r in enumerate(src.head(n_show))]
         problems = checks.check_training_data(seen, tokenizer, stats.shape, train_on_prompt, stats.probes)
         lengths = seen.lengths()
         loss = seen.labels.loss_counts().sum() if hasattr(seen.labels, "loss_counts") else \
@@ -72,7 +72,7 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
         special = set(tokenizer.all_special_ids)
         encoded = [(loc, encode.encode(rec, stats.shape, tokenizer, max_length, train_on_prompt, loc, truncation))
                    for loc, rec in shown]
-        n_rows = len(src.dataset)
+        n_rows = len(seen) + stats.n_dropped + stats.n_empty
     notes = stats.notes + truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
                                             stats.n_completion_cut, stats.n_dropped, max_length, truncation)
     return Preview(
