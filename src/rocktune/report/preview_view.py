@@ -102,15 +102,14 @@ def preview_html(pv: Preview) -> str:
     return page.document(f"rocktune data preview — {pv.data_file}", body)
 
 
-def run_preview(data_file: str, model: str, trust_remote_code: bool, shape: str, max_length: int,
-                train_on_prompt: bool, n_show: int, html: str | None, as_json: bool, truncation: str = "prompt",
-                data=None) -> int:
-    """Print (or write) the preview; exit status 1 when a check would stop ``train``. ``data``: the config's
-    ``data:`` section, when there is one."""
+def run_preview(data, model: str, trust_remote_code: bool, n_show: int, html: str | None, as_json: bool) -> int:
+    """Print (or write) the preview of the ``data:`` config section ``data``; exit status 1 when a check would stop
+    ``train``."""
     from rocktune.model import load_tokenizer
 
     tokenizer = load_tokenizer(model, trust_remote_code)
-    pv = build_preview(data_file, shape, tokenizer, max_length, train_on_prompt, n_show, truncation, data)
+    pv = build_preview(data.train_file, data.format, tokenizer, data.max_length, data.train_on_prompt, n_show,
+                       data.truncation, data)
     if as_json:
         sys.stdout.write(json.dumps(pv.to_json()) + "\n")
     else:
