@@ -100,7 +100,10 @@ def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, nu
         out = src.dataset.map(_Encode(tokenizer, settings, src), batched=True, batch_size=BATCH, with_indices=True,
                               remove_columns=src.dataset.column_names, features=features(),
                               num_proc=procs if procs > 1 else None, cache_file_name=str(scratch / "tokens.arrow"),
-                              load_from_cache_file=False, desc=f"tokenising {src.name}")
+                              load_from_cache_file=False, desc=f"tokenising {src.name}",
+                              # rocktune's cache key already names the result: datasets need not hash the
+                              # tokenizer (pickled) to name it
+                              new_fingerprint=f"rocktune-{os.getpid()}-{id(src)}")
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
