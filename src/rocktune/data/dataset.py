@@ -125,7 +125,7 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
         return _examples(arrays), stats
     settings = fastencode.EncodeSettings(shape, d.max_length, d.train_on_prompt, d.truncation)
     started = time.perf_counter()
-    out = tokenise.run(src, tokenizer, settings, d.num_proc)
+    out = tokenise.run(src, tokenizer, settings, d.num_proc, cache_dir)
     rate = len(out) / max(time.perf_counter() - started, 1e-9)
     try:
         meta = _summarise(out, src, shape, vocab_size, d)

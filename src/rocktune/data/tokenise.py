@@ -78,19 +78,21 @@ def workers(num_proc: int | None, n_rows: int) -> int:
     return max(1, min(cores, math.ceil(n_rows / ROWS_PER_PROC)))
 
 
-def run(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None):
-    """The tokenised rows (a memory-mapped ``datasets.Dataset`` of ``features()``); ``out.scratch`` holds its file."""
+def run(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None, where: Path):
+    """The tokenised rows (a memory-mapped ``datasets.Dataset`` of ``features()``); ``out.scratch``, a new folder
+    under ``where`` (the cache folder: the same disk as the cache, not a possibly small /tmp), holds its file."""
+    where.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=where, prefix=".tokens-"))
     if src.streamed:
-        return _stream(src, tokenizer, settings, num_proc)
-    return _map(src, tokenizer, settings, num_proc)
+        return _stream(src, tokenizer, settings, num_proc, scratch)
+    return _map(src, tokenizer, settings, num_proc, scratch)
 
 
-def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None):
+def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None, scratch: Path):
     import datasets
 
     n = len(src.dataset)
     procs = workers(num_proc, n)
-    scratch = Path(tempfile.mkdtemp(prefix="rocktune-tokens-"))
     quiet = n < PROGRESS_FROM
     if quiet:
         datasets.disable_progress_bars()
@@ -114,7 +116,8 @@ def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, nu
     return out
 
 
-def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None):
+def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None,
+            scratch: Path):
     """Batches as they arrive, encoded by a pool of forked workers in order (``imap``), written to one Arrow file."""
     import multiprocessing
 
@@ -122,7 +125,6 @@ def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings,
     import pyarrow as pa
     from tqdm.auto import tqdm
 
-    scratch = Path(tempfile.mkdtemp(prefix="rocktune-tokens-"))
     path = scratch / "tokens.arrow"
     schema = features().arrow_schema
     encoder = _Encode(tokenizer, settings, src)
