@@ -51,8 +51,9 @@ class LoraConfig(_Section):
 
 class DataConfig(_Section):
     train_file: str | None = Field(
-        None, description="Training data: a JSON/JSONL, parquet, CSV or Arrow file, a datasets save_to_disk folder, "
-        "or a hub dataset id (see split/subset/revision; offline: the local datasets cache). Shapes: README."
+        None, description="Training data. LM: a JSON/JSONL, parquet, CSV or Arrow file, a datasets save_to_disk "
+        "folder, or a hub dataset id (see split/subset/revision; offline: the local datasets cache); docs/data.md, "
+        "shapes in the README. Video/image LoRA: a media folder or manifest (docs/diffusion.md)."
     )
     eval_file: str | None = Field(None, description="Separate eval data, any kind train_file takes; when absent "
                                   "eval_fraction is split off.")
@@ -249,8 +250,9 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
         if self.data.train_file is None:
-            raise ValueError("data.train_file is required: the JSON/JSONL file to train on (video-lora/image-lora: a "
-                             "folder of media with .txt captions, or a JSONL manifest)")
+            raise ValueError("data.train_file is required: the data to train on, a JSON/JSONL, parquet, CSV or Arrow "
+                             "file, a save_to_disk folder or a hub dataset id (video-lora/image-lora: a folder of "
+                             "media with .txt captions, or a JSONL manifest)")
         if self.is_diffusion and self.model.name_or_path == ModelConfig.model_fields["name_or_path"].default:
             raise ValueError(f"task={self.task} needs model.name_or_path set to a diffusers Wan checkpoint (hub id "
                              "such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or a local directory with model_index.json)")

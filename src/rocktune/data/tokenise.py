@@ -57,7 +57,7 @@ class _Encode:
             out["truncated"][j], out["prompt_cut"][j], out["completion_cut"][j] = (enc.truncated, enc.prompt_cut,
                                                                                   enc.completion_cut)
             out["max_id"][j], out["kept"][j] = max(enc.input_ids, default=-1), kept
-            if kept:  # nothing left to learn from (an empty completion, or cut off entirely): no tokens stored
+            if kept:  # a dropped example (nothing left to learn from after truncation) stores no tokens
                 out["input_ids"][j], out["labels"][j] = enc.input_ids, enc.labels
         return out
 
