@@ -5,6 +5,7 @@ import pytest
 
 from rocktune.data import records
 from rocktune.data.batching import BatchStream, collate, count_loss_tokens, epoch_batches
+from rocktune.config import DataConfig
 from rocktune.data.dataset import prepare_data, tokenize_file
 from rocktune.data.encode import IGNORE, encode
 from rocktune.errors import UserError
@@ -61,25 +62,25 @@ def test_truncation_counted_and_empty_completions_dropped(tmp_path, tokenizer):
     rows = [{"prompt": "x" * 50, "completion": "y"}, {"prompt": "p", "completion": "long" * 20},
             {"prompt": "p", "completion": "ok"}]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
-    ex, stats = tokenize_file(str(f), "auto", tokenizer, 20, False, tmp_path / "cache", truncation="end")
+    ex, stats = tokenize_file(str(f), DataConfig(max_length=20, truncation="end"), tokenizer, tmp_path / "cache")
     assert stats.n_truncated == 2 and stats.n_dropped == 1 and len(ex) == 2
     assert max(ex.lengths()) == 20
 
 
 def test_cache_written_once_then_hit(tmp_path, tokenizer):
     f = EXAMPLE_DATA / "alpaca.jsonl"
-    a, s1 = tokenize_file(str(f), "auto", tokenizer, 512, False, tmp_path)
-    b, s2 = tokenize_file(str(f), "auto", tokenizer, 512, False, tmp_path)
-    c, s3 = tokenize_file(str(f), "auto", tokenizer, 400, False, tmp_path)
+    a, s1 = tokenize_file(str(f), DataConfig(max_length=512), tokenizer, tmp_path)
+    b, s2 = tokenize_file(str(f), DataConfig(max_length=512), tokenizer, tmp_path)
+    c, s3 = tokenize_file(str(f), DataConfig(max_length=400), tokenizer, tmp_path)
     assert (s1.cache_hit, s2.cache_hit, s3.cache_hit) == (False, True, False)
     assert a.input_ids == b.input_ids and a.labels == b.labels
-    assert len(list(tmp_path.iterdir())) == 2
+    assert len([p for p in tmp_path.iterdir() if p.name != "sources"]) == 2  # sources: datasets' Arrow copy
 
 
 def test_eval_fraction_split_is_seeded(tmp_path, tokenizer):
     f = EXAMPLE_DATA / "prompt_completion.jsonl"
-    tr, ev, _ = prepare_data(str(f), None, 0.25, "auto", 64, False, tokenizer, tmp_path, seed=3)
-    tr2, ev2, _ = prepare_data(str(f), None, 0.25, "auto", 64, False, tokenizer, tmp_path, seed=3)
+    tr, ev, _ = prepare_data(DataConfig(train_file=str(f), eval_fraction=0.25, max_length=64), tokenizer, tmp_path, 3)
+    tr2, ev2, _ = prepare_data(DataConfig(train_file=str(f), eval_fraction=0.25, max_length=64), tokenizer, tmp_path, 3)
     assert len(ev) == 10 and len(tr) == 30 and ev.input_ids == ev2.input_ids
 
 

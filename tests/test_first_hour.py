@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from rocktune.cli import main
+from rocktune.config import DataConfig
 from rocktune.data import truncate
 from rocktune.data.dataset import prepare_data, tokenize_file
 from rocktune.data.encode import IGNORE, encode
@@ -83,22 +84,23 @@ def test_notes_say_how_many_were_cut_on_which_side(tmp_path, tokenizer):
     rows = [{"prompt": "x" * 50, "completion": "y"}, {"prompt": "p", "completion": "long" * 20},
             {"prompt": "p", "completion": "ok"}]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
-    tr, _, stats = prepare_data(str(f), None, 0.0, "auto", 20, False, tokenizer, tmp_path / "c", 0)
+    d = DataConfig(train_file=str(f), eval_fraction=0.0, max_length=20)
+    tr, _, stats = prepare_data(d, tokenizer, tmp_path / "c", 0)
     assert (stats.n_truncated, stats.n_prompt_cut, stats.n_completion_cut, stats.n_dropped) == (2, 1, 1, 0)
     assert len(tr) == 3
     note = stats.notes[0]
     assert "2 of 3 examples were longer than data.max_length=20" in note
     assert "1 lost the start of their prompt" in note and "1 had their completion cut at its end" in note
-    _, hit = tokenize_file(str(f), "auto", tokenizer, 20, False, tmp_path / "c")
+    _, hit = tokenize_file(str(f), DataConfig(max_length=20), tokenizer, tmp_path / "c")
     assert hit.cache_hit and (hit.n_prompt_cut, hit.n_completion_cut) == (1, 1)
 
 
 def test_nothing_left_to_learn_says_why_without_raising_max_length(tmp_path, tokenizer):
     f = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 5_000, "completion": "y"}])
     with pytest.raises(UserError) as err:
-        tokenize_file(str(f), "auto", tokenizer, 20, False, tmp_path / "c", truncation="end")
+        tokenize_file(str(f), DataConfig(max_length=20, truncation="end"), tokenizer, tmp_path / "c")
     assert "data.truncation=prompt" in str(err.value) and "raise" not in str(err.value)
-    ex, stats = tokenize_file(str(f), "auto", tokenizer, 20, False, tmp_path / "c")
+    ex, stats = tokenize_file(str(f), DataConfig(max_length=20), tokenizer, tmp_path / "c")
     assert len(ex) == 1 and stats.n_prompt_cut == 1
 
 

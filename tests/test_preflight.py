@@ -132,10 +132,12 @@ def test_platform_gate_before_anything_is_written(tiny_model_dir, rows, tmp_path
 
 
 def test_empty_targets_dropped_and_counted_when_others_remain(tokenizer, rows, tmp_path):
+    from rocktune.config import DataConfig
     from rocktune.data.dataset import prepare_data
 
     train = write_jsonl(tmp_path / "train.jsonl", rows[:3] + [{"prompt": "x", "completion": "  "}] + rows[3:6])
-    tr, _, stats = prepare_data(str(train), None, 0.0, "auto", 64, False, tokenizer, tmp_path / "cache", seed=0)
+    d = DataConfig(train_file=str(train), eval_fraction=0.0, max_length=64)
+    tr, _, stats = prepare_data(d, tokenizer, tmp_path / "cache", 0)
     assert len(tr) == 6
     assert any(f"1 of 7 records of {train} have an empty 'completion' and were dropped ({train}:4)" in n
                for n in stats.notes), stats.notes

@@ -153,3 +153,46 @@ def test_cli_json_and_html(tmp_path, tiny_model_dir, capsys):
     page = html.read_text()
     assert '<span class="trained"> AB</span><span class="trained special">&lt;|endoftext|&gt;</span>' in page
     assert main(["data", "preview"]) == 2
+
+
+def _conversations(n: int, seed: int = 0) -> list[dict]:
+    """Synthetic 1-4-turn conversations, long enough that a small data.max_length truncates most of them."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "You answer questions about numbers. " * rng.randint(1, 3)}]
+        for turn in range(rng.randint(1, 4)):
+            msgs += [{"role": "user", "content": f"Question {i}.{turn}: what is {rng.randint(0, 999)} squared? " * 3},
+                     {"role": "assistant", "content": f"It is {rng.randint(0, 10**6)}, as computed. " * 2}]
+        out.append({"messages": msgs})
+    return out
+
+
+def test_truncated_multi_turn_chat_is_not_a_template_difference(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "chat.jsonl", _conversations(24))
+    pv = build_preview(str(data), "auto", tokenizer, 128, False)
+    assert pv.n_truncated >= 16  # the comparison really sees truncated examples
+    assert pv.problems == []
+    # The check itself still fires on a real difference, truncated or not.
+    pv = build_preview(str(data), "auto", _OwnRenderDiffers(tokenizer), 128, False)
+    assert {p["code"] for p in pv.problems} == {"template-differs"}
+
+
+def test_preview_shows_source_mapping_rate_and_cache_size(tmp_path, tiny_model_dir, capsys):
+    import datasets
+
+    rows = [{"q": f"add {i} {i} =", "a": f" {2 * i:02d}"} for i in range(6)]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "d.parquet")
+    cfg = tiny_run_config(tiny_model_dir, tmp_path / "d.parquet", None, tmp_path / "out")
+    cfg["data"]["columns"] = {"prompt": "q", "completion": "a"}
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    assert main(["data", "preview", "-c", str(tmp_path / "c.yaml"), "--json"]) == 0
+    pv = json.loads(capsys.readouterr().out)
+    assert pv["source"].startswith(f"{tmp_path / 'd.parquet'} (parquet, 6 rows; columns prompt<-q, completion<-a)")
+    assert pv["records_per_s"] > 0 and pv["cache_bytes"] > 6 * 4 * 2 and pv["n_kept"] == 6
+    assert main(["data", "preview", "-c", str(tmp_path / "c.yaml")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "records/s" in out and "token cache" in out and "prompt<-q" in out
+    assert not (tmp_path / "out").exists()  # a preview leaves nothing behind

@@ -335,7 +335,8 @@ def _add_data(sub) -> None:
     q = data_sub.add_parser("preview", help="counts, lengths, trained tokens highlighted, and the checks train runs")
     q.add_argument("-c", "--config", help="YAML config: its data and model sections are previewed")
     q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=512")
-    q.add_argument("--data", help="JSON/JSONL data file (instead of -c)")
+    q.add_argument("--data", help="data file (JSON/JSONL, parquet, CSV, Arrow), save_to_disk folder or hub dataset id "
+                   "(instead of -c)")
     q.add_argument("--model", help="model (its tokenizer and chat template) to encode with (instead of -c)")
     q.add_argument("--format", default="auto", choices=("auto", "text", "prompt_completion", "messages", "alpaca"),
                    help="record shape with --data (default: detected)")
@@ -358,19 +359,26 @@ def _run_data_preview(args) -> int:
             from rocktune.diffusion.preview import run_media_preview
 
             return run_media_preview(cfg, args.examples, args.json)
-        d, m = cfg.data, cfg.model
-        data, model, trust, fmt, length, on_prompt, cut = (d.train_file, m.name_or_path, m.trust_remote_code,
-                                                           d.format, d.max_length, d.train_on_prompt, d.truncation)
+        # The whole data section: columns, split, subset, revision, num_proc open the source as train does.
+        data, model, trust = cfg.data, cfg.model.name_or_path, cfg.model.trust_remote_code
     elif args.data and args.model:
-        data, model, trust, fmt, length, on_prompt, cut = (args.data, args.model, False, args.format,
-                                                           args.max_length, args.train_on_prompt, args.truncation)
+        from pydantic import ValidationError
+
+        from rocktune.config import DataConfig
+
+        try:
+            data = DataConfig(train_file=args.data, format=args.format, max_length=args.max_length,
+                              train_on_prompt=args.train_on_prompt, truncation=args.truncation)
+        except ValidationError as exc:
+            raise UserError(f"rocktune data preview: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}; "
+                            "fix the flag (see --help).") from None
+        model, trust = args.model, False
     else:
         raise UserError("rocktune data preview needs -c CONFIG, or both --data FILE and --model MODEL.")
     from rocktune.report.preview_view import run_preview
 
-    return run_preview(data_file=data, model=model, trust_remote_code=trust, shape=fmt, max_length=length,
-                       train_on_prompt=on_prompt, n_show=args.examples, html=args.html, as_json=args.json,
-                       truncation=cut)
+    return run_preview(data, model=model, trust_remote_code=trust, n_show=args.examples, html=args.html,
+                       as_json=args.json)
 
 
 def _add_report(sub) -> None:

@@ -52,8 +52,29 @@ class LoraConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_file: str | None = Field(None, description="JSON or JSONL training data (see README for the shapes).")
-    eval_file: str | None = Field(None, description="Separate eval data; when absent eval_fraction is split off.")
+    train_file: str | None = Field(
+        None, description="Training data. LM: a JSON/JSONL, parquet, CSV or Arrow file, a datasets save_to_disk "
+        "folder, or a hub dataset id (see split/subset/revision; offline: the local datasets cache); docs/data.md, "
+        "shapes in the README. Video/image LoRA: a media folder or manifest (docs/diffusion.md)."
+    )
+    eval_file: str | None = Field(None, description="Separate eval data, any kind train_file takes; when absent "
+                                  "eval_fraction is split off.")
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Source column for each record key the shape needs, e.g. {prompt: "
+        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages)."
+    )
+    split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.")
+    eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.")
+    subset: str | None = Field(None, description="Subset (configuration) of a hub dataset.")
+    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a hub dataset.")
+    streaming: bool = Field(
+        False, description="Read the source as a stream (datasets' IterableDataset): no Arrow copy of it is made "
+        "first; batches are tokenised over num_proc processes as they arrive. For sets larger than the room for a "
+        "copy; a streamed hub id needs the network."
+    )
+    num_proc: PositiveInt | None = Field(
+        None, description="Processes that tokenise; default: all of the machine's cores (a small set uses one)."
+    )
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of train_file held out for eval.")
     format: Literal["auto", "text", "prompt_completion", "messages", "alpaca"] = Field(
         "auto", description="Record shape; auto detects it per file from the first record's keys."
@@ -231,8 +252,9 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
         if self.data.train_file is None:
-            raise ValueError("data.train_file is required: the JSON/JSONL file to train on (video-lora/image-lora: a "
-                             "folder of media with .txt captions, or a JSONL manifest)")
+            raise ValueError("data.train_file is required: the data to train on, a JSON/JSONL, parquet, CSV or Arrow "
+                             "file, a save_to_disk folder or a hub dataset id (video-lora/image-lora: a folder of "
+                             "media with .txt captions, or a JSONL manifest)")
         if self.is_diffusion and self.model.name_or_path == ModelConfig.model_fields["name_or_path"].default:
             raise ValueError(f"task={self.task} needs model.name_or_path set to a diffusers Wan checkpoint (hub id "
                              "such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or a local directory with model_index.json)")

@@ -132,13 +132,14 @@ def _run(spec: dict) -> dict:
 
 def _run_hf(spec: dict, probe) -> tuple[list[dict], dict]:
     from rocktune.bench.hf_baseline import run_hf
+    from rocktune.config import DataConfig
     from rocktune.data.dataset import prepare_data
     from rocktune.model import load_tokenizer
 
     c = spec["common"]
     tokenizer = load_tokenizer(spec["model_dir"], False)
-    examples, _, _ = prepare_data(spec["data_file"], None, 0.0, "auto", c["max_length"], False, tokenizer,
-                                  Path(spec["cache_dir"]), c["seed"])
+    d = DataConfig(train_file=spec["data_file"], eval_fraction=0.0, max_length=c["max_length"])
+    examples, _, _ = prepare_data(d, tokenizer, Path(spec["cache_dir"]), c["seed"])
     order = _rocktune_order(examples.lengths(), c, spec["steps"]) if spec["settings"]["sampler"] == \
         "rocktune-order" else None
     return run_hf(spec["model_dir"], examples, spec["settings"], spec["steps"], c, spec["device"], probe, order)

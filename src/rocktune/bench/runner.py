@@ -259,11 +259,12 @@ def _prepare_model(model: str, cache: Path) -> str:
 
 def _data_lengths(model_dir: str, data_file: str, cache: Path, common: dict) -> tuple[list[int], float]:
     """Tokenise once here (the children then hit the cache); lengths feed the attention FLOPs."""
+    from rocktune.config import DataConfig
     from rocktune.data.dataset import prepare_data
     from rocktune.model import load_tokenizer
 
-    ex, _, _ = prepare_data(data_file, None, 0.0, "auto", common["max_length"], False,
-                            load_tokenizer(model_dir, False), cache / "tokens", common["seed"])
+    d = DataConfig(train_file=data_file, eval_fraction=0.0, max_length=common["max_length"])
+    ex, _, _ = prepare_data(d, load_tokenizer(model_dir, False), cache / "tokens", common["seed"])
     loss = sum(sum(1 for t in y[1:] if t != -100) for y in ex.labels)
     return ex.lengths(), loss / sum(ex.lengths())
 

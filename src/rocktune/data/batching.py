@@ -53,6 +53,8 @@ LOSS_KEYS = ("loss_index", "loss_targets")
 def loss_token_counts(labels: list[list[int]]) -> list[int]:
     """Loss-bearing tokens of each example after the causal shift: what ``count_loss_tokens`` counts for it in a
     padded batch or in a packed row (whose first label is masked anyway), so a step's count needs no collation."""
+    if hasattr(labels, "loss_counts"):  # rows of the mapped cache: counted on the flat array
+        return labels.loss_counts().tolist()
     return [sum(1 for y in row[1:] if y != IGNORE) for row in labels]
 
 

@@ -1,7 +1,10 @@
-"""Tokenise once: examples stored as flat int32 tensors in a safetensors file, keyed by a fingerprint.
+"""Tokenise once: examples stored as flat int32 arrays (numpy ``.npy``, memory-mapped on load), keyed by a
+fingerprint.
 
-The fingerprint covers the data bytes, the tokenizer (vocabulary, specials, chat template), the record shape,
-max length and masking, so any change that would alter the tokens gives a new cache entry.
+The fingerprint covers the data (the file's bytes, or the dataset's own fingerprint for a folder or hub id), the
+tokenizer (vocabulary, specials, chat template), the record shape, column mapping, max length and masking, so any
+change that would alter the tokens gives a new cache entry. An entry is written under a temporary name and renamed
+into place only once every check passed (``Entry.commit``); ranks and later runs map its files read-only.
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ARRAYS = ("input_ids", "labels", "offsets")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -29,47 +31,79 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def fingerprint(data_path: str | Path, tokenizer_fp: str, **settings) -> str:
+def fingerprint(data: str | Path, tokenizer_fp: str, **settings) -> str:
+    """``data``: a file (its bytes are hashed) or any other identity string (a dataset's fingerprint)."""
     h = hashlib.sha256()
-    with open(data_path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    if Path(data).is_file():
+        with open(data, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    else:
+        h.update(str(data).encode())
     h.update(tokenizer_fp.encode())
     h.update(json.dumps({"v": FORMAT_VERSION, **settings}, sort_keys=True).encode())
     return h.hexdigest()[:24]
 
 
-def load(cache_dir: Path, key: str) -> tuple[list[list[int]], list[list[int]], dict] | None:
+def load(cache_dir: Path, key: str) -> tuple[dict[str, np.ndarray], dict] | None:
+    """The entry's arrays, memory-mapped read-only, and its meta; None when there is no complete entry."""
     entry = cache_dir / key
     if not (entry / "meta.json").is_file():
         return None
-    tensors = load_file(entry / "examples.safetensors")
-    meta = json.loads((entry / "meta.json").read_text())
-    offsets = tensors["offsets"].tolist()
-    ids, labels = tensors["input_ids"].tolist(), tensors["labels"].tolist()
-    spans = list(zip(offsets[:-1], offsets[1:]))
-    return [ids[a:b] for a, b in spans], [labels[a:b] for a, b in spans], meta
+    arrays = {name: np.load(entry / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
+    return arrays, json.loads((entry / "meta.json").read_text())
+
+
+def size_bytes(cache_dir: Path, key: str) -> int:
+    entry = cache_dir / key
+    return sum(f.stat().st_size for f in entry.iterdir()) if entry.is_dir() else 0
+
+
+class Entry:
+    """A cache entry being written: a temporary folder under ``cache_dir`` that ``commit`` renames into place."""
+
+    def __init__(self, cache_dir: Path, key: str):
+        self.cache_dir, self.key = cache_dir, key
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
+
+    def write(self, name: str, n: int, dtype, chunks) -> None:
+        """A ``.npy`` file of ``n`` items written from ``chunks`` in order, with ordinary writes: pages written
+        through a memory map would count in this process's RSS, pages written to a file do not."""
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (n,)}
+        written = 0
+        with open(self.tmp / f"{name}.npy", "wb") as f:
+            np.lib.format.write_array_header_1_0(f, header)
+            for chunk in chunks:
+                f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+                written += len(chunk)
+        if written != n:
+            raise AssertionError(f"{name}: {written} items written, {n} announced")
+
+    def mapped(self) -> dict[str, np.ndarray]:
+        return {name: np.load(self.tmp / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
+
+    def commit(self, meta: dict) -> None:
+        """Rename into place; a crash never leaves a half-written entry. Maps of the files stay valid (same inode)."""
+        try:
+            (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            os.replace(self.tmp, self.cache_dir / self.key)
+        except OSError:  # a full disk, or another process won the rename race
+            self.discard()
+            if not (self.cache_dir / self.key / "meta.json").is_file():
+                raise
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def store(cache_dir: Path, key: str, ids: list[list[int]], labels: list[list[int]], meta: dict) -> None:
-    """Write under a temporary name and rename, so a crash never leaves a half-written entry behind."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    offsets = [0]
-    for seq in ids:
-        offsets.append(offsets[-1] + len(seq))
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
-    try:
-        save_file(
-            {
-                "input_ids": torch.tensor([t for s in ids for t in s], dtype=torch.int32),
-                "labels": torch.tensor([t for s in labels for t in s], dtype=torch.int32),
-                "offsets": torch.tensor(offsets, dtype=torch.int64),
-            },
-            tmp / "examples.safetensors",
-        )
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, cache_dir / key)
-    except (OSError, RuntimeError, SafetensorError):  # a full disk surfaces as any of these
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (cache_dir / key / "meta.json").is_file():  # another process may have won the rename race
-            raise
+    """Write lists at once (small sets, tests)."""
+    from rocktune.data.tokens import from_lists
+
+    flat_ids, offsets = from_lists(ids)
+    flat_labels, _ = from_lists(labels)
+    entry = Entry(cache_dir, key)
+    for name, arr in (("input_ids", flat_ids), ("labels", flat_labels), ("offsets", offsets)):
+        entry.write(name, len(arr), arr.dtype, [arr])
+    entry.commit(meta)

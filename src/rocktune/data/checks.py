@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rocktune.data import encode, records
+from rocktune.data import encode
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
 TEMPLATE_PROBES = 16  # conversations compared with the tokenizer's own rendering: a template bug shows in any of them
 PROBE = "rocktune-probe-reply"
+UNBOUNDED = 1 << 40  # a max_length no conversation reaches: the template comparison sees it untruncated
 
 
 @dataclass
@@ -25,16 +26,16 @@ class Problem:
     message: str
 
 
-def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool, data_file: str | None = None,
-                        max_length: int | None = None) -> list[Problem]:
-    """Problems of ``examples`` (token ids + labels, as training sees them); ``data_file`` enables the template
-    comparison for chat data."""
+def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool,
+                        probes: list[tuple[str, dict]] | None = None) -> list[Problem]:
+    """Problems of ``examples`` (token ids + labels, as training sees them); ``probes`` (the first records of the
+    source, ``DataStats.probes``) enable the template comparison for chat data."""
     problems = _masking(examples.labels, examples.input_ids, shape, train_on_prompt)
     if any(p.code == "no-loss-tokens" for p in problems):
         return problems
     problems += _stop_token(examples.labels, tokenizer, shape)
-    if shape == "messages" and data_file and max_length:
-        problems += _template(records.read_records(data_file)[:TEMPLATE_PROBES], tokenizer, max_length)
+    if shape == "messages" and probes:
+        problems += _template(probes[:TEMPLATE_PROBES], tokenizer)
     return problems
 
 
@@ -53,8 +54,8 @@ def loss_positions(labels: list[int]) -> int:
     return len(labels) - labels.count(encode.IGNORE) - (bool(labels) and labels[0] != encode.IGNORE)
 
 
-def _masking(labels: list[list[int]], input_ids: list[list[int]], shape: str, train_on_prompt: bool) -> list[Problem]:
-    trained = [loss_positions(lab) for lab in labels]
+def _masking(labels, input_ids, shape: str, train_on_prompt: bool) -> list[Problem]:
+    trained = labels.loss_counts().tolist() if hasattr(labels, "loss_counts") else [loss_positions(x) for x in labels]
     if not any(trained):
         return [Problem("error", "no-loss-tokens", "no example has a loss-bearing token, so there is nothing to "
                         "learn; check that completions / assistant turns are not empty and fit data.max_length.")]
@@ -98,7 +99,8 @@ def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]
         return [Problem("error", "no-eos", "the tokenizer has no end-of-sequence token, so no example can teach the "
                         "model to stop; use a tokenizer with an eos_token.")]
     names = " / ".join(stops.values())
-    learned = sum(any(s in lab[1:] for s in stops) for lab in labels)
+    learned = labels.rows_with(list(stops)) if hasattr(labels, "rows_with") else \
+        sum(any(s in lab[1:] for s in stops) for lab in labels)
     if learned == 0:
         return [Problem("error", "stop-never-trained", f"the end token {names} never carries loss in any example, so "
                         "the model would not learn to stop generating (masked as padding, or left out by the "
@@ -109,12 +111,15 @@ def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]
     return []
 
 
-def _template(recs: list[tuple[str, dict]], tokenizer, max_length: int) -> list[Problem]:
-    """Compare rocktune's per-turn tokenisation with the tokenizer's own rendering of the same conversation."""
+def _template(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
+    """Compare rocktune's per-turn tokenisation with the tokenizer's own rendering of the same conversation.
+
+    Both sides are compared whole: truncation (data.truncation=prompt cuts the oldest turns) is not a template
+    difference, and comparing a truncated example with the start of the own rendering flagged every long chat."""
     for loc, rec in recs:
-        ours = encode.encode(rec, "messages", tokenizer, max_length, True, loc).input_ids
+        ours = encode.encode(rec, "messages", tokenizer, UNBOUNDED, True, loc).input_ids
         own = render_chat_template(tokenizer, rec["messages"], tokenize=True, add_generation_prompt=False)
-        own = list(own["input_ids"] if hasattr(own, "keys") else own)[:max_length]
+        own = list(own["input_ids"] if hasattr(own, "keys") else own)
         if ours == own:
             continue
         if tokenizer.decode(ours) != tokenizer.decode(own):

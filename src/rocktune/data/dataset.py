@@ -1,31 +1,46 @@
-"""Prepare the train and eval example lists: read, validate, tokenise (through the cache), split.
+"""Prepare the train and eval examples: open the source, validate and tokenise (through the cache), split.
+
+The rows come from a memory-mapped ``datasets.Dataset`` (``data/sources.py``); validation and tokenisation run in
+batches in ``datasets.map`` over ``data.num_proc`` processes (``data/fastencode.py``, tokens equal to
+``data/encode.py``'s record by record), and the tokens land in the cache as flat memory-mapped arrays
+(``data/cache.py``) that ``Examples`` reads row by row.
 
 Check, then write: every file is read, validated and tokenised, and the split and the caller's checks done, before
-any cache entry is written, so a bad eval file (or any later rejection) leaves no half-prepared state behind.
+any cache entry is committed; on any rejection the temporary entries (and a cache folder this call created) go.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rocktune.data import cache, encode, records, truncate
-from rocktune.errors import UserError, first_line
+import numpy as np
 
+from rocktune.data import cache, checks, fastencode, records, sources, tokenise, truncate
+from rocktune.data.tokens import TokenRows
+from rocktune.errors import UserError
 
 @dataclass
 class Examples:
-    input_ids: list[list[int]]
-    labels: list[list[int]]
+    """Token ids and labels per example: lists (small sets, tests) or ``TokenRows`` over the mapped cache."""
+
+    input_ids: object  # Sequence[list[int]]
+    labels: object
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def lengths(self) -> list[int]:
+        if isinstance(self.input_ids, TokenRows):
+            return self.input_ids.lengths().tolist()
         return [len(x) for x in self.input_ids]
 
     def subset(self, idx: list[int]) -> Examples:
+        if isinstance(self.input_ids, TokenRows):
+            return Examples(self.input_ids.take(idx), self.labels.take(idx))
         return Examples([self.input_ids[i] for i in idx], [self.labels[i] for i in idx])
 
 
@@ -40,68 +55,142 @@ class DataStats:
     notes: list[str] = field(default_factory=list)
     n_prompt_cut: int = 0  # truncated examples that lost prompt-side tokens
     n_completion_cut: int = 0  # truncated examples that lost completion-side tokens
+    source: str = ""  # what was read: path or hub id, kind, rows, column mapping
+    records_per_s: float = 0.0  # tokenisation rate (0 on a cache hit)
+    cache_bytes: int = 0
+    probes: list = field(default_factory=list)  # chat data: the first records, for the template comparison
+    n_empty: int = 0  # records without any target, dropped before tokenising (not in n_records)
 
 
-def tokenize_file(path: str, shape: str, tokenizer, max_length: int, train_on_prompt: bool,
-                  cache_dir: Path, truncation: str = "prompt", vocab_size: int | None = None,
-                  pending: list | None = None) -> tuple[Examples, DataStats]:
-    """``vocab_size``: the model's, when known; a token id beyond it is an error naming the record. ``pending``: the
-    cache write is appended to it instead of done, for the caller to run once everything passed."""
-    recs = records.read_records(path)
-    shape = records.detect_shape(recs, shape)
-    records.validate(recs, shape)
-    recs, empty_note = records.drop_empty_targets(recs, shape, path)
-    key = cache.fingerprint(path, cache.tokenizer_fingerprint(tokenizer), shape=shape, max_length=max_length,
-                            train_on_prompt=train_on_prompt, truncation=truncation, empty_targets="dropped")
+@dataclass
+class Pending:
+    """Cache entries written under temporary names, committed once every check passed."""
+
+    entries: list = field(default_factory=list)  # (cache.Entry, meta)
+    created: Path | None = None  # the cache folder, when this preparation created it
+
+    def commit(self) -> None:
+        for entry, meta in self.entries:
+            entry.commit(meta)
+
+    def discard(self) -> None:
+        for entry, _ in self.entries:
+            entry.discard()
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+
+
+def source_settings(d, cache_dir: Path, eval_side: bool = False) -> sources.SourceSettings:
+    return sources.SourceSettings(dict(d.columns), d.eval_split if eval_side else d.split, d.subset, d.revision,
+                                  cache_dir, d.streaming)
+
+
+def tokenize_file(spec: str, d, tokenizer, cache_dir: Path, vocab_size: int | None = None,
+                  pending: Pending | None = None, eval_side: bool = False) -> tuple[Examples, DataStats]:
+    """Examples of one source, per the ``data:`` config section ``d``. ``vocab_size``: the model's, when known; a
+    token id beyond it is an error naming the record. ``pending``: the cache entry is left for the caller to commit
+    (``prepare_data``) instead of committed here."""
+    own = pending is None
+    pending = Pending(created=None if cache_dir.exists() else cache_dir) if own else pending
+    try:
+        out = _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending, eval_side)
+    except BaseException:
+        if own:
+            pending.discard()
+        raise
+    if own:
+        pending.commit()
+    return out
+
+
+def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending, eval_side: bool):
+    key_name = "data.eval_file" if eval_side else "data.train_file"
+    src = sources.open_source(spec, source_settings(d, cache_dir, eval_side), key_name)
+    head = [tokenise.row(r) for r in src.head(checks.TEMPLATE_PROBES)]
+    if not head:
+        raise tokenise.records_empty(src)
+    shape = records.detect_shape([(src.where(0), head[0])], d.format)
+    key = cache.fingerprint(spec if Path(spec).is_file() else src.fingerprint, cache.tokenizer_fingerprint(tokenizer),
+                            shape=shape, max_length=d.max_length, train_on_prompt=d.train_on_prompt,
+                            truncation=d.truncation, empty_targets="dropped", columns=src.columns,
+                            split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision)
+    probes = [(src.where(i), rec) for i, rec in enumerate(head)] if shape == "messages" else []
     hit = cache.load(cache_dir, key)
     if hit is not None:
-        ids, labels, meta = hit
-        top = meta.get("max_id")
-        top = max((max(x) for x in ids if x), default=-1) if top is None else top  # an entry from before max_id
-        if vocab_size is not None and top >= vocab_size:
-            raise UserError(_beyond_vocab(str(path), top, vocab_size))
-        return Examples(ids, labels), DataStats(shape, meta["n_records"], meta["n_truncated"], meta["n_dropped"],
-                                                True, key, [empty_note] if empty_note else [],
-                                                meta.get("n_prompt_cut", 0), meta.get("n_completion_cut", 0))
-    ids, labels, truncated, dropped, prompt_cut, completion_cut, top = [], [], 0, 0, 0, 0, -1
-    for loc, rec in recs:
-        enc = _encode(rec, shape, tokenizer, max_length, train_on_prompt, loc, truncation)
-        top = max(top, max(enc.input_ids, default=-1))
-        if vocab_size is not None and top >= vocab_size:
-            raise UserError(_beyond_vocab(loc, top, vocab_size))
-        truncated += enc.truncated
-        prompt_cut += enc.prompt_cut > 0
-        completion_cut += enc.completion_cut > 0
-        if all(t == encode.IGNORE for t in enc.labels[1:]):
-            dropped += 1  # nothing left to learn from: an empty completion, or cut off entirely
-            continue
-        ids.append(enc.input_ids)
-        labels.append(enc.labels)
-    if not ids:
-        raise UserError(f"{path}: no record has anything to learn from: " + truncate.why_empty(max_length, truncation))
-    meta = {"n_records": len(recs), "n_truncated": truncated, "n_dropped": dropped, "shape": shape,
-            "n_prompt_cut": prompt_cut, "n_completion_cut": completion_cut, "max_id": top}
-    def store():
-        return cache.store(cache_dir, key, ids, labels, meta)
-    store() if pending is None else pending.append(store)
-    return Examples(ids, labels), DataStats(shape, len(recs), truncated, dropped, False, key,
-                                            [empty_note] if empty_note else [], prompt_cut, completion_cut)
-
-
-def _encode(rec: dict, shape: str, tokenizer, max_length: int, train_on_prompt: bool, loc: str, truncation: str):
-    """Any failure to encode one record (a chat template raising on its roles, text the tokenizer refuses) is that
-    record's error, named by file:line."""
+        arrays, meta = hit
+        if vocab_size is not None and meta["max_id"] >= vocab_size:
+            raise UserError(_beyond_vocab(spec, meta["max_id"], vocab_size))
+        stats = _stats(meta, True, key, src.describe(), 0.0, cache.size_bytes(cache_dir, key))
+        stats.probes = probes
+        return _examples(arrays), stats
+    settings = fastencode.EncodeSettings(shape, d.max_length, d.train_on_prompt, d.truncation)
+    started = time.perf_counter()
+    out = tokenise.run(src, tokenizer, settings, d.num_proc, cache_dir)
+    rate = len(out) / max(time.perf_counter() - started, 1e-9)
     try:
-        return encode.encode(rec, shape, tokenizer, max_length, train_on_prompt, loc, truncation)
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001 — templates and tokenizers raise many types; the record is the cause
-        text = first_line(exc)
-        raise UserError(f"{loc}: this record cannot be tokenised ({type(exc).__name__}: {text}); fix or remove "
-                        "it.") from None
+        meta = _summarise(out, src, shape, vocab_size, d)
+        entry = cache.Entry(cache_dir, key)
+        pending.entries.append((entry, meta))
+        _write(out, entry, meta)
+    finally:
+        shutil.rmtree(out.scratch, ignore_errors=True)
+    stats = _stats(meta, False, key, src.describe(), rate, sum(f.stat().st_size for f in entry.tmp.iterdir()))
+    stats.probes = probes
+    return _examples(entry.mapped()), stats
 
 
-def _beyond_vocab(where: str, token_id: int, vocab_size: int) -> str:
+def _column(out, name: str) -> np.ndarray:
+    return out.data.column(name).to_numpy()
+
+
+def _summarise(out, src: sources.Source, shape: str, vocab_size: int | None, d) -> dict:
+    """The statistics of the tokenised rows, and every rejection, before anything is written."""
+    empty, kept = _column(out, "empty"), _column(out, "kept")
+    n_empty = int(empty.sum())
+    if n_empty == len(empty):
+        raise UserError(records.all_empty([src.where(i) for i in range(min(n_empty, 3))], n_empty, shape, src.name))
+    max_id = _column(out, "max_id")
+    top = int(max_id.max(initial=-1))
+    if vocab_size is not None and top >= vocab_size:
+        row = int(np.flatnonzero(max_id >= vocab_size)[0])
+        raise UserError(_beyond_vocab(src.where(row), int(max_id[row]), vocab_size))
+    if not kept.any():
+        raise UserError(f"{src.name}: no record has anything to learn from: "
+                        + truncate.why_empty(d.max_length, d.truncation))
+    tokenised = ~empty
+    note = None
+    if n_empty:
+        where = [src.where(int(i)) for i in np.flatnonzero(empty)[:3]]
+        note = records.empty_note(where, n_empty, len(empty), shape, src.name)
+    return {"n_records": int(tokenised.sum()), "n_truncated": int(_column(out, "truncated").sum()),
+            "n_dropped": int((tokenised & ~kept).sum()), "shape": shape,
+            "n_prompt_cut": int((_column(out, "prompt_cut") > 0).sum()),
+            "n_completion_cut": int((_column(out, "completion_cut") > 0).sum()), "max_id": top, "n_empty": n_empty,
+            "notes": [note] if note else []}
+
+
+def _write(out, entry: cache.Entry, meta: dict) -> None:
+    """Arrow lists -> flat memory-mapped arrays, one Arrow chunk at a time (never the whole set in memory)."""
+    ids_col, labels_col = out.data.column("input_ids"), out.data.column("labels")
+    lengths = np.concatenate([c.value_lengths().fill_null(0).to_numpy() for c in ids_col.chunks]).astype(np.int64)
+    kept = _column(out, "kept")
+    offsets = np.concatenate([[0], np.cumsum(lengths[kept])]).astype(np.int64)
+    entry.write("offsets", len(offsets), np.int64, [offsets])
+    for name, col in (("input_ids", ids_col), ("labels", labels_col)):
+        entry.write(name, int(offsets[-1]), np.int32, (chunk.flatten().to_numpy() for chunk in col.chunks))
+
+
+def _examples(arrays: dict) -> Examples:
+    return Examples(TokenRows(arrays["input_ids"], arrays["offsets"]), TokenRows(arrays["labels"], arrays["offsets"]))
+
+
+def _stats(meta: dict, hit: bool, key: str, source: str, rate: float, size: int) -> DataStats:
+    return DataStats(meta["shape"], meta["n_records"], meta["n_truncated"], meta["n_dropped"], hit, key,
+                     list(meta.get("notes", [])), meta.get("n_prompt_cut", 0), meta.get("n_completion_cut", 0),
+                     source, rate, size, n_empty=meta.get("n_empty", 0))
+
+
+def _beyond_vocab(where, token_id: int, vocab_size: int) -> str:
     return (f"{where}: the tokenizer gives token id {token_id}, but the model's vocabulary ends at {vocab_size - 1} "
             f"(vocab_size={vocab_size} in its config.json): the tokenizer and the weights do not belong together. "
             "Point model.name_or_path at a directory whose tokenizer files came with its weights.")
@@ -111,7 +200,7 @@ def split(examples: Examples, fraction: float, seed: int, source: str = "") -> t
     """Hold out ``fraction`` of the examples (at least one when fraction > 0), chosen with a seeded shuffle;
     ``source`` says where they came from, for the error."""
     if fraction <= 0:
-        return examples, Examples([], [])
+        return examples, examples.subset([])
     n_eval = max(1, round(len(examples) * fraction))
     if n_eval >= len(examples):
         raise UserError(f"data.eval_fraction={fraction} would hold out {n_eval} of the {len(examples)} examples"
@@ -122,26 +211,29 @@ def split(examples: Examples, fraction: float, seed: int, source: str = "") -> t
     return examples.subset(sorted(order[n_eval:])), examples.subset(sorted(order[:n_eval]))
 
 
-def prepare_data(train_file: str, eval_file: str | None, eval_fraction: float, shape: str, max_length: int,
-                 train_on_prompt: bool, tokenizer, cache_dir: Path, seed: int, truncation: str = "prompt",
-                 vocab_size: int | None = None, check=None) -> tuple[Examples, Examples, DataStats]:
-    """Train and eval examples; eval comes from ``eval_file`` or a seeded ``eval_fraction`` of the train file.
-    ``check(train, shape)`` (the caller's data checks) returns notes or raises; it runs before any cache write."""
-    pending: list = []
-    train, stats = tokenize_file(train_file, shape, tokenizer, max_length, train_on_prompt, cache_dir, truncation,
-                                 vocab_size, pending)
-    if eval_file:
-        evals, eval_stats = tokenize_file(eval_file, shape, tokenizer, max_length, train_on_prompt, cache_dir,
-                                          truncation, vocab_size, pending)
-        stats.notes += eval_stats.notes
-    else:
-        train, evals = split(train, eval_fraction, seed, _yield(train_file, stats))
-    stats.notes += truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut, stats.n_completion_cut,
-                                     stats.n_dropped, max_length, truncation)
-    if check is not None:
-        stats.notes += check(train, stats.shape)
-    for store in pending:
-        store()
+def prepare_data(d, tokenizer, cache_dir: Path, seed: int, vocab_size: int | None = None,
+                 check=None) -> tuple[Examples, Examples, DataStats]:
+    """Train and eval examples per the ``data:`` config section ``d``; eval comes from ``d.eval_file`` or a seeded
+    ``d.eval_fraction`` of the train file. ``check(train, stats)`` (the caller's data checks) returns notes or
+    raises; it runs before any cache entry is committed."""
+    pending = Pending(created=None if cache_dir.exists() else cache_dir)
+    try:
+        train, stats = tokenize_file(d.train_file, d, tokenizer, cache_dir, vocab_size, pending)
+        if d.eval_file:
+            evals, eval_stats = tokenize_file(d.eval_file, d, tokenizer, cache_dir, vocab_size, pending,
+                                              eval_side=True)
+            stats.notes += eval_stats.notes
+            stats.cache_bytes += eval_stats.cache_bytes
+        else:
+            train, evals = split(train, d.eval_fraction, seed, _yield(d.train_file, stats))
+        stats.notes += truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
+                                         stats.n_completion_cut, stats.n_dropped, d.max_length, d.truncation)
+        if check is not None:
+            stats.notes += check(train, stats)
+    except BaseException:
+        pending.discard()
+        raise
+    pending.commit()
     return train, evals, stats
 
 

@@ -140,14 +140,30 @@ def drop_empty_targets(records: list[tuple[str, dict]], shape: str, path: str | 
     empty = [loc for loc, rec in records if _targets_empty(rec, shape)]
     if not empty:
         return records, None
-    what = "no non-empty assistant turn" if shape == "messages" else f"an empty '{TARGETS[shape]}'"
-    where = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
     if len(empty) == len(records):
-        whose = "the only record has" if len(records) == 1 else f"all {len(records)} records have"
-        fill = "assistant replies" if shape == "messages" else f"'{TARGETS[shape]}' fields"
-        raise UserError(f"{where}: {whose} {what}, so {path} holds nothing to learn from; fill in the {fill}.")
+        raise UserError(all_empty(empty[:3], len(records), shape, path))
     keep = [(loc, rec) for loc, rec in records if not _targets_empty(rec, shape)]
-    return keep, f"{len(empty)} of {len(records)} records of {path} have {what} and were dropped ({where})"
+    return keep, empty_note(empty[:3], len(empty), len(records), shape, path)
+
+
+def all_empty(first: list, n_records: int, shape: str, path: str | Path) -> str:
+    """The error when no record of ``path`` has a target; ``first``: where the first (up to 3) records are."""
+    what = "no non-empty assistant turn" if shape == "messages" else f"an empty '{TARGETS[shape]}'"
+    where = ", ".join(str(w) for w in first[:3]) + (f" and {n_records - 3} more" if n_records > 3 else "")
+    whose = "the only record has" if n_records == 1 else f"all {n_records} records have"
+    fill = "assistant replies" if shape == "messages" else f"'{TARGETS[shape]}' fields"
+    return f"{where}: {whose} {what}, so {path} holds nothing to learn from; fill in the {fill}."
+
+
+def empty_note(first: list, n_empty: int, n_records: int, shape: str, path: str | Path) -> str:
+    """The note for ``n_empty`` records without targets; ``first``: where the first (up to 3) of them are."""
+    what = "no non-empty assistant turn" if shape == "messages" else f"an empty '{TARGETS[shape]}'"
+    where = ", ".join(str(w) for w in first[:3]) + (f" and {n_empty - 3} more" if n_empty > 3 else "")
+    return f"{n_empty} of {n_records} records of {path} have {what} and were dropped ({where})"
+
+
+def targets_empty(rec: dict, shape: str) -> bool:
+    return _targets_empty(rec, shape)
 
 
 def _targets_empty(rec: dict, shape: str) -> bool:

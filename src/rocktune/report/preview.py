@@ -1,17 +1,19 @@
 """``rocktune data preview``: what training will see, before it starts.
 
-The records go through the same reading, shape detection, validation and encoding as ``train``
-(``data.records`` / ``data.encode``), then through the same checks (``data.checks``); nothing here re-implements
-masking, so what the preview shows is what gets trained.
+The records go through the same source, validation and tokenisation as ``train`` (``data.dataset.tokenize_file``,
+into a temporary cache), then through the same checks (``data.checks``); the shown examples are encoded by the
+per-record reference (``data.encode``), which gives the same tokens. Nothing here re-implements masking, so what the
+preview shows is what gets trained.
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from rocktune.data import checks, encode, records, truncate
-from rocktune.data.dataset import Examples
+from rocktune.data import checks, dataset, encode, sources, tokenise, truncate
 
 
 @dataclass
@@ -31,6 +33,9 @@ class Preview:
     stop_tokens: list[str]
     examples: list[dict] = field(default_factory=list)  # {"loc", "truncated", "runs": [[text, trained, special]]}
     problems: list[dict] = field(default_factory=list)
+    source: str = ""  # path or hub id, its kind, rows and column mapping
+    records_per_s: float = 0.0  # tokenisation rate, imports done
+    cache_bytes: int = 0  # what the token cache of this data takes
 
     @property
     def loss_share(self) -> float:
@@ -49,30 +54,36 @@ class Preview:
 
 
 def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_on_prompt: bool,
-                  n_show: int = 3, truncation: str = "prompt") -> Preview:
-    recs = records.read_records(data_file)
-    shape = records.detect_shape(recs, shape)
-    records.validate(recs, shape)
-    encoded = [(loc, encode.encode(rec, shape, tokenizer, max_length, train_on_prompt, loc, truncation))
-               for loc, rec in recs]
-    kept = [(loc, e) for loc, e in encoded if checks.loss_positions(e.labels)]
-    # The checks see what training would: the kept examples (all of them when none is kept, to say so).
-    seen = Examples([e.input_ids for _, e in kept or encoded], [e.labels for _, e in kept or encoded])
-    problems = checks.check_training_data(seen, tokenizer, shape, train_on_prompt, data_file, max_length)
-    special = set(tokenizer.all_special_ids)
-    n_truncated = sum(e.truncated for _, e in encoded)
-    notes = truncate.describe(len(recs), n_truncated, sum(e.prompt_cut > 0 for _, e in encoded),
-                              sum(e.completion_cut > 0 for _, e in encoded), len(encoded) - len(kept), max_length,
-                              truncation)
+                  n_show: int = 3, truncation: str = "prompt", data=None) -> Preview:
+    """``data``: the ``data:`` config section (columns, split, num_proc ...); the arguments override its fields.
+    The data is tokenised as ``train`` does it, into a temporary cache (a preview leaves nothing behind)."""
+    from rocktune.config import DataConfig
+
+    d = (data or DataConfig()).model_copy(update={"train_file": data_file, "format": shape, "max_length": max_length,
+                                                   "train_on_prompt": train_on_prompt, "truncation": truncation})
+    with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
+        seen, stats = dataset.tokenize_file(data_file, d, tokenizer, Path(tmp) / "cache")
+        src = sources.open_source(data_file, dataset.source_settings(d, Path(tmp) / "cache"))
+        shown = [(src.where(i), tokenise.row(r)) for i, r in enumerate(src.head(n_show))]
+        problems = checks.check_training_data(seen, tokenizer, stats.shape, train_on_prompt, stats.probes)
+        lengths = seen.lengths()
+        loss = seen.labels.loss_counts().sum() if hasattr(seen.labels, "loss_counts") else \
+            sum(checks.loss_positions(lab) for lab in seen.labels)
+        special = set(tokenizer.all_special_ids)
+        encoded = [(loc, encode.encode(rec, stats.shape, tokenizer, max_length, train_on_prompt, loc, truncation))
+                   for loc, rec in shown]
+        n_rows = len(seen) + stats.n_dropped + stats.n_empty
+    notes = stats.notes + truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
+                                            stats.n_completion_cut, stats.n_dropped, max_length, truncation)
     return Preview(
-        data_file=str(data_file), shape=shape, max_length=max_length, train_on_prompt=train_on_prompt,
-        n_records=len(recs), n_kept=len(kept), n_truncated=n_truncated, n_dropped=len(encoded) - len(kept),
-        truncation_notes=notes, lengths=seen.lengths(),
-        loss_tokens=sum(checks.loss_positions(lab) for lab in seen.labels), total_tokens=sum(seen.lengths()),
-        stop_tokens=list(checks.stop_token_ids(tokenizer, shape).values()),
+        data_file=str(data_file), shape=stats.shape, max_length=max_length, train_on_prompt=train_on_prompt,
+        n_records=n_rows, n_kept=len(seen), n_truncated=stats.n_truncated, n_dropped=n_rows - len(seen),
+        truncation_notes=notes, lengths=lengths, loss_tokens=int(loss), total_tokens=int(sum(lengths)),
+        stop_tokens=list(checks.stop_token_ids(tokenizer, stats.shape).values()),
         examples=[{"loc": loc, "truncated": e.truncated, "runs": runs(e.input_ids, e.labels, tokenizer, special)}
-                  for loc, e in encoded[:n_show]],
-        problems=[asdict(p) for p in problems])
+                  for loc, e in encoded],
+        problems=[asdict(p) for p in problems], source=stats.source, records_per_s=stats.records_per_s,
+        cache_bytes=stats.cache_bytes)
 
 
 def runs(input_ids: list[int], labels: list[int], tokenizer, special: set[int]) -> list[list]:

@@ -22,7 +22,7 @@ def _shown(chunk: str, trained: bool) -> str:
 def _summary(pv: Preview) -> list[tuple[str, str]]:
     s = pv.length_stats()
     return [
-        ("data", pv.data_file), ("shape", pv.shape), ("records", f"{pv.n_records}"),
+        ("data", pv.source or pv.data_file), ("shape", pv.shape), ("records", f"{pv.n_records}"),
         ("kept for training", f"{pv.n_kept}"),
         ("truncated", f"{pv.n_truncated} (longer than data.max_length={pv.max_length})"),
         ("dropped", f"{pv.n_dropped} (no loss-bearing token left after truncation)"),
@@ -32,6 +32,8 @@ def _summary(pv: Preview) -> list[tuple[str, str]]:
         ("loss-bearing tokens", f"{pv.loss_tokens:,} of {pv.total_tokens:,} ({pv.loss_share:.1%})"),
         ("trained on prompts", "yes" if pv.train_on_prompt else "no (completions / assistant turns only)"),
         ("end token", " / ".join(pv.stop_tokens) or "none"),
+        ("tokenised", f"{pv.records_per_s:,.0f} records/s"),
+        ("token cache", f"{pv.cache_bytes / 2**20:,.1f} MiB"),
     ]
 
 
@@ -100,13 +102,14 @@ def preview_html(pv: Preview) -> str:
     return page.document(f"rocktune data preview — {pv.data_file}", body)
 
 
-def run_preview(data_file: str, model: str, trust_remote_code: bool, shape: str, max_length: int,
-                train_on_prompt: bool, n_show: int, html: str | None, as_json: bool, truncation: str = "prompt") -> int:
-    """Print (or write) the preview; exit status 1 when a check would stop ``train``."""
+def run_preview(data, model: str, trust_remote_code: bool, n_show: int, html: str | None, as_json: bool) -> int:
+    """Print (or write) the preview of the ``data:`` config section ``data``; exit status 1 when a check would stop
+    ``train``."""
     from rocktune.model import load_tokenizer
 
     tokenizer = load_tokenizer(model, trust_remote_code)
-    pv = build_preview(data_file, shape, tokenizer, max_length, train_on_prompt, n_show, truncation)
+    pv = build_preview(data.train_file, data.format, tokenizer, data.max_length, data.train_on_prompt, n_show,
+                       data.truncation, data)
     if as_json:
         sys.stdout.write(json.dumps(pv.to_json()) + "\n")
     else:

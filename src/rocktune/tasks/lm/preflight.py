@@ -10,10 +10,10 @@ one paragraph and exit 2, never a crash for the supervisor to retry.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 from rocktune import modelcheck
 from rocktune.attention import varlen_gate
+from rocktune.data import sources
 from rocktune.errors import UserError, first_line
 from rocktune.model import check_model_source, check_weight_shapes
 from rocktune.model import load_tokenizer as _load_tokenizer
@@ -25,8 +25,8 @@ def check_run(name_or_path: str, train_file: str, eval_file: str | None, device:
               attn_implementation: str) -> int | None:
     """Raise on anything that would stop the run later; return the model's vocabulary size when it is known."""
     for key, file in (("data.train_file", train_file), ("data.eval_file", eval_file)):
-        if file and not Path(file).is_file():
-            raise UserError(f"{key}: {file} does not exist; set it to a JSON/JSONL data file.")
+        if file:
+            sources.check_spec(file, key)
     gates(device, liger, attn_implementation)
     check_model_source(name_or_path)
     try:

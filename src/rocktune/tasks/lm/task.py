@@ -63,17 +63,16 @@ class LMTask:
         tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
         self.tokenizer = tokenizer
 
-        def data_checks(examples, shape):
-            return checks.enforce(checks.check_training_data(examples, tokenizer, shape, d.train_on_prompt,
-                                                             d.train_file, d.max_length), d.train_file)
+        def data_checks(examples, stats):
+            return checks.enforce(checks.check_training_data(examples, tokenizer, stats.shape, d.train_on_prompt,
+                                                             stats.probes), d.train_file)
 
         # Several ranks: the group is proven sound before anything is written, and rank 0 writes the token cache
         # that the others then read. prepare_data writes its cache only after every file and data_checks passed.
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
         train_set, eval_set, stats = distributed.main_first(dist, lambda: prepare_data(
-            d.train_file, d.eval_file, d.eval_fraction, d.format, d.max_length, d.train_on_prompt, tokenizer,
-            ctx.cache_root, t.seed, d.truncation, self.vocab_size, check=data_checks), "preparing the data")
+            d, tokenizer, ctx.cache_root, t.seed, self.vocab_size, check=data_checks), "preparing the data")
         distributed.same_run(dist, stats.fingerprint)
         self.train_set, self.eval_set, self.stats = train_set, eval_set, stats
         lengths = train_set.lengths()
@@ -180,6 +179,7 @@ def _data_info(stats, train_lengths: list[int], n_eval: int) -> dict:
     data = {**asdict(stats), "n_train": len(train_lengths), "n_eval": n_eval,
             "train_tokens": sum(train_lengths), "max_example_tokens": max(train_lengths, default=0)}
     data.pop("notes", None)
+    data.pop("probes", None)
     return data
 
 

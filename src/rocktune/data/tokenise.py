@@ -1,0 +1,196 @@
+"""Validate and tokenise every row of a source into an Arrow file of token lists, over several processes.
+
+A memory-mapped ``datasets.Dataset`` goes through ``datasets.map`` (batched, ``num_proc`` worker processes, its
+progress bar); a streamed source (``data.streaming``: an ``IterableDataset``, no Arrow copy of the source is made) is
+read batch by batch and the batches are spread over a process pool, in order. Either way the result is an Arrow file
+in a scratch folder (``out.scratch``) that ``dataset`` turns into the token cache and then removes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rocktune.data import checks, fastencode, records, sources
+
+ROWS_PER_PROC = 4000  # below this a worker process costs more to start than it saves
+BATCH = 1000  # rows per tokenizer call
+PROGRESS_FROM = 20_000  # rows from which datasets.map's progress bar is shown
+
+
+def row(values: dict) -> dict:
+    """A record as the JSON reader gives it: a key Arrow filled with null (absent in that row) is absent."""
+    out = {k: v for k, v in values.items() if v is not None}
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                           for m in out["messages"]]
+    return out
+
+
+class _Encode:
+    """The ``datasets.map`` function: validate each row, drop empty targets, tokenise the rest (picklable for the
+    worker processes)."""
+
+    def __init__(self, tokenizer, settings: fastencode.EncodeSettings, src: sources.Source):
+        self.tokenizer, self.settings = tokenizer, settings
+        self.name, self.kind = src.name, src.kind
+        self.layout = fastencode.chat_layout(tokenizer) if settings.shape == "messages" else None
+
+    def __call__(self, batch: dict, idx: list[int]) -> dict:
+        shape = self.settings.shape
+        names = list(batch)
+        rows = [row({k: batch[k][j] for k in names}) for j in range(len(idx))]
+        locs = [sources.RowLoc(self.name, self.kind, i) for i in idx]
+        records.validate(list(zip(locs, rows)), shape)
+        empty = [records.targets_empty(rec, shape) for rec in rows]
+        todo = [j for j, e in enumerate(empty) if not e]
+        encoded = fastencode.encode_many([rows[j] for j in todo], self.tokenizer, self.settings,
+                                         [locs[j] for j in todo], self.layout)
+        out = {"input_ids": [[] for _ in idx], "labels": [[] for _ in idx], "truncated": [False] * len(idx),
+               "prompt_cut": [0] * len(idx), "completion_cut": [0] * len(idx), "empty": empty,
+               "kept": [False] * len(idx), "max_id": [-1] * len(idx)}
+        for j, enc in zip(todo, encoded):
+            kept = checks.loss_positions(enc.labels) > 0  # list.count: no per-token Python loop
+            out["truncated"][j], out["prompt_cut"][j], out["completion_cut"][j] = (enc.truncated, enc.prompt_cut,
+                                                                                  enc.completion_cut)
+            out["max_id"][j], out["kept"][j] = max(enc.input_ids, default=-1), kept
+            if kept:  # a dropped example (nothing left to learn from after truncation) stores no tokens
+                out["input_ids"][j], out["labels"][j] = enc.input_ids, enc.labels
+        return out
+
+
+def features():
+    import datasets
+
+    ints = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"input_ids": ints, "labels": ints, "truncated": datasets.Value("bool"),
+                              "prompt_cut": datasets.Value("int32"), "completion_cut": datasets.Value("int32"),
+                              "empty": datasets.Value("bool"), "kept": datasets.Value("bool"),
+                              "max_id": datasets.Value("int64")})
+
+
+def workers(num_proc: int | None, n_rows: int) -> int:
+    """Processes for ``n_rows``: ``data.num_proc`` (default: the cores this process may use), fewer for a small set."""
+    cores = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(1, min(cores, math.ceil(n_rows / ROWS_PER_PROC)))
+
+
+def run(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None, where: Path):
+    """The tokenised rows (a memory-mapped ``datasets.Dataset`` of ``features()``); ``out.scratch``, a new folder
+    under ``where`` (the cache folder: the same disk as the cache, not a possibly small /tmp), holds its file."""
+    where.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=where, prefix=".tokens-"))
+    if src.streamed:
+        return _stream(src, tokenizer, settings, num_proc, scratch)
+    return _map(src, tokenizer, settings, num_proc, scratch)
+
+
+def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None, scratch: Path):
+    import datasets
+
+    n = len(src.dataset)
+    procs = workers(num_proc, n)
+    quiet = n < PROGRESS_FROM
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        if procs > 1:  # tokenizers' threads would fight the workers for the cores, and must not cross a fork
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        out = src.dataset.map(_Encode(tokenizer, settings, src), batched=True, batch_size=BATCH, with_indices=True,
+                              remove_columns=src.dataset.column_names, features=features(),
+                              num_proc=procs if procs > 1 else None, cache_file_name=str(scratch / "tokens.arrow"),
+                              load_from_cache_file=False, desc=f"tokenising {src.name}",
+                              # rocktune's cache key already names the result: datasets need not hash the
+                              # tokenizer (pickled) to name it
+                              new_fingerprint=f"rocktune-{os.getpid()}-{id(src)}")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
+    out.scratch = scratch
+    return out
+
+
+def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None,
+            scratch: Path):
+    """Batches as they arrive, encoded by a pool of forked workers in order (``imap``), written to one Arrow file."""
+    import multiprocessing
+
+    import datasets
+    import pyarrow as pa
+    from tqdm.auto import tqdm
+
+    path = scratch / "tokens.arrow"
+    schema = features().arrow_schema
+    encoder = _Encode(tokenizer, settings, src)
+    procs = workers(num_proc, 1 << 62)  # the size is unknown: all the cores data.num_proc allows
+    pool = None
+    try:
+        if procs > 1:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            pool = multiprocessing.get_context("fork").Pool(procs, initializer=_adopt, initargs=(encoder,))
+            results = pool.imap(_encode_in_worker, _numbered(src), chunksize=1)
+        else:
+            results = (encoder(batch, idx) for batch, idx in _numbered(src))
+        bar = tqdm(desc=f"tokenising {src.name} (streamed)", unit=" records", disable=None)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for out in results:
+                writer.write_table(pa.Table.from_pydict(out, schema=schema))
+                bar.update(len(out["kept"]))
+        bar.close()
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+    out = datasets.Dataset.from_file(str(path))
+    if len(out) == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise records_empty(src)
+    out.scratch = scratch
+    return out
+
+
+def records_empty(src: sources.Source):
+    from rocktune.errors import UserError
+
+    return UserError(f"data file {src.name} holds no records.")
+
+
+def _numbered(src: sources.Source):
+    """(batch, row numbers) of a streamed source, ``BATCH`` rows at a time; a row the reader cannot parse is the
+    user's error, named by the source and the rows read before it."""
+    from rocktune.errors import UserError, first_line
+
+    start = 0
+    batches = iter(src.dataset.iter(batch_size=BATCH))
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - pyarrow/datasets raise many types for a malformed file
+            raise UserError(f"{src.name}: cannot be read past record {start} ({type(exc).__name__}: "
+                            f"{first_line(exc)}); fix the file (data.streaming=false names the line of a bad JSON "
+                            "record).") from None
+        n = len(next(iter(batch.values()), []))
+        yield batch, list(range(start, start + n))
+        start += n
+
+
+_WORKER: dict = {}
+
+
+def _adopt(encoder) -> None:
+    """Pool initializer: the encoder arrives once per worker (inherited through fork, not pickled per batch)."""
+    _WORKER["encode"] = encoder
+
+
+def _encode_in_worker(item):
+    return _WORKER["encode"](*item)
