@@ -142,3 +142,92 @@ def test_unwritable_destination_refused_before_loading(pristine, tmp_path, capsy
     monkeypatch.setattr(merge, "load_base_fp32", lambda *a, **k: pytest.fail("loaded before checking --out"))
     err = refused(capsys, ["export", str(pristine[1]), "--to", to, "--out", str(out)], tmp_path)
     assert str(out.parent.name) in err and "--out" in err
+
+
+# --- 3. report on damaged metrics --------------------------------------------------------------------------------
+
+def good_run(path: Path, steps: int = 4) -> Path:
+    """A run directory as training leaves it, as far as the report reads it (no training needed)."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text("model: {name_or_path: tiny}\ntraining: {lr: 0.001}\n")
+    lines = [{"step": s, "loss": 2.0 / s, "lr": 1e-3, "grad_norm": 1.0, "step_s": 0.1} for s in range(1, steps + 1)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _append(name: str, text: str):
+    def spoil(run: Path) -> tuple[str, int]:
+        f = run / name
+        before = f.read_text().count("\n") if f.exists() else 0
+        with f.open("a") as out:
+            out.write(text)
+        return name, before + 1
+    return spoil
+
+
+def _insert_garbage(run: Path) -> tuple[str, int]:
+    f = run / "metrics.jsonl"
+    lines = f.read_text().splitlines()
+    f.write_text("\n".join([*lines[:2], "\x00\x07 garbage {{{", *lines[2:]]) + "\n")
+    return "metrics.jsonl", 3
+
+
+METRICS_DAMAGE = {
+    "garbage_line": _insert_garbage,
+    "truncated_last_line": _append("metrics.jsonl", '{"step": 5, "loss": 0.4, "l'),
+    "line_without_step": _append("metrics.jsonl", '{"loss": 0.4}\n'),
+    "loss_not_a_number": _append("metrics.jsonl", '{"step": 5, "loss": "low"}\n'),
+    "line_not_an_object": _append("metrics.jsonl", '[5, 0.4]\n'),
+    "sample_without_fields": _append("samples.jsonl", '{"step": 2}\n'),
+    "incident_with_text_step": _append("incidents.jsonl", '{"cause": "x", "last_logged_step": "five"}\n'),
+}
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "with_a_good_run"])
+@pytest.mark.parametrize("damage", list(METRICS_DAMAGE))
+def test_report_skips_damaged_lines_and_says_which(tmp_path, capsys, damage, together):
+    pytest.importorskip("matplotlib")
+    broken = good_run(tmp_path / "broken")
+    name, line = METRICS_DAMAGE[damage](broken)
+    runs = [str(good_run(tmp_path / "good")), str(broken)] if together else [str(broken)]
+    out = tmp_path / "out" / "report.html"
+    assert main(["report", *runs, "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    note = f"{broken / name}: skipped line {line} ("
+    assert note in " ".join(captured.err.split())
+    assert note in out.read_text() and (tmp_path / "out" / "report_plots" / "loss.png").is_file()
+
+
+def _config_not_a_mapping(run: Path) -> str:
+    (run / "config.yaml").write_text("- a list\n- not a config\n")
+    return "config.yaml"
+
+
+def _run_info_not_json(run: Path) -> str:
+    (run / "run_info.json").write_text('{"device": ')
+    return "run_info.json"
+
+
+def _no_metrics(run: Path) -> str:
+    (run / "metrics.jsonl").unlink()
+    return "no metrics.jsonl"
+
+
+def _does_not_exist(run: Path) -> str:
+    shutil.rmtree(run)
+    return "does not exist"
+
+
+REPORT_REFUSALS = {"config_not_a_mapping": _config_not_a_mapping, "run_info_not_json": _run_info_not_json,
+                   "no_metrics": _no_metrics, "does_not_exist": _does_not_exist}
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "with_a_good_run"])
+@pytest.mark.parametrize("damage", list(REPORT_REFUSALS))
+def test_report_refuses_an_unreadable_run_before_writing(tmp_path, capsys, damage, together):
+    broken = good_run(tmp_path / "broken")
+    named = REPORT_REFUSALS[damage](broken)
+    runs = [str(good_run(tmp_path / "good")), str(broken)] if together else [str(broken)]
+    err = refused(capsys, ["report", *runs, "--out", str(tmp_path / "out" / "compare.html")], tmp_path)
+    assert named in err and str(broken) in err
