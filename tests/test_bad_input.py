@@ -231,3 +231,71 @@ def test_report_refuses_an_unreadable_run_before_writing(tmp_path, capsys, damag
     runs = [str(good_run(tmp_path / "good")), str(broken)] if together else [str(broken)]
     err = refused(capsys, ["report", *runs, "--out", str(tmp_path / "out" / "compare.html")], tmp_path)
     assert named in err and str(broken) in err
+
+
+# --- 7. generate --max-new-tokens beyond the model's context -----------------------------------------------------
+
+def test_max_new_tokens_is_capped_at_the_context(pristine, capsys, monkeypatch):
+    from transformers import GenerationMixin
+
+    asked = []
+    original = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        asked.append((kwargs["input_ids"].shape[1], kwargs["max_new_tokens"]))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    assert main(["generate", str(pristine[1]), "--prompt", "hello there", "--max-new-tokens", "1000000"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--max-new-tokens 1000000 is more than the model's context holds (512 tokens" in err
+    (prompt_tokens, max_new), = asked
+    assert max_new == 512 - prompt_tokens
+
+
+@pytest.mark.parametrize(("max_new", "prompt", "expect"), [(10, 3, 10), (600, 3, 509), (600, 512, 1), (5, 0, 5)],
+                         ids=["within", "capped", "prompt_fills_it", "no_prompt"])
+def test_reply_budget_leaves_room_for_the_prompt(max_new, prompt, expect):
+    from rocktune.export.generate import Budget
+
+    assert Budget(max_new, 512).for_prompt(prompt) == expect
+    assert Budget(max_new, None).for_prompt(prompt) == max_new
+
+
+# --- 9. messages that point the right way --------------------------------------------------------------------------
+
+GENERATE_OPTIONS = {  # argv, words the message must hold, words it must not (the other option, the wrong advice)
+    "file_missing": (["--file", "{tmp}/prompts.jsonl"], ["--file", "prompts.jsonl", "does not exist"],
+                     ["data.train_file"]),
+    "file_is_a_folder": (["--file", "{tmp}"], ["--file", "is a folder"], ["data.train_file"]),
+    "max_new_tokens_0": (["--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens 0", "at least 1"],
+                         ["--temperature"]),
+    "temperature_negative": (["--prompt", "hi", "--temperature", "-1"], ["--temperature -1", "negative"],
+                             ["--max-new-tokens"]),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_OPTIONS))
+def test_generate_option_refusals_name_the_option_before_loading(pristine, tmp_path, capsys, monkeypatch, case):
+    from rocktune.export import generate
+
+    monkeypatch.setattr(generate, "load", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    argv, words, wrong = GENERATE_OPTIONS[case]
+    err = refused(capsys, ["generate", str(pristine[1]), *(a.format(tmp=tmp_path) for a in argv)], tmp_path)
+    assert all(w in err for w in words) and not any(w in err for w in wrong), err
+
+
+@pytest.mark.parametrize(("frames", "suggested"), [(6, (5, 9)), (8, (5, 9)), (20, (17, 21)), (50, (49, 53)),
+                                                   (0, (1,)), (-3, (1,))],
+                         ids=["6", "8", "20", "50", "zero", "negative"])
+def test_wan_frames_refusal_suggests_valid_counts(frames, suggested):
+    from rocktune.diffusion.generate_cli import Request, _shot
+    from rocktune.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        _shot(Request(prompt="a cat", frames=frames), {"task": "video-lora"})
+    message = str(info.value)
+    assert f"--frames {frames}:" in message
+    for count in suggested:
+        assert (count - 1) % 4 == 0
+        assert f"use {count}" in message or f"or {count}" in message

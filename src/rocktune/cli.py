@@ -484,8 +484,11 @@ def _generate(args) -> int:
     given = [f"--{name.replace('_', '-')}" for name in _DIFFUSION_OPTIONS if getattr(args, name) is not None]
     if given:
         raise UserError(f"{', '.join(given)} apply to video-lora/image-lora runs only; {args.run} is not one.")
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        raise UserError("--max-new-tokens must be at least 1 and --temperature cannot be negative.")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: a reply needs at least 1 token (default 128).")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: cannot be negative; 0 decodes greedily, above 0 samples "
+                        "(0.7 is usual).")
     from rocktune.export.generate import run_generate
     from rocktune.export.source import Origin
 
