@@ -299,3 +299,79 @@ def test_wan_frames_refusal_suggests_valid_counts(frames, suggested):
     for count in suggested:
         assert (count - 1) % 4 == 0
         assert f"use {count}" in message or f"or {count}" in message
+
+
+# --- 5 and 8. refusals that depend on the config (and the number of processes) alone: in the launching process ---
+
+def _lm_config(tmp: Path) -> dict:
+    return {"model": {"name_or_path": str(tmp / "model")}, "data": {"train_file": str(tmp / "train.jsonl"),
+            "cache_dir": str(tmp / "cache")}, "training": {"device": "cpu"}, "output": {"dir": str(tmp / "run")}}
+
+
+def _wan_config(tmp: Path) -> dict:
+    return {"task": "video-lora", "model": {"name_or_path": str(tmp / "wan")},
+            "data": {"train_file": str(tmp / "clips"), "cache_dir": str(tmp / "cache")},
+            "training": {"device": "cpu"}, "output": {"dir": str(tmp / "run")}}
+
+
+def _with(base, **sections):
+    def build(tmp: Path) -> dict:
+        cfg = base(tmp)
+        for section, values in sections.items():
+            cfg[section] = {**cfg.get(section, {}), **values}
+        return cfg
+    return build
+
+
+def _checkpoint_by(world: int):
+    """A run directory whose newest checkpoint was written by ``world`` processes (only its meta.json matters)."""
+    def make(tmp: Path) -> None:
+        step = tmp / "run" / "checkpoints" / "step-0000004"
+        step.mkdir(parents=True)
+        (step / "meta.json").write_text(json.dumps({"step": 4, "extra": {"world_size": world}}))
+    return make
+
+
+PRELAUNCH_REFUSALS = {  # config, extra argv, a run directory to start from, words the paragraph must hold
+    "lm_fsdp_with_quantization": (_with(_lm_config, model={"quantization": "nf4"}, training={"parallel": "fsdp"}),
+                                  ["--nproc", "2"], None, ["training.parallel=fsdp", "model.quantization", "ddp"]),
+    "wan_several_processes": (_wan_config, ["--nproc", "2"], None, ["video-lora", "one process", "--nproc"]),
+    "wan_several_nodes": (_wan_config, ["--nnodes", "2", "--master-addr", "127.0.0.1"], None, ["one process"]),
+    "wan_auto": (_wan_config, ["--auto"], None, ["--auto", "rocktune plan"]),
+    "wan_lm_only_setting": (_with(_wan_config, data={"packing": True}), [], None, ["data.packing", "task=lm"]),
+    "resume_with_more_processes": (_lm_config, ["--resume", "--nproc", "2"], _checkpoint_by(1),
+                                   ["step-0000004", "1 process", "has 2", "--nproc 1"]),
+    "resume_with_fewer_processes": (_lm_config, ["--resume"], _checkpoint_by(2),
+                                    ["step-0000004", "2 process", "has 1", "--nproc 2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PRELAUNCH_REFUSALS))
+def test_config_refusals_come_before_any_worker_or_file(tmp_path, capsys, monkeypatch, case):
+    import yaml
+
+    from rocktune.process import launch, supervisor, worker
+
+    build, argv, run_dir, words = PRELAUNCH_REFUSALS[case]
+    for module, name in ((supervisor, "supervise"), (launch, "run_launcher"), (worker, "run_in_process")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} started before the refusal"))
+    if run_dir is not None:
+        run_dir(tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(build(tmp_path)))
+    err = refused(capsys, ["train", "-c", str(config), *argv], tmp_path)
+    assert all(w in err for w in words), err
+    assert err.count("error:") == 1  # one paragraph, said once
+
+
+def test_refusals_in_the_launching_process_do_not_import_torch():
+    """The supervisor decides them and lives for the whole run: it stays without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rocktune.config import config_from_dict; from rocktune.tasks import "
+            "refuse_before_launch; from rocktune.train.request import RunOptions; "
+            "refuse_before_launch(config_from_dict({'model': {'name_or_path': 'm'}, 'data': {'train_file': 't'}}), "
+            "RunOptions(processes=2)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -95,9 +95,14 @@ def _run_train(args) -> int:
         vram = parse_budget(args.vram)
     from rocktune.train.request import RunOptions, RunRequest
 
+    launch = _launch(args)
     options = RunOptions(overwrite=args.overwrite, resume=args.resume or args.resume_force,
-                         resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram)
-    request = RunRequest(cfg.model_dump(mode="json"), options, _launch(args))
+                         resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram,
+                         processes=launch.nproc * launch.nnodes if launch else 1)
+    from rocktune.tasks import refuse_before_launch
+
+    refuse_before_launch(cfg, options)  # once, here: not once per rank after torchrun started them
+    request = RunRequest(cfg.model_dump(mode="json"), options, launch)
     if args.no_supervise and request.multi:
         from rocktune.process.launch import run_launcher
 

@@ -19,6 +19,7 @@ class RunOptions:
     pieces: int = 1  # each micro-batch split in this many forwards (the supervisor doubles it after a repeated fault)
     auto_fit: bool = False  # --auto: fit micro batch, checkpointing and loss chunks to the device
     vram_bytes: int | None = None  # --vram: the memory budget --auto fits to (default: the device's own)
+    processes: int = 1  # --nproc x --nnodes: refusals that depend on it are decided before any worker starts
 
 
 @dataclass
