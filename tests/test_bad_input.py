@@ -375,3 +375,52 @@ def test_refusals_in_the_launching_process_do_not_import_torch():
             "RunOptions(processes=2)); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+# --- 6. degenerate media (Wan) ------------------------------------------------------------------------------------
+
+DEGENERATE_MEDIA = {  # file, its size, words the refusal must hold
+    "one_pixel_image": ("dot.png", (1, 1), ["1x1 pixels", "far below", "64x64"]),
+    "tiny_image": ("small.png", (12, 12), ["12x12 pixels", "enlarged 5x"]),
+    "tiny_clip": ("small.mp4", (16, 8), ["16x8 pixels", "far below", "128x64"]),
+    "thin_strip_image": ("strip.png", (640, 64), ["640x64 pixels", "aspect ratio", "keep 20%"]),
+    "tall_strip_clip": ("strip.mp4", (32, 320), ["32x320 pixels", "aspect ratio"]),
+}
+RESOLUTIONS = [[64, 64], [128, 64], [64, 128]]
+
+
+@pytest.mark.parametrize("case", list(DEGENERATE_MEDIA))
+def test_degenerate_media_is_named_per_file(tmp_path, case):
+    from PIL import Image
+
+    from rocktune.diffusion.media import assign_buckets, list_items
+    from rocktune.diffusion.tiny import write_clips
+    from rocktune.errors import UserError
+
+    name, size, words = DEGENERATE_MEDIA[case]
+    media = tmp_path / "media"
+    good = write_clips(media / "good", ["a fine clip"], size=(64, 64), frames=5)[0]
+    if name.endswith(".png"):
+        bad = media / name
+        Image.new("RGB", size, (200, 30, 30)).save(bad)
+        bad.with_suffix(".txt").write_text("a bad one")
+    else:
+        bad = write_clips(media / name.removesuffix(".mp4"), ["a bad one"], size=size, frames=5)[0]
+    with pytest.raises(UserError) as info:
+        assign_buckets(list_items(media), RESOLUTIONS, [1, 5], "video-lora")
+    message = " ".join(str(info.value).split())
+    assert str(bad) in message and str(good) not in message
+    assert all(w in message for w in words), message
+    assert "1 media file(s) cannot be used" in message
+
+
+def test_media_near_its_bucket_is_still_taken(tmp_path):
+    from PIL import Image
+
+    from rocktune.diffusion.media import assign_buckets, list_items
+
+    for name, size in (("quarter.png", (16, 16)), ("wide.png", (200, 64)), ("big.png", (500, 480))):
+        Image.new("RGB", size).save(tmp_path / name)
+        (tmp_path / name).with_suffix(".txt").write_text("fine")
+    buckets = {item.path.name: str(b) for item, b in assign_buckets(list_items(tmp_path), RESOLUTIONS, [1], "image")}
+    assert buckets == {"big.png": "64x64x1", "quarter.png": "64x64x1", "wide.png": "128x64x1"}
