@@ -424,3 +424,134 @@ def test_media_near_its_bucket_is_still_taken(tmp_path):
         (tmp_path / name).with_suffix(".txt").write_text("fine")
     buckets = {item.path.name: str(b) for item, b in assign_buckets(list_items(tmp_path), RESOLUTIONS, [1], "image")}
     assert buckets == {"big.png": "64x64x1", "quarter.png": "64x64x1", "wide.png": "128x64x1"}
+
+
+# --- 4. several nodes: a preflight in the launching process, bounded, loopback only --------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_workers(monkeypatch) -> None:
+    from rocktune.process import launch, supervisor, worker
+
+    for module, name in ((supervisor, "supervise"), (launch, "run_launcher"), (worker, "run_in_process")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} started before the preflight"))
+
+
+NODE_FAILURES = {  # argv after the port (PORT is filled in), the port held by another program?, words
+    "port_in_use_on_node_0": (["--nproc", "1", "--nnodes", "2", "--node-rank", "0"], True,
+                              ["--master-port {port} is already in use", "--master-port"]),
+    "port_in_use_on_one_node": (["--nproc", "2"], True, ["--master-port {port} is already in use"]),
+    "peer_never_comes": (["--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--rendezvous-timeout", "1.5"], False,
+                         ["node(s) 1 of 2 did not join within 1.5 s", "127.0.0.1:{port}", "--node-rank"]),
+    "two_peers_never_come": (["--nnodes", "3", "--rendezvous-timeout", "1"], False, ["node(s) 1, 2 of 3"]),
+    "node_0_never_comes": (["--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--rendezvous-timeout", "1.5"],
+                           False, ["node 0 at 127.0.0.1:{port} did not answer within 1.5 s", "refused", "node 1 of 2"]),
+    "bound_from_the_config": (["--nnodes", "2", "reliability.rendezvous_timeout_s=1"], False,
+                              ["did not join within 1 s"]),
+}
+
+
+@pytest.mark.parametrize("case", list(NODE_FAILURES))
+def test_nodes_that_cannot_meet_are_named_within_the_bound(tmp_path, capsys, monkeypatch, case):
+    import socket
+    import time
+
+    import yaml
+
+    _no_workers(monkeypatch)
+    argv, held, words = NODE_FAILURES[case]
+    port = free_port()
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(_lm_config(tmp_path)))
+    holder = socket.socket()
+    try:
+        if held:
+            holder.bind(("0.0.0.0", port))
+            holder.listen()
+        t0 = time.monotonic()
+        err = refused(capsys, ["train", "-c", str(config), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               *argv], tmp_path)
+        assert time.monotonic() - t0 < 30  # seconds, not torchrun's 900 s twice
+    finally:
+        holder.close()
+    assert all(w.format(port=port) in err for w in words), err
+
+
+@pytest.mark.parametrize("nnodes", [2, 3])
+def test_nodes_meet_and_leave_the_port_free_for_torchrun(nnodes):
+    import socket
+    import threading
+
+    from rocktune.process.rendezvous import preflight
+    from rocktune.train.request import Launch
+
+    port = free_port()
+    said, errors = [], []
+
+    def node(rank: int) -> None:
+        try:
+            preflight(Launch(1, nnodes, rank, "127.0.0.1", port), 20.0, said.append)
+        except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(nnodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert len(said) == nnodes and all("waiting up to 20 s" in line for line in said)
+    with socket.socket() as s:  # what torch's TCPStore does next, at once
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", port))
+
+
+def test_torchrun_gets_the_same_bound_and_a_given_port_on_one_node():
+    from rocktune.process.launch import torchrun_args
+    from rocktune.train.request import Launch
+
+    static = torchrun_args(Launch(2, 2, 1, "10.0.0.1", 29511, rendezvous_timeout_s=42.5))
+    assert static[static.index("--rdzv-conf") + 1] == "timeout=43" and "29511" in static
+    c10d = torchrun_args(Launch(2, 2, 0, None, 29500, "head:29400", rendezvous_timeout_s=60))
+    assert c10d[c10d.index("--rdzv-conf") + 1] == "join_timeout=60"
+    assert "--standalone" in torchrun_args(Launch(2))
+    one_node = torchrun_args(Launch(2, 1, 0, "127.0.0.1", 29777))
+    assert "--standalone" not in one_node and one_node[one_node.index("--master-port") + 1] == "29777"
+
+
+def test_master_port_for_one_process_is_said_to_be_unused(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    from rocktune.process import supervisor
+
+    monkeypatch.setattr(supervisor, "supervise", lambda *a, **k: 0)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(_lm_config(tmp_path)))
+    assert main(["train", "-c", str(config), "--master-port", "29555"]) == 0
+    assert "--master-addr/--master-port are for several processes" in capsys.readouterr().err
+
+
+def test_a_rendezvous_that_never_formed_is_not_restarted(monkeypatch, capsys):
+    """torchrun's own rendezvous failing (a node went away after the preflight) is exit 2: the supervisor never
+    restarts it, and it is one paragraph, not two DistStoreError tracebacks."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from rocktune.process.launch import run_launcher
+    from rocktune.train.request import Launch, RunRequest
+
+    def never(_args):
+        raise RendezvousTimeoutError("rendezvous timed out")
+
+    monkeypatch.setattr(torchrun, "run", never)
+    request = RunRequest({"output": {"dir": "x"}}, launch=Launch(1, 2, 0, "127.0.0.1", 29512,
+                                                                  rendezvous_timeout_s=5))
+    assert run_launcher(request) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the nodes did not meet within 5 s at 127.0.0.1:29512" in err and "Traceback" not in err

@@ -33,6 +33,7 @@ class Launch:
     master_port: int = 29500
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    rendezvous_timeout_s: float = 300.0  # reliability.rendezvous_timeout_s or --rendezvous-timeout
 
     @property
     def multi(self) -> bool:
