@@ -555,3 +555,18 @@ def test_a_rendezvous_that_never_formed_is_not_restarted(monkeypatch, capsys):
     assert run_launcher(request) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "the nodes did not meet within 5 s at 127.0.0.1:29512" in err and "Traceback" not in err
+
+
+# --- 1, in the checkpoint code: the same adapter reader, its refusal a damaged checkpoint (the previous one used) ---
+
+@pytest.mark.parametrize("damage", ["empty_weights", "truncated_weights", "missing_weights", "config_not_json",
+                                    "config_not_an_object", "config_with_wrong_fields"])
+def test_checkpoint_adapter_read_by_the_same_reader(pristine, tmp_path, damage):
+    from rocktune.train import checkpoint_state
+
+    ckpt = tmp_path / "step-0000004"
+    shutil.copytree(pristine[1] / "adapter", ckpt)
+    named = ADAPTER_DAMAGE[damage](ckpt)
+    with pytest.raises(checkpoint_state.Damaged) as info:
+        checkpoint_state.read(ckpt, model=None, optimizer=None)  # refused before the model is looked at
+    assert named in str(info.value) and "damaged after it was written" in str(info.value)
