@@ -206,3 +206,27 @@ def test_ctrl_c_stops_every_rank_after_the_same_step_with_a_checkpoint(setup, re
     res = rocktune("train", "-c", config(setup, run), "--nproc", 2, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(run) == losses(two)
+
+
+def test_two_nodes_on_loopback_meet_through_the_preflight_and_train(setup, tmp_path):
+    """Node 1 started first, node 0 two seconds later, one process each on 127.0.0.1: the preflight (process/
+    rendezvous.py) lets them meet, hands the port to torchrun's static rendezvous, and both finish."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = []
+    for rank in (1, 0):
+        out = tmp_path / f"node{rank}"  # rank 0 alone writes; the other node's directory stays its own
+        argv = ["train", "-c", config(setup, out, max_steps=2), "--no-supervise", "--nproc", 1, "--nnodes", 2,
+                "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", port, "--rendezvous-timeout", 60]
+        nodes.append(subprocess.Popen([sys.executable, "-m", "rocktune", *map(str, argv)], text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+        time.sleep(2)
+    texts = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], texts[1][-2000:] + texts[0][-2000:]
+    assert all("rendezvous: node" in t and "waiting up to 60 s" in t for t in texts)
+    assert len(losses(tmp_path / "node0")) == 2

@@ -74,8 +74,12 @@ def _add_train(sub) -> None:
     g.add_argument("--nnodes", type=int, default=1, help="machines taking part (default 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1 (static master)")
     g.add_argument("--master-addr", help="address of node 0 (static master; with --nnodes > 1)")
-    g.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
+    g.add_argument("--master-port", type=int,
+                   help="port on node 0 (default 29500); on one node, given: used instead of a free port")
     g.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous instead of a static master")
+    g.add_argument("--rendezvous-timeout", type=float, metavar="SECONDS",
+                   help="how long the nodes wait for each other before the missing ones are named (default: "
+                        "reliability.rendezvous_timeout_s, 300)")
     p.set_defaults(func=_run_train)
 
 
@@ -95,9 +99,19 @@ def _run_train(args) -> int:
         vram = parse_budget(args.vram)
     from rocktune.train.request import RunOptions, RunRequest
 
+    launch = _launch(args)
     options = RunOptions(overwrite=args.overwrite, resume=args.resume or args.resume_force,
-                         resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram)
-    request = RunRequest(cfg.model_dump(mode="json"), options, _launch(args))
+                         resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram,
+                         processes=launch.nproc * launch.nnodes if launch else 1)
+    from rocktune.tasks import refuse_before_launch
+
+    refuse_before_launch(cfg, options)  # once, here: not once per rank after torchrun started them
+    if launch is not None:
+        from rocktune.process.rendezvous import preflight
+
+        launch.rendezvous_timeout_s = args.rendezvous_timeout or cfg.reliability.rendezvous_timeout_s
+        preflight(launch, launch.rendezvous_timeout_s, say=lambda line: print(line, file=sys.stderr))
+    request = RunRequest(cfg.model_dump(mode="json"), options, launch)
     if args.no_supervise and request.multi:
         from rocktune.process.launch import run_launcher
 
@@ -117,7 +131,12 @@ def _launch(args):
     if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--nproc and --nnodes must be at least 1 and --node-rank between 0 and nnodes-1 (got "
                         f"--nproc {args.nproc} --nnodes {args.nnodes} --node-rank {args.node_rank})")
+    if args.rendezvous_timeout is not None and args.rendezvous_timeout <= 0:
+        raise UserError(f"--rendezvous-timeout {args.rendezvous_timeout:g}: give a number of seconds above 0.")
     if args.nproc == 1 and args.nnodes == 1:
+        if args.master_port is not None or args.master_addr:
+            print("note: --master-addr/--master-port are for several processes; one process trains alone and uses "
+                  "no port", file=sys.stderr)
         return None
     if args.nnodes > 1 and not (args.master_addr or args.rdzv_endpoint):
         raise UserError(f"--nnodes {args.nnodes} needs where node 0 is: --master-addr HOST (with --node-rank on each "
@@ -126,7 +145,10 @@ def _launch(args):
     from rocktune.train.request import Launch
 
     check_available()
-    return Launch(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_endpoint)
+    # one node: --standalone picks a free port, unless --master-port was given (then it is used, on loopback)
+    addr = args.master_addr or ("127.0.0.1" if args.nnodes == 1 and args.master_port is not None else None)
+    port = args.master_port if args.master_port is not None else Launch.master_port
+    return Launch(args.nproc, args.nnodes, args.node_rank, addr, port, args.rdzv_endpoint)
 
 
 # --- demo ------------------------------------------------------------------------------------------------------
@@ -492,8 +514,11 @@ def _generate(args) -> int:
     given = [f"--{name.replace('_', '-')}" for name in _DIFFUSION_OPTIONS if getattr(args, name) is not None]
     if given:
         raise UserError(f"{', '.join(given)} apply to video-lora/image-lora runs only; {args.run} is not one.")
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        raise UserError("--max-new-tokens must be at least 1 and --temperature cannot be negative.")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: a reply needs at least 1 token (default 128).")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: cannot be negative; 0 decodes greedily, above 0 samples "
+                        "(0.7 is usual).")
     from rocktune.export.generate import run_generate
     from rocktune.export.source import Origin
 

@@ -172,6 +172,10 @@ class ReliabilityConfig(_Section):
     preflight_timeout_s: float = Field(
         60.0, gt=0, description="Several processes: seconds for the start-up barrier and the test all-reduce."
     )
+    rendezvous_timeout_s: float = Field(
+        300.0, gt=0, description="Several nodes: seconds the nodes wait for each other (and for a free "
+        "--master-port) before the missing ones are named and nothing is started; --rendezvous-timeout overrides."
+    )
     min_free_disk_mb: int = Field(256, ge=0, description="Free space required beyond a checkpoint's own size.")
 
 

@@ -79,6 +79,29 @@ def nearest_resolution(width: int, height: int, resolutions: Sequence[Sequence[i
     return int(resolutions[best][0]), int(resolutions[best][1])
 
 
+# A file is resized to cover its bucket and centre-cropped (ImageOps.fit). Past these factors what is trained on is
+# mostly invented pixels (a 1x1 image becomes a flat colour) or a sliver of the file (a 1000x10 strip in a 512x512
+# bucket keeps 1% of it): the file is named and refused rather than trained on without a word.
+MAX_UPSCALE = 4.0  # bucket side / file side
+MAX_CROP = 4.0  # file's aspect ratio / bucket's (either way): more than three quarters cropped away
+
+
+def degenerate(width: int, height: int, bucket: Bucket) -> str | None:
+    """Why a ``width`` x ``height`` file cannot fairly fill ``bucket``, or None."""
+    upscale = max(bucket.width / width, bucket.height / height)
+    if upscale > MAX_UPSCALE:
+        return (f"is {width}x{height} pixels, far below its bucket {bucket.width}x{bucket.height} (it would be "
+                f"enlarged {upscale:.0f}x, more than {MAX_UPSCALE:.0f}x); use a larger file, add a smaller size to "
+                "diffusion.resolutions, or remove it")
+    crop = (width / height) / (bucket.width / bucket.height)
+    crop = max(crop, 1 / crop)
+    if crop > MAX_CROP:
+        return (f"is {width}x{height} pixels, an aspect ratio so far from its nearest bucket {bucket.width}x"
+                f"{bucket.height} that cropping would keep {100 / crop:.0f}% of it; crop it yourself, add a "
+                "resolution of that shape to diffusion.resolutions, or remove it")
+    return None
+
+
 def frames_for(available: int, buckets: Sequence[int]) -> int | None:
     """The largest frame bucket a clip of ``available`` frames fills from its start; None if it fills none."""
     fitting = [f for f in buckets if f <= available]

@@ -93,17 +93,27 @@ def _shot(request: Request, config: dict, multiple: int = 16):
     saved = config.get("diffusion") or {}
     buckets = DiffusionConfig(**{key: saved[key] for key in ("resolutions", "frames") if key in saved})
     width, height = _parse_size(request.size) if request.size else buckets.resolutions[0]
-    frames = request.frames or (1 if config.get("task") == "image-lora" else buckets.frames[0])
+    # `is None`, not `or`: --frames 0 is a mistake to name, not a request for the default
+    frames = request.frames if request.frames is not None else (
+        1 if config.get("task") == "image-lora" else buckets.frames[0])
     if width % multiple or height % multiple:
         raise UserError(f"--size {width}x{height}: this Wan checkpoint renders sides that are multiples of "
                         f"{multiple}; try {_round(width, multiple)}x{_round(height, multiple)}.")
     if frames < 1 or (frames - 1) % 4:
-        raise UserError(f"--frames {frames}: Wan's VAE needs 4k+1 frames (1, 17, 33, 49, 81); try "
-                        f"{max(frames - 1, 0) // 4 * 4 + 1}.")
+        raise UserError(f"--frames {frames}: Wan's VAE needs 4k+1 frames (1, 5, 9, 13, 17, ..., 33, 49, 81); use "
+                        f"{_nearest_frames(frames)}.")
     if request.steps < 1:
         raise UserError("--steps must be at least 1.")
     return Shot(request.prompt, int(width), int(height), frames, request.steps, request.seed, request.guidance,
                 request.negative_prompt)
+
+
+def _nearest_frames(frames: int) -> str:
+    """The valid counts either side of ``frames`` (4k+1), both in the list the message gives."""
+    if frames < 1:
+        return "1 (one image) or more"
+    lower = (frames - 1) // 4 * 4 + 1
+    return f"{lower} or {lower + 4}"
 
 
 def _parse_size(text: str) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from rocktune.diffusion.buckets import (
     Bucket,
     check_buckets,
+    degenerate,
     frame_buckets,
     frames_for,
     nearest_resolution,
@@ -205,7 +206,13 @@ def _bucket_for(item: MediaItem, resolutions: Sequence[Sequence[int]], buckets: 
     if count is None:
         raise _Bad(f"has {available} frame(s), fewer than the smallest frame bucket ({buckets[0]}); add a smaller "
                    "count to diffusion.frames, or remove the clip")
-    return Bucket(*nearest_resolution(width, height, resolutions), count)
+    if min(width, height) < 1:  # a decoder's oddity; the aspect ratio below would divide by it
+        raise _Bad(f"is {width}x{height} pixels, which holds no picture")
+    bucket = Bucket(*nearest_resolution(width, height, resolutions), count)
+    problem = degenerate(width, height, bucket)
+    if problem:
+        raise _Bad(problem)
+    return bucket
 
 
 def _probe_video(path: Path, enough: int) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.errors import UserError, first_line
@@ -54,12 +55,38 @@ def stop_ids(tokenizer, model) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def complete(model, tokenizer, text: str, style: str, max_new_tokens: int, temperature: float) -> str:
+@dataclass(frozen=True)
+class Budget:
+    """How many tokens a reply may have: ``--max-new-tokens``, and what the model's context leaves after the prompt
+    (None: the config does not say). Past its context a model's positions are untrained and the work grows with
+    every token, so a reply never runs beyond it."""
+    max_new_tokens: int
+    context: int | None = None
+
+    def for_prompt(self, prompt_tokens: int) -> int:
+        if self.context is None:
+            return self.max_new_tokens
+        return max(1, min(self.max_new_tokens, self.context - prompt_tokens))
+
+
+def context_length(src: Source) -> int | None:
+    """The model's context in tokens from its config (no weights loaded), or None when it does not say."""
+    from rocktune.export.source import load_config
+
+    cfg = load_config(src.base, src.trust_remote_code)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    value = getattr(cfg, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def complete(model, tokenizer, text: str, style: str, budget: Budget | int, temperature: float) -> str:
     """One reply to the already formatted ``text``; special tokens as in training (chat templates render theirs)."""
     import torch
 
     enc = tokenizer(text, add_special_tokens=style != "chat", return_tensors="pt")
     ids = enc["input_ids"].to(model.device)
+    budget = budget if isinstance(budget, Budget) else Budget(budget)
+    max_new_tokens = budget.for_prompt(ids.shape[1])
     stops = stop_ids(tokenizer, model)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
@@ -73,17 +100,22 @@ def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | Non
                  template: str, temperature: float, device: str, compare: bool) -> int:
     if sum(x is not None for x in (prompt, chat or None, file)) > 1:
         raise UserError("give one of --prompt TEXT, --chat or --file PROMPTS.jsonl (none: --chat).")
+    rows = _read_prompts(Path(file)) if file is not None else None  # checked before minutes of model loading
     src = resolve(origin.path, origin.base, origin.trust_remote_code)
     if compare and src.adapter is None:
         raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
                         "without an adapter.")
+    context = context_length(src)
+    if context is not None and max_new_tokens > context:
+        sys.stderr.write(f"note: --max-new-tokens {max_new_tokens} is more than the model's context holds "
+                         f"({context} tokens, prompt included); each reply stops where the context is full.\n")
     device = resolve_device(device)
     model, tok = load(src, device)
     style = styles.resolve_style(template, src.run_config, tok)
 
     def answer(text=None, messages=None) -> str:
         formatted = styles.render(style, tok, prompt=text, messages=messages)
-        return complete(model, tok, formatted, style, max_new_tokens, temperature)
+        return complete(model, tok, formatted, style, Budget(max_new_tokens, context), temperature)
 
     if prompt is not None:
         if compare:
@@ -93,7 +125,7 @@ def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | Non
         else:
             sys.stdout.write(answer(prompt) + "\n")
     elif file is not None:
-        for row in _read_prompts(Path(file)):
+        for row in rows:
             sys.stdout.write(json.dumps({**row, "output": answer(row.get("prompt"), row.get("messages"))}) + "\n")
     else:
         _chat_loop(answer, style)
@@ -102,6 +134,11 @@ def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | Non
 
 def _read_prompts(path: Path) -> list[dict]:
     from rocktune.data.records import read_records
+
+    if not path.is_file():  # read_records' own message speaks of data.train_file, which generate does not read
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise UserError(f"generate --file {path} {what}; give a JSONL file of {{\"prompt\": ...}} or "
+                        "{\"messages\": [...]} lines.")
 
     rows = []
     for loc, rec in read_records(path):

@@ -17,7 +17,7 @@ import numpy as np
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.readers.json_file import read_json
+from rocktune.readers.adapter import read_adapter_config
 
 
 def _refuse(adapter: Path, what: str) -> None:
@@ -26,7 +26,7 @@ def _refuse(adapter: Path, what: str) -> None:
 
 
 def check_adapter(adapter: Path) -> dict:
-    cfg = read_json(adapter / "adapter_config.json", "restore the run directory from a copy, or train again.")
+    cfg = read_adapter_config(adapter, "restore the run directory from a copy, or train again.")
     if cfg.get("peft_type", "LORA") != "LORA":
         _refuse(adapter, f"the adapter is {cfg.get('peft_type')}, not LoRA")
     if cfg.get("use_dora"):

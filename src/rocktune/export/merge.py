@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rocktune.errors import UserError, first_line
 from rocktune.export.source import Source, load_config
-from rocktune.readers.json_file import read_json
+from rocktune.readers.adapter import names, read_adapter_config
 
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 HEAD_MODULES = ("lm_head", "embed_tokens", "wte", "embed_in", "embed_out")
@@ -28,12 +28,9 @@ def base_dtype(name_or_path: str, trust_remote_code: bool) -> str:
 
 def touches_head(adapter: Path) -> bool:
     """Does the adapter change the output head or the input embedding (LoRA on them, or full copies)?"""
-    cfg = read_json(adapter / "adapter_config.json", "restore the run directory from a copy, or train again.")
-    names: list[str] = []
-    for field in ("target_modules", "modules_to_save"):
-        value = cfg.get(field) or []
-        names += [value] if isinstance(value, str) else list(value)
-    return any(h in n for n in names for h in HEAD_MODULES if n != "all-linear")
+    cfg = read_adapter_config(adapter, "restore the run directory from a copy, or train again.")
+    modules = names(cfg, "target_modules") + names(cfg, "modules_to_save")
+    return any(h in n for n in modules for h in HEAD_MODULES if n != "all-linear")
 
 
 def load_base_fp32(name_or_path: str, trust_remote_code: bool):

@@ -24,7 +24,9 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def check_target(path: Path, overwrite: bool, is_dir: bool | None = None) -> None:
+    """The one destination check, before anything is loaded: the output can be created, or replaced."""
     if not path.exists():
+        _check_creatable(path)
         return
     if not overwrite:
         raise UserError(f"{path} already exists; pass --overwrite to replace it, or --out to write elsewhere.")
@@ -34,6 +36,20 @@ def check_target(path: Path, overwrite: bool, is_dir: bool | None = None) -> Non
     if is_dir and (not path.is_dir() or (any(path.iterdir()) and not any((path / m).is_file() for m in MARKERS))):
         raise UserError(f"{path} exists and is not an earlier export (no {' or '.join(MARKERS)}); --overwrite only "
                         "replaces those. Choose another --out.")
+
+
+def _check_creatable(path: Path) -> None:
+    """Its nearest existing ancestor must be a folder this process may write into: otherwise the export would fail
+    at the very end, after minutes of merging."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{path} cannot be created: {parent} is a file, not a folder; choose another --out (or move "
+                        "that file away).")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{path} cannot be created: the folder {parent} is not writable by this user; choose "
+                        "another --out, or change that folder's permissions.")
 
 
 @contextlib.contextmanager

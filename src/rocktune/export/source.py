@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.errors import UserError, first_line
-from rocktune.readers.json_file import read_json
-from rocktune.readers.safetensors_file import check_safetensors
+from rocktune.readers.adapter import read_adapter
 from rocktune.readers.yaml_file import read_yaml
 
 # a run directory's files are rocktune's own; one that does not read was damaged or replaced
@@ -57,7 +56,8 @@ def resolve(path: str, base_override: str | None = None, trust_remote_code: bool
                         "interrupted before its end? `rocktune train --resume` finishes it.")
     run_config, config_file = _read_run_config(adapter)
     model = run_config.get("model", {}) if isinstance(run_config.get("model"), dict) else {}
-    adapter_config = _adapter_config(adapter)  # read here, hardened, before PEFT parses it on its own
+    # config and weights read here, hardened, before PEFT parses them on its own
+    adapter_config = read_adapter(adapter, f"{RETRAIN} (or re-export the adapter).").config
     base = base_override or model.get("name_or_path") or adapter_config.get("base_model_name_or_path")
     if not base:
         raise UserError(f"{adapter}: the adapter does not name its base model; pass --base MODEL_DIR_OR_ID.")
@@ -93,10 +93,6 @@ def _remote_code_refusal(config_file: Path, base: str) -> str:
             f"model {base}. It was not honoured: a run directory or adapter can come from anywhere, so it never turns "
             "code execution on by itself, and nothing was loaded. If you trust that model's code, pass "
             "--trust-remote-code to this command.")
-
-
-def _adapter_config(adapter: Path) -> dict:
-    return read_json(adapter / "adapter_config.json", f"{RETRAIN} (or re-export the adapter).")
 
 
 def _check_local_model(base: str) -> None:
@@ -139,11 +135,7 @@ def check_shapes(src: Source) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    weights = src.adapter / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{src.adapter} has adapter_config.json but no adapter_model.safetensors; the adapter is "
-                        "incomplete (re-run the training's last save with `rocktune train --resume`).")
-    check_safetensors(weights, f"{RETRAIN}.")
+    weights = read_adapter(src.adapter, f"{RETRAIN}.").weights
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(src.base, src.trust_remote_code),
                                                  trust_remote_code=src.trust_remote_code)

@@ -10,6 +10,7 @@ stderr and in ``rank_failure.json`` beside the supervisor's status file, for its
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -23,14 +24,16 @@ def torchrun_args(launch: Launch) -> list[str]:
     """One node: ``--standalone`` (a free local port). Several: a static master (``--master-addr/--master-port``
     with ``--node-rank``) or a c10d rendezvous endpoint (``--rdzv-endpoint``)."""
     args = ["--nproc-per-node", str(launch.nproc), "--max-restarts", "0"]
-    if launch.nnodes == 1 and not launch.rdzv_endpoint:
+    if launch.nnodes == 1 and not launch.rdzv_endpoint and not launch.master_addr:
         return args + ["--standalone"]
     args += ["--nnodes", str(launch.nnodes)]
+    # torchrun's own rendezvous gets the same bound as the preflight (process/rendezvous.py), not its 600-900 s
+    bound = str(launch_bound(launch))
     if launch.rdzv_endpoint:
-        return args + ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint,
-                       "--rdzv-id", launch.rdzv_id or "rocktune"]
-    return args + ["--node-rank", str(launch.node_rank), "--master-addr", launch.master_addr,
-                   "--master-port", str(launch.master_port)]
+        return args + ["--rdzv-conf", f"join_timeout={bound}", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                       launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id or "rocktune"]
+    return args + ["--rdzv-conf", f"timeout={bound}", "--node-rank", str(launch.node_rank), "--master-addr",
+                   launch.master_addr, "--master-port", str(launch.master_port)]
 
 
 def child_command(request: RunRequest) -> list[str]:
@@ -59,6 +62,17 @@ def run_launcher(request: RunRequest) -> int:
     try:
         run(args)
         return exits.OK
+    except _rendezvous_errors() as exc:
+        # The nodes never met (the preflight passed, then a node went away): one paragraph, and exit 2 so that the
+        # supervisor does not restart a rendezvous that never formed.
+        from rocktune.errors import first_line, print_error
+
+        where = request.launch.rdzv_endpoint or f"{request.launch.master_addr}:{request.launch.master_port}"
+        print_error(f"the nodes did not meet within {launch_bound(request.launch)} s at {where} "
+                    f"({type(exc).__name__}: {first_line(exc)}); nothing was trained. Start every node with the same "
+                    "--master-addr/--master-port (or --rdzv-endpoint), or give them longer with --rendezvous-timeout "
+                    "SECONDS.")
+        return exits.USER_ERROR
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
@@ -68,6 +82,17 @@ def run_launcher(request: RunRequest) -> int:
         if report is not None:
             report.write_text(json.dumps({"failed_rank": rank, "rank_cause": cause}), encoding="utf-8")
         return code if code >= 0 else 128 - code  # a signal, as a shell reports it
+
+
+def launch_bound(launch: Launch) -> int:
+    return math.ceil(launch.rendezvous_timeout_s)
+
+
+def _rendezvous_errors() -> tuple[type[BaseException], ...]:
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    return (RendezvousError, DistStoreError)
 
 
 def run_preflight(nproc: int, timeout_s: float) -> int:

@@ -7,8 +7,8 @@ config keys in which they differ, in ``compare.html`` (or ``--out``).
 from __future__ import annotations
 
 import html
-
 import statistics
+import sys
 from pathlib import Path
 
 import yaml
@@ -22,9 +22,26 @@ PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm"
 
 
 def run_report(run_dirs: list[str], out: str | None = None) -> int:
-    path = write_report([load_run(d) for d in run_dirs], Path(out) if out else None)
+    runs = [load_run(d) for d in run_dirs]  # every run read (and refused) before anything is written
+    path = write_report(runs, Path(out) if out else None)
+    for line in skipped_lines(runs):
+        print(f"note: {line}", file=sys.stderr)
     print(f"report: {path}")
     return 0
+
+
+def skipped_lines(runs: list[RunData], shown: int = 20) -> list[str]:
+    """One note per file with lines left out (a crash's cut last line, garbage): which lines, so the reader knows
+    the curves miss them; long lists are cut to ``shown`` line numbers."""
+    by_file: dict[str, list[str]] = {}
+    for run in runs:
+        for file, line, why in run.skipped_lines:
+            by_file.setdefault(file, []).append(f"{line} ({why})")
+    notes = []
+    for file, lines in by_file.items():
+        more = f" and {len(lines) - shown} more" if len(lines) > shown else ""
+        notes.append(f"{file}: skipped line{'s' if len(lines) > 1 else ''} {', '.join(lines[:shown])}{more}")
+    return notes
 
 
 def write_report(runs: list[RunData], out: Path | None = None) -> Path:
@@ -43,6 +60,8 @@ def report_html(runs: list[RunData], images: dict[str, bytes]) -> str:
     for name, png in images.items():
         body += [f"<h2>{page.esc(PLOT_TITLES[name])}</h2>", page.image(png, PLOT_TITLES[name])]
     body.append(_events(runs))
+    if skipped_lines(runs):
+        body += ["<h2>Lines skipped</h2>", "".join(f"<p>{page.esc(n)}</p>" for n in skipped_lines(runs))]
     if len(runs) > 1:
         body += ["<h2>Config differences</h2>", _config_diff(runs)]
         return page.document(title, body)

@@ -34,6 +34,7 @@ class RunData:
     samples: list[dict] = field(default_factory=list)
     incidents: list[dict] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    skipped_lines: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, why) of each left out
 
     def series(self, key: str, scale: float = 1.0, skip_compiling: bool = False) -> tuple[list[int], list[float]]:
         rows = [r for r in self.steps if _finite(r.get(key)) and not (skip_compiling and r.get("compiling"))]
@@ -64,36 +65,76 @@ class RunData:
 
 def load_run(path: str | Path) -> RunData:
     run = Path(path)
+    if not run.exists():
+        raise UserError(f"{run} does not exist; pass the output.dir of a run that rocktune train has started.")
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{run} is not a rocktune run directory (no metrics.jsonl); pass the output.dir of a run "
                         "that rocktune train has started.")
-    rows = _jsonl(metrics)
+    skipped: list[tuple[str, int, str]] = []
+    rows = _jsonl(metrics, skipped, _metrics_problem)
     config = read_yaml(run / "config.yaml", DAMAGED)[0] if (run / "config.yaml").is_file() else {}
+    if not isinstance(config or {}, dict):
+        raise UserError(f"{run / 'config.yaml'} does not hold a run's config (a mapping of sections); {DAMAGED}")
     info = read_json(run / "run_info.json", DAMAGED) if (run / "run_info.json").is_file() else {}
     ckpts = sorted(int(m.group(1)) for p in (run / "checkpoints").glob("step-*") if (m := CHECKPOINT.match(p.name)))
     return RunData(path=run, name=run.name if run.name != "run" else f"{run.parent.name}/{run.name}",
                    steps=[r for r in rows if "loss" in r], evals=[r for r in rows if "eval_loss" in r],
-                   config=config or {}, info=info, samples=_jsonl(run / "samples.jsonl"),
-                   incidents=_jsonl(run / "incidents.jsonl"), checkpoints=ckpts)
+                   config=config or {}, info=info, samples=_jsonl(run / "samples.jsonl", skipped, _sample_problem),
+                   incidents=_jsonl(run / "incidents.jsonl", skipped, _incident_problem), checkpoints=ckpts,
+                   skipped_lines=skipped)
 
 
-def _jsonl(path: Path) -> list[dict]:
-    """Every complete line; a last line cut short by a crash is left out, as resume leaves it out."""
+def _jsonl(path: Path, skipped: list[tuple[str, int, str]], problem) -> list[dict]:
+    """Every line that parses and has the fields the report reads; any other line is left out and noted in
+    ``skipped`` as (file, line, why) (a last line cut short by a crash is left out, as resume leaves it out, and
+    said too). JSON too deep or too large to parse stays a refusal: no crash writes that."""
     if not path.is_file():
         return []
     out = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
             rec = parse_json(line)
         except JsonProblem as exc:
             if exc.malformed:
+                skipped.append((str(path), lineno, f"not JSON: {exc}"))
                 continue
             raise UserError(f"{path}:{lineno}: {exc}; the run directory is damaged: remove that line, or restore "
                             "the file from a copy.") from None
-        if isinstance(rec, dict):
-            out.append(rec)
+        why = "not a JSON object" if not isinstance(rec, dict) else problem(rec)
+        if why:
+            skipped.append((str(path), lineno, why))
+            continue
+        out.append(rec)
     return out
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _metrics_problem(rec: dict) -> str | None:
+    if not ("loss" in rec or "eval_loss" in rec):
+        return None  # other lines (the run's start, notes) are not plotted
+    if not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
+        return "no integer 'step'"
+    bad = [k for k in ("loss", "eval_loss", "lr", "grad_norm", "pieces", "peak_mem_bytes", "step_s",
+                       "useful_tokens_per_s") if k in rec and rec[k] is not None and not _number(rec[k])]
+    return f"{bad[0]!r} is not a number" if bad else None
+
+
+def _sample_problem(rec: dict) -> str | None:
+    if not isinstance(rec.get("step"), int) or not isinstance(rec.get("prompt"), str) \
+            or not isinstance(rec.get("output"), str):
+        return "a sample needs an integer 'step' and 'prompt' and 'output' strings"
+    return None
+
+
+def _incident_problem(rec: dict) -> str | None:
+    step = rec.get("last_logged_step", 0)
+    return None if isinstance(step, int) and not isinstance(step, bool) else "'last_logged_step' is not an integer"
 
 
 def _finite(x) -> bool:

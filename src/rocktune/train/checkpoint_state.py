@@ -39,6 +39,7 @@ class State:
 
 def read(path: Path, model, optimizer) -> State:
     """Load and check every part of the checkpoint at ``path``; raises ``Damaged``. Applies nothing."""
+    _check_adapter_files(path)
     adapter = _read_adapter(path / ADAPTER, next(p.device for p in model.parameters()))
     _check_adapter(adapter, model)
     trainer = _read_trainer(path / STATE)
@@ -61,6 +62,18 @@ def apply(state: State, model, optimizer, scheduler, scaler) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     random.setstate(state.py_random)
     np.random.set_state(state.np_random)
+
+
+def _check_adapter_files(path: Path) -> None:
+    """The adapter part read by the same reader as ``export`` and ``generate`` use (config fields typed, the weights
+    file whole), so a damaged one is named the same way before its tensors are loaded."""
+    from rocktune.errors import UserError
+    from rocktune.readers.adapter import read_adapter
+
+    try:
+        read_adapter(path, "the checkpoint was damaged after it was written")
+    except UserError as exc:
+        raise Damaged(str(exc)) from None
 
 
 def _read_adapter(file: Path, device) -> dict:

@@ -25,6 +25,7 @@ import torch
 from rocktune import exits
 from rocktune.errors import UserError, first_line
 from rocktune.train import faults
+from rocktune.train.prelaunch import refuse_layout
 
 
 # What gloo and NCCL/RCCL say when a peer is gone or a collective timed out.
@@ -77,9 +78,7 @@ def strategy(dist: Dist, parallel: str, quantization: str) -> str:
     if parallel == "fsdp" and not _has_fsdp2():
         raise UserError(f"training.parallel=fsdp needs FSDP2 (torch >= 2.6 with ignored_params; this is torch "
                         f"{torch.__version__}). Use training.parallel=ddp, or a newer torch where your GPU has one.")
-    if parallel == "fsdp" and quantization != "none":
-        raise UserError("training.parallel=fsdp with model.quantization: FSDP does not shard bitsandbytes' packed "
-                        "weights. A quantised base is small: use training.parallel=ddp.")
+    refuse_layout(dist.world, parallel, quantization)  # decided before launch too (train/prelaunch.py)
     return parallel
 
 

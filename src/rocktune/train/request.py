@@ -19,6 +19,7 @@ class RunOptions:
     pieces: int = 1  # each micro-batch split in this many forwards (the supervisor doubles it after a repeated fault)
     auto_fit: bool = False  # --auto: fit micro batch, checkpointing and loss chunks to the device
     vram_bytes: int | None = None  # --vram: the memory budget --auto fits to (default: the device's own)
+    processes: int = 1  # --nproc x --nnodes: refusals that depend on it are decided before any worker starts
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Launch:
     master_port: int = 29500
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    rendezvous_timeout_s: float = 300.0  # reliability.rendezvous_timeout_s or --rendezvous-timeout
 
     @property
     def multi(self) -> bool:

@@ -56,9 +56,22 @@ def check_world(restored, world: int, force: bool) -> None:
     """Each rank's data share and RNG state belong to the number of ranks the run was written with."""
     if restored is None:
         return
-    saved = restored.extra.get("world_size", 1)
+    _check_world(restored.path.name, restored.extra.get("world_size", 1), world, force)
+
+
+def check_world_before_launch(ckpt_root: Path, world: int, force: bool) -> None:
+    """``check_world`` in the launching process, from the newest checkpoint's meta.json: one paragraph before
+    torchrun starts, instead of one per rank after the model loaded."""
+    from rocktune.train.prelaunch import saved_world
+
+    found = saved_world(ckpt_root)
+    if found is not None:
+        _check_world(*found, world, force)
+
+
+def _check_world(name: str, saved, world: int, force: bool) -> None:
     if saved != world and not force:
-        raise UserError(f"--resume: checkpoint {restored.path.name} was written by {saved} process(es), this launch "
+        raise UserError(f"--resume: checkpoint {name} was written by {saved} process(es), this launch "
                         f"has {world}; the same global batch would be split differently, so the result would no "
                         f"longer be one exact run. Resume with --nproc {saved}, or pass --resume-force.")
 

@@ -25,6 +25,7 @@ from rocktune.tasks.lm.samples import SampleSettings, Sampler
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
+from rocktune.train.prelaunch import refuse_layout
 from rocktune.train.request import RunOptions
 from rocktune.train.task import Prepared
 
@@ -42,7 +43,8 @@ class LMTask:
         return self.cfg.model.attn_implementation
 
     def refuse(self, options: RunOptions) -> None:
-        """Nothing LM-specific depends on the config alone: pydantic validated it."""
+        """What the config and the number of processes alone rule out (pydantic validated the rest)."""
+        refuse_layout(options.processes, self.cfg.training.parallel, self.cfg.model.quantization)
 
     def check(self, ctx: RunContext) -> None:
         cfg = ctx.cfg

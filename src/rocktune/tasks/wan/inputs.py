@@ -8,21 +8,7 @@ import random
 from rocktune.config import RunConfig
 from rocktune.diffusion import components, media
 from rocktune.errors import UserError
-
-
-def refuse_lm_only(cfg: RunConfig) -> None:
-    """Settings that mean something for LMs only: asked for explicitly, they are refused rather than ignored."""
-    m, t = cfg.model, cfg.training
-    settings = {"model.quantization": (m.quantization, {"none"}), "model.liger": (m.liger, {"auto", "off"}),
-                "training.compile": (t.compile, {"auto", False}),
-                "training.batching": (t.batching, {"auto", "examples"}),
-                "data.packing": (cfg.data.packing, {False}), "training.sample_count": (t.sample_count, {0}),
-                "training.sample_prompts": (tuple(t.sample_prompts), {()})}
-    asked = [f"{key}={value}" for key, (value, harmless) in settings.items() if value not in harmless]
-    if asked:
-        raise UserError(f"{', '.join(asked)}: only for task=lm, not supported for task={cfg.task} "
-                        "(docs/diffusion.md lists what is; render samples after training with rocktune generate); "
-                        "remove it from the config.")
+from rocktune.tasks.wan.refuse import refuse_lm_only  # noqa: F401 (its old home)
 
 
 def assigned(source, cfg: RunConfig, frames: list[int]) -> list[tuple[media.MediaItem, media.Bucket]]:

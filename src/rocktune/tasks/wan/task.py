@@ -22,6 +22,7 @@ from rocktune.diffusion.objective import FlowMatchLoss
 from rocktune.diffusion.steps import LatentFeed, Noise, eval_forwards
 from rocktune.errors import UserError
 from rocktune.tasks.wan import inputs
+from rocktune.tasks.wan import refuse as refusals
 from rocktune.model import DTYPES, trainable_parameters
 from rocktune.train import build
 from rocktune.train.context import RunContext
@@ -39,11 +40,7 @@ class WanTask:
         return "sdpa"  # diffusers' Wan attention processor calls SDPA itself
 
     def refuse(self, options: RunOptions) -> None:
-        cfg = self.cfg
-        if options.auto_fit:
-            raise UserError(f"--auto chooses LM settings; for task={cfg.task} see what fits with `rocktune plan "
-                            f"{cfg.model.name_or_path} --task {cfg.task} --resolution WxH --frames N --vram ...`.")
-        inputs.refuse_lm_only(cfg)
+        refusals.refuse(self.cfg, options)
 
     def check(self, ctx: RunContext) -> None:
         """The checkpoint's layout, the buckets, the LoRA targets and every media file, before anything is written."""
