@@ -15,9 +15,9 @@ from pathlib import Path
 
 # The commands that use a run directory, each shown only once its module is installed.
 NEXT_COMMANDS = (
-    (("rocktune.generate", "rocktune.export.generate"), "rocktune generate {run} {ask}", "chat with the result"),
-    (("rocktune.export",), "rocktune export {run} --to gguf", "a GGUF for llama.cpp / Ollama"),
-    (("rocktune.report",), "rocktune report {run}", "plots and an HTML page of the run"),
+    (("rocktune.generate", "rocktune.export.generate"), "{rocktune} generate {run} {ask}", "chat with the result"),
+    (("rocktune.export",), "{rocktune} export {run} --to gguf", "a GGUF for llama.cpp / Ollama"),
+    (("rocktune.report",), "{rocktune} report {run}", "plots and an HTML page of the run"),
 )
 
 
@@ -75,12 +75,34 @@ def next_commands(run_dir: Path, prompt: str | None = None) -> list[str]:
     """``prompt``: generate answers it beside the base model's answer instead of opening a chat."""
     run = _quote(str(run_dir))
     ask = f"--prompt {_quote(prompt)} --compare" if prompt else "--chat"
-    found = [(cmd.format(run=run, ask=ask), why) for modules, cmd, why in NEXT_COMMANDS
+    found = [(cmd.format(rocktune=rocktune_command(), run=run, ask=ask), why) for modules, cmd, why in NEXT_COMMANDS
              if any(_installed(m) for m in modules)]
     if not found:
         return []
     width = max(len(c) for c, _ in found)
     return ["next:"] + [f"  {c:<{width}}  # {why}" for c, why in found]
+
+
+def rocktune_command() -> str:
+    """``rocktune`` as the user can type it here: the bare name when the one on PATH is this interpreter's, else the
+    script beside this interpreter (``.venv/bin/rocktune`` when the venv is not activated), else ``python -m``."""
+    import os
+    import shutil
+
+    script = Path(sys.executable).parent / ("rocktune.exe" if sys.platform == "win32" else "rocktune")
+    if not script.is_file():  # run from a source tree, not installed: the module always works
+        return f"{_quote(sys.executable)} -m rocktune"
+    on_path = shutil.which("rocktune")
+    try:
+        if on_path and os.path.samefile(on_path, script):
+            return "rocktune"
+    except OSError:
+        pass
+    try:  # relative under the working directory (the README's .venv/bin/rocktune): short, and it has a slash
+        rel = os.path.relpath(script)
+    except ValueError:  # another drive on Windows
+        rel = ".."
+    return _quote(str(script) if rel.startswith("..") else rel)
 
 
 def already_complete(run_dir: Path, force: bool) -> bool:
