@@ -81,7 +81,9 @@ def _add_train(sub) -> None:
 
 def _run_train(args) -> int:
     from rocktune.config import dump_config, load_config
+    from rocktune.process.pipes import guard_std_streams
 
+    guard_std_streams()  # `rocktune train ... | head`: a closed pipe drops the output, never the run
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         sys.stdout.write(dump_config(cfg, comments=True))
