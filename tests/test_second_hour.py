@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,3 +65,54 @@ def test_a_closed_pipe_is_not_a_crash(tiny_model_dir, data, tmp_path):
     assert not (run / "incidents.jsonl").exists()
     assert _train_into_closed_pipe(cfg_file, "--resume") == 0  # a finished run's summary into a closed pipe
     assert not (run / "incidents.jsonl").exists()
+
+
+def test_threads_follow_the_cgroup_quota_the_ranks_and_the_user(tmp_path):
+    from rocktune.platform.threads import choose_threads, rank_environment
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: two threads can run at once
+    choice = choose_threads({}, cpus=8, cgroup=tmp_path)
+    assert choice.threads == 2 and "cgroup CPU quota of 1.5" in choice.note
+    assert choose_threads({}, ranks=2, cpus=8, cgroup=tmp_path).threads == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert choose_threads({"LOCAL_WORLD_SIZE": "2"}, cpus=8, cgroup=tmp_path).threads == 4
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert choose_threads({}, cpus=8, cgroup=v1).threads == 3
+    kept = choose_threads({"OMP_NUM_THREADS": "6"}, cpus=1, cgroup=tmp_path)
+    assert kept.threads is None and "your OMP_NUM_THREADS=6" in kept.note
+    ours = rank_environment(2, {})
+    assert ours["OMP_NUM_THREADS"] == ours["ROCKTUNE_OMP_NUM_THREADS"]
+    assert choose_threads({**ours, "LOCAL_WORLD_SIZE": "2"}).threads == int(ours["OMP_NUM_THREADS"])  # ours, not kept
+    assert rank_environment(2, {"OMP_NUM_THREADS": "3"}) == {}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="affinity masks are Linux's")
+def test_a_run_limited_to_one_cpu_uses_one_thread(tiny_model_dir, data, tmp_path):
+    """Under ``taskset -c 0``, a real run's context sets one torch thread and says why in its notes."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    cfg = tiny_run_config(tiny_model_dir, data[0], data[1], tmp_path / "run")
+    code = ("import json, sys, torch\n"
+            "from rocktune.config import config_from_dict\n"
+            "from rocktune.train.context import resolve\n"
+            "from rocktune.train.request import RunOptions\n"
+            "ctx = resolve(config_from_dict(json.loads(sys.argv[1])), RunOptions(), 'auto', quiet=True)\n"
+            "print(json.dumps([torch.get_num_threads(), ctx.notes]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = str(SRC)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env, capture_output=True, text=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}), timeout=300)
+    assert out.returncode == 0, out.stderr
+    threads, notes = json.loads(out.stdout.splitlines()[-1])
+    assert threads == 1
+    assert any(n.startswith("torch threads: 1 (1 CPU in this process's affinity mask") for n in notes), notes
+
+
+def test_doctor_says_the_thread_choice(capsys, monkeypatch):
+    from rocktune.doctor.main import run_doctor
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert run_doctor(as_json=True, no_device=True, run_checks=False) == 0
+    assert json.loads(capsys.readouterr().out)["threads"] == "torch threads: your OMP_NUM_THREADS=3 (kept)"
