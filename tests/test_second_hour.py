@@ -116,3 +116,49 @@ def test_doctor_says_the_thread_choice(capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert run_doctor(as_json=True, no_device=True, run_checks=False) == 0
     assert json.loads(capsys.readouterr().out)["threads"] == "torch threads: your OMP_NUM_THREADS=3 (kept)"
+
+
+def test_options_may_follow_overrides(tmp_path, capsys):
+    from rocktune import cli
+
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"name_or_path": str(tmp_path)}, "data": {"train_file": str(cfg)}}))
+    assert cli.main(["train", "-c", str(cfg), "lora.r=4", "--print-config", "training.lr=0.5"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["lora"]["r"], printed["training"]["lr"]) == (4, 0.5)
+    args = cli.parse(cli.build_parser(), ["--debug", "train", "-c", "x.yaml", "lora.r=8", "--nproc", "2", "a.b=1"])
+    assert (args.debug, args.nproc, args.overrides, args.config) == (True, 2, ["lora.r=8", "a.b=1"], "x.yaml")
+    args = cli.parse(cli.build_parser(), ["data", "preview", "-c", "x.yaml", "a=1", "-n", "5", "b=2"])
+    assert (args.examples, args.overrides) == (5, ["a=1", "b=2"])
+    with pytest.raises(SystemExit) as exc:  # an unknown option is still refused
+        cli.parse(cli.build_parser(), ["train", "-c", "x.yaml", "lora.r=8", "--bogus", "a.b=1"])
+    assert exc.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_a_mistyped_key_gets_a_suggestion_and_a_bare_train_names_c(tmp_path, capsys):
+    from rocktune import cli
+
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("training:\n  micro_batchsize: 4\n")
+    assert cli.main(["train", "-c", str(cfg)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{cfg}:2: unknown key 'training.micro_batchsize'; did you mean 'micro_batch_size'?" in err
+    assert cli.main(["train"]) == 2
+    assert "No config file was given: pass -c FILE.yaml" in " ".join(capsys.readouterr().err.split())
+
+
+def test_torchrun_ranks_get_our_thread_count(monkeypatch):
+    """With OMP_NUM_THREADS set for the ranks, torchrun does not print its 4-line warning about it."""
+    import torch.distributed.run as torchrun
+
+    from rocktune.process import launch
+    from rocktune.train.request import Launch, RunOptions, RunRequest
+
+    seen = {}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("ROCKTUNE_OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the launcher sets stays in this test
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.update(os.environ))
+    assert launch.run_launcher(RunRequest({}, RunOptions(), Launch(nproc=2))) == 0
+    assert seen["OMP_NUM_THREADS"] == seen["ROCKTUNE_OMP_NUM_THREADS"]
+    assert int(seen["OMP_NUM_THREADS"]) >= 1

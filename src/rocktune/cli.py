@@ -20,7 +20,7 @@ from rocktune.export.style import STYLES
 def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
@@ -31,6 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_error("interrupted")
         return exits.INTERRUPTED
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options may follow the dotted overrides (``train -c x.yaml lora.r=8 --nproc 2 training.lr=1e-4``): a command
+    with overrides is parsed again, intermixed, from its own name on (a subparser is never parsed intermixed)."""
+    args, extras = parser.parse_known_args(argv)
+    intermixed = getattr(args, "intermixed", None)
+    if extras and intermixed is not None:
+        sub, path = intermixed
+        start = 0
+        for name in path:  # the command's words (``data preview``): only bare top-level flags come before them
+            start = argv.index(name, start) + 1
+        vars(args).update(vars(sub.parse_intermixed_args(argv[start:])))
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +92,7 @@ def _add_train(sub) -> None:
     g.add_argument("--master-addr", help="address of node 0 (static master; with --nnodes > 1)")
     g.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
     g.add_argument("--rdzv-endpoint", help="host:port of a c10d rendezvous instead of a static master")
-    p.set_defaults(func=_run_train)
+    p.set_defaults(func=_run_train, intermixed=(p, ("train",)))
 
 
 def _run_train(args) -> int:
@@ -84,7 +100,14 @@ def _run_train(args) -> int:
     from rocktune.process.pipes import guard_std_streams
 
     guard_std_streams()  # `rocktune train ... | head`: a closed pipe drops the output, never the run
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except UserError as exc:
+        if args.config is None:  # the usual cause of "data.train_file ... (got {})": no -c at all
+            raise UserError(f"{exc}. No config file was given: pass -c FILE.yaml (examples/*.yaml are ready to "
+                            "copy), or give every required field as an override, e.g. model.name_or_path=... "
+                            "data.train_file=...") from None
+        raise
     if args.print_config:
         sys.stdout.write(dump_config(cfg, comments=True))
         return 0
@@ -348,7 +371,7 @@ def _add_data(sub) -> None:
     q.add_argument("-n", "--examples", type=int, default=3, help="examples shown token by token (default 3)")
     q.add_argument("--html", metavar="FILE", help="also write the preview as an HTML page")
     q.add_argument("--json", action="store_true", help="print one JSON object")
-    q.set_defaults(func=_run_data_preview)
+    q.set_defaults(func=_run_data_preview, intermixed=(q, ("data", "preview")))
 
 
 def _run_data_preview(args) -> int:

@@ -6,6 +6,7 @@ names the key path (and the YAML file:line when the key came from a file) and wh
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -369,7 +370,9 @@ def _explain(exc: ValidationError, path: str | None, lines: dict[tuple[str, ...]
         if err["type"] == "extra_forbidden":
             section = _section_for(loc[:-1])
             allowed = ", ".join(section.model_fields) if section else ""
-            problems.append(f"{where}unknown key '{key}'; allowed here: {allowed}")
+            close = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1) if section and loc else []
+            guess = f"did you mean '{close[0]}'? " if close else ""
+            problems.append(f"{where}unknown key '{key}'; {guess}allowed here: {allowed}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(f"{where}{key}: {msg} (got {err.get('input')!r})")
