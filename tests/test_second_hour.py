@@ -162,3 +162,37 @@ def test_torchrun_ranks_get_our_thread_count(monkeypatch):
     assert launch.run_launcher(RunRequest({}, RunOptions(), Launch(nproc=2))) == 0
     assert seen["OMP_NUM_THREADS"] == seen["ROCKTUNE_OMP_NUM_THREADS"]
     assert int(seen["OMP_NUM_THREADS"]) >= 1
+
+
+SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                 "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                 "{% endif %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_console_samples_show_the_users_last_turn(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rocktune.tasks.lm.samples import Sampler, SampleSettings, UserTurn
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = SMOL_TEMPLATE
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "Please send two small red mugs"}]
+    ids = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    assert UserTurn(tok, "messages")(tok.decode(ids)) == "Please send two small red mugs"
+    assert UserTurn(tok, "text")(tok.decode(ids)) is None  # not a chat prompt: shown whole
+    said: list[str] = []
+
+    class Log:
+        def text(self, *args):
+            pass
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sampler = Sampler(tmp_path / "samples.jsonl", tok, [(ids, None)], [tok.eos_token_id],
+                      SampleSettings(0, [], 2, "cpu", shape="messages"))
+    sampler.at(0, model, Log(), said.append)
+    assert said[0].startswith("[dim]sample @ step 0:[/] Please send two small red mugs [cyan]→"), said
+    row = json.loads((tmp_path / "samples.jsonl").read_text())
+    assert row["user"] == "Please send two small red mugs" and row["prompt"].startswith("<|im_start|>system")
