@@ -63,6 +63,8 @@ def test_a_closed_pipe_is_not_a_crash(tiny_model_dir, data, tmp_path):
     assert _train_into_closed_pipe(cfg_file) == 0
     assert (run / "adapter" / "adapter_model.safetensors").is_file()  # training went on to the end
     assert not (run / "incidents.jsonl").exists()
+    final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["peak_rss_bytes"] > 2**20  # a CPU run records its memory for the summary and the report
     assert _train_into_closed_pipe(cfg_file, "--resume") == 0  # a finished run's summary into a closed pipe
     assert not (run / "incidents.jsonl").exists()
 
@@ -196,3 +198,67 @@ def test_console_samples_show_the_users_last_turn(tiny_model_dir, tmp_path):
     assert said[0].startswith("[dim]sample @ step 0:[/] Please send two small red mugs [cyan]→"), said
     row = json.loads((tmp_path / "samples.jsonl").read_text())
     assert row["user"] == "Please send two small red mugs" and row["prompt"].startswith("<|im_start|>system")
+
+
+def test_two_eval_points_are_markers_not_a_trend():
+    pytest.importorskip("matplotlib")
+    from rocktune.report import plots
+
+    fig, ax = plots._figure("loss", "x")
+    plots.eval_points(ax, [(0, 6.0), (800, 0.3)], "C0", "eval")
+    plots.eval_points(ax, [(0, 6.0), (400, 1.0), (800, 0.3)], "C1", "eval")
+    assert [line.get_linestyle() for line in ax.lines] == ["None", "--"]
+    assert all(line.get_marker() == "o" for line in ax.lines)
+
+
+def _lm_run_dir(path):
+    rows = [{"step": 0, "eval_loss": 6.0},
+            {"step": 1, "loss": 5.0, "tokens": 10, "step_s": 0.1, "peak_mem_bytes": None},
+            {"step": 2, "eval_loss": 1.0, "peak_rss_bytes": int(0.48 * 2**30)}]
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "config.yaml").write_text(yaml.safe_dump({"task": "lm", "lora": {"r": 8}, "diffusion": {"expert": "x"}}))
+    (path / "run_info.json").write_text(json.dumps({"data": {"shape": "messages", "n_records": 200,
+                                                             "cache_hit": True}}))
+    prompt = ("<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\nTwo mugs<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    (path / "samples.jsonl").write_text("".join(json.dumps({"step": s, "prompt": prompt, "user": "Two mugs",
+                                                            "output": "{}", "expected": "{}"}) + "\n" for s in (0, 2)))
+    return path
+
+
+def test_the_report_tells_no_small_untruths(tmp_path):
+    from rocktune.report.rundata import load_run
+    from rocktune.report.run_report import report_html
+
+    page = report_html([load_run(_lm_run_dir(tmp_path / "run"))], {})
+    assert "0.48 GiB process RSS (CPU run)" in page and "not measured" not in page
+    assert "records read" in page and "n_records" not in page and "reused (hit)" in page
+    assert "lora:" in page and "diffusion:" not in page  # an LM run's config has no diffusion section
+    samples = page[page.index("<h2>Samples"):page.index("<h2>Data")]
+    assert "Two mugs" in samples and "im_start" not in samples and "You are SmolLM" not in samples
+
+
+def test_a_finished_runs_summary_shows_its_own_memory_not_this_process(tmp_path):
+    from rocktune.train import summary
+
+    run = _lm_run_dir(tmp_path / "run")
+    out: list[str] = []
+    summary.log_summary(run, out.append, None)  # --resume on a finished run: no wall time, not measured now
+    assert "  peak memory     0.48 GiB process RSS (CPU run)" in out
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "eval_loss": 1.0}) + "\n")
+    out.clear()
+    summary.log_summary(run, out.append, None)
+    assert "  peak memory     not recorded for this run" in out
+
+
+def test_demo_real_table_shows_answers_without_the_end_of_turn_token(capsys):
+    from rocktune.demo.real import _print_table
+
+    fig = {"eval_loss_before": 2.0, "eval_loss_after": 0.1, "exact_match_before": 0.0, "exact_match": 1.0,
+           "train_seconds": 1.0, "steps": 2, "device": "cpu", "total_seconds": 2.0, "report": "r/report.html",
+           "samples": [{"prompt": "Two mugs", "before": "Sorry<|im_end|>", "after": '{"qty": 2}<|im_end|>',
+                        "expected": '{"qty": 2}'}]}
+    _print_table(fig, "<|im_end|>")
+    out = capsys.readouterr().out
+    assert "im_end" not in out and '{"qty": 2}' in out and "report: r/report.html" in out and "next:" not in out

@@ -251,7 +251,8 @@ def _finish(r: Run, bar) -> None:
     if ctx.dist.main:
         need = finish.adapter_bytes(r.parts.params)
         with finish.guarded(run_dir, "the final metrics" + task.samples_what, need):
-            r.metrics.write({"step": total, "eval_loss": r.result.eval_loss_after})
+            rss = {} if ctx.device == "cuda" else {"peak_rss_bytes": summary.peak_rss()}  # the report's memory
+            r.metrics.write({"step": total, "eval_loss": r.result.eval_loss_after, **rss})
             task.after_eval(total, r.metrics, bar.log)
         for what, write in task.final_files(run_dir):
             with finish.guarded(run_dir, what, need):
@@ -261,7 +262,7 @@ def _finish(r: Run, bar) -> None:
         if r.space_skips.summary():
             bar.log(f"[yellow]{r.space_skips.summary()}[/]")
         summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, r.result.peak_mem_bytes,
-                            r.parts.predicted_peak, outputs=task.outputs(run_dir))
+                            r.parts.predicted_peak, outputs=task.outputs(run_dir), prompt=ctx.options.next_prompt)
     elif r.parts.lockstep:
         task.after_eval(total, r.metrics, bar.log)  # in step with rank 0's generations
     distributed.barrier(ctx.dist, "the end of the run")  # no rank leaves before the adapter is written

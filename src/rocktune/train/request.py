@@ -19,6 +19,7 @@ class RunOptions:
     pieces: int = 1  # each micro-batch split in this many forwards (the supervisor doubles it after a repeated fault)
     auto_fit: bool = False  # --auto: fit micro batch, checkpointing and loss chunks to the device
     vram_bytes: int | None = None  # --vram: the memory budget --auto fits to (default: the device's own)
+    next_prompt: str | None = None  # the summary's `generate` line asks this beside the base model (demo --real)
 
 
 @dataclass
