@@ -262,3 +262,52 @@ def test_demo_real_table_shows_answers_without_the_end_of_turn_token(capsys):
     _print_table(fig, "<|im_end|>")
     out = capsys.readouterr().out
     assert "im_end" not in out and '{"qty": 2}' in out and "report: r/report.html" in out and "next:" not in out
+
+
+def test_every_bad_line_of_a_file_is_reported_at_once(tmp_path):
+    from rocktune.data.records import read_records
+    from rocktune.errors import UserError
+
+    good = json.dumps({"prompt": "a", "completion": "b"})
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join([good, "{bad", good, "nope"]) + "\n")
+    with pytest.raises(UserError) as exc:
+        read_records(f)
+    assert f"{f}:2: malformed JSON" in str(exc.value) and f"{f}:4: malformed JSON" in str(exc.value)
+    assert "2 lines of" in str(exc.value)
+    f.write_text("\n".join(["{bad"] * 25) + "\n")
+    with pytest.raises(UserError) as exc:
+        read_records(f)
+    assert f"{f}:20: malformed" in str(exc.value) and f"{f}:21:" not in str(exc.value)
+    assert "and 5 more" in str(exc.value) and "25 lines of" in str(exc.value)
+
+
+def _finished_run(tmp_path, model: str):
+    from rocktune.config import config_from_dict
+    from rocktune.train.rundir import write_config
+
+    cfg = tiny_run_config(Path(model), tmp_path / "d.jsonl", None, tmp_path / "run")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    (tmp_path / "run" / "adapter").mkdir(parents=True)
+    (tmp_path / "run" / "adapter" / "adapter_config.json").write_text("{}")
+    write_config(tmp_path / "run", config_from_dict(cfg).model_dump(mode="json"))
+    return cfg
+
+
+def test_a_finished_run_is_refused_before_any_model_is_touched_without_suggesting_resume(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from rocktune import cli
+    from rocktune.config import config_from_dict
+    from rocktune.errors import UserError
+    from rocktune.process import supervisor
+    from rocktune.tasks import train
+
+    cfg = _finished_run(tmp_path, str(tmp_path / "no-such-model"))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setattr(supervisor, "supervise", lambda *a: pytest.fail("a child was started"))
+    assert cli.main(["train", "-c", str(tmp_path / "c.yaml")]) == 2  # refused in the parent: no child, no torch
+    err = " ".join(capsys.readouterr().err.split())
+    assert "already holds this run, finished" in err and "--resume " not in err and "--resume-force" in err
+    # In the worker too, before the task's checks: the missing model would be named otherwise.
+    with pytest.raises(UserError, match="already holds this run, finished"):
+        train(config_from_dict(cfg), quiet=True)
