@@ -311,3 +311,53 @@ def test_a_finished_run_is_refused_before_any_model_is_touched_without_suggestin
     # In the worker too, before the task's checks: the missing model would be named otherwise.
     with pytest.raises(UserError, match="already holds this run, finished"):
         train(config_from_dict(cfg), quiet=True)
+
+
+def test_every_missing_path_is_named_with_its_line_and_the_working_directory(tmp_path, monkeypatch):
+    from rocktune.config import load_config
+    from rocktune.errors import UserError
+
+    (tmp_path / "conf").mkdir()
+    cfg = tmp_path / "conf" / "c.yaml"
+    cfg.write_text("model:\n  name_or_path: ./models/base\ndata:\n  train_file: train.jsonl\n"
+                   "  eval_file: /nowhere/eval.jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as exc:
+        load_config("conf/c.yaml", ["lora.r=4"], require_paths=True)
+    text = str(exc.value)
+    assert f"conf/c.yaml:2: model path ./models/base does not exist in the working directory {tmp_path}" in text
+    assert f"conf/c.yaml:4: data.train_file=train.jsonl does not exist in the working directory {tmp_path} " \
+           f"(nor beside the config file, as conf/train.jsonl)" in text
+    assert "conf/c.yaml:5: data.eval_file=/nowhere/eval.jsonl does not exist" in text
+    load_config("conf/c.yaml")  # --print-config and preview: only the beside-the-config slip is refused
+    cfg.write_text("model:\n  name_or_path: Qwen/Qwen2.5-0.5B\ndata:\n  train_file: c.yaml\n")  # a hub id is no path
+    with pytest.raises(UserError, match="does not exist relative to the working directory"):
+        load_config(str(cfg))
+
+
+def test_the_adapter_names_an_absolute_base_and_describes_itself(tmp_path, monkeypatch):
+    from rocktune.train.model_card import describe_adapter
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "base").mkdir(parents=True)
+    run = tmp_path / "runs" / "run"
+    (run / "adapter").mkdir(parents=True)
+    cfg = {"model": {"name_or_path": "runs/base"}, "lora": {"r": 8, "alpha": 16, "dropout": 0.0,
+                                                             "target_modules": "all-linear"},
+           "data": {"train_file": "d.jsonl", "eval_file": "e.jsonl"},
+           "training": {"max_steps": 2, "lr": 0.001, "micro_batch_size": 4, "grad_accum": 1, "precision": "fp32"}}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "adapter" / "rocktune_config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "runs/base", "r": 8}))
+    (run / "adapter" / "README.md").write_text("---\nlibrary_name: peft\n---\n# Model Card for Model ID\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 0, "eval_loss": 3.0}, {"step": 2, "loss": 1.0}, {"step": 2, "eval_loss": 0.5})))
+    describe_adapter(run / "adapter", Path("runs/run"))
+    base = str(tmp_path / "runs" / "base")
+    assert json.loads((run / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+    assert yaml.safe_load((run / "adapter" / "rocktune_config.yaml").read_text())["model"]["name_or_path"] == base
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["name_or_path"] == "runs/base"  # resume's
+    card = (run / "adapter" / "README.md").read_text()
+    assert "Model Card for Model ID" not in card and f"# LoRA adapter for {base}" in card
+    assert "| eval loss before → after | 3.0000 → 0.5000 |" in card and "r=8, alpha=16" in card
+    assert f"PeftModel.from_pretrained(base, '{run / 'adapter'}')" in card

@@ -101,7 +101,7 @@ def _run_train(args) -> int:
 
     guard_std_streams()  # `rocktune train ... | head`: a closed pipe drops the output, never the run
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, require_paths=not args.print_config)
     except UserError as exc:
         if args.config is None:  # the usual cause of "data.train_file ... (got {})": no -c at all
             raise UserError(f"{exc}. No config file was given: pass -c FILE.yaml (examples/*.yaml are ready to "
