@@ -361,3 +361,13 @@ def test_the_adapter_names_an_absolute_base_and_describes_itself(tmp_path, monke
     assert "Model Card for Model ID" not in card and f"# LoRA adapter for {base}" in card
     assert "| eval loss before → after | 3.0000 → 0.5000 |" in card and "r=8, alpha=16" in card
     assert f"PeftModel.from_pretrained(base, '{run / 'adapter'}')" in card
+
+
+def test_the_tiny_wan_builder_has_help_instead_of_a_directory_named_help(tmp_path, monkeypatch, capsys):
+    from rocktune.diffusion import tiny
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        tiny.main(["--help"])
+    assert exc.value.code == 0 and "output directory" in capsys.readouterr().out
+    assert not (tmp_path / "--help").exists()
