@@ -371,3 +371,15 @@ def test_the_tiny_wan_builder_has_help_instead_of_a_directory_named_help(tmp_pat
         tiny.main(["--help"])
     assert exc.value.code == 0 and "output directory" in capsys.readouterr().out
     assert not (tmp_path / "--help").exists()
+
+
+def test_plan_fits_an_80_column_terminal(capsys, monkeypatch):
+    from rocktune.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plan", "Qwen2.5-3B", "--vram", "32GiB"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = [line for line in out if line[:1] in "┏┃┡│├└"]
+    assert table and all(len(line) <= 80 for line in table)
+    assert any(line.startswith("│ base_weights") and line.count("5.75 GiB") == 2 for line in table)  # one line a row
+    assert "  base_weights: 3,085,938,688 params x 2 B (bf16)" in out  # the inputs, below the table
