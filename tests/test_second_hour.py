@@ -302,13 +302,14 @@ def test_a_finished_run_is_refused_before_any_model_is_touched_without_suggestin
     from rocktune.process import supervisor
     from rocktune.tasks import train
 
-    cfg = _finished_run(tmp_path, str(tmp_path / "no-such-model"))
+    (tmp_path / "empty-model").mkdir()  # no config.json: the task's checks would refuse it
+    cfg = _finished_run(tmp_path, str(tmp_path / "empty-model"))
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     monkeypatch.setattr(supervisor, "supervise", lambda *a: pytest.fail("a child was started"))
     assert cli.main(["train", "-c", str(tmp_path / "c.yaml")]) == 2  # refused in the parent: no child, no torch
     err = " ".join(capsys.readouterr().err.split())
     assert "already holds this run, finished" in err and "--resume " not in err and "--resume-force" in err
-    # In the worker too, before the task's checks: the missing model would be named otherwise.
+    # In the worker too, before the task's checks: the empty model directory would be named otherwise.
     with pytest.raises(UserError, match="already holds this run, finished"):
         train(config_from_dict(cfg), quiet=True)
 
@@ -383,3 +384,18 @@ def test_plan_fits_an_80_column_terminal(capsys, monkeypatch):
     assert table and all(len(line) <= 80 for line in table)
     assert any(line.startswith("│ base_weights") and line.count("5.75 GiB") == 2 for line in table)  # one line a row
     assert "  base_weights: 3,085,938,688 params x 2 B (bf16)" in out  # the inputs, below the table
+
+
+def test_malformed_lines_are_refused_before_a_child_starts(tmp_path, capsys, monkeypatch):
+    from rocktune import cli
+    from rocktune.process import supervisor
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{oops\nnope\n')
+    cfg = tiny_run_config(tmp_path, bad, None, tmp_path / "run")  # the model is never looked at
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setattr(supervisor, "supervise", lambda *a: pytest.fail("a child was started"))
+    assert cli.main(["train", "-c", str(tmp_path / "c.yaml")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{bad}:2: malformed JSON" in err and f"{bad}:3: malformed JSON" in err
+    assert not (tmp_path / "run").exists()

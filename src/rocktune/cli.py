@@ -122,12 +122,9 @@ def _run_train(args) -> int:
 
     options = RunOptions(overwrite=args.overwrite, resume=args.resume or args.resume_force,
                          resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram)
-    if not args.auto:  # refused here in a second, before a child imports torch (--auto compares its fitted config)
-        from pathlib import Path
+    from rocktune.train.precheck import check_before_start
 
-        from rocktune.train.rundir import check_output_dir
-
-        check_output_dir(Path(cfg.output.dir), cfg.model_dump(mode="json"), options.overwrite, options.resume)
+    check_before_start(cfg, options)  # a clobbered run directory or a malformed line: refused before a child starts
     request = RunRequest(cfg.model_dump(mode="json"), options, _launch(args))
     if args.no_supervise and request.multi:
         from rocktune.process.launch import run_launcher
