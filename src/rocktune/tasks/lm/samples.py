@@ -43,7 +43,10 @@ class UserTurn:
         if not isinstance(text, str) or text.count(_MARK) != 1:
             return
         before, self.footer = text.split(_MARK)
-        specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t and t in before]
+        # Llama 3's header tokens are special added tokens but not among all_special_tokens
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        names = {*getattr(tokenizer, "all_special_tokens", []), *(t.content for t in added if t.special)}
+        specials = [t for t in names if t and t in before]
         start = max((before.rfind(t) for t in specials), default=-1)
         self.header = before[start:] if start >= 0 else None
 
