@@ -62,7 +62,7 @@ def test_report_of_a_run(run, capsys):
     assert "step 0</th><th>step 6</th>" in html  # samples before / after
     assert "None: no restart, no skipped update, no OOM split." in html
     assert "lora:" in html and "max_steps: 6" in html  # the resolved config
-    assert "<td>n_train</td><td class=\"num\">64</td>" in html  # data statistics from run_info.json
+    assert "<td>train examples</td><td class=\"num\">64</td>" in html  # data statistics from run_info.json
 
 
 def test_resumed_run_reports_one_series_and_the_same_losses(run, tiny_model_dir, tmp_path):

@@ -20,7 +20,7 @@ from rocktune.export.style import STYLES
 def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
@@ -31,6 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_error("interrupted")
         return exits.INTERRUPTED
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options may follow the dotted overrides (``train -c x.yaml lora.r=8 --nproc 2 training.lr=1e-4``): a command
+    with overrides is parsed again, intermixed, from its own name on (a subparser is never parsed intermixed)."""
+    args, extras = parser.parse_known_args(argv)
+    intermixed = getattr(args, "intermixed", None)
+    if extras and intermixed is not None:
+        sub, path = intermixed
+        start = 0
+        for name in path:  # the command's words (``data preview``): only bare top-level flags come before them
+            start = argv.index(name, start) + 1
+        vars(args).update(vars(sub.parse_intermixed_args(argv[start:])))
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,13 +96,22 @@ def _add_train(sub) -> None:
     g.add_argument("--rendezvous-timeout", type=float, metavar="SECONDS",
                    help="how long the nodes wait for each other before the missing ones are named (default: "
                         "reliability.rendezvous_timeout_s, 300)")
-    p.set_defaults(func=_run_train)
+    p.set_defaults(func=_run_train, intermixed=(p, ("train",)))
 
 
 def _run_train(args) -> int:
     from rocktune.config import dump_config, load_config
+    from rocktune.process.pipes import guard_std_streams
 
-    cfg = load_config(args.config, args.overrides)
+    guard_std_streams()  # `rocktune train ... | head`: a closed pipe drops the output, never the run
+    try:
+        cfg = load_config(args.config, args.overrides, require_paths=not args.print_config)
+    except UserError as exc:
+        if args.config is None:  # the usual cause of "data.train_file ... (got {})": no -c at all
+            raise UserError(f"{exc}. No config file was given: pass -c FILE.yaml (examples/*.yaml are ready to "
+                            "copy), or give every required field as an override, e.g. model.name_or_path=... "
+                            "data.train_file=...") from None
+        raise
     if args.print_config:
         sys.stdout.write(dump_config(cfg, comments=True))
         return 0
@@ -104,8 +129,10 @@ def _run_train(args) -> int:
                          resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram,
                          processes=launch.nproc * launch.nnodes if launch else 1)
     from rocktune.tasks import refuse_before_launch
+    from rocktune.train.precheck import check_before_start
 
     refuse_before_launch(cfg, options)  # once, here: not once per rank after torchrun started them
+    check_before_start(cfg, options)  # a clobbered run directory or a malformed line: refused before a child starts
     if launch is not None:
         from rocktune.process.rendezvous import preflight
 
@@ -369,7 +396,7 @@ def _add_data(sub) -> None:
     q.add_argument("-n", "--examples", type=int, default=3, help="examples shown token by token (default 3)")
     q.add_argument("--html", metavar="FILE", help="also write the preview as an HTML page")
     q.add_argument("--json", action="store_true", help="print one JSON object")
-    q.set_defaults(func=_run_data_preview)
+    q.set_defaults(func=_run_data_preview, intermixed=(q, ("data", "preview")))
 
 
 def _run_data_preview(args) -> int:

@@ -6,6 +6,7 @@ names the key path (and the YAML file:line when the key came from a file) and wh
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -265,8 +266,9 @@ class RunConfig(_Section):
         return self
 
 
-def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read YAML (optional), apply ``a.b=value`` overrides, validate; errors become ``UserError``."""
+def load_config(path: str | None, overrides: list[str] | None = None, require_paths: bool = False) -> RunConfig:
+    """Read YAML (optional), apply ``a.b=value`` overrides, validate; errors become ``UserError``.
+    ``require_paths`` (``train``): every missing model/data path is an error here, with its file:line."""
     raw: dict[str, Any] = {}
     lines: dict[tuple[str, ...], int] = {}
     given: dict[tuple[str, ...], str] = {}  # key path -> the override that set it: errors name the override
@@ -279,23 +281,43 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> RunConf
     except ValidationError as exc:
         raise UserError(_explain(exc, path, lines, given)) from None
     if path is not None:
-        _check_relative_paths(cfg, Path(path), lines, given)
+        _check_relative_paths(cfg, Path(path), lines, given, require_paths)
     return cfg
 
 
-def _check_relative_paths(cfg: RunConfig, config_file: Path, lines: dict, given: dict) -> None:
+def looks_like_path(name_or_path: str) -> bool:
+    """A model name that can only be a filesystem path (a hub id is ``name`` or ``org/name``)."""
+    return name_or_path.startswith(("/", "./", "../", "~", ".\\")) or name_or_path.count("/") > 1 \
+        or "\\" in name_or_path
+
+
+def _check_relative_paths(cfg: RunConfig, config_file: Path, lines: dict, given: dict, require: bool) -> None:
     """Relative paths mean the working directory, as on the command line; a file that exists only beside the config
-    file is the classic slip, so it is named instead of surfacing later as "does not exist"."""
+    file is the classic slip, so that path is named. With ``require``, every missing input path at once, each with
+    its file:line (or override) and the working directory that a relative path is read from."""
+    problems = []
     for loc in (("model", "name_or_path"), ("data", "train_file"), ("data", "eval_file")):
         value = getattr(getattr(cfg, loc[0]), loc[1])
-        if not value or loc in given or Path(value).is_absolute() or Path(value).exists():
+        if not value or Path(value).expanduser().exists():
             continue
+        required = require and not (loc[0] == "model" and not looks_like_path(value))  # a hub id is no path
+        key = ".".join(loc)
+        what = f"model path {value}" if loc[0] == "model" else f"{key}={value}"
+        where = f"override {given[loc]!r}" if loc in given else f"{config_file}:{lines.get(loc, '?')}"
         beside = config_file.parent / value
-        if config_file.parent != Path(".") and beside.exists():
-            raise UserError(f"{config_file}:{lines.get(loc, '?')}: {'.'.join(loc)}={value} does not exist relative "
-                            f"to the working directory {Path.cwd()}, which is what relative paths in a config file "
-                            f"mean; relative to the config file it is {beside}, which exists: use that path, or run "
-                            f"from {config_file.parent}.")
+        if loc not in given and not Path(value).is_absolute() and config_file.parent != Path(".") and beside.exists():
+            problems.append(f"{where}: {what} does not exist relative to the working directory {Path.cwd()}, "
+                            f"which is what relative paths in a config file mean; relative to the config file it is "
+                            f"{beside}, which exists: use that path, or run from {config_file.parent}")
+        elif required and Path(value).is_absolute():
+            problems.append(f"{where}: {what} does not exist")
+        elif required:
+            problems.append(f"{where}: {what} does not exist in the working directory {Path.cwd()}"
+                            + ("" if loc in given or config_file.parent == Path(".") else
+                               f" (nor beside the config file, as {beside})"))
+    if problems:
+        raise UserError("; ".join(problems) + ". Fix the paths (relative ones are read from the working directory), "
+                        "or run from the directory they are relative to.")
 
 
 def dump_config(cfg: RunConfig, comments: bool = False) -> str:
@@ -390,7 +412,9 @@ def _explain(exc: ValidationError, path: str | None, lines: dict[tuple[str, ...]
         if err["type"] == "extra_forbidden":
             section = _section_for(loc[:-1])
             allowed = ", ".join(section.model_fields) if section else ""
-            problems.append(f"{where}unknown key '{key}'; allowed here: {allowed}")
+            close = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1) if section and loc else []
+            guess = f"did you mean '{close[0]}'? " if close else ""
+            problems.append(f"{where}unknown key '{key}'; {guess}allowed here: {allowed}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(f"{where}{key}: {msg} (got {err.get('input')!r})")

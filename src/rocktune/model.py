@@ -14,8 +14,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def check_model_source(name_or_path: str) -> None:
     """A string that looks like a filesystem path must exist; anything else is treated as a hub id."""
-    looks_local = name_or_path.startswith(("/", "./", "../", "~", ".\\")) or name_or_path.count("/") > 1 \
-        or "\\" in name_or_path
+    from rocktune.config import looks_like_path
+
+    looks_local = looks_like_path(name_or_path)
     if looks_local and not Path(name_or_path).expanduser().exists():
         raise UserError(f"model path {name_or_path} does not exist; set model.name_or_path to a local model "
                         "directory or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")

@@ -51,15 +51,27 @@ def read_records(path: str | Path) -> list[tuple[str, dict]]:
     return records
 
 
+MAX_BAD_LINES = 20  # a file of bad lines is named by its first few, with the count of the rest
+
+
 def _read_jsonl(path: Path, text: str) -> list[tuple[str, dict]]:
-    out = []
+    """Every bad line is reported at once (up to MAX_BAD_LINES), so one fix-and-rerun round fixes them all."""
+    out, bad, n_bad = [], [], 0
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             out.append((f"{path}:{lineno}", parse_json(line)))
+            continue
         except JsonProblem as exc:
-            raise UserError(f"{path}:{lineno}: {_advice(exc)}") from None
+            why = str(exc) if exc.malformed else _advice(exc).rstrip(".")
+        n_bad += 1
+        if n_bad <= MAX_BAD_LINES:
+            bad.append(f"{path}:{lineno}: {why}")
+    if n_bad:
+        more = f"; and {n_bad - MAX_BAD_LINES} more" if n_bad > MAX_BAD_LINES else ""
+        raise UserError(f"{'; '.join(bad)}{more}. {n_bad} line{'s' if n_bad > 1 else ''} of {path} cannot be "
+                        "parsed; each line must be one JSON object.")
     return out
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from rocktune.config import config_from_dict
 from rocktune.demo.chat_task import make_chat_task
-from rocktune.demo.run import check_demo_dir
+from rocktune.demo.run import check_demo_dir, write_run_report
 from rocktune.demo.task import write_jsonl
 
+NEXT_PROMPT = "Please send two small red mugs"  # the run's summary ends with generate comparing base and tuned on it
 REAL_STEPS = 16  # measured: 10 steps already reach 100% held-out exact match on a 2-core CPU
 N_TRAIN, N_EVAL = 2000, 24
 SHOWN = 8  # held-out answers shown (and in --json's "samples")
@@ -52,7 +53,7 @@ def run_real_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: boo
     write_jsonl(out / "data" / "train.jsonl", train_rows)
     write_jsonl(out / "data" / "eval.jsonl", eval_rows)
     t0 = time.perf_counter()
-    result = train(config_from_dict(settings), RunOptions(overwrite=True), quiet=as_json)
+    result = train(config_from_dict(settings), RunOptions(overwrite=True, next_prompt=NEXT_PROMPT), quiet=as_json)
     seconds = time.perf_counter() - t0
     model, tokenizer = result.model, result.tokenizer
     after = chat_answers(model, tokenizer, eval_rows)
@@ -63,12 +64,13 @@ def run_real_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: boo
            "exact_match": _exact(after, expected, tokenizer), "exact_match_before": _exact(before, expected, tokenizer),
            "run_dir": str(result.run_dir), "train_seconds": round(seconds, 1), "steps": result.steps,
            "total_seconds": round(time.perf_counter() - t_start, 1), "device": str(model.device),
+           "report": write_run_report(result.run_dir),
            "samples": [{"prompt": r["messages"][0]["content"], "before": b, "after": a, "expected": e}
                        for r, b, a, e in zip(eval_rows[:SHOWN], before, after, expected)]}
     if as_json:
         sys.stdout.write(json.dumps(fig) + "\n")
     else:
-        _print_table(fig, tokenizer.eos_token, result.run_dir)
+        _print_table(fig, tokenizer.eos_token)
     return 0
 
 
@@ -101,12 +103,12 @@ def _exact(answers: list[str], expected: list[str], tokenizer) -> float:
     return sum(a == e + eos for a, e in zip(answers, expected)) / len(expected)
 
 
-def _print_table(fig: dict, eos: str, run_dir: Path) -> None:
+def _print_table(fig: dict, eos: str) -> None:
+    """The answers as a person reads them (the end-of-turn token is how exact match knows an answer stopped, not
+    part of it); the next: commands were printed once, by the run's summary."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    from rocktune.train.summary import next_commands
 
     console = Console()
     table = Table(title="rocktune demo --real: SmolLM2-135M-Instruct + LoRA learns to turn orders into JSON",
@@ -115,13 +117,14 @@ def _print_table(fig: dict, eos: str, run_dir: Path) -> None:
         table.add_column(col, overflow="fold")
     for s in fig["samples"]:
         ok = "[green]ok[/]" if s["after"] == s["expected"] + eos else "[red]x[/]"
-        table.add_row(escape(s["prompt"]), escape(_short(s["before"])), escape(s["after"]), ok)
+        table.add_row(escape(s["prompt"]), escape(_short(s["before"].removesuffix(eos))),
+                      escape(s["after"].removesuffix(eos)), ok)
     console.print(table)
     console.print(f"eval loss {fig['eval_loss_before']:.4f} -> {fig['eval_loss_after']:.4f}; held-out exact match "
                   f"{fig['exact_match_before']:.0%} -> {fig['exact_match']:.0%}; training {fig['train_seconds']} s "
                   f"({fig['steps']} steps on {fig['device']}), {fig['total_seconds']} s in all")
-    for line in next_commands(run_dir, prompt="Please send two small red mugs"):
-        console.print(line, markup=False, soft_wrap=True)  # a command must stay copyable, never wrapped
+    console.print(f"report: {fig['report']}" if fig["report"] else
+                  "report: not written (pip install 'rocktune[report]' for plots and an HTML page of the run)")
 
 
 def _short(text: str, limit: int = 90) -> str:

@@ -48,7 +48,7 @@ def run_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: bool = F
     exact = sum(s["output"] == s["expected"] for s in samples) / len(samples)
     figures = {"eval_loss_before": result.eval_loss_before, "eval_loss_after": result.eval_loss_after,
                "exact_match": exact, "run_dir": str(result.run_dir), "train_seconds": round(seconds, 1),
-               "steps": result.steps, "report": _write_report(result.run_dir)}
+               "steps": result.steps, "report": write_run_report(result.run_dir)}
     if as_json:
         sys.stdout.write(json.dumps(figures) + "\n")
     else:
@@ -126,7 +126,7 @@ def _print_summary(fig: dict, samples: list[dict]) -> None:
                   "report: not written (pip install 'rocktune[report]' for plots and an HTML page of the run)")
 
 
-def _write_report(run_dir: Path) -> str | None:
+def write_run_report(run_dir: Path) -> str | None:
     """The run's HTML report; None when the report extra (matplotlib) is not installed."""
     import importlib.util
 

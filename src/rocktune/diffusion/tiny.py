@@ -104,15 +104,18 @@ CAPTIONS = ["a red square slides right across a blue gradient", "a small bright 
 def main(argv: list[str] | None = None) -> int:
     """``python -m rocktune.diffusion.tiny [DIR]``: the tiny components and clips examples/wan-tiny-video-lora.yaml
     trains on (default DIR: runs/wan-tiny)."""
-    import sys
+    import argparse
 
     from rocktune.diffusion.components import quiet
     from rocktune.errors import quiet_libraries
 
+    parser = argparse.ArgumentParser(prog="python -m rocktune.diffusion.tiny",
+                                     description="Write the tiny Wan pipeline and captioned clips that "
+                                                 "examples/wan-tiny-video-lora.yaml trains on (offline, seconds).")
+    parser.add_argument("dir", nargs="?", default="runs/wan-tiny", help="output directory (default runs/wan-tiny)")
+    out = Path(parser.parse_args(argv).dir)  # --help prints and exits: it is never a directory name
     quiet_libraries()
     quiet()
-    args = sys.argv[1:] if argv is None else argv
-    out = Path(args[0] if args else "runs/wan-tiny")
     build_tiny_wan(out / "tiny-wan")
     write_clips(out / "clips", CAPTIONS, size=(48, 32), frames=9)
     print(f"wrote {out / 'tiny-wan'} (a diffusers Wan pipeline) and {len(CAPTIONS)} captioned clips in {out / 'clips'}")

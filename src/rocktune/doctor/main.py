@@ -21,6 +21,10 @@ def run_doctor(as_json: bool = False, no_device: bool = False, simulate: str | N
         plat = detect("passive" if no_device else "child")
     advice = advise(plat)
     report = {"platform": plat.to_dict(), "advice": advice.to_dict(), "checks": []}
+    if not simulate:  # what `train` would pick here: a snapshot has no affinity mask or cgroup to read
+        from rocktune.platform.threads import choose_threads
+
+        report["threads"] = choose_threads().note
     if run_checks and not simulate:
         device = "cuda" if plat.devices and not no_device else "cpu"
         env = dict(os.environ)

@@ -14,6 +14,8 @@ def render(report: dict, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
     plat, advice, checks = report["platform"], report["advice"], report["checks"]
     console.print(_platform_table(plat))
+    if report.get("threads"):
+        console.print(escape(report["threads"]))
     console.print(_defaults_table(advice))
     if advice["env"]:
         console.print(_env_table(advice))

@@ -11,6 +11,8 @@ from rocktune.planner.estimate import ATTN, DTYPE_BYTES, GIB, QUANT, Estimate, R
 from rocktune.planner.fit import MARGIN, fit
 from rocktune.planner.shapes import load_shape
 
+WIDE_COLUMNS = 120  # a terminal this wide shows each term's inputs in the table; a narrower one, below it
+
 
 def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_json: bool,
              device: str | None = None) -> int:
@@ -50,6 +52,7 @@ def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_
 
 def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     on, off = (est, other) if est.spec.checkpointing else (other, est)
@@ -57,27 +60,37 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     title = (f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params, LoRA r={s.lora_r}, {s.precision}"
              f"{'' if s.quant == 'none' else ' ' + s.quant}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
              f"{s.attn}, loss {s.loss_mode}")
+    console = Console()
+    # The inputs column needs room: on a narrow terminal each term's inputs follow the table, one line each,
+    # instead of folding every row into a column a few words wide.
+    wide = console.width >= WIDE_COLUMNS
     table = Table(title=title, title_justify="left")
     table.add_column("term")
     table.add_column("no checkpointing", justify="right")
     table.add_column("checkpointing", justify="right")
-    table.add_column("inputs", overflow="fold")
+    if wide:
+        table.add_column("inputs", overflow="fold")
     names = list(dict.fromkeys([t.name for t in off.terms] + [t.name for t in on.terms]))
     a, b = off.by_name(), on.by_name()
     details = {t.name: t.inputs for t in off.terms} | {t.name: t.inputs for t in on.terms if t.name not in a}
-    for name in names:
-        table.add_row(name, fmt_bytes(a.get(name)), fmt_bytes(b.get(name)), details[name])
-    table.add_section()
-    table.add_row("peak allocated", fmt_bytes(off.peak_allocated), fmt_bytes(on.peak_allocated),
-                  "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)")
-    table.add_row("[bold]total[/]", f"[bold]{fmt_bytes(off.total_bytes)}[/]", f"[bold]{fmt_bytes(on.total_bytes)}[/]",
-                  "peak + allocator overhead + device context")
     budget = doc["budget_bytes"]
     usable = budget * (1 - MARGIN)
+    notes = {"peak allocated": "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)",
+             "total": "peak + allocator overhead + device context",
+             "fits?": f"budget {fmt_bytes(budget)} ({doc['budget_source']}), {MARGIN:.0%} kept free"}
+    for name in names:
+        table.add_row(name, fmt_bytes(a.get(name)), fmt_bytes(b.get(name)), *([details[name]] if wide else []))
+    table.add_section()
+    table.add_row("peak allocated", fmt_bytes(off.peak_allocated), fmt_bytes(on.peak_allocated),
+                  *([notes["peak allocated"]] if wide else []))
+    table.add_row("[bold]total[/]", f"[bold]{fmt_bytes(off.total_bytes)}[/]", f"[bold]{fmt_bytes(on.total_bytes)}[/]",
+                  *([notes["total"]] if wide else []))
     table.add_row("fits?", yes_no(off.total_bytes <= usable), yes_no(on.total_bytes <= usable),
-                  f"budget {fmt_bytes(budget)} ({doc['budget_source']}), {MARGIN:.0%} kept free")
-    console = Console()
+                  *([notes["fits?"]] if wide else []))
     console.print(table)
+    if not wide:
+        for name, inputs in [*details.items(), *notes.items()]:
+            console.print(f"  [bold]{name}[/]: {escape(inputs)}", highlight=False)
     fit = doc["fit"]
     if "error" in fit:
         console.print(f"[bold red]no fit:[/] {fit['error']}")

@@ -53,9 +53,15 @@ def check_available() -> None:
 
 
 def run_launcher(request: RunRequest) -> int:
+    import os
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from rocktune.platform.threads import rank_environment
+
+    # The ranks share this machine's cores; with OMP_NUM_THREADS set, torchrun also keeps its 4-line warning to itself.
+    os.environ.update(rank_environment(request.launch.nproc))
     args = parse_args(torchrun_args(request.launch) + ["-m", "rocktune.process.worker", request.to_json()])
     # Beside the supervisor's status file (a temporary directory of its own): the run directory may not exist.
     report = Path(request.status_file).with_name(FAILURE_FILE) if request.status_file else None
@@ -102,7 +108,10 @@ def run_preflight(nproc: int, timeout_s: float) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from rocktune.platform.threads import rank_environment
+
     os.environ["ROCKTUNE_PREFLIGHT_TIMEOUT"] = str(timeout_s)
+    os.environ.update(rank_environment(nproc))
     args = parse_args(torchrun_args(Launch(nproc=nproc)) + ["-m", "rocktune.train.distributed"])
     try:
         run(args)
@@ -134,4 +143,7 @@ def failure_details(status_file: Path, unanswered: list[int] | None = None) -> d
 
 
 if __name__ == "__main__":
+    from rocktune.process.pipes import guard_std_streams
+
+    guard_std_streams()  # a closed pipe is not a crash (pipes.py)
     raise SystemExit(run_launcher(RunRequest.from_json(sys.argv[1])))

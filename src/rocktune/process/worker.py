@@ -97,6 +97,9 @@ def _stop_when_orphaned() -> None:
 
 
 if __name__ == "__main__":
+    from rocktune.process.pipes import guard_std_streams
+
+    guard_std_streams()  # before any output: a closed pipe is not a crash (pipes.py)
     if hasattr(signal, "SIGBREAK"):  # Windows: the supervisor's CTRL_BREAK stops us cleanly until the loop takes over
         signal.signal(signal.SIGBREAK, signal.default_int_handler)
     _stop_when_orphaned()

@@ -71,11 +71,17 @@ def loss_plot(runs: list[RunData]) -> bytes:
         prefix = f"{run.name}: " if several else ""
         ax.plot(*run.series("loss"), color=c, linewidth=1, label=f"{prefix}train")
         ev = [(r["step"], r["eval_loss"]) for r in run.evals if r.get("eval_loss") is not None]
-        if ev:
-            ax.plot(*zip(*ev), "o--", color=c, markersize=5, label=f"{prefix}eval")
+        eval_points(ax, ev, c, f"{prefix}eval")
         _events(ax, run, c, several)
     ax.legend(fontsize=8)
     return _png(fig)
+
+
+def eval_points(ax, points: list[tuple[int, float]], colour, label: str) -> None:
+    """Eval losses as markers; joined by a dashed line only from three points on: two points joined would read as a
+    measured trend between them (before and after training, nothing was measured in between)."""
+    if points:
+        ax.plot(*zip(*points), "o--" if len(points) >= 3 else "o", color=colour, markersize=5, label=label)
 
 
 def series_plot(runs: list[RunData], key: str, title: str, ylabel: str, scale: float = 1.0,

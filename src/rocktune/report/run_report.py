@@ -17,6 +17,17 @@ from rocktune.atomic import write_atomic
 from rocktune.report import page, plots
 from rocktune.report.rundata import RunData, load_run
 
+# run_info.json's data keys as a person reads them; a key not listed is shown as it is
+DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncated": "examples cut to max_length",
+               "n_dropped": "examples dropped (nothing left to train)", "cache_hit": "token cache",
+               "fingerprint": "data fingerprint", "n_prompt_cut": "examples cut in the prompt",
+               "n_completion_cut": "examples cut in the completion", "n_train": "train examples",
+               "n_eval": "eval examples", "train_tokens": "train tokens",
+               "max_example_tokens": "longest example (tokens)",
+               "task": "task", "buckets": "examples per size bucket", "transformer": "transformer trained",
+               "flow_shift": "flow shift", "timestep_sampling": "timestep sampling"}
+# config sections that only one kind of task reads: the other kind's run hides them
+TASK_SECTIONS = {"diffusion": ("video-lora", "image-lora")}
 PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm": "Gradient norm",
                "tokens_per_s": "Throughput", "memory": "Device memory"}
 
@@ -67,7 +78,7 @@ def report_html(runs: list[RunData], images: dict[str, bytes]) -> str:
         return page.document(title, body)
     run = runs[0]
     body += [_samples(run), _data(run), _platform(run), "<h2>Resolved config</h2>",
-             f"<pre>{page.esc(yaml.safe_dump(run.config, sort_keys=False))}</pre>"]
+             f"<pre>{page.esc(yaml.safe_dump(_own_sections(run.config), sort_keys=False))}</pre>"]
     return page.document(title, body)
 
 
@@ -89,13 +100,19 @@ def summary_row(run: RunData) -> dict[str, str]:
         "useful tokens/s (median)": _fmt(statistics.median(tps) if tps else None, ",.0f"),
         # medians: with training.log_every > 1 the logged steps are a sample, so a sum would undercount
         "step time (median)": f"{_fmt(statistics.median(secs) if secs else None, '.3f')} s",
-        "peak memory (measured / planned)": (f"{_fmt(max(mem) if mem else None, '.2f')} / "
-                                             f"{_fmt(predicted * plots.GIB if predicted else None, '.2f')} GiB"
-                                             if mem or predicted else "not measured (CPU run)"),
+        "peak memory (measured / planned)": _memory(run, mem, predicted),
         "checkpoints": ", ".join(map(str, run.checkpoints)) or "-",
         "restarts / skipped / OOM splits": f"{len(run.incidents)} / {len(run.skipped_steps())} / "
                                            f"{len(run.oom_splits())}",
     }
+
+
+def _memory(run: RunData, mem: list[float], predicted: int | None) -> str:
+    if mem or predicted:
+        return (f"{_fmt(max(mem) if mem else None, '.2f')} / "
+                f"{_fmt(predicted * plots.GIB if predicted else None, '.2f')} GiB")
+    rss = max((r.get("peak_rss_bytes") or 0 for r in run.evals), default=0)  # a CPU run's, at its end
+    return f"{rss * plots.GIB:.2f} GiB process RSS (CPU run)" if rss else "not recorded"
 
 
 def _summary(runs: list[RunData]) -> str:
@@ -127,7 +144,8 @@ def _samples(run: RunData) -> str:
         return "<h2>Samples</h2><p>No samples (set training.sample_count or training.sample_prompts).</p>"
     first, last = steps[0], steps[-1]
     before = {s["prompt"]: s["output"] for s in run.samples if s["step"] == first}
-    rows = [(s["prompt"], before.get(s["prompt"], ""), s["output"], s.get("expected") or "")
+    # A chat prompt is shown by its user's turn (samples.py keeps it as "user"), not the template's text
+    rows = [(s.get("user", s["prompt"]), before.get(s["prompt"], ""), s["output"], s.get("expected") or "")
             for s in run.samples if s["step"] == last]
     return (f"<h2>Samples</h2><p>Greedy completions of fixed prompts at step {first} and step {last} "
             f"(all {len(steps)} eval points are in samples.jsonl).</p>"
@@ -138,7 +156,22 @@ def _data(run: RunData) -> str:
     data = run.info.get("data")
     if not data:
         return ""
-    return "<h2>Data</h2>" + page.table([(k, v) for k, v in data.items()])
+    rows = [(DATA_LABELS.get(k, k), _data_value(k, v)) for k, v in data.items()]
+    return "<h2>Data</h2>" + page.table(rows)
+
+
+def _data_value(key: str, value):
+    if key == "cache_hit":
+        return "reused (hit)" if value else "written by this run"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {v}" for k, v in value.items())
+    return value
+
+
+def _own_sections(config: dict) -> dict:
+    """The config without the sections of the other kind of task (an LM run has no use for ``diffusion:``)."""
+    task = config.get("task", "lm")
+    return {k: v for k, v in config.items() if k not in TASK_SECTIONS or task in TASK_SECTIONS[k]}
 
 
 def _platform(run: RunData) -> str:

@@ -67,10 +67,13 @@ def resolve(cfg: RunConfig, options: RunOptions, attn_setting: str, faults: Faul
     """Environment advice applied (before anything touches the device), each rank on its own GPU, then the auto
     choices resolved and proven on it. ``attn_setting``: the task's attention setting (Wan always uses SDPA)."""
     from rocktune.platform.environment import prepare_environment
+    from rocktune.platform.threads import apply_threads, choose_threads
 
     platform, notes = prepare_environment()
+    threads = choose_threads()  # the cores this process may use, not the machine's (platform/threads.py)
+    apply_threads(threads)
     dist = distributed.from_env()  # one process unless torchrun started several
     distributed.device_for(dist)  # each rank's own GPU, before any self-test touches one
     choices = resolve_auto(cfg.training.device, cfg.training.precision, attn_setting, platform=platform)
     return RunContext(cfg, options, platform, choices, dist, faults or Faults(), quiet,
-                      notes=notes + choices.messages)
+                      notes=notes + [threads.note] + choices.messages)

@@ -73,6 +73,9 @@ def save_adapter(model, out: Path, config_file: Path) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / "rocktune_config.yaml").write_text(config_file.read_text())
+        from rocktune.train.model_card import describe_adapter
+
+        describe_adapter(tmp, config_file.parent)  # a real README.md and an absolute local base path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -70,15 +70,16 @@ class Run:
 
 def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
     """Train ``task``; ``on_ready(model)`` (benchmarks) is called once the model with its adapter is built."""
-    task.check(ctx)  # check, then write: every input the task can check without writing
-    cfg, opts = ctx.cfg, ctx.options
+    # The run directory first (seconds, no model touched) unless --auto, whose fitted config is what it compares.
+    early = not ctx.options.auto_fit
+    done = _check_run_dir(task, ctx) if early else None
+    if done is None:
+        task.check(ctx)  # check, then write: every input the task can check without writing
+        done = None if early else _check_run_dir(task, ctx)
+    if done is not None:
+        return done
+    cfg = ctx.cfg
     resolved = cfg.model_dump(mode="json")
-    rundir.check_output_dir(ctx.run_dir, resolved, opts.overwrite, opts.resume)
-    if opts.resume:
-        resume.check_config(ctx.run_dir, resolved, opts.resume_force)
-    if opts.resume and summary.already_complete(ctx.run_dir, opts.resume_force):
-        fig = summary.report_complete(ctx.run_dir, task.outputs(ctx.run_dir))
-        return TrainResult(ctx.run_dir, fig.steps, eval_loss_before=fig.eval_before, eval_loss_after=fig.eval_after)
     build.seed_everything(cfg.training.seed)
     sinks.require(cfg.output.tensorboard, cfg.output.wandb, cfg.output.mlflow)
     parts = task.prepare(ctx)
@@ -105,6 +106,19 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
         if _steps(r, bar, stop):
             _finish(r, bar)
     return r.result
+
+
+def _check_run_dir(task: Task, ctx: RunContext) -> TrainResult | None:
+    """Refuse a run directory that holds another run; a finished run given --resume: its summary, as the result."""
+    opts = ctx.options
+    resolved = ctx.cfg.model_dump(mode="json")
+    rundir.check_output_dir(ctx.run_dir, resolved, opts.overwrite, opts.resume)
+    if opts.resume:
+        resume.check_config(ctx.run_dir, resolved, opts.resume_force)
+    if opts.resume and summary.already_complete(ctx.run_dir, opts.resume_force):
+        fig = summary.report_complete(ctx.run_dir, task.outputs(ctx.run_dir))
+        return TrainResult(ctx.run_dir, fig.steps, eval_loss_before=fig.eval_before, eval_loss_after=fig.eval_after)
+    return None
 
 
 def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
@@ -257,7 +271,8 @@ def _finish(r: Run, bar) -> None:
     if ctx.dist.main:
         need = finish.adapter_bytes(r.parts.params)
         with finish.guarded(run_dir, "the final metrics" + task.samples_what, need):
-            r.metrics.write({"step": total, "eval_loss": r.result.eval_loss_after})
+            rss = {} if ctx.device == "cuda" else {"peak_rss_bytes": summary.peak_rss()}  # the report's memory
+            r.metrics.write({"step": total, "eval_loss": r.result.eval_loss_after, **rss})
             task.after_eval(total, r.metrics, bar.log)
         for what, write in task.final_files(run_dir):
             with finish.guarded(run_dir, what, need):
@@ -267,7 +282,7 @@ def _finish(r: Run, bar) -> None:
         if r.space_skips.summary():
             bar.log(f"[yellow]{r.space_skips.summary()}[/]")
         summary.log_summary(run_dir, bar.log, time.perf_counter() - bar.t0, r.result.peak_mem_bytes,
-                            r.parts.predicted_peak, outputs=task.outputs(run_dir))
+                            r.parts.predicted_peak, outputs=task.outputs(run_dir), prompt=ctx.options.next_prompt)
     elif r.parts.lockstep:
         task.after_eval(total, r.metrics, bar.log)  # in step with rank 0's generations
     distributed.barrier(ctx.dist, "the end of the run")  # no rank leaves before the adapter is written

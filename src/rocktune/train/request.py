@@ -20,6 +20,7 @@ class RunOptions:
     auto_fit: bool = False  # --auto: fit micro batch, checkpointing and loss chunks to the device
     vram_bytes: int | None = None  # --vram: the memory budget --auto fits to (default: the device's own)
     processes: int = 1  # --nproc x --nnodes: refusals that depend on it are decided before any worker starts
+    next_prompt: str | None = None  # the summary's `generate` line asks this beside the base model (demo --real)
 
 
 @dataclass

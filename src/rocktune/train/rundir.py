@@ -40,6 +40,10 @@ def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool 
     if changed:
         raise UserError(f"output.dir {run_dir} already holds a different run (differs in {', '.join(changed[:6])}); "
                         "choose another output.dir, or pass --overwrite to replace it.")
+    if (run_dir / "adapter" / "adapter_config.json").is_file():  # finished: --resume would have nothing to do
+        raise UserError(f"output.dir {run_dir} already holds this run, finished (its adapter is in "
+                        f"{run_dir / 'adapter'}); use it as it is, pass --overwrite to train it again from scratch, "
+                        "or raise training.max_steps and pass --resume-force to train it further.")
     raise UserError(f"output.dir {run_dir} already holds this run; pass --resume to continue it from its last "
                     "checkpoint, or --overwrite to start it again from scratch.")
 

@@ -16,9 +16,9 @@ from rocktune.readers.json_file import JsonProblem, parse_json
 
 # The commands that use a run directory, each shown only once its module is installed.
 NEXT_COMMANDS = (
-    (("rocktune.generate", "rocktune.export.generate"), "rocktune generate {run} {ask}", "chat with the result"),
-    (("rocktune.export",), "rocktune export {run} --to gguf", "a GGUF for llama.cpp / Ollama"),
-    (("rocktune.report",), "rocktune report {run}", "plots and an HTML page of the run"),
+    (("rocktune.generate", "rocktune.export.generate"), "{rocktune} generate {run} {ask}", "chat with the result"),
+    (("rocktune.export",), "{rocktune} export {run} --to gguf", "a GGUF for llama.cpp / Ollama"),
+    (("rocktune.report",), "{rocktune} report {run}", "plots and an HTML page of the run"),
 )
 
 
@@ -30,6 +30,8 @@ class RunFigures:
     tokens: int = 0  # loss-bearing tokens over the logged steps (every training.log_every-th)
     step_seconds: float = 0.0  # their time
     logged: int = 0
+    device_peak: int = 0  # the largest logged step's device peak
+    peak_rss: int = 0  # a CPU run's process RSS at its end (the final metrics line)
 
 
 def read_figures(metrics_file: Path) -> RunFigures:
@@ -41,6 +43,8 @@ def read_figures(metrics_file: Path) -> RunFigures:
             rec = parse_json(line)
         except JsonProblem:
             continue  # a line torn by a crash; the checkpoint's count already excludes it
+        fig.device_peak = max(fig.device_peak, rec.get("peak_mem_bytes") or 0)
+        fig.peak_rss = rec.get("peak_rss_bytes") or fig.peak_rss
         if "eval_loss" in rec:
             fig.eval_before = rec["eval_loss"] if fig.eval_before is None else fig.eval_before
             fig.eval_after = rec["eval_loss"] if rec.get("step") else fig.eval_after
@@ -53,9 +57,11 @@ def read_figures(metrics_file: Path) -> RunFigures:
 
 
 def log_summary(run_dir: Path, log, wall_s: float | None, device_peak: int = 0,
-                predicted_peak: int | None = None, outputs: list[str] | None = None) -> RunFigures:
+                predicted_peak: int | None = None, outputs: list[str] | None = None,
+                prompt: str | None = None) -> RunFigures:
     """Write the end-of-run block through ``log`` (the progress bar's, so it lands below the bar). ``outputs``:
-    the lines naming what was written and what to run next, for a task other than LM LoRA."""
+    the lines naming what was written and what to run next, for a task other than LM LoRA; ``prompt``: see
+    ``next_commands``."""
     fig = read_figures(run_dir / "metrics.jsonl")
     wall = f" in {wall_s:.1f} s wall (eval, steps and save; loading not counted)" if wall_s is not None else ""
     log(f"[bold]run complete[/]: {fig.steps} steps{wall}")
@@ -65,9 +71,11 @@ def log_summary(run_dir: Path, log, wall_s: float | None, device_peak: int = 0,
         basis = (f"{fig.tokens:,} loss-bearing tokens in {fig.step_seconds:.1f} s of steps" if fig.logged == fig.steps
                  else f"over the {fig.logged} of {fig.steps} steps logged in metrics.jsonl")
         log(f"  useful tokens/s {fig.tokens / fig.step_seconds:,.0f} ({basis})")
-    log(f"  peak memory     {_memory(device_peak, predicted_peak)}")
+    # A live run (wall_s given) may measure itself; a finished one shown again by --resume has only its records.
+    rss = fig.peak_rss or (peak_rss() if wall_s is not None else 0)
+    log(f"  peak memory     {_memory(device_peak or fig.device_peak, predicted_peak, rss)}")
     for line in outputs if outputs is not None else [f"  adapter         {run_dir / 'adapter'}",
-                                                       *next_commands(run_dir)]:
+                                                       *next_commands(run_dir, prompt)]:
         log(line)
     return fig
 
@@ -76,12 +84,34 @@ def next_commands(run_dir: Path, prompt: str | None = None) -> list[str]:
     """``prompt``: generate answers it beside the base model's answer instead of opening a chat."""
     run = _quote(str(run_dir))
     ask = f"--prompt {_quote(prompt)} --compare" if prompt else "--chat"
-    found = [(cmd.format(run=run, ask=ask), why) for modules, cmd, why in NEXT_COMMANDS
+    found = [(cmd.format(rocktune=rocktune_command(), run=run, ask=ask), why) for modules, cmd, why in NEXT_COMMANDS
              if any(_installed(m) for m in modules)]
     if not found:
         return []
     width = max(len(c) for c, _ in found)
     return ["next:"] + [f"  {c:<{width}}  # {why}" for c, why in found]
+
+
+def rocktune_command() -> str:
+    """``rocktune`` as the user can type it here: the bare name when the one on PATH is this interpreter's, else the
+    script beside this interpreter (``.venv/bin/rocktune`` when the venv is not activated), else ``python -m``."""
+    import os
+    import shutil
+
+    script = Path(sys.executable).parent / ("rocktune.exe" if sys.platform == "win32" else "rocktune")
+    if not script.is_file():  # run from a source tree, not installed: the module always works
+        return f"{_quote(sys.executable)} -m rocktune"
+    on_path = shutil.which("rocktune")
+    try:
+        if on_path and os.path.samefile(on_path, script):
+            return "rocktune"
+    except OSError:
+        pass
+    try:  # relative under the working directory (the README's .venv/bin/rocktune): short, and it has a slash
+        rel = os.path.relpath(script)
+    except ValueError:  # another drive on Windows
+        rel = ".."
+    return _quote(str(script) if rel.startswith("..") else rel)
 
 
 def already_complete(run_dir: Path, force: bool) -> bool:
@@ -101,15 +131,16 @@ def report_complete(run_dir: Path, outputs: list[str] | None = None) -> RunFigur
     return log_summary(run_dir, console.print, None, outputs=outputs)
 
 
-def _memory(device_peak: int, predicted_peak: int | None) -> str:
+def _memory(device_peak: int, predicted_peak: int | None, rss: int) -> str:
+    """The run's own figures from metrics.jsonl: a finished run given --resume must not show this process's RSS."""
     if device_peak:  # the measured figure beside the planner's, so a wrong prediction shows itself
         planned = f" (planner predicted {predicted_peak / 2**30:.2f} GiB)" if predicted_peak else ""
         return f"{device_peak / 2**30:.2f} GiB device memory allocated in a step{planned}"
-    rss = _peak_rss()
-    return f"{rss / 2**30:.2f} GiB process RSS (CPU run)" if rss else "not measurable on this platform"
+    return f"{rss / 2**30:.2f} GiB process RSS (CPU run)" if rss else "not recorded for this run"
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (0 where it cannot be measured)."""
     try:
         import resource
     except ImportError:  # Windows

@@ -9,6 +9,7 @@ random numbers and dropout is off in eval mode, so sampling leaves an exact resu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,42 @@ from rocktune.readers.json_file import parse_json
 from rocktune.readers.template import render_chat_template
 
 SHOWN_CHARS = 80
+_MARK = "ROCKTUNE-USER-TURN-7f3a"  # stands for the user's words when the chat template is rendered once to learn it
+
+
+class UserTurn:
+    """The user's last turn in a chat-template prompt: what a person asked, without the system prompt and the
+    special tokens around it (``<|im_start|>system\nYou are a helpful AI assistant…`` hides the question).
+
+    The template is rendered once around a marker: what follows the marker is the end of a user turn and the
+    assistant's header; before it, from the last special token on, is the user's header. Prompts not of that form
+    (no chat template, a hand-made prompt) are shown as they are."""
+
+    def __init__(self, tokenizer, shape: str):
+        self.header = self.footer = None
+        if shape != "messages" or not getattr(tokenizer, "chat_template", None):
+            return
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 — a template that cannot render a lone user turn: prompts shown whole
+            return
+        if not isinstance(text, str) or text.count(_MARK) != 1:
+            return
+        before, self.footer = text.split(_MARK)
+        # Llama 3's header tokens are special added tokens but not among all_special_tokens
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        names = {*getattr(tokenizer, "all_special_tokens", []), *(t.content for t in added if t.special)}
+        specials = [t for t in names if t and t in before]
+        start = max((before.rfind(t) for t in specials), default=-1)
+        self.header = before[start:] if start >= 0 else None
+
+    def __call__(self, prompt: str) -> str | None:
+        if not self.header or not prompt.endswith(self.footer):
+            return None
+        body = prompt[: len(prompt) - len(self.footer)]
+        start = body.rfind(self.header)
+        return body[start + len(self.header):] if start >= 0 else None
 
 
 def prompts_from_examples(input_ids: list[list[int]], labels: list[list[int]], count: int
@@ -56,6 +93,7 @@ class SampleSettings:
     max_new_tokens: int
     device: str
     autocast: object = contextlib.nullcontext
+    shape: str = ""  # the data's record shape: "messages" prompts are shown by their user's turn
 
 
 class Sampler:
@@ -63,6 +101,7 @@ class Sampler:
                  settings: SampleSettings, start_step: int = 0, write: bool = True, synced: bool = False):
         """``prompts``: (token ids, expected completion or None); ``settings``: length, device and autocast."""
         self.path, self.tokenizer, self.prompts, self.stop_ids = path, tokenizer, prompts, stop_ids
+        self.user_turn = UserTurn(tokenizer, settings.shape)
         self.max_new_tokens, self.device, self.autocast = settings.max_new_tokens, settings.device, settings.autocast
         # write=False: a rank other than 0 of a sharded (FSDP) run generates in step with rank 0 (every forward
         # gathers weights from all ranks) but keeps quiet
@@ -77,6 +116,7 @@ class Sampler:
         prompts = prompts_from_examples(eval_set.input_ids, eval_set.labels, settings.count) if settings.count else []
         prompts += [(render_prompt(p, tokenizer, shape), None) for p in settings.prompts]
         stops = sorted({*checks.stop_token_ids(tokenizer, shape), tokenizer.eos_token_id} - {None})
+        settings = dataclasses.replace(settings, shape=shape)
         return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings, start_step, write, synced)
 
     @torch.no_grad()
@@ -88,15 +128,18 @@ class Sampler:
         model.eval()
         rows = []
         for ids, expected in self.prompts:
-            rows.append({"step": step, "prompt": self.tokenizer.decode(ids), "output": self._complete(model, ids),
-                         "expected": None if expected is None else self._text(expected)})
+            prompt = self.tokenizer.decode(ids)
+            row = {"step": step, "prompt": prompt, "output": self._complete(model, ids),
+                   "expected": None if expected is None else self._text(expected)}
+            question = self.user_turn(prompt)
+            rows.append(row if question is None else {**row, "user": question})  # the report shows it too
         model.train(was_training)
         if not self.write:
             return
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         for r in rows:
-            say(f"[dim]sample @ step {step}:[/] {_short(r['prompt'])} [cyan]→ {_short(r['output'])}[/]")
+            say(f"[dim]sample @ step {step}:[/] {_short(r.get('user', r['prompt']))} [cyan]→ {_short(r['output'])}[/]")
         log.text("samples", _markdown(rows), step)
 
     def _complete(self, model, ids: list[int]) -> str:
