@@ -304,11 +304,16 @@ def test_wan_frames_refusal_suggests_valid_counts(frames, suggested):
 # --- 5 and 8. refusals that depend on the config (and the number of processes) alone: in the launching process ---
 
 def _lm_config(tmp: Path) -> dict:
+    # the paths exist (train checks that before launching); nothing in them is read before the refusals tested here
+    (tmp / "model").mkdir(exist_ok=True)
+    (tmp / "train.jsonl").write_text('{"text": "hello"}\n')
     return {"model": {"name_or_path": str(tmp / "model")}, "data": {"train_file": str(tmp / "train.jsonl"),
             "cache_dir": str(tmp / "cache")}, "training": {"device": "cpu"}, "output": {"dir": str(tmp / "run")}}
 
 
 def _wan_config(tmp: Path) -> dict:
+    (tmp / "wan").mkdir(exist_ok=True)
+    (tmp / "clips").mkdir(exist_ok=True)
     return {"task": "video-lora", "model": {"name_or_path": str(tmp / "wan")},
             "data": {"train_file": str(tmp / "clips"), "cache_dir": str(tmp / "cache")},
             "training": {"device": "cpu"}, "output": {"dir": str(tmp / "run")}}
