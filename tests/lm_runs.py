@@ -17,7 +17,7 @@ DETERMINISTIC = ("step", "loss", "lr", "grad_norm", "tokens", "batch_tokens", "s
 
 
 def config(tiny_model_dir, data, out: Path, **training) -> dict:
-    cfg = tiny_run_config(tiny_model_dir, data[0], data[1], out, max_steps=STEPS, **training)
+    cfg = tiny_run_config(tiny_model_dir, data[0], data[1], out, **{"max_steps": STEPS, **training})
     cfg["lora"]["dropout"] = 0.1  # dropout draws from the RNG: resume must restore it exactly
     cfg["reliability"] = {"save_every": 2, "keep_checkpoints": 2, "min_free_disk_mb": 0}
     return cfg
