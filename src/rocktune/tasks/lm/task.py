@@ -94,6 +94,7 @@ class LMTask:
         self.model = model
         fsdp = self.strategy == "fsdp"
         loss = distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device, self.strategy)
+        ctx.notes += dist.notes  # FSDP: how the decoder layers were sharded (said nowhere else)
         params = trainable_parameters(model)
         idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
         self._idle = idle
