@@ -95,7 +95,7 @@ def make_forward(kernel: Callable) -> Callable:
         max_q = kwargs["max_length_q"]
         out = kernel(q, k, v, cu, kwargs.get("cu_seq_lens_k", cu), max_q, kwargs.get("max_length_k", max_q),
                      **extra)
-        return out.view(batch, length, heads, dim), None
+        return out.reshape(batch, length, heads, dim), None
 
     return varlen_attention_forward
 
