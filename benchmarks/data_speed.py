@@ -102,6 +102,7 @@ def main() -> None:
     p.add_argument("--shape", choices=("alpaca", "messages"), default="alpaca")
     p.add_argument("--num-proc", type=int, default=None)
     p.add_argument("--tokenizer", choices=("tiny", "bpe"), default="tiny")
+    p.add_argument("--no-reference", action="store_true", help="measure rocktune only")
     args = p.parse_args()
     from rocktune.data import synthetic
 
@@ -116,7 +117,7 @@ def main() -> None:
         (_bpe() if args.tokenizer == "bpe" else _tiny()).save_pretrained(tok_dir)
         result = {"records": args.records, "shape": args.shape, "tokenizer": args.tokenizer,
                   "num_proc": args.num_proc or "all cores", "file_bytes": data.stat().st_size}
-        for kind in ("rocktune", "datasets.map reference"):
+        for kind in ("rocktune",) + (() if args.no_reference else ("datasets.map reference",)):
             r = _measure(kind.split()[0], str(data), args.shape, args.num_proc, str(tok_dir))
             r["records_per_s"] = round(args.records / max(r["seconds"], 1e-9))
             result[kind] = r

@@ -266,3 +266,16 @@ def test_streamed_errors_name_the_row(tmp_path, tokenizer):
     with pytest.raises(UserError, match=r"d\.jsonl:1501: 'completion' must be a string, got int"):
         tokenize_file(str(f), DataConfig(streaming=True, num_proc=2), tokenizer, tmp_path / "c")
     assert not (tmp_path / "c").exists() or not list((tmp_path / "c").glob("*/meta.json"))  # nothing cached
+
+
+def test_a_user_turn_quoting_a_reply_falls_back_to_the_per_prefix_rendering(tokenizer):
+    layout = fastencode.chat_layout(tokenizer)
+    quoted = "<|im_start|>assistant\nhi<|im_end|>\n"
+    msgs = [{"role": "user", "content": f"say {quoted}"}, {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "hi"}]
+    assert fastencode.chat_segments(msgs, tokenizer, layout) is None  # ambiguous: not guessed
+    settings = fastencode.EncodeSettings("messages", 512, False)
+    got = fastencode.encode_many([{"messages": msgs}], tokenizer, settings, ["x"], layout)[0]
+    assert got == encode.encode({"messages": msgs}, "messages", tokenizer, 512, False, "x")
+    plain = [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]
+    assert fastencode.chat_segments(plain, tokenizer, layout) == encode._chat_segments(plain, tokenizer, "x")

@@ -181,19 +181,30 @@ def chat_layout(tokenizer) -> ChatLayout | None:
 
 
 def chat_segments(messages: list[dict], tokenizer, layout: ChatLayout) -> list[tuple[str, bool]] | None:
-    """``encode._chat_segments`` from one rendering; None when a reply is not found where the layout puts it."""
+    """``encode._chat_segments`` from one rendering; None when a reply is not found where the layout puts it, or
+    when its text occurs twice in its stretch of the rendering (a user turn quoting the reply, header and all), so
+    that where it is would be a guess."""
     full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    segments: list[tuple[str, bool]] = []
+    found = []  # (needle, where the search started, where it was found)
     done = 0
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        lead = layout.gen if i else ""  # a leading reply is trained from the start, header and all (as encode)
-        at = full.find(lead + msg["content"] + layout.suffix, done)
+        needle = (layout.gen if i else "") + msg["content"] + layout.suffix  # a leading reply: trained from 0
+        at = full.find(needle, done)
         if at < 0:
             return None
-        start = at + len(lead) if i else 0
-        end = at + len(lead) + len(msg["content"]) + len(layout.suffix)
+        found.append((needle, done, at, i))
+        done = at + len(needle)
+    limits = [at for _, _, at, _ in found[1:]] + [len(full)]
+    if any(full.count(needle, begin, max(limit, at + len(needle))) != 1
+           for (needle, begin, at, _), limit in zip(found, limits)):
+        return None
+    segments: list[tuple[str, bool]] = []
+    done = 0
+    for needle, _, at, i in found:
+        start = at + len(layout.gen) if i else 0
+        end = at + len(needle)
         segments += [(full[done:start], False), (full[start:end], True)]
         done = end
     if len(full) > done:

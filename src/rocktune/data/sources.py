@@ -127,7 +127,7 @@ def _from_file(path: Path, builder: str, settings: SourceSettings):
     # CSV cells are text: " 03" stays a string (not the number 3) and an empty cell an empty string (not NaN).
     extra = {"features": _csv_text(path), "keep_default_na": False} if builder == "csv" else {}
     try:
-        with _quiet():
+        with quiet():
             return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache,
                                          streaming=settings.streaming, **extra)
     except Exception as exc:  # noqa: BLE001 - pyarrow/datasets raise many types for one malformed file
@@ -185,7 +185,7 @@ def _from_hub(repo_id: str, settings: SourceSettings, key: str):
         datasets.config.HF_HUB_OFFLINE = True
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
-        with _quiet():
+        with quiet():
             return datasets.load_dataset(repo_id, settings.subset, split=settings.split, revision=settings.revision,
                                          streaming=settings.streaming)
     except Exception as exc:  # noqa: BLE001 - connection, missing split/config and cache errors differ by version
@@ -232,8 +232,9 @@ def _jsonl_line(path: str, row: int) -> int:
     return row + 1
 
 
-class _quiet:
-    """datasets' progress bars and info logging for a file it converts: rocktune shows its own progress."""
+class quiet:
+    """datasets' progress bars and log lines, off while it reads a source: rocktune shows its own progress, and a
+    reader's failure becomes one UserError (datasets would also log it as an ERROR line)."""
 
     def __enter__(self):
         import datasets
@@ -241,7 +242,7 @@ class _quiet:
         self._was = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()
         self._level = datasets.logging.get_verbosity()
-        datasets.logging.set_verbosity_error()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
 
     def __exit__(self, *exc):
         import datasets

@@ -138,7 +138,7 @@ def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings,
         else:
             results = (encoder(batch, idx) for batch, idx in _numbered(src))
         bar = tqdm(desc=f"tokenising {src.name} (streamed)", unit=" records", disable=None)
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        with sources.quiet(), pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             for out in results:
                 writer.write_table(pa.Table.from_pydict(out, schema=schema))
                 bar.update(len(out["kept"]))
