@@ -118,14 +118,43 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
         # Non-reentrant checkpointing works with frozen inputs; input grads keep the graph alive through it.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                        task_type="CAUSAL_LM", bias="none")
+    targets, expert_params = lora_targets(model, target_modules)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        target_parameters=expert_params or None, task_type="CAUSAL_LM", bias="none")
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"lora.target_modules={target_modules!r}: {first_line(exc)}") from None
     # PEFT keeps adapters in fp32 by default (autocast_adapter_dtype): these are the fp32 master weights.
     return peft_model
+
+
+def lora_targets(model, target_modules) -> tuple[object, list[str]]:
+    """``(target_modules, target_parameters)`` for PEFT. A dense model: as configured. An MoE model with
+    ``all-linear``: every nn.Linear but the head by name, plus the experts' 3-D weights (transformers 5 stores them
+    as parameters, not Linear layers) through PEFT's parameter targeting. The router is left alone on purpose:
+    PEFT's own all-linear for MoE adapts it too, and a moved router re-routes tokens to experts the adapter never
+    trained on."""
+    if target_modules != "all-linear":
+        return target_modules, []
+    experts = moe_expert_parameters(model)
+    if not experts:
+        return target_modules, []
+    head = model.get_output_embeddings()
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(linears), experts
+
+
+def moe_expert_parameters(model) -> list[str]:
+    """Names of the expert weight parameters of an MoE block (e.g. ``gate_up_proj``, ``down_proj``): the 3-D
+    parameters, one matrix per expert, that transformers 5's fused expert modules hold."""
+    names = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3 and type(module).__name__.endswith("Experts"):
+                names.add(name)
+    return sorted(names)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
