@@ -89,6 +89,20 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
     return model if extra else model.to(device)
 
 
+def sdpa_supported(name_or_path: str, trust_remote_code: bool) -> bool:
+    """Does transformers' class for this model have an SDPA path? Gemma 2's has none (its attention soft-capping is
+    written for eager only); custom code and unreadable configs answer True and let the loader speak."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(name_or_path,
+                                                                         trust_remote_code=trust_remote_code))]
+    except Exception:  # noqa: BLE001 -- remote code, an unknown architecture, a missing file: load_model reports it
+        return True
+    return bool(getattr(cls, "_supports_sdpa", True))
+
+
 def check_weight_shapes(name_or_path: str) -> None:
     """A local model whose weight files do not fit its config.json is refused with the tensors that differ
     (checked on a meta-device model: no memory, no weights read)."""
