@@ -47,7 +47,14 @@ def family_run(family_dir, tmp_path_factory):
 
     def get(name: str):
         if name not in made:
-            peft_model = make_run(root / name, family_dir(name), "all-linear", data_format="messages")
+            from transformers import AutoModelForCausalLM
+
+            from rocktune.model import lora_targets
+
+            # the targets training resolves (on MoE: attention and experts, not the router), as PEFT lists them
+            targets, params = lora_targets(AutoModelForCausalLM.from_pretrained(family_dir(name)), "all-linear")
+            extra = {"target_parameters": params} if params else {}
+            peft_model = make_run(root / name, family_dir(name), targets, data_format="messages", **extra)
             with torch.no_grad():
                 made[name] = (root / name, peft_model(IDS).logits)
         return made[name]
