@@ -112,19 +112,24 @@ def test_chat_masking(family_dir, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_train(family_dir, tmp_path, name):
     """A few steps of the real `rocktune train` (data checks included) on chat data: finite loss that falls."""
+    result = _train(family_dir, tmp_path, name, steps=4)
+    assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
+    assert result.losses[-1] < result.losses[0]
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def _train(family_dir, tmp_path, name: str, steps: int, quantization: str = "none"):
     from rocktune.config import config_from_dict
     from rocktune.tasks import train
     from tests.conftest import tiny_run_config, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", chat_records(64, TEMPLATES[BY_NAME[name].template].system))
-    cfg = tiny_run_config(family_dir(name), data, None, tmp_path / "out", max_steps=4, micro_batch_size=8,
+    cfg = tiny_run_config(family_dir(name), data, None, tmp_path / "out", max_steps=steps, micro_batch_size=8,
                           grad_accum=1, lr=1e-2, warmup_steps=0)
     cfg["data"].update(max_length=96, eval_fraction=0.0)
     cfg["lora"]["r"] = 4
-    result = train(config_from_dict(cfg), quiet=True)
-    assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
-    assert result.losses[-1] < result.losses[0]
-    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    cfg["model"]["quantization"] = quantization
+    return train(config_from_dict(cfg), quiet=True)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -252,10 +257,15 @@ def test_llama_cpp(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_qlora(name):
-    """QLoRA's tiny-model checks (tests/test_qlora.py) run on the Qwen2 demo model only."""
-    pytest.skip("not run per family (bitsandbytes' CPU kernels are checked on the Qwen2 demo model in "
-                "tests/test_qlora.py)")
+def test_qlora(family_dir, tmp_path, name):
+    """Two steps of `rocktune train` on an nf4 base (bitsandbytes' CPU kernel): finite loss, only LoRA trains."""
+    from tests.test_qlora import cpu_kernel_or_skip
+
+    cpu_kernel_or_skip("nf4")
+    result = _train(family_dir, tmp_path, name, steps=2, quantization="nf4")
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+    trainable = [n for n, p in result.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
 
 
 def test_refusal_is_a_user_error_for_every_unknown_architecture(family_dir):
