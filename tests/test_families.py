@@ -63,7 +63,7 @@ def family_run(family_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_lora_targets(family_dir, name):
+def test_lora_targets(family_dir, record_property, name):
     """all-linear adapts exactly the family's linear projections (Phi-3's fused ones as they are); on MoE families
     also every expert (3-D parameters in transformers 5, through PEFT's parameter targeting), never the router."""
     from transformers import AutoModelForCausalLM
@@ -83,6 +83,8 @@ def test_lora_targets(family_dir, name):
         experts = [m for m in model.base_model.model.model.layers[0].mlp.experts.modules() if hasattr(m, "lora_A")]
         assert sorted(m.parameter_name for m in experts) == ["down_proj", "gate_up_proj"]
         assert all(m.lora_A["default"].weight.requires_grad for m in experts)
+    short = ", ".join(m.removesuffix("_proj") for m in fam.trained)
+    record_property("cell", short + (" + experts (router frozen)" if fam.moe else ""))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -147,14 +149,16 @@ def test_merged(family_run, name):
     assert not [k for k in merged.state_dict() if "lora_" in k]
 
 
-def _refused(capsys, argv: list[str], model_type: str) -> None:
+def _refused(capsys, record_property, argv: list[str], model_type: str) -> None:
+    """The refusal is the cell's result: the matrix shows it as refused, with this reason (record_property)."""
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"does not support the {model_type} architecture" in " ".join(err.split())
+    record_property("cell", f"refused: GGUF export does not know the {model_type} architecture")
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gguf(family_run, family_dir, capsys, name):
+def test_gguf(family_run, family_dir, capsys, record_property, name):
     """Known architectures: the GGUF is written and read back (architecture, blocks, every merged tensor);
     the others: refused before any weight is loaded, naming the architecture, and no file is left."""
     gguf = pytest.importorskip("gguf", reason="the gguf package writes GGUF files")
@@ -165,7 +169,7 @@ def test_gguf(family_run, family_dir, capsys, name):
     out = run / "export" / "model-f32.gguf"
     argv = ["export", str(run), "--to", "gguf", "--quant", "f32", "--overwrite"]
     if cfg.model_type not in ARCHS:
-        _refused(capsys, argv, cfg.model_type)
+        _refused(capsys, record_property, argv, cfg.model_type)
         assert not out.exists()
         return
     assert main(argv) == 0
@@ -190,7 +194,7 @@ def _merged_keys(run) -> list[str]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gguf_lora(family_run, family_dir, capsys, name):
+def test_gguf_lora(family_run, family_dir, capsys, record_property, name):
     """--to gguf-lora: an A/B pair per adapted projection, or the same refusal as --to gguf."""
     gguf = pytest.importorskip("gguf", reason="the gguf package writes GGUF files")
     from transformers import AutoConfig
@@ -199,7 +203,7 @@ def test_gguf_lora(family_run, family_dir, capsys, name):
     cfg = AutoConfig.from_pretrained(family_dir(name))
     argv = ["export", str(run), "--to", "gguf-lora", "--overwrite"]
     if cfg.model_type not in ARCHS:
-        _refused(capsys, argv, cfg.model_type)
+        _refused(capsys, record_property, argv, cfg.model_type)
         assert not (run / "export" / "adapter-f32.gguf").exists()
         return
     assert main(argv) == 0
@@ -209,7 +213,7 @@ def test_gguf_lora(family_run, family_dir, capsys, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_ollama(family_run, family_dir, capsys, name):
+def test_ollama(family_run, family_dir, capsys, record_property, name):
     """--to ollama: model.gguf and a Modelfile with the family's stop token, or the same refusal as --to gguf."""
     pytest.importorskip("gguf", reason="the gguf package writes GGUF files")
     from transformers import AutoConfig
@@ -218,7 +222,7 @@ def test_ollama(family_run, family_dir, capsys, name):
     cfg = AutoConfig.from_pretrained(family_dir(name))
     argv = ["export", str(run), "--to", "ollama", "--overwrite"]
     if cfg.model_type not in ARCHS:
-        _refused(capsys, argv, cfg.model_type)
+        _refused(capsys, record_property, argv, cfg.model_type)
         return
     assert main(argv) == 0
     bundle = run / "export" / "ollama"
@@ -280,3 +284,28 @@ def test_refusal_is_a_user_error_for_every_unknown_architecture(family_dir):
             continue
         with pytest.raises(UserError, match=f"{cfg.model_type}.*--to merged"):
             arch_for(cfg)
+
+
+def test_smollm2_pre_tokenizer_is_the_shipped_one(family_dir, tmp_path):
+    """SmolLM2 ships Digits + ByteLevel splitting under GPT2Tokenizer; transformers 5 rebuilds that class without the
+    Digits step, but the GGUF names the splitting the model was trained with (llama.cpp's `smollm`), read from the
+    tokenizer.json the base ships."""
+    import json
+    import shutil
+
+    gguf = pytest.importorskip("gguf", reason="the gguf package writes GGUF files")
+    from tests.export_fixtures import make_run
+
+    base = tmp_path / "smollm2"
+    shutil.copytree(family_dir("smollm2"), base)
+    tj = json.loads((base / "tokenizer.json").read_text(encoding="utf-8"))
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    (base / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
+    tc = json.loads((base / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (base / "tokenizer_config.json").write_text(json.dumps({**tc, "tokenizer_class": "GPT2Tokenizer"}))
+    make_run(tmp_path / "run", base, ["q_proj"])
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
+    reader = gguf.GGUFReader(tmp_path / "run" / "export" / "model-f32.gguf")
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
