@@ -232,11 +232,16 @@ def test_ollama(family_run, family_dir, capsys, record_property, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_plan(family_dir, name):
+def test_plan(family_dir, capsys, name):
     """`rocktune plan` reads the family's config.json: total parameters equal the real model's; for MoE the
-    active count is attention + the routed share of the experts."""
+    active count is attention + the routed share of the experts; the LoRA it sizes is the LoRA training builds
+    (all-linear, experts included)."""
+    import json
+
     from transformers import AutoModelForCausalLM
 
+    from rocktune.model import apply_lora
+    from rocktune.planner.estimate import RunSpec, lora_param_count
     from rocktune.planner.shapes import load_shape
 
     shape = load_shape(str(family_dir(name)))
@@ -249,7 +254,13 @@ def test_plan(family_dir, name):
         assert shape.active_params == total - expert + expert * k // n < total
     else:
         assert shape.active_params == total
+    peft = apply_lora(model, 4, 8.0, 0.0, "all-linear", False)
+    lora = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert lora_param_count(shape, RunSpec(lora_r=4, targets="all-linear")) == lora
+    capsys.readouterr()
     assert main(["plan", str(family_dir(name)), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["n_params"] == total and doc["active_params"] == shape.active_params
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -102,7 +102,17 @@ class Estimate(TermSums):
 
 
 def lora_param_count(shape: ModelShape, spec: RunSpec) -> int:
-    return shape.layers * sum(spec.lora_r * (n_in + n_out) for _, n_in, n_out in lora_modules(shape, spec.targets))
+    linear = shape.layers * sum(spec.lora_r * (n_in + n_out) for _, n_in, n_out in lora_modules(shape, spec.targets))
+    return linear + expert_lora_count(shape, spec)
+
+
+def expert_lora_count(shape: ModelShape, spec: RunSpec) -> int:
+    """all-linear on an MoE model also adapts every expert (model.lora_targets): PEFT's parameter LoRA gives each
+    3-D weight an (r x experts, in) A and an (out, r x experts) B, for gate_up (h -> 2 x width) and down."""
+    if not shape.experts or spec.targets not in ("all-linear", "all", None):
+        return 0
+    h, w = shape.hidden, shape.expert_intermediate
+    return shape.layers * spec.lora_r * shape.experts * ((h + 2 * w) + (w + h))
 
 
 def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
