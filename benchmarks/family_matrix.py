@@ -31,6 +31,23 @@ COLUMNS = [("LoRA targets (all-linear)", "test_lora_targets"), ("chat masking", 
            ("GGUF-LoRA", "test_gguf_lora"), ("Ollama", "test_ollama"), ("llama.cpp", "test_llama_cpp"),
            ("plan", "test_plan")]
 TEST_FILE = "tests/test_families.py"
+QUIRKS = [
+    "- **Gemma 2 / Gemma 3**: the (1 + w) RMSNorm, the embedding scaled by the square root of the width, logit "
+    "soft-capping and sliding windows live inside transformers' model code; the merged check (logits equal the "
+    "PEFT model's) covers them. Gemma 2's transformers class has no SDPA path, so `model.attn_implementation: auto` "
+    "loads it with eager attention (a note says so) instead of failing. Gemma's template has no system role.",
+    "- **Phi-3 / Phi-4**: attention and MLP input projections are fused (`qkv_proj`, `gate_up_proj`); LoRA adapts "
+    "them as they are, one adapter across q, k and v (and across gate and up).",
+    "- **Qwen3-MoE / Mixtral**: transformers 5 stores each layer's experts as 3-D parameters; `all-linear` adapts "
+    "attention by name and the experts through PEFT's parameter targeting; the router is left alone (PEFT's own "
+    "all-linear would adapt it, and a moved router sends tokens to experts the adapter did not train for them).",
+    "- **Granite 3**: embedding, residual, attention and logit multipliers are config values the merged model keeps.",
+    "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless the "
+    "adapter changed it (docs/export.md).",
+    "- **Chat templates**: every family's template shape is exercised by `test_chat_masking` (with a system turn "
+    "where the template takes one; Mistral's and Gemma's have none). Templates with `{% generation %}` markers are "
+    "not exercised here: rocktune finds the reply by rendering the template turn by turn, not from those markers.",
+]
 
 
 def parse_junit(xml_text: str) -> dict[str, dict]:
@@ -127,7 +144,9 @@ def render_doc(results: dict[str, dict]) -> str:
         "architecture and writes nothing.",
         "- **llama.cpp**: loading the GGUF in llama.cpp needs llama-cpp-python.",
         "- **plan**: `rocktune plan` reads the family's config.json; its parameter count equals the model's (MoE: "
-        "total and active).", "",
+        "total and active) and its LoRA count equals PEFT's.", "",
+        "## Family quirks, and where they are handled", "",
+        *QUIRKS, "",
     ])
 
 
