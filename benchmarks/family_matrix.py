@@ -45,8 +45,9 @@ QUIRKS = [
     "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless the "
     "adapter changed it (docs/export.md).",
     "- **Chat templates**: every family's template shape is exercised by `test_chat_masking` (with a system turn "
-    "where the template takes one; Mistral's and Gemma's have none). Templates with `{% generation %}` markers are "
-    "not exercised here: rocktune finds the reply by rendering the template turn by turn, not from those markers.",
+    "where the template takes one; Mistral's and Gemma's have none). SmolLM3's row uses a template with "
+    "`{% generation %}` markers: rocktune finds the reply by rendering the template turn by turn, and the tokens it "
+    "trains are exactly the ones the markers enclose.",
 ]
 
 

@@ -11,6 +11,11 @@ from pathlib import Path
 # or fold it); the others accept one. Each turn ends in the family's end-of-turn special token.
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# SmolLM3-style: ChatML whose assistant replies sit in {% generation %} markers (for return_assistant_tokens_mask)
+CHATML_GENERATION = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+                     "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>"
+                     "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
           "{{ m['content'] }}<|eot_id|>{% endfor %}"
           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
@@ -42,6 +47,8 @@ class Template:
 
 TEMPLATES = {
     "chatml": Template(CHATML, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>", "<|im_end|>"),
+    "chatml-generation": Template(CHATML_GENERATION, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>",
+                                  "<|im_end|>"),
     "llama3": Template(LLAMA3, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                 "<|eot_id|>"), "<|eot_id|>", "<|eot_id|>", bos="<|begin_of_text|>"),
     "mistral": Template(MISTRAL, ("<s>", "</s>", "[INST]", "[/INST]"), "</s>", "</s>", bos="<s>", system=False),
@@ -92,7 +99,7 @@ FAMILIES = [
                                                    "final_logit_softcapping": 30.0}),
     Family("phi3", "Phi3Config", "phi3", {"pad_token_id": None}, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     Family("smollm2", "LlamaConfig", "chatml", {"tie_word_embeddings": True}),
-    Family("smollm3", "SmolLM3Config", "chatml", {"tie_word_embeddings": True, "pad_token_id": None}),
+    Family("smollm3", "SmolLM3Config", "chatml-generation", {"tie_word_embeddings": True, "pad_token_id": None}),
     Family("olmo2", "Olmo2Config", "olmo2", {"pad_token_id": None}),
     Family("granite3", "GraniteConfig", "granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0,
                                                     "residual_multiplier": 0.22, "attention_multiplier": 0.0625,

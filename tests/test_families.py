@@ -106,9 +106,11 @@ def test_chat_masking(family_dir, name):
     reply = record["messages"][-1]["content"]
     end = trained.index(eot)
     assert tok.decode(trained[:end]) == reply and not tok.decode(trained[end + 1:]).strip()
-    rendered = tok.apply_chat_template(record["messages"], tokenize=True, add_generation_prompt=False)
-    rendered = rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
-    assert enc.input_ids == list(rendered)[: len(enc.input_ids)]
+    rendered = tok.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                       return_assistant_tokens_mask="{% generation %}" in t.text)
+    assert enc.input_ids == list(rendered["input_ids"])
+    if "{% generation %}" in t.text:  # the template marks the reply itself: rocktune trains exactly those tokens
+        assert [label != IGNORE for label in enc.labels] == [bool(m) for m in rendered["assistant_masks"]]
 
 
 @pytest.mark.parametrize("name", NAMES)
