@@ -322,3 +322,21 @@ def test_smollm2_pre_tokenizer_is_the_shipped_one(family_dir, tmp_path):
     assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
     reader = gguf.GGUFReader(tmp_path / "run" / "export" / "model-f32.gguf")
     assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
+
+
+def test_gemma2_attention(family_dir):
+    """Gemma 2's transformers class has no SDPA path: auto picks eager (test_train[gemma2] trains with it), and an
+    explicit sdpa is refused naming the setting, not blamed on a download."""
+    from types import SimpleNamespace
+
+    from rocktune.model import load_model, sdpa_supported
+    from rocktune.tasks.lm.build import attention
+
+    path = str(family_dir("gemma2"))
+    assert not sdpa_supported(path, False) and sdpa_supported(str(family_dir("gemma3")), False)
+    ctx = SimpleNamespace(attn="sdpa", device="cpu", precision="fp32")
+    attn, note = attention("auto", ctx, False, False, SimpleNamespace(name_or_path=path, trust_remote_code=False))
+    assert attn == "eager" and "no SDPA path" in note
+    with pytest.raises(UserError, match="model.attn_implementation=sdpa.*auto.*eager") as err:
+        load_model(path, "fp32", "sdpa", False, "cpu")
+    assert "offline" not in str(err.value)

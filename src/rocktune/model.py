@@ -80,6 +80,10 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
             trust_remote_code=trust_remote_code, **extra,
         )
     except (OSError, ValueError) as exc:
+        if "attention implementation" in str(exc):  # e.g. Gemma 2 has no SDPA path: not a download problem
+            raise UserError(f"model {name_or_path} cannot run with model.attn_implementation={attn_implementation}: "
+                            f"{first_line(exc)} Set model.attn_implementation to auto (it picks one the model "
+                            "supports) or eager.") from None
         raise UserError(f"could not load model {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory)") from None
     except RuntimeError:  # transformers: weights that do not fit the architecture config.json describes
