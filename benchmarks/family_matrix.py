@@ -137,13 +137,17 @@ def render_doc(results: dict[str, dict]) -> str:
         "- **LoRA targets**: the modules `lora.target_modules: all-linear` adapts in each layer (Phi-3's fused "
         "`qkv_proj`/`gate_up_proj` as they are; on MoE models also every expert's weights through PEFT's parameter "
         "targeting, with the router left alone).",
-        "- **chat masking**: only the assistant reply and the family's end-of-turn token bear loss.",
+        "- **chat masking**: only the assistant reply, the family's end-of-turn token and the template's whitespace "
+        "after it bear loss; the tokens equal the template's own rendering.",
         "- **train / QLoRA**: a few steps of the real `rocktune train` on chat data (QLoRA: an nf4 base).",
         "- **merged**: `export --to merged` reloads in transformers with the PEFT model's logits (fp32, 1e-5).",
         "- **GGUF / GGUF-LoRA / Ollama**: the file is written and read back with gguf-py's `GGUFReader`; for "
         "architectures the GGUF export does not know, the command refuses with a UserError naming the "
         "architecture and writes nothing.",
-        "- **llama.cpp**: loading the GGUF in llama.cpp needs llama-cpp-python.",
+        "- **llama.cpp**: loading each family's GGUF in llama.cpp needs llama-cpp-python, which is not installed "
+        "where this table was made; the per-family load itself is not written yet (the cell skips saying so even "
+        "where llama-cpp-python is installed). tests/test_export_llama_cpp.py loads tiny Qwen2, Qwen3 and Llama "
+        "GGUFs in llama.cpp where it is installed.",
         "- **plan**: `rocktune plan` reads the family's config.json; its parameter count equals the model's (MoE: "
         "total and active) and its LoRA count equals PEFT's.", "",
         "## Family quirks, and where they are handled", "",
