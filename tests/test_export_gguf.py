@@ -164,7 +164,7 @@ def test_modelfile_keeps_the_templates_default_system_prompt(models):
     tok.chat_template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are Tiny.<|im_end|>\n"
                          "{% endif %}" + tok.chat_template)
     text, notes = modelfile("model.gguf", "chat", tok, None)
-    assert 'SYSTEM """You are Tiny."""' in text and not notes
+    assert 'SYSTEM "You are Tiny."' in text and not notes
     tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
     text, notes = modelfile("model.gguf", "chat", tok, None)
     assert "TEMPLATE" not in text and "not one rocktune translates" in notes[0]

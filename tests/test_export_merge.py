@@ -41,7 +41,7 @@ def test_merged_logits_equal_peft(bases, tmp_path, tied, targets, to_save):
     assert not list((run / "export").glob(".*"))  # no staging leftovers
 
 
-def test_merged_bf16_default_dtype_and_tolerance(bases, tmp_path):
+def test_merged_bf16_default_dtype_and_tolerance(bases, tmp_path, capsys):
     """--dtype bf16 casts once after the fp32 merge: within bf16 rounding of the fp32 logits (stated: 0.05)."""
     from transformers import AutoModelForCausalLM
 
@@ -50,6 +50,7 @@ def test_merged_bf16_default_dtype_and_tolerance(bases, tmp_path):
     with torch.no_grad():
         want = peft_model(IDS).logits
     assert main(["export", str(run), "--to", "merged", "--dtype", "bf16"]) == 0
+    assert "rounded a second time" in capsys.readouterr().out  # the way to a GGUF with one rounding is named
     merged = AutoModelForCausalLM.from_pretrained(run / "export" / "merged")
     assert merged.dtype == torch.bfloat16
     with torch.no_grad():
@@ -57,4 +58,5 @@ def test_merged_bf16_default_dtype_and_tolerance(bases, tmp_path):
     assert (got - want).abs().max().item() < 0.05
     # the default dtype is the base checkpoint's (fp32 here)
     assert main(["export", str(run), "--to", "merged", "--overwrite"]) == 0
+    assert "rounded a second time" not in capsys.readouterr().out
     assert AutoModelForCausalLM.from_pretrained(run / "export" / "merged").dtype == torch.float32

@@ -81,6 +81,10 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
             trust_remote_code=trust_remote_code, **extra,
         )
     except (OSError, ValueError) as exc:
+        if "attention implementation" in str(exc):  # e.g. Gemma 2 has no SDPA path: not a download problem
+            raise UserError(f"model {name_or_path} cannot run with model.attn_implementation={attn_implementation}: "
+                            f"{first_line(exc)} Set model.attn_implementation to auto (it picks one the model "
+                            "supports) or eager.") from None
         raise UserError(f"could not load model {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory)") from None
     except RuntimeError:  # transformers: weights that do not fit the architecture config.json describes
@@ -88,6 +92,20 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
         raise
     model.config.use_cache = False  # the KV cache only costs memory during training
     return model if extra else model.to(device)
+
+
+def sdpa_supported(name_or_path: str, trust_remote_code: bool) -> bool:
+    """Does transformers' class for this model have an SDPA path? Gemma 2's has none (its attention soft-capping is
+    written for eager only); custom code and unreadable configs answer True and let the loader speak."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(name_or_path,
+                                                                         trust_remote_code=trust_remote_code))]
+    except Exception:  # noqa: BLE001 -- remote code, an unknown architecture, a missing file: load_model reports it
+        return True
+    return bool(getattr(cls, "_supports_sdpa", True))
 
 
 def check_weight_shapes(name_or_path: str) -> None:
@@ -119,14 +137,43 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
         # Non-reentrant checkpointing works with frozen inputs; input grads keep the graph alive through it.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                        task_type="CAUSAL_LM", bias="none")
+    targets, expert_params = lora_targets(model, target_modules)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        target_parameters=expert_params or None, task_type="CAUSAL_LM", bias="none")
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"lora.target_modules={target_modules!r}: {first_line(exc)}") from None
     # PEFT keeps adapters in fp32 by default (autocast_adapter_dtype): these are the fp32 master weights.
     return peft_model
+
+
+def lora_targets(model, target_modules) -> tuple[object, list[str]]:
+    """``(target_modules, target_parameters)`` for PEFT. A dense model: as configured. An MoE model with
+    ``all-linear``: every nn.Linear but the head by name, plus the experts' 3-D weights (transformers 5 stores them
+    as parameters, not Linear layers) through PEFT's parameter targeting. The router is left alone on purpose:
+    PEFT's own all-linear for MoE adapts it too, and a moved router re-routes tokens to experts the adapter never
+    trained on."""
+    if target_modules != "all-linear":
+        return target_modules, []
+    experts = moe_expert_parameters(model)
+    if not experts:
+        return target_modules, []
+    head = model.get_output_embeddings()
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(linears), experts
+
+
+def moe_expert_parameters(model) -> list[str]:
+    """Names of the expert weight parameters of an MoE block (e.g. ``gate_up_proj``, ``down_proj``): the 3-D
+    parameters, one matrix per expert, that transformers 5's fused expert modules hold."""
+    names = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3 and type(module).__name__.endswith("Experts"):
+                names.add(name)
+    return sorted(names)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rocktune.errors import UserError, first_line
 from rocktune.export import arch as archs
-from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style
+from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style, vocab
 from rocktune.export.source import Origin, Source, load_config, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
@@ -127,6 +127,7 @@ def _tokenizer(src: Source, model_config, tok_dir: Path):
     tok.save_pretrained(tok_dir)
     model_config.save_pretrained(tok_dir)
     _copy_sentencepiece_model(src.base, tok_dir)
+    _copy_shipped_tokenizer_json(src.base, tok_dir)
     return tok
 
 
@@ -154,6 +155,20 @@ def _copy_sentencepiece_model(base: str, tok_dir: Path) -> None:
                         _raise_exceptions_for_connection_errors=False)
     if found and not (tok_dir / "tokenizer.model").exists():
         shutil.copyfile(found, tok_dir / "tokenizer.model")
+
+
+def _copy_shipped_tokenizer_json(base: str, tok_dir: Path) -> None:
+    """The tokenizer.json the base ships, beside the re-saved one: transformers 5 rebuilds some tokenizers from their
+    class (SmolLM2's GPT2Tokenizer loses its Digits step on save), and the GGUF's pre-tokenizer name must describe
+    the splitting the model was trained with, as llama.cpp's own converter reads it from this file."""
+    import shutil
+
+    from transformers.utils import cached_file
+
+    found = cached_file(base, "tokenizer.json", _raise_exceptions_for_missing_entries=False,
+                        _raise_exceptions_for_connection_errors=False)
+    if found:
+        shutil.copyfile(found, tok_dir / vocab.SHIPPED_TOKENIZER)
 
 
 def _need_gguf() -> None:

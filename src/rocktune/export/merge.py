@@ -82,6 +82,9 @@ def merged_model(src: Source, dtype: str):
         merged = merged.to(DTYPES[target])
     merged.config.use_cache = True  # a training run switches it off; the exported model is for inference
     notes = [f"merged in fp32, saved as {target}"]
+    if target != "fp32":  # llama.cpp's converter would cast it again: two roundings instead of one
+        notes.append(f"for a GGUF, use --to gguf (one rounding) or --dtype fp32 before llama.cpp's converter; this "
+                     f"{target} copy would be rounded a second time")
     if untied:
         notes.append("the adapter changed the tied head/embedding: the head is saved as its own tensor "
                      "(tie_word_embeddings=false) so it reloads as trained")

@@ -9,6 +9,7 @@ tokenizer's chat template says, because that is what the model learned.
 from __future__ import annotations
 
 from rocktune.data.encode import ALPACA_NO_INPUT
+from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
 CHATML = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
@@ -47,7 +48,7 @@ def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_
             stops.append(FAMILIES[family][2])
             system = _default_system(tokenizer, family)
             if system:
-                lines.append(f'SYSTEM """{system}"""')
+                lines.append(f"SYSTEM {_quote(system)}")
     elif style == "alpaca":
         lines.append('TEMPLATE """' + ALPACA_NO_INPUT.replace("{instruction}", "{{ .Prompt }}") + '"""')
     else:
@@ -89,4 +90,14 @@ def _sampling(generation_config) -> dict[str, object]:
 
 
 def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``text`` as a Modelfile value that Ollama reads back unchanged. Its parser unescapes nothing (a ``\\"``
+    stays two characters) and ends a value at the first newline after which the text so far is a whole quoted
+    string, so: one line in plain quotes (inner quotes are harmless there), several lines in triple quotes, and a
+    value whose inner line would end the string early is refused rather than written cut."""
+    lines = text.split("\n")
+    if len(lines) == 1 and not text.startswith('""'):
+        return f'"{text}"'
+    if any(line.rstrip().endswith('"""') for line in lines[:-1]):
+        raise UserError(f"the Modelfile value {text[:60]!r} cannot be written so that Ollama reads it back as "
+                        "written (a line of it ends in three quotes); edit the Modelfile by hand.")
+    return f'"""{text}"""'

@@ -145,6 +145,8 @@ def check_shapes(src: Source) -> None:
             if ".lora_A." not in key and ".lora_B." not in key:
                 continue
             name = key.removeprefix("base_model.model.").split(".lora_")[0]
+            while name.endswith(".base_layer"):  # PEFT nests one wrapper per targeted parameter (MoE experts)
+                name = name.removesuffix(".base_layer")
             shape = tuple(f.get_slice(key).get_shape())
             _check_pair(src, key, name, shape, modules.get(name))
 
@@ -155,6 +157,13 @@ def _check_pair(src: Source, key: str, name: str, shape: tuple, module) -> None:
                         "adapter was trained on another architecture: pass --base with its own base model.")
     if hasattr(module, "num_embeddings"):
         want = (None, module.num_embeddings) if ".lora_A." in key else (module.embedding_dim, None)
+    elif not hasattr(module, "in_features"):  # MoE experts: LoRA on 3-D (expert, out, in) parameters
+        dims = {d for p in module.parameters(recurse=False) if p.dim() == 3 for d in p.shape[1:]}
+        if dims and shape[1 if ".lora_A." in key else 0] in dims:
+            return
+        raise UserError(f"the adapter tensor {key} has shape {list(shape)}, which fits no expert weight of {name} "
+                        f"of the base {src.base} (expert dimensions {sorted(dims)}); this adapter was trained on "
+                        "another base: pass --base with the model it was trained on.")
     else:
         want = (None, module.in_features) if ".lora_A." in key else (module.out_features, None)
     if any(w is not None and w != s for w, s in zip(want, shape)):

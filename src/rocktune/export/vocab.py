@@ -19,6 +19,7 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 # A merge llama.cpp can never apply (BPE symbols start as single characters, never as a whole special token):
 # its loader needs the merges key, and tokenizers with no merges at all (rocktune's demo) have none to write.
 NEVER_FIRING_MERGE = "<|never|> <|merge|>"
+SHIPPED_TOKENIZER = "tokenizer.shipped.json"  # the base's own tokenizer.json, when the export copied it
 
 
 def pre_tokenizer_name(tokenizer_json: dict) -> str:
@@ -70,7 +71,8 @@ def add_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> None:
 def _add_byte_bpe(writer, tokenizer_dir: Path, tj: dict, vocab_size: int) -> None:
     import gguf
 
-    pre = pre_tokenizer_name(tj)
+    shipped = tokenizer_dir / SHIPPED_TOKENIZER
+    pre = pre_tokenizer_name(json.loads(shipped.read_text(encoding="utf-8")) if shipped.is_file() else tj)
     tok = _hf_tokenizer(tokenizer_dir)
     by_id = {i: t for t, i in tok.get_vocab().items()}
     added = {i: a for i, a in tok.added_tokens_decoder.items()}

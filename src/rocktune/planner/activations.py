@@ -62,7 +62,7 @@ def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> di
     t, dt, h = tok.t, tok.dt, shape.hidden
     mods = lora_modules(shape, targets)
     groups = {GROUP[n] for n, _, _ in mods}
-    norm = t * (4 * h + 4) + (4 * h if shape.model_type == "gemma2" else 0)
+    norm = t * (4 * h + 4) + (4 * h if shape.norms_per_layer == 4 else 0)  # Gemma's sandwich norms
     out = {"norms": 0, "attention": 0, "attention_scores": 0, "attention_mask": 0, "mlp": 0,
            "lora_inputs": 0, "lora_dropout": 0, "lora_rank": 0}
 
@@ -73,7 +73,7 @@ def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> di
     if attn_grad:
         _attention(shape, tok, out)
     if mlp_grad:
-        i = shape.intermediate
+        i = shape.mlp_width
         out["mlp"] = 3 * t * i * (tok.stream or dt)  # gate out (act input), act out, up out; fused gate_up 2i + i
     grad_in = {"attn_in": input_grad, "attn_out": attn_grad, "mlp_in": after_attn_grad, "mlp_mid": mlp_grad}
     _lora(shape, tok, mods, grad_in, out)

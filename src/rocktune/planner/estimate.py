@@ -102,7 +102,17 @@ class Estimate(TermSums):
 
 
 def lora_param_count(shape: ModelShape, spec: RunSpec) -> int:
-    return shape.layers * sum(spec.lora_r * (n_in + n_out) for _, n_in, n_out in lora_modules(shape, spec.targets))
+    linear = shape.layers * sum(spec.lora_r * (n_in + n_out) for _, n_in, n_out in lora_modules(shape, spec.targets))
+    return linear + expert_lora_count(shape, spec)
+
+
+def expert_lora_count(shape: ModelShape, spec: RunSpec) -> int:
+    """all-linear on an MoE model also adapts every expert (model.lora_targets): PEFT's parameter LoRA gives each
+    3-D weight an (r x experts, in) A and an (out, r x experts) B, for gate_up (h -> 2 x width) and down."""
+    if not shape.experts or spec.targets not in ("all-linear", "all", None):
+        return 0
+    h, w = shape.hidden, shape.expert_intermediate
+    return shape.layers * spec.lora_r * shape.experts * ((h + 2 * w) + (w + h))
 
 
 def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
@@ -212,7 +222,7 @@ def quantised_bytes(n_in: int, n_out: int, quant: str, double_quant: bool = True
 
 def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, add) -> None:
     h, dt, s = shape.hidden, tok.dt, spec.seq_len
-    norm = tok.t * (4 * h + 4) + (4 * h if shape.model_type == "gemma2" else 0)
+    norm = tok.t * (4 * h + 4) + (4 * h if shape.norms_per_layer == 4 else 0)  # Gemma's sandwich norms
     rope = 2 * s * shape.head_dim * dt
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm fp32 input {tok.t} x {h} x 4 B + cos/sin")
     if _loss_mode(shape, spec) == "chunked":
@@ -233,7 +243,7 @@ def _loss_mode(shape: ModelShape, spec: RunSpec) -> str:
 
 
 def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, layer: dict, add) -> None:
-    v, h, dt, i = shape.vocab, shape.hidden, tok.dt, shape.intermediate
+    v, h, dt, i = shape.vocab, shape.hidden, tok.dt, shape.mlp_width
     if _loss_mode(shape, spec) == "chunked":
         rows = min(spec.loss_chunk, n_loss)
         add("loss_chunk", rows * v * (4 + (dt if tok.amp else 0)) + n_loss * h * (tok.stream or dt), "transient",

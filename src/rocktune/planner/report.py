@@ -36,6 +36,7 @@ def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_
         suggestion = {"error": str(exc)}
     usable = int(budget * (1 - MARGIN))
     doc = {"model": shape.name, "shape": asdict(shape), "n_params": shape.n_params,
+           "active_params": shape.active_params,
            "settings": est.settings(), "terms": est.by_name(), "total_bytes": est.total_bytes,
            "peak_allocated_bytes": est.peak_allocated, "saved_activation_bytes": est.saved_bytes,
            "budget_bytes": budget, "budget_source": source, "fits": est.total_bytes <= usable,
@@ -57,7 +58,8 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
 
     on, off = (est, other) if est.spec.checkpointing else (other, est)
     s = est.spec
-    title = (f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params, LoRA r={s.lora_r}, {s.precision}"
+    active = f" ({doc['active_params'] / 1e9:.2f}B active)" if doc["active_params"] != doc["n_params"] else ""
+    title = (f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params{active}, LoRA r={s.lora_r}, {s.precision}"
              f"{'' if s.quant == 'none' else ' ' + s.quant}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
              f"{s.attn}, loss {s.loss_mode}")
     console = Console()

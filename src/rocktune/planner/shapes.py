@@ -14,20 +14,24 @@ from pathlib import Path
 from rocktune.errors import UserError
 
 # Per model_type: how the decoder layer is built in transformers, and the class defaults that apply when a
-# config.json leaves a field out (tie_word_embeddings, attention_bias).
+# config.json leaves a field out (tie_word_embeddings, attention_bias). qk_norm: "head" normalises each head
+# (Qwen3, Gemma 3: 2 x head_dim weights), "full" the whole q and k projections (OLMo 2). moe: the MLP is routed
+# experts (3-D parameters in transformers 5, not nn.Linear) plus a router.
+_DENSE = {"qkv_bias": False, "fused_qkv": False, "fused_gate_up": False, "qk_norm": None, "norms": 2, "tie": False,
+          "moe": False}
 ARCH_TRAITS: dict[str, dict] = {
-    "llama": {"qkv_bias": False, "fused_qkv": False, "fused_gate_up": False, "qk_norm": False, "norms": 2,
-              "tie": False},
-    "mistral": {"qkv_bias": False, "fused_qkv": False, "fused_gate_up": False, "qk_norm": False, "norms": 2,
-                "tie": False},
-    "qwen2": {"qkv_bias": True, "fused_qkv": False, "fused_gate_up": False, "qk_norm": False, "norms": 2,
-              "tie": False},
-    "qwen3": {"qkv_bias": False, "fused_qkv": False, "fused_gate_up": False, "qk_norm": True, "norms": 2,
-              "tie": False},
-    "phi3": {"qkv_bias": False, "fused_qkv": True, "fused_gate_up": True, "qk_norm": False, "norms": 2,
-             "tie": False},
-    "gemma2": {"qkv_bias": False, "fused_qkv": False, "fused_gate_up": False, "qk_norm": False, "norms": 4,
-               "tie": True},
+    "llama": _DENSE,
+    "mistral": _DENSE,
+    "granite": _DENSE,
+    "smollm3": {**_DENSE, "tie": True},
+    "qwen2": {**_DENSE, "qkv_bias": True},
+    "qwen3": {**_DENSE, "qk_norm": "head"},
+    "qwen3_moe": {**_DENSE, "qk_norm": "head", "moe": True},
+    "mixtral": {**_DENSE, "moe": True},
+    "olmo2": {**_DENSE, "qk_norm": "full"},
+    "phi3": {**_DENSE, "fused_qkv": True, "fused_gate_up": True},
+    "gemma2": {**_DENSE, "norms": 4, "tie": True},
+    "gemma3_text": {**_DENSE, "norms": 4, "tie": True, "qk_norm": "head"},
 }
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -51,6 +55,10 @@ class ModelShape:
     norms_per_layer: int
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    qk_norm_full: bool = False  # OLMo 2: one norm over all heads' q (and k), not one per head
+    experts: int = 0            # MoE: routed experts per layer (0: a dense MLP)
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -60,25 +68,46 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def mlp_width(self) -> int:
+        """Intermediate activations per token: a dense MLP's width, or the routed experts' together (MoE; the
+        per-expert dispatch buffers are not counted)."""
+        return self.experts_per_token * self.expert_intermediate if self.experts else self.intermediate
+
     def linears(self) -> list[tuple[str, int, int, bool]]:
-        """The linear modules of one decoder layer as (name, in, out, bias), named as in transformers."""
+        """The linear modules of one decoder layer as (name, in, out, bias), named as in transformers. An MoE
+        layer's experts are not nn.Linear (LoRA's all-linear and bitsandbytes leave them alone): attention only."""
         h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
         attn = [("qkv_proj", h, q + 2 * kv, self.qkv_bias)] if self.fused_qkv else [
             ("q_proj", h, q, self.qkv_bias), ("k_proj", h, kv, self.qkv_bias), ("v_proj", h, kv, self.qkv_bias)]
+        if self.experts:
+            return attn + [("o_proj", q, h, False)]
         mlp = [("gate_up_proj", h, 2 * i, False)] if self.fused_gate_up else [
             ("gate_proj", h, i, False), ("up_proj", h, i, False)]
         return attn + [("o_proj", q, h, False)] + mlp + [("down_proj", i, h, False)]
 
     def param_counts(self) -> dict[str, int]:
         layer = sum(n_in * n_out + (n_out if bias else 0) for _, n_in, n_out, bias in self.linears())
-        layer += self.norms_per_layer * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        layer += self.norms_per_layer * self.hidden + self._qk_norm_params()
+        layer += self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)  # experts + router
         embed = self.vocab * self.hidden
         return {"embed_tokens": embed, "layers": layer * self.layers, "final_norm": self.hidden,
                 "lm_head": 0 if self.tie_embeddings else embed}
 
+    def _qk_norm_params(self) -> int:
+        if not self.qk_norm:
+            return 0
+        return self.q_dim + self.kv_dim if self.qk_norm_full else 2 * self.head_dim
+
     @property
     def n_params(self) -> int:
         return sum(self.param_counts().values())
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: all of a dense model; an MoE's routed share of its experts."""
+        idle = self.experts - self.experts_per_token
+        return self.n_params - self.layers * idle * 3 * self.hidden * self.expert_intermediate
 
 
 @cache
@@ -129,15 +158,34 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     if heads % kv_heads:
         raise UserError(f"{name}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}.")
     qkv_bias = traits["qkv_bias"] or bool(config.get("attention_bias", False))
+    moe = _moe(config, name) if traits["moe"] else (0, 0, 0)
     return ModelShape(
         name=name, model_type=model_type, vocab=config["vocab_size"], hidden=config["hidden_size"],
         intermediate=config["intermediate_size"], layers=config["num_hidden_layers"], heads=heads,
         kv_heads=kv_heads, head_dim=head_dim,
         tie_embeddings=bool(config.get("tie_word_embeddings", traits["tie"])), qkv_bias=qkv_bias,
-        fused_qkv=traits["fused_qkv"], fused_gate_up=traits["fused_gate_up"], qk_norm=traits["qk_norm"],
+        fused_qkv=traits["fused_qkv"], fused_gate_up=traits["fused_gate_up"], qk_norm=bool(traits["qk_norm"]),
         norms_per_layer=traits["norms"], attn_softcap=config.get("attn_logit_softcapping"),
-        final_softcap=config.get("final_logit_softcapping"),
+        final_softcap=config.get("final_logit_softcapping"), qk_norm_full=traits["qk_norm"] == "full",
+        experts=moe[0], experts_per_token=moe[1], expert_intermediate=moe[2],
     )
+
+
+def _moe(config: dict, name: str) -> tuple[int, int, int]:
+    """(experts, experts per token, expert width): Qwen3-MoE's hub configs say num_experts and
+    moe_intermediate_size, Mixtral's num_local_experts and intermediate_size (transformers 5 saves both as
+    num_local_experts)."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    per_token = config.get("num_experts_per_tok")
+    width = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if not all(isinstance(v, int) and v > 0 for v in (experts, per_token, width)) or per_token > experts:
+        raise UserError(f"{name}: this {config.get('model_type')} (mixture-of-experts) config.json lacks a positive "
+                        "num_local_experts/num_experts, num_experts_per_tok (at most the experts) or the expert width "
+                        "(moe_intermediate_size / intermediate_size); pass the model's own config.json.")
+    if config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) != 1:
+        raise UserError(f"{name}: dense layers between MoE layers (mlp_only_layers / decoder_sparse_step) are not "
+                        "sized by the planner yet; plan from a config whose every layer is MoE.")
+    return experts, per_token, width
 
 
 def read_config(path: Path) -> dict:

@@ -11,7 +11,7 @@ from rocktune.data.dataset import Examples
 from rocktune.data.packing import collate_packed
 from rocktune.lean_lora import lean_lora
 from rocktune.attention import choose as choose_attention
-from rocktune.model import DTYPES, apply_lora, load_model
+from rocktune.model import DTYPES, apply_lora, load_model, sdpa_supported
 from rocktune.tasks.lm.preflight import liger_gate
 
 
@@ -45,10 +45,15 @@ def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
                             "position_ids": torch.zeros_like(ids)})
 
 
-def attention(setting: str, ctx, packed: bool, compiled: bool) -> tuple[str, str | None]:
+def attention(setting: str, ctx, packed: bool, compiled: bool, model_cfg) -> tuple[str, str | None]:
     """The attention implementation to load the model with, and why (``rocktune.attention.choose``): varlen is
-    self-tested on the device in the run's precision before it is trusted."""
-    return choose_attention(setting, ctx.attn, ctx.device, (packed, compiled), DTYPES[ctx.precision])
+    self-tested on the device in the run's precision before it is trusted. ``auto`` on a model class without an SDPA
+    path (Gemma 2) takes eager instead of failing to load; an explicit sdpa is left to the loader's refusal."""
+    attn, note = choose_attention(setting, ctx.attn, ctx.device, (packed, compiled), DTYPES[ctx.precision])
+    if setting == "auto" and attn == "sdpa" and not sdpa_supported(model_cfg.name_or_path,
+                                                                   model_cfg.trust_remote_code):
+        return "eager", "attention: eager (this model's transformers class has no SDPA path, e.g. Gemma 2)"
+    return attn, note
 
 
 def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation: str, device: str,

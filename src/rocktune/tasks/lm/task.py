@@ -86,7 +86,7 @@ class LMTask:
                                                                  compiled, dist.world, parallel)
         self.feeding = feeding
         chunk = autofit.loss_chunk(t.loss_chunk_size, device)
-        attn, attn_note = build.attention(m.attn_implementation, ctx, feeding.packed, compiled)
+        attn, attn_note = build.attention(m.attn_implementation, ctx, feeding.packed, compiled, m)
         self.attn = attn
         # FSDP loads on the CPU and moves each rank's shards to its GPU: the whole base need not fit one device.
         model, model_notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn,

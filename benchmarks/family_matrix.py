@@ -1,0 +1,190 @@
+"""The family matrix in the README and docs/families.md, generated from tests/test_families.py's results.
+
+    python benchmarks/family_matrix.py            # run the matrix tests (minutes), record, write the docs
+    python benchmarks/family_matrix.py --render   # rewrite the docs from the recorded docs/families.json
+
+Each cell is one test, ``tests/test_families.py::test_<column>[<family>]``; its outcome comes from pytest's JUnit XML
+report (a skip carries its reason; a refusal the command must make is a passing test that records what it refused
+with ``record_property("cell", ...)``). tests/test_family_matrix.py checks that the README and docs/families.md are
+what this script renders from the recorded results, so neither can be edited by hand out of step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "families.json"
+DOC = ROOT / "docs" / "families.md"
+README = ROOT / "README.md"
+START, END = "<!-- family-matrix:start -->", "<!-- family-matrix:end -->"
+# (column heading, test function): the order of the table
+COLUMNS = [("LoRA targets (all-linear)", "test_lora_targets"), ("chat masking", "test_chat_masking"),
+           ("train", "test_train"), ("QLoRA", "test_qlora"), ("merged", "test_merged"), ("GGUF", "test_gguf"),
+           ("GGUF-LoRA", "test_gguf_lora"), ("Ollama", "test_ollama"), ("llama.cpp", "test_llama_cpp"),
+           ("plan", "test_plan")]
+TEST_FILE = "tests/test_families.py"
+QUIRKS = [
+    "- **Gemma 2 / Gemma 3**: the (1 + w) RMSNorm, the embedding scaled by the square root of the width, logit "
+    "soft-capping and sliding windows live inside transformers' model code; the merged check (logits equal the "
+    "PEFT model's) covers them. Gemma 2's transformers class has no SDPA path, so `model.attn_implementation: auto` "
+    "loads it with eager attention (a note says so) instead of failing. Gemma's template has no system role.",
+    "- **Phi-3 / Phi-4**: attention and MLP input projections are fused (`qkv_proj`, `gate_up_proj`); LoRA adapts "
+    "them as they are, one adapter across q, k and v (and across gate and up).",
+    "- **Qwen3-MoE / Mixtral**: transformers 5 stores each layer's experts as 3-D parameters; `all-linear` adapts "
+    "attention by name and the experts through PEFT's parameter targeting; the router is left alone (PEFT's own "
+    "all-linear would adapt it, and a moved router sends tokens to experts the adapter did not train for them).",
+    "- **Granite 3**: embedding, residual, attention and logit multipliers are config values the merged model keeps.",
+    "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless the "
+    "adapter changed it (docs/export.md).",
+    "- **Chat templates**: every family's template shape is exercised by `test_chat_masking` (with a system turn "
+    "where the template takes one; Mistral's and Gemma's have none). SmolLM3's row uses a template with "
+    "`{% generation %}` markers: rocktune finds the reply by rendering the template turn by turn, and the tokens it "
+    "trains are exactly the ones the markers enclose.",
+]
+
+
+def parse_junit(xml_text: str) -> dict[str, dict]:
+    """JUnit XML -> {test id: {"outcome": passed|skipped|failed, "reason"?: str, "cell"?: str}}."""
+    out = {}
+    for case in ET.fromstring(xml_text).iter("testcase"):
+        row: dict = {"outcome": "passed"}
+        for child in case:
+            if child.tag == "skipped":
+                row = {"outcome": "skipped", "reason": _skip_reason(child.get("message") or "")}
+            elif child.tag in ("failure", "error"):
+                row = {"outcome": "failed", "reason": (child.get("message") or child.tag).splitlines()[0][:200]}
+        for prop in case.iter("property"):
+            if prop.get("name") == "cell":
+                row["cell"] = prop.get("value")
+        out[case.get("name")] = row
+    return out
+
+
+def _skip_reason(message: str) -> str:
+    # pytest prefixes the reason with where the skip was raised ("Skipped: ..." or "file:line: ...")
+    return message.removeprefix("Skipped: ").strip()
+
+
+def families(results: dict[str, dict]) -> list[str]:
+    """The families in the order the tests ran them (the fixture table's order)."""
+    seen: list[str] = []
+    for key in results:
+        name = key.split("[", 1)[1].rstrip("]") if "[" in key else None
+        if name and name not in seen:
+            seen.append(name)
+    return seen
+
+
+def cell(row: dict | None) -> tuple[str, str | None]:
+    """(the table's text, the note for the notes list or None)."""
+    if row is None:
+        return "–", "no recorded result"
+    if row["outcome"] == "failed":
+        return "FAILS", row.get("reason")
+    if row["outcome"] == "skipped":
+        return "not run", row.get("reason")
+    text = row.get("cell")
+    if text and text.startswith("refused"):
+        return "refused", text
+    return (text or "yes"), None
+
+
+def render_table(results: dict[str, dict]) -> str:
+    heads = [h for h, _ in COLUMNS]
+    lines = ["| family | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+    notes: dict[str, int] = {}
+    for fam in families(results):
+        cells = []
+        for _, test in COLUMNS:
+            text, note = cell(results.get(f"{test}[{fam}]"))
+            if note:
+                number = notes.setdefault(note, len(notes) + 1)
+                text = f"{text} ({number})"
+            cells.append(text)
+        lines.append(f"| {fam} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- ({n}) {note}" for note, n in notes.items()]
+    lines.append("")
+    lines.append(f"Each cell is the test `{TEST_FILE}::<test>[<family>]` of its column ("
+                 + ", ".join(f"{h}: `{t}`" for h, t in COLUMNS) + "); generated by `benchmarks/family_matrix.py` "
+                 "from `docs/families.json`.")
+    return "\n".join(lines)
+
+
+def render_doc(results: dict[str, dict]) -> str:
+    """docs/families.md: the table and every cell that is not a plain pass, with its test id and reason."""
+    rows = [f"| `{TEST_FILE}::{key}` | {row['outcome']} | {row.get('reason') or row.get('cell') or ''} |"
+            for key, row in results.items() if row["outcome"] != "passed" or (row.get("cell") or "").startswith("r")]
+    return "\n".join([
+        "# Model families", "",
+        "Which model families rocktune trains, merges and exports, proven on a tiny random model of each family's "
+        "real transformers architecture with a tokenizer carrying the family's chat-template shape "
+        "(`tests/family_fixtures.py`). This page and the README's table are generated by "
+        "`benchmarks/family_matrix.py` from the recorded test results in `docs/families.json`; do not edit them "
+        "by hand.", "",
+        render_table(results), "",
+        "## Cells that are not a plain pass", "",
+        "| test | outcome | why |", "|---|---|---|", *rows, "",
+        "## What the columns check", "",
+        "- **LoRA targets**: the modules `lora.target_modules: all-linear` adapts in each layer (Phi-3's fused "
+        "`qkv_proj`/`gate_up_proj` as they are; on MoE models also every expert's weights through PEFT's parameter "
+        "targeting, with the router left alone).",
+        "- **chat masking**: only the assistant reply, the family's end-of-turn token and the template's whitespace "
+        "after it bear loss; the tokens equal the template's own rendering.",
+        "- **train / QLoRA**: a few steps of the real `rocktune train` on chat data (QLoRA: an nf4 base).",
+        "- **merged**: `export --to merged` reloads in transformers with the PEFT model's logits (fp32, 1e-5).",
+        "- **GGUF / GGUF-LoRA / Ollama**: the file is written and read back with gguf-py's `GGUFReader`; for "
+        "architectures the GGUF export does not know, the command refuses with a UserError naming the "
+        "architecture and writes nothing.",
+        "- **llama.cpp**: loading each family's GGUF in llama.cpp needs llama-cpp-python, which is not installed "
+        "where this table was made; the per-family load itself is not written yet (the cell skips saying so even "
+        "where llama-cpp-python is installed). tests/test_export_llama_cpp.py loads tiny Qwen2, Qwen3 and Llama "
+        "GGUFs in llama.cpp where it is installed.",
+        "- **plan**: `rocktune plan` reads the family's config.json; its parameter count equals the model's (MoE: "
+        "total and active) and its LoRA count equals PEFT's.", "",
+        "## Family quirks, and where they are handled", "",
+        *QUIRKS, "",
+    ])
+
+
+def splice(readme: str, table: str) -> str:
+    if START not in readme or END not in readme:
+        raise SystemExit(f"README.md lacks the markers {START} / {END}")
+    head, rest = readme.split(START, 1)
+    return f"{head}{START}\n{table}\n{END}{rest.split(END, 1)[1]}"
+
+
+def run_tests() -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+        subprocess.run([sys.executable, "-m", "pytest", TEST_FILE, "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={report}", "-o", "junit_family=xunit1"], cwd=ROOT, env=env, check=False)
+        return parse_junit(report.read_text(encoding="utf-8"))
+
+
+def write(results: dict[str, dict]) -> None:
+    DOC.write_text(render_doc(results), encoding="utf-8")
+    README.write_text(splice(README.read_text(encoding="utf-8"), render_table(results)), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--render", action="store_true", help="only re-render from docs/families.json")
+    args = parser.parse_args(argv)
+    if not args.render:
+        RESULTS.write_text(json.dumps(run_tests(), indent=1) + "\n", encoding="utf-8")
+    write(json.loads(RESULTS.read_text(encoding="utf-8")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The model families users fine-tune most, each as a tiny random model of its real transformers architecture with a
+tokenizer that carries that family's chat-template shape (written here; the structure of each family's turns, not a
+copy of a hub file). Built offline: transformers' own config classes, a byte-level tokenizer like demo/tiny.py's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Chat-template shapes, one per family convention. Gemma and Mistral have no system role (their templates refuse
+# or fold it); the others accept one. Each turn ends in the family's end-of-turn special token.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# SmolLM3-style: ChatML whose assistant replies sit in {% generation %} markers (for return_assistant_tokens_mask)
+CHATML_GENERATION = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+                     "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>"
+                     "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+           "{{ raise_exception('this template has no system role') }}{% elif m['role'] == 'user' %}"
+           "[INST] {{ m['content'] }}[/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+GEMMA = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+         "{{ raise_exception('this template has no system role') }}{% endif %}"
+         "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+         "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+PHI3 = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+OLMO2 = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+         "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+GRANITE = ("{% for m in messages %}<|start_of_role|>{{ m['role'] }}<|end_of_role|>{{ m['content'] }}<|end_of_text|>\n"
+           "{% endfor %}{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}")
+
+
+@dataclass(frozen=True)
+class Template:
+    text: str
+    specials: tuple[str, ...]  # added special tokens, in id order after the 256 byte tokens
+    eos: str
+    end_of_turn: str           # the token after each assistant reply: the one that must be trained
+    bos: str | None = None
+    system: bool = True        # does the template take a system turn
+
+
+TEMPLATES = {
+    "chatml": Template(CHATML, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>", "<|im_end|>"),
+    "chatml-generation": Template(CHATML_GENERATION, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>",
+                                  "<|im_end|>"),
+    "llama3": Template(LLAMA3, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                "<|eot_id|>"), "<|eot_id|>", "<|eot_id|>", bos="<|begin_of_text|>"),
+    "mistral": Template(MISTRAL, ("<s>", "</s>", "[INST]", "[/INST]"), "</s>", "</s>", bos="<s>", system=False),
+    "gemma": Template(GEMMA, ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), "<end_of_turn>",
+                      "<end_of_turn>", bos="<bos>", system=False),
+    "phi3": Template(PHI3, ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), "<|end|>",
+                     "<|end|>"),
+    "olmo2": Template(OLMO2, ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"), "<|endoftext|>",
+                      "<|endoftext|>", bos="<|endoftext|>"),
+    "granite": Template(GRANITE, ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>",
+                        "<|end_of_text|>"),
+}
+
+DIMS = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "initializer_range": 0.1, "rms_norm_eps": 1e-6}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str            # the id in the matrix (and in test ids)
+    config_class: str    # transformers' config class of the real architecture
+    template: str        # key of TEMPLATES
+    extra: dict = field(default_factory=dict)  # the family's own traits on top of DIMS
+    # What LoRA on "all-linear" trains in one layer (module names), and what stays frozen on purpose.
+    trained: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    moe: bool = False
+
+
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+ATTN_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
+FAMILIES = [
+    Family("llama3", "LlamaConfig", "llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+                                                                   "factor": 8.0, "low_freq_factor": 1.0,
+                                                                   "high_freq_factor": 4.0,
+                                                                   "original_max_position_embeddings": 128}}),
+    Family("qwen2.5", "Qwen2Config", "chatml", {"tie_word_embeddings": True}),
+    Family("qwen3", "Qwen3Config", "chatml", {"head_dim": 32, "tie_word_embeddings": True}),
+    Family("qwen3-moe", "Qwen3MoeConfig", "chatml", {"num_experts": 4, "head_dim": 16, **MOE}, ATTN_ONLY, True),
+    Family("mistral", "MistralConfig", "mistral", {"sliding_window": None}),
+    Family("mixtral", "MixtralConfig", "mistral", {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTN_ONLY,
+           True),
+    Family("gemma2", "Gemma2Config", "gemma", {"head_dim": 16, "tie_word_embeddings": True,
+                                               "query_pre_attn_scalar": 16, "sliding_window": 16,
+                                               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    Family("gemma3", "Gemma3TextConfig", "gemma", {"head_dim": 16, "tie_word_embeddings": True,
+                                                   "query_pre_attn_scalar": 16, "sliding_window": 16,
+                                                   "final_logit_softcapping": 30.0}),
+    Family("phi3", "Phi3Config", "phi3", {"pad_token_id": None}, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    Family("smollm2", "LlamaConfig", "chatml", {"tie_word_embeddings": True}),
+    Family("smollm3", "SmolLM3Config", "chatml-generation", {"tie_word_embeddings": True, "pad_token_id": None}),
+    Family("olmo2", "Olmo2Config", "olmo2", {"pad_token_id": None}),
+    Family("granite3", "GraniteConfig", "granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0,
+                                                    "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
+                                                    "tie_word_embeddings": True}),
+]
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def build_tokenizer(t: Template):
+    """Byte-level BPE without merges (one token per byte, as demo/tiny.py) plus the family's special tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from rocktune.demo.tiny import _byte_of
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in t.specials])
+    if t.bos:  # families whose tokenizer adds BOS (Llama 3, Mistral, Gemma, OLMo 2)
+        tok.post_processor = processors.TemplateProcessing(single=f"{t.bos} $A", pair=f"{t.bos} $A {t.bos} $B",
+                                                           special_tokens=[(t.bos, tok.token_to_id(t.bos))])
+    pad = t.specials[0] if t.specials[0] not in (t.bos, t.eos) else t.eos
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=t.eos, bos_token=t.bos, pad_token=pad,
+                                   chat_template=t.text)
+
+
+def family_config(fam: Family, tok):
+    import transformers
+
+    t = TEMPLATES[fam.template]
+    ids = {"eos_token_id": tok.convert_tokens_to_ids(t.eos),
+           "bos_token_id": tok.convert_tokens_to_ids(t.bos) if t.bos else None}
+    kwargs = {**DIMS, "tie_word_embeddings": False, **ids, **fam.extra}
+    if "rope_parameters" not in kwargs:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    return getattr(transformers, fam.config_class)(**kwargs)
+
+
+def build_family(fam: Family, out: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rocktune.model import quiet_transformers
+
+    quiet_transformers()
+    tok = build_tokenizer(TEMPLATES[fam.template])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(fam, tok), dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def chat_records(n: int, system: bool, seed: int = 0) -> list[dict]:
+    """Conversations with a learnable reply (the demo task's), with a system turn where the template takes one."""
+    from rocktune.demo.task import make_task
+
+    rows, _ = make_task(n_train=n, n_eval=0, seed=seed)
+    out = []
+    for r in rows:
+        msgs = [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]
+        out.append({"messages": ([{"role": "system", "content": "Be brief."}] if system else []) + msgs})
+    return out
