@@ -25,8 +25,8 @@ from rocktune.train.guards import NumericGuard
 from rocktune.train.interrupt import InterruptFlag
 from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
 from rocktune.train.rundir import STOP_FILE
-from rocktune.train.step import (OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward, max_pieces,
-                                 run_with_oom_recovery)
+from rocktune.train.step import (OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward,
+                                 is_compile_error, max_pieces, run_with_oom_recovery)
 from rocktune.train.task import Prepared, Task
 
 
@@ -62,6 +62,8 @@ class Run:
     result: TrainResult
     metrics: object = None
     space_skips: checkpoint.SpaceSkips = field(default_factory=checkpoint.SpaceSkips)
+    compiled: bool = False  # the decoder is compiled now (a compile failure turns it off, once)
+    fallback: str | None = None  # that failure, for the metrics row of the step it happened in (the bench reports it)
 
     @property
     def state(self) -> checkpoint.TrainState:
@@ -100,7 +102,7 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
                 f"{ctx.device}")
         task.start(r.start_step, r.metrics, bar.log)
         if r.restored is None:
-            r.result.eval_loss_before = task.evaluate()
+            r.result.eval_loss_before = _evaluate(r, bar)
             r.metrics.write({"step": 0, "eval_loss": r.result.eval_loss_before})
             task.after_eval(0, r.metrics, bar.log)
         if _steps(r, bar, stop):
@@ -134,7 +136,8 @@ def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
                         NumericGuard(rel.nan_patience, rel.zero_patience), ctx.dist)
     result = TrainResult(run_dir=ctx.run_dir, steps=total, model=parts.model, tokenizer=parts.tokenizer)
     r = Run(ctx, task, parts, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces, None,
-            result)
+            result, compiled=parts.compiled)
+
     def check(found) -> None:  # before the checkpoint is applied: a refused resume changes nothing
         task.check_resume(found, ctx.options.resume_force)
         resume.check_data(found, parts.fingerprint, ctx.options.resume_force)
@@ -175,16 +178,6 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
     """One optimizer step per iteration; False when interrupted (a checkpoint was written)."""
     ctx, task, parts, t, rel = r.ctx, r.task, r.parts, r.ctx.cfg.training, r.ctx.cfg.reliability
     dist, faults, run_peak = ctx.dist, ctx.faults, 0
-    compiled = parts.compiled
-    fallback = None  # a compile failure, for the metrics row of the step it happened in (the bench reports it)
-
-    def compile_failed(exc: BaseException) -> None:
-        nonlocal compiled, fallback
-        compiled, fallback = False, first_line(exc)
-        task.uncompile()
-        bar.log(f"[yellow]torch.compile failed ({first_line(exc)}); continuing without it (set "
-                "training.compile=false to skip the attempt)[/]")
-
     parts.model.train()
     first_step = r.start_step + 1
     for step in range(first_step, r.total_steps + 1):
@@ -195,7 +188,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         # Fetch the whole step first: the loss is normalised by the loss-bearing units of all its micro-batches.
         fed = r.feed.next()
         check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
-        compiling = compiled and step == first_step
+        compiling = r.compiled and step == first_step
         if compiling:
             bar.log(f"step {step}: compiling the decoder (this step is left out of tokens/s)")
         try:
@@ -204,7 +197,8 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
                     lambda n: forward_backward(r.runner, fed.forwards, fed.loss_tokens, n, step, bool(check)),  # noqa: B023 -- called before the next iteration
                     r.optimizer, r.pieces, max(max_pieces(b) for b in fed.forwards), bar.log,
                     # Dynamo may recompile at any step (new shapes); a rank of several cannot re-run alone
-                    on_compile_error=compile_failed if compiled and not dist.enabled else None,
+                    on_compile_error=(lambda exc: _compile_failed(r, exc, bar)) if r.compiled and not dist.enabled
+                    else None,
                     alone=not dist.enabled)
         except OutOfMemoryAtMinimum as exc:
             raise OutOfMemoryAtMinimum(task.oom_message(step, exc)) from None
@@ -229,10 +223,10 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
                              "forwards": len(fed.forwards), "pieces": r.pieces,
                              "useful_tokens_per_s": record["tokens"] / elapsed, "step_s": elapsed,
                              "device_wait_s": update.wait_s, "compiling": compiling, "epoch": r.feed.epoch,
-                             "peak_mem_bytes": mem, **({"compile_fallback": fallback} if fallback else {})})
-            fallback = None
+                             "peak_mem_bytes": mem, **({"compile_fallback": r.fallback} if r.fallback else {})})
+            r.fallback = None
         if t.eval_every and step % t.eval_every == 0 and step < r.total_steps:
-            ev = task.evaluate()
+            ev = _evaluate(r, bar)
             if ev is not None:
                 r.metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
@@ -248,6 +242,25 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
             return False
     r.result.peak_mem_bytes = run_peak
     return True
+
+
+def _compile_failed(r: Run, exc: BaseException, bar) -> None:
+    r.compiled, r.fallback = False, first_line(exc)
+    r.task.uncompile()
+    bar.log(f"[yellow]torch.compile failed ({first_line(exc)}); continuing without it (set training.compile=false "
+            "to skip the attempt)[/]")
+
+
+def _evaluate(r: Run, bar) -> float | None:
+    """The task's eval pass. The first forward of a compiled decoder is often the eval before step 1, so a compile
+    failure there falls back to eager as one in a step does (one process: a rank of several cannot alone)."""
+    try:
+        return r.task.evaluate()
+    except Exception as exc:  # noqa: BLE001 -- only the compiler's own failures are handled; the rest re-raised
+        if not (r.compiled and not r.ctx.dist.enabled and is_compile_error(exc)):
+            raise
+        _compile_failed(r, exc, bar)
+    return r.task.evaluate()
 
 
 def _save_checkpoint(r: Run, step: int) -> None:
@@ -267,7 +280,7 @@ def _finish(r: Run, bar) -> None:
     """The final eval and, on rank 0, the final writes (free space checked first; a full disk stops the run with
     finish.DiskFullError, exit 5). The adapter comes last: adapter/ is what marks a run complete."""
     ctx, task, run_dir, total = r.ctx, r.task, r.ctx.run_dir, r.total_steps
-    r.result.eval_loss_after = task.evaluate()
+    r.result.eval_loss_after = _evaluate(r, bar)
     if ctx.dist.main:
         need = finish.adapter_bytes(r.parts.params)
         with finish.guarded(run_dir, "the final metrics" + task.samples_what, need):
