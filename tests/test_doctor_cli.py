@@ -75,7 +75,14 @@ def test_simulate_gives_the_advice_without_running_checks(capsys):
 
 
 def test_simulate_accepts_a_whole_report_and_prints_a_table(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
+    import functools
+
+    from rich.console import Console
+
+    from rocktune.doctor import render
+
+    # a wide table, whatever width earlier tests in this process left rich to detect: the content is under test
+    monkeypatch.setattr(render, "Console", functools.partial(Console, width=200))
     report = {"platform": json.loads((PLATFORMS / "rx6700xt_gfx1031.json").read_text()), "advice": {}, "checks": []}
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
