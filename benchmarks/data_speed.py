@@ -80,20 +80,9 @@ def _tiny():
 
 
 def _bpe():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from rocktune.demo.tiny import build_bpe_tokenizer
 
-    from rocktune.data import synthetic
-    from rocktune.demo.tiny import CHAT_TEMPLATE, SPECIALS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = [json.dumps(r) for make in synthetic.SETS.values() for r in make(2000, seed=7)]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8000, special_tokens=SPECIALS,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0],
-                                   additional_special_tokens=SPECIALS[1:], chat_template=CHAT_TEMPLATE)
+    return build_bpe_tokenizer(vocab_size=8000, per_set=2000, seed=7)
 
 
 def main() -> None:

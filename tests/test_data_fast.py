@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,6 @@ from rocktune.config import DataConfig
 from rocktune.data import encode, fastencode, records, synthetic
 from rocktune.data.dataset import prepare_data, tokenize_file
 from rocktune.demo.task import make_task
-from rocktune.demo.tiny import CHAT_TEMPLATE, SPECIALS
 from rocktune.errors import UserError
 from tests.conftest import write_jsonl
 
@@ -24,17 +22,9 @@ FILES = sorted((ROOT / "examples" / "data").glob("*.jsonl")) + sorted((ROOT / "t
 def bpe(tokenizer):
     """A byte-level BPE with real merges (trained here, offline): tokens span characters, so a segment boundary
     that moved would change the tokens; the tiny tokenizer's one token per byte could not show it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from rocktune.demo.tiny import build_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = [json.dumps(r) for make in synthetic.SETS.values() for r in make(300, seed=9)]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=900, special_tokens=SPECIALS,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0],
-                                   additional_special_tokens=SPECIALS[1:], chat_template=CHAT_TEMPLATE)
+    return build_bpe_tokenizer(vocab_size=900, per_set=300, seed=9)
 
 
 def _record_sets():

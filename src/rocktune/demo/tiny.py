@@ -78,3 +78,24 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def build_bpe_tokenizer(vocab_size: int = 8000, per_set: int = 2000, seed: int = 7):
+    """A byte-level BPE with real merges, trained offline on the synthetic sets (data/synthetic.py), with the demo's
+    specials and chat template: tokens span characters as a real tokenizer's do (the one-token-per-byte tokenizer
+    above cannot show a moved segment boundary, nor a real tokenizer's speed)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from rocktune.data import synthetic
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [json.dumps(r) for make in synthetic.SETS.values() for r in make(per_set, seed=seed)]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0],
+                                   additional_special_tokens=SPECIALS[1:], chat_template=CHAT_TEMPLATE)
