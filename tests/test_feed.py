@@ -14,7 +14,7 @@ from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, build
 from rocktune.train import resume
 from rocktune.train.autoconf import AutoChoices
-from rocktune.tasks.lm.feed import Feeding, StepFeed, _examples, rows_per_step
+from rocktune.tasks.lm.feed import Feeding, Share, StepFeed, _examples, rows_per_step
 from rocktune.tasks import train
 from rocktune.train.step import run_with_oom_recovery
 from tests.conftest import tiny_run_config
@@ -73,7 +73,7 @@ def _feed(prefetch: bool, mode: str = "tokens", rank: int = 0, world: int = 1, l
         def coll(idx):
             return collate([EXAMPLES[i][0] for i in idx], [EXAMPLES[i][1] for i in idx], 0)
     return StepFeed(f, LENGTHS, loss_token_counts([y for _, y in EXAMPLES]), lambda p: with_loss_index(coll(p)),
-                    prefetch, (rank, world), {"idle": True}, lockstep, **position)
+                    prefetch, Share(rank, world, {"idle": True}, lockstep), **position)
 
 
 def test_prefetch_hands_out_the_same_steps_and_saves_the_consumed_position():

@@ -84,22 +84,32 @@ class Step:
     real_tokens: int  # non-pad tokens of this rank's share
 
 
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of every step: which of ``world`` round-robin shares it takes, the host batch with no loss
+    position it runs when its share of a small step is empty, and (FSDP) whether it runs as many forwards as rank 0."""
+
+    rank: int = 0
+    world: int = 1
+    idle: dict | None = None
+    lockstep: bool = False
+
+
 class StepFeed:
     """Hands out one optimizer step at a time. With several ranks every rank walks the same deterministic stream,
     takes its disjoint share (rows of the step, or micro-batches, dealt round-robin) and derives the
     global loss-token count from per-example counts, so the normaliser needs no communication."""
 
     def __init__(self, feeding: Feeding, lengths: list[int], loss_counts: list[int], collate, prefetch: bool = False,
-                 ranks: tuple[int, int] = (0, 1), idle: dict | None = None, lockstep: bool = False, epoch: int = 0,
-                 index: int = 0):
+                 share: Share = Share(), epoch: int = 0, index: int = 0):
         self.feeding = feeding
         self.lengths, self.loss_counts = lengths, loss_counts
         self.collate = collate
-        self.rank, self.world = ranks  # (this rank, number of ranks): shares are dealt round-robin
-        self.idle = idle  # a host batch with no loss position, for a rank whose share of a small step is empty
+        self.rank, self.world = share.rank, share.world  # shares are dealt round-robin
+        self.idle = share.idle  # a host batch with no loss position, for a rank whose share of a small step is empty
         # lockstep (FSDP): every rank runs as many forwards as rank 0 (whose round-robin share is the largest),
         # padding with idle batches, since each forward gathers weights from all ranks
-        self.lockstep = lockstep
+        self.lockstep = share.lockstep
         f = feeding
         if f.mode == "tokens":
             def make(e):

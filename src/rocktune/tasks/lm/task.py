@@ -18,7 +18,7 @@ from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import autofit, build, preflight
 from rocktune.tasks.lm.evaluate import eval_sums
-from rocktune.tasks.lm.feed import StepFeed
+from rocktune.tasks.lm.feed import Share, StepFeed
 from rocktune.tasks.lm.loss import LossModule
 from rocktune.tasks.lm.quant_gate import check_quantization
 from rocktune.tasks.lm.samples import SampleSettings, Sampler
@@ -122,7 +122,7 @@ class LMTask:
         # On a GPU the next step is collated while this one computes; on a CPU a thread would only compete for cores.
         dist = self.ctx.dist
         return StepFeed(self.feeding, self._lengths, self._loss_counts, self._collate, self.ctx.device == "cuda",
-                        (dist.rank, dist.world), self._idle, self.strategy == "fsdp", **position)
+                        Share(dist.rank, dist.world, self._idle, self.strategy == "fsdp"), **position)
 
     def evaluate(self) -> float | None:
         t = self.cfg.training
