@@ -258,3 +258,20 @@ def test_lockstep_pads_the_parts_of_a_split_step():
     total = forward_backward(run, [one_row, one_row], step_tokens=6, pieces=2, step=1, check_transfer=False)
     assert len(calls) == 4 and calls.count((1, 1)) == 2  # 2 unsplittable rows + 2 idle forwards
     assert float(total) == 6.0
+
+
+def test_compiling_drops_only_the_mutation_analysis_traceback_from_the_log(caplog):
+    """torch 2.11 logged one traceback per Liger kernel per graph on an H200 (8,659 lines in 8 steps); the filter
+    drops that message alone: another torch._dynamo warning (a graph break, a recompile) still reaches the log."""
+    import logging
+
+    from rocktune.tasks.lm.build import quiet_compile_logs
+
+    quiet_compile_logs()
+    quiet_compile_logs()  # idempotent: one filter, however many runs compile in a process
+    dynamo = logging.getLogger("torch._dynamo")
+    assert sum(type(f).__name__ == "_QuietMutationAnalysis" for f in dynamo.filters) == 1
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        dynamo.warning("Encountered an exception in identify_mutated_tensors, assuming every input is mutated")
+        dynamo.warning("Graph break: a user-visible warning")
+    assert [r.getMessage() for r in caplog.records] == ["Graph break: a user-visible warning"]

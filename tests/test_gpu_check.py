@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh fits the GPU test machine: three parts, each within 8 minutes of its 10-minute limit per
+"""benchmarks/gpu_check.sh fits the GPU test machine: four parts, each within 8 minutes of its 10-minute limit per
 command, each dry-runnable on the CPU (run here), and a test collection that survives its missing packages."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _stage_timeouts(part: str) -> list[int]:
     return [int(s) for s in re.findall(r"^\s*stage [\w.-]+ (\d+) ", body, re.M)]
 
 
-@pytest.mark.parametrize("part", ["a", "b", "c"])
+@pytest.mark.parametrize("part", ["a", "b", "c", "d"])
 def test_each_part_of_the_gpu_check_ends_within_8_minutes(part):
     timeouts = _stage_timeouts(part)
     assert timeouts and sum(timeouts) <= 450 and INSTALL_S + sum(timeouts) <= PART_LIMIT_S, (part, timeouts)
@@ -65,19 +65,32 @@ def test_part_a_dry_runs_doctor_pytest_gpu_and_a_profiled_step(tmp_path):
     assert profile["attention"] == "sdpa" and profile["aten_op_calls"] > 0 and profile["measured_on"] == "cpu"
 
 
+SUITE_FILES = {"b": "0.5b", "c": "1.5b", "d": "0.5b-rest"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["b", "c"])
-def test_parts_b_and_c_dry_run_the_bench_and_the_peak_check(part, tmp_path):
+@pytest.mark.parametrize("part", ["b", "c", "d"])
+def test_parts_b_c_d_dry_run_the_bench_and_the_peak_check(part, tmp_path):
     stages = _dry_run(part, tmp_path)
     assert "timed out" not in stages and "exit status 0" in stages, stages
-    suite = json.loads((tmp_path / f"suite-{'0.5b' if part == 'b' else '1.5b'}.json").read_text())
+    suite = json.loads((tmp_path / f"suite-{SUITE_FILES[part]}.json").read_text())
     rows = next(iter(suite["reports"].values()))["configs"]
     assert [r["name"] for r in rows] == ["rocktune"] and rows[0]["status"] == "ok"
-    results = list((tmp_path / f"results-{'0.5b' if part == 'b' else '1.5b'}").glob("*.json"))
+    results = list((tmp_path / f"results-{SUITE_FILES[part]}").glob("*.json"))
     assert [p.name for p in results] == ["rocktune-0.json"]  # written as each configuration finished
-    if part == "c":
+    if part == "d":
         point = json.loads((tmp_path / "auto_peak.jsonl").read_text().splitlines()[0])
         assert point["predicted"] > 0 and "error_message" not in point
+
+
+def test_the_parts_cover_the_whole_gpu_suite():
+    """Parts b, c and d between them run every configuration of the GPU suite on the shape it is run on."""
+    from rocktune.bench.suites import SUITES
+
+    text = SCRIPT.read_text()
+    small = set(re.search(r"GPU_CHECK_CONFIGS:-(hf-best,rocktune)}", text).group(1).split(","))
+    small |= set(re.search(r"GPU_CHECK_CONFIGS:-(hf-seed[\w,-]*)}", text).group(1).split(","))
+    assert small == set(SUITES["gpu"].configs.split(","))
 
 
 def test_a_suite_shape_runs_alone_at_the_suites_workload_and_configs_can_be_cut(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
@@ -99,7 +100,26 @@ def uncompile_decoder(model) -> None:
     model.get_base_model().get_decoder()._compiled_call_impl = None
 
 
+class _QuietMutationAnalysis(logging.Filter):
+    """Compiling a decoder with Liger's Triton kernels, torch 2.11 logs a traceback per kernel per graph on
+    ``torch._dynamo`` ("Encountered an exception in identify_mutated_tensors, assuming every input is mutated"): a
+    conservative fallback whose results are correct, but it filled 8,659 lines of an 8-step run's log on an H200
+    (docs/benchmarks.md). Only that message is dropped; graph breaks and recompiles still reach the log."""
+
+    PREFIX = "Encountered an exception in identify_mutated_tensors"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIX)
+
+
+def quiet_compile_logs() -> None:
+    dynamo = logging.getLogger("torch._dynamo")
+    if not any(isinstance(f, _QuietMutationAnalysis) for f in dynamo.filters):
+        dynamo.addFilter(_QuietMutationAnalysis())
+
+
 def compile_decoder(model) -> str:
     base = model.get_base_model()
+    quiet_compile_logs()
     base.get_decoder().compile()
     return "torch.compile applied to the decoder (the first steps include compilation)"
