@@ -203,6 +203,21 @@ def test_summary_figures_come_from_metrics(tmp_path, monkeypatch):
     assert f"rocktune generate {tmp_path} --chat" in "\n".join(summary.next_commands(tmp_path))
 
 
+def test_the_summary_leaves_compiling_steps_out_of_tokens_per_second(tmp_path):
+    """The H200 run: step 1 compiled for 48 s; counting it gave 12 tokens/s for a loop that ran at about 750."""
+    from rocktune.train import summary
+
+    lines = [{"step": 1, "loss": 5.8, "tokens": 86, "step_s": 48.3, "compiling": True},
+             *({"step": s, "loss": 5.0, "tokens": 80, "step_s": 0.1, "compiling": False} for s in range(2, 6))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out: list[str] = []
+    fig = summary.log_summary(tmp_path, out.append, 50.0)
+    assert (fig.steps, fig.logged, fig.compiling, fig.tokens) == (5, 5, 1, 320)
+    assert fig.step_seconds == pytest.approx(0.4)
+    text = "\n".join(out)
+    assert "useful tokens/s 800 (320 loss-bearing tokens in 0.4 s of steps; 1 compiling step left out)" in text
+
+
 def test_a_run_ends_with_its_figures_and_a_finished_run_is_not_redone(tiny_model_dir, tmp_path, capsys):
     """The 5 MB prompt case, through the CLI: trained with the prompt cut and reported, then --resume is a no-op."""
     rows = [{"prompt": "lorem ipsum dolor sit amet, " * 180_000 + "so the answer is", "completion": " 42"}]
