@@ -125,22 +125,83 @@ def test_llama_cpp_llama3_rope_scaling(tmp_path):
     assert llama_greedy(llm, ids, 12) == hf_greedy(model, ids, 12)
 
 
-def test_llama_cpp_quantised_files(tmp_path):
-    """q8_0 (gguf-py) stays within quantisation error of the fp32 logits; q4_k_m (llama.cpp's quantiser) loads."""
+def _llama_logits(path, ids: list[int]) -> np.ndarray:
+    llm = llama(path)
+    llm.eval(ids)
+    return np.asarray(llm.scores[: len(ids)]).copy()
+
+
+def test_llama_cpp_quantised_files_stay_near_the_f16_file(tmp_path):
+    """q8_0 (gguf-py's quantiser) and q4_k_m (llama.cpp's) against the f16 export run by llama.cpp itself: the
+    quantisation error in units of the f16 logits' spread, and well below what the fine-tune changed. Measured here
+    (tiny Qwen2, hidden 256): rms error 0.036 (q8_0) and 0.29 (q4_k_m) of the f16 logits' standard deviation; the
+    LoRA moved the logits by 1.20 on average, q4_k_m's mean error was 0.36. A file with a wrong layout or a lost
+    merge is at 1 and above on the first measure."""
     from transformers import AutoTokenizer
 
     base = build_model(tmp_path / "base", "qwen2", hidden=256)
     model = make_run(tmp_path / "run", base, "all-linear")
     ids = AutoTokenizer.from_pretrained(base)(TEXTS[0])["input_ids"]
     with torch.no_grad():
-        want = model(torch.tensor([ids])).logits[0].numpy()
-    for quant, bound in (("q8_0", 0.1), ("q4_k_m", 1.0)):
+        tuned = model(torch.tensor([ids])).logits[0].numpy()
+        with model.disable_adapter():
+            plain = model(torch.tensor([ids])).logits[0].numpy()
+    lora_effect = float(np.abs(tuned - plain).mean())
+    got = {}
+    for quant in ("f16", "q8_0", "q4_k_m"):
         assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", quant]) == 0
-        llm = llama(tmp_path / "run" / "export" / f"model-{quant}.gguf")
-        llm.eval(ids)
-        got = np.asarray(llm.scores[: len(ids)])
-        assert np.abs(got - want).max() < bound * np.abs(want).max(), quant
-        assert (got.argmax(-1) == want.argmax(-1)).mean() >= (0.9 if quant == "q8_0" else 0.5), quant
+        got[quant] = _llama_logits(tmp_path / "run" / "export" / f"model-{quant}.gguf", ids)
+    ref = got["f16"]
+    assert np.abs(ref - tuned).max() < 0.05  # the reference itself: f16 weights and llama.cpp's f16 KV cache
+    for quant, rms_bound, top1 in (("q8_0", 0.06, 0.9), ("q4_k_m", 0.4, 0.5)):
+        err = got[quant] - ref
+        assert float(np.sqrt((err**2).mean())) < rms_bound * float(ref.std()), quant
+        assert float(np.abs(err).mean()) < 0.5 * lora_effect, quant  # the fine-tune survives quantisation
+        assert (got[quant].argmax(-1) == ref.argmax(-1)).mean() >= top1, quant
+
+
+LOAD_WITH_DEFAULTS = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, verbose=False)
+out = []
+for tok in llm.generate([int(x) for x in sys.argv[2].split(",")], temp=0.0, top_k=1, reset=True):
+    out.append(tok)
+    if len(out) == 8:
+        break
+print(",".join(map(str, out)))
+"""
+
+
+@pytest.mark.parametrize("quant", ["f16", "q4_k_m"])
+def test_llama_cpp_with_its_default_loader_settings(tmp_path, quant):
+    """Every other test here turns llama.cpp's extra CPU buffer types off. With its defaults, in a child process (a
+    crash must not take pytest down): the same greedy tokens, or, where the repacked CPU path dies on this CPU, an
+    expected failure that says so — docs/export.md tells users the setting that avoids it."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    base = build_model(tmp_path / "base", "qwen2", hidden=256)
+    model = make_run(tmp_path / "run", base, "all-linear")
+    ids = AutoTokenizer.from_pretrained(base)(TEXTS[0])["input_ids"]
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", quant]) == 0
+    path = tmp_path / "run" / "export" / f"model-{quant}.gguf"
+    proc = subprocess.run([sys.executable, "-c", LOAD_WITH_DEFAULTS, str(path), ",".join(map(str, ids))],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        assert [int(x) for x in proc.stdout.strip().split(",")] == llama_greedy(llama(path), ids, 8)
+        if quant == "f16":
+            assert llama_greedy(llama(path), ids, 8) == hf_greedy(model, ids, 8)
+        return
+    doc = (Path(__file__).parents[1] / "docs" / "export.md").read_text(encoding="utf-8")
+    assert quant != "f16", proc.stderr[-2000:]  # unquantised files are never repacked
+    assert proc.returncode in (-signal.SIGILL, -signal.SIGSEGV), (proc.returncode, proc.stderr[-2000:])
+    assert "use_extra_bufts" in doc and "--no-repack" in doc
+    pytest.xfail(f"llama.cpp's default loader dies on this CPU with {signal.Signals(-proc.returncode).name} on a "
+                 f"{quant} file (its repacked CPU buffers); docs/export.md says how to turn them off")
 
 
 def test_llama_cpp_sentencepiece_tokenizer(tmp_path):
