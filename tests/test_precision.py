@@ -58,7 +58,7 @@ def _compiled_run(tiny_model_dir, data, out, **training) -> dict:
 
 @pytest.mark.slow
 def test_compile_on_the_cpu_with_static_width_rows_and_a_real_compiler_failure_falling_back(
-        tiny_model_dir, data, tmp_path, monkeypatch, capsys):
+        tiny_model_dir, data, tmp_path, capsys):
     """compile=true: the decoder is compiled (rows padded to max_length, so one shape) and trains to eager's losses;
     with the C++ compiler Inductor calls made to fail, the real error falls back to eager and the run finishes."""
     pytest.importorskip("torch._inductor")
@@ -73,9 +73,10 @@ def test_compile_on_the_cpu_with_static_width_rows_and_a_real_compiler_failure_f
 
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
     torch._dynamo.reset()
-    fell_back = train(config_from_dict(_compiled_run(tiny_model_dir, data, tmp_path / "broken", compile=True)))
+    # inductor.patch, not monkeypatch: monkeypatch's undo leaves the config option missing for later compiles.
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        fell_back = train(config_from_dict(_compiled_run(tiny_model_dir, data, tmp_path / "broken", compile=True)))
     err = capsys.readouterr().err
     assert "torch.compile failed" in err and "continuing without it" in err
     assert fell_back.losses == pytest.approx(eager.losses, rel=1e-4)

@@ -12,6 +12,8 @@ full fp32 logits are the largest tensor of a small model; here at most ``chunk_s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,9 @@ _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 
 
 def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 1024,
-                       fast: bool = True) -> tuple[torch.Tensor, int]:
+                       fast: bool = True, compiled: bool = False) -> tuple[torch.Tensor, int]:
+    """``compiled``: the chunk body runs through torch.compile (``compiled_chunk``), as it does when the run
+    compiles; otherwise eagerly (``eager_chunk``)."""
     labels = batch["labels"]
     targets = labels[:, 1:]
     index = batch.get("loss_index")  # host-computed (data.batching.with_loss_index): no device sync for sizes
@@ -46,7 +50,8 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]
     head = base.get_output_embeddings()
-    loss = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_size)
+    body = compiled_chunk() if compiled else eager_chunk
+    loss = LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_size, body)
     return loss, n_tokens
 
 
@@ -70,40 +75,90 @@ def _fast_path_ok(base) -> bool:
     return type(head) is torch.nn.Linear and not head.weight.requires_grad
 
 
+# |softmax - onehot| <= 1 per entry, so a d/dlogits scaled by this keeps the fp16 matmul far below fp16's max.
+FP16_SCALE = 2.0**12
+
+
+def _grad_scale(dtype: torch.dtype) -> float:
+    """In fp16, d/dh is taken before the GradScaler's scale is applied, so the small components of well-predicted
+    tokens would flush to zero: the softmax gradient is scaled before the half-precision matmul and unscaled after,
+    into fp32. bf16 has fp32's exponent range and needs no scale."""
+    return FP16_SCALE if dtype == torch.float16 else 1.0
+
+
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def eager_chunk(h, w, b, t, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's (sum of CE(h @ w^T + b, t), d/dh or None), op by op: the fp32 logits buffer is reused in place
+    for the gradient, so one chunk x vocab fp32 tensor exists at a time (several passes over it, though)."""
+    logits = F.linear(h, w, b).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    if not need_grad:
+        return loss, None
+    # d(sum CE)/d(logits) = softmax - onehot, reusing the logits buffer in place.
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+    scale = _grad_scale(h.dtype)
+    if scale != 1.0:
+        grad.mul_(scale)
+    return loss, (grad.to(w.dtype) @ w).to(_grad_dtype(h.dtype)) / scale
+
+
+def fused_chunk(h, w, b, t, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``eager_chunk``'s values written for a compiler: no in-place updates and no scatter, the onehot a comparison
+    with the column index, so that Inductor fuses the fp32 work into a reduction over the logits (logsumexp, the
+    target's logit) and one pointwise pass that writes d/dlogits already in the matmul's dtype: under bf16/fp16 no
+    fp32 chunk x vocab tensor need exist. The head's matmuls stay in the compute dtype."""
+    logits = F.linear(h, w, b).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    if not need_grad:
+        return loss, None
+    p = torch.exp(logits - lse[:, None])
+    onehot = torch.arange(logits.shape[1], device=t.device) == t[:, None]
+    grad = torch.where(onehot, p - 1.0, p)
+    scale = _grad_scale(h.dtype)
+    if scale == 1.0:  # dividing by 1 is exact: not a pass over the rows
+        return loss, (grad.to(w.dtype) @ w).to(_grad_dtype(h.dtype))
+    return loss, ((grad * scale).to(w.dtype) @ w).to(_grad_dtype(h.dtype)) / scale
+
+
+@functools.cache
+def compiled_chunk():
+    """``fused_chunk`` under torch.compile, one wrapper per process. Dynamic shapes are left automatic: the first
+    full chunk compiles a static graph, the first ragged last chunk one with a symbolic row count that serves every
+    later one, so a run compiles about two graphs per (dtype, bias, gradient or not) and never one per step. The
+    compiler runs on the first call: its failures are Dynamo/Inductor errors, which the compile fallback catches."""
+    return torch.compile(fused_chunk)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(h_i @ W^T + b, y_i), chunked over rows; d/dh is computed in forward, W and b are frozen.
 
-    In fp16, d/dh is taken before the GradScaler's scale is applied, so the small components of well-predicted
-    tokens would flush to zero: there the softmax gradient is scaled by FP16_SCALE before the half-precision matmul
-    and unscaled into an fp32 buffer. bf16 has fp32's exponent range and keeps its own dtype.
+    ``body`` computes one chunk (``eager_chunk`` by default, ``compiled_chunk()`` when the run compiles). In fp16
+    d/dh is unscaled into an fp32 buffer (``_grad_scale``); otherwise it keeps the hidden states' dtype.
     """
 
-    FP16_SCALE = 2.0**12  # |softmax - onehot| <= 1 per entry, so the scaled matmul stays far below fp16's max
+    FP16_SCALE = FP16_SCALE
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, body=None):
+        body = body or eager_chunk
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
-        fp16 = hidden.dtype == torch.float16
-        scale = LinearCrossEntropy.FP16_SCALE if fp16 else 1.0
-        grad_dtype = torch.float32 if fp16 else hidden.dtype
+        grad_dtype = _grad_dtype(hidden.dtype)
         grad_hidden = torch.empty(hidden.shape, dtype=grad_dtype, device=hidden.device) if need_grad else None
         w = weight.to(hidden.dtype)  # once, not per chunk: the head is the largest matrix of a small model
         b = None if bias is None else bias.to(hidden.dtype)
         for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size]
-            logits = F.linear(h, w, b).float()
-            t = targets[start : start + chunk_size]
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            if not need_grad:
-                continue
-            # d(sum CE)/d(logits) = softmax - onehot, reusing the logits buffer in place.
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-            if fp16:
-                grad.mul_(scale)
-            grad_hidden[start : start + chunk_size] = (grad.to(w.dtype) @ w).to(grad_dtype) / scale
+            rows = slice(start, start + chunk_size)
+            loss, grad = body(hidden[rows], w, b, targets[rows], need_grad)
+            total += loss
+            if need_grad:
+                grad_hidden[rows] = grad
         ctx.hidden_dtype = hidden.dtype
         ctx.save_for_backward(grad_hidden if need_grad else hidden.new_empty(0))
         return total
@@ -111,16 +166,21 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_out.to(grad_hidden.dtype)).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_hidden * grad_out.to(grad_hidden.dtype)).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 class LossModule(torch.nn.Module):
     """The model and its loss as one module, so that DDP's forward (which prepares its gradient reducer) is the
-    call that computes the loss: rocktune's fused head + cross-entropy reaches into the decoder directly."""
+    call that computes the loss: rocktune's fused head + cross-entropy reaches into the decoder directly.
+    ``compiled``: the loss's chunk body runs compiled; the compile fallback (``LMTask.uncompile``) sets it False."""
 
-    def __init__(self, model, chunk_size: int, fast: bool):
+    def __init__(self, model, chunk_size: int, fast: bool, compiled: bool = False):
         super().__init__()
-        self.model, self.chunk_size, self.fast = model, chunk_size, fast
+        self.model, self.chunk_size, self.fast, self.compiled = model, chunk_size, fast, compiled
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss_sum(self.model, batch, self.chunk_size, fast=self.fast)[0]
+        return self.sum_and_count(batch)[0]
+
+    def sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """(summed token loss, loss-bearing tokens): the evaluation's call, outside DDP."""
+        return causal_lm_loss_sum(self.model, batch, self.chunk_size, self.fast, self.compiled)

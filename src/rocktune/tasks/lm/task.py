@@ -94,8 +94,9 @@ class LMTask:
         ctx.notes += notes + feed_notes + [n for n in (attn_note,) if n] + model_notes + stats.notes
         self.model = model
         fsdp = self.strategy == "fsdp"
-        loss = distributed.wrap(LossModule(model, chunk, t.loss_impl == "chunked"), dist, device, self.strategy,
-                                ctx.notes)
+        # The loss's chunk body compiles with the decoder, and falls back with it (uncompile).
+        self._loss = LossModule(model, chunk, t.loss_impl == "chunked", compiled)
+        loss = distributed.wrap(self._loss, dist, device, self.strategy, ctx.notes)
         params = trainable_parameters(model)
         idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
         self._idle = idle
@@ -110,7 +111,7 @@ class LMTask:
         self._eval_share = eval_set if fsdp or not dist.enabled else \
             eval_set.subset(list(range(dist.rank, len(eval_set), dist.world)))
         self._eval_rows = max(t.micro_batch_size, feeding.rows_per_forward)  # no gradients: a forward fits easily
-        self._chunk, self._autocast = chunk, engine_build.autocast(device, ctx.precision)
+        self._autocast = engine_build.autocast(device, ctx.precision)
         return Prepared(model, loss, stats.fingerprint,
                         f"{len(train_set)} train / {len(eval_set)} eval examples ({stats.shape}, cache "
                         f"{'hit' if stats.cache_hit else 'written'})",
@@ -125,10 +126,9 @@ class LMTask:
                         Share(dist.rank, dist.world, self._idle, self.strategy == "fsdp"), **position)
 
     def evaluate(self) -> float | None:
-        t = self.cfg.training
         return distributed.mean_over_ranks(self.ctx.dist, *eval_sums(
-            self.model, self._eval_share, self._eval_rows, self.tokenizer.pad_token_id, self.ctx.device,
-            self._autocast, self._chunk, t.loss_impl == "chunked"))
+            self._loss, self._eval_share, self._eval_rows, self.tokenizer.pad_token_id, self.ctx.device,
+            self._autocast))
 
     def check_resume(self, restored, force: bool) -> None:
         """Runs on the checkpoint read but not applied (checkpoint.restore): a refusal leaves the model as it was."""
@@ -172,6 +172,7 @@ class LMTask:
 
     def uncompile(self) -> None:
         build.uncompile_decoder(self.model)
+        self._loss.compiled = False
 
 
 def _data_info(stats, train_lengths: list[int], n_eval: int) -> dict:
