@@ -17,6 +17,10 @@ TEXTS = ["upper abcd = Hello world 12345!", "  indented\n\ttab café 東京 (a+b
 
 @pytest.fixture(autouse=True)
 def plain_cpu_buffers(monkeypatch):
+    use_plain_cpu_buffers(monkeypatch)
+
+
+def use_plain_cpu_buffers(monkeypatch) -> None:
     """llama.cpp's repacked CPU buffers (AMX here) crash on tiny quantised models in llama-cpp-python 0.3.36, also
     on files llama.cpp quantised itself; the plain CPU path runs the same graph, so load with that."""
     low = llama_cpp.llama_cpp

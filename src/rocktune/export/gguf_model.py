@@ -13,7 +13,7 @@ import numpy as np
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
 from rocktune.export import quant as quants
-from rocktune.export.vocab import add_vocab
+from rocktune.export.vocab import add_vocab, loader_safe_name
 
 
 def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
@@ -24,6 +24,8 @@ def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
     for key, tensor in state.items():
         if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue  # recomputed by llama.cpp / the head reuses token_embd when tied
+        if tied and arch.output_required and name_of(key) == "token_embd.weight":
+            out["output.weight"] = tensor.detach().float().cpu().numpy()  # this loader has no tied head
         name = name_of(key)
         if name is None:
             raise UserError(f"GGUF export does not know where the tensor {key} of this {cfg.model_type} model goes; "
@@ -60,11 +62,11 @@ def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name)
+    writer.add_name(loader_safe_name(name, tokenizer_dir))
     writer.add_file_type(quants.file_type(quant))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     archs.add_hparams(writer, cfg, arch)
-    add_vocab(writer, tokenizer_dir, cfg.vocab_size)
+    add_vocab(writer, tokenizer_dir, cfg.vocab_size, arch.spm_space_prefix)
     for tname, data in tensors.items():
         encoded, raw = quants.encode(data, quant)
         writer.add_tensor(tname, encoded, raw_dtype=raw)

@@ -48,8 +48,9 @@ def _flatten(node: dict) -> list[dict]:
     return [node] if node else []
 
 
-def add_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> None:
-    """Write the tokenizer of ``tokenizer_dir`` (a saved HF tokenizer) padded to the model's ``vocab_size``."""
+def add_vocab(writer, tokenizer_dir: Path, vocab_size: int, space_prefix: bool = True) -> None:
+    """Write the tokenizer of ``tokenizer_dir`` (a saved HF tokenizer) padded to the model's ``vocab_size``;
+    ``space_prefix=False`` for SentencePiece vocabularies that do not prepend a space (Gemma's)."""
     tj_path = tokenizer_dir / "tokenizer.json"
     if not tj_path.is_file():
         raise UserError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer); GGUF export reads the "
@@ -61,6 +62,8 @@ def add_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> None:
         _add_byte_bpe(writer, tokenizer_dir, tj, vocab_size)
     elif (tokenizer_dir / "tokenizer.model").is_file():
         _add_sentencepiece(writer, tokenizer_dir, vocab_size)
+        if not space_prefix:
+            writer.add_add_space_prefix(False)
     else:
         raise UserError(f"{tj_path}: GGUF export supports byte-level BPE tokenizers and SentencePiece ones with "
                         f"tokenizer.model; this one is {model.get('type')} "
@@ -139,6 +142,24 @@ def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) 
     special.add_special_token["bos"] = tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id]
     special.add_special_token["eos"] = tok.eos_token_id is not None and ids[-1:] == [tok.eos_token_id]
     special.add_to_gguf(writer, quiet=True)
+
+
+# llama.cpp picks Phi-3's per-token attributes by the model's name and then looks these tokens up unconditionally
+PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def loader_safe_name(name: str, tokenizer_dir: Path) -> str:
+    """``name`` for general.name, unless it would make llama.cpp's loader fail: a name containing "phi3" or "phi-3"
+    selects its Phi-3 token attributes, which look up the SentencePiece-era tokens of PHI3_NAME_TOKENS and abort
+    the load when the vocabulary lacks one (byte-level BPE ones do). Such a name is written with "phi 3" instead."""
+    import re
+
+    if not re.search(r"phi-?3", name, re.IGNORECASE):
+        return name
+    vocab = _hf_tokenizer(tokenizer_dir).get_vocab()
+    if all(t in vocab for t in PHI3_NAME_TOKENS):
+        return name
+    return re.sub(r"(phi)-?3", r"\1 3", name, flags=re.IGNORECASE)
 
 
 def _hf_tokenizer(tokenizer_dir: Path):
