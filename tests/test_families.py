@@ -270,7 +270,7 @@ def test_gguf_lora(family_run, family_dir, capsys, record_property, name):
     per_layer = len(BY_NAME[name].trained)
     assert len(names) == 2 * 2 * per_layer and all(n.endswith((".lora_a", ".lora_b")) for n in names)
     if name == "phi3":  # one LoRA per fused projection, on llama.cpp's fused tensors (its graph applies it there)
-        assert {"blk.0.attn_qkv.lora_a", "blk.0.attn_qkv.lora_b", "blk.0.ffn_up.lora_b"} <= set(names)
+        assert {f"blk.0.{t}.weight.lora_{ab}" for t in ("attn_qkv", "ffn_up") for ab in "ab"} <= set(names)
 
 
 @pytest.mark.parametrize("name", NAMES)
