@@ -88,6 +88,41 @@ def _gemma_hparams(writer, cfg) -> None:
         writer.add_rope_freq_base_swa(float(rope_params(cfg, "sliding_attention")["rope_theta"]))
 
 
+def _check_qwen3_moe(cfg) -> None:
+    # llama.cpp's qwen3moe graph renormalises the chosen experts' weights and has an MoE block in every layer
+    _refuse_if(not getattr(cfg, "norm_topk_prob", False), cfg, "norm_topk_prob is off (the chosen experts' "
+               "weights are not renormalised)")
+    _refuse_if(getattr(cfg, "decoder_sparse_step", 1) != 1 or bool(getattr(cfg, "mlp_only_layers", None)), cfg,
+               "some layers have a dense MLP instead of experts")
+
+
+def _moe_hparams(writer, cfg) -> None:
+    writer.add_expert_count(int(getattr(cfg, "num_local_experts", None) or cfg.num_experts))
+    writer.add_expert_used_count(int(cfg.num_experts_per_tok))
+    if getattr(cfg, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+
+
+def n_experts(cfg) -> int:
+    return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0)
+
+
+def expert_ff(cfg) -> int:
+    return int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+
+
+def split_experts(key: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """transformers 5 keeps a layer's experts as 3-D parameters, gate and up fused (experts, 2 * ff, hidden);
+    llama.cpp wants ffn_gate_exps and ffn_up_exps apart. Other tensors pass through."""
+    if key.endswith("mlp.experts.gate_up_proj"):
+        half = data.shape[1] // 2
+        base = key.removesuffix(".gate_up_proj")
+        return [(f"{base}.gate_proj.weight", data[:, :half]), (f"{base}.up_proj.weight", data[:, half:])]
+    if key.endswith("mlp.experts.down_proj"):
+        return [(key + ".weight", data)]
+    return [(key, data)]
+
+
 # HF model_type -> llama.cpp arch. Mistral's dense models run on llama.cpp's llama graph.
 ARCHS = {
     "qwen2": Arch("qwen2", False),
@@ -100,6 +135,8 @@ ARCHS = {
     "smollm3": Arch("smollm3", True, check=_check_smollm3),
     "gemma2": Arch("gemma2", False, 1.0, spm_space_prefix=False, check=_check_gemma, hparams=_gemma_hparams),
     "gemma3_text": Arch("gemma3", False, 1.0, spm_space_prefix=False, check=_check_gemma, hparams=_gemma_hparams),
+    "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
+    "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
 }
 
 

@@ -26,12 +26,12 @@ def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
             continue  # recomputed by llama.cpp / the head reuses token_embd when tied
         if tied and arch.output_required and name_of(key) == "token_embd.weight":
             out["output.weight"] = tensor.detach().float().cpu().numpy()  # this loader has no tied head
-        name = name_of(key)
-        if name is None:
-            raise UserError(f"GGUF export does not know where the tensor {key} of this {cfg.model_type} model goes; "
-                            "the checkpoint has parts the supported architecture lacks. Use --to merged.")
-        data = tensor.detach().float().cpu().numpy()
-        out[name] = archs.to_gguf_layout(name, data, cfg, arch)
+        for part, data in archs.split_experts(key, tensor.detach().float().cpu().numpy()):
+            name = name_of(part)
+            if name is None:
+                raise UserError(f"GGUF export does not know where the tensor {key} of this {cfg.model_type} model "
+                                "goes; the checkpoint has parts the supported architecture lacks. Use --to merged.")
+            out[name] = archs.to_gguf_layout(name, data, cfg, arch)
     out.update(archs.extra_tensors(cfg))
     return out
 
@@ -39,8 +39,11 @@ def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
 def row_lengths(cfg) -> dict[str, int]:
     """Row length (GGUF's ne[0]) of each kind of matrix, from the config alone: what block sizes must divide."""
     hd = archs.head_dim(cfg)
-    return {"token_embd/attn_q/k/v/ffn_gate/up": cfg.hidden_size,
+    rows = {"token_embd/attn_q/k/v/ffn_gate/up": cfg.hidden_size,
             "attn_output": cfg.num_attention_heads * hd, "ffn_down": cfg.intermediate_size}
+    if archs.n_experts(cfg):
+        rows["ffn_down_exps"] = archs.expert_ff(cfg)
+    return rows
 
 
 def write_model_gguf(tensors: dict[str, np.ndarray], cfg, arch: archs.Arch, tokenizer_dir: Path, path: Path,
