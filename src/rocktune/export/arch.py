@@ -67,8 +67,11 @@ def _check_gemma(cfg) -> None:
     expected = cfg.hidden_size // cfg.num_attention_heads if big else head_dim(cfg)
     scalar = getattr(cfg, "query_pre_attn_scalar", None)
     _refuse_if(scalar != expected, cfg, f"query_pre_attn_scalar is {scalar}, not {expected}")
-    if cfg.model_type == "gemma2":
+    sliding = "sliding_attention" in _layer_types(cfg)
+    _refuse_if(sliding and not getattr(cfg, "sliding_window", None), cfg, "it has sliding layers but no window size")
+    if cfg.model_type == "gemma2":  # llama.cpp's gemma2 graph always soft-caps both (50 and 30 unless told)
         _refuse_if(getattr(cfg, "attn_logit_softcapping", None) is None, cfg, "it has no attention soft-capping")
+        _refuse_if(getattr(cfg, "final_logit_softcapping", None) is None, cfg, "it has no final soft-capping")
     else:
         _refuse_if(getattr(cfg, "attn_logit_softcapping", None) is not None, cfg, "it soft-caps attention logits")
         local = rope_params(cfg, "sliding_attention")
@@ -81,8 +84,8 @@ def _gemma_hparams(writer, cfg) -> None:
     if getattr(cfg, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
     sliding = [t == "sliding_attention" for t in _layer_types(cfg)]
-    if any(sliding):
-        writer.add_sliding_window(int(cfg.sliding_window))
+    if any(sliding) or cfg.model_type == "gemma2":  # gemma2's loader assumes a 4096 window on every other layer
+        writer.add_sliding_window(int(cfg.sliding_window or 0))
         writer.add_sliding_window_pattern(sliding)  # per layer, as the config says, not the loader's default
     if cfg.model_type == "gemma3_text":
         writer.add_rope_freq_base_swa(float(rope_params(cfg, "sliding_attention")["rope_theta"]))
@@ -186,7 +189,8 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
     writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     writer.add_key_length(head_dim(cfg))
     writer.add_value_length(head_dim(cfg))
-    writer.add_rope_dimension_count(int(head_dim(cfg) * float(rope.get("partial_rotary_factor") or 1.0)))
+    partial = rope.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or 1.0
+    writer.add_rope_dimension_count(int(head_dim(cfg) * float(partial)))  # Phi-4-mini rotates 3/4 of each head
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
