@@ -352,6 +352,7 @@ def test_plan(family_dir, capsys, name):
     assert doc["n_params"] == total and doc["active_params"] == shape.active_params
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("name", NAMES)
 def test_llama_cpp(family_run, family_dir, capsys, record_property, monkeypatch, name):
     """llama.cpp itself (llama-cpp-python) loads the family's f32 GGUF, tokenises like transformers and continues a
@@ -497,3 +498,28 @@ def test_gemma2_attention(family_dir):
     with pytest.raises(UserError, match="model.attn_implementation=sdpa.*auto.*eager") as err:
         load_model(path, "fp32", "sdpa", False, "cpu")
     assert "offline" not in str(err.value)
+
+
+def test_olmo2_tied_head_is_written_as_output(tmp_path, monkeypatch):
+    """OLMo 2's llama.cpp loader requires output.weight (it has no tied head): a tied OLMo 2 gets the embedding as
+    output.weight too, and llama.cpp, where installed, continues a prompt with transformers' greedy tokens."""
+    import dataclasses
+
+    gguf = pytest.importorskip("gguf", reason="the gguf package writes GGUF files")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    fam = BY_NAME["olmo2"]
+    base = build_family(dataclasses.replace(fam, extra={**fam.extra, "tie_word_embeddings": True}), tmp_path / "b")
+    out = tmp_path / "olmo2.gguf"
+    assert main(["export", str(base), "--to", "gguf", "--quant", "f32", "--out", str(out)]) == 0
+    tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(out).tensors}
+    np.testing.assert_array_equal(tensors["output.weight"], tensors["token_embd.weight"])
+    if importlib.util.find_spec("llama_cpp") is None:
+        return
+    from tests.test_export_llama_cpp import TEXTS, hf_greedy, llama, llama_greedy, use_plain_cpu_buffers
+
+    use_plain_cpu_buffers(monkeypatch)
+    ids = AutoTokenizer.from_pretrained(base)(TEXTS[0])["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    assert model.config.tie_word_embeddings
+    assert llama_greedy(llama(out), ids, 16) == hf_greedy(model, ids, 16)
