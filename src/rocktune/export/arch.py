@@ -21,7 +21,6 @@ class Arch:
     interleaved_rope: bool  # llama.cpp rotates adjacent pairs here, HF rotates halves: q/k rows are reordered
     norm_shift: float = 0.0  # Gemma's RMSNorm scales by (1 + w); llama.cpp's by the stored weight, so w + 1 is stored
     output_required: bool = False  # the loader has no tied head (OLMo 2): output.weight is written even when tied
-    spm_space_prefix: bool = True  # SentencePiece vocabularies: whether llama.cpp prepends a space (Gemma's do not)
     check: Callable | None = None  # refuses configurations llama.cpp's graph for this arch would compute otherwise
     hparams: Callable | None = None  # the family's own metadata keys, on top of the common ones
 
@@ -136,8 +135,8 @@ ARCHS = {
     "olmo2": Arch("olmo2", False, output_required=True),
     "granite": Arch("granite", True, hparams=_granite_hparams),
     "smollm3": Arch("smollm3", True, check=_check_smollm3),
-    "gemma2": Arch("gemma2", False, 1.0, spm_space_prefix=False, check=_check_gemma, hparams=_gemma_hparams),
-    "gemma3_text": Arch("gemma3", False, 1.0, spm_space_prefix=False, check=_check_gemma, hparams=_gemma_hparams),
+    "gemma2": Arch("gemma2", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
+    "gemma3_text": Arch("gemma3", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
 }

@@ -69,7 +69,7 @@ def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name
     writer.add_file_type(quants.file_type(quant))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     archs.add_hparams(writer, cfg, arch)
-    add_vocab(writer, tokenizer_dir, cfg.vocab_size, arch.spm_space_prefix)
+    add_vocab(writer, tokenizer_dir, cfg.vocab_size)
     for tname, data in tensors.items():
         encoded, raw = quants.encode(data, quant)
         writer.add_tensor(tname, encoded, raw_dtype=raw)

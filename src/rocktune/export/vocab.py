@@ -48,9 +48,8 @@ def _flatten(node: dict) -> list[dict]:
     return [node] if node else []
 
 
-def add_vocab(writer, tokenizer_dir: Path, vocab_size: int, space_prefix: bool = True) -> None:
-    """Write the tokenizer of ``tokenizer_dir`` (a saved HF tokenizer) padded to the model's ``vocab_size``;
-    ``space_prefix=False`` for SentencePiece vocabularies that do not prepend a space (Gemma's)."""
+def add_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> None:
+    """Write the tokenizer of ``tokenizer_dir`` (a saved HF tokenizer) padded to the model's ``vocab_size``."""
     tj_path = tokenizer_dir / "tokenizer.json"
     if not tj_path.is_file():
         raise UserError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer); GGUF export reads the "
@@ -62,8 +61,6 @@ def add_vocab(writer, tokenizer_dir: Path, vocab_size: int, space_prefix: bool =
         _add_byte_bpe(writer, tokenizer_dir, tj, vocab_size)
     elif (tokenizer_dir / "tokenizer.model").is_file():
         _add_sentencepiece(writer, tokenizer_dir, vocab_size)
-        if not space_prefix:
-            writer.add_add_space_prefix(False)
     else:
         raise UserError(f"{tj_path}: GGUF export supports byte-level BPE tokenizers and SentencePiece ones with "
                         f"tokenizer.model; this one is {model.get('type')} "
@@ -127,6 +124,16 @@ def _add_sentencepiece(writer, tokenizer_dir: Path, vocab_size: int) -> None:
     writer.add_token_list(tokens[:vocab_size])
     writer.add_token_scores(scores[:vocab_size])
     writer.add_token_types(types[:vocab_size])
+    if not _adds_space_prefix(tokenizer_dir / "tokenizer.model"):
+        writer.add_add_space_prefix(False)  # llama.cpp prepends one unless told (Gemma's vocabularies do not)
+
+
+def _adds_space_prefix(model_file: Path) -> bool:
+    """Whether this SentencePiece model puts a space before the text (Llama 2, Mistral) or not (Gemma), measured."""
+    from sentencepiece import SentencePieceProcessor
+
+    pieces = SentencePieceProcessor(model_file=str(model_file)).encode("a", out_type=str)
+    return bool(pieces) and pieces[0].startswith("\u2581")
 
 
 def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) -> None:
