@@ -41,7 +41,15 @@ QUIRKS = [
     "- **Qwen3-MoE / Mixtral**: transformers 5 stores each layer's experts as 3-D parameters; `all-linear` adapts "
     "attention by name and the experts through PEFT's parameter targeting; the router is left alone (PEFT's own "
     "all-linear would adapt it, and a moved router sends tokens to experts the adapter did not train for them).",
-    "- **Granite 3**: embedding, residual, attention and logit multipliers are config values the merged model keeps.",
+    "- **Granite 3**: embedding, residual, attention and logit multipliers are config values the merged model keeps; "
+    "the GGUF carries them as llama.cpp's granite scales.",
+    "- **GGUF per family** (facts from llama.cpp's converter and loader): Gemma's norms are stored as 1 + w, with "
+    "attention/final soft-capping, the sliding window and its per-layer pattern (Gemma 3: the local rope base); a "
+    "query scale llama.cpp would not use is refused. Phi-3's fused `qkv_proj`/`gate_up_proj` stay fused "
+    "(`attn_qkv`, `ffn_up`), and so do their LoRAs. OLMo 2's loader has no tied head, so `output.weight` is always "
+    "written. SmolLM3 is refused unless rope is skipped in every 4th layer, the rule llama.cpp hard-codes. "
+    "Qwen3-MoE and Mixtral experts become `ffn_{gate,up,down}_exps` stacks and their LoRAs per-expert LoRAs; "
+    "Qwen3-MoE without `norm_topk_prob` (llama.cpp always renormalises) is refused.",
     "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless the "
     "adapter changed it (docs/export.md).",
     "- **Chat templates**: every family's template shape is exercised by `test_chat_masking` (with a system turn "
@@ -141,13 +149,18 @@ def render_doc(results: dict[str, dict]) -> str:
         "after it bear loss; the tokens equal the template's own rendering.",
         "- **train / QLoRA**: a few steps of the real `rocktune train` on chat data (QLoRA: an nf4 base).",
         "- **merged**: `export --to merged` reloads in transformers with the PEFT model's logits (fp32, 1e-5).",
-        "- **GGUF / GGUF-LoRA / Ollama**: the file is written and read back with gguf-py's `GGUFReader`; for "
-        "architectures the GGUF export does not know, the command refuses with a UserError naming the "
-        "architecture and writes nothing.",
-        "- **llama.cpp**: loading each family's GGUF in llama.cpp needs llama-cpp-python, which is not installed "
-        "where this table was made; the per-family load itself is not written yet (the cell skips saying so even "
-        "where llama-cpp-python is installed). tests/test_export_llama_cpp.py loads tiny Qwen2, Qwen3 and Llama "
-        "GGUFs in llama.cpp where it is installed.",
+        "- **GGUF**: the file is read back with gguf-py's `GGUFReader`: the family's own metadata keys, and every "
+        "tensor equal to the merged weights in llama.cpp's layout (derived in the test itself: q/k rows "
+        "interleaved for llama-style rope, Gemma's norms as 1 + w, MoE experts as gate/up/down stacks), exactly "
+        "in f32 and to rounding in f16. For an architecture the GGUF export does not know, the command refuses "
+        "with a UserError naming the architecture and writes nothing.",
+        "- **GGUF-LoRA**: an A/B pair per adapted projection (per expert stack on MoE), and alpha / r · B·A equal to "
+        "the merged tensor minus the base's, expert by expert.",
+        "- **Ollama**: `model.gguf` and a Modelfile with the family's end-of-turn token as a stop.",
+        "- **llama.cpp**: llama.cpp itself (llama-cpp-python) loads the family's f32 GGUF, tokenises like "
+        "transformers and continues a prompt greedily with the merged transformers model's 16 tokens; the base's "
+        "GGUF with the GGUF LoRA gives the same tokens, and without it the base's. Skipped where llama-cpp-python "
+        "is not installed (`make llama-cpp`).",
         "- **plan**: `rocktune plan` reads the family's config.json; its parameter count equals the model's (MoE: "
         "total and active) and its LoRA count equals PEFT's.", "",
         "## Family quirks, and where they are handled", "",

@@ -118,8 +118,9 @@ def make_run(run_dir: Path, base: Path, targets, modules_to_save=None, seed: int
     return peft_model.eval()
 
 
-def build_spm_llama(out: Path, seed: int = 0, added: tuple[str, ...] = ()) -> Path:
-    """A Llama 2-style model: SentencePiece BPE with byte fallback (tokenizer.model beside tokenizer.json)."""
+def build_spm_llama(out: Path, seed: int = 0, added: tuple[str, ...] = (), space_prefix: bool = True) -> Path:
+    """A Llama 2-style model: SentencePiece BPE with byte fallback (tokenizer.model beside tokenizer.json);
+    ``space_prefix=False``: a vocabulary that puts no space before the text, as Gemma's."""
     import io
     import json
 
@@ -132,7 +133,8 @@ def build_spm_llama(out: Path, seed: int = 0, added: tuple[str, ...] = ()) -> Pa
     spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()), model_writer=buf, vocab_size=400,
                                    model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1,
                                    eos_id=2, pad_id=-1, split_digits=True, remove_extra_whitespaces=False,
-                                   normalization_rule_name="identity", minloglevel=2)
+                                   normalization_rule_name="identity", add_dummy_prefix=space_prefix,
+                                   minloglevel=2)
     (out / "tokenizer.model").write_bytes(buf.getvalue())
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",

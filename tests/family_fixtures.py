@@ -87,7 +87,9 @@ FAMILIES = [
                                                                    "original_max_position_embeddings": 128}}),
     Family("qwen2.5", "Qwen2Config", "chatml", {"tie_word_embeddings": True}),
     Family("qwen3", "Qwen3Config", "chatml", {"head_dim": 32, "tie_word_embeddings": True}),
-    Family("qwen3-moe", "Qwen3MoeConfig", "chatml", {"num_experts": 4, "head_dim": 16, **MOE}, ATTN_ONLY, True),
+    # norm_topk_prob as in the released Qwen3 MoE checkpoints (transformers' default is off)
+    Family("qwen3-moe", "Qwen3MoeConfig", "chatml", {"num_experts": 4, "head_dim": 16, "norm_topk_prob": True, **MOE},
+           ATTN_ONLY, True),
     Family("mistral", "MistralConfig", "mistral", {"sliding_window": None}),
     Family("mixtral", "MixtralConfig", "mistral", {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTN_ONLY,
            True),

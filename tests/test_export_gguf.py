@@ -153,6 +153,10 @@ def test_sentencepiece_vocabulary_metadata(tmp_path):
     assert list(kv["tokenizer.ggml.token_type"][400:402]) == [gguf.TokenType.CONTROL, gguf.TokenType.UNUSED]
     assert kv["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"] and "<0x0A>" in kv["tokenizer.ggml.tokens"]
     assert kv["tokenizer.ggml.bos_token_id"] == 1 and kv["tokenizer.ggml.eos_token_id"] == 2
+    assert "tokenizer.ggml.add_space_prefix" not in kv  # llama.cpp's default: a space before the text
+    plain = build_spm_llama(tmp_path / "plain", space_prefix=False)  # Gemma-style: no space put before the text
+    assert main(["export", str(plain), "--to", "gguf", "--out", str(tmp_path / "p.gguf")]) == 0
+    assert fields(gguf.GGUFReader(tmp_path / "p.gguf"))["tokenizer.ggml.add_space_prefix"] is False
 
 
 def test_modelfile_keeps_the_templates_default_system_prompt(models):

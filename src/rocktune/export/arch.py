@@ -7,6 +7,7 @@ Checked before any weight is loaded, so an unsupported model fails in a second, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,110 @@ from rocktune.errors import UserError
 class Arch:
     gguf_name: str        # llama.cpp's architecture name
     interleaved_rope: bool  # llama.cpp rotates adjacent pairs here, HF rotates halves: q/k rows are reordered
+    norm_shift: float = 0.0  # Gemma's RMSNorm scales by (1 + w); llama.cpp's by the stored weight, so w + 1 is stored
+    output_required: bool = False  # the loader has no tied head (OLMo 2): output.weight is written even when tied
+    check: Callable | None = None  # refuses configurations llama.cpp's graph for this arch would compute otherwise
+    hparams: Callable | None = None  # the family's own metadata keys, on top of the common ones
+
+
+def _refuse_if(condition: bool, cfg, what: str) -> None:
+    if condition:
+        raise UserError(f"GGUF export does not support this {cfg.model_type} model: {what}, which llama.cpp's "
+                        f"{cfg.model_type} graph does not compute the same way; use --to merged.")
+
+
+def _phi3_hparams(writer, cfg) -> None:
+    # llama.cpp reads a Phi-3 sliding window only to warn and switch it off; 0 marks "none" (Phi-4)
+    writer.add_sliding_window(getattr(cfg, "sliding_window", None) or 0)
+    orig = getattr(cfg, "original_max_position_embeddings", None) or rope_params(cfg).get(
+        "original_max_position_embeddings")
+    if orig:
+        writer.add_rope_scaling_orig_ctx_len(int(orig))
+
+
+def _granite_hparams(writer, cfg) -> None:
+    writer.add_attention_scale(float(cfg.attention_multiplier))
+    writer.add_embedding_scale(float(cfg.embedding_multiplier))
+    writer.add_residual_scale(float(cfg.residual_multiplier))
+    writer.add_logit_scale(float(cfg.logits_scaling))  # the loader requires this key
+
+
+def _check_smollm3(cfg) -> None:
+    # llama.cpp leaves rope out of every 4th layer (a fixed rule); transformers reads it per layer from the config
+    want = [int((i + 1) % 4 != 0) for i in range(cfg.num_hidden_layers)]
+    have = list(getattr(cfg, "no_rope_layers", None) or want)
+    _refuse_if(have != want, cfg, f"rope is skipped in layers {[i for i, r in enumerate(have) if not r]}, "
+               "not in every 4th layer")
+    _refuse_if(any(t != "full_attention" for t in _layer_types(cfg)), cfg, "it uses sliding-window attention")
+
+
+def _layer_types(cfg) -> list[str]:
+    return list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+
+
+def _check_gemma(cfg) -> None:
+    # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden/heads) for the 27B shapes only
+    big = cfg.num_hidden_layers == (46 if cfg.model_type == "gemma2" else 62)
+    expected = cfg.hidden_size // cfg.num_attention_heads if big else head_dim(cfg)
+    scalar = getattr(cfg, "query_pre_attn_scalar", None)
+    _refuse_if(scalar != expected, cfg, f"query_pre_attn_scalar is {scalar}, not {expected}")
+    sliding = "sliding_attention" in _layer_types(cfg)
+    _refuse_if(sliding and not getattr(cfg, "sliding_window", None), cfg, "it has sliding layers but no window size")
+    if cfg.model_type == "gemma2":  # llama.cpp's gemma2 graph always soft-caps both (50 and 30 unless told)
+        _refuse_if(getattr(cfg, "attn_logit_softcapping", None) is None, cfg, "it has no attention soft-capping")
+        _refuse_if(getattr(cfg, "final_logit_softcapping", None) is None, cfg, "it has no final soft-capping")
+    else:
+        _refuse_if(getattr(cfg, "attn_logit_softcapping", None) is not None, cfg, "it soft-caps attention logits")
+        local = rope_params(cfg, "sliding_attention")
+        _refuse_if(local["rope_type"] != "default", cfg, f"its sliding layers scale rope ({local['rope_type']})")
+
+
+def _gemma_hparams(writer, cfg) -> None:
+    if cfg.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
+    if getattr(cfg, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    sliding = [t == "sliding_attention" for t in _layer_types(cfg)]
+    if any(sliding) or cfg.model_type == "gemma2":  # gemma2's loader assumes a 4096 window on every other layer
+        writer.add_sliding_window(int(cfg.sliding_window or 0))
+        writer.add_sliding_window_pattern(sliding)  # per layer, as the config says, not the loader's default
+    if cfg.model_type == "gemma3_text":
+        writer.add_rope_freq_base_swa(float(rope_params(cfg, "sliding_attention")["rope_theta"]))
+
+
+def _check_qwen3_moe(cfg) -> None:
+    # llama.cpp's qwen3moe graph renormalises the chosen experts' weights and has an MoE block in every layer
+    _refuse_if(not getattr(cfg, "norm_topk_prob", False), cfg, "norm_topk_prob is off (the chosen experts' "
+               "weights are not renormalised)")
+    _refuse_if(getattr(cfg, "decoder_sparse_step", 1) != 1 or bool(getattr(cfg, "mlp_only_layers", None)), cfg,
+               "some layers have a dense MLP instead of experts")
+
+
+def _moe_hparams(writer, cfg) -> None:
+    writer.add_expert_count(int(getattr(cfg, "num_local_experts", None) or cfg.num_experts))
+    writer.add_expert_used_count(int(cfg.num_experts_per_tok))
+    if getattr(cfg, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+
+
+def n_experts(cfg) -> int:
+    return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0)
+
+
+def expert_ff(cfg) -> int:
+    return int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+
+
+def split_experts(key: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """transformers 5 keeps a layer's experts as 3-D parameters, gate and up fused (experts, 2 * ff, hidden);
+    llama.cpp wants ffn_gate_exps and ffn_up_exps apart. Other tensors pass through."""
+    if key.endswith("mlp.experts.gate_up_proj"):
+        half = data.shape[1] // 2
+        base = key.removesuffix(".gate_up_proj")
+        return [(f"{base}.gate_proj.weight", data[:, :half]), (f"{base}.up_proj.weight", data[:, half:])]
+    if key.endswith("mlp.experts.down_proj"):
+        return [(key + ".weight", data)]
+    return [(key, data)]
 
 
 # HF model_type -> llama.cpp arch. Mistral's dense models run on llama.cpp's llama graph.
@@ -26,6 +131,14 @@ ARCHS = {
     "qwen3": Arch("qwen3", False),
     "llama": Arch("llama", True),
     "mistral": Arch("llama", True),
+    "phi3": Arch("phi3", False, hparams=_phi3_hparams),
+    "olmo2": Arch("olmo2", False, output_required=True),
+    "granite": Arch("granite", True, hparams=_granite_hparams),
+    "smollm3": Arch("smollm3", True, check=_check_smollm3),
+    "gemma2": Arch("gemma2", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
+    "gemma3_text": Arch("gemma3", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
+    "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
+    "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
 }
 
 
@@ -35,16 +148,22 @@ def arch_for(cfg) -> Arch:
         raise UserError(f"GGUF export does not support the {model_type} architecture yet (supported: "
                         f"{', '.join(sorted(ARCHS))}); use --to merged for a transformers model directory.")
     _check_rope(cfg)
-    return ARCHS[model_type]
+    arch = ARCHS[model_type]
+    if arch.check is not None:
+        arch.check(cfg)
+    return arch
 
 
 def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def rope_params(cfg) -> dict:
-    """transformers 5 keeps theta and scaling in ``rope_parameters``; 4.x in ``rope_theta`` / ``rope_scaling``."""
+def rope_params(cfg, layer_type: str = "full_attention") -> dict:
+    """transformers 5 keeps theta and scaling in ``rope_parameters`` (per layer type where they differ, as Gemma 3's
+    global and sliding layers); 4.x in ``rope_theta`` / ``rope_scaling``."""
     params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
@@ -69,7 +188,8 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
     writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     writer.add_key_length(head_dim(cfg))
     writer.add_value_length(head_dim(cfg))
-    writer.add_rope_dimension_count(head_dim(cfg))
+    partial = rope.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or 1.0
+    writer.add_rope_dimension_count(int(head_dim(cfg) * float(partial)))  # Phi-4-mini rotates 3/4 of each head
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -80,6 +200,8 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(rope["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    if arch.hparams is not None:
+        arch.hparams(writer, cfg)
 
 
 def extra_tensors(cfg) -> dict[str, np.ndarray]:
@@ -133,7 +255,10 @@ def tensor_namer(cfg, arch: Arch):
 
 
 def to_gguf_layout(gguf_name: str, data: np.ndarray, cfg, arch: Arch) -> np.ndarray:
-    """Reorder q/k output rows from HF's half-split rotary layout to llama.cpp's interleaved one (llama arch)."""
+    """Reorder q/k output rows from HF's half-split rotary layout to llama.cpp's interleaved one (llama arch);
+    shift Gemma's norm weights to what llama.cpp multiplies by."""
+    if arch.norm_shift and gguf_name.endswith("norm.weight"):
+        return data + np.float32(arch.norm_shift)
     if not arch.interleaved_rope:
         return data
     if ".attn_q." in gguf_name:

@@ -63,6 +63,9 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, 
         module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
         a = state[key].float().numpy()
         b = state[key.replace(".lora_A.", ".lora_B.")].float().numpy()
+        if ".experts" in module:
+            out.update(_expert_lora(adapter, module, (a, b), cfg, model_cfg, name_of))
+            continue
         base = name_of(module + ".weight")
         if base is None:
             _refuse(adapter, f"the adapter adapts {module}, which has no GGUF tensor")
@@ -73,6 +76,39 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, 
     if not out:
         _refuse(adapter, "the adapter has no LoRA matrices")
     return out, alpha
+
+
+def _expert_lora(adapter: Path, module: str, ab: tuple[np.ndarray, np.ndarray], cfg: dict, model_cfg,
+                 name_of) -> dict[str, np.ndarray]:
+    """A LoRA on a 3-D expert parameter (PEFT's target_parameters) as llama.cpp's per-expert LoRA on the stacked
+    ffn_*_exps tensor: lora_a (experts, r, in), lora_b (experts, out, r). PEFT stacks one wrapper per targeted
+    parameter (``experts`` and ``experts.base_layer`` for two); a fused gate_up LoRA is the same A with B split
+    between ffn_gate_exps and ffn_up_exps."""
+    a, b = ab
+    path = module.replace(".base_layer", "")
+    n_exp, ff, hidden = archs.n_experts(model_cfg), archs.expert_ff(model_cfg), model_cfg.hidden_size
+    # which parameter a wrapper adapts: its (in, out), never the same for the two (hidden = ff and 2 ff = hidden
+    # cannot both hold); the wrappers' nesting follows PEFT's own order, not adapter_config's list
+    shapes = {(hidden, 2 * ff): "gate_up_proj", (ff, hidden): "down_proj"}
+    param = shapes.get((a.shape[1], b.shape[0]))
+    if param is None or not n_exp or a.shape[0] % n_exp or b.shape[1] != a.shape[0]:
+        _refuse(adapter, f"the adapter adapts the experts of {path} in a layout rocktune does not map to llama.cpp's "
+                         f"expert tensors (A {a.shape}, B {b.shape})")
+    rank = a.shape[0] // n_exp
+    alpha = float(cfg.get("lora_alpha", 8))
+    lora_a = a.reshape(n_exp, rank, a.shape[1])  # PEFT's A rows: expert-major
+    lora_b = b.reshape(b.shape[0], rank, n_exp).transpose(2, 0, 1)  # PEFT's B columns: rank-major
+    lora_b = lora_b * (module_scale(f"{path}.{param}", cfg, rank) / (alpha / rank))
+    parts = ({"gate_proj": lora_b[:, :ff], "up_proj": lora_b[:, ff:]} if param == "gate_up_proj"
+             else {"down_proj": lora_b})
+    out = {}
+    for part, part_b in parts.items():
+        base = name_of(f"{path}.{part}.weight")
+        if base is None:
+            _refuse(adapter, f"the adapter adapts {path}.{param}, which has no GGUF tensor")
+        out[base + ".lora_a"] = np.ascontiguousarray(lora_a)
+        out[base + ".lora_b"] = np.ascontiguousarray(part_b)
+    return out
 
 
 def write_lora_gguf(tensors: dict[str, np.ndarray], alpha: float, arch: archs.Arch, path: Path, dtype: str,

@@ -13,7 +13,7 @@ import numpy as np
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
 from rocktune.export import quant as quants
-from rocktune.export.vocab import add_vocab
+from rocktune.export.vocab import add_vocab, loader_safe_name
 
 
 def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
@@ -24,12 +24,14 @@ def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
     for key, tensor in state.items():
         if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
             continue  # recomputed by llama.cpp / the head reuses token_embd when tied
-        name = name_of(key)
-        if name is None:
-            raise UserError(f"GGUF export does not know where the tensor {key} of this {cfg.model_type} model goes; "
-                            "the checkpoint has parts the supported architecture lacks. Use --to merged.")
-        data = tensor.detach().float().cpu().numpy()
-        out[name] = archs.to_gguf_layout(name, data, cfg, arch)
+        if tied and arch.output_required and name_of(key) == "token_embd.weight":
+            out["output.weight"] = tensor.detach().float().cpu().numpy()  # this loader has no tied head
+        for part, data in archs.split_experts(key, tensor.detach().float().cpu().numpy()):
+            name = name_of(part)
+            if name is None:
+                raise UserError(f"GGUF export does not know where the tensor {key} of this {cfg.model_type} model "
+                                "goes; the checkpoint has parts the supported architecture lacks. Use --to merged.")
+            out[name] = archs.to_gguf_layout(name, data, cfg, arch)
     out.update(archs.extra_tensors(cfg))
     return out
 
@@ -37,8 +39,11 @@ def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
 def row_lengths(cfg) -> dict[str, int]:
     """Row length (GGUF's ne[0]) of each kind of matrix, from the config alone: what block sizes must divide."""
     hd = archs.head_dim(cfg)
-    return {"token_embd/attn_q/k/v/ffn_gate/up": cfg.hidden_size,
+    rows = {"token_embd/attn_q/k/v/ffn_gate/up": cfg.hidden_size,
             "attn_output": cfg.num_attention_heads * hd, "ffn_down": cfg.intermediate_size}
+    if archs.n_experts(cfg):
+        rows["ffn_down_exps"] = archs.expert_ff(cfg)
+    return rows
 
 
 def write_model_gguf(tensors: dict[str, np.ndarray], cfg, arch: archs.Arch, tokenizer_dir: Path, path: Path,
@@ -60,7 +65,7 @@ def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name)
+    writer.add_name(loader_safe_name(name, tokenizer_dir))
     writer.add_file_type(quants.file_type(quant))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     archs.add_hparams(writer, cfg, arch)

@@ -124,6 +124,16 @@ def _add_sentencepiece(writer, tokenizer_dir: Path, vocab_size: int) -> None:
     writer.add_token_list(tokens[:vocab_size])
     writer.add_token_scores(scores[:vocab_size])
     writer.add_token_types(types[:vocab_size])
+    if not _adds_space_prefix(tokenizer_dir / "tokenizer.model"):
+        writer.add_add_space_prefix(False)  # llama.cpp prepends one unless told (Gemma's vocabularies do not)
+
+
+def _adds_space_prefix(model_file: Path) -> bool:
+    """Whether this SentencePiece model puts a space before the text (Llama 2, Mistral) or not (Gemma), measured."""
+    from sentencepiece import SentencePieceProcessor
+
+    pieces = SentencePieceProcessor(model_file=str(model_file)).encode("a", out_type=str)
+    return bool(pieces) and pieces[0].startswith("\u2581")
 
 
 def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) -> None:
@@ -139,6 +149,24 @@ def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) 
     special.add_special_token["bos"] = tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id]
     special.add_special_token["eos"] = tok.eos_token_id is not None and ids[-1:] == [tok.eos_token_id]
     special.add_to_gguf(writer, quiet=True)
+
+
+# llama.cpp picks Phi-3's per-token attributes by the model's name and then looks these tokens up unconditionally
+PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def loader_safe_name(name: str, tokenizer_dir: Path) -> str:
+    """``name`` for general.name, unless it would make llama.cpp's loader fail: a name containing "phi3" or "phi-3"
+    selects its Phi-3 token attributes, which look up the SentencePiece-era tokens of PHI3_NAME_TOKENS and abort
+    the load when the vocabulary lacks one (byte-level BPE ones do). Such a name is written with "phi 3" instead."""
+    import re
+
+    if not re.search(r"phi-?3", name, re.IGNORECASE):
+        return name
+    vocab = _hf_tokenizer(tokenizer_dir).get_vocab()
+    if all(t in vocab for t in PHI3_NAME_TOKENS):
+        return name
+    return re.sub(r"(phi)-?3", r"\1 3", name, flags=re.IGNORECASE)
 
 
 def _hf_tokenizer(tokenizer_dir: Path):
