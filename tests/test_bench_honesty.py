@@ -102,3 +102,33 @@ def test_flattened_rows_under_sdpa_give_the_padded_loss(tiny_model_dir, tokenize
         a = model(**{k: v for k, v in flat.items() if k in ("input_ids", "labels", "position_ids")}).loss
         b = model(**{k: v for k, v in padded.items() if k in ("input_ids", "labels", "attention_mask")}).loss
     assert float(a) == pytest.approx(float(b), rel=1e-5)
+
+
+def test_the_report_records_graph_breaks_recompiles_and_graphs():
+    """What Dynamo did in the configuration's process (bench/compiler.py), counted from its own counters and its
+    recompiles log, carried into the report's row. Dynamo's eager backend: the same tracing, no C++ compile."""
+    import torch
+
+    from rocktune.bench.compiler import CompilerRecord
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x.sum() + 1, backend="eager")(torch.randn(2))  # before the record: not counted
+    record = CompilerRecord().start()
+
+    def step(x):
+        y = x * 2
+        torch._dynamo.graph_break()  # one break per call: two graphs around it
+        return y.sum()
+
+    compiled = torch.compile(step, backend="eager")
+    for n in (3, 4, 5):  # 3 -> 4: a recompile with a symbolic size, which 5 reuses
+        compiled(torch.randn(n))
+    compiled(torch.randn(3, dtype=torch.float64))  # a dtype guard fails: recompiles again
+    got = record.report()
+    assert got["graph_breaks"] >= 1 and len(got["graph_break_reasons"]) == 1
+    assert got["recompiles"] == 4 and got["frames_compiled"] == 6  # 2 frames x (first, size, dtype)
+    assert any("size mismatch" in r for r in got["recompile_reasons"])
+    assert any("dtype mismatch" in r for r in got["recompile_reasons"])
+    rep = runner.summarise([{**_result("rocktune", 1, 2), "compiler": got}], 0, [500], "cuda")
+    assert rep["configs"][0]["compiler"] == got
+    torch._dynamo.reset()

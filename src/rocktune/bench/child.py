@@ -110,6 +110,7 @@ def _run(spec: dict) -> dict:
 
     import torch
 
+    from rocktune.bench.compiler import CompilerRecord
     from rocktune.bench.measure import MemoryProbe, environment
     from rocktune.model import quiet_transformers
 
@@ -122,12 +123,13 @@ def _run(spec: dict) -> dict:
 
         raise SkipBaseline("no ROCm/CUDA device is visible to torch")
     probe = MemoryProbe(device)
+    compiler = CompilerRecord().start()
     if spec["kind"] == "rocktune":
         steps, resolved = run_rocktune(spec, probe)
     else:
         steps, resolved = _run_hf(spec, probe)
     return {"steps": steps, "resolved": resolved, "memory": probe.report(), "shape": probe.shape,
-            "environment": environment(device, torch.get_num_threads())}
+            "environment": environment(device, torch.get_num_threads()), "compiler": compiler.report()}
 
 
 def _run_hf(spec: dict, probe) -> tuple[list[dict], dict]:

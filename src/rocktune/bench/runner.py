@@ -163,6 +163,7 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str,
             # which attention ran (rocktune: its note, with why) and what compile fell back from
             row["attention"] = resolved.get("attention") or resolved.get("attn_implementation")
             row["compile_fallbacks"] = resolved.get("compile_fallbacks", [])
+            row["compiler"] = r.get("compiler") or {}  # graph breaks, recompiles, graphs (bench/compiler.py)
             shape = r.get("shape") or {}
             fpt = stats.flops_per_token(shape["matmul_params"], shape["layers"], shape["attn_dim"], lengths) \
                 if shape else None
