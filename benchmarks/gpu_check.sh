@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in four parts, each finishing within 8 minutes on the H100/H200 test machine, whose limit is
+# The GPU check in five parts, each finishing within 8 minutes on the H100/H200 test machine, whose limit is
 # 10 minutes per command (../shared/gpu/README.md). Run ../shared/gpu/prepare.sh here first, then there (carry .whl):
 #
 #     bash benchmarks/gpu_check.sh a     # doctor (the varlen attention self-test included), pytest -m gpu (the real
@@ -9,6 +9,8 @@
 #     bash benchmarks/gpu_check.sh c     # the 1.5B shape: hf-best and rocktune
 #     bash benchmarks/gpu_check.sh d     # the 0.5B shape's other configurations (hf-seed, rt-examples, rt-no-compile),
 #                                        # the planner's peak vs the measured one
+#     bash benchmarks/gpu_check.sh e     # the compiled step: the host's share of it, graph breaks, recompiles; the
+#                                        # loss chunk eager against compiled
 #
 # Sized from the first run on an H200 (2026-11-26, docs/benchmarks.md): the train() test's first run alone took 99 s
 # (48 s of it compiling), rocktune's bench configuration on the 0.5B shape about 80 s, and hf-best did not finish
@@ -19,8 +21,8 @@
 # GPU_CHECK_CONFIGS and GPU_CHECK_POINTS shrink parts b, c and d further (the default test suite does).
 set -u
 PART=${1:-}
-case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "usage: gpu_check.sh {a|b|c|d} [--dry-run]" >&2; exit 2 ;; esac
-case "$PART" in a|b|c|d) ;; *) echo "usage: gpu_check.sh {a|b|c} [--dry-run]" >&2; exit 2 ;; esac
+case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "usage: gpu_check.sh {a|b|c|d|e} [--dry-run]" >&2; exit 2 ;; esac
+case "$PART" in a|b|c|d|e) ;; *) echo "usage: gpu_check.sh {a|b|c|d|e} [--dry-run]" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/rocktune-gpu-check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # rocktune runs from the source tree there
@@ -38,6 +40,7 @@ stage() {
 
 if [ -n "${DRY:-}" ]; then
   PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; PROFILE="--rows 2 --max-length 256"; DOCTOR="--no-perf"
+  LOSS="--dtype fp32 --rows 300 --chunk 128 --vocab 512 --hidden 64 --repeat 1"
   SHORT="--max-length 256 --dry-run"
 else
   if [ -d .whl ]; then
@@ -47,6 +50,7 @@ else
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
   PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; PROFILE=""; DOCTOR=""; SHORT=""
+  LOSS="--dtype bf16 --chunk 2048 --rows 8192 --repeat 5"
 fi
 
 case "$PART" in
@@ -78,6 +82,14 @@ case "$PART" in
     mkdir -p "$OUT/results-0.5b-rest" && cp /tmp/rt-suite/$SMALL/results/*.json "$OUT/results-0.5b-rest/" 2>/dev/null
     stage auto-peak 140 auto_peak.jsonl $PY benchmarks/auto_peak.py --device $DEVICE --model $SMALL \
       --points ${GPU_CHECK_POINTS:-2} $SHORT
+    ;;
+  e)
+    # The first H200 run left one question open: the host waited on the device for only 7% of a step. The compiled
+    # step's enqueue time against its finish time, with what Dynamo did, answers it; then the loss chunk alone,
+    # eager against compiled (its first GPU figure)
+    stage profile-compiled 240 profile-compiled-stdout.json $PY benchmarks/profile_step.py --device $DEVICE \
+      --model $SMALL --compile --out "$OUT/profile-compiled" $PROFILE
+    stage profile-loss 150 profile-loss.json $PY benchmarks/profile_loss.py --device $DEVICE $LOSS
     ;;
 esac
 ls -la "$OUT" >> "$OUT/stages.txt"

@@ -5,10 +5,12 @@
 
 Packed rows of random documents (50 to ``--max-length`` tokens) as the collate builds them, the attention that
 ``attn_implementation: auto`` picks for this device (its self-test included; the note says why), LoRA r 16 on all
-linear layers, rocktune's chunked loss, under the precision policy's autocast. One warm-up forward/backward, then one
-profiled. Writes ``profile.json`` (the choice, op counts, time, peak memory) and ``profile.txt`` (the top ops) under
-``--out``, and prints the JSON. ``--lora peft`` runs PEFT's own LoRA forward instead of rocktune's lean one, and
-``--precision bf16`` a bf16 base under bf16 autocast on a CPU too: the op counts of docs/speed.md.
+linear layers, rocktune's chunked loss, under the precision policy's autocast. One warm-up forward/backward (three
+with ``--compile``), three timed (the host's share of a step: the time to enqueue it against the time to finish
+it), then one profiled. Writes ``profile.json`` (the choice, op counts, times, peak memory, what the compiler did)
+and ``profile.txt`` (the top ops) under ``--out``, and prints the JSON. ``--lora peft`` runs PEFT's own LoRA forward
+instead of rocktune's lean one, and ``--precision bf16`` a bf16 base under bf16 autocast on a CPU too: the op counts
+of docs/speed.md.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="auto", help="auto (the platform policy) | fp32 | bf16 | fp16")
     ap.add_argument("--lora", default="lean", choices=("lean", "peft"),
                     help="rocktune's lean LoRA forward (default, as training runs) or PEFT's own")
+    ap.add_argument("--compile", action="store_true",
+                    help="the decoder and the loss compiled, as a GPU run compiles them; warmed up first, and what "
+                         "Dynamo did (graph breaks, recompiles) is reported")
     args = ap.parse_args(argv)
 
     import torch
@@ -52,9 +57,11 @@ def main(argv=None) -> int:
 
     from rocktune.attention import VARLEN, choose
     from rocktune.bench import workload
+    from rocktune.bench.compiler import CompilerRecord
     from rocktune.lean_lora import lean_lora
     from rocktune.model import DTYPES, apply_lora, load_model
     from rocktune.platform.advise import device_precision
+    from rocktune.tasks.lm.build import compile_decoder
     from rocktune.tasks.lm.loss import LossModule
     from rocktune.train.build import autocast
 
@@ -68,8 +75,11 @@ def main(argv=None) -> int:
     vocab = model.get_base_model().config.vocab_size
     batch = packed_batch(args.rows, args.max_length, vocab, attn == VARLEN)
     batch = {k: v.to(args.device) for k, v in batch.items()}
-    loss_module, cast = LossModule(model, 2048 if args.device == "cuda" else 256, True), autocast(args.device,
-                                                                                                   precision)
+    record = CompilerRecord().start()
+    if args.compile:
+        compile_decoder(model)
+    loss_module = LossModule(model, 2048 if args.device == "cuda" else 256, True, compiled=args.compile)
+    cast = autocast(args.device, precision)
 
     def step():
         with cast():
@@ -81,8 +91,10 @@ def main(argv=None) -> int:
         if args.device == "cuda":
             torch.cuda.synchronize()
 
-    step()  # warm-up: kernels chosen, the allocator filled
-    sync()
+    for _ in range(3 if args.compile else 1):  # warm-up: compiled, kernels chosen, the allocator filled
+        step()
+        sync()
+    enqueue_s, step_s = host_and_step_seconds(step, sync)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -97,7 +109,10 @@ def main(argv=None) -> int:
     (out / "profile.txt").write_text(events.table(sort_by=sort, row_limit=30))
     result = {"device": args.device, "model": args.model, "precision": precision, "attention": attn,
               "attention_note": note, "lora": lora_note, "rows": args.rows, "max_length": args.max_length,
-              "tokens": int(batch["input_ids"].numel()), "profiled_step_s": round(seconds, 4),
+              "tokens": int(batch["input_ids"].numel()), "compiled": args.compile,
+              "step_s": round(step_s, 4), "host_enqueue_s": round(enqueue_s, 4),
+              "host_share": round(enqueue_s / step_s, 3), "compiler": record.report(),
+              "profiled_step_s": round(seconds, 4),
               "aten_op_calls": sum(e.count for e in aten),
               "top_ops": {e.key: e.count for e in sorted(aten, key=lambda e: -e.count)[:15]},
               "peak_allocated_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
@@ -105,6 +120,24 @@ def main(argv=None) -> int:
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
+
+
+def host_and_step_seconds(step, sync, repeats: int = 3) -> tuple[float, float]:
+    """Medians of (the time until ``step`` returns, the time until the device has finished it). On a GPU the host
+    only enqueues work: a first figure close to the second means the host, not the device, sets the pace (the
+    first H200 run waited on the device for only 7% of a step)."""
+    import statistics
+
+    enqueue, total = [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        sync()
+        enqueue.append(t1 - t0)
+        total.append(time.perf_counter() - t0)
+    return statistics.median(enqueue), statistics.median(total)
 
 
 if __name__ == "__main__":

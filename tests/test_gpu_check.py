@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh fits the GPU test machine: four parts, each within 8 minutes of its 10-minute limit per
+"""benchmarks/gpu_check.sh fits the GPU test machine: five parts, each within 8 minutes of its 10-minute limit per
 command, each dry-runnable on the CPU (run here), and a test collection that survives its missing packages."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _stage_timeouts(part: str) -> list[int]:
     return [int(s) for s in re.findall(r"^\s*stage [\w.-]+ (\d+) ", body, re.M)]
 
 
-@pytest.mark.parametrize("part", ["a", "b", "c", "d"])
+@pytest.mark.parametrize("part", ["a", "b", "c", "d", "e"])
 def test_each_part_of_the_gpu_check_ends_within_8_minutes(part):
     timeouts = _stage_timeouts(part)
     assert timeouts and sum(timeouts) <= 450 and INSTALL_S + sum(timeouts) <= PART_LIMIT_S, (part, timeouts)
@@ -81,6 +81,17 @@ def test_parts_b_c_d_dry_run_the_bench_and_the_peak_check(part, tmp_path):
     if part == "d":
         point = json.loads((tmp_path / "auto_peak.jsonl").read_text().splitlines()[0])
         assert point["predicted"] > 0 and "error_message" not in point
+
+
+@pytest.mark.slow
+def test_part_e_dry_runs_the_compiled_step_and_the_loss(tmp_path):
+    stages = _dry_run("e", tmp_path)
+    assert len(re.findall(r"ends: exit status 0", stages)) == 2, stages
+    step = json.loads((tmp_path / "profile-compiled" / "profile.json").read_text())
+    assert step["compiled"] and step["step_s"] > 0 and 0 < step["host_share"] <= 1.0 + 1e-6
+    assert step["compiler"]["frames_compiled"] >= 1 and step["compiler"]["graph_breaks"] == 0
+    loss = json.loads((tmp_path / "profile-loss.json").read_text())
+    assert loss["compiled"]["aten_calls_per_chunk"] < loss["eager"]["aten_calls_per_chunk"]
 
 
 def test_the_parts_cover_the_whole_gpu_suite():
