@@ -27,8 +27,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch; print('torch', torch.__version__, '(hip', torch.version.hip, ', cuda', torch.version.cuda, ')')"
 	touch $@
 
-# llama.cpp through llama-cpp-python, built from source for this CPU with every core (about 11 minutes on one core
-# of the 2-core machine here): k-quant GGUF exports and the tests that load exported files in llama.cpp
+# llama.cpp through llama-cpp-python, built from source for this CPU with every core (4 min 44 s on the 2-core
+# machine here; about 11 minutes on one core): k-quant GGUF exports and the tests that load exported files in llama.cpp
 # (pytest -m llama_cpp; they are skipped without it). pip keeps the built wheel in its cache: a second venv installs
 # it in seconds. Add CMAKE_ARGS for a GPU build.
 llama-cpp: $(STAMP)
