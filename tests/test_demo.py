@@ -36,51 +36,30 @@ def test_demo_learns_and_prints_json(demo):
 def test_llama_cpp_answers_the_demos_held_out_prompts_as_transformers_does(demo, monkeypatch):
     """README/docs/export.md: the demo's f16 file and its base GGUF + GGUF LoRA give the transformers PeftModel's
     greedy tokens on all 100 held-out prompts (6 tokens each) in llama.cpp; the q8_0 file on at least 95 (98 here)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp builds it)")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp builds it)")
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.test_export_llama_cpp import hf_greedy, llama, llama_greedy, use_plain_cpu_buffers
+
+    use_plain_cpu_buffers(monkeypatch)  # docs/export.md: the repacked CPU path dies on quantised files on some CPUs
     out, _ = demo
     run, base = out / "run", out / "base_model"
-    default = llama_cpp.llama_cpp.llama_model_default_params
-
-    def no_repack():  # docs/export.md: llama.cpp's repacked CPU path dies on quantised files on some CPUs
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", no_repack)
     for args in (["--to", "gguf"], ["--to", "gguf", "--quant", "q8_0"], ["--to", "gguf-lora", "--with-base"]):
         assert main(["export", str(run), *args]) == 0
     tok = AutoTokenizer.from_pretrained(base)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), run / "adapter")
     model.eval()
-    prompts = [json.loads(x)["prompt"] for x in (out / "data" / "eval.jsonl").read_text().splitlines()]
+    rows = (out / "data" / "eval.jsonl").read_text().splitlines()
+    prompts = [tok(json.loads(x)["prompt"])["input_ids"] for x in rows]
     assert len(prompts) == 100
-
-    def hf(ids):
-        got: list[int] = []
-        with torch.no_grad():
-            for _ in range(6):
-                got.append(int(model(torch.tensor([ids + got])).logits[0, -1].argmax()))
-        return got
-
-    want = [hf(tok(p)["input_ids"]) for p in prompts]
+    want = [hf_greedy(model, ids, 6) for ids in prompts]
     export = run / "export"
     for name, lora, need in (("model-f16.gguf", None, 100), ("model-q8_0.gguf", None, 95),
                              ("base-f16.gguf", "adapter-f32.gguf", 100)):
-        llm = llama_cpp.Llama(model_path=str(export / name), n_ctx=128, verbose=False,
-                              lora_path=str(export / lora) if lora else None)
-        got = []
-        for p in prompts:
-            toks: list[int] = []
-            for t in llm.generate(tok(p)["input_ids"], temp=0.0, top_k=1, reset=True):
-                toks.append(t)
-                if len(toks) == 6:
-                    break
-            got.append(toks)
-        same = sum(g == w for g, w in zip(got, want))
+        llm = llama(export / name, lora=export / lora if lora else None)
+        same = sum(llama_greedy(llm, ids, 6) == w for ids, w in zip(prompts, want))
         assert same >= need, (name, same)
 
 

@@ -127,13 +127,15 @@ def test_real_demo_learns_and_answers_end_with_the_end_of_turn_token(real_demo):
 def test_llama_cpp_answers_the_real_demos_orders_as_transformers_does(real_demo, monkeypatch):
     """The trained SmolLM2 exported to GGUF (f16) gives transformers' greedy tokens in llama.cpp on the held-out
     orders, prompted with the model's own chat template."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp builds it)")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp builds it)")
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rocktune.cli import main
+    from tests.test_export_llama_cpp import hf_greedy, llama, llama_greedy, use_plain_cpu_buffers
 
+    use_plain_cpu_buffers(monkeypatch)
     out, _ = real_demo
     run = out / "run"
     assert main(["export", str(run), "--to", "gguf"]) == 0
@@ -143,22 +145,7 @@ def test_llama_cpp_answers_the_real_demos_orders_as_transformers_does(real_demo,
     model.eval()
     rows = [json.loads(x) for x in (out / "data" / "eval.jsonl").read_text().splitlines()]
     prompts = [tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True) for r in rows]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
-    n = 12
-    want = []
-    with torch.no_grad():
-        for ids in prompts:
-            got: list[int] = []
-            for _ in range(n):
-                got.append(int(model(torch.tensor([ids + got])).logits[0, -1].argmax()))
-            want.append(got)
-    llm = llama_cpp.Llama(model_path=str(run / "export" / "model-f16.gguf"), n_ctx=512, verbose=False)
-    same = 0
-    for ids, w in zip(prompts, want):
-        toks: list[int] = []
-        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            toks.append(t)
-            if len(toks) == n:
-                break
-        same += toks == w
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    llm = llama(run / "export" / "model-f16.gguf")
+    same = sum(llama_greedy(llm, ids, 12) == hf_greedy(model, ids, 12) for ids in prompts)
     assert same == len(prompts), (same, len(prompts))
