@@ -236,6 +236,7 @@ def test_parallel_auto_picks_fsdp_only_when_the_replicated_base_does_not_fit():
 
 def test_lockstep_pads_the_parts_of_a_split_step():
     """FSDP with pieces > 1: a rank whose rows split into fewer parts still runs as many forwards as any other."""
+    from rocktune.tasks.lm.split import split_rows
     from rocktune.train.faults import Faults
     from rocktune.train.step import StepRunner, forward_backward
 
@@ -255,7 +256,8 @@ def test_lockstep_pads_the_parts_of_a_split_step():
     idle = build.idle_batch(0)
     run = StepRunner(Fake(), "cpu", __import__("contextlib").nullcontext, torch.amp.GradScaler("cpu", enabled=False),
                      Faults({}), lockstep_idle=idle)
-    total = forward_backward(run, [one_row, one_row], step_tokens=6, pieces=2, step=1, check_transfer=False)
+    total = forward_backward(run, [one_row, one_row], step_tokens=6, pieces=2, step=1, check_transfer=False,
+                             split=split_rows)
     assert len(calls) == 4 and calls.count((1, 1)) == 2  # 2 unsplittable rows + 2 idle forwards
     assert float(total) == 6.0
 

@@ -15,7 +15,7 @@ from rocktune.data.packing import collate_packed, cu_seq_lens, cut_segments
 from rocktune.errors import UserError
 from rocktune.model import apply_lora, load_model
 from rocktune.tasks.lm.loss import causal_lm_loss_sum
-from rocktune.train.step import split_rows
+from rocktune.tasks.lm.split import split_rows
 
 
 def _example(gen, n):

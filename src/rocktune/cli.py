@@ -15,6 +15,7 @@ from rocktune.data.truncate import MODES as TRUNCATION_MODES
 from rocktune.errors import UserError, print_error, quiet_libraries
 from rocktune.export.merge import DTYPE_NAMES
 from rocktune.export.style import STYLES
+from rocktune.task_registry import NAMES, TASKS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,11 +129,12 @@ def _run_train(args) -> int:
     options = RunOptions(overwrite=args.overwrite, resume=args.resume or args.resume_force,
                          resume_force=args.resume_force, auto_fit=args.auto, vram_bytes=vram,
                          processes=launch.nproc * launch.nnodes if launch else 1)
-    from rocktune.tasks import refuse_before_launch
+    from rocktune.tasks import precheck, refuse_before_launch
     from rocktune.train.precheck import check_before_start
 
     refuse_before_launch(cfg, options)  # once, here: not once per rank after torchrun started them
-    check_before_start(cfg, options)  # a clobbered run directory or a malformed line: refused before a child starts
+    check_before_start(cfg, options)  # a clobbered run directory: refused before a child starts
+    precheck(cfg)  # and a malformed line of the data
     if launch is not None:
         from rocktune.process.rendezvous import preflight
 
@@ -292,8 +294,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--loss-chunk", type=int, default=256, help="loss positions per chunk (default 256)")
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--task", choices=("lm", "video-lora", "image-lora"), default="lm",
-                   help="lm (default) or a Wan LoRA: MODEL is then a diffusers Wan directory or hub id")
+    p.add_argument("--task", choices=NAMES, default="lm",
+                   help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); or a Wan LoRA "
+                        "(video-lora, image-lora): MODEL is then a diffusers Wan directory or hub id")
     p.add_argument("--resolution", default="832x480", help="video-lora/image-lora: WIDTHxHEIGHT (default 832x480)")
     p.add_argument("--frames", type=int, default=81, help="video-lora: frames per clip, 4k+1 (default 81)")
     p.add_argument("--text-tokens", type=int, default=512,
@@ -303,7 +306,7 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    if args.task != "lm":
+    if TASKS[args.task].diffusion:
         from rocktune.planner.wan import WanSpec, parse_resolution, run_wan_plan
 
         width, height = parse_resolution(args.resolution)
@@ -315,7 +318,10 @@ def _run_plan(args) -> int:
 
     targets = args.targets if args.targets in ("all-linear", "all") else \
         tuple(t.strip() for t in args.targets.split(",") if t.strip())
-    spec = RunSpec(micro_batch=args.batch, seq_len=args.max_length, lora_r=args.lora_r, targets=targets,
+    # A preference pair is two sequences in one forward; DPO's reference pass runs without gradients, so its
+    # activations are freed layer by layer and add no more than the eval pass does.
+    sequences = args.batch * (2 if TASKS[args.task].pairs else 1)
+    spec = RunSpec(micro_batch=sequences, seq_len=args.max_length, lora_r=args.lora_r, targets=targets,
                    precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
                    lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
                    parallel=args.parallel)

@@ -15,6 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from rocktune.errors import UserError, first_line
 from rocktune.readers.yaml_file import read_yaml
+from rocktune.task_registry import NAMES, TASKS
+
+
+def only(*tags: str, harmless: tuple = ()) -> dict:
+    """A field's tag: the tasks it applies to, by the tags of task_registry.TASKS (untagged: every task). Set for a
+    task it does not apply to, it is refused (``inapplicable``) unless its value is the default or ``harmless``."""
+    return {"tasks": list(tags), "harmless": list(harmless)}
 
 
 class _Section(BaseModel):
@@ -24,22 +31,27 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     name_or_path: str = Field("Qwen/Qwen2.5-0.5B-Instruct", description="HF hub id or local directory of a causal LM.")
-    trust_remote_code: bool = Field(False, description="Run Python code shipped with the model (off: it executes).")
+    trust_remote_code: bool = Field(False, description="Run Python code shipped with the model (off: it executes).",
+        json_schema_extra=only("lm"))
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen", "flex_attention"] = Field(
         "auto", description="Attention kernel; auto: varlen on a GPU over packed rows when its self-test passes, "
-        "else flex attention (compile on), else the platform advice (sdpa)."
+        "else flex attention (compile on), else the platform advice (sdpa).",
+        json_schema_extra=only("lm", harmless=("sdpa",))
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     liger: Literal["auto", "on", "off"] = Field(
-        "auto", description="Liger fused kernels (RMSNorm, SwiGLU, RoPE); auto: on for ROCm/CUDA when installed."
+        "auto", description="Liger fused kernels (RMSNorm, SwiGLU, RoPE); auto: on for ROCm/CUDA when installed.",
+        json_schema_extra=only("lm", harmless=("off",))
     )
     quantization: Literal["none", "nf4", "fp4", "int8"] = Field(
         "none", description="QLoRA: load the base's linear weights quantised by bitsandbytes (nf4/fp4 4-bit, int8 "
         "LLM.int8); computation follows training.precision. Refused before loading where the platform knowledge "
-        "says the installed bitsandbytes cannot run it (docs/qlora.md). Needs the qlora extra."
+        "says the installed bitsandbytes cannot run it (docs/qlora.md). Needs the qlora extra.",
+        json_schema_extra=only("lm")
     )
     double_quant: bool = Field(
-        True, description="nf4/fp4: quantise the per-block scales too (about 0.4 bit per weight less memory)."
+        True, description="nf4/fp4: quantise the per-block scales too (about 0.4 bit per weight less memory).",
+        json_schema_extra=only("lm")
     )
 
 
@@ -62,34 +74,44 @@ class DataConfig(_Section):
                                   "eval_fraction is split off.")
     columns: dict[str, str] = Field(
         default_factory=dict, description="Source column for each record key the shape needs, e.g. {prompt: "
-        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages)."
+        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages).",
+        json_schema_extra=only("lm")
     )
-    split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.")
-    eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.")
-    subset: str | None = Field(None, description="Subset (configuration) of a hub dataset.")
-    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a hub dataset.")
+    split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.",
+        json_schema_extra=only("lm"))
+    eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.",
+        json_schema_extra=only("lm"))
+    subset: str | None = Field(None, description="Subset (configuration) of a hub dataset.",
+        json_schema_extra=only("lm"))
+    revision: str | None = Field(None, description="Revision (branch, tag or commit) of a hub dataset.",
+        json_schema_extra=only("lm"))
     streaming: bool = Field(
         False, description="Read the source as a stream (datasets' IterableDataset): no Arrow copy of it is made "
         "first; batches are tokenised over num_proc processes as they arrive. For sets larger than the room for a "
-        "copy; a streamed hub id needs the network."
+        "copy; a streamed hub id needs the network.", json_schema_extra=only("sft")
     )
     num_proc: PositiveInt | None = Field(
-        None, description="Processes that tokenise; default: all of the machine's cores (a small set uses one)."
+        None, description="Processes that tokenise; default: all of the machine's cores (a small set uses one).",
+        json_schema_extra=only("sft")
     )
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of train_file held out for eval.")
     format: Literal["auto", "text", "prompt_completion", "messages", "alpaca"] = Field(
-        "auto", description="Record shape; auto detects it per file from the first record's keys."
+        "auto", description="Record shape; auto detects it per file from the first record's keys.",
+        json_schema_extra=only("sft")
     )
-    max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted).")
+    max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted).",
+        json_schema_extra=only("lm"))
     truncation: Literal["prompt", "end"] = Field(
         "prompt", description="How an example longer than max_length is cut. prompt: the start of the prompt (or the "
         "oldest turns) first, keeping its end next to the completion; the completion is cut at its end only when it "
         "alone does not fit (the prompt then keeps its last max_length/4 tokens). end: keep the first max_length "
-        "tokens."
+        "tokens.", json_schema_extra=only("lm")
     )
-    train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.")
+    train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.",
+        json_schema_extra=only("sft"))
     packing: bool = Field(
-        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing."
+        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing.",
+        json_schema_extra=only("sft")
     )
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
 
@@ -103,18 +125,19 @@ class TrainingConfig(_Section):
     parallel: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="Several processes (--nproc): ddp replicates the frozen base on every rank and all-reduces "
         "the adapter's gradients; fsdp shards the decoder layers' weights across ranks (FSDP2), for a base that does "
-        "not fit one device. auto: ddp."
+        "not fit one device. auto: ddp.", json_schema_extra=only("lm")
     )
     batching: Literal["auto", "examples", "tokens"] = Field(
         "auto", description="How a step's examples become forwards. examples: micro_batch_size examples per forward "
         "(length-bucketed, or packed with data.packing); tokens: the step's examples packed without padding into "
         "rows of data.max_length, micro_batch_tokens per forward. auto: tokens on ROCm/CUDA (a GPU is bound by "
-        "launches with small forwards), examples on CPU (small forwards are fastest there, per rocktune bench)."
+        "launches with small forwards), examples on CPU (small forwards are fastest there, per rocktune bench).",
+        json_schema_extra=only("sft", harmless=("examples",))
     )
     micro_batch_tokens: PositiveInt | Literal["auto"] = Field(
         "auto", description="Token budget of one forward with batching=tokens, rounded down to whole rows of "
         "data.max_length. auto: the planner's largest budget that fits the device (headroom kept), capped at what "
-        "a step holds; on CPU 2 rows."
+        "a step holds; on CPU 2 rows.", json_schema_extra=only("sft")
     )
     lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -131,15 +154,18 @@ class TrainingConfig(_Section):
     sample_count: int = Field(
         0, ge=0, description="Eval examples whose prompts (every token before the first loss-bearing one) are "
         "completed greedily at each eval pass (start, every eval_every steps, end); kept in samples.jsonl, shown in "
-        "the progress output and the report. 0: none."
+        "the progress output and the report. 0: none.", json_schema_extra=only("sft")
     )
     sample_prompts: list[str] = Field(
         default_factory=list, description="Extra fixed prompts completed with the samples, rendered like the data's "
-        "prompts (the chat template's user turn for messages data, the Alpaca template for alpaca data)."
+        "prompts (the chat template's user turn for messages data, the Alpaca template for alpaca data).",
+        json_schema_extra=only("sft")
     )
-    sample_max_new_tokens: int = Field(48, gt=0, description="Longest sample completion, in tokens.")
+    sample_max_new_tokens: int = Field(48, gt=0, description="Longest sample completion, in tokens.",
+        json_schema_extra=only("sft"))
     loss_impl: Literal["chunked", "full"] = Field(
-        "chunked", description="chunked: head + cross-entropy only at loss positions, in chunks; full: HF logits."
+        "chunked", description="chunked: head + cross-entropy only at loss positions, in chunks; full: HF logits.",
+        json_schema_extra=only("sft")
     )
     optimizer: Literal["auto", "adamw_fused", "adamw_foreach", "adamw_torch"] = Field(
         "auto", description="AdamW implementation over the adapter; auto: fused on GPU, foreach on CPU."
@@ -148,12 +174,13 @@ class TrainingConfig(_Section):
         "auto", description="torch.compile the decoder. auto: on with batching=tokens where the platform knowledge "
         "calls it sound (Linux; CUDA sm_70+, Instinct gfx908+; never gfx906, RDNA not yet measured, never CPU); "
         "the first step then shows as compiling and is left out of tokens/s. A compile failure falls back to eager. "
-        "Off by default with several processes (a rank cannot fall back alone)."
+        "Off by default with several processes (a rank cannot fall back alone).",
+        json_schema_extra=only("sft", harmless=(False,))
     )
     loss_chunk_size: PositiveInt | Literal["auto"] = Field(
         "auto", description="Loss positions per cross-entropy chunk; bounds the fp32 logits held at once. auto: 256 "
         "on CPU (measured fastest there), 2048 on ROCm/CUDA (fewer, larger head matmuls; 1.2 GiB of fp32 logits at a "
-        "152k vocabulary)."
+        "152k vocabulary).", json_schema_extra=only("lm")
     )
 
 
@@ -236,11 +263,25 @@ class DiffusionConfig(_Section):
     )
 
 
+class PreferenceConfig(_Section):
+    """task: dpo / orpo only (docs/preference.md); TRL's names and defaults."""
+
+    beta: float = Field(0.1, gt=0, description="DPO: the strength of the pull towards the reference (the model with "
+                        "its adapter off); higher keeps closer to it. ORPO: the weight of the odds-ratio term "
+                        "(the paper's lambda) beside the chosen answer's likelihood.")
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", json_schema_extra=only("dpo"), description="DPO loss. sigmoid: -log sigmoid(beta x the margin of "
+        "log-ratios) (the DPO paper); ipo: (margin of per-token average log-ratios - 1/(2 beta))^2 (the IPO paper, "
+        "length-normalised as TRL does).")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, json_schema_extra=only("dpo"), description="sigmoid loss: the share of pairs assumed "
+        "mislabelled (conservative DPO): the loss mixes in -log sigmoid(-beta x margin) with this weight.")
+
+
 class RunConfig(_Section):
-    task: Literal["lm", "video-lora", "image-lora"] = Field(
-        "lm", description="lm: LoRA for a causal language model (the default). video-lora / image-lora: LoRA for a "
-        "Wan 2.1/2.2 text-to-video transformer through diffusers, trained on a folder or JSONL manifest of clips or "
-        "images with captions (the diffusion section; docs/diffusion.md).",
+    task: Literal[NAMES] = Field(
+        "lm", description="What is trained. " + "; ".join(f"{n}: {s.summary}" for n, s in TASKS.items())
+        + ". docs/diffusion.md and docs/preference.md describe the non-default ones.",
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -248,11 +289,17 @@ class RunConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     reliability: ReliabilityConfig = Field(default_factory=ReliabilityConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
-    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
+    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig, json_schema_extra=only("diffusion"))
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig, json_schema_extra=only("preference"))
+
+    @property
+    def spec(self):
+        """This run's row of task_registry.TASKS."""
+        return TASKS[self.task]
 
     @property
     def is_diffusion(self) -> bool:
-        return self.task != "lm"
+        return self.spec.diffusion
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
@@ -264,6 +311,38 @@ class RunConfig(_Section):
             raise ValueError(f"task={self.task} needs model.name_or_path set to a diffusers Wan checkpoint (hub id "
                              "such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or a local directory with model_index.json)")
         return self
+
+
+def inapplicable(cfg: RunConfig) -> dict[str, list[str]]:
+    """``key=value`` of every field set (to neither its default nor a harmless value) that does not apply to the
+    run's task, by the fields' tags (``only``), grouped by the tasks it is for."""
+    tags, out = cfg.spec.tags, {}
+    for name, section_field in RunConfig.model_fields.items():
+        section = getattr(cfg, name)
+        if not isinstance(section, BaseModel):
+            continue
+        for key, field in type(section).model_fields.items():
+            tag = field.json_schema_extra or section_field.json_schema_extra
+            if not tag or tags & set(tag["tasks"]):
+                continue
+            value, default = getattr(section, key), field.get_default(call_default_factory=True)
+            if value != default and value not in tag["harmless"]:
+                for_tasks = ", ".join(n for n, s in TASKS.items() if s.tags & set(tag["tasks"]))
+                out.setdefault(for_tasks, []).append(f"{name}.{key}={value}")
+    return out
+
+
+def refuse_inapplicable(cfg: RunConfig) -> None:
+    """Asked for explicitly, a setting that does nothing for this task is refused rather than ignored."""
+    found = inapplicable(cfg)
+    if found:
+        said = "; ".join(f"{', '.join(keys)}: only for task={tasks}" for tasks, keys in found.items())
+        raise UserError(f"{said}. Not supported for task={cfg.task} ({_TASK_DOCS.get(cfg.task, 'docs/data.md')} "
+                        "lists what is); remove it from the config.")
+
+
+_TASK_DOCS = {**{n: "docs/diffusion.md" for n, s in TASKS.items() if s.diffusion},
+              **{n: "docs/preference.md" for n, s in TASKS.items() if s.pairs}}
 
 
 def load_config(path: str | None, overrides: list[str] | None = None, require_paths: bool = False) -> RunConfig:

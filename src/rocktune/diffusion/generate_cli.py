@@ -14,9 +14,10 @@ from pathlib import Path
 from rocktune.diffusion.comfy import LORA_FILE
 from rocktune.errors import UserError
 from rocktune.readers.yaml_file import read_yaml
+from rocktune.task_registry import DIFFUSION
 
 CONFIG_NAME = "config.yaml"  # the run directory's resolved config (train/rundir.py, a layer above this one)
-DIFFUSION_TASKS = ("video-lora", "image-lora")
+DIFFUSION_TASKS = DIFFUSION
 
 
 @dataclass

@@ -47,6 +47,16 @@ class LatentFeed:
     def close(self) -> None:
         """Nothing to release: items load in the step that uses them (the LM feed has a collate thread)."""
 
+    def split(self, batch: dict, pieces: int) -> list[dict]:
+        """Every tensor of a latent batch has one entry per item: the OOM split cuts by rows."""
+        if pieces == 1:
+            return [batch]
+        size = -(-self.max_pieces(batch) // pieces)
+        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, self.max_pieces(batch), size)]
+
+    def max_pieces(self, batch: dict) -> int:
+        return next(iter(batch.values())).shape[0]
+
     def next(self) -> Fed:
         if self.index >= len(self.items):
             self.epoch, self.index = self.epoch + 1, 0

@@ -1,6 +1,8 @@
-"""The tasks rocktune trains, and ``train(cfg)``, which picks one and hands it to the one loop (train/loop.py).
+"""The tasks rocktune trains, and ``train(cfg)``, which builds the one ``cfg.task`` names (task_registry.TASKS) and
+hands it to the one loop (train/loop.py).
 
 - ``tasks/lm``: LoRA on a causal LM (chat, instruction, text data).
+- ``tasks/preference``: DPO and ORPO on a causal LM's LoRA (chosen/rejected pairs).
 - ``tasks/wan``: LoRA on a Wan 2.1/2.2 transformer (video-lora, image-lora).
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rocktune.config import RunConfig
+from rocktune.task_registry import load
 from rocktune.train.request import RunOptions
 
 if TYPE_CHECKING:  # the engine (and torch) only where a run starts: the launching process imports this package too
@@ -17,32 +20,19 @@ if TYPE_CHECKING:  # the engine (and torch) only where a run starts: the launchi
 
 
 def make_task(cfg: RunConfig):
-    if cfg.is_diffusion:
-        from rocktune.tasks.wan.task import WanTask
-
-        return WanTask(cfg)
-    from rocktune.tasks.lm.task import LMTask
-
-    return LMTask(cfg)
+    return load(cfg.spec.builder)(cfg)
 
 
 def refuse_before_launch(cfg: RunConfig, options: RunOptions) -> None:
     """In the launching process (the CLI), before the supervisor, torchrun or any worker starts: what the config, the
     number of processes and the checkpoints' records alone rule out, said once as one paragraph. Torch-free. The
     workers decide the same again (``task.refuse``, resume's checks): a request may come from elsewhere."""
-    from pathlib import Path
+    load(cfg.spec.launch).refuse(cfg, options)
 
-    from rocktune.train.prelaunch import refuse_layout
-    from rocktune.train.resume import check_world_before_launch
 
-    if cfg.is_diffusion:
-        from rocktune.tasks.wan.refuse import refuse
-
-        refuse(cfg, options)
-        return
-    refuse_layout(options.processes, cfg.training.parallel, cfg.model.quantization)
-    if options.resume:  # LM checkpoints record how many processes wrote them
-        check_world_before_launch(Path(cfg.output.dir) / "checkpoints", options.processes, options.resume_force)
+def precheck(cfg: RunConfig) -> None:
+    """The task's inputs that can be checked within a second in the launching process (e.g. LM data JSON)."""
+    load(cfg.spec.launch).precheck(cfg)
 
 
 def train(cfg: RunConfig, options: RunOptions | None = None, *, quiet: bool = False, faults: Faults | None = None,

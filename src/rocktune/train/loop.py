@@ -26,7 +26,7 @@ from rocktune.train.interrupt import InterruptFlag
 from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
 from rocktune.train.rundir import STOP_FILE
 from rocktune.train.step import (OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward,
-                                 is_compile_error, max_pieces, run_with_oom_recovery)
+                                 is_compile_error, run_with_oom_recovery)
 from rocktune.train.task import Prepared, Task
 
 
@@ -50,6 +50,7 @@ class Run:
     ctx: RunContext
     task: Task
     parts: Prepared
+    params: list  # the trainable parameters (the adapter's)
     runner: StepRunner
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -98,7 +99,7 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
             for why in r.restored.skipped:
                 bar.log(f"[yellow]warning: skipped damaged checkpoint {why}[/]")
             bar.log(f"resumed from {r.restored.path.name} (step {r.start_step} of {r.total_steps})")
-        bar.log(f"{parts.intro}; {sum(p.numel() for p in parts.params):,} trainable parameters; {ctx.precision} on "
+        bar.log(f"{parts.intro}; {sum(p.numel() for p in r.params):,} trainable parameters; {ctx.precision} on "
                 f"{ctx.device}")
         task.start(r.start_step, r.metrics, bar.log)
         if r.restored is None:
@@ -125,18 +126,18 @@ def _check_run_dir(task: Task, ctx: RunContext) -> TrainResult | None:
 
 def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
     t, rel = ctx.cfg.training, ctx.cfg.reliability
-    parts.params = trainable_parameters(parts.model)
+    params = trainable_parameters(parts.model)
     feed = task.new_feed()
     total = t.max_steps or math.ceil(t.epochs * feed.steps_per_epoch)
-    optimizer = build.optimizer(parts.params, t.optimizer, t.lr, t.weight_decay, ctx.device)
+    optimizer = build.optimizer(params, t.optimizer, t.lr, t.weight_decay, ctx.device)
     scheduler = build.scheduler(optimizer, t.scheduler, t.warmup_steps, total)
     runner = StepRunner(parts.loss, ctx.device, build.autocast(ctx.device, ctx.precision),
                         torch.amp.GradScaler(ctx.device, enabled=ctx.precision == "fp16"), ctx.faults, ctx.dist.world,
-                        parts.after_backward, parts.idle, optimizer, scheduler, parts.params, t.max_grad_norm,
+                        parts.after_backward, parts.idle, optimizer, scheduler, params, t.max_grad_norm,
                         NumericGuard(rel.nan_patience, rel.zero_patience), ctx.dist)
     result = TrainResult(run_dir=ctx.run_dir, steps=total, model=parts.model, tokenizer=parts.tokenizer)
-    r = Run(ctx, task, parts, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces, None,
-            result, compiled=parts.compiled)
+    r = Run(ctx, task, parts, params, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces,
+            None, result, compiled=parts.compiled)
 
     def check(found) -> None:  # before the checkpoint is applied: a refused resume changes nothing
         task.check_resume(found, ctx.options.resume_force)
@@ -194,8 +195,9 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         try:
             with distributed.collective(dist, f"step {step}'s gradient all-reduce"):
                 step_loss, r.pieces = run_with_oom_recovery(
-                    lambda n: forward_backward(r.runner, fed.forwards, fed.loss_tokens, n, step, bool(check)),  # noqa: B023 -- called before the next iteration
-                    r.optimizer, r.pieces, max(max_pieces(b) for b in fed.forwards), bar.log,
+                    lambda n: forward_backward(r.runner, fed.forwards, fed.loss_tokens, n, step, bool(check),  # noqa: B023 -- called before the next iteration
+                                               r.feed.split),
+                    r.optimizer, r.pieces, max(r.feed.max_pieces(b) for b in fed.forwards), bar.log,
                     # Dynamo may recompile at any step (new shapes); a rank of several cannot re-run alone
                     on_compile_error=(lambda exc: _compile_failed(r, exc, bar)) if r.compiled and not dist.enabled
                     else None,
@@ -271,7 +273,7 @@ def _save_checkpoint(r: Run, step: int) -> None:
     extra.update({"pieces": r.pieces, "eval_loss_before": r.result.eval_loss_before,
                   "data_fingerprint": r.parts.fingerprint, "metrics_lines": r.metrics.lines(),
                   "skipped_steps": r.guard.skipped_total})
-    need = sum(p.numel() * 4 * 3 for p in r.parts.params) + rel.min_free_disk_mb * 2**20
+    need = sum(p.numel() * 4 * 3 for p in r.params) + rel.min_free_disk_mb * 2**20
     checkpoint.save(ctx.run_dir / "checkpoints", step, r.state, r.feed.position(), extra, rel.keep_checkpoints, need,
                     before_commit=lambda: ctx.faults.checkpoint_write(step), skips=r.space_skips)
 
@@ -282,7 +284,7 @@ def _finish(r: Run, bar) -> None:
     ctx, task, run_dir, total = r.ctx, r.task, r.ctx.run_dir, r.total_steps
     r.result.eval_loss_after = _evaluate(r, bar)
     if ctx.dist.main:
-        need = finish.adapter_bytes(r.parts.params)
+        need = finish.adapter_bytes(r.params)
         with finish.guarded(run_dir, "the final metrics" + task.samples_what, need):
             rss = {} if ctx.device == "cuda" else {"peak_rss_bytes": summary.peak_rss()}  # the report's memory
             r.metrics.write({"step": total, "eval_loss": r.result.eval_loss_after, **rss})

@@ -1,8 +1,9 @@
 """Forward and backward of one optimizer step, with out-of-memory recovery.
 
-On a device OOM the step's gradients are dropped, every micro-batch is split into twice as many pieces and the step
-is run again: the optimizer still sees exactly the same samples, and because the loss is normalised by the step's
-loss-bearing tokens the update is the same up to summation order.
+On a device OOM the step's gradients are dropped, every micro-batch is split into twice as many pieces (by the
+feed, which knows what may not be separated: an LM example, a preference pair) and the step is run again: the
+optimizer still sees exactly the same samples, and because the loss is normalised by the step's loss-bearing units
+the update is the same up to summation order.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rocktune.data.batching import LOSS_KEYS, with_loss_index
-from rocktune.data.packing import cut_segments
 from rocktune.train.distributed import no_sync
 from rocktune.train.guards import verify_transfer
 from rocktune.train.oom import DEVICE_OOM
@@ -38,39 +37,17 @@ def step_normalised(loss_sum: torch.Tensor, step_tokens: int) -> torch.Tensor:
     return loss_sum / max(step_tokens, 1)
 
 
-def split_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
-    """Cut a micro-batch into ``pieces`` smaller forwards: by rows, or, for one packed row (flash-attention),
-    at example starts (position id 0) so that no example is cut. Host-side loss indices are recomputed per piece."""
+def split_by_rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
+    """Cut a micro-batch into ``pieces`` smaller forwards by rows: the split of a feed whose every tensor has one
+    entry per independent row (a feed with another layout, e.g. LM packed rows, brings its own ``split``)."""
     if pieces == 1:
         return [batch]
-    indexed = "loss_index" in batch
-    cu = batch.get("cu_seq_lens")  # document bounds of the flat tokens (varlen attention): cut, not sliced by row
-    batch = {k: v for k, v in batch.items() if k not in (*LOSS_KEYS, "cu_seq_lens")}
-    rows = _rows(batch)
-    if rows == 1 and "position_ids" in batch:
-        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
-        cuts = sorted({starts[i * len(starts) // pieces] for i in range(pieces)}) + [batch["input_ids"].shape[1]]
-        parts = [{k: v[:, a:b] for k, v in batch.items()} for a, b in zip(cuts, cuts[1:])]
-        spans = list(zip(cuts, cuts[1:]))
-    else:
-        size = -(-rows // pieces)
-        parts = [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
-        width = batch["input_ids"].shape[1] if cu is not None else 0
-        spans = [(i * width, min(i + size, rows) * width) for i in range(0, rows, size)]
-    if cu is not None:
-        parts = [{**p, "cu_seq_lens": cut_segments(cu, a, b)} for p, (a, b) in zip(parts, spans)]
-    return [with_loss_index(p) for p in parts] if indexed else parts
+    rows = batch_rows(batch)
+    size = -(-rows // pieces)
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
-def max_pieces(batch: dict[str, torch.Tensor]) -> int:
-    """How finely ``split_rows`` can cut this micro-batch: rows, or the examples of a single packed row."""
-    if _rows(batch) == 1 and "position_ids" in batch:
-        return int((batch["position_ids"][0] == 0).sum())
-    return _rows(batch)
-
-
-def _rows(batch: dict[str, torch.Tensor]) -> int:
-    """Every tensor of a batch has one entry per row (token ids for LMs, latents for diffusion)."""
+def batch_rows(batch: dict[str, torch.Tensor]) -> int:
     return next(iter(batch.values())).shape[0]
 
 
@@ -96,12 +73,12 @@ class StepRunner:
 
 
 def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, pieces: int, step: int,
-                     check_transfer: bool) -> torch.Tensor:
+                     check_transfer: bool, split=split_by_rows) -> torch.Tensor:
     """Accumulate the step's gradients; returns this rank's summed token loss (not normalised) as a device scalar,
     so that no micro-batch waits for the device: the loop synchronises once per optimizer step. With DDP only the
     step's last backward all-reduces the gradients."""
     total = torch.zeros((), dtype=torch.float32, device=run.device)
-    parts = [part for batch in micro for part in split_rows(batch, pieces)]
+    parts = [part for batch in micro for part in split(batch, pieces)]
     if run.lockstep_idle is not None:  # each forward gathers weights from every rank: all ranks run as many
         parts += [run.lockstep_idle] * (len(micro) * pieces - len(parts))
     for i, part in enumerate(parts):

@@ -9,7 +9,7 @@ data, its model and loss, its evaluation and what it writes besides the adapter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -19,9 +19,9 @@ from rocktune.train.context import RunContext
 from rocktune.train.request import RunOptions
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """The task's model and data, ready for the engine."""
+    """The task's model and data, ready for the engine: what ``prepare`` returns, never changed afterwards."""
 
     model: torch.nn.Module  # the PEFT model whose adapter trains
     loss: torch.nn.Module  # batch -> summed loss of its loss-bearing units (DDP/FSDP-wrapped where several ranks)
@@ -34,7 +34,6 @@ class Prepared:
     after_backward: Callable[[], None] | None = None  # after the step's last backward (FSDP: the adapter all-reduce)
     idle: dict | None = None  # FSDP: a batch without loss that pads a rank's forwards to rank 0's count
     tokenizer: object = None
-    params: list = field(default_factory=list)  # filled by the engine: the trainable parameters
 
 
 class Feed(Protocol):
@@ -48,6 +47,11 @@ class Feed(Protocol):
     def position(self) -> dict: ...
 
     def close(self) -> None: ...
+
+    # The OOM split asks the feed: it alone knows the batch's layout and what must stay in one forward.
+    def split(self, batch: dict, pieces: int) -> list[dict]: ...  # -> up to ``pieces`` smaller forwards
+
+    def max_pieces(self, batch: dict) -> int: ...  # how finely ``split`` can cut this batch
 
 
 class Task(Protocol):

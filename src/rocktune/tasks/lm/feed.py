@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from rocktune.data.batching import BatchStream, epoch_batches
 from rocktune.data.packing import cut_forwards, epoch_packed_batches, epoch_steps, step_rows
+from rocktune.tasks.lm.split import max_pieces, split_rows
 
 CPU_ROWS = 2  # token batching forced on a CPU: small forwards are fastest there
 
@@ -156,6 +157,9 @@ class StepFeed:
         real = sum(self.lengths[i] for i in _examples(mine, self.feeding.packed))
         pad = max(most if self.lockstep else 0, 1) - len(forwards)
         return Step(mine, forwards + [self.idle] * max(pad, 0), loss_tokens, real)
+
+    split = staticmethod(split_rows)  # the OOM split: never inside an example
+    max_pieces = staticmethod(max_pieces)
 
     def close(self) -> None:
         if self._pool is not None:

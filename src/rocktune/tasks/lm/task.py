@@ -11,7 +11,7 @@ import hashlib
 from pathlib import Path
 
 from rocktune.attention import VARLEN
-from rocktune.config import RunConfig
+from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import checks
 from rocktune.data.batching import loss_token_counts
 from rocktune.data.dataset import prepare_data
@@ -44,6 +44,7 @@ class LMTask:
 
     def refuse(self, options: RunOptions) -> None:
         """What the config and the number of processes alone rule out (pydantic validated the rest)."""
+        refuse_inapplicable(self.cfg)
         refuse_layout(options.processes, self.cfg.training.parallel, self.cfg.model.quantization)
 
     def check(self, ctx: RunContext) -> None:

@@ -1,4 +1,4 @@
-"""The Wan task's inputs, checked before anything is written: the settings that only LM runs take, the media
+"""The Wan task's inputs, checked before anything is written: the media
 listed and assigned to buckets, the eval split, and the planner's peak for the largest bucket."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import random
 from rocktune.config import RunConfig
 from rocktune.diffusion import components, media
 from rocktune.errors import UserError
-from rocktune.tasks.wan.refuse import refuse_lm_only  # noqa: F401 (its old home)
 
 
 def assigned(source, cfg: RunConfig, frames: list[int]) -> list[tuple[media.MediaItem, media.Bucket]]:
