@@ -74,7 +74,8 @@ class DataConfig(_Section):
                                   "eval_fraction is split off.")
     columns: dict[str, str] = Field(
         default_factory=dict, description="Source column for each record key the shape needs, e.g. {prompt: "
-        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages).",
+        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages; "
+        "dpo/orpo also chosen, rejected, conversations).",
         json_schema_extra=only("lm")
     )
     split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.",

@@ -199,6 +199,7 @@ def _from_hub(repo_id: str, settings: SourceSettings, key: str):
 
 
 KEYS = ("text", "prompt", "completion", "instruction", "input", "output", "messages")
+KEYS += ("chosen", "rejected", "conversations")  # preference pairs (data/preference.py)
 
 
 def _rename(ds, columns: dict[str, str], spec: str):

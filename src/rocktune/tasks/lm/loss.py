@@ -23,7 +23,7 @@ from rocktune.data.encode import IGNORE
 # Packed batches carry position_ids and no attention_mask; bucketed ones carry an attention_mask.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # Configs with output transforms the fast path does not reproduce; such models take the full-logits path.
-_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 1024,
@@ -69,7 +69,7 @@ def _fast_path_ok(base) -> bool:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if config is None or head is None or not hasattr(base, "get_decoder"):
         return False
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _HEAD_TRANSFORMS):
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS):
         return False
     # A trainable (or LoRA-wrapped) head needs its weight gradient: leave that to autograd.
     return type(head) is torch.nn.Linear and not head.weight.requires_grad

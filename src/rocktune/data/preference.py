@@ -1,0 +1,227 @@
+"""Preference pairs (task: dpo / orpo) as users have them -> a prompt and two answers -> token ids.
+
+Record shapes, detected per row from its keys (``data.columns`` renames source columns to these keys first):
+
+- TRL's preference format: ``prompt``/``chosen``/``rejected``, each a string, or (conversational) each a list of
+  ``{role, content}`` messages; with no ``prompt`` (implicit prompt) the prompt is the part ``chosen`` and
+  ``rejected`` share: their common leading messages, or for text their common leading characters up to a space.
+- LLaMA-Factory's ranking format (``ranking: true``): Alpaca-style ``instruction``/``input``/``chosen``/``rejected``
+  strings, or ShareGPT-style ``conversations`` (``from``/``value``) with ``chosen``/``rejected`` turns.
+
+The prompt is rendered as SFT renders it (the chat template's generation prompt for messages, the Alpaca template
+for instructions, the text with the tokenizer's specials for plain prompts) and masked; each answer carries loss and
+ends with the end-of-sequence token (conversations: the template's end of turn). An error names the row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from rocktune.data.encode import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, IGNORE
+from rocktune.errors import UserError
+from rocktune.readers.template import render_chat_template
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "observation": "user", "function_call": "assistant"}
+SHAPES = ("prompt/chosen/rejected (TRL, text or messages)", "chosen/rejected (TRL, implicit prompt)",
+          "instruction/input/chosen/rejected (LLaMA-Factory ranking, Alpaca)",
+          "conversations/chosen/rejected (LLaMA-Factory ranking, ShareGPT)")
+
+
+@dataclass(frozen=True)
+class PairText:
+    """One pair, rendered: ``chat`` -> messages (prompt) and assistant messages (answers), else strings."""
+
+    prompt: str | list
+    chosen: str | list
+    rejected: str | list
+    chat: bool
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A tokenised pair: ``(input_ids, labels)`` of prompt + chosen and of prompt + rejected (the prompt masked)."""
+
+    chosen: tuple[list[int], list[int]]
+    rejected: tuple[list[int], list[int]]
+    truncated: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.chosen[0]) + len(self.rejected[0])
+
+
+@dataclass(frozen=True)
+class PairSet:
+    pairs: tuple[Pair, ...]
+    fingerprint: str  # of the token ids: a resume refuses other data
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def lengths(self) -> list[int]:
+        return [p.length for p in self.pairs]
+
+    def subset(self, idx: list[int]) -> PairSet:
+        return PairSet(tuple(self.pairs[i] for i in idx), self.fingerprint)
+
+
+def read_pair(row: dict, where: str) -> PairText:
+    """The pair a source row holds, in whichever shape it comes; a row of no known shape is named."""
+    if "chosen" not in row or "rejected" not in row:
+        raise UserError(f"{where}: a preference pair needs 'chosen' and 'rejected' (this row has {sorted(row)}); "
+                        f"shapes: {'; '.join(SHAPES)}. Map other column names with data.columns.")
+    chosen, rejected = row["chosen"], row["rejected"]
+    if row.get("conversations") is not None:
+        prompt = [_sharegpt(m, f"{where}: conversations[{i}]") for i, m in enumerate(row["conversations"])]
+        return PairText(prompt, [_sharegpt(_one(chosen), f"{where}: chosen")],
+                        [_sharegpt(_one(rejected), f"{where}: rejected")], True)
+    if row.get("instruction") is not None:
+        template = ALPACA_WITH_INPUT if row.get("input") else ALPACA_NO_INPUT
+        prompt = template.format(instruction=_text(row["instruction"], where, "instruction"),
+                                 input=row.get("input") or "")
+        return PairText(prompt, _text(chosen, where, "chosen"), _text(rejected, where, "rejected"), False)
+    chat = isinstance(chosen, list)
+    if isinstance(rejected, list) != chat:
+        raise UserError(f"{where}: 'chosen' and 'rejected' must both be text or both be lists of messages.")
+    if row.get("prompt") is None:
+        return _implicit(chosen, rejected, chat, where)
+    prompt = row["prompt"]
+    if chat:
+        return PairText(_messages(prompt, where, "prompt"), _messages(chosen, where, "chosen"),
+                        _messages(rejected, where, "rejected"), True)
+    return PairText(_text(prompt, where, "prompt"), _text(chosen, where, "chosen"),
+                    _text(rejected, where, "rejected"), False)
+
+
+def _implicit(chosen, rejected, chat: bool, where: str) -> PairText:
+    """TRL's implicit prompt: what both answers start with."""
+    if chat:
+        chosen, rejected = _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        return PairText(chosen[:n], chosen[n:], rejected[n:], True)
+    chosen, rejected = _text(chosen, where, "chosen"), _text(rejected, where, "rejected")
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if 0 < n < len(chosen) and chosen[n - 1] == " ":  # the space starts the answer, as TRL's extract_prompt keeps it
+        n -= 1
+    return PairText(chosen[:n], chosen[n:], rejected[n:], False)
+
+
+def _one(turn):
+    return turn[-1] if isinstance(turn, list) and turn else turn
+
+
+def _sharegpt(msg, where: str) -> dict:
+    if isinstance(msg, dict) and "role" in msg and "content" in msg:
+        return _message(msg, where)
+    if not (isinstance(msg, dict) and isinstance(msg.get("value"), str) and msg.get("from") in SHAREGPT_ROLES):
+        raise UserError(f"{where} must be a {{'from', 'value'}} turn with 'from' one of "
+                        f"{', '.join(SHAREGPT_ROLES)}, got {msg!r:.80}.")
+    return {"role": SHAREGPT_ROLES[msg["from"]], "content": msg["value"]}
+
+
+def _messages(value, where: str, key: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: '{key}' must be a non-empty list of {{'role', 'content'}} messages here (the "
+                        "other fields of this pair are messages).")
+    return [_message(m, f"{where}: {key}[{i}]") for i, m in enumerate(value)]
+
+
+def _message(msg, where: str) -> dict:
+    if not (isinstance(msg, dict) and isinstance(msg.get("content"), str)
+            and msg.get("role") in ("system", "user", "assistant")):
+        raise UserError(f"{where} must be an object with 'role' (system, user, assistant) and string 'content'.")
+    return {"role": msg["role"], "content": msg["content"]}
+
+
+def _text(value, where: str, key: str) -> str:
+    if not isinstance(value, str):
+        raise UserError(f"{where}: '{key}' must be a string, got {type(value).__name__}.")
+    return value
+
+
+def encode_pair(pair: PairText, tokenizer, max_length: int, truncation: str, where: str) -> Pair:
+    """Token ids of both sequences. Both share the prompt's tokens, and are cut the same way: the prompt first
+    (keeping its end, ``truncation=prompt``) so that both answers keep as much of themselves as the longer allows,
+    then each answer at its end; with ``truncation=end`` every sequence keeps its first ``max_length`` tokens."""
+    prompt, chosen, rejected = _render(pair, tokenizer, where)
+    for key, ids in (("chosen", chosen), ("rejected", rejected)):
+        if not ids:
+            raise UserError(f"{where}: the '{key}' answer is empty, so the pair compares nothing; fill it in or "
+                            "remove the row.")
+    longest = max(len(chosen), len(rejected))
+    truncated = len(prompt) + longest > max_length
+    if truncated and truncation == "prompt":
+        keep = max(max_length - longest, min(len(prompt), max_length // 4))
+        prompt = prompt[len(prompt) - keep:]
+    elif truncated:
+        prompt = prompt[:max_length - 1]  # at least one answer token each, or the pair would compare nothing
+    room = max_length - len(prompt)
+    chosen, rejected = chosen[:room], rejected[:room]
+    mask = [IGNORE] * len(prompt)
+    return Pair((prompt + chosen, mask + chosen), (prompt + rejected, mask + rejected), truncated)
+
+
+def _render(pair: PairText, tokenizer, where: str) -> tuple[list[int], list[int], list[int]]:
+    if not pair.chat:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        prompt = tokenizer(pair.prompt, add_special_tokens=True)["input_ids"] if pair.prompt else []
+
+        def answer(text):
+            return tokenizer(text, add_special_tokens=not prompt)["input_ids"] + eos
+        return prompt, answer(pair.chosen), answer(pair.rejected)
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{where}: conversational pairs need the tokenizer's chat template, and this tokenizer has "
+                        "none; use an instruct model's tokenizer or give the pairs as text.")
+    start = render_chat_template(tokenizer, pair.prompt, tokenize=False, add_generation_prompt=True) \
+        if pair.prompt else ""
+
+    def answer(msgs):
+        full = render_chat_template(tokenizer, pair.prompt + msgs, tokenize=False, add_generation_prompt=False)
+        if not full.startswith(start):
+            raise UserError(f"{where}: the chat template does not render the prompt as the start of the whole "
+                            "conversation, so the answer cannot be located; use another template or text pairs.")
+        return tokenizer(full[len(start):], add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(start, add_special_tokens=False)["input_ids"] if start else []
+    return prompt, answer(pair.chosen), answer(pair.rejected)
+
+
+def encode_rows(rows, tokenizer, max_length: int, truncation: str) -> tuple[list[Pair], int]:
+    """``rows``: ``(where, row)``; returns the pairs and how many were truncated."""
+    pairs = [encode_pair(read_pair(row, where), tokenizer, max_length, truncation, where) for where, row in rows]
+    return pairs, sum(p.truncated for p in pairs)
+
+
+def pair_set(pairs: list[Pair]) -> PairSet:
+    h = hashlib.blake2b(digest_size=8)
+    for p in pairs:
+        for ids, labels in (p.chosen, p.rejected):
+            h.update(repr((ids, labels)).encode())
+    return PairSet(tuple(pairs), h.hexdigest())
+
+
+def split_pairs(pairs: list[Pair], fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
+    """Hold out ``fraction`` of the pairs for eval (at least one when asked for and there are two or more)."""
+    if fraction <= 0 or len(pairs) < 2:
+        return pairs, []
+    order = list(range(len(pairs)))
+    random.Random(f"eval-pairs:{seed}").shuffle(order)
+    n_eval = min(len(pairs) - 1, max(1, round(len(pairs) * fraction)))
+    held = set(order[:n_eval])
+    return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
+
+
+def read_rows(spec: str, d, cache_dir, key: str, eval_side: bool = False) -> list[tuple[object, dict]]:
+    """``(where, row)`` of every row of a source, opened as SFT opens it (files, save_to_disk folders, hub ids,
+    ``data.columns``); ``where`` formats as the file:line (JSONL) or row an error names."""
+    from rocktune.data.dataset import source_settings
+    from rocktune.data.sources import RowLoc, open_source
+
+    src = open_source(spec, source_settings(d, cache_dir, eval_side), key)
+    return [(RowLoc(src.name, src.kind, i), row) for i, row in enumerate(src.dataset)]

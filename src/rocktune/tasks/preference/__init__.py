@@ -1,0 +1,1 @@
+"""Preference tuning (task: dpo / orpo) on a causal LM's LoRA: pairs, their feed and their loss."""
