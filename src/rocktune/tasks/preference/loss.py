@@ -103,7 +103,8 @@ def pair_losses(objective: Objective, policy: SequenceLogps, reference: Sequence
         nll = policy.nll * nll_scale
         losses = nll - o.beta * ratio
         chosen, rejected = o.beta * ac.detach(), o.beta * ar.detach()
-        stats.update({"nll_loss": nll.detach(), "log_odds_ratio": ratio.detach()})
+        stats.update({"logps/chosen": ac.detach(), "logps/rejected": ar.detach(), "nll_loss": nll.detach(),
+                      "log_odds_ratio": ratio.detach()})
     else:
         rc, rr = reference.sums.unbind(1)
         chosen_ratio, rejected_ratio = pc - rc, pr - rr

@@ -21,7 +21,7 @@ from rocktune.errors import UserError
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import build, preflight
 from rocktune.tasks.lm.quant_gate import check_quantization
-from rocktune.tasks.preference.feed import PairFeed, collate_pairs, idle_pairs, split_pairs
+from rocktune.tasks.preference.feed import PairFeed, collate_pairs, idle_pairs
 from rocktune.tasks.preference.loss import Objective, PreferenceLoss
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
@@ -76,7 +76,7 @@ class PreferenceTask:
 
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, dist, device = ctx.cfg, ctx.dist, ctx.device
-        m, d, rel = cfg.model, cfg.data, cfg.reliability
+        m, rel = cfg.model, cfg.reliability
         tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
