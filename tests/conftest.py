@@ -66,6 +66,16 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def pair_files(tmp_path_factory) -> tuple[Path, Path]:
+    """Preference pairs of the demo task (demo/pairs.py): 64 train and 8 eval pairs, TRL's prompt/chosen/rejected."""
+    from rocktune.demo.pairs import make_pairs
+
+    tmp = tmp_path_factory.mktemp("pairs")
+    tr, ev = make_pairs(n_train=64, n_eval=8, seed=3)
+    return write_jsonl(tmp / "train.jsonl", tr), write_jsonl(tmp / "eval.jsonl", ev)
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_model_dir, data, tmp_path_factory) -> Path:
     """One uninterrupted LM run (tests/lm_runs.py's config): what every faulted run must reproduce exactly."""
     from rocktune.config import config_from_dict

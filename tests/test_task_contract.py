@@ -29,7 +29,8 @@ from rocktune.train.guards import FatalNumerics, RollbackRequired
 from rocktune.train.request import RunOptions, RunRequest
 
 STEPS = 8  # as tests/lm_runs.py
-KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "batch_tokens", "latent_values", "samples", "eval_loss", "epoch")
+KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "batch_tokens", "latent_values", "samples", "eval_loss", "epoch",
+        "rewards/margins", "rewards/accuracies", "logps/chosen", "eval_rewards/margins")
 
 
 @dataclass
@@ -84,14 +85,32 @@ def _wan_kind(tmp: Path) -> Kind:
                 "device copy of the batch's latents differs")
 
 
+def _pair_kind(request, task: str, tmp: Path) -> Kind:
+    """DPO / ORPO on the tiny Qwen2 over the demo's preference pairs, dropout on (resume restores its RNG)."""
+    from tests.conftest import tiny_run_config
+
+    model_dir, pairs = request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("pair_files")
+
+    def config(out: Path, **training) -> dict:
+        cfg = tiny_run_config(model_dir, pairs[0], pairs[1], out, **{"max_steps": STEPS, "micro_batch_size": 4,
+                                                                      "eval_every": 4, **training})
+        cfg["task"], cfg["lora"]["dropout"] = task, 0.1
+        cfg["data"]["cache_dir"] = str(tmp / "cache")
+        cfg["reliability"] = {"save_every": 2, "keep_checkpoints": 2, "min_free_disk_mb": 0}
+        return cfg
+
+    return Kind(task, config, ("adapter/adapter_model.safetensors",), "host-to-device transfers are corrupting")
+
+
 _KINDS: dict[str, Kind] = {}
 
 
-@pytest.fixture(params=["lm", "wan"])
+@pytest.fixture(params=["lm", "wan", "dpo", "orpo"])
 def kind(request, tmp_path_factory) -> Kind:
     if request.param not in _KINDS:
+        tmp = tmp_path_factory.mktemp(f"task-{request.param}")
         _KINDS[request.param] = _lm_kind(request) if request.param == "lm" else \
-            _wan_kind(tmp_path_factory.mktemp("task-wan"))
+            _wan_kind(tmp) if request.param == "wan" else _pair_kind(request, request.param, tmp)
     return _KINDS[request.param]
 
 

@@ -70,6 +70,8 @@ class PairSet:
 
 def read_pair(row: dict, where: str) -> PairText:
     """The pair a source row holds, in whichever shape it comes; a row of no known shape is named."""
+    # A table (datasets) gives every row every column, None where a record lacks the key.
+    row = {k: v for k, v in row.items() if v is not None}
     if "chosen" not in row or "rejected" not in row:
         raise UserError(f"{where}: a preference pair needs 'chosen' and 'rejected' (this row has {sorted(row)}); "
                         f"shapes: {'; '.join(SHAPES)}. Map other column names with data.columns.")
@@ -150,11 +152,12 @@ def encode_pair(pair: PairText, tokenizer, max_length: int, truncation: str, whe
     """Token ids of both sequences. Both share the prompt's tokens, and are cut the same way: the prompt first
     (keeping its end, ``truncation=prompt``) so that both answers keep as much of themselves as the longer allows,
     then each answer at its end; with ``truncation=end`` every sequence keeps its first ``max_length`` tokens."""
-    prompt, chosen, rejected = _render(pair, tokenizer, where)
-    for key, ids in (("chosen", chosen), ("rejected", rejected)):
-        if not ids:
+    for key in ("chosen", "rejected"):
+        answer = getattr(pair, key)
+        if not (answer.strip() if isinstance(answer, str) else any(m["content"].strip() for m in answer)):
             raise UserError(f"{where}: the '{key}' answer is empty, so the pair compares nothing; fill it in or "
                             "remove the row.")
+    prompt, chosen, rejected = _render(pair, tokenizer, where)
     longest = max(len(chosen), len(rejected))
     truncated = len(prompt) + longest > max_length
     if truncated and truncation == "prompt":
@@ -219,9 +222,22 @@ def split_pairs(pairs: list[Pair], fraction: float, seed: int) -> tuple[list[Pai
 
 def read_rows(spec: str, d, cache_dir, key: str, eval_side: bool = False) -> list[tuple[object, dict]]:
     """``(where, row)`` of every row of a source, opened as SFT opens it (files, save_to_disk folders, hub ids,
-    ``data.columns``); ``where`` formats as the file:line (JSONL) or row an error names."""
+    ``data.columns``); ``where`` formats as the file:line (JSONL) or row an error names. JSON and JSONL are read by
+    rocktune's own reader: a pair's fields may differ in kind from row to row (text here, messages there, a wrong
+    type to be named), which a table's columns cannot hold."""
+    from pathlib import Path
+
     from rocktune.data.dataset import source_settings
+    from rocktune.data.records import read_records
     from rocktune.data.sources import RowLoc, open_source
 
+    if Path(spec).is_file() and Path(spec).suffix.lower() in (".json", ".jsonl"):
+        rows = read_records(spec)
+        missing = {src for src in d.columns.values() if src not in rows[0][1]}
+        if missing:
+            raise UserError(f"data.columns maps to {sorted(missing)}, which {rows[0][0]} does not have (its keys: "
+                            f"{sorted(rows[0][1])}); fix data.columns.")
+        renamed = {v: k for k, v in d.columns.items()}
+        return [(where, {renamed.get(k, k): v for k, v in row.items()}) for where, row in rows]
     src = open_source(spec, source_settings(d, cache_dir, eval_side), key)
     return [(RowLoc(src.name, src.kind, i), row) for i, row in enumerate(src.dataset)]

@@ -47,7 +47,9 @@ class SequenceLogps:
 
 def sequence_logps(model, batch: dict[str, torch.Tensor], with_nll: bool = False) -> SequenceLogps:
     side, labels, ids = batch["side"], batch["labels"], batch["input_ids"]
-    inputs = {k: batch[k] for k in MODEL_INPUTS}
+    # No KV cache: with one, transformers stops reading packed position ids as sequence bounds, and the rejected
+    # answer would attend to the chosen one.
+    inputs = {**{k: batch[k] for k in MODEL_INPUTS}, "use_cache": False}
     if "cu_seq_lens" in batch:
         inputs.update(varlen_inputs(batch))
     # The token at t+1 is predicted at t only within one sequence: never across the chosen/rejected boundary.
