@@ -207,3 +207,34 @@ def test_training_prefers_the_chosen_answers(task, tiny_model_dir, pair_files, t
     if task == "dpo":
         assert evals[0]["eval_rewards/margins"] == 0.0 and result.eval_loss_before == pytest.approx(math.log(2))
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    from rocktune.report.rundata import load_run
+    from rocktune.report.run_report import summary_row, write_report
+
+    page = write_report([load_run(tmp_path / "run")]).read_text()
+    assert "Preference rewards" in page and "Reward accuracy" in page and "loss per preference pair" not in page
+    assert {p.name for p in (tmp_path / "run" / "report_plots").iterdir()} >= {"rewards.png", "accuracy.png"}
+    row = summary_row(load_run(tmp_path / "run"))["eval reward accuracy / margin (first → last)"]
+    assert row.endswith(f"{evals[1]['eval_rewards/accuracies']:.3f} / {evals[1]['eval_rewards/margins']:.4f}")
+
+
+def test_data_preview_shows_a_pair_side_by_side_with_its_trained_tokens(tiny_model_dir, pair_files, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"task": "dpo", "model": {"name_or_path": str(tiny_model_dir)},
+                                   "data": {"train_file": str(pair_files[0]), "max_length": 32}}))
+    out = subprocess.run([sys.executable, "-m", "rocktune", "data", "preview", "-c", str(cfg), "-n", "1", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    pv = json.loads(out)
+    first = json.loads(pair_files[0].read_text().splitlines()[0])
+    assert pv["n_pairs"] == 64 and pv["n_truncated"] == 0 and pv["pairs"][0]["loc"].endswith("train.jsonl:1")
+    chosen, rejected = pv["pairs"][0]["chosen"], pv["pairs"][0]["rejected"]
+    assert chosen[0] == [first["prompt"], False, False] and rejected[0] == chosen[0]  # the prompt: shared, untrained
+    assert "".join(t for t, trained, _ in chosen if trained).startswith(first["chosen"])
+    assert "".join(t for t, trained, _ in rejected if trained).startswith(first["rejected"])
+    text = subprocess.run([sys.executable, "-m", "rocktune", "data", "preview", "-c", str(cfg), "-n", "1"],
+                          capture_output=True, text=True, check=True).stdout
+    assert f"[{first['chosen']}]" in text and f"[{first['rejected']}]" in text

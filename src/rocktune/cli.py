@@ -414,6 +414,10 @@ def _run_data_preview(args) -> int:
             from rocktune.diffusion.preview import run_media_preview
 
             return run_media_preview(cfg, args.examples, args.json)
+        if cfg.spec.pairs:
+            from rocktune.report.pair_preview import run_pair_preview
+
+            return run_pair_preview(cfg, args.examples, args.json)
         # The whole data section: columns, split, subset, revision, num_proc open the source as train does.
         data, model, trust = cfg.data, cfg.model.name_or_path, cfg.model.trust_remote_code
     elif args.data and args.model:

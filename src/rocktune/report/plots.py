@@ -11,6 +11,9 @@ import io
 
 from rocktune.errors import UserError
 from rocktune.report.rundata import RunData
+from rocktune.task_registry import TASKS
+
+PAIR_TASKS = tuple(n for n, s in TASKS.items() if s.pairs)
 
 GIB = 2**-30
 
@@ -65,7 +68,8 @@ def _colours(n: int) -> list:
 
 
 def loss_plot(runs: list[RunData]) -> bytes:
-    fig, ax = _figure("loss", "cross-entropy per loss-bearing token")
+    pairs = all(run.config.get("task") in PAIR_TASKS for run in runs)
+    fig, ax = _figure("loss", "loss per preference pair" if pairs else "cross-entropy per loss-bearing token")
     several = len(runs) > 1
     for run, c in zip(runs, _colours(len(runs))):
         prefix = f"{run.name}: " if several else ""
@@ -99,6 +103,43 @@ def series_plot(runs: list[RunData], key: str, title: str, ylabel: str, scale: f
     return _png(fig)
 
 
+def rewards_plot(runs: list[RunData]) -> bytes | None:
+    """A preference run's implicit rewards (TRL's rewards/chosen, rewards/rejected) per step, and the held-out
+    margin at each eval as markers: the chosen answers' reward should pull away from the rejected ones'."""
+    data = [(run, {key: run.series(f"rewards/{key}") for key in ("chosen", "rejected", "margins")}) for run in runs]
+    if not any(series["margins"][0] for _, series in data):
+        return None
+    fig, ax = _figure("implicit rewards (beta x log-ratio; ORPO: beta x mean log-prob)", "reward")
+    several = len(runs) > 1
+    for (run, series), c in zip(data, _colours(len(runs))):
+        prefix = f"{run.name}: " if several else ""
+        for key, style in (("chosen", "-"), ("rejected", ":"), ("margins", "--")):
+            ax.plot(*series[key], style, color=c, linewidth=1, label=f"{prefix}{key}")
+        ev = [(r["step"], r["eval_rewards/margins"]) for r in run.eval_stats if "eval_rewards/margins" in r]
+        eval_points(ax, ev, c, f"{prefix}eval margin")
+        _events(ax, run, c, several)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def accuracy_plot(runs: list[RunData]) -> bytes | None:
+    """The share of pairs whose chosen answer has the higher reward: train per step, held-out at each eval."""
+    data = [(run, run.series("rewards/accuracies")) for run in runs]
+    if not any(xs for _, (xs, _) in data):
+        return None
+    fig, ax = _figure("reward accuracy (chosen ranked above rejected)", "share of pairs")
+    several = len(runs) > 1
+    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
+        prefix = f"{run.name}: " if several else ""
+        ax.plot(xs, ys, color=c, linewidth=1, label=f"{prefix}train")
+        ev = [(r["step"], r["eval_rewards/accuracies"]) for r in run.eval_stats if "eval_rewards/accuracies" in r]
+        eval_points(ax, ev, c, f"{prefix}eval")
+        _events(ax, run, c, several)
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
 def memory_plot(runs: list[RunData]) -> bytes | None:
     """Measured peak device memory per step beside the planner's prediction (a horizontal line)."""
     data = [(run, run.series("peak_mem_bytes", GIB)) for run in runs]
@@ -126,5 +167,7 @@ def all_plots(runs: list[RunData]) -> dict[str, bytes]:
         "tokens_per_s": series_plot(runs, "useful_tokens_per_s", "useful (loss-bearing) tokens/s",
                                     "tokens/s", skip_compiling=True),
         "memory": memory_plot(runs),
+        "rewards": rewards_plot(runs),
+        "accuracy": accuracy_plot(runs),
     }
     return {k: v for k, v in plots.items() if v is not None}

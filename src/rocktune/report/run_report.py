@@ -16,6 +16,7 @@ import yaml
 from rocktune.atomic import write_atomic
 from rocktune.report import page, plots
 from rocktune.report.rundata import RunData, load_run
+from rocktune.task_registry import DIFFUSION, TASKS
 
 # run_info.json's data keys as a person reads them; a key not listed is shown as it is
 DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncated": "examples cut to max_length",
@@ -27,9 +28,10 @@ DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncate
                "task": "task", "buckets": "examples per size bucket", "transformer": "transformer trained",
                "flow_shift": "flow shift", "timestep_sampling": "timestep sampling"}
 # config sections that only one kind of task reads: the other kind's run hides them
-TASK_SECTIONS = {"diffusion": ("video-lora", "image-lora")}
+TASK_SECTIONS = {"diffusion": DIFFUSION, "preference": tuple(n for n, s in TASKS.items() if s.pairs)}
 PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm": "Gradient norm",
-               "tokens_per_s": "Throughput", "memory": "Device memory"}
+               "tokens_per_s": "Throughput", "memory": "Device memory", "rewards": "Preference rewards",
+               "accuracy": "Reward accuracy"}
 
 
 def run_report(run_dirs: list[str], out: str | None = None) -> int:
@@ -93,10 +95,16 @@ def summary_row(run: RunData) -> dict[str, str]:
     _, mem = run.series("peak_mem_bytes", plots.GIB)
     _, secs = run.series("step_s")
     predicted = run.predicted_peak()
+    acc = [r["eval_rewards/accuracies"] for r in run.eval_stats if "eval_rewards/accuracies" in r]
+    margin = [r["eval_rewards/margins"] for r in run.eval_stats if "eval_rewards/margins" in r]
+    preference = {"eval reward accuracy / margin (first → last)":
+                  f"{_fmt(acc[0], '.3f')} / {_fmt(margin[0])} → {_fmt(acc[-1], '.3f')} / {_fmt(margin[-1])}"} \
+        if acc and margin else {}
     return {
         "run": run.name, "steps": str(run.steps[-1]["step"] if run.steps else 0),
         "final train loss": _fmt(losses[-1] if losses else None),
         "eval loss (first → last)": f"{_fmt(evals[0] if evals else None)} → {_fmt(evals[-1] if evals else None)}",
+        **preference,
         "useful tokens/s (median)": _fmt(statistics.median(tps) if tps else None, ",.0f"),
         # medians: with training.log_every > 1 the logged steps are a sample, so a sum would undercount
         "step time (median)": f"{_fmt(statistics.median(secs) if secs else None, '.3f')} s",

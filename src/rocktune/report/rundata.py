@@ -29,6 +29,7 @@ class RunData:
     name: str
     steps: list[dict]  # lines with a training loss
     evals: list[dict]  # lines with eval_loss
+    eval_stats: list[dict] = field(default_factory=list)  # other eval lines (a preference run's eval_rewards/...)
     config: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
@@ -80,6 +81,8 @@ def load_run(path: str | Path) -> RunData:
     ckpts = sorted(int(m.group(1)) for p in (run / "checkpoints").glob("step-*") if (m := CHECKPOINT.match(p.name)))
     return RunData(path=run, name=run.name if run.name != "run" else f"{run.parent.name}/{run.name}",
                    steps=[r for r in rows if "loss" in r], evals=[r for r in rows if "eval_loss" in r],
+                   eval_stats=[r for r in rows if "loss" not in r and "eval_loss" not in r
+                               and isinstance(r.get("step"), int) and any(k.startswith("eval_") for k in r)],
                    config=config or {}, info=info, samples=_jsonl(run / "samples.jsonl", skipped, _sample_problem),
                    incidents=_jsonl(run / "incidents.jsonl", skipped, _incident_problem), checkpoints=ckpts,
                    skipped_lines=skipped)
