@@ -230,3 +230,23 @@ def test_two_nodes_on_loopback_meet_through_the_preflight_and_train(setup, tmp_p
     assert [p.returncode for p in nodes] == [0, 0], texts[1][-2000:] + texts[0][-2000:]
     assert all("rendezvous: node" in t and "waiting up to 60 s" in t for t in texts)
     assert len(losses(tmp_path / "node0")) == 2
+
+
+@pytest.mark.parametrize("task", ["dpo", "orpo"])
+def test_preference_pairs_across_two_ranks_match_one_process(setup, pair_files, task):
+    """Each rank takes whole micro-batches of pairs (a pair never straddles ranks): the same losses and adapter."""
+    _, _, tmp = setup
+    runs = []
+    for nproc in (1, 2):
+        out = tmp / f"{task}{nproc}"
+        path = config(setup, out, micro_batch_size=4, grad_accum=2)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["task"], cfg["data"]["train_file"] = task, str(pair_files[0])
+        path.write_text(yaml.safe_dump(cfg))
+        res = rocktune("train", "-c", path, "--no-supervise", *(("--nproc", 2) if nproc == 2 else ()))
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(out)
+    one, two = runs
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    a, b = adapter(one), adapter(two)
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5

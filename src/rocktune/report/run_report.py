@@ -145,7 +145,7 @@ def _events(runs: list[RunData]) -> str:
 
 def _samples(run: RunData) -> str:
     steps = run.sample_steps()
-    if not steps and run.config.get("task") in ("video-lora", "image-lora"):
+    if not steps and run.config.get("task") in DIFFUSION:
         return (f"<h2>Samples</h2><p>Render clips with the trained LoRA: <code>rocktune generate "
                 f"{html.escape(str(run.path))} --prompt \"...\" --compare</code> (docs/diffusion.md).</p>")
     if not steps:

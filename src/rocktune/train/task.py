@@ -55,7 +55,7 @@ class Feed(Protocol):
 
 
 class Task(Protocol):
-    kind: str  # "lm", "video-lora", "image-lora": names it in messages
+    kind: str  # the task_registry name (lm, dpo, orpo, video-lora, image-lora): names it in messages
     samples_what: str  # the final writes' words for what comes with the final metrics ("" when nothing)
 
     def attn_setting(self) -> str: ...  # the attention setting the context resolves
