@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from rocktune.task_registry import DIFFUSION
+from rocktune.task_registry import DIFFUSION, TASKS
 from rocktune.train.summary import read_figures
 
 
@@ -40,6 +40,11 @@ def _set_base(adapter_dir: Path, base: str) -> None:
         copy.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
 
 
+def _task(name: str) -> str:
+    """The task and what it trains, from the registry (a run of a task since removed is named as it is)."""
+    return f"{name}: {TASKS[name].summary}" if name in TASKS else name
+
+
 def card(config: dict, base: str, run_dir: Path) -> str:
     fig = read_figures(run_dir / "metrics.jsonl")
     lora, data, t = config.get("lora", {}), config.get("data", {}), config.get("training", {})
@@ -47,7 +52,7 @@ def card(config: dict, base: str, run_dir: Path) -> str:
     evals = (f"{fig.eval_before:.4f} → {fig.eval_after:.4f}" if fig.eval_before is not None
              and fig.eval_after is not None else "not measured (no eval data)")
     length = f"{t.get('max_steps')} steps" if t.get("max_steps") else f"{t.get('epochs')} epochs"
-    rows = [("base model", f"`{base}`"), ("task", config.get("task", "lm")),
+    rows = [("base model", f"`{base}`"), ("task", _task(config.get("task", "lm"))),
             ("train data", f"`{data.get('train_file')}`"),
             ("eval data", f"`{data.get('eval_file')}`" if data.get("eval_file") else
              f"{data.get('eval_fraction', 0):g} of the train data held out" if data.get("eval_fraction") else "none"),
@@ -56,11 +61,6 @@ def card(config: dict, base: str, run_dir: Path) -> str:
             ("training", f"{length} (trained {fig.steps}), lr {t.get('lr')}, {t.get('micro_batch_size')} examples "
                          f"per micro-batch x {t.get('grad_accum')} accumulated, precision {t.get('precision')}"),
             ("eval loss before → after", evals)]
-    if config.get("task") in ("dpo", "orpo"):  # the reference of DPO: the base with this adapter off
-        p = config.get("preference", {})
-        rows.insert(2, ("preference", f"{config['task']}, beta {p.get('beta')}" + (
-            f", loss {p.get('loss_type')}, label smoothing {p.get('label_smoothing')}; reference: the base model"
-            if config["task"] == "dpo" else "")))
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     return (f"# LoRA adapter for {base}\n\nTrained by rocktune; the whole resolved config is `rocktune_config.yaml` "
             f"beside this file, the run's metrics are in `{run_dir / 'metrics.jsonl'}`.\n\n{table}\n"
