@@ -145,27 +145,27 @@ def test_a_compiler_failure_in_the_loss_is_caught_by_the_compile_fallback(lm_tas
     from rocktune.train.step import is_compile_error, run_with_oom_recovery
 
     task, batch = lm_task
-    expected = LossModule(task.model, 5, True)(batch).item()
+    expected = LossModule(task.run.model, 5, True)(batch).item()
     caught = []
 
     def fall_back(exc):
         caught.append(exc)
         task.uncompile()
 
-    optimizer = torch.optim.SGD([p for p in task.model.parameters() if p.requires_grad], lr=0.0)
+    optimizer = torch.optim.SGD([p for p in task.run.model.parameters() if p.requires_grad], lr=0.0)
     with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # undone on exit (monkeypatch's undo deletes it)
-        loss, _ = run_with_oom_recovery(lambda pieces: task._loss(batch), optimizer, 1, 1, print, fall_back)
+        loss, _ = run_with_oom_recovery(lambda pieces: task.run.loss(batch), optimizer, 1, 1, print, fall_back)
     assert len(caught) == 1 and is_compile_error(caught[0])
-    assert task._loss.compiled is False and loss.item() == pytest.approx(expected, rel=1e-6)
+    assert task.run.loss.compiled is False and loss.item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_uncompile_turns_the_loss_eager(lm_task):
     task, _ = lm_task
-    decoder = task.model.get_base_model().get_decoder()
+    decoder = task.run.model.get_base_model().get_decoder()
     decoder.compile()  # only wrapped: nothing is compiled until a forward
-    assert decoder._compiled_call_impl is not None and task._loss.compiled
+    assert decoder._compiled_call_impl is not None and task.run.loss.compiled
     task.uncompile()
-    assert decoder._compiled_call_impl is None and task._loss.compiled is False
+    assert decoder._compiled_call_impl is None and task.run.loss.compiled is False
 
 
 @pytest.fixture
@@ -176,8 +176,10 @@ def lm_task(tiny_model_dir):
     from tests.test_loss import make_batch
 
     model = apply_lora(load_model(str(tiny_model_dir), "fp32", "sdpa", False, "cpu"), 4, 8, 0.0, "all-linear", False)
+    from types import SimpleNamespace
+
     task = LMTask.__new__(LMTask)
-    task.model, task._loss = model, LossModule(model, 5, True, compiled=True)
+    task.run = SimpleNamespace(model=model, loss=LossModule(model, 5, True, compiled=True))  # LMRun's two fields
     return task, make_batch(0)
 
 

@@ -8,6 +8,7 @@ adapter and the loss module). The engine (train/loop.py) runs the steps.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.attention import VARLEN
@@ -18,7 +19,7 @@ from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import autofit, build, preflight
 from rocktune.tasks.lm.evaluate import eval_sums
-from rocktune.tasks.lm.feed import Share, StepFeed
+from rocktune.tasks.lm.feed import Feeding, Share, StepFeed
 from rocktune.tasks.lm.loss import LossModule
 from rocktune.tasks.lm.quant_gate import check_quantization
 from rocktune.tasks.lm.samples import SampleSettings, Sampler
@@ -30,14 +31,37 @@ from rocktune.train.request import RunOptions
 from rocktune.train.task import Prepared
 
 
+@dataclass(frozen=True)
+class LMRun:
+    """What ``prepare`` built and the later hooks use: set once, never changed (the loss module's ``compiled``
+    flag is the module's own, turned off by the compile fallback)."""
+
+    ctx: RunContext
+    tokenizer: object
+    eval_set: object  # data.dataset.Examples: the sampler's prompts
+    shape: str  # the data's record shape (the sampler renders prompts like it)
+    strategy: str  # single | ddp | fsdp
+    feeding: Feeding
+    model: object  # the PEFT model
+    loss: LossModule  # outside any DDP wrapper: the eval pass and the compile fallback use it
+    idle: dict  # a batch without loss positions, for ranks that must keep in step
+    collate: object  # index structure -> host batch
+    lengths: list  # tokens per training example
+    loss_counts: list  # loss-bearing tokens per training example
+    eval_share: object  # this rank's eval examples
+    eval_rows: int  # eval examples per forward
+    autocast: object  # () -> the precision's autocast context
+
+
 class LMTask:
     kind = "lm"
     samples_what = " and sample generations"
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.vocab_size: int | None = None
+        self.vocab_size: int | None = None  # check's findings, which prepare uses
         self.predicted_peak: int | None = None
+        self.run: LMRun | None = None  # prepare's result for the later hooks
 
     def attn_setting(self) -> str:
         return self.cfg.model.attn_implementation
@@ -58,13 +82,12 @@ class LMTask:
         m, d = ctx.cfg.model, ctx.cfg.data
         ctx.notes += check_quantization(m.quantization, m.name_or_path, ctx.precision, ctx.device, d.max_length,
                                         ctx.cfg.lora.r, ctx.platform)
-        self.ctx, self.cfg = ctx, ctx.cfg
+        self.cfg = ctx.cfg
 
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, dist, device = ctx.cfg, ctx.dist, ctx.device
         t, m, d, rel = cfg.training, cfg.model, cfg.data, cfg.reliability
         tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
-        self.tokenizer = tokenizer
 
         def data_checks(examples, stats):
             return checks.enforce(checks.check_training_data(examples, tokenizer, stats.shape, d.train_on_prompt,
@@ -77,89 +100,88 @@ class LMTask:
         train_set, eval_set, stats = distributed.main_first(dist, lambda: prepare_data(
             d, tokenizer, ctx.cache_root, t.seed, self.vocab_size, check=data_checks), "preparing the data")
         distributed.same_run(dist, stats.fingerprint)
-        self.train_set, self.eval_set, self.stats = train_set, eval_set, stats
         lengths = train_set.lengths()
         compiled = build.want_compile(t.compile, ctx.choices.compile, device, t.batching, dist.world)
         parallel, notes = autofit.choose_parallel(cfg, dist.world, device, ctx.precision, ctx.attn,
                                                   ctx.options.vram_bytes)
-        self.strategy = distributed.strategy(dist, parallel, m.quantization)
+        strategy = distributed.strategy(dist, parallel, m.quantization)
         feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, ctx.choices, lengths, ctx.options.vram_bytes,
                                                                  compiled, dist.world, parallel)
-        self.feeding = feeding
         chunk = autofit.loss_chunk(t.loss_chunk_size, device)
         attn, attn_note = build.attention(m.attn_implementation, ctx, feeding.packed, compiled, m)
-        self.attn = attn
         # FSDP loads on the CPU and moves each rank's shards to its GPU: the whole base need not fit one device.
         model, model_notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn,
-                                                      "cpu" if self.strategy == "fsdp" else device, compiled)
+                                                      "cpu" if strategy == "fsdp" else device, compiled)
         ctx.notes += notes + feed_notes + [n for n in (attn_note,) if n] + model_notes + stats.notes
-        self.model = model
-        fsdp = self.strategy == "fsdp"
+        fsdp = strategy == "fsdp"
         # The loss's chunk body compiles with the decoder, and falls back with it (uncompile).
-        self._loss = LossModule(model, chunk, t.loss_impl == "chunked", compiled)
-        loss = distributed.wrap(self._loss, dist, device, self.strategy, ctx.notes)
+        loss_module = LossModule(model, chunk, t.loss_impl == "chunked", compiled)
+        loss = distributed.wrap(loss_module, dist, device, strategy, ctx.notes)
         params = trainable_parameters(model)
         idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
-        self._idle = idle
         # flash-attention only separates packed sequences within a single row, so its rows are joined into one.
-        self._collate = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
-                                           one_row=attn == "flash_attention_2",
-                                           pin=ctx.choices.pin_memory and device == "cuda",
-                                           width=d.max_length if feeding.static_width else 0,
-                                           segments=attn == VARLEN)
-        self._lengths, self._loss_counts = lengths, loss_token_counts(train_set.labels)  # once: resume rebuilds
+        collate = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
+                                     one_row=attn == "flash_attention_2",
+                                     pin=ctx.choices.pin_memory and device == "cuda",
+                                     width=d.max_length if feeding.static_width else 0, segments=attn == VARLEN)
         # DDP: each rank evaluates its share and the sums are added; FSDP: every rank runs every eval forward.
-        self._eval_share = eval_set if fsdp or not dist.enabled else \
+        eval_share = eval_set if fsdp or not dist.enabled else \
             eval_set.subset(list(range(dist.rank, len(eval_set), dist.world)))
-        self._eval_rows = max(t.micro_batch_size, feeding.rows_per_forward)  # no gradients: a forward fits easily
-        self._autocast = engine_build.autocast(device, ctx.precision)
+        self.run = LMRun(ctx, tokenizer, eval_set, stats.shape, strategy, feeding, model, loss_module, idle, collate,
+                         lengths, loss_token_counts(train_set.labels), eval_share,
+                         max(t.micro_batch_size, feeding.rows_per_forward),  # no gradients: a forward fits easily
+                         engine_build.autocast(device, ctx.precision))
         return Prepared(model, loss, stats.fingerprint,
                         f"{len(train_set)} train / {len(eval_set)} eval examples ({stats.shape}, cache "
                         f"{'hit' if stats.cache_hit else 'written'})",
                         _data_info(stats, lengths, len(eval_set)), planned_peak or self.predicted_peak, compiled,
                         lockstep=fsdp, idle=idle if fsdp else None, tokenizer=tokenizer,
-                        after_backward=lambda: distributed.sync_gradients(dist, params, self.strategy))
+                        after_backward=lambda: distributed.sync_gradients(dist, params, strategy))
 
     def new_feed(self, **position) -> StepFeed:
         # On a GPU the next step is collated while this one computes; on a CPU a thread would only compete for cores.
-        dist = self.ctx.dist
-        return StepFeed(self.feeding, self._lengths, self._loss_counts, self._collate, self.ctx.device == "cuda",
-                        Share(dist.rank, dist.world, self._idle, self.strategy == "fsdp"), **position)
+        r = self.run
+        dist = r.ctx.dist
+        return StepFeed(r.feeding, r.lengths, r.loss_counts, r.collate, r.ctx.device == "cuda",
+                        Share(dist.rank, dist.world, r.idle, r.strategy == "fsdp"), **position)
 
     def evaluate(self) -> float | None:
-        return distributed.mean_over_ranks(self.ctx.dist, *eval_sums(
-            self._loss, self._eval_share, self._eval_rows, self.tokenizer.pad_token_id, self.ctx.device,
-            self._autocast))
+        r = self.run
+        return distributed.mean_over_ranks(r.ctx.dist, *eval_sums(
+            r.loss, r.eval_share, r.eval_rows, r.tokenizer.pad_token_id, r.ctx.device, r.autocast))
 
     def check_resume(self, restored, force: bool) -> None:
         """Runs on the checkpoint read but not applied (checkpoint.restore): a refusal leaves the model as it was."""
-        resume.check_world(restored, self.ctx.dist.world, force)
-        resume.check_batching(restored, self.feeding.mode)
-        note = distributed.check_rng(self.ctx.dist, restored.extra.get("rank_rng"), force)
+        r = self.run
+        resume.check_world(restored, r.ctx.dist.world, force)
+        resume.check_batching(restored, r.feeding.mode)
+        note = distributed.check_rng(r.ctx.dist, restored.extra.get("rank_rng"), force)
         if note:
-            self.ctx.notes.append(note)
+            r.ctx.notes.append(note)
 
     def resumed(self, restored) -> None:
-        distributed.restore_rng(self.ctx.dist, restored.extra.get("rank_rng"))
+        distributed.restore_rng(self.run.ctx.dist, restored.extra.get("rank_rng"))
 
     def checkpoint_extra(self) -> dict:
-        rank_rng = distributed.gather_rng(self.ctx.dist)  # every rank takes part; rank 0 writes the checkpoint
-        return {"batching": self.feeding.mode, "world_size": self.ctx.dist.world, "rank_rng": rank_rng}
+        r = self.run
+        rank_rng = distributed.gather_rng(r.ctx.dist)  # every rank takes part; rank 0 writes the checkpoint
+        return {"batching": r.feeding.mode, "world_size": r.ctx.dist.world, "rank_rng": rank_rng}
 
     def start(self, start_step: int, metrics, log) -> None:
-        t, dist = self.cfg.training, self.ctx.dist
-        samples = dist.main or self.strategy == "fsdp"
+        r = self.run
+        t, dist = r.ctx.cfg.training, r.ctx.dist
+        samples = dist.main or r.strategy == "fsdp"
         settings = SampleSettings(t.sample_count if samples else 0, t.sample_prompts if samples else [],
-                                  t.sample_max_new_tokens, self.ctx.device, self._autocast)
-        self.sampler = Sampler.build(self.ctx.run_dir, self.tokenizer, self.stats.shape, self.eval_set, settings,
-                                     start_step, write=dist.main, synced=self.strategy == "fsdp")
+                                  t.sample_max_new_tokens, r.ctx.device, r.autocast)
+        self.sampler = Sampler.build(r.ctx.run_dir, r.tokenizer, r.shape, r.eval_set, settings,
+                                     start_step, write=dist.main, synced=r.strategy == "fsdp")
 
     def record(self, fed) -> dict:
         return {"tokens": fed.loss_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),
                 "real_tokens": fed.real_tokens, "samples": _digest(fed.forwards)}
 
     def after_eval(self, step: int, metrics, log) -> None:
-        self.sampler.at(step, self.model, metrics, log)
+        self.sampler.at(step, self.run.model, metrics, log)
 
     def final_files(self, run_dir: Path) -> list:
         return []
@@ -168,12 +190,13 @@ class LMTask:
         return None
 
     def oom_message(self, step: int, exc: BaseException) -> str:
-        advice = autofit.oom_advice(self.cfg, self.ctx.precision, self.ctx.attn)
+        ctx = self.run.ctx
+        advice = autofit.oom_advice(ctx.cfg, ctx.precision, ctx.attn)
         return f"out of memory at step {step} even with one example per forward ({exc}). {advice}"
 
     def uncompile(self) -> None:
-        build.uncompile_decoder(self.model)
-        self._loss.compiled = False
+        build.uncompile_decoder(self.run.model)
+        self.run.loss.compiled = False  # the loss module itself: its flag is what the compile fallback turns off
 
 
 def _data_info(stats, train_lengths: list[int], n_eval: int) -> dict:
