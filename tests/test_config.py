@@ -89,3 +89,28 @@ def test_error_text_with_brackets_survives_printing(capsys):
 
     print_error("values [type=literal_error, input_value=gpu] in /tmp/[/x]")
     assert "[type=literal_error, input_value=gpu]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("given", "short"), [("float32", "fp32"), ("torch.float32", "fp32"), ("FP32", "fp32"),
+                                              ("bfloat16", "bf16"), ("torch.bfloat16", "bf16"),
+                                              ("float16", "fp16"), ("half", "fp16"), ("fp16", "fp16")])
+def test_torch_dtype_names_are_accepted_wherever_a_dtype_is_asked(given, short):
+    """Issue 35: torch's spellings work beside rocktune's short names: the config, plan --precision, export --dtype
+    and a float GGUF --quant all read them through rocktune.dtypes."""
+    from rocktune.cli import build_parser
+    from rocktune.dtypes import GGUF_FLOAT
+
+    assert load_config(None, ["data.train_file=a", f"training.precision={given}"]).training.precision == short
+    parser = build_parser()
+    assert parser.parse_args(["plan", "Qwen2.5-0.5B", "--precision", given]).precision == short
+    args = parser.parse_args(["export", "run", "--to", "gguf", "--dtype", given, "--quant", given])
+    assert (args.dtype, args.quant) == (short, GGUF_FLOAT[short])
+    assert parser.parse_args(["export", "run", "--to", "gguf", "--quant", "q4_k_m"]).quant == "q4_k_m"
+
+
+def test_an_unknown_dtype_is_refused_with_the_accepted_names(capsys):
+    from rocktune.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["export", "run", "--to", "merged", "--dtype", "float8"])
+    assert "invalid choice: 'float8'" in capsys.readouterr().err

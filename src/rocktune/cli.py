@@ -12,6 +12,7 @@ import sys
 
 from rocktune import __version__, exits
 from rocktune.data.truncate import MODES as TRUNCATION_MODES
+from rocktune.dtypes import SHORT, canonical, gguf_float
 from rocktune.errors import UserError, print_error, quiet_libraries
 from rocktune.export.merge import DTYPE_NAMES
 from rocktune.export.style import STYLES
@@ -291,7 +292,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--global-batch", type=int, default=8, help="examples per optimizer step for the fit (default 8)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--targets", default="all-linear", help="all-linear (default) or a comma list, e.g. q_proj,v_proj")
-    p.add_argument("--precision", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--precision", default="bf16", type=canonical, choices=SHORT,
+                   help="fp32 | bf16 | fp16, or torch's float32 / bfloat16 / float16 (default bf16)")
     p.add_argument("--quant", default="none", help="none | nf4 | fp4 | int8 base weights (QLoRA, docs/qlora.md)")
     p.add_argument("--nproc", type=int, default=1, help="ranks training together: the breakdown is per rank")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
@@ -474,10 +476,12 @@ def _add_export(sub) -> None:
                         "gguf-lora: the adapter alone for llama.cpp --lora / Ollama ADAPTER; ollama: GGUF + Modelfile")
     p.add_argument("--out",
                    help="output path (default: RUN/export/merged, model-QUANT.gguf, adapter-f32.gguf, ollama/)")
-    p.add_argument("--quant", help="GGUF type: f32 f16 bf16 q8_0 q5_0 q4_0 q6_k q5_k_m q4_k_m (default f16; "
-                                   "gguf-lora: f32 or f16, default f32)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="merged weights' dtype (default: the base checkpoint's); the merge itself is fp32")
+    p.add_argument("--quant", type=gguf_float,
+                   help="GGUF type: f32 f16 bf16 q8_0 q5_0 q4_0 q6_k q5_k_m q4_k_m (default f16; gguf-lora: f32 or "
+                        "f16, default f32); float16 / bfloat16 / float32 also name the float types")
+    p.add_argument("--dtype", default="auto", type=canonical, choices=DTYPE_NAMES,
+                   help="merged weights' dtype: fp32 | bf16 | fp16 or torch's float32 / bfloat16 / float16 (default: "
+                        "the base checkpoint's); the merge itself is fp32")
     p.add_argument("--base", help="base model directory or hub id (default: the one the run trained on)")
     p.add_argument("--with-base", action="store_true", help="gguf-lora: also write the base as base-f16.gguf")
     p.add_argument("--template", default="auto", choices=STYLES,

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from rocktune.dtypes import canonical
 from rocktune.errors import UserError, first_line
 from rocktune.readers.yaml_file import read_yaml
 from rocktune.task_registry import NAMES, TASKS
@@ -146,7 +147,8 @@ class TrainingConfig(_Section):
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null disables.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="auto: bf16 where the arch has bf16 matrix units, fp32 on CPU/gfx906."
+        "auto", description="auto: bf16 where the arch has bf16 matrix units, fp32 on CPU/gfx906. torch's names "
+        "(float32, bfloat16, float16) are accepted for the same."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda also means ROCm (HIP) builds.")
     seed: int = Field(42, description="Seed for model init of LoRA, data order and dropout.")
@@ -183,6 +185,11 @@ class TrainingConfig(_Section):
         "on CPU (measured fastest there), 2048 on ROCm/CUDA (fewer, larger head matmuls; 1.2 GiB of fp32 logits at a "
         "152k vocabulary).", json_schema_extra=only("lm")
     )
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _torch_dtype_names(cls, value: object) -> object:
+        return canonical(value)  # training.precision=float32 as well as fp32; others fail the Literal check
 
 
 class ReliabilityConfig(_Section):

@@ -1,43 +1,81 @@
-"""A synthetic, learnable prompt/completion task: upper-casing, reversal and one-digit additions.
+"""A synthetic, learnable prompt/completion task: upper-casing, shifting, rotation, reversal, one-digit additions.
 
-Generated from a seed, so the demo's data is the same on every machine; eval prompts never occur in training.
+Generated from a seed, so the data is the same on every machine; eval prompts never occur in training.
+
+Which skills a task mixes decides what its held-out figures mean. Upper-casing, shifting (a -> b) and rotation
+(abcd -> bcda) are rules that read each answer letter from a fixed place of the word: an unseen word is answered by
+the same rule as the seen ones, so held-out exact match measures the skill and sits on a plateau at 100% once it is
+learned. Two skills do not: one-digit addition has only 100 facts, and the held-out ones are facts the model never
+saw; reversal reads letter k from a place that moves with k, which the demo's 2-layer model memorises per word
+instead of learning (measured: 3-5% held-out after 400-800 steps). Whether such answers come out right is decided by
+rounding: the earlier demo (upper, reverse, add) gave 69-75% held-out on different CPUs. The demo therefore uses the
+three rules; the tests keep the default mix (their recorded losses were measured on it over a few steps).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
-
 LETTERS = "abcdefghij"
-WORD = 4  # fixed lengths keep exact answers within reach of a one-minute run on two CPU cores
+WORD = 4  # fixed lengths keep exact answers within reach of a short run on two CPU cores
 
 
-def make_example(rng: random.Random) -> dict[str, str]:
-    """One of three skills: copy in upper case, reverse, add two digits (answer zero-padded to two digits)."""
-    kind = rng.randrange(3)
-    word = "".join(rng.choice(LETTERS) for _ in range(WORD))
-    if kind == 0:
-        return {"prompt": f"upper {word} =", "completion": f" {word.upper()}"}
-    if kind == 1:
-        return {"prompt": f"reverse {word} =", "completion": f" {word[::-1]}"}
+def _upper(rng: random.Random, word: str) -> dict[str, str]:
+    return {"prompt": f"upper {word} =", "completion": f" {word.upper()}"}
+
+
+def _reverse(rng: random.Random, word: str) -> dict[str, str]:
+    return {"prompt": f"reverse {word} =", "completion": f" {word[::-1]}"}
+
+
+def _shift(rng: random.Random, word: str) -> dict[str, str]:
+    """Each letter to the next one of the alphabet (a -> b, ..., j -> k)."""
+    return {"prompt": f"shift {word} =", "completion": " " + "".join(chr(ord(c) + 1) for c in word)}
+
+
+def _rotate(rng: random.Random, word: str) -> dict[str, str]:
+    """The first letter moved to the end (abcd -> bcda)."""
+    return {"prompt": f"rotate {word} =", "completion": f" {word[1:]}{word[0]}"}
+
+
+def _add(rng: random.Random, word: str) -> dict[str, str]:
     a, b = rng.randint(0, 9), rng.randint(0, 9)
-    return {"prompt": f"add {a} {b} =", "completion": f" {a + b:02d}"}
+    return {"prompt": f"add {a} {b} =", "completion": f" {a + b:02d}"}  # zero-padded to two digits
 
 
-def make_task(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+SKILLS: dict[str, Callable[[random.Random, str], dict[str, str]]] = {
+    "upper": _upper, "reverse": _reverse, "shift": _shift, "rotate": _rotate, "add": _add}
+DEFAULT_SKILLS = ("upper", "reverse", "add")  # the tests' mix (their recorded losses were measured on it)
+DEMO_SKILLS = ("upper", "shift", "rotate")  # rules only: held-out figures that do not hang on rounding
+
+
+def make_example(rng: random.Random, skills: tuple[str, ...] = DEFAULT_SKILLS) -> dict[str, str]:
+    """One example of a skill drawn uniformly from ``skills``.
+
+    The word is drawn for every skill (addition ignores it) so that a seed gives the same records as before skills
+    could be chosen: the tests' recorded losses stay valid.
+    """
+    skill = SKILLS[skills[rng.randrange(len(skills))]]
+    word = "".join(rng.choice(LETTERS) for _ in range(WORD))
+    return skill(rng, word)
+
+
+def make_task(n_train: int, n_eval: int, seed: int = 0,
+              skills: tuple[str, ...] = DEFAULT_SKILLS) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed)
     seen: set[str] = set()
     train: list[dict] = []
     evals: list[dict] = []
     while len(evals) < n_eval:
-        ex = make_example(rng)
+        ex = make_example(rng, skills)
         if ex["prompt"] not in seen:
             seen.add(ex["prompt"])
             evals.append(ex)
     while len(train) < n_train:
-        ex = make_example(rng)
+        ex = make_example(rng, skills)
         if ex["prompt"] not in seen:
             train.append(ex)
     return train, evals
