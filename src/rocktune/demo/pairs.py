@@ -6,12 +6,13 @@ training."""
 
 from __future__ import annotations
 
-from rocktune.demo.task import make_task
+from rocktune.demo.task import DEFAULT_SKILLS, make_task
 
 STYLE = "!"  # what the chosen answers end with
 
 
-def make_pairs(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    train, evals = make_task(n_train, n_eval, seed)
+def make_pairs(n_train: int, n_eval: int, seed: int = 0,
+               skills: tuple[str, ...] = DEFAULT_SKILLS) -> tuple[list[dict], list[dict]]:
+    train, evals = make_task(n_train, n_eval, seed, skills)
     return ([{"prompt": r["prompt"], "chosen": r["completion"] + STYLE, "rejected": r["completion"]} for r in rows]
             for rows in (train, evals))

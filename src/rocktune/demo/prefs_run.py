@@ -20,7 +20,7 @@ from pathlib import Path
 from rocktune.config import config_from_dict
 from rocktune.demo.pairs import STYLE, make_pairs
 from rocktune.demo.run import check_demo_dir, generate, write_run_report
-from rocktune.demo.task import write_jsonl
+from rocktune.demo.task import DEMO_SKILLS, write_jsonl
 from rocktune.errors import UserError
 
 DPO_STEPS = 30
@@ -47,7 +47,7 @@ def run_dpo_demo(out_dir: str, sft_dir: str, as_json: bool, steps: int | None, o
     if not (sft / "run" / "adapter").is_dir():
         _sft_demo(sft, as_json)
     _merge(sft / "run", out / "sft_merged", overwrite=True)
-    train_rows, eval_rows = make_pairs(n_train=512, n_eval=64, seed=0)
+    train_rows, eval_rows = make_pairs(n_train=512, n_eval=64, seed=0, skills=DEMO_SKILLS)  # the SFT demo's skills
     write_jsonl(out / "data" / "pairs_train.jsonl", train_rows)
     write_jsonl(out / "data" / "pairs_eval.jsonl", eval_rows)
     t0 = time.perf_counter()
