@@ -289,3 +289,17 @@ def test_a_preference_run_exports_and_generates_like_any_lm_run(tiny_model_dir, 
     assert (tmp_path / "ollama" / "Modelfile").is_file()
     out = rocktune("generate", tmp_path / "run", "--prompt", "add 1 2 =", "--max-new-tokens", "4")
     assert out.strip()
+
+
+def test_the_planner_counts_a_pair_as_two_sequences(capsys):
+    """--task dpo --batch 2: two pairs, i.e. four sequences in the forward (the reference pass keeps no
+    activations: it runs without gradients)."""
+    from rocktune.cli import main
+
+    def plan(*args):
+        assert main(["plan", "Qwen2.5-0.5B", "--vram", "8GiB", "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    pairs, sequences, one = plan("--task", "dpo", "--batch", "2"), plan("--batch", "4"), plan("--batch", "2")
+    assert pairs["peak_allocated_bytes"] == sequences["peak_allocated_bytes"] > one["peak_allocated_bytes"]
+    assert pairs["saved_activation_bytes"] == sequences["saved_activation_bytes"]

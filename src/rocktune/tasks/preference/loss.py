@@ -146,6 +146,15 @@ class PreferenceLoss(torch.nn.Module):
                 reference = sequence_logps(self.model, batch)
         return pair_losses(self.objective, policy, reference, batch.get("nll_scale"))
 
+    @contextlib.contextmanager
+    def separate_stats(self):
+        """Statistics summed inside (the eval pass) are kept apart from those of the training step around it."""
+        outer, self._stats = self._stats, {}
+        try:
+            yield
+        finally:
+            self._stats = outer
+
     def take_stats(self) -> dict[str, float]:
         """The means over the pairs seen since the last call (one synchronisation), and reset."""
         stats, self._stats = self._stats, {}

@@ -128,14 +128,13 @@ class PreferenceTask:
         scale = len(pairs) / max(sum(len(p.chosen[0]) - 1 for p in pairs.pairs), 1)
         autocast = engine_build.autocast(r.ctx.device, r.ctx.precision)
         total = torch.zeros((), device=r.ctx.device)
-        stashed, r.loss._stats = r.loss._stats, {}  # the training step's statistics are not mixed with eval's
-        for start in range(0, len(mine), self.cfg.training.micro_batch_size):
-            batch = collate_pairs(pairs, mine[start : start + self.cfg.training.micro_batch_size], r.pad_id, scale,
-                                  r.segments)
-            with autocast():
-                total += r.loss({k: v.to(r.ctx.device) for k, v in batch.items()}).float()
-        self.eval_stats = {f"eval_{k}": v for k, v in r.loss.take_stats().items()}
-        r.loss._stats = stashed
+        with r.loss.separate_stats():
+            for start in range(0, len(mine), self.cfg.training.micro_batch_size):
+                batch = collate_pairs(pairs, mine[start : start + self.cfg.training.micro_batch_size], r.pad_id,
+                                      scale, r.segments)
+                with autocast():
+                    total += r.loss({k: v.to(r.ctx.device) for k, v in batch.items()}).float()
+            self.eval_stats = {f"eval_{k}": v for k, v in r.loss.take_stats().items()}
         model.train(was_training)
         return distributed.mean_over_ranks(dist, float(total), len(mine))
 
