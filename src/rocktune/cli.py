@@ -12,7 +12,7 @@ import sys
 
 from rocktune import __version__, exits
 from rocktune.data.truncate import MODES as TRUNCATION_MODES
-from rocktune.dtypes import SHORT, canonical, gguf_float
+from rocktune.dtypes import canonical, gguf_float
 from rocktune.errors import UserError, print_error, quiet_libraries
 from rocktune.export.merge import DTYPE_NAMES
 from rocktune.export.style import STYLES
@@ -280,7 +280,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--global-batch", type=int, default=8, help="examples per optimizer step for the fit (default 8)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--targets", default="all-linear", help="all-linear (default) or a comma list, e.g. q_proj,v_proj")
-    p.add_argument("--precision", default="bf16", type=canonical, choices=SHORT,
+    p.add_argument("--precision", default="bf16", type=canonical,  # the planner names the choices when refusing
                    help="fp32 | bf16 | fp16, or torch's float32 / bfloat16 / float16 (default bf16)")
     p.add_argument("--quant", default="none", help="none | nf4 | fp4 | int8 base weights (QLoRA, docs/qlora.md)")
     p.add_argument("--nproc", type=int, default=1, help="ranks training together: the breakdown is per rank")
