@@ -87,8 +87,8 @@ def test_seed_case_static_terms_are_lora_only():
 def test_seed_case_fits_32gb_with_and_without_checkpointing():
     shape = load_shape("Qwen2.5-3B")
     off, on = estimate(shape, seed_spec()), estimate(shape, seed_spec(checkpointing=True))
-    # the figures docs/planner.md documents (21.07 / 13.01 GiB): a change to a term shows here and there
-    assert off.total_bytes / 2**30 == pytest.approx(21.07, abs=0.005)
+    # the figures docs/planner.md documents (21.21 / 13.01 GiB): a change to a term shows here and there
+    assert off.total_bytes / 2**30 == pytest.approx(21.21, abs=0.005)
     assert on.total_bytes / 2**30 == pytest.approx(13.01, abs=0.005)
     assert on.by_name()["activations"] == 36 * 1024 * 2048 * 4  # one fp32 layer input per layer
 

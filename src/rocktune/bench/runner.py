@@ -99,7 +99,7 @@ def run_bench(req: BenchRequest, log=print) -> dict:
     report["workload"] = {"model": model, "model_dir": model_dir, "data_file": data_file, "examples": len(lengths),
                           "mean_tokens": sum(lengths) / len(lengths), "loss_token_share": loss_share,
                           "warmup_steps_excluded": warmup, "measured_steps": steps * rounds, "rounds": rounds,
-                          "threads": threads, **common,
+                          "threads": threads, "token_range": list(token_range or workload.TOKEN_RANGE), **common,
                           "samples_per_step": common["micro_batch_size"] * common["grad_accum"]}
     report["parity"] = parity
     report["targets"] = targets(report["configs"], parity, device, model)
@@ -142,6 +142,7 @@ def merge_rounds(rounds: list[dict], warmup: int) -> dict:
     merged = {**rounds[0], "memory": by_mem[(len(by_mem) - 1) // 2]["memory"]}
     merged["steps"] = [s for r in rounds for s in r["steps"][warmup:]]
     merged["first_round_losses"] = [s["loss"] for s in rounds[0]["steps"]]
+    merged["first_round_steps"] = rounds[0]["steps"]  # warm-up included: the memory peak covers every step
     return merged
 
 
@@ -156,6 +157,11 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str,
             row.update(stats.summarise_steps(r["steps"], warmup))
             if r.get("first_round_losses"):  # every step of one whole run, warm-up included
                 row.update(losses=r["first_round_losses"], final_loss=r["first_round_losses"][-1])
+            # forwards and tokens processed (padding included) of every step of one run, warm-up included: the
+            # largest forward is what the memory peak and the planner's estimate are about
+            first = r.get("first_round_steps") or []
+            row["forwards_per_step"] = [s.get("forwards") for s in first]
+            row["tokens_per_step"] = [s.get("batch_tokens") for s in first]
             mem = r["memory"]
             row["memory"] = mem
             row["peak_memory_bytes"] = mem.get("device_peak_allocated_bytes", mem["rss_growth_bytes"])
