@@ -158,7 +158,9 @@ def _planned_rows(cfg: RunConfig, run: tuple[str, str, bool], vram_bytes: int | 
     from rocktune.planner import suggest_token_budget
 
     try:
-        plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes, _budget_spec(cfg, *run, ranks, parallel), cap)
+        precision, attn_implementation, compiled = run
+        plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes, _budget_spec(
+            cfg, precision, attn_implementation, ranks, parallel, compiled), cap)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a model the planner cannot size still trains, on a fixed budget
