@@ -34,15 +34,16 @@ MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-p
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
     """``attn`` "varlen" / "varlen-kv-copies": rocktune's GPU path (torch's varlen op, on a CPU through
-    ``cpu_varlen``, with or without grouped-query K/V; the lean LoRA forward)."""
+    ``cpu_varlen``, with or without grouped-query K/V; the lean LoRA forward); a "-compiled" suffix compiles the
+    decoder as a GPU run does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rocktune.lean_lora import lean_lora
     from rocktune.model import DTYPES, apply_lora
 
-    varlen = attn.startswith("varlen")
+    varlen, compiled = attn.startswith("varlen"), attn.endswith("-compiled")
     if varlen:
-        attn = cpu_varlen(kv_copies=attn == "varlen-kv-copies")
+        attn = cpu_varlen(kv_copies="-kv-copies" in attn)
     cfg = AutoConfig.for_model(**config)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=DTYPES[precision]).to(device)
     model.config.use_cache = False
@@ -50,6 +51,8 @@ def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt:
                        gradient_checkpointing=ckpt)
     if varlen:
         lean_lora(model)
+    if compiled:
+        model.get_base_model().get_decoder().compile()
     model.train()
     return model
 
@@ -198,9 +201,10 @@ def _counting(fn, keep):
 
 def predict(config: dict, b: int, s: int, r: int, precision: str, attn: str, ckpt: bool, dropout: float,
             loss_fraction: float, device: str):
-    spec = RunSpec(micro_batch=b, seq_len=s, lora_r=r, precision=precision, attn=attn.removesuffix("-kv-copies"),
+    spec = RunSpec(micro_batch=b, seq_len=s, lora_r=r, precision=precision, attn=attn.split("-")[0],
                    checkpointing=ckpt, lora_dropout=dropout, loss_fraction=loss_fraction,
-                   device="cpu" if device == "cpu" else "gpu", kv_copies=attn.endswith("-kv-copies"))
+                   device="cpu" if device == "cpu" else "gpu", kv_copies="-kv-copies" in attn,
+                   compiled=attn.endswith("-compiled"))
     return estimate(shape_from_config(config), spec)
 
 
@@ -209,6 +213,8 @@ def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt
     config = MODELS[name]
     model = build(config, precision, attn, r, dropout, ckpt)
     batch = make_batch(config["vocab_size"], b, s, packed=attn.startswith("varlen"))
+    if attn.endswith("-compiled"):
+        measure_step(model, batch, precision)  # compiles; the second step is the one counted
     got = measure_step(model, batch, precision)
     est = predict(config, b, s, r, precision, attn, ckpt, dropout, got["loss_tokens"] / (b * (s - 1)), "cpu")
     terms = est.by_name()
@@ -229,6 +235,10 @@ VARLEN_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen2", "small-llama
 VARLEN_POINTS += [("tiny-qwen3", 2, 64, 8, "bf16", "varlen", False, 0.0),
                   ("tiny-phi3", 2, 64, 8, "bf16", "varlen", False, 0.0),
                   ("tiny-qwen2", 4, 64, 4, "bf16", "varlen", False, 0.1)]
+# compiled (about 2.5 minutes each on 2 cores): `--compiled`
+COMPILED_POINTS = [("tiny-qwen2", 3, 64, 8, "bf16", "varlen-compiled", False, 0.0),
+                   ("tiny-qwen2", 3, 64, 8, "bf16", "varlen-kv-copies-compiled", False, 0.0),
+                   ("small-llama", 2, 64, 8, "bf16", "varlen-compiled", False, 0.0)]
 
 
 def cpu_grid(quick: bool = False):
@@ -284,8 +294,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a 7-point subset")
     ap.add_argument("--gpu", action="store_true", help="also compare peaks on the GPU (needs one)")
     ap.add_argument("--markdown", action="store_true", help="print the CPU table as markdown instead of JSON")
+    ap.add_argument("--compiled", action="store_true", help="only the compiled varlen points (slow: compilation)")
     args = ap.parse_args(argv)
-    rows = cpu_grid(args.quick)
+    rows = [run_point(*p) for p in COMPILED_POINTS] if args.compiled else cpu_grid(args.quick)
     out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
            "state_exact": all(r["state_exact"] for r in rows)}
     if args.gpu and torch.cuda.is_available():

@@ -35,12 +35,14 @@ def test_planner_peak_within_15_percent_of_the_measured_one(case):
 def test_the_first_h200_runs_configuration_worked_out_from_its_files():
     case = next(c for c in CASES if c.name == H200)
     s = case.spec
-    # the run's steps rebuilt from its workload; its first step, one forward of 34 rows x 2,048, sets the peak
+    # the run's steps rebuilt from its workload: 34 rows per forward (its planner's choice, all a step holds); the
+    # loop reset the peak counters as each step started, so the peak read at the end is step 5's, whose 39 rows ran
+    # as forwards of 19 and 20 rows of 2,048 tokens
     assert (s.micro_batch, s.seq_len, s.precision, s.attn, s.compiled, s.kv_copies) == \
-        (34, 2048, "bf16", "varlen", True, True)
-    assert "[34, 40, 37, 31, 39] rows" in case.source
+        (20, 2048, "bf16", "varlen", True, True)
+    assert "[34, 40, 37, 31, 39] rows, 34 rows per forward" in case.source and "[19, 20] rows" in case.source
     assert case.measured == 49_844_244_992  # read from the JSON: 46.4 GiB
-    assert abs(case.error) < 0.02  # measured: -0.8%
-    # what the planner said before it knew varlen: the forward sized as padded SDPA, 2.4x the measured peak
+    assert -0.10 < case.error < 0  # -8.4%: the check assumes the compiled loss chunk; that run's was eager
+    # what the planner said before it knew varlen: that forward sized as padded SDPA, 1.4x the measured peak
     sdpa = estimate(case.shape, replace(s, attn="sdpa", padded=True, compiled=False)).peak_allocated
-    assert sdpa / case.measured > 2.3
+    assert sdpa / case.measured > 1.35

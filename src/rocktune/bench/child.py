@@ -48,7 +48,8 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
         probe.loaded = {}
     else:
         # RSS growth counts from the moment the model with its adapter exists, as for the HF baselines.
-        train(config_from_dict(raw), RunOptions(overwrite=True), quiet=True, on_ready=probe.mark_loaded)
+        train(config_from_dict(raw), RunOptions(overwrite=True), quiet=True, on_ready=probe.mark_loaded,
+              on_step_done=probe.step_done)
     rows = [json.loads(line) for line in (Path(spec["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
               "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"],

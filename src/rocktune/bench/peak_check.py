@@ -7,6 +7,9 @@ peak). Rows that predate those fields (the first H200 run) are rebuilt from thei
 deterministic (``workload.make_records``), the steps are the token feed's (``epoch_steps``, ``step_rows``) and the
 rows per forward are what that run's planner chose (it sized every packed forward as SDPA with a mask). The rebuilt
 steps must give the recorded mean length and padding fraction, or the case fails: they are then not that run's.
+The training loop resets the device's peak counters as each step starts, so a row without the steps' own peaks
+(``device_step_peak_allocated_bytes``, recorded from issue 36 on) measured its last step only: its case is that
+step's largest forward.
 A profile (``profile.json``) records its rows, width, precision, attention and peak; its labels are its inputs.
 """
 
@@ -77,8 +80,9 @@ def bench_case(name: str, report: dict, row: dict) -> MeasuredPeak:
                    attn=attention(row.get("attention") or ""), compiled=bool(resolved.get("compiled")),
                    loss_chunk=resolved.get("loss_chunk") or GPU_LOSS_CHUNK,
                    kv_copies=resolved.get("varlen_kv_copies", _torch_before(env.get("torch", ""), (2, 13))))
+    last_only = "device_step_peak_allocated_bytes" not in row["memory"]
     if row.get("tokens_per_step") and all(row.get("forwards_per_step") or [None]):
-        rows, real, source = _recorded_forward(row, w["max_length"])
+        rows, real, source = _recorded_forward(row, w["max_length"], last_only)
     else:
         rows, real, source = _rebuilt_forward(report, row, shape, spec, env["gpu_memory_bytes"])
     n_loss = real * w["loss_token_share"]
@@ -134,12 +138,14 @@ def _sibling_torch(path: Path) -> str:
     return ""
 
 
-def _recorded_forward(row: dict, width: int) -> tuple[int, int, str]:
+def _recorded_forward(row: dict, width: int, last_only: bool) -> tuple[int, int, str]:
     """Rows and non-pad tokens of the largest forward from the per-step record (rows are padded to ``width`` when
     the run compiles; otherwise a row of ``width`` errs large)."""
     per = [(math.ceil(t / f / width), t / f) for t, f in zip(row["tokens_per_step"], row["forwards_per_step"])]
-    rows, tokens = max(per)
-    return rows, round(tokens * (1 - (row.get("padding_fraction") or 0))), "recorded: tokens and forwards per step"
+    rows, tokens = max(per[-1:] if last_only else per)
+    which = " (the last step: its peak is the one measured)" if last_only else ""
+    real = round(tokens * (1 - (row.get("padding_fraction") or 0)))
+    return rows, real, f"recorded: tokens and forwards per step{which}"
 
 
 def _rebuilt_forward(report: dict, row: dict, shape: ModelShape, spec: RunSpec, budget: int) -> tuple[int, int, str]:
@@ -159,7 +165,9 @@ def _rebuilt_forward(report: dict, row: dict, shape: ModelShape, spec: RunSpec, 
     cap = -(-int(w["samples_per_step"] * w["mean_tokens"]) // width) + 1  # tasks/lm/feed.rows_per_step
     sized = replace(spec, attn="sdpa", compiled=False, loss_chunk=spec.loss_chunk)  # that run's planner: SDPA
     per_forward = fit_token_rows(shape, sized, budget, cap).rows
-    biggest = max((f for rows in steps for f in cut_forwards(rows, per_forward)), key=len)
+    last = cut_forwards(steps[-1], per_forward)  # the peak counters were reset as the last step started
+    biggest = max(last, key=len)
     return len(biggest), sum(lengths[i] for r in biggest for i in r), (
         f"rebuilt from the workload: {len(steps)} steps of {[len(s) for s in steps]} rows, {per_forward} rows per "
-        "forward (that run's SDPA-sized budget)")
+        f"forward (that run's SDPA-sized budget); the last step's forwards, {[len(f) for f in last]} rows, carry "
+        "the measured peak")

@@ -2,7 +2,8 @@
 LoRA forward, eagerly or under ``torch.compile``.
 
 The SDPA model (``activations``) sized this path as a padded SDPA forward with a dense mask and PEFT's per-adapter
-casts: about 110 GiB predicted for the first H200 run's forward of 34 rows x 2,048 tokens, 46.4 GiB measured.
+casts: on the first H200 run it chose 34 rows of 2,048 tokens per forward at 109.9 GiB predicted, and put the
+forward of 20 rows that set the run's measured peak (46.4 GiB) at 66 GiB.
 
 Eager (counted on the CPU with torch's own varlen op and its autograd, ``benchmarks/planner_validation.py``):
 
@@ -13,13 +14,10 @@ Eager (counted on the CPU with torch's own varlen op and its autograd, ``benchma
   o_proj's input is the kernel's output (already saved).
 - norms and the MLP save what the SDPA model says (an fp32 copy per RMSNorm; gate out, activation out, up out).
 
-Compiled (what the H200 run's measured peak shows: within 2% of this count at 69,632 tokens per forward, where the
-eager count is 49% higher): Inductor keeps each norm's input and its per-row rsqrt, the matmul outputs (gate/up,
-the adapters' rank-r outputs) and the attention op's inputs and outputs, and recomputes in backward every
-elementwise result from them: the normed LoRA inputs, the activation, the down projection's input, the K/V repeat,
-the cast adapter weights. A CPU compile (torch 2.13, Inductor's C++ backend, no Liger) keeps the normed inputs
-and the down input too (counted: docs/planner.md), so this rule describes GPU runs; every measured GPU run is
-checked against it (``tests/test_planner_gpu_runs.py``).
+Compiled (counted on the CPU the same way, the decoder under ``torch.compile``): Inductor keeps each norm's input
+in the stream's dtype and its per-row rsqrt instead of the fp32 copy, and recomputes the activation in backward
+instead of keeping it (gate and up outputs are kept); everything a matmul's weight gradient reads (the LoRA inputs,
+the rank-r outputs, the cast adapter weights) and the attention op's inputs and outputs stay.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ GROUP_INPUT = {"attn_in": "hidden", "mlp_in": "hidden", "mlp_mid": "mlp"}  # att
 def attention(shape: ModelShape, tok, out: dict[str, int]) -> None:
     """q, k, v, output and log-sum-exp as the varlen kernel saves them (``tok``: activations.Tokens)."""
     t, dt, q, kv = tok.t, tok.dt, shape.q_dim, shape.kv_dim
-    repeated = tok.kv_copies and not tok.compiled and shape.heads != shape.kv_heads
+    repeated = tok.kv_copies and shape.heads != shape.kv_heads  # the copies are kept compiled too (counted)
     k_sz = q if repeated else kv
     # v of a fused qkv projection reaches the kernel as a view of the whole fused output (no copy is needed)
     v_sz = k_sz if repeated or not shape.fused_qkv else q + 2 * kv
@@ -55,16 +53,14 @@ def mlp_bytes(shape: ModelShape, tok) -> int:
 
 
 def lora(shape: ModelShape, tok, mods, groups: set[str], out: dict[str, int]) -> None:
-    """The lean LoRA forward: one saved input per group of adapters that read it (eager), none compiled; the
-    rank-r output of every lora_A, and eagerly autocast's cached half copies of A and B. ``groups``: the adapted
-    groups (``activations.GROUP``) of ``mods``."""
+    """The lean LoRA forward: one saved input per group of adapters that read it, the rank-r output of every
+    lora_A, and under autocast the cached half copies of A and B (compiled too: weight gradients read them).
+    ``groups``: the adapted groups (``activations.GROUP``) of ``mods``."""
     t, dt = tok.t, tok.dt
     width = {"hidden": shape.hidden, "mlp": shape.mlp_width}
-    out["lora_rank"] = sum(t * tok.rank * dt + (0 if tok.compiled or not tok.amp else (i + o) * tok.rank * dt)
-                           for _, i, o in mods)
+    out["lora_rank"] = sum(t * tok.rank * dt + ((i + o) * tok.rank * dt if tok.amp else 0) for _, i, o in mods)
     if tok.dropout > 0:  # each adapter saves its own dropped copy and the mask (bool on a GPU, the dtype on CPU)
         out["lora_inputs"] = 0
         out["lora_dropout"] = sum(t * i * ((1 if tok.mask_bytes == 1 else dt) + dt) for _, i, _ in mods)
         return
-    plain = {g for g in groups if g in GROUP_INPUT and not tok.compiled}
-    out["lora_inputs"] = sum(t * width[GROUP_INPUT[g]] * dt for g in plain)
+    out["lora_inputs"] = sum(t * width[GROUP_INPUT[g]] * dt for g in groups if g in GROUP_INPUT)
