@@ -85,7 +85,8 @@ def run_bench(req: BenchRequest, log=print) -> dict:
         # Alternate the order so that a drift in the machine's load does not favour the configurations run first.
         for cfg in chosen if rnd % 2 == 0 else chosen[::-1]:
             log(f"bench: {cfg.name} ({warmup} warm-up + {steps} measured steps, round {rnd + 1}/{rounds})")
-            runs[cfg.name].append(run_one(cfg, {**base, "steps": warmup + steps}, out_dir, timeout))
+            runs[cfg.name].append(run_one(cfg, {**base, "steps": warmup + steps, "warmup": warmup}, out_dir,
+                                          timeout))
             # each result on disk as it comes: a run cut short (the GPU check's time limit) keeps what finished
             (out_dir / "results").mkdir(parents=True, exist_ok=True)
             (out_dir / "results" / f"{cfg.name}-{rnd}.json").write_text(json.dumps(runs[cfg.name][-1]))
@@ -170,6 +171,10 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str,
             row["attention"] = resolved.get("attention") or resolved.get("attn_implementation")
             row["compile_fallbacks"] = resolved.get("compile_fallbacks", [])
             row["compiler"] = r.get("compiler") or {}  # graph breaks, recompiles, graphs (bench/compiler.py)
+            # the device's own account (bench/device_time.py): step spans from CUDA events, and one profiled step's
+            # kernels, busy share and time per kernel class; absent on a CPU
+            row["device_time"] = resolved.get("device_time")
+            row["device_busy_share"] = (row["device_time"] or {}).get("busy_share")
             shape = r.get("shape") or {}
             fpt = stats.flops_per_token(shape["matmul_params"], shape["layers"], shape["attn_dim"], lengths) \
                 if shape else None
