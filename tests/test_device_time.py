@@ -184,3 +184,25 @@ def test_profile_step_takes_the_device_span_from_cuda_events():
         cuda.now_ms += 250.0
 
     assert profile_step.device_span(step, cuda) == 0.25 and cuda.synced == 2
+
+
+def test_a_bench_child_runs_the_profiled_step_and_leaves_it_out(tiny_model_dir, task_files, tmp_path, monkeypatch):
+    """The child's GPU wiring on the CPU: the real train() of the tiny model, the device clock given fakes."""
+    clocks = []
+
+    def fake_clock(spec, raw):
+        raw["training"]["max_steps"] += 1
+        clocks.append(DeviceClock(sample=raw["training"]["max_steps"], cuda=FakeCuda(), profile=FakeProfiler))
+        return clocks[-1]
+
+    monkeypatch.setattr(child, "device_clock", fake_clock)
+    spec = {"name": "rocktune", "kind": "rocktune", "device": "cpu", "steps": 3, "warmup": 1, "settings": {},
+            "model_dir": str(tiny_model_dir), "data_file": str(task_files[0]), "cache_dir": str(tmp_path / "c"),
+            "run_dir": str(tmp_path / "run"), "threads": 1,
+            "common": {"lora_r": 4, "lora_alpha": 8, "max_length": 64, "micro_batch_size": 2, "grad_accum": 2,
+                       "lr": 1e-3, "warmup_steps": 1, "scheduler": "cosine", "seed": 0}}
+    steps, resolved = child.run_rocktune(spec, measure.MemoryProbe("cpu"))
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and [s["profiled"] for s in steps] == [False] * 3 + [True]
+    timing = resolved["device_time"]
+    assert timing["sampled_step"] == 4 and timing["kernels"] == 7 and set(timing["step_span_s"]) == {"2", "3", "4"}
+    assert stats.summarise_steps(steps, warmup=1)["measured_steps"] == 2  # steps 2 and 3: not the profiled one
