@@ -206,3 +206,11 @@ def test_a_bench_child_runs_the_profiled_step_and_leaves_it_out(tiny_model_dir, 
     timing = resolved["device_time"]
     assert timing["sampled_step"] == 4 and timing["kernels"] == 7 and set(timing["step_span_s"]) == {"2", "3", "4"}
     assert stats.summarise_steps(steps, warmup=1)["measured_steps"] == 2  # steps 2 and 3: not the profiled one
+
+
+def test_the_bench_table_prints_the_device_account():
+    from rocktune.bench.render import device_line
+
+    d = {"sampled_step": 11, **summary(kernels_of(fake_profile_events()), span_s=0.0012)}
+    assert device_line("rocktune", d) == ("device, rocktune (profiled step 11): busy 83% of 0.001 s, 7 kernels; "
+                                          "matmul 80%, attention 10%, loss 4%, optimizer 1%, elementwise 5%")
