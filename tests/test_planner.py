@@ -146,6 +146,21 @@ def test_cli_json(capsys):
     assert doc["other_checkpointing"]["total_bytes"] < doc["total_bytes"]
 
 
+def test_cli_plans_rocktunes_gpu_path(capsys):
+    """--attn varlen (no mask, the lean LoRA forward) and --compiled (no fp32 norm copies, no kept activation)."""
+    argv = ["plan", "Qwen2.5-0.5B", "--vram", "80GiB", "--batch", "8", "--max-length", "2048", "--lora-r", "16",
+            "--json"]
+    sizes = {}
+    for name, extra in (("sdpa", []), ("varlen", ["--attn", "varlen"]), ("compiled", ["--attn", "varlen",
+                                                                                     "--compiled"])):
+        assert main(argv + extra) == 0
+        doc = json.loads(capsys.readouterr().out)
+        sizes[name] = doc["terms"]["activations"]
+        assert doc["settings"]["compiled"] == (name == "compiled")
+    assert sizes["sdpa"] > sizes["varlen"] > sizes["compiled"]
+    assert "attention_scores" not in doc["terms"]  # no mask is built for varlen
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "NoSuchModel"], "Known presets"),
     (["plan", "Qwen2.5-3B", "--vram", "lots"], "memory budget"),
