@@ -286,7 +286,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks training together: the breakdown is per rank")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="with --nproc > 1: ddp (base replicated) or fsdp (decoder layers sharded)")
-    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2 (default sdpa)")
+    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2 | varlen (rocktune's GPU path: "
+                   "varlen attention over packed rows, the lean LoRA forward) (default sdpa)")
+    p.add_argument("--compiled", action="store_true",
+                   help="the decoder and the loss compiled, as a GPU run with token batching compiles them")
     p.add_argument("--checkpointing", action="store_true", help="break down with gradient checkpointing on")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     p.add_argument("--loss", choices=("chunked", "full"), default="chunked",
@@ -320,7 +323,7 @@ def _run_plan(args) -> int:
     spec = RunSpec(micro_batch=args.batch, seq_len=args.max_length, lora_r=args.lora_r, targets=targets,
                    precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
                    lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
-                   parallel=args.parallel)
+                   parallel=args.parallel, compiled=args.compiled)
     return run_plan(args.model, args.vram, spec, args.global_batch, args.json, args.device)
 
 
