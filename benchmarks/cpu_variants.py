@@ -35,6 +35,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "mkl-sse42": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "all-avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "all-oldest": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
                    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     "threads-1": {"OMP_NUM_THREADS": "1"},
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("nodes", nargs="*", help="pytest node ids (with `pytest`)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=None, help="demo: optimizer steps (default: the demo's own)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options may come between the node ids
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

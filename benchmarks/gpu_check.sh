@@ -1,28 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check in five parts, each finishing within 8 minutes on the H100/H200 test machine, whose limit is
-# 10 minutes per command (../shared/gpu/README.md). Run ../shared/gpu/prepare.sh here first, then there (carry .whl):
+# The GPU check for a session's 15 minutes of device time (../shared/gpu/README.md: start-up, every command and idle
+# waits count; at most 10 minutes a command). Two commands answer the most; run ../shared/gpu/prepare.sh here first,
+# then there (carry .whl):
 #
-#     bash benchmarks/gpu_check.sh a     # doctor (the varlen attention self-test included), pytest -m gpu (the real
-#                                        # train() on CUDA: token batching, compile, guards, a forced OOM split, a
-#                                        # checkpoint, a kill and an exact resume), one profiled training step
-#     bash benchmarks/gpu_check.sh b     # the bench suite on the Qwen2.5-0.5B shape: hf-best and rocktune
-#     bash benchmarks/gpu_check.sh c     # the 1.5B shape: hf-best and rocktune
-#     bash benchmarks/gpu_check.sh d     # the 0.5B shape's other configurations (hf-seed, rt-examples, rt-no-compile),
-#                                        # the planner's peak vs the measured one
-#     bash benchmarks/gpu_check.sh e     # the compiled step: the host's share of it, graph breaks, recompiles; the
-#                                        # loss chunk eager against compiled
+#     bash benchmarks/gpu_check.sh 1   # <= 9 min: the Qwen2.5-0.5B shape at the GPU suite's workload, one bench
+#                                      # configuration per stage, most important first: rocktune (compile, Liger),
+#                                      # rt-no-compile, rt-no-liger, hf-best. Each rocktune row carries the real
+#                                      # step's device account: a profiled step (compiled where the run compiles)
+#                                      # with its kernels per class, busy share and top kernels, the CUDA-event span
+#                                      # of every step, forwards per step, every step's peak and the planner's.
+#     bash benchmarks/gpu_check.sh 2   # <= 4 min: the 1.5B shape, rocktune (MFU target 40%, the planner's peak
+#                                      # against the measured one); hf-best there needs a later session
+#     bash benchmarks/gpu_check.sh extra   # not in the 15-minute plan: what the first run settled (doctor with the
+#                                      # varlen self-test, pytest -m gpu) and the loss chunk alone, eager vs compiled
 #
-# Sized from the first run on an H200 (2026-11-26, docs/benchmarks.md): the train() test's first run alone took 99 s
-# (48 s of it compiling), rocktune's bench configuration on the 0.5B shape about 80 s, and hf-best did not finish
-# within 100 s, so it gets 200 s (0.5B) and 180 s (1.5B) here.
-# Each stage runs under its own timeout; a part's timeouts add to at most 450 s, plus at most 30 s of wheel install.
-# Each stage writes into $OUT as it goes (stages.txt says when each began and how it ended), so a stage cut short
-# loses nothing before it. Dry run on a CPU (tiny model, the same stages and commands): add --dry-run (or DRY=1);
-# GPU_CHECK_CONFIGS and GPU_CHECK_POINTS shrink parts b, c and d further (the default test suite does).
+# Sized from the first H200 run (2026-11-26, docs/benchmarks.md): rocktune's configuration took about 80 s with
+# 5 steps (48 s of it compiling), hf-best did not finish in 100 s; building the 1.5B shape takes about a minute.
+# Each stage runs under its own timeout and writes into $OUT as it goes (stages.txt says when each began and how it
+# ended), so a stage cut short loses nothing before it; tests/test_gpu_check.py adds the timeouts up. Dry run on a CPU
+# (tiny model, the same stages and commands): add --dry-run (or DRY=1).
 set -u
 PART=${1:-}
-case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "usage: gpu_check.sh {a|b|c|d|e} [--dry-run]" >&2; exit 2 ;; esac
-case "$PART" in a|b|c|d|e) ;; *) echo "usage: gpu_check.sh {a|b|c|d|e} [--dry-run]" >&2; exit 2 ;; esac
+USAGE="usage: gpu_check.sh {1|2|extra} [--dry-run]"
+case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "$USAGE" >&2; exit 2 ;; esac
+case "$PART" in 1|2|extra) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/rocktune-gpu-check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}  # rocktune runs from the source tree there
@@ -38,10 +39,21 @@ stage() {
   echo "$(date -u +%H:%M:%S) $name ends: exit status $rc$([ $rc = 124 ] && echo ' (timed out)')" >> "$OUT/stages.txt"
 }
 
+# bench NAME SECONDS SHAPE CONFIG BUILD: one configuration of the GPU suite. The shape and data are built once into
+# /tmp/rt-suite and reused; the configuration's own timeout leaves the stage BUILD seconds for building them and 10 s
+# to write its report. GPU_CHECK_CONFIGS (comma list) runs only those configurations (the CPU dry run's tests).
+bench() {
+  local name=$1 secs=$2 shape=$3 config=$4 build=$5
+  case ",${GPU_CHECK_CONFIGS:-$config}," in *",$config,"*) ;; *) echo "$name skipped (GPU_CHECK_CONFIGS)" \
+    >> "$OUT/stages.txt"; return ;; esac
+  stage "$name" "$secs" "$name.json" $PY -m rocktune bench --suite gpu --device $DEVICE --model "$shape" \
+    --out /tmp/rt-suite --timeout $((secs - build - 10)) --json --configs "$config"
+  mkdir -p "$OUT/results" && cp /tmp/rt-suite/"$shape"/results/*.json "$OUT/results/" 2>/dev/null
+}
+
 if [ -n "${DRY:-}" ]; then
-  PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; PROFILE="--rows 2 --max-length 256"; DOCTOR="--no-perf"
+  PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; DOCTOR="--no-perf"
   LOSS="--dtype fp32 --rows 300 --chunk 128 --vocab 512 --hidden 64 --repeat 1"
-  SHORT="--max-length 256 --dry-run"
 else
   if [ -d .whl ]; then
     echo "$(date -u +%H:%M:%S) install begins (timeout 30s)" >> "$OUT/stages.txt"
@@ -49,47 +61,26 @@ else
       .whl/*.whl > "$OUT/install.txt" 2>&1 || { echo "wheel install failed" >> "$OUT/stages.txt"; exit 1; }
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
-  PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; PROFILE=""; DOCTOR=""; SHORT=""
+  PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; DOCTOR=""
   LOSS="--dtype bf16 --chunk 2048 --rows 8192 --repeat 5"
 fi
 
 case "$PART" in
-  a)
+  1)
     stage machine 10 machine.txt sh -c 'nvidia-smi || echo "no nvidia-smi"'
+    # rocktune rows: compile (~50 s), 10 steps, an 11th under the profiler (reading its trace takes seconds too)
+    bench rocktune-0.5b 150 "$SMALL" rocktune 20         # also builds the shape and the data (seconds)
+    bench rt-no-compile-0.5b 80 "$SMALL" rt-no-compile 0 # eager: what compile buys
+    bench rt-no-liger-0.5b 120 "$SMALL" rt-no-liger 0    # compiled without Liger: Inductor's own fusion
+    bench hf-best-0.5b 140 "$SMALL" hf-best 0            # the yardstick of the 1.5x target; longest, so last
+    ;;
+  2)
+    bench rocktune-1.5b 210 "$LARGE" rocktune 70         # builds the 1.5B shape (~60 s), compiles, 11 steps
+    ;;
+  extra)
     stage doctor 50 doctor.json $PY -m rocktune doctor --json $DOCTOR
     stage pytest-gpu 300 pytest-gpu.txt $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests
-    stage profile 60 profile-stdout.json $PY benchmarks/profile_step.py --device $DEVICE --model $SMALL \
-      --out "$OUT/profile" $PROFILE
-    ;;
-  b)
-    # hf-best and rocktune at the suite's workload: at most 200 s each, plus building the 0.5B shape (seconds)
-    stage suite-0.5b 440 suite-0.5b.json $PY -m rocktune bench --suite gpu --device $DEVICE --model $SMALL \
-      --out /tmp/rt-suite --timeout 200 --json --configs ${GPU_CHECK_CONFIGS:-hf-best,rocktune}
-    mkdir -p "$OUT/results-0.5b" && cp /tmp/rt-suite/$SMALL/results/*.json "$OUT/results-0.5b/" 2>/dev/null
-    ;;
-  c)
-    # building the 1.5B shape takes about a minute; then hf-best and rocktune, at most 180 s each
-    stage suite-1.5b 440 suite-1.5b.json $PY -m rocktune bench --suite gpu --device $DEVICE --model $LARGE \
-      --out /tmp/rt-suite --timeout 180 --json --configs ${GPU_CHECK_CONFIGS:-hf-best,rocktune}
-    mkdir -p "$OUT/results-1.5b" && cp /tmp/rt-suite/$LARGE/results/*.json "$OUT/results-1.5b/" 2>/dev/null
-    ;;
-  d)
-    # the rest of the 0.5B suite (the seed recipe and the switches that explain rocktune's figure, 95 s each), then
-    # benchmarks/auto_peak.py: the planner's peak against the real loop's, reusing the shape and data cached above
-    stage suite-0.5b-rest 300 suite-0.5b-rest.json $PY -m rocktune bench --suite gpu --device $DEVICE \
-      --model $SMALL --out /tmp/rt-suite --timeout 95 --json \
-      --configs ${GPU_CHECK_CONFIGS:-hf-seed,rt-examples,rt-no-compile}
-    mkdir -p "$OUT/results-0.5b-rest" && cp /tmp/rt-suite/$SMALL/results/*.json "$OUT/results-0.5b-rest/" 2>/dev/null
-    stage auto-peak 140 auto_peak.jsonl $PY benchmarks/auto_peak.py --device $DEVICE --model $SMALL \
-      --points ${GPU_CHECK_POINTS:-2} $SHORT
-    ;;
-  e)
-    # The first H200 run left one question open: the host waited on the device for only 7% of a step. The compiled
-    # step's enqueue time against its finish time, with what Dynamo did, answers it; then the loss chunk alone,
-    # eager against compiled (its first GPU figure)
-    stage profile-compiled 240 profile-compiled-stdout.json $PY benchmarks/profile_step.py --device $DEVICE \
-      --model $SMALL --compile --out "$OUT/profile-compiled" $PROFILE
-    stage profile-loss 150 profile-loss.json $PY benchmarks/profile_loss.py --device $DEVICE $LOSS
+    stage profile-loss 100 profile-loss.json $PY benchmarks/profile_loss.py --device $DEVICE $LOSS
     ;;
 esac
 ls -la "$OUT" >> "$OUT/stages.txt"

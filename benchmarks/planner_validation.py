@@ -33,21 +33,92 @@ MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-p
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
+    """``attn`` "varlen" / "varlen-kv-copies": rocktune's GPU path (torch's varlen op, on a CPU through
+    ``cpu_varlen``, with or without grouped-query K/V; the lean LoRA forward); a "-compiled" suffix compiles the
+    decoder as a GPU run does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from rocktune.lean_lora import lean_lora
     from rocktune.model import DTYPES, apply_lora
 
+    varlen, compiled = attn.startswith("varlen"), attn.endswith("-compiled")
+    if varlen:
+        attn = cpu_varlen(kv_copies="-kv-copies" in attn)
     cfg = AutoConfig.for_model(**config)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=DTYPES[precision]).to(device)
     model.config.use_cache = False
     model = apply_lora(model, r=r, alpha=2 * r, dropout=dropout, target_modules="all-linear",
                        gradient_checkpointing=ckpt)
+    if varlen:
+        lean_lora(model)
+    if compiled:
+        model.get_base_model().get_decoder().compile()
     model.train()
     return model
 
 
-def make_batch(vocab: int, b: int, s: int, device: str = "cpu", seed: int = 0) -> dict:
+def cpu_varlen(kv_copies: bool) -> str:
+    """torch's own varlen op (``torch_attn::_varlen_attn``, its autograd and so what it saves) with a CPU kernel: the
+    op has only CUDA kernels. ``kv_copies``: the glue sees a kernel without ``enable_gqa`` (torch 2.11) and repeats
+    K/V. Returns the attention name to load a model with."""
+    from torch.nn.attention import varlen as torch_varlen
+
+    from rocktune.attention import register
+
+    if not getattr(cpu_varlen, "registered", False):
+        torch_varlen._varlen_attn.register_kernel("cpu")(_cpu_varlen_forward)
+        torch_varlen._varlen_attn_backward.register_kernel("cpu")(_cpu_varlen_backward)
+        cpu_varlen.registered = True
+    kernel = torch_varlen.varlen_attn
+    if kv_copies:
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            return torch_varlen.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                            window_size=window_size)
+    return register(kernel)
+
+
+def _segments(q, k, v, cu, scale):
+    """Causal attention per document in fp32, K/V heads shared by their query group: (probabilities, values)."""
+    for a, e in zip(cu.tolist(), cu.tolist()[1:]):
+        qq, kk, vv = (t[a:e].transpose(0, 1).float() for t in (q, k, v))
+        kk, vv = (t.repeat_interleave(qq.shape[0] // t.shape[0], 0) for t in (kk, vv))
+        mask = torch.ones(e - a, e - a, dtype=torch.bool).tril()
+        yield a, e, qq, kk, vv, torch.softmax((qq @ kk.transpose(-1, -2) * scale).masked_fill(~mask, -torch.inf), -1)
+
+
+def _cpu_varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
+                        window_size=None, enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    scale = scale or query.shape[-1] ** -0.5
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32)  # (heads, tokens), as CUDA's
+    for a, e, qq, kk, _, p in _segments(query, key, value, cu_seq_q, scale):
+        out[a:e] = (p @ value[a:e].transpose(0, 1).float().repeat_interleave(qq.shape[0] // value.shape[1], 0)
+                    ).transpose(0, 1).to(query.dtype)
+        lse[:, a:e] = torch.logsumexp((qq @ kk.transpose(-1, -2) * scale).masked_fill(
+            ~torch.ones(e - a, e - a, dtype=torch.bool).tril(), -torch.inf), -1)
+    return out, lse, torch.zeros(2, dtype=torch.uint64)
+
+
+def _cpu_varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                         rng_state, scale=None, window_size=None):
+    scale = scale or query.shape[-1] ** -0.5
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (query, key, value))
+    groups = query.shape[1] // key.shape[1]
+    for a, e, qq, kk, vv, p in _segments(query, key, value, cu_seq_q, scale):
+        do = grad_out[a:e].transpose(0, 1).float()
+        ds = p * (do @ vv.transpose(-1, -2) - (do * (p @ vv)).sum(-1, keepdim=True))
+        dq[a:e] = (ds @ kk * scale).transpose(0, 1)
+        n = e - a
+        dk[a:e] = (ds.transpose(-1, -2) @ qq * scale).view(key.shape[1], groups, n, -1).sum(1).transpose(0, 1)
+        dv[a:e] = (p.transpose(-1, -2) @ do).view(key.shape[1], groups, n, -1).sum(1).transpose(0, 1)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+def make_batch(vocab: int, b: int, s: int, device: str = "cpu", seed: int = 0, packed: bool = False) -> dict:
+    """``packed``: rows of documents with their bounds, as the token feed collates them for varlen attention."""
     g = torch.Generator().manual_seed(seed)
+    if packed:
+        return _packed_batch(vocab, b, s, g, device)
     ids = torch.randint(1, vocab, (b, s), generator=g)
     mask = torch.ones(b, s, dtype=torch.long)
     labels = ids.clone()
@@ -56,6 +127,22 @@ def make_batch(vocab: int, b: int, s: int, device: str = "cpu", seed: int = 0) -
         mask[0, s - s // 3 :] = 0
         labels[0, s - s // 3 :] = -100
     return {k: v.to(device) for k, v in {"input_ids": ids, "attention_mask": mask, "labels": labels}.items()}
+
+
+def _packed_batch(vocab: int, b: int, s: int, g: torch.Generator, device: str) -> dict:
+    """b rows of s tokens: three documents in each (a quarter of each is prompt), the last row a third short."""
+    from rocktune.data.batching import with_loss_index
+    from rocktune.data.packing import collate_packed
+
+    rows = []
+    for r in range(b):
+        fill = s - s // 3 if r == b - 1 and b > 1 else s
+        docs = []
+        for n in (fill // 2, fill // 3, fill - fill // 2 - fill // 3):
+            ids = torch.randint(1, vocab, (n,), generator=g).tolist()
+            docs.append((ids, [-100] * (n // 4) + ids[n // 4:]))
+        rows.append(docs)
+    return {k: v.to(device) for k, v in with_loss_index(collate_packed(rows, 0, s, segments=True)).items()}
 
 
 def _storage_key(t: torch.Tensor):
@@ -114,8 +201,10 @@ def _counting(fn, keep):
 
 def predict(config: dict, b: int, s: int, r: int, precision: str, attn: str, ckpt: bool, dropout: float,
             loss_fraction: float, device: str):
-    spec = RunSpec(micro_batch=b, seq_len=s, lora_r=r, precision=precision, attn=attn, checkpointing=ckpt,
-                   lora_dropout=dropout, loss_fraction=loss_fraction, device="cpu" if device == "cpu" else "gpu")
+    spec = RunSpec(micro_batch=b, seq_len=s, lora_r=r, precision=precision, attn=attn.split("-")[0],
+                   checkpointing=ckpt, lora_dropout=dropout, loss_fraction=loss_fraction,
+                   device="cpu" if device == "cpu" else "gpu", kv_copies="-kv-copies" in attn,
+                   compiled=attn.endswith("-compiled"))
     return estimate(shape_from_config(config), spec)
 
 
@@ -123,7 +212,9 @@ def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt
     torch.manual_seed(0)
     config = MODELS[name]
     model = build(config, precision, attn, r, dropout, ckpt)
-    batch = make_batch(config["vocab_size"], b, s)
+    batch = make_batch(config["vocab_size"], b, s, packed=attn.startswith("varlen"))
+    if attn.endswith("-compiled"):
+        measure_step(model, batch, precision)  # compiles; the second step is the one counted
     got = measure_step(model, batch, precision)
     est = predict(config, b, s, r, precision, attn, ckpt, dropout, got["loss_tokens"] / (b * (s - 1)), "cpu")
     terms = est.by_name()
@@ -135,6 +226,19 @@ def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt
                           terms["base_weights"]) == (got["lora_params_bytes"], got["lora_grads_bytes"],
                                                      got["adamw_states_bytes"], got["base_weights_bytes"])
     return row
+
+
+# rocktune's GPU path, eager: torch's varlen op (its CPU kernel here) with and without grouped-query K/V, the lean
+# LoRA forward; packed rows of three documents each
+VARLEN_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen2", "small-llama") for b, s in ((1, 128), (4, 64))
+                 for p in ("fp32", "bf16") for a, r, c in (("varlen", 16, False), ("varlen-kv-copies", 4, True))]
+VARLEN_POINTS += [("tiny-qwen3", 2, 64, 8, "bf16", "varlen", False, 0.0),
+                  ("tiny-phi3", 2, 64, 8, "bf16", "varlen", False, 0.0),
+                  ("tiny-qwen2", 4, 64, 4, "bf16", "varlen", False, 0.1)]
+# compiled (about 2.5 minutes each on 2 cores): `--compiled`
+COMPILED_POINTS = [("tiny-qwen2", 3, 64, 8, "bf16", "varlen-compiled", False, 0.0),
+                   ("tiny-qwen2", 3, 64, 8, "bf16", "varlen-kv-copies-compiled", False, 0.0),
+                   ("small-llama", 2, 64, 8, "bf16", "varlen-compiled", False, 0.0)]
 
 
 def cpu_grid(quick: bool = False):
@@ -153,6 +257,7 @@ def cpu_grid(quick: bool = False):
                   for a in ("eager", "sdpa") for c in (False, True)]
         points += [(m, 2, 64, 8, p, a, c, 0.0) for m in ("tiny-qwen3", "tiny-phi3") for p in ("fp32", "bf16")
                    for a in ("eager", "sdpa") for c in (False, True)]
+        points += VARLEN_POINTS
     return [run_point(*pt) for pt in points]
 
 
@@ -189,8 +294,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a 7-point subset")
     ap.add_argument("--gpu", action="store_true", help="also compare peaks on the GPU (needs one)")
     ap.add_argument("--markdown", action="store_true", help="print the CPU table as markdown instead of JSON")
+    ap.add_argument("--compiled", action="store_true", help="only the compiled varlen points (slow: compilation)")
     args = ap.parse_args(argv)
-    rows = cpu_grid(args.quick)
+    rows = [run_point(*p) for p in COMPILED_POINTS] if args.compiled else cpu_grid(args.quick)
     out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
            "state_exact": all(r["state_exact"] for r in rows)}
     if args.gpu and torch.cuda.is_available():

@@ -6,9 +6,12 @@
 Packed rows of random documents (50 to ``--max-length`` tokens) as the collate builds them, the attention that
 ``attn_implementation: auto`` picks for this device (its self-test included; the note says why), LoRA r 16 on all
 linear layers, rocktune's chunked loss, under the precision policy's autocast. One warm-up forward/backward (three
-with ``--compile``), three timed (the host's share of a step: the time to enqueue it against the time to finish
-it), then one profiled. Writes ``profile.json`` (the choice, op counts, times, peak memory, what the compiler did)
-and ``profile.txt`` (the top ops) under ``--out``, and prints the JSON. ``--lora peft`` runs PEFT's own LoRA forward
+with ``--compile``), three timed, then one profiled. On a GPU the device speaks for itself (``bench/device_time.py``):
+CUDA events give each step's device span, the profiled step's kernels their count, summed time, busy share (kernel
+time / device span) and time per kernel class. The host's time to enqueue a step is reported beside it, but is not
+a starvation signal: with the launch queue full the host blocks inside launches. Writes ``profile.json`` (the
+choice, op counts, times, peak memory, what the compiler did, the device's account) and ``profile.txt`` (the top
+ops) under ``--out``, and prints the JSON. ``--lora peft`` runs PEFT's own LoRA forward
 instead of rocktune's lean one, and ``--precision bf16`` a bf16 base under bf16 autocast on a CPU too: the op counts
 of docs/speed.md.
 """
@@ -55,9 +58,10 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from rocktune.attention import VARLEN, choose
+    from rocktune.attention import VARLEN, choose, repeats_kv
     from rocktune.bench import workload
     from rocktune.bench.compiler import CompilerRecord
+    from rocktune.bench.device_time import kernels_of, summary
     from rocktune.lean_lora import lean_lora
     from rocktune.model import DTYPES, apply_lora, load_model
     from rocktune.platform.advise import device_precision
@@ -95,14 +99,16 @@ def main(argv=None) -> int:
         step()
         sync()
     enqueue_s, step_s = host_and_step_seconds(step, sync)
-    if args.device == "cuda":
+    cuda = args.device == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
-        step()
+        span = device_span(step, torch.cuda) if cuda else None
         sync()
     seconds = time.perf_counter() - t0
+    device = summary(kernels_of(prof.events()), span) if cuda else None
     events = prof.key_averages()
     aten = [e for e in events if e.key.startswith("aten::")]
     sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
@@ -110,8 +116,9 @@ def main(argv=None) -> int:
     result = {"device": args.device, "model": args.model, "precision": precision, "attention": attn,
               "attention_note": note, "lora": lora_note, "rows": args.rows, "max_length": args.max_length,
               "tokens": int(batch["input_ids"].numel()), "compiled": args.compile,
-              "step_s": round(step_s, 4), "host_enqueue_s": round(enqueue_s, 4),
-              "host_share": round(enqueue_s / step_s, 3), "compiler": record.report(),
+              "step_s": round(step_s, 4), "host_enqueue_s": round(enqueue_s, 4), "device_time": device,
+              "torch": torch.__version__, "varlen_kv_copies": attn == VARLEN and repeats_kv(),
+              "compiler": record.report(),
               "profiled_step_s": round(seconds, 4),
               "aten_op_calls": sum(e.count for e in aten),
               "top_ops": {e.key: e.count for e in sorted(aten, key=lambda e: -e.count)[:15]},
@@ -122,10 +129,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def device_span(step, cuda) -> float:
+    """Seconds between CUDA events recorded before and after ``step`` on the device: its span there, gaps
+    included (``cuda``: torch.cuda, or a test's fake)."""
+    start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+    cuda.synchronize()
+    start.record()
+    step()
+    end.record()
+    cuda.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
 def host_and_step_seconds(step, sync, repeats: int = 3) -> tuple[float, float]:
     """Medians of (the time until ``step`` returns, the time until the device has finished it). On a GPU the host
-    only enqueues work: a first figure close to the second means the host, not the device, sets the pace (the
-    first H200 run waited on the device for only 7% of a step)."""
+    enqueues work; when the launch queue is full it blocks inside launch calls, so the first figure says how long
+    the host was busy, not whether the device waited (the device's busy share does: ``device_span``)."""
     import statistics
 
     enqueue, total = [], []

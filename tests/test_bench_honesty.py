@@ -53,14 +53,15 @@ def test_ratios_are_against_the_fastest_hf_row_that_ran():
 def test_the_report_records_which_attention_ran_and_compile_fallbacks(tmp_path):
     from rocktune.bench.child import ran
 
-    (tmp_path / "run_info.json").write_text(json.dumps({"notes": [
+    (tmp_path / "run_info.json").write_text(json.dumps({"precision": "bf16", "predicted_peak_bytes": 7, "notes": [
         "attn_implementation auto -> sdpa (PyTorch SDPA picks the best sound backend)",
         "torch.compile applied to the decoder (the first steps include compilation)",
         "attention: varlen_attn over the collate's document bounds (self-test: passed)"]}))
     rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.9, "compile_fallback": "InductorError: fed in"}]
     resolved = ran(tmp_path, rows)
     assert resolved == {"attention": "varlen_attn over the collate's document bounds (self-test: passed)",
-                        "compiled": True, "compile_fallbacks": [{"step": 2, "error": "InductorError: fed in"}]}
+                        "compiled": True, "compile_fallbacks": [{"step": 2, "error": "InductorError: fed in"}],
+                        "precision": "bf16", "predicted_peak_bytes": 7}
     rep = runner.summarise([_result("rocktune", 1, 2, resolved), _result("hf-best", 1, 1, {
         "attn_implementation": "flex_attention"})], 0, [500], "cuda")
     by = {r["name"]: r for r in rep["configs"]}

@@ -15,12 +15,14 @@ from rocktune.cli import main
 # The README's figures as bounds every CPU meets with margin. Measured with benchmarks/cpu_variants.py demo over the
 # instruction sets torch's CPU kernels can be told to use and 1, 2 and 4 threads (docs/benchmarks.md "The demo on
 # every CPU"): eval loss before SPREAD_BEFORE, after SPREAD_AFTER, held-out exact match 100% in every variant.
-LOSS_BEFORE = (6.17, 0.05)  # one forward of the random-init model: rounding moves it in the 4th digit
+LOSS_BEFORE = (5.99, 0.05)  # one forward of the random-init model: rounding moves it in the 4th digit
 MAX_LOSS_AFTER = 0.10
 MIN_EXACT = 0.95  # per skill as well: a skill that stops generalising fails by name
-# A second instruction set and thread count in CI: the oldest kernels of ATen, oneDNN and MKL, one thread.
-OLDEST_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-                  "OMP_NUM_THREADS": "1"}
+# A second instruction set and thread count in CI: AVX2 kernels of ATen, oneDNN and MKL (what a CPU without AVX-512
+# runs; CI's machines have AVX-512, some AMX too), one thread. ATen's scalar "default" kernels are measured by
+# benchmarks/cpu_variants.py but train about 5x slower: too slow for every CI run.
+AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def assert_readme_figures(fig: dict) -> None:
     assert fig["eval_loss_before"] == pytest.approx(LOSS_BEFORE[0], abs=LOSS_BEFORE[1])
     assert fig["eval_loss_after"] <= MAX_LOSS_AFTER, fig
     assert fig["exact_match"] >= MIN_EXACT, fig
-    assert set(fig["exact_match_by_skill"]) == {"upper", "shift", "rotate"}
+    assert set(fig["exact_match_by_skill"]) == {"upper", "shift", "digits"}
     assert min(fig["exact_match_by_skill"].values()) >= MIN_EXACT, fig
 
 
@@ -50,11 +52,11 @@ def test_demo_learns_and_prints_json(demo):
 
 
 @pytest.mark.slow
-def test_demo_figures_hold_under_the_oldest_cpu_kernels(tmp_path):
+def test_demo_figures_hold_under_avx2_kernels_and_one_thread(tmp_path):
     """Issue 35: the same bounds with other matmul and vector kernels (and another thread count) than this CPU picks
     by itself, as another CI machine would have them; read at start-up, so in a child process."""
     proc = subprocess.run([sys.executable, "-m", "rocktune", "demo", "--json", "--out", str(tmp_path / "demo")],
-                          env={**os.environ, **OLDEST_KERNELS}, capture_output=True, text=True, timeout=600)
+                          env={**os.environ, **AVX2_KERNELS}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_readme_figures(json.loads(proc.stdout.strip().splitlines()[-1]))
 
@@ -97,3 +99,18 @@ def test_demo_tokenizer_roundtrips_through_autotokenizer(tiny_model_dir, tokeniz
     text = "reverse abc = cba<|im_end|>\nupper é"
     assert tokenizer(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_demo_table_shows_exact_match_per_skill(capsys):
+    """`make demo` prints the table (not JSON): each skill's held-out rate is a row, so a failing skill shows."""
+    from rocktune.demo.run import _print_summary, by_skill
+
+    samples = [{"prompt": "upper abcd =", "expected": " ABCD", "output": " ABCD"},
+               {"prompt": "digits abcd =", "expected": " 0123", "output": " 0123"},
+               {"prompt": "digits bcde =", "expected": " 1234", "output": " 1243"}]
+    fig = {"eval_loss_before": 5.99, "eval_loss_after": 0.01, "exact_match": 2 / 3, "train_seconds": 1.0, "steps": 2,
+           "exact_match_by_skill": by_skill(samples), "run_dir": "r", "report": None}
+    assert fig["exact_match_by_skill"] == {"digits": 0.5, "upper": 1.0}
+    _print_summary(fig, samples)
+    out = capsys.readouterr().out
+    assert "digits" in out and "50%" in out and "100%" in out and "67%" in out

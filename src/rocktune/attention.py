@@ -60,6 +60,13 @@ class KernelArgs:
         return cls(causal, "scale" in params, "enable_gqa" in params)
 
 
+def repeats_kv(kernel: Callable | None = None) -> bool:
+    """Whether the glue repeats K/V to every query head for this kernel (no ``enable_gqa``: torch 2.11), so that the
+    kernel saves the copies for backward: the memory planner counts them."""
+    kernel = kernel or varlen_kernel()
+    return kernel is not None and not KernelArgs.of(kernel).gqa
+
+
 def make_forward(kernel: Callable) -> Callable:
     """The attention function transformers calls per layer: ``(module, q, k, v, mask, ...) -> (out, None)`` with
     q/k/v of shape ``(B, heads, L, head_dim)`` and out ``(B, L, heads, head_dim)``. Without ``cu_seq_lens_q``

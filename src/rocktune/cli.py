@@ -12,7 +12,7 @@ import sys
 
 from rocktune import __version__, exits
 from rocktune.data.truncate import MODES as TRUNCATION_MODES
-from rocktune.dtypes import SHORT, canonical, gguf_float
+from rocktune.dtypes import canonical, gguf_float
 from rocktune.errors import UserError, print_error, quiet_libraries
 from rocktune.export.merge import DTYPE_NAMES
 from rocktune.export.style import STYLES
@@ -292,13 +292,16 @@ def _add_plan(sub) -> None:
     p.add_argument("--global-batch", type=int, default=8, help="examples per optimizer step for the fit (default 8)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--targets", default="all-linear", help="all-linear (default) or a comma list, e.g. q_proj,v_proj")
-    p.add_argument("--precision", default="bf16", type=canonical, choices=SHORT,
+    p.add_argument("--precision", default="bf16", type=canonical,  # the planner names the choices when refusing
                    help="fp32 | bf16 | fp16, or torch's float32 / bfloat16 / float16 (default bf16)")
     p.add_argument("--quant", default="none", help="none | nf4 | fp4 | int8 base weights (QLoRA, docs/qlora.md)")
     p.add_argument("--nproc", type=int, default=1, help="ranks training together: the breakdown is per rank")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="with --nproc > 1: ddp (base replicated) or fsdp (decoder layers sharded)")
-    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2 (default sdpa)")
+    p.add_argument("--attn", default="sdpa", help="sdpa | eager | flash_attention_2 | varlen (rocktune's GPU path: "
+                   "varlen attention over packed rows, the lean LoRA forward) (default sdpa)")
+    p.add_argument("--compiled", action="store_true",
+                   help="the decoder and the loss compiled, as a GPU run with token batching compiles them")
     p.add_argument("--checkpointing", action="store_true", help="break down with gradient checkpointing on")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     p.add_argument("--loss", choices=("chunked", "full"), default="chunked",
@@ -336,7 +339,7 @@ def _run_plan(args) -> int:
     spec = RunSpec(micro_batch=sequences, seq_len=args.max_length, lora_r=args.lora_r, targets=targets,
                    precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
                    lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
-                   parallel=args.parallel)
+                   parallel=args.parallel, compiled=args.compiled)
     return run_plan(args.model, args.vram, spec, args.global_batch, args.json, args.device)
 
 

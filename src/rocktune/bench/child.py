@@ -43,31 +43,66 @@ def run_rocktune(spec: dict, probe) -> tuple[list[dict], dict]:
     from rocktune.train.request import RunOptions
 
     raw = rocktune_config(spec)
+    clock = device_clock(spec, raw)
     if spec.get("nproc", 1) > 1:
         _run_ranks(raw, spec["nproc"], spec["threads"])
         probe.loaded = {}
     else:
+        def step_done(step):
+            probe.step_done(step)
+            if clock is not None:
+                clock.step_done(step)
+
         # RSS growth counts from the moment the model with its adapter exists, as for the HF baselines.
-        train(config_from_dict(raw), RunOptions(overwrite=True), quiet=True, on_ready=probe.mark_loaded)
+        train(config_from_dict(raw), RunOptions(overwrite=True), quiet=True, on_ready=probe.mark_loaded,
+              on_step_done=step_done)
     rows = [json.loads(line) for line in (Path(spec["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [{"step": r["step"], "loss": r["loss"], "tokens": r["tokens"], "step_s": r["step_s"],
               "real_tokens": r["real_tokens"], "batch_tokens": r["batch_tokens"],
-              "device_wait_s": r.get("device_wait_s"), "forwards": r.get("forwards"), "compiling": r.get("compiling")}
+              "device_wait_s": r.get("device_wait_s"), "forwards": r.get("forwards"), "compiling": r.get("compiling"),
+              "profiled": clock is not None and r["step"] == clock.sample}
              for r in rows if "loss" in r]
-    return steps, {"config": raw, **ran(Path(spec["run_dir"]), rows)}
+    timing = clock.report(list(range(spec.get("warmup", 0) + 1, clock.sample))) if clock is not None else None
+    return steps, {"config": raw, **ran(Path(spec["run_dir"]), rows), **memory_facts(raw, spec["device"]),
+                   "device_time": timing}
+
+
+def device_clock(spec: dict, raw: dict, cuda=None, profile=None):
+    """On a GPU (one process, not the parity pair): one step more than asked, profiled, and a CUDA event after
+    every step (``bench/device_time.py``); the profiled step is left out of the speed figures. ``cuda`` and
+    ``profile`` are torch's unless a test gives fakes."""
+    if spec["device"] != "cuda" or spec.get("nproc", 1) > 1 or spec["name"].startswith("parity"):
+        return None
+    from rocktune.bench.device_time import DeviceClock
+
+    raw["training"]["max_steps"] += 1
+    return DeviceClock(sample=raw["training"]["max_steps"], cuda=cuda, profile=profile)
 
 
 def ran(run_dir: Path, rows: list[dict]) -> dict:
-    """What the run actually used, from its run_info.json notes and metrics: the attention and why, whether the
-    decoder was compiled, and every compile failure it fell back from (step and message)."""
-    info = run_dir / "run_info.json"
-    notes = json.loads(info.read_text()).get("notes", []) if info.is_file() else []
+    """What the run actually used, from its run_info.json and metrics: the attention and why, whether the decoder
+    was compiled, every compile failure it fell back from (step and message), the precision and the planner's
+    predicted peak."""
+    path = run_dir / "run_info.json"
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    notes = info.get("notes", [])
     attention = next((n.removeprefix("attention: ") for n in notes if n.startswith("attention: ")), None)
     if attention is None:  # no note (examples on a CPU, or a set value): the resolved setting says it
         attention = next((n for n in notes if n.startswith("attn_implementation")), None)
     return {"attention": attention, "compiled": any(n.startswith("torch.compile applied") for n in notes),
             "compile_fallbacks": [{"step": r["step"], "error": r["compile_fallback"]} for r in rows
-                                  if r.get("compile_fallback")]}
+                                  if r.get("compile_fallback")],
+            "precision": info.get("precision"), "predicted_peak_bytes": info.get("predicted_peak_bytes")}
+
+
+def memory_facts(raw: dict, device: str) -> dict:
+    """What the memory planner needs to size this run again (tests/test_planner_gpu_runs.py): the loss chunk, and
+    whether the varlen glue repeats K/V for this torch's kernel."""
+    from rocktune.attention import repeats_kv
+    from rocktune.tasks.lm.autofit import loss_chunk
+
+    setting = raw["training"].get("loss_chunk_size", "auto")
+    return {"loss_chunk": loss_chunk(setting, "cuda" if device == "cuda" else "cpu"), "varlen_kv_copies": repeats_kv()}
 
 
 def _run_ranks(raw: dict, nproc: int, threads: int) -> None:

@@ -1,8 +1,8 @@
 """What torch.compile did in one benchmark configuration's process: graph breaks, recompiles and graphs.
 
-A compiled decoder that breaks into many graphs, or recompiles as shapes change, launches more and waits more
-than one graph would; the first GPU run (docs/benchmarks.md) found the host waiting for the device only 7% of a
-step, so the bench records these beside the speed instead of leaving them to a separate trace. Graph breaks and
+A compiled decoder that breaks into many graphs, or recompiles as shapes change, launches more kernels and
+compiles again where one graph would do; the bench records these beside the speed (and beside the device's own
+account of the step, ``device_time.py``) instead of leaving them to a separate trace. Graph breaks and
 compiled frames come from Dynamo's own counters; recompiles from its ``recompiles`` log artifact, whose records
 name the guard that failed.
 """

@@ -35,6 +35,7 @@ class MemoryProbe:
         self.loaded: dict = {}
         self.peak_source = "ru_maxrss (includes model loading)"
         self.shape: dict | None = None
+        self.step_peaks: list[tuple[int, int]] = []  # (allocated, reserved) peaks of each optimizer step
 
     def mark_loaded(self, model=None) -> None:
         """Called once the model (with LoRA) is in memory and before the first training step."""
@@ -53,6 +54,14 @@ class MemoryProbe:
             self.loaded["device_allocated_bytes"] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
 
+    def step_done(self, step: int) -> None:
+        """After each optimizer step: the training loop resets the device's peak counters as each step starts (its
+        log shows each step's peak), so the run's peak is the largest of the steps' peaks, read here."""
+        if self.device == "cuda":
+            import torch
+
+            self.step_peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+
     def report(self) -> dict:
         import torch
 
@@ -68,9 +77,11 @@ class MemoryProbe:
                "rss_peak_source": self.peak_source}
         if self.device == "cuda":
             torch.cuda.synchronize()
+            peaks = self.step_peaks + [(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())]
             out.update(device_loaded_bytes=self.loaded.get("device_allocated_bytes"),
-                       device_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-                       device_peak_reserved_bytes=torch.cuda.max_memory_reserved())
+                       device_peak_allocated_bytes=max(a for a, _ in peaks),
+                       device_peak_reserved_bytes=max(r for _, r in peaks),
+                       device_step_peak_allocated_bytes=[a for a, _ in self.step_peaks])
         return out
 
 

@@ -44,6 +44,9 @@ def render(report: dict) -> None:
     if report.get("best_hf"):
         console.print(f"×best HF: against {report['best_hf']}, the fastest Hugging Face row that ran. "
                       f"{report.get('mfu_convention', '')}")
+    for r in report["configs"]:
+        if r.get("device_time", {}) and r["device_time"].get("kernels") is not None:
+            console.print(device_line(r["name"], r["device_time"]), highlight=False)
     for line in not_run:
         console.print(line)
     p = report.get("parity")
@@ -59,3 +62,10 @@ def render(report: dict) -> None:
         console.print(f"target {key}: {_fmt(t['value'], '.3g')} (target {t['target']:g}) {mark}")
     if report.get("pick"):
         console.print(f"fastest: [bold]{report['pick']['name']}[/] -> {report['pick']['config_file']}")
+
+
+def device_line(name: str, d: dict) -> str:
+    """One configuration's device account (bench/device_time.py) in a line."""
+    classes = ", ".join(f"{c} {v['share']:.0%}" for c, v in d["classes"].items() if v.get("share"))
+    return (f"device, {name} (profiled step {d['sampled_step']}): busy {_fmt(d.get('busy_share'), '.0%')} of "
+            f"{_fmt(d.get('span_s'), '.3f', ' s')}, {d['kernels']:,} kernels; {classes}")

@@ -85,7 +85,8 @@ def run_bench(req: BenchRequest, log=print) -> dict:
         # Alternate the order so that a drift in the machine's load does not favour the configurations run first.
         for cfg in chosen if rnd % 2 == 0 else chosen[::-1]:
             log(f"bench: {cfg.name} ({warmup} warm-up + {steps} measured steps, round {rnd + 1}/{rounds})")
-            runs[cfg.name].append(run_one(cfg, {**base, "steps": warmup + steps}, out_dir, timeout))
+            runs[cfg.name].append(run_one(cfg, {**base, "steps": warmup + steps, "warmup": warmup}, out_dir,
+                                          timeout))
             # each result on disk as it comes: a run cut short (the GPU check's time limit) keeps what finished
             (out_dir / "results").mkdir(parents=True, exist_ok=True)
             (out_dir / "results" / f"{cfg.name}-{rnd}.json").write_text(json.dumps(runs[cfg.name][-1]))
@@ -99,7 +100,7 @@ def run_bench(req: BenchRequest, log=print) -> dict:
     report["workload"] = {"model": model, "model_dir": model_dir, "data_file": data_file, "examples": len(lengths),
                           "mean_tokens": sum(lengths) / len(lengths), "loss_token_share": loss_share,
                           "warmup_steps_excluded": warmup, "measured_steps": steps * rounds, "rounds": rounds,
-                          "threads": threads, **common,
+                          "threads": threads, "token_range": list(token_range or workload.TOKEN_RANGE), **common,
                           "samples_per_step": common["micro_batch_size"] * common["grad_accum"]}
     report["parity"] = parity
     report["targets"] = targets(report["configs"], parity, device, model)
@@ -142,6 +143,7 @@ def merge_rounds(rounds: list[dict], warmup: int) -> dict:
     merged = {**rounds[0], "memory": by_mem[(len(by_mem) - 1) // 2]["memory"]}
     merged["steps"] = [s for r in rounds for s in r["steps"][warmup:]]
     merged["first_round_losses"] = [s["loss"] for s in rounds[0]["steps"]]
+    merged["first_round_steps"] = rounds[0]["steps"]  # warm-up included: the memory peak covers every step
     return merged
 
 
@@ -156,6 +158,11 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str,
             row.update(stats.summarise_steps(r["steps"], warmup))
             if r.get("first_round_losses"):  # every step of one whole run, warm-up included
                 row.update(losses=r["first_round_losses"], final_loss=r["first_round_losses"][-1])
+            # forwards and tokens processed (padding included) of every step of one run, warm-up included: the
+            # largest forward is what the memory peak and the planner's estimate are about
+            first = r.get("first_round_steps") or []
+            row["forwards_per_step"] = [s.get("forwards") for s in first]
+            row["tokens_per_step"] = [s.get("batch_tokens") for s in first]
             mem = r["memory"]
             row["memory"] = mem
             row["peak_memory_bytes"] = mem.get("device_peak_allocated_bytes", mem["rss_growth_bytes"])
@@ -164,6 +171,10 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str,
             row["attention"] = resolved.get("attention") or resolved.get("attn_implementation")
             row["compile_fallbacks"] = resolved.get("compile_fallbacks", [])
             row["compiler"] = r.get("compiler") or {}  # graph breaks, recompiles, graphs (bench/compiler.py)
+            # the device's own account (bench/device_time.py): step spans from CUDA events, and one profiled step's
+            # kernels, busy share and time per kernel class; absent on a CPU
+            row["device_time"] = resolved.get("device_time")
+            row["device_busy_share"] = (row["device_time"] or {}).get("busy_share")
             shape = r.get("shape") or {}
             fpt = stats.flops_per_token(shape["matmul_params"], shape["layers"], shape["attn_dim"], lengths) \
                 if shape else None

@@ -12,7 +12,7 @@ from rocktune.demo.task import DEMO_SKILLS, make_task, write_jsonl
 from rocktune.demo.tiny import build_tiny_model
 from rocktune.errors import UserError
 
-DEMO_STEPS = 500  # measured here: 200 steps give 56% held-out, 300 already 100%; 500 sit well on that plateau
+DEMO_STEPS = 500  # on the plateau: every CPU variant tried gives 100% held-out (docs/testing.md)
 MODEL_SHAPE = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 
 
@@ -119,12 +119,14 @@ def _print_summary(fig: dict, samples: list[dict]) -> None:
     from rich.table import Table
 
     console = Console()
-    table = Table(title="rocktune demo: tiny Qwen2 + LoRA on upper-casing, reversal and letter shifting")
+    table = Table(title="rocktune demo: tiny Qwen2 + LoRA on upper-casing, letter shifting and letters as digits")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("eval loss before", f"{fig['eval_loss_before']:.4f}")
     table.add_row("eval loss after", f"{fig['eval_loss_after']:.4f}")
     table.add_row("held-out exact match", f"{fig['exact_match']:.0%}")
+    for skill, rate in fig["exact_match_by_skill"].items():
+        table.add_row(f"  {skill}", f"{rate:.0%}")
     table.add_row("training time", f"{fig['train_seconds']} s ({fig['steps']} steps)")
     console.print(table)
     for s in samples:

@@ -1,15 +1,17 @@
-"""A synthetic, learnable prompt/completion task: upper-casing, shifting, rotation, reversal, one-digit additions.
+"""A synthetic, learnable prompt/completion task: upper-casing, shifting, digits, rotation, reversal, addition.
 
 Generated from a seed, so the data is the same on every machine; eval prompts never occur in training.
 
-Which skills a task mixes decides what its held-out figures mean. Upper-casing, shifting (a -> b) and rotation
-(abcd -> bcda) are rules that read each answer letter from a fixed place of the word: an unseen word is answered by
-the same rule as the seen ones, so held-out exact match measures the skill and sits on a plateau at 100% once it is
-learned. Two skills do not: one-digit addition has only 100 facts, and the held-out ones are facts the model never
-saw; reversal reads letter k from a place that moves with k, which the demo's 2-layer model memorises per word
-instead of learning (measured: 3-5% held-out after 400-800 steps). Whether such answers come out right is decided by
-rounding: the earlier demo (upper, reverse, add) gave 69-75% held-out on different CPUs. The demo therefore uses the
-three rules; the tests keep the default mix (their recorded losses were measured on it over a few steps).
+Which skills a task mixes decides what its held-out figures mean. Upper-casing, shifting (a -> b) and digits
+(a -> 0, ..., j -> 9) map each letter to one answer character at a fixed distance from it: an unseen word is
+answered by the same per-letter rule as the seen ones, so held-out exact match measures the skill and sits on a
+plateau at 100% once it is learned. The other skills do not, on the demo's 2-layer model: one-digit addition has only
+100 facts, and the held-out ones are facts the model never saw; reversal and rotation (abcd -> bcda) read answer
+letter k from a place that moves with k, which the model partly memorises per word instead of learning. Whether
+such answers come out right is decided by rounding: the earlier demo (upper, reverse, add) gave 69-75% held-out on
+different CPUs, and rotation 100% with this CPU's kernels but 83% with ATen's default ones (500 steps). The demo
+therefore uses the three per-letter maps; the tests keep the default mix (their recorded losses were measured on
+it over a few steps).
 """
 
 from __future__ import annotations
@@ -41,15 +43,20 @@ def _rotate(rng: random.Random, word: str) -> dict[str, str]:
     return {"prompt": f"rotate {word} =", "completion": f" {word[1:]}{word[0]}"}
 
 
+def _digits(rng: random.Random, word: str) -> dict[str, str]:
+    """Each letter to its place in the alphabet, from 0 (a -> 0, ..., j -> 9)."""
+    return {"prompt": f"digits {word} =", "completion": " " + "".join(str(LETTERS.index(c)) for c in word)}
+
+
 def _add(rng: random.Random, word: str) -> dict[str, str]:
     a, b = rng.randint(0, 9), rng.randint(0, 9)
     return {"prompt": f"add {a} {b} =", "completion": f" {a + b:02d}"}  # zero-padded to two digits
 
 
 SKILLS: dict[str, Callable[[random.Random, str], dict[str, str]]] = {
-    "upper": _upper, "reverse": _reverse, "shift": _shift, "rotate": _rotate, "add": _add}
+    "upper": _upper, "reverse": _reverse, "shift": _shift, "rotate": _rotate, "digits": _digits, "add": _add}
 DEFAULT_SKILLS = ("upper", "reverse", "add")  # the tests' mix (their recorded losses were measured on it)
-DEMO_SKILLS = ("upper", "shift", "rotate")  # rules only: held-out figures that do not hang on rounding
+DEMO_SKILLS = ("upper", "shift", "digits")  # rules only: held-out figures that do not hang on rounding
 
 
 def make_example(rng: random.Random, skills: tuple[str, ...] = DEFAULT_SKILLS) -> dict[str, str]:

@@ -10,6 +10,8 @@ storage, in ``benchmarks/planner_validation.py``), not from a rule of thumb. The
   softmax (plus its half-precision copy under autocast). With a padding mask, sdpa repeats k/v for grouped-query
   attention and each layer converts the boolean mask to a float mask that it saves.
 - dropout on the LoRA input saves a mask (bool on GPUs, the input's dtype on CPU) and a dropped copy per adapter.
+
+rocktune's GPU path (varlen attention, the lean LoRA forward, eager or compiled) has its own rules: ``varlen``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rocktune.errors import UserError
+from rocktune.planner import varlen
 from rocktune.planner.shapes import ModelShape
 
 GROUP = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
@@ -32,12 +35,14 @@ class Tokens:
     seq: int
     dt: int  # bytes per activation element: 4 (fp32) or 2 (bf16/fp16 autocast)
     amp: bool
-    attn: str  # eager | sdpa | flash_attention_2
+    attn: str  # eager | sdpa | flash_attention_2 | varlen
     padded: bool
     rank: int
     dropout: float
     mask_bytes: int  # dropout mask element: 1 on GPUs (bool), 4 on CPU (fp32 noise tensor)
     stream: int = 0  # bytes of the residual stream and the linears' outputs when not ``dt``: 4 on a QLoRA base
+    compiled: bool = False  # varlen: the decoder runs under torch.compile (Inductor decides what is kept)
+    kv_copies: bool = False  # varlen: the kernel has no grouped-query K/V, so K/V are repeated per query head
 
     @property
     def t(self) -> int:
@@ -62,7 +67,8 @@ def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> di
     t, dt, h = tok.t, tok.dt, shape.hidden
     mods = lora_modules(shape, targets)
     groups = {GROUP[n] for n, _, _ in mods}
-    norm = t * (4 * h + 4) + (4 * h if shape.norms_per_layer == 4 else 0)  # Gemma's sandwich norms
+    lean = tok.attn == "varlen" and not tok.stream  # (a QLoRA base's fp32 stream is cast per adapter, as PEFT's)
+    norm = varlen.norm_bytes(shape, tok) if lean else t * (4 * h + 4) + (4 * h if shape.norms_per_layer == 4 else 0)
     out = {"norms": 0, "attention": 0, "attention_scores": 0, "attention_mask": 0, "mlp": 0,
            "lora_inputs": 0, "lora_dropout": 0, "lora_rank": 0}
 
@@ -71,12 +77,13 @@ def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> di
     mlp_grad = after_attn_grad or "mlp_in" in groups
     out["norms"] = norm * (int(input_grad) + int(after_attn_grad) * (shape.norms_per_layer - 1))
     if attn_grad:
-        _attention(shape, tok, out)
-    if mlp_grad:
-        i = shape.mlp_width
-        out["mlp"] = 3 * t * i * (tok.stream or dt)  # gate out (act input), act out, up out; fused gate_up 2i + i
+        varlen.attention(shape, tok, out) if tok.attn == "varlen" else _attention(shape, tok, out)
+    if mlp_grad:  # gate out (act input), act out, up out; fused gate_up 2i + i
+        out["mlp"] = varlen.mlp_bytes(shape, tok) if lean else 3 * t * shape.mlp_width * (tok.stream or dt)
     grad_in = {"attn_in": input_grad, "attn_out": attn_grad, "mlp_in": after_attn_grad, "mlp_mid": mlp_grad}
     _lora(shape, tok, mods, grad_in, out)
+    if lean:  # dropout's extra bytes as PEFT's path has them; the plain inputs and ranks as the lean forward saves
+        varlen.lora(shape, tok, mods, groups, out)
     return out
 
 

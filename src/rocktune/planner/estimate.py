@@ -15,7 +15,7 @@ from rocktune.planner.shapes import ModelShape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUANT = ("int8", "nf4", "fp4")
-ATTN = ("sdpa", "eager", "flash_attention_2")
+ATTN = ("sdpa", "eager", "flash_attention_2", "varlen")
 MIB = 2**20
 GIB = 2**30
 # Not visible to torch's allocator counters: CUDA/HIP context, kernels and BLAS workspaces (GPU), or the Python +
@@ -34,7 +34,7 @@ class RunSpec:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (activations and, unless quantised, base weights)
     quant: str = "none"  # none | int8 | nf4 | fp4 (QLoRA base weights)
     double_quant: bool = True  # nf4/fp4: the per-block scales quantised too
-    attn: str = "sdpa"
+    attn: str = "sdpa"  # sdpa | eager | flash_attention_2 | varlen (rocktune's GPU path: planner/varlen.py)
     checkpointing: bool = False
     lora_dropout: float = 0.0
     loss_mode: str = "chunked"  # chunked: loss positions only, chunk by chunk; full: HF labels= with full logits
@@ -44,6 +44,8 @@ class RunSpec:
     device: str = "gpu"  # gpu | cpu (dropout mask dtype, context allowance)
     ranks: int = 1  # processes training together (--nproc x nodes); the estimate is per rank
     parallel: str = "ddp"  # ddp: base replicated | fsdp: decoder layers' base weights sharded over the ranks
+    compiled: bool = False  # the decoder and the loss chunk run under torch.compile (activations: varlen only)
+    kv_copies: bool = False  # varlen: the kernel takes no grouped-query K/V (torch 2.11): K/V repeated per head
 
     def __post_init__(self):
         # Accept the config's forms: a list of module names, one name, "auto" attention (SDPA where it runs).
@@ -154,6 +156,8 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
 
 
 def _padded(spec: RunSpec) -> bool:
+    if spec.attn == "varlen":  # document bounds, never a mask
+        return False
     return spec.micro_batch > 1 if spec.padded is None else spec.padded
 
 
@@ -165,7 +169,8 @@ def _tokens(spec: RunSpec) -> Tokens:
     return Tokens(batch=spec.micro_batch, seq=spec.seq_len, dt=dt, amp=dt != 4, attn=spec.attn,
                   stream=4 if spec.quant != "none" else 0,
                   padded=_padded(spec), rank=spec.lora_r, dropout=spec.lora_dropout,
-                  mask_bytes=1 if spec.device == "gpu" else 4)
+                  mask_bytes=1 if spec.device == "gpu" else 4, compiled=spec.compiled and spec.attn == "varlen",
+                  kv_copies=spec.kv_copies)
 
 
 def _parts(parts: dict[str, int]) -> str:
@@ -223,8 +228,11 @@ def quantised_bytes(n_in: int, n_out: int, quant: str, double_quant: bool = True
 def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, add) -> None:
     h, dt, s = shape.hidden, tok.dt, spec.seq_len
     norm = tok.t * (4 * h + 4) + (4 * h if shape.norms_per_layer == 4 else 0)  # Gemma's sandwich norms
-    rope = 2 * s * shape.head_dim * dt
-    add("final_norm_rope", norm + rope, "saved", f"final RMSNorm fp32 input {tok.t} x {h} x 4 B + cos/sin")
+    if tok.compiled:  # compiled, a norm keeps its input in the stream's dtype and the rsqrt (planner/varlen.py)
+        norm = tok.t * ((tok.stream or dt) * h + 4)
+    # cos/sin per position id: one row of positions for padded batches, one per packed row (positions restart)
+    rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * shape.head_dim * dt
+    add("final_norm_rope", norm + rope, "saved", f"final RMSNorm input {tok.t} x {h} + cos/sin")
     if _loss_mode(shape, spec) == "chunked":
         # The fused loss keeps d(loss)/d(hidden) in the hidden dtype, except fp16 (fp32: it would underflow there);
         # the hidden states of a QLoRA base are fp32 (see _tokens).
@@ -246,8 +254,13 @@ def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, laye
     v, h, dt, i = shape.vocab, shape.hidden, tok.dt, shape.mlp_width
     if _loss_mode(shape, spec) == "chunked":
         rows = min(spec.loss_chunk, n_loss)
-        add("loss_chunk", rows * v * (4 + (dt if tok.amp else 0)) + n_loss * h * (tok.stream or dt), "transient",
-            f"{rows} rows x {v} vocab fp32 logits (+ half copy) + gathered hidden states")
+        # Eagerly the fp32 logits and logsumexp's full-size temporary (logits - max) coexist (8 B an entry; the half
+        # copy for the gradient matmul comes after, 4 + 2). Compiled (the chunk body compiles with the decoder) one
+        # fused kernel leaves the logits and the gradient in the matmul dtype (fp32: the gradient over the logits).
+        per = (2 * dt if tok.amp else 4) if spec.compiled else 8
+        what = "fused, compiled" if spec.compiled else "fp32 logits + logsumexp's temporary"
+        add("loss_chunk", rows * v * per + n_loss * h * (tok.stream or dt), "transient",
+            f"{rows} rows x {v} vocab x {per} B ({what}) + gathered hidden states")
     else:
         n_full = spec.micro_batch * (spec.seq_len - 1)
         add("full_logits", tok.t * v * dt + 2 * n_full * v * 4, "transient",

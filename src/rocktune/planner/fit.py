@@ -168,10 +168,11 @@ class TokenBudget:
 def fit_token_rows(shape: ModelShape, base: RunSpec, budget: int, max_rows: int,
                    source: str = "given") -> TokenBudget:
     """The most rows of ``base.seq_len`` packed tokens per forward that fit ``budget`` (``MARGIN`` kept free), up to
-    ``max_rows`` (what a step holds). Memory grows with rows, so a bisection finds the largest."""
+    ``max_rows`` (what a step holds). Memory grows with rows, so a bisection finds the largest. Packed rows carry a
+    block-diagonal mask except under flash-attention and varlen (document bounds)."""
     usable = int(budget * (1 - MARGIN))
     def spec(rows):
-        return replace(base, micro_batch=rows, padded=base.attn != "flash_attention_2")
+        return replace(base, micro_batch=rows, padded=base.attn not in ("flash_attention_2", "varlen"))
     if estimate(shape, spec(1)).total_bytes > usable:
         one = estimate(shape, spec(1))
         raise UserError(f"{shape.name}: one packed row of {base.seq_len} tokens needs {_gib(one.total_bytes)}, more "

@@ -45,14 +45,23 @@ def planner_spec(cfg: RunConfig, precision: str, attn_implementation: str, **cha
     """The planner's description of this run (``planner.RunSpec``); ``changes`` set the fields a question varies."""
     from rocktune.planner import RunSpec
 
+    from rocktune.attention import VARLEN, repeats_kv
+
     m, lora = cfg.model, cfg.lora
+    if attn_implementation == VARLEN:
+        changes.setdefault("kv_copies", repeats_kv())
     return RunSpec(seq_len=cfg.data.max_length, lora_r=lora.r, targets=lora.target_modules, precision=precision,
                    attn=_planner_attn(attn_implementation), lora_dropout=lora.dropout, loss_mode=cfg.training.loss_impl,
                    quant=m.quantization, double_quant=m.double_quant, **changes)
 
 
 def _planner_attn(attn_implementation: str) -> str:
-    """varlen and flex attention keep no dense mask; the planner sizes them as SDPA, which errs on the large side."""
+    """rocktune's varlen attention is sized by what it saves (planner/varlen.py); flex attention keeps no dense mask
+    but is sized as SDPA, which errs on the large side."""
+    from rocktune.attention import VARLEN
+
+    if attn_implementation == VARLEN:
+        return "varlen"
     return attn_implementation if attn_implementation in ("sdpa", "eager", "flash_attention_2") else "sdpa"
 
 
@@ -107,11 +116,14 @@ def _fits(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: 
 
 
 def plan_feeding(cfg: RunConfig, choices, lengths: list[int], vram_bytes: int | None, static_width: bool,
-                 ranks: int = 1, parallel: str = "ddp") -> tuple[Feeding, list[str], int | None]:
+                 ranks: int = 1, parallel: str = "ddp", attn: str | None = None
+                 ) -> tuple[Feeding, list[str], int | None]:
     """How this run cuts its steps into forwards (see ``tasks/lm/feed.py``), the reasons to log, and the planner's
-    predicted peak when it chose the token budget. ``choices``: the resolved device, precision and attention."""
+    predicted peak when it chose the token budget. ``choices``: the resolved device, precision and attention;
+    ``attn``: the attention the model loads with, when already chosen (varlen is sized by what it saves);
+    ``static_width``: the run compiles (rows padded to max_length)."""
     t, d = cfg.training, cfg.data
-    device, precision, attn_implementation = choices.device, choices.precision, choices.attn_implementation
+    device, precision, attn_implementation = choices.device, choices.precision, attn or choices.attn_implementation
     mode = resolve_mode(t.batching, device)
     feeding = Feeding(mode=mode, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                       max_length=d.max_length, packing=d.packing, seed=t.seed)
@@ -125,25 +137,30 @@ def plan_feeding(cfg: RunConfig, choices, lengths: list[int], vram_bytes: int | 
     elif device != "cuda":
         rows = min(CPU_ROWS, cap)
     else:
-        rows, peak, note = _planned_rows(cfg, precision, attn_implementation, vram_bytes, cap, ranks, parallel)
+        rows, peak, note = _planned_rows(cfg, (precision, attn_implementation, static_width), vram_bytes, cap, ranks,
+                                         parallel)
         notes.append(note)
     feeding = dataclasses.replace(feeding, rows_per_forward=rows, static_width=static_width)
     return feeding, [feeding.describe(), *notes], peak
 
 
-def _budget_spec(cfg: RunConfig, precision: str, attn_implementation: str, ranks: int, parallel: str):
-    """A token budget is asked for the run's own checkpointing and GPU loss chunk."""
+def _budget_spec(cfg: RunConfig, precision: str, attn_implementation: str, ranks: int, parallel: str,
+                 compiled: bool = False):
+    """A token budget is asked for the run's own checkpointing, GPU loss chunk and compilation."""
     return planner_spec(cfg, precision, attn_implementation, checkpointing=cfg.model.gradient_checkpointing,
-                        loss_chunk=loss_chunk(cfg.training.loss_chunk_size, "cuda"), ranks=ranks, parallel=parallel)
+                        loss_chunk=loss_chunk(cfg.training.loss_chunk_size, "cuda"), ranks=ranks, parallel=parallel,
+                        compiled=compiled)
 
 
-def _planned_rows(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None,
+def _planned_rows(cfg: RunConfig, run: tuple[str, str, bool], vram_bytes: int | None,
                   cap: int, ranks: int, parallel: str) -> tuple[int, int | None, str]:
+    """``run``: (precision, attention, compiled)."""
     from rocktune.planner import suggest_token_budget
 
     try:
-        plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes,
-                                    _budget_spec(cfg, precision, attn_implementation, ranks, parallel), cap)
+        precision, attn_implementation, compiled = run
+        plan = suggest_token_budget(cfg.model.name_or_path, vram_bytes, _budget_spec(
+            cfg, precision, attn_implementation, ranks, parallel, compiled), cap)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a model the planner cannot size still trains, on a fixed budget

@@ -19,7 +19,7 @@ from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import autofit, build, preflight
 from rocktune.tasks.lm.evaluate import eval_sums
-from rocktune.tasks.lm.feed import Feeding, Share, StepFeed
+from rocktune.tasks.lm.feed import Feeding, Share, StepFeed, resolve_mode
 from rocktune.tasks.lm.loss import LossModule
 from rocktune.tasks.lm.quant_gate import check_quantization
 from rocktune.tasks.lm.samples import SampleSettings, Sampler
@@ -105,10 +105,12 @@ class LMTask:
         parallel, notes = autofit.choose_parallel(cfg, dist.world, device, ctx.precision, ctx.attn,
                                                   ctx.options.vram_bytes)
         strategy = distributed.strategy(dist, parallel, m.quantization)
+        # The attention is chosen before the forwards are sized: the planner sizes varlen by what it saves.
+        packed = resolve_mode(t.batching, device) == "tokens" or d.packing
+        attn, attn_note = build.attention(m.attn_implementation, ctx, packed, compiled, m)
         feeding, feed_notes, planned_peak = autofit.plan_feeding(cfg, ctx.choices, lengths, ctx.options.vram_bytes,
-                                                                 compiled, dist.world, parallel)
+                                                                 compiled, dist.world, parallel, attn)
         chunk = autofit.loss_chunk(t.loss_chunk_size, device)
-        attn, attn_note = build.attention(m.attn_implementation, ctx, feeding.packed, compiled, m)
         # FSDP loads on the CPU and moves each rank's shards to its GPU: the whole base need not fit one device.
         model, model_notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn,
                                                       "cpu" if strategy == "fsdp" else device, compiled)
