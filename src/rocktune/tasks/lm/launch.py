@@ -29,5 +29,6 @@ def precheck(cfg: RunConfig) -> None:
     within a second instead of after the child has loaded torch and the tokenizer."""
     for file in (cfg.data.train_file, cfg.data.eval_file):
         path = Path(file) if file else None
-        if path is not None and path.is_file() and path.stat().st_size <= PRECHECK_MAX_BYTES:
+        if path is not None and path.is_file() and path.suffix.lower() in (".json", ".jsonl") \
+                and path.stat().st_size <= PRECHECK_MAX_BYTES:  # the other kinds are read by datasets
             read_records(path)
