@@ -63,6 +63,28 @@ def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt
     return Encoded(out.input_ids, out.labels, len(ids) > max_length, out.prompt_cut, out.completion_cut)
 
 
+PROBE_REPLY = "rocktune-probe-reply"
+
+
+def _turn_end(full: str, start: str, render) -> str | None:
+    """``full`` up to the end of the assistant turn that begins after ``start``: the first end-of-turn text after
+    it, i.e. what the template writes after a reply both when the conversation ends there and when a user turn
+    follows (the common start of the two); None when it is not found."""
+    if not full.startswith(start):
+        return None
+    reply = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE_REPLY}]
+    try:
+        last, more = (render(msgs, False) for msgs in (reply, reply + [{"role": "user", "content": "u2"}]))
+    except UserError:
+        return None
+    if PROBE_REPLY not in last or PROBE_REPLY not in more:
+        return None
+    a, b = last.split(PROBE_REPLY, 1)[1], more.split(PROBE_REPLY, 1)[1]
+    eot = a[:next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
+    at = full.find(eot, len(start)) if eot.strip() else -1
+    return full[:at + len(eot)] if at >= 0 else None
+
+
 def call_segments(record: dict) -> set[int]:
     """The segments (of ``_chat_segments``: a prompt and a reply per assistant turn) that are tool calls."""
     replies = [m for m in record["messages"] if m["role"] == "assistant"]
@@ -103,19 +125,23 @@ def _chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None
 
     segments: list[tuple[str, bool]] = []
     done = ""
+    full = render(messages, False)
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
         start = render(messages[:i], True) if i else ""
         end = render(messages[: i + 1], False)
-        if not (start.startswith(done) and end.startswith(start)):
+        if not (full.startswith(end) and end.startswith(start)):
+            # the turn renders differently as the last one (Qwen3's empty think block, a closing EOS): its end is
+            # the template's end-of-turn text after it in the whole conversation
+            end = _turn_end(full, start, render)
+        if end is None or not (start.startswith(done) and end.startswith(start)):
             raise UserError(
                 f"{loc}: the chat template does not render conversations prefix-consistently, so assistant "
                 "turns cannot be located; set data.train_on_prompt=true to train on the whole conversation."
             )
         segments += [(start[len(done):], False), (end[len(start):], i not in untrained)]
         done = end
-    full = render(messages, False)
     if full.startswith(done) and len(full) > len(done):
         segments.append((full[len(done):], False))
     return segments
