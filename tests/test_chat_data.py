@@ -228,3 +228,15 @@ def test_columns_map_a_renamed_conversation(tmp_path):
     ex, _ = tokenize_file(str(f), DataConfig(max_length=256, columns={"conversations": "dialog"}), tok,
                           tmp_path / "cache")
     assert tok.decode([t for t, lab in zip(ex.input_ids[0], ex.labels[0]) if lab != IGNORE]) == "Yo<|im_end|>\n"
+
+
+def test_preview_shows_the_trained_tool_call(tmp_path):
+    from rocktune.report.preview import build_preview
+
+    tok = real("qwen2.5")
+    f = write_jsonl(tmp_path / "d.jsonl", [SHAREGPT_TOOLS, dict(SHAREGPT_TOOLS, id=1)])
+    pv = build_preview(str(f), "auto", tok, 4096, False, n_show=1, data=DataConfig(eval_fraction=0))
+    trained = "".join(text for text, is_trained, _ in pv.examples[0]["runs"] if is_trained)
+    assert trained == QWEN_CALL + "It is 21 degrees.<|im_end|>\n"
+    assert pv.shape == "messages" and not [p for p in pv.problems if p["level"] == "error"]
+    assert any("'id' (1 of 2 records)" in n for n in pv.truncation_notes)
