@@ -162,14 +162,16 @@ BROKEN = [
     ("preference-pair", {"prompt": "q", "completion": "a", "chosen": "a", "rejected": "b"},
      r"preference pair.*DPO/ORPO.*\{messages: chosen\}"),
     ("record-weight", {"prompt": "q", "completion": "a", "weight": 2.0}, r"weight=2\.0; rocktune weights every"),
+    ("trl-conversational-preference", {"prompt": [{"role": "user", "content": "q"}],
+                                       "chosen": [{"role": "assistant", "content": "a"}],
+                                       "rejected": [{"role": "assistant", "content": "b"}]}, r"preference pair"),
 ]
 
 
 @pytest.mark.parametrize("case,rec,error", BROKEN, ids=[b[0] for b in BROKEN])
 def test_broken_variant_is_refused_with_the_row_and_the_fix(case, rec, error):
-    shape = records.detect_shape([("x", rec)], "auto")
     with pytest.raises(UserError, match=error) as info:
-        records.prepare([("x", rec)], shape)
+        records.prepare([("x", rec)], records.detect_shape([("x", rec)], "auto"))
     assert str(info.value).startswith("x:")
 
 
@@ -194,7 +196,8 @@ def test_a_tool_call_cut_by_max_length_is_not_trained():
     assert trained_runs(tok, enc) == [QWEN_CALL, "It "]
 
 
-def test_pipeline_equals_the_reference_and_names_unused_keys(tmp_path):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_pipeline_equals_the_reference_and_names_unused_keys(tmp_path, streaming):
     """Through datasets (Arrow unifies the tool-call structs across rows), the batched encoder and the cache: the
     rows equal the per-record reference, and keys the shape does not use are named with their counts."""
     tok = real("qwen2.5")
@@ -202,7 +205,7 @@ def test_pipeline_equals_the_reference_and_names_unused_keys(tmp_path):
         {"conversations": [{"from": "human", "value": f"Q{i}"}, {"from": "gpt", "value": f"A{i}"}], "id": 9,
          "source": "web"} for i in range(2)]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
-    ex, stats = tokenize_file(str(f), DataConfig(max_length=4096), tok, tmp_path / "cache")
+    ex, stats = tokenize_file(str(f), DataConfig(max_length=4096, streaming=streaming), tok, tmp_path / "cache")
     want = [encode(c, "messages", tok, 4096, False, "x")
             for c in records.prepare([("x", r) for r in rows], "messages")]
     assert [list(r) for r in ex.input_ids] == [w.input_ids for w in want]

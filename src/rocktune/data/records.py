@@ -102,6 +102,7 @@ def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:
     if requested != "auto":
         return requested
     loc, first = records[0]
+    meaning.refuse(first, loc)  # a preference or KTO set is named as such, not as a shape missing a key
     for key, shape in ALIASES.items():
         if key in first:
             return shape
