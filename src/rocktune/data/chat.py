@@ -218,7 +218,7 @@ def from_instruction(rec: dict, shape: str) -> dict:
         user, reply = rec["prompt"], rec["completion"]
     messages = [{"role": "system", "content": rec["system"]}] if isinstance(rec.get("system"), str) and \
         rec["system"].strip() else []
-    for pair in rec.get("history") or []:
+    for pair in (rec.get("history") or []) if shape == "alpaca" else []:
         messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     return {"messages": messages + [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
 

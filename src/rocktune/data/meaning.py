@@ -19,7 +19,8 @@ RECORD_WEIGHTS = ("weight", "loss_weight")
 
 
 def used_keys(shape: str, templated: bool) -> frozenset[str]:
-    return frozenset(USED[shape] | (CHAT_EXTRAS if templated else set()) | set(RECORD_WEIGHTS))
+    extras = (CHAT_EXTRAS if shape == "alpaca" else {"system"}) if templated else set()
+    return frozenset(USED[shape] | extras | set(RECORD_WEIGHTS))
 
 
 def refuse(rec: dict, loc) -> None:
