@@ -15,6 +15,7 @@ from rocktune.errors import UserError
 from rocktune.export import ollama_templates
 from rocktune.readers.template import render_chat_template
 
+
 def template_family(chat_template: str | None) -> str | None:
     return ollama_templates.family_of(chat_template)
 

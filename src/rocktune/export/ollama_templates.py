@@ -141,10 +141,9 @@ FAMILIES = {
 }
 
 
-def family_of(chat_template: str | None, rendered_user: str | None = None) -> str | None:
+def family_of(chat_template: str | None) -> str | None:
     """The family whose marker the Jinja template has (the order above decides between overlapping markers:
-    Llama 3.1 before Llama 3, Phi-3 before OLMo 2); ``rendered_user``: the template's rendering of one user turn
-    "x", which tells Mistral's releases apart."""
+    Llama 3.1 before Llama 3, Phi-3 before OLMo 2)."""
     for name, fam in FAMILIES.items():
         if chat_template and fam.marker in chat_template:
             return name
@@ -152,6 +151,8 @@ def family_of(chat_template: str | None, rendered_user: str | None = None) -> st
 
 
 def template_for(family: str, rendered_user: str | None = None) -> str:
+    """The TEMPLATE of ``family``; ``rendered_user``: the Jinja template's rendering of one user turn "x", which
+    tells Mistral's releases apart (a space after [INST] or not)."""
     if family == "mistral" and rendered_user is not None and "[INST]x" in rendered_user:
         return MISTRAL_NEMO
     return FAMILIES[family].template
