@@ -243,3 +243,20 @@ def test_preview_shows_the_trained_tool_call(tmp_path):
     assert trained == QWEN_CALL + "It is 21 degrees.<|im_end|>\n"
     assert pv.shape == "messages" and not [p for p in pv.problems if p["level"] == "error"]
     assert any("'id' (1 of 2 records)" in n for n in pv.truncation_notes)
+
+
+@pytest.mark.parametrize("template", ["qwen2.5", "llama3.1"])
+def test_batched_encoder_equals_the_reference_on_tool_conversations(template):
+    """The batched encoder (numpy truncation) and the per-record reference agree on tool conversations at every
+    cut, the unfinished-call rule included."""
+    from rocktune.data import fastencode
+
+    tok = real(template)
+    chats = records.prepare([(f"r{i}", r) for i, r in enumerate([SHAREGPT_TOOLS, OPENAI_TOOLS, FORMATS[1][2]])],
+                            "messages")
+    layout = fastencode.chat_layout(tok)
+    for ml in (24, 60, 120, 200, 300, 4096):
+        for cut in ("prompt", "end"):
+            settings = fastencode.EncodeSettings("messages", ml, False, cut)
+            got = fastencode.encode_many(chats, tok, settings, ["x"] * len(chats), layout)
+            assert got == [encode(c, "messages", tok, ml, False, "x", cut) for c in chats], (ml, cut)

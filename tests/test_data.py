@@ -19,7 +19,7 @@ def loss_text(tokenizer, enc) -> str:
 
 
 @pytest.mark.parametrize("name,shape", [("alpaca", "alpaca"), ("chat", "messages"), ("text", "text"),
-                                        ("prompt_completion", "prompt_completion")])
+                                        ("prompt_completion", "prompt_completion"), ("sharegpt_tools", "messages")])
 def test_shipped_files_detected(name, shape):
     recs = records.read_records(EXAMPLE_DATA / f"{name}.jsonl")
     assert records.detect_shape(recs, "auto") == shape
