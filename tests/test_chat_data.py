@@ -81,6 +81,12 @@ FORMATS = [
     ("openai-tools-mistral", "mistral-nemo", OPENAI_TOOLS, {},
      ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
       "It is 21 degrees.</s>"]),
+    # ShareGPT has no call ids; Mistral's template pairs calls and results by nine-character ids: given in order
+    ("sharegpt-tools-mistral", "mistral-nemo", SHAREGPT_TOOLS, {},
+     ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
+      "It is 21 degrees.</s>"]),
+    ("sharegpt-tools-llama3.1", "llama3.1", SHAREGPT_TOOLS, {},
+     ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is 21 degrees.<|eot_id|>"]),
     ("content-parts", "qwen2.5", {"messages": [
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]}, {}, ["Hello<|im_end|>\n"]),

@@ -51,6 +51,7 @@ def to_chat(rec: dict, loc, roles: dict[str, str]) -> dict:
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would carry loss (roles seen: "
                         f"{sorted({m['role'] for m in messages})}; map an assistant tag with data.roles).")
+    _link_calls(messages)
     out = {"messages": messages}
     tools = _tools(rec.get("tools"), loc)
     if tools:
@@ -90,6 +91,25 @@ def _message(turn, where: str, roles: dict[str, str]) -> tuple[dict, bool]:
         if role == "tool" and isinstance(turn.get(extra), str):
             msg[extra] = turn[extra]
     return msg, trained
+
+
+def _link_calls(messages: list[dict]) -> None:
+    """Ids for calls that have none (ShareGPT's function_call turns), each tool result without one taking the
+    oldest unanswered call's: templates that pair results with calls by id (Mistral's, nine alphanumerics) can then
+    render data written without them; templates that ignore ids render the same."""
+    pending, n = [], 0
+    for msg in messages:
+        for call in msg.get("tool_calls", ()):
+            if "id" not in call:
+                n += 1
+                call["id"] = f"call{n:05d}"
+            pending.append(call["id"])
+        if msg["role"] == "tool":
+            answered = msg.get("tool_call_id")
+            if answered is None and pending:
+                msg["tool_call_id"] = pending.pop(0)
+            elif answered in pending:
+                pending.remove(answered)
 
 
 def _weight(turn: dict, where: str, role: str) -> bool:
