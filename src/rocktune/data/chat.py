@@ -22,6 +22,24 @@ TEXT_PARTS = ("text", "input_text", "output_text")  # HF's and OpenAI's text par
 WEIGHT_KEYS = ("loss_weight", "weight", "train")  # per-message: LLaMA-Factory/TRL, Axolotl's weight and train
 
 
+class Where:
+    """A message's place for an error, formatted only when a message needs it: the row's location may cost a read
+    of the file (a JSONL line number), which every record would pay if it were formatted up front."""
+
+    __slots__ = ("loc", "path")
+
+    def __init__(self, loc, path: str):
+        self.loc, self.path = loc, path
+
+    def sub(self, more: str) -> Where:
+        return Where(self.loc, self.path + more)
+
+    def __str__(self) -> str:
+        return f"{self.loc}: {self.path}"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731 - f-strings format, not str()
+
+
 def conversation_key(rec: dict) -> str:
     return "conversations" if "conversations" in rec and "messages" not in rec else "messages"
 
@@ -35,7 +53,7 @@ def to_chat(rec: dict, loc, roles: dict[str, str]) -> dict:
                         "{'from', 'value'}).")
     messages, untrained = [], []
     for i, turn in enumerate(turns):
-        msg, trained = _message(turn, f"{loc}: {key}[{i}]", roles)
+        msg, trained = _message(turn, Where(loc, f"{key}[{i}]"), roles)
         if msg["role"] == "assistant" and not trained:
             untrained.append(len(messages))
         messages.append(msg)
@@ -61,7 +79,7 @@ def to_chat(rec: dict, loc, roles: dict[str, str]) -> dict:
     return out
 
 
-def _message(turn, where: str, roles: dict[str, str]) -> tuple[dict, bool]:
+def _message(turn, where: Where, roles: dict[str, str]) -> tuple[dict, bool]:
     if not isinstance(turn, dict):
         raise UserError(f"{where} must be an object with 'role' and 'content' (or 'from' and 'value'), got "
                         f"{type(turn).__name__}.")
@@ -86,7 +104,7 @@ def _message(turn, where: str, roles: dict[str, str]) -> tuple[dict, bool]:
     if calls:
         if role != "assistant":
             raise UserError(f"{where}: only an assistant turn can make tool calls; this one has role {role!r}.")
-        msg["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        msg["tool_calls"] = [_call(c, where.sub(f".tool_calls[{j}]")) for j, c in enumerate(calls)]
     for extra in ("tool_call_id", "name"):  # a tool result names the call it answers (Mistral's template needs it)
         if role == "tool" and isinstance(turn.get(extra), str):
             msg[extra] = turn[extra]
@@ -112,7 +130,7 @@ def _link_calls(messages: list[dict]) -> None:
                 pending.remove(answered)
 
 
-def _weight(turn: dict, where: str, role: str) -> bool:
+def _weight(turn: dict, where: Where, role: str) -> bool:
     """Whether an assistant turn is trained: loss_weight / weight / train 0 or 1 is a mask; anything else would
     scale the loss, which rocktune does not do, so it is refused rather than read as 1."""
     trained = True
@@ -132,7 +150,7 @@ def _weight(turn: dict, where: str, role: str) -> bool:
     return trained
 
 
-def _text(content, where: str, allow_none: bool = False) -> str:
+def _text(content, where: Where, allow_none: bool = False) -> str:
     """A string content, or a list of parts flattened: text parts joined by newlines (as vLLM flattens them for
     text-only models); a media part cannot be given to a text model, so it is refused by name."""
     if isinstance(content, str):
@@ -159,7 +177,7 @@ def _text(content, where: str, allow_none: bool = False) -> str:
                     f"{type(content).__name__}.")
 
 
-def _calls_from_text(content, where: str) -> list[dict]:
+def _calls_from_text(content, where: Where) -> list[dict]:
     """ShareGPT's function_call value: a JSON object {name, arguments} (or a list of them), usually as a string."""
     value = content
     if isinstance(content, str):
@@ -169,10 +187,10 @@ def _calls_from_text(content, where: str) -> list[dict]:
             raise UserError(f"{where} is a function_call turn whose value is not JSON ({content[:60]!r}); it must be "
                             '{"name": ..., "arguments": {...}} (or a list of them).') from None
     calls = value if isinstance(value, list) else [value]
-    return [_call(c, f"{where}[{j}]") for j, c in enumerate(calls)]
+    return [_call(c, where.sub(f"[{j}]")) for j, c in enumerate(calls)]
 
 
-def _call(call, where: str) -> dict:
+def _call(call, where: Where) -> dict:
     """One tool call in HF's layout; ``arguments`` as an object, since the templates ``tojson`` it (a JSON string
     would be written twice-encoded)."""
     if not isinstance(call, dict):
