@@ -266,3 +266,29 @@ def test_batched_encoder_equals_the_reference_on_tool_conversations(template):
             settings = fastencode.EncodeSettings("messages", ml, False, cut)
             got = fastencode.encode_many(chats, tok, settings, ["x"] * len(chats), layout)
             assert got == [encode(c, "messages", tok, ml, False, "x", cut) for c in chats], (ml, cut)
+
+
+def test_train_on_sharegpt_tool_data_end_to_end(tiny_model_dir, tmp_path):
+    """`rocktune train` on LLaMA-Factory-style tool-calling ShareGPT data with a model carrying Qwen2.5's template:
+    the run completes, its notes name the unused keys, and export/generate prompt it with the chat template."""
+    import shutil
+
+    from rocktune.config import config_from_dict
+    from rocktune.export import style
+    from rocktune.tasks import train
+    from tests.conftest import tiny_run_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    shutil.copy(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja", model / "chat_template.jinja")
+    rows = [dict(SHAREGPT_TOOLS, id=i) for i in range(8)]
+    cfg = tiny_run_config(model, write_jsonl(tmp_path / "train.jsonl", rows), None, tmp_path / "out", max_steps=2,
+                          micro_batch_size=2, grad_accum=1)
+    cfg["data"].update(max_length=1200, eval_fraction=0.25)
+    train(config_from_dict(cfg), quiet=True)
+    info = json.loads((tmp_path / "out" / "run_info.json").read_text())
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    assert any("'id' (8 of 8 records)" in n for n in info["notes"])
+    from transformers import AutoTokenizer
+
+    assert style.resolve_style("auto", cfg, AutoTokenizer.from_pretrained(model)) == "chat"
