@@ -95,10 +95,14 @@ def test_single_text_file_splits_by_paragraph(tmp_path, tokenizer):
     assert [t for t, _ in rows_of(ex, tokenizer)] == ["Chapter 1<|endoftext|>", "It was a dark night.<|endoftext|>"]
 
 
-def test_empty_text_file_is_refused(tmp_path, tokenizer):
-    f = tmp_path / "empty.md"
-    f.write_text("")
-    with pytest.raises(UserError, match="empty.md is empty"):
+@pytest.mark.parametrize("name,content,error", [
+    ("empty.md", b"", r"empty\.md is empty"),
+    ("latin1.txt", "caf\u00e9\n".encode("latin-1"), r"latin1\.txt: cannot be read as UTF-8 text.*save it as UTF-8"),
+])
+def test_broken_text_file_is_refused(tmp_path, tokenizer, name, content, error):
+    f = tmp_path / name
+    f.write_bytes(content)
+    with pytest.raises(UserError, match=error):
         tokenize_file(str(f), DataConfig(max_length=512), tokenizer, tmp_path / "c")
 
 
