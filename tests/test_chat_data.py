@@ -87,6 +87,15 @@ FORMATS = [
       "It is 21 degrees.</s>"]),
     ("sharegpt-tools-llama3.1", "llama3.1", SHAREGPT_TOOLS, {},
      ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is 21 degrees.<|eot_id|>"]),
+    ("parallel-calls", "qwen2.5", {"messages": [
+        {"role": "user", "content": "Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "content": '{"temp": 21}'}, {"role": "tool", "content": '{"temp": 25}'},
+        {"role": "assistant", "content": "21 and 25."}], "tools": [WEATHER]}, {},
+     ['Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+      '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>\n', "21 and 25.<|im_end|>\n"]),
     ("content-parts", "qwen2.5", {"messages": [
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]}, {}, ["Hello<|im_end|>\n"]),

@@ -64,6 +64,13 @@ CONVERSATIONS = [
     ("tools", [{"role": "user", "content": "Weather in Paris?"}], [TOOL]),
     ("system-tools", [{"role": "system", "content": "S"}, {"role": "user", "content": "Weather in Paris?"}], [TOOL]),
     ("tool-result", [{"role": "user", "content": "Weather in Paris?"}, CALL, RESULT], [TOOL]),
+    ("text-and-call", [{"role": "user", "content": "Weather in Paris?"}, {**CALL, "content": "Let me look."}, RESULT],
+     [TOOL]),
+    ("two-calls-two-results", [{"role": "user", "content": "Paris and Rome?"}, {**CALL, "tool_calls": [
+        CALL["tool_calls"][0], {"id": "call00002", "type": "function",
+                                "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        RESULT, {"role": "tool", "tool_call_id": "call00002", "content": '{"temp": 25}'},
+        {"role": "assistant", "content": "21 and 25."}, {"role": "user", "content": "Thanks"}], [TOOL]),
 ]
 # Shapes whose newlines Jinja's trim_blocks removes after a block tag ("{% endif %}\n"), unlike the models' own
 # templates, which write them inside strings: the TEMPLATE follows the models (OLMo 2's and SmolLM3's turns end in
