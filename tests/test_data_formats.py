@@ -119,3 +119,16 @@ def test_text_files_export_as_raw(tmp_path, tokenizer):
     (tmp_path / "a.txt").write_text("x")
     assert style.resolve_style("auto", {"data": {"train_file": str(tmp_path / "a.txt")}}, tokenizer) == "raw"
     assert style.resolve_style("auto", {"data": {"train_file": str(tmp_path)}}, tokenizer) == "raw"
+
+
+@pytest.mark.parametrize("data,error", [
+    ({"roles": {"bot": "robot"}}, r"data\.roles\.bot: Input should be 'system', 'user', 'assistant', 'tool' or "
+                                  r"'function_call' \(got 'robot'\)"),
+    ({"chat_template": "sometimes"}, r"data\.chat_template: Input should be 'auto', 'always' or 'never'"),
+    ({"text_split": "sentence"}, r"data\.text_split: Input should be"),
+])
+def test_new_data_settings_are_checked(data, error):
+    from rocktune.config import config_from_dict
+
+    with pytest.raises(UserError, match=error):
+        config_from_dict({"data": data})
