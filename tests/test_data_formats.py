@@ -46,7 +46,8 @@ def test_chat_template_setting_for_instruction_records(tmp_path, tokenizer, sett
         {"role": "user", "content": user}, {"role": "assistant", "content": rec.get("output") or rec["completion"]}]
     assert stats.shape == "messages" and text == chat_text(tokenizer, msgs)
     assert trained == msgs[-1]["content"] + "<|im_end|>\n"
-    assert any(f"through the model's chat template, data.chat_template={setting}" in n for n in stats.notes)
+    assert any(f"rendered through the model's chat template (data.chat_template={setting};" in n
+               for n in stats.notes)
 
 
 def test_alpaca_history_becomes_earlier_turns(tmp_path, tokenizer):

@@ -160,8 +160,9 @@ def describe_shape(settings: fastencode.EncodeSettings, chat_template: str) -> s
     """The shape as the preview and the log name it: an instruction set rendered through the chat template says so,
     and which setting decided it."""
     if settings.templated:
-        return (f"{settings.source_shape} (through the model's chat template, data.chat_template={chat_template}; "
-                "never keeps the plain prompt)")
+        plain = "the Alpaca prompt" if settings.source_shape == "alpaca" else "the plain prompt"
+        return (f"{settings.source_shape}, rendered through the model's chat template (data.chat_template="
+                f"{chat_template}; data.chat_template=never keeps {plain})")
     return settings.shape
 
 
