@@ -46,6 +46,8 @@ REAL = {
                 "<bos>"),
     "phi-3.5": ("microsoft-Phi-3.5-mini-instruct.jinja",
                 ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), "<|endoftext|>", None),
+    "olmo-2": ("allenai-OLMo-2-1124-7B-SFT.jinja", ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"),
+               "<|endoftext|>", "<|endoftext|>"),
     "granite-3.3": ("ibm-granite-granite-3.3-2B-Instruct.jinja",
                     ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>", None),
 }
