@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from rocktune.data import toolcalls
 from rocktune.errors import UserError
 
 # ShareGPT tags (LLaMA-Factory's defaults) and OpenAI roles -> the role a template knows; data.roles adds to these.
@@ -69,9 +70,9 @@ def to_chat(rec: dict, loc, roles: dict[str, str]) -> dict:
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would carry loss (roles seen: "
                         f"{sorted({m['role'] for m in messages})}; map an assistant tag with data.roles).")
-    _link_calls(messages)
+    toolcalls.link(messages)
     out = {"messages": messages}
-    tools = _tools(rec.get("tools"), loc)
+    tools = toolcalls.schemas(rec.get("tools"), loc)
     if tools:
         out["tools"] = tools
     if untrained:
@@ -94,7 +95,7 @@ def _message(turn, where: Where, roles: dict[str, str]) -> tuple[dict, bool]:
     trained = _weight(turn, where, role)
     content = turn.get("content", turn.get("value"))
     if role == "function_call":  # ShareGPT's function_call turn: the assistant calling a tool
-        return {"role": "assistant", "content": "", "tool_calls": _calls_from_text(content, where)}, trained
+        return {"role": "assistant", "content": "", "tool_calls": toolcalls.from_text(content, where)}, trained
     if role == "tool" and isinstance(content, dict):  # a tool's JSON result given as an object
         content = json.dumps(content, ensure_ascii=False)
     calls = turn.get("tool_calls")
@@ -104,30 +105,11 @@ def _message(turn, where: Where, roles: dict[str, str]) -> tuple[dict, bool]:
     if calls:
         if role != "assistant":
             raise UserError(f"{where}: only an assistant turn can make tool calls; this one has role {role!r}.")
-        msg["tool_calls"] = [_call(c, where.sub(f".tool_calls[{j}]")) for j, c in enumerate(calls)]
+        msg["tool_calls"] = [toolcalls.call(c, where.sub(f".tool_calls[{j}]")) for j, c in enumerate(calls)]
     for extra in ("tool_call_id", "name"):  # a tool result names the call it answers (Mistral's template needs it)
         if role == "tool" and isinstance(turn.get(extra), str):
             msg[extra] = turn[extra]
     return msg, trained
-
-
-def _link_calls(messages: list[dict]) -> None:
-    """Ids for calls that have none (ShareGPT's function_call turns), each tool result without one taking the
-    oldest unanswered call's: templates that pair results with calls by id (Mistral's, nine alphanumerics) can then
-    render data written without them; templates that ignore ids render the same."""
-    pending, n = [], 0
-    for msg in messages:
-        for call in msg.get("tool_calls", ()):
-            if "id" not in call:
-                n += 1
-                call["id"] = f"call{n:05d}"
-            pending.append(call["id"])
-        if msg["role"] == "tool":
-            answered = msg.get("tool_call_id")
-            if answered is None and pending:
-                msg["tool_call_id"] = pending.pop(0)
-            elif answered in pending:
-                pending.remove(answered)
 
 
 def _weight(turn: dict, where: Where, role: str) -> bool:
@@ -177,100 +159,9 @@ def _text(content, where: Where, allow_none: bool = False) -> str:
                     f"{type(content).__name__}.")
 
 
-def _calls_from_text(content, where: Where) -> list[dict]:
-    """ShareGPT's function_call value: a JSON object {name, arguments} (or a list of them), usually as a string."""
-    value = content
-    if isinstance(content, str):
-        try:
-            value = json.loads(content)
-        except ValueError:
-            raise UserError(f"{where} is a function_call turn whose value is not JSON ({content[:60]!r}); it must be "
-                            '{"name": ..., "arguments": {...}} (or a list of them).') from None
-    calls = value if isinstance(value, list) else [value]
-    return [_call(c, where.sub(f"[{j}]")) for j, c in enumerate(calls)]
-
-
-def _call(call, where: Where) -> dict:
-    """One tool call in HF's layout; ``arguments`` as an object, since the templates ``tojson`` it (a JSON string
-    would be written twice-encoded)."""
-    if not isinstance(call, dict):
-        raise UserError(f"{where} must be an object, got {type(call).__name__}.")
-    fn = call.get("function", call)
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise UserError(f"{where} must name the function: {{'type': 'function', 'function': {{'name': ..., "
-                        "'arguments': {...}}}} or {'name': ..., 'arguments': {...}}.")
-    args = fn.get("arguments", fn.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise UserError(f"{where}: the arguments of {fn['name']!r} are not JSON ({args[:60]!r}).") from None
-    if not isinstance(args, dict):
-        raise UserError(f"{where}: the arguments of {fn['name']!r} must be a JSON object, got {type(args).__name__}.")
-    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
-    return out
-
-
-def _tools(tools, loc) -> list[dict] | None:
-    """The tools column: a list of JSON schemas, or a JSON string of one (LLaMA-Factory's); a bare function schema
-    is wrapped as OpenAI's ``{"type": "function", "function": ...}``, the form HF templates take."""
-    if tools is None or tools == "" or tools == []:
-        return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except ValueError:
-            raise UserError(f"{loc}: 'tools' is a string that is not JSON ({tools[:60]!r}); it must be a list of "
-                            "function schemas, or a JSON string of one.") from None
-    if isinstance(tools, dict):
-        tools = [tools]
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise UserError(f"{loc}: 'tools' must be a list of function schemas ({{'name', 'description', "
-                        "'parameters'}, or OpenAI's {'type': 'function', 'function': {...}}).")
-    out = []
-    for j, tool in enumerate(tools):
-        fn = tool.get("function", tool)
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise UserError(f"{loc}: tools[{j}] has no function 'name'; each tool is a function schema.")
-        out.append({"type": tool.get("type", "function"), "function": fn})
-    return out or None
-
-
 def has_tools(rec: dict) -> bool:
     """A conversation that the one-rendering layout cannot locate (tool calls, tool turns, a tool list, masked
     turns): it is rendered prefix by prefix instead."""
     return bool(rec.get("tools") or rec.get("untrained")
                 or any(m["role"] not in ("system", "user", "assistant") or m.get("tool_calls")
                        for m in rec["messages"]))
-
-
-def from_instruction(rec: dict, shape: str) -> dict:
-    """An Alpaca or prompt/completion record as a single-turn conversation (LLaMA-Factory's rendering of Alpaca
-    through the model's template: instruction and input joined by a newline; ``history`` pairs before it)."""
-    if shape == "alpaca":
-        user = rec["instruction"] + ("\n" + rec["input"] if rec.get("input") else "")
-        reply = rec["output"]
-    else:
-        user, reply = rec["prompt"], rec["completion"]
-    messages = [{"role": "system", "content": rec["system"]}] if isinstance(rec.get("system"), str) and \
-        rec["system"].strip() else []
-    for pair in (rec.get("history") or []) if shape == "alpaca" else []:
-        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-    return {"messages": messages + [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]}
-
-
-def uses_template(setting: str, shape: str, tokenizer) -> bool:
-    """Whether instruction records are rendered through the chat template (data.chat_template). auto: Alpaca yes,
-    where the tokenizer has a template (LLaMA-Factory renders Alpaca data through the model's template);
-    prompt/completion no (TRL trains plain prompt/completion strings as they are)."""
-    if shape not in ("alpaca", "prompt_completion") or setting == "never":
-        return False
-    has = bool(getattr(tokenizer, "chat_template", None))
-    if setting == "always":
-        if not has:
-            raise UserError("data.chat_template=always, but this tokenizer has no chat template; use an instruct "
-                            "model's tokenizer, or set data.chat_template=auto.")
-        return True
-    return shape == "alpaca" and has

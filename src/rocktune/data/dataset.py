@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rocktune.data import cache, chat, checks, fastencode, meaning, records, sources, tokenise, truncate
+from rocktune.data import cache, checks, fastencode, instruct, meaning, records, sources, tokenise, truncate
 from rocktune.data.tokens import TokenRows
 from rocktune.errors import UserError
 
@@ -151,7 +151,7 @@ def _column(out, name: str) -> np.ndarray:
 
 def encode_settings(d, shape: str, tokenizer) -> fastencode.EncodeSettings:
     """How records of ``shape`` are encoded per the ``data:`` config section ``d``."""
-    templated = chat.uses_template(d.chat_template, shape, tokenizer)
+    templated = instruct.uses_template(d.chat_template, shape, tokenizer)
     return fastencode.EncodeSettings("messages" if templated else shape, d.max_length, d.train_on_prompt,
                                      d.truncation, shape, tuple(sorted(d.roles.items())))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rocktune.data import chat, meaning
+from rocktune.data import chat, instruct, meaning
 from rocktune.errors import UserError
 from rocktune.readers.json_file import JsonProblem, parse_json
 
@@ -137,7 +137,7 @@ def prepare(records: list[tuple[object, dict]], shape: str, roles: dict[str, str
             out.append(chat.to_chat(rec, loc, roles or {}))
             continue
         _check_strings(loc, rec, shape)
-        out.append(chat.from_instruction(rec, shape) if templated else rec)
+        out.append(instruct.from_instruction(rec, shape) if templated else rec)
     return out
 
 

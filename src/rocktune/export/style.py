@@ -2,7 +2,7 @@
 
 A run trained on chat ``messages`` learned the chat template; one trained on prompt/completion or plain text
 learned raw text (even when the tokenizer has a template); an alpaca run learned the alpaca frame, or the chat
-template where ``data.chat_template`` rendered its records through it (``data.chat.uses_template``).
+template where ``data.chat_template`` rendered its records through it (``data.instruct.uses_template``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ STYLES = ("auto", "chat", "raw", "alpaca")
 def training_style(run_config: dict, tokenizer=None) -> str | None:
     """chat / raw / alpaca from the run's data.format (auto: the first record of its train_file) and
     data.chat_template; None if unknown."""
-    from rocktune.data.chat import uses_template
+    from rocktune.data.instruct import uses_template
     from rocktune.errors import UserError
 
     data = run_config.get("data") or {}
