@@ -63,7 +63,22 @@ class DataConfig(_Section):
                                   "eval_fraction is split off.")
     columns: dict[str, str] = Field(
         default_factory=dict, description="Source column for each record key the shape needs, e.g. {prompt: "
-        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages)."
+        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages, "
+        "conversations, system, tools, history)."
+    )
+    roles: dict[str, Literal["system", "user", "assistant", "tool", "function_call"]] = Field(
+        default_factory=dict, description="Role tags of a conversation mapped to roles, on top of the known ones "
+        "(ShareGPT's human/gpt/system/function_call/observation and OpenAI's user/assistant/system/tool), e.g. "
+        "{bot: assistant, customer: user}; a role is one of system, user, assistant, tool, function_call."
+    )
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto", description="Render Alpaca and prompt/completion records through the model's chat template as "
+        "single-turn conversations. auto: Alpaca yes where the tokenizer has a template (as LLaMA-Factory does), "
+        "prompt/completion no (as TRL does); export and generate follow what was trained."
+    )
+    text_split: Literal["auto", "document", "paragraph", "line"] = Field(
+        "auto", description="Plain .txt/.md files and folders of them: one example per file (document), per "
+        "blank-line block (paragraph) or per line. auto: document for a folder, paragraph for a single file."
     )
     split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.")
     eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.")

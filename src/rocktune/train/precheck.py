@@ -25,5 +25,6 @@ def check_before_start(cfg: RunConfig, options: RunOptions) -> None:
         return  # media folders and manifests are checked by the Wan task, clip by clip
     for file in (cfg.data.train_file, cfg.data.eval_file):
         path = Path(file) if file else None
-        if path is not None and path.is_file() and path.stat().st_size <= PRECHECK_MAX_BYTES:
+        if path is not None and path.is_file() and path.suffix.lower() in (".json", ".jsonl") \
+                and path.stat().st_size <= PRECHECK_MAX_BYTES:  # the other kinds are read by datasets
             read_records(path)  # every malformed line at once, as the worker would say it
