@@ -40,7 +40,8 @@ def _child(kind: str, data: str, shape: str, num_proc: int | None, work: str, to
 
     start = time.perf_counter()
     if kind == "rocktune":
-        d = DataConfig(max_length=1024, num_proc=num_proc)
+        # the Alpaca prompt, as the reference renders it (data.chat_template=auto would use the chat template)
+        d = DataConfig(max_length=1024, num_proc=num_proc, chat_template="never")
         ex, stats = tokenize_file(data, d, tok, Path(work) / "cache")
         out = {"examples": len(ex), "cache_bytes": stats.cache_bytes, "tokens": int(sum(ex.lengths()))}
     else:

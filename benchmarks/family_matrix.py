@@ -156,7 +156,8 @@ def render_doc(results: dict[str, dict]) -> str:
         "with a UserError naming the architecture and writes nothing.",
         "- **GGUF-LoRA**: an A/B pair per adapted projection (per expert stack on MoE), and alpha / r · B·A equal to "
         "the merged tensor minus the base's, expert by expert.",
-        "- **Ollama**: `model.gguf` and a Modelfile with the family's end-of-turn token as a stop.",
+        "- **Ollama**: `model.gguf` and a Modelfile with the family's TEMPLATE and its end-of-turn token as a stop "
+        "(the TEMPLATEs are checked against the Hugging Face rendering in `tests/test_ollama_templates.py`).",
         "- **llama.cpp**: llama.cpp itself (llama-cpp-python) loads the family's f32 GGUF, tokenises like "
         "transformers and continues a prompt greedily with the merged transformers model's 16 tokens; the base's "
         "GGUF with the GGUF LoRA gives the same tokens, and without it the base's. Skipped where llama-cpp-python "

@@ -19,7 +19,7 @@ def loss_text(tokenizer, enc) -> str:
 
 
 @pytest.mark.parametrize("name,shape", [("alpaca", "alpaca"), ("chat", "messages"), ("text", "text"),
-                                        ("prompt_completion", "prompt_completion")])
+                                        ("prompt_completion", "prompt_completion"), ("sharegpt_tools", "messages")])
 def test_shipped_files_detected(name, shape):
     recs = records.read_records(EXAMPLE_DATA / f"{name}.jsonl")
     assert records.detect_shape(recs, "auto") == shape
@@ -90,7 +90,7 @@ BAD = [
     ('{"question": "a", "answer": "b"}\n', "unknown record shape"),
     ('{"prompt": "a", "completion": "b"}\n{"prompt": "a"}\n', r"d\.jsonl:2: record is missing 'completion'"),
     ('{"prompt": "a", "completion": 3}\n', "'completion' must be a string"),
-    ('{"messages": [{"role": "wizard", "content": "x"}]}\n', "unknown role 'wizard'"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}\n', "role tag 'wizard'"),
     ('{"messages": [{"role": "user", "content": "x"}]}\n', "no assistant turn"),
     ('{"messages": []}\n', "non-empty list"),
     ('[1, 2]', "must be a JSON object"),

@@ -48,7 +48,7 @@ def test_batched_tokens_equal_the_per_record_reference(which, tokenizer, bpe):
         shape = records.detect_shape(recs, "auto")
         layout = fastencode.chat_layout(tok) if shape == "messages" else None
         assert shape != "messages" or layout is not None  # the one-rendering path is the one under test
-        rows, locs = [r for _, r in recs], [loc for loc, _ in recs]
+        rows, locs = records.prepare(recs, shape), [loc for loc, _ in recs]  # ShareGPT, tools: normalised
         for ml, top, cut in SETTINGS:
             fast = fastencode.encode_many(rows, tok, fastencode.EncodeSettings(shape, ml, top, cut), locs, layout)
             for loc, rec, got in zip(locs, rows, fast):

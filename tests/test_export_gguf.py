@@ -123,7 +123,7 @@ def test_ollama_bundle(models, tmp_path):
     bundle = run / "export" / "ollama"
     text = (bundle / "Modelfile").read_text()
     assert text.startswith("FROM ./model.gguf\n")
-    assert "<|im_start|>{{ .Role }}" in text and 'PARAMETER stop "<|im_end|>"' in text
+    assert '<|im_start|>user\n{{ .Content }}<|im_end|>' in text and 'PARAMETER stop "<|im_end|>"' in text
     assert "PARAMETER temperature 0" in text
     assert fields(gguf.GGUFReader(bundle / "model.gguf"))["general.file_type"] == 7  # MOSTLY_Q8_0
     # a run trained on raw prompt/completion text is prompted raw, whatever the tokenizer's template

@@ -318,6 +318,7 @@ def test_ollama(family_run, family_dir, capsys, record_property, name):
     text = (bundle / "Modelfile").read_text(encoding="utf-8")
     assert (bundle / "model.gguf").is_file() and text.startswith("FROM ./model.gguf")
     assert TEMPLATES[BY_NAME[name].template].end_of_turn in text
+    assert 'TEMPLATE """' in text  # every family's chat template is translated (export/ollama_templates.py)
 
 
 @pytest.mark.parametrize("name", NAMES)

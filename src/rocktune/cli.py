@@ -405,7 +405,8 @@ def _add_data(sub) -> None:
     q = data_sub.add_parser("preview", help="counts, lengths, trained tokens highlighted, and the checks train runs")
     q.add_argument("-c", "--config", help="YAML config: its data and model sections are previewed")
     q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=512")
-    q.add_argument("--data", help="data file (JSON/JSONL, parquet, CSV, Arrow), save_to_disk folder or hub dataset id "
+    q.add_argument("--data", help="data file (JSON/JSONL, parquet, CSV, Arrow, .txt/.md), a folder of text files, "
+                   "save_to_disk folder or hub dataset id "
                    "(instead of -c)")
     q.add_argument("--model", help="model (its tokenizer and chat template) to encode with (instead of -c)")
     q.add_argument("--format", default="auto", choices=("auto", "text", "prompt_completion", "messages", "alpaca"),

@@ -75,9 +75,26 @@ class DataConfig(_Section):
                                   "eval_fraction is split off.")
     columns: dict[str, str] = Field(
         default_factory=dict, description="Source column for each record key the shape needs, e.g. {prompt: "
-        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages; "
-        "dpo/orpo also chosen, rejected, conversations).",
-        json_schema_extra=only("lm")
+        "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages, "
+        "conversations, system, tools, history; dpo/orpo also chosen, rejected).",
+        json_schema_extra=only("lm"),
+    )
+    roles: dict[str, Literal["system", "user", "assistant", "tool", "function_call"]] = Field(
+        default_factory=dict, description="Role tags of a conversation mapped to roles, on top of the known ones "
+        "(ShareGPT's human/gpt/system/function_call/observation and OpenAI's user/assistant/system/tool), e.g. "
+        "{bot: assistant, customer: user}; a role is one of system, user, assistant, tool, function_call.",
+        json_schema_extra=only("sft"),
+    )
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto", description="Render Alpaca and prompt/completion records through the model's chat template as "
+        "single-turn conversations. auto: Alpaca yes where the tokenizer has a template (as LLaMA-Factory does), "
+        "prompt/completion no (as TRL does); export and generate follow what was trained.",
+        json_schema_extra=only("sft"),
+    )
+    text_split: Literal["auto", "document", "paragraph", "line"] = Field(
+        "auto", description="Plain .txt/.md files and folders of them: one example per file (document), per "
+        "blank-line block (paragraph) or per line. auto: document for a folder, paragraph for a single file.",
+        json_schema_extra=only("sft"),
     )
     split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.",
         json_schema_extra=only("lm"))

@@ -118,7 +118,8 @@ def _template(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
     difference, and comparing a truncated example with the start of the own rendering flagged every long chat."""
     for loc, rec in recs:
         ours = encode.encode(rec, "messages", tokenizer, UNBOUNDED, True, loc).input_ids
-        own = render_chat_template(tokenizer, rec["messages"], tokenize=True, add_generation_prompt=False)
+        extra = {"tools": rec["tools"]} if rec.get("tools") else {}
+        own = render_chat_template(tokenizer, rec["messages"], tokenize=True, add_generation_prompt=False, **extra)
         own = list(own["input_ids"] if hasattr(own, "keys") else own)
         if ours == own:
             continue

@@ -11,6 +11,7 @@ any cache entry is committed; on any rejection the temporary entries (and a cach
 
 from __future__ import annotations
 
+import collections
 import random
 import shutil
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rocktune.data import cache, checks, fastencode, records, sources, tokenise, truncate
+from rocktune.data import cache, checks, fastencode, instruct, meaning, records, sources, tokenise, truncate
 from rocktune.data.tokens import TokenRows
 from rocktune.errors import UserError
 
@@ -82,7 +83,7 @@ class Pending:
 
 def source_settings(d, cache_dir: Path, eval_side: bool = False) -> sources.SourceSettings:
     return sources.SourceSettings(dict(d.columns), d.eval_split if eval_side else d.split, d.subset, d.revision,
-                                  cache_dir, d.streaming)
+                                  cache_dir, d.streaming, d.text_split)
 
 
 def tokenize_file(spec: str, d, tokenizer, cache_dir: Path, vocab_size: int | None = None,
@@ -110,11 +111,17 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
     if not head:
         raise tokenise.records_empty(src)
     shape = records.detect_shape([(src.where(0), head[0])], d.format)
+    settings = encode_settings(d, shape, tokenizer)
     key = cache.fingerprint(spec if Path(spec).is_file() else src.fingerprint, cache.tokenizer_fingerprint(tokenizer),
                             shape=shape, max_length=d.max_length, train_on_prompt=d.train_on_prompt,
                             truncation=d.truncation, empty_targets="dropped", columns=src.columns,
-                            split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision)
-    probes = [(src.where(i), rec) for i, rec in enumerate(head)] if shape == "messages" else []
+                            split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision,
+                            roles=settings.roles, templated=settings.templated, text_split=d.text_split,
+                            records="chat-v2")
+    probes = []
+    if settings.shape == "messages":
+        pairs = [(src.where(i), rec) for i, rec in enumerate(head)]
+        probes = list(zip([loc for loc, _ in pairs], tokenise.prepare_rows(pairs, settings)))
     hit = cache.load(cache_dir, key)
     if hit is not None:
         arrays, meta = hit
@@ -123,12 +130,11 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
         stats = _stats(meta, True, key, src.describe(), 0.0, cache.size_bytes(cache_dir, key))
         stats.probes = probes
         return _examples(arrays), stats
-    settings = fastencode.EncodeSettings(shape, d.max_length, d.train_on_prompt, d.truncation)
     started = time.perf_counter()
     out = tokenise.run(src, tokenizer, settings, d.num_proc, cache_dir)
     rate = len(out) / max(time.perf_counter() - started, 1e-9)
     try:
-        meta = _summarise(out, src, shape, vocab_size, d)
+        meta = _summarise(out, src, settings, vocab_size, d)
         entry = cache.Entry(cache_dir, key)
         pending.entries.append((entry, meta))
         _write(out, entry, meta)
@@ -143,8 +149,26 @@ def _column(out, name: str) -> np.ndarray:
     return out.data.column(name).to_numpy()
 
 
-def _summarise(out, src: sources.Source, shape: str, vocab_size: int | None, d) -> dict:
+def encode_settings(d, shape: str, tokenizer) -> fastencode.EncodeSettings:
+    """How records of ``shape`` are encoded per the ``data:`` config section ``d``."""
+    templated = instruct.uses_template(d.chat_template, shape, tokenizer)
+    return fastencode.EncodeSettings("messages" if templated else shape, d.max_length, d.train_on_prompt,
+                                     d.truncation, shape, tuple(sorted(d.roles.items())))
+
+
+def describe_shape(settings: fastencode.EncodeSettings, chat_template: str) -> str:
+    """The shape as the preview and the log name it: an instruction set rendered through the chat template says so,
+    and which setting decided it."""
+    if settings.templated:
+        plain = "the Alpaca prompt" if settings.source_shape == "alpaca" else "the plain prompt"
+        return (f"{settings.source_shape}, rendered through the model's chat template (data.chat_template="
+                f"{chat_template}; data.chat_template=never keeps {plain})")
+    return settings.shape
+
+
+def _summarise(out, src: sources.Source, settings: fastencode.EncodeSettings, vocab_size: int | None, d) -> dict:
     """The statistics of the tokenised rows, and every rejection, before anything is written."""
+    shape = settings.shape
     empty, kept = _column(out, "empty"), _column(out, "kept")
     n_empty = int(empty.sum())
     if n_empty == len(empty):
@@ -158,15 +182,20 @@ def _summarise(out, src: sources.Source, shape: str, vocab_size: int | None, d) 
         raise UserError(f"{src.name}: no record has anything to learn from: "
                         + truncate.why_empty(d.max_length, d.truncation))
     tokenised = ~empty
-    note = None
+    notes = []
     if n_empty:
         where = [src.where(int(i)) for i in np.flatnonzero(empty)[:3]]
-        note = records.empty_note(where, n_empty, len(empty), shape, src.name)
+        notes.append(records.empty_note(where, n_empty, len(empty), shape, src.name))
+    counts = collections.Counter(out.data.column("unused").combine_chunks().flatten().to_pylist())
+    unused = meaning.unused_note(dict(counts), len(empty), settings.source_shape, src.name)
+    notes += [unused] if unused else []
+    if settings.templated:
+        notes.append(f"{src.name}: {describe_shape(settings, d.chat_template)}")
     return {"n_records": int(tokenised.sum()), "n_truncated": int(_column(out, "truncated").sum()),
             "n_dropped": int((tokenised & ~kept).sum()), "shape": shape,
             "n_prompt_cut": int((_column(out, "prompt_cut") > 0).sum()),
             "n_completion_cut": int((_column(out, "completion_cut") > 0).sum()), "max_id": top, "n_empty": n_empty,
-            "notes": [note] if note else []}
+            "notes": notes}
 
 
 def _write(out, entry: cache.Entry, meta: dict) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rocktune.data.truncate import fit, tokenize_bounded
+from rocktune.data.truncate import fit, tokenize_bounded, uncut_calls
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
@@ -41,6 +41,7 @@ def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt
     ids: list[int] = []
     labels: list[int] = []
     is_prompt: list[bool] = []
+    sizes: list[int] = []
     for i, (text, bears_loss) in enumerate(segments):
         # Only the first segment of a non-chat record gets the tokenizer's own specials (e.g. Llama's BOS);
         # chat templates already render them.
@@ -50,14 +51,44 @@ def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt
         ids.extend(seg)
         labels.extend(seg if (bears_loss or train_on_prompt) else [IGNORE] * len(seg))
         is_prompt.extend([not bears_loss] * len(seg))
+        sizes.append(len(seg))
     if shape != "messages" and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
         labels.append(tokenizer.eos_token_id)
         is_prompt.append(False)
     bos = tokenizer.bos_token_id
     keep_first = shape != "messages" and bos is not None and bool(ids) and ids[0] == bos
-    out = fit(ids, labels, is_prompt, max_length, truncation, keep_first)
+    out = uncut_calls(fit(ids, labels, is_prompt, max_length, truncation, keep_first), sizes,
+                      call_segments(record) if shape == "messages" else set(), IGNORE)
     return Encoded(out.input_ids, out.labels, len(ids) > max_length, out.prompt_cut, out.completion_cut)
+
+
+PROBE_REPLY = "rocktune-probe-reply"
+
+
+def _turn_end(full: str, start: str, render) -> str | None:
+    """``full`` up to the end of the assistant turn that begins after ``start``: the first end-of-turn text after
+    it, i.e. what the template writes after a reply both when the conversation ends there and when a user turn
+    follows (the common start of the two); None when it is not found."""
+    if not full.startswith(start):
+        return None
+    reply = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE_REPLY}]
+    try:
+        last, more = (render(msgs, False) for msgs in (reply, reply + [{"role": "user", "content": "u2"}]))
+    except UserError:
+        return None
+    if PROBE_REPLY not in last or PROBE_REPLY not in more:
+        return None
+    a, b = last.split(PROBE_REPLY, 1)[1], more.split(PROBE_REPLY, 1)[1]
+    eot = a[:next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
+    at = full.find(eot, len(start)) if eot.strip() else -1
+    return full[:at + len(eot)] if at >= 0 else None
+
+
+def call_segments(record: dict) -> set[int]:
+    """The segments (of ``_chat_segments``: a prompt and a reply per assistant turn) that are tool calls."""
+    replies = [m for m in record["messages"] if m["role"] == "assistant"]
+    return {2 * k + 1 for k, m in enumerate(replies) if m.get("tool_calls")}
 
 
 def _segments(record: dict, shape: str, tokenizer, loc: str) -> list[tuple[str, bool]]:
@@ -69,14 +100,17 @@ def _segments(record: dict, shape: str, tokenizer, loc: str) -> list[tuple[str, 
         template = ALPACA_WITH_INPUT if record.get("input") else ALPACA_NO_INPUT
         prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
         return [(prompt, False), (record["output"], True)]
-    return _chat_segments(record["messages"], tokenizer, loc)
+    return _chat_segments(record["messages"], tokenizer, loc, record.get("tools"), record.get("untrained", ()))
 
 
-def _chat_segments(messages: list[dict], tokenizer, loc: str) -> list[tuple[str, bool]]:
+def _chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None = None,
+                   untrained=()) -> list[tuple[str, bool]]:
     """Split the rendered conversation at each assistant turn by rendering growing prefixes of it.
 
     The text between "prefix + generation prompt" and "prefix + assistant turn" is exactly what the model must
-    produce for that turn, end-of-turn marker included; that is what carries loss.
+    produce for that turn (its text or its tool calls), end-of-turn marker included; that is what carries loss.
+    Tool results and the tool list are prompt. ``tools`` go to the template as ``tools=``; the assistant turns at
+    ``untrained`` (loss_weight 0) are prompt too.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
@@ -84,24 +118,30 @@ def _chat_segments(messages: list[dict], tokenizer, loc: str) -> list[tuple[str,
             "use an instruct model's tokenizer or convert the data to prompt/completion."
         )
 
+    extra = {"tools": tools} if tools else {}
+
     def render(msgs, gen):
-        return render_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=gen)
+        return render_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=gen, **extra)
 
     segments: list[tuple[str, bool]] = []
     done = ""
+    full = render(messages, False)
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
         start = render(messages[:i], True) if i else ""
         end = render(messages[: i + 1], False)
-        if not (start.startswith(done) and end.startswith(start)):
+        if not (full.startswith(end) and end.startswith(start)):
+            # the turn renders differently as the last one (Qwen3's empty think block, a closing EOS): its end is
+            # the template's end-of-turn text after it in the whole conversation
+            end = _turn_end(full, start, render)
+        if end is None or not (start.startswith(done) and end.startswith(start)):
             raise UserError(
                 f"{loc}: the chat template does not render conversations prefix-consistently, so assistant "
                 "turns cannot be located; set data.train_on_prompt=true to train on the whole conversation."
             )
-        segments += [(start[len(done):], False), (end[len(start):], True)]
+        segments += [(start[len(done):], False), (end[len(start):], i not in untrained)]
         done = end
-    full = render(messages, False)
     if full.startswith(done) and len(full) > len(done):
         segments.append((full[len(done):], False))
     return segments

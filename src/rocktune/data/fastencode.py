@@ -20,7 +20,8 @@ import numpy as np
 
 from rocktune.data import encode
 from rocktune.data.encode import IGNORE, Encoded
-from rocktune.data.truncate import CHARS_PER_TOKEN, MARGIN, Fitted, tokenize_bounded
+from rocktune.data.chat import has_tools
+from rocktune.data.truncate import CHARS_PER_TOKEN, MARGIN, Fitted, tokenize_bounded, uncut_calls
 from rocktune.errors import UserError, first_line
 
 PROBE_REPLY = "rocktune-probe-reply"
@@ -35,10 +36,21 @@ PROBE_CHATS = [
 
 @dataclass(frozen=True)
 class EncodeSettings:
-    shape: str
+    shape: str  # how records are encoded: an instruction record rendered through the chat template is "messages"
     max_length: int
     train_on_prompt: bool
     truncation: str = "prompt"
+    record_shape: str | None = None  # the shape the records come in (None: ``shape``)
+    roles: tuple[tuple[str, str], ...] = ()  # data.roles: (tag, role) pairs
+
+    @property
+    def source_shape(self) -> str:
+        return self.record_shape or self.shape
+
+    @property
+    def templated(self) -> bool:
+        """Instruction records rendered through the chat template (data.chat_template)."""
+        return self.shape == "messages" and self.source_shape != "messages"
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,7 @@ def encode_many(recs: list[dict], tokenizer, s: EncodeSettings, locs: list[str],
     out = []
     eos = tokenizer.eos_token_id if s.shape != "messages" else None
     bos = tokenizer.bos_token_id if s.shape != "messages" else None
-    for rec_segs, rec_toks in zip(segs, toks):
+    for rec, rec_segs, rec_toks in zip(recs, segs, toks):
         ids: list[int] = []
         labels: list[int] = []
         for (_, bears_loss), seg in zip(rec_segs, rec_toks):
@@ -73,6 +85,8 @@ def encode_many(recs: list[dict], tokenizer, s: EncodeSettings, locs: list[str],
         is_prompt += [False] * (eos is not None)
         keep_first = bos is not None and ids[0] == bos
         fitted = fit_arrays(ids, labels, is_prompt, s.max_length, s.truncation, keep_first)
+        if s.shape == "messages":
+            fitted = uncut_calls(fitted, [len(t) for t in rec_toks], encode.call_segments(rec), IGNORE)
         out.append(Encoded(fitted.input_ids, fitted.labels, len(ids) > s.max_length, fitted.prompt_cut,
                            fitted.completion_cut))
     return out
@@ -80,7 +94,7 @@ def encode_many(recs: list[dict], tokenizer, s: EncodeSettings, locs: list[str],
 
 def _segments(rec: dict, shape: str, tokenizer, loc: str, layout: ChatLayout | None) -> list[tuple[str, bool]]:
     try:
-        if shape == "messages" and layout is not None:
+        if shape == "messages" and layout is not None and not has_tools(rec):
             found = chat_segments(rec["messages"], tokenizer, layout)
             if found is not None:
                 return found
@@ -140,7 +154,7 @@ def fit_arrays(ids: list[int], labels: list[int], is_prompt: list[bool], max_len
     if excess <= 0:
         return Fitted(ids, labels)
     a_ids, a_labels, prompt = np.asarray(ids), np.asarray(labels), np.asarray(is_prompt, dtype=bool)
-    prompt_cut = 0
+    prompt_cut = drop = 0
     if mode == "prompt":
         start = 1 if keep_first else 0
         where = np.flatnonzero(prompt[start:]) + start
@@ -151,8 +165,9 @@ def fit_arrays(ids: list[int], labels: list[int], is_prompt: list[bool], max_len
             a_ids, a_labels, prompt = a_ids[keep], a_labels[keep], prompt[keep]
             prompt_cut = drop
     tail = int(prompt[max_length:].sum())
+    kept = (np.flatnonzero(keep) if mode == "prompt" and drop > 0 else np.arange(len(a_ids)))[:max_length]
     return Fitted(a_ids[:max_length].tolist(), a_labels[:max_length].tolist(), prompt_cut + tail,
-                  max(0, len(prompt) - max_length) - tail)
+                  max(0, len(prompt) - max_length) - tail, kept.tolist())
 
 
 def chat_layout(tokenizer) -> ChatLayout | None:

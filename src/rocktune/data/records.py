@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rocktune.data import chat, instruct, meaning
 from rocktune.errors import UserError
 from rocktune.readers.json_file import JsonProblem, parse_json
 
@@ -19,7 +20,8 @@ SHAPES: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "output"),
     "text": ("text",),
 }
-ROLES = ("system", "user", "assistant")
+# A conversation under another name: ShareGPT's (LLaMA-Factory's default); its turns are normalised by data/chat.py.
+ALIASES = {"conversations": "messages"}
 # What the model learns from in each shape: a record whose targets are all empty teaches nothing.
 TARGETS = {"prompt_completion": "completion", "alpaca": "output", "text": "text"}
 
@@ -100,6 +102,10 @@ def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:
     if requested != "auto":
         return requested
     loc, first = records[0]
+    meaning.refuse(first, loc)  # a preference or KTO set is named as such, not as a shape missing a key
+    for key, shape in ALIASES.items():
+        if key in first:
+            return shape
     for shape, keys in SHAPES.items():
         if all(k in first for k in keys):
             return shape
@@ -116,10 +122,23 @@ def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:
 
 
 def validate(records: list[tuple[str, dict]], shape: str) -> None:
-    check = {"messages": _check_messages, "prompt_completion": _check_strings, "alpaca": _check_strings,
-             "text": _check_strings}[shape]
+    prepare(records, shape)
+
+
+def prepare(records: list[tuple[object, dict]], shape: str, roles: dict[str, str] | None = None,
+            templated: bool = False) -> list[dict]:
+    """Every record checked and in the form the encoder takes: a conversation normalised (``chat.to_chat``:
+    ShareGPT, tool calls, content parts, per-message weights; ``roles``: data.roles), an instruction record checked,
+    and with ``templated`` turned into a single-turn conversation. Keys that change what is learned are refused."""
+    out = []
     for loc, rec in records:
-        check(loc, rec, shape)
+        meaning.refuse(rec, loc)
+        if shape == "messages":
+            out.append(chat.to_chat(rec, loc, roles or {}))
+            continue
+        _check_strings(loc, rec, shape)
+        out.append(instruct.from_instruction(rec, shape) if templated else rec)
+    return out
 
 
 def _check_strings(loc: str, rec: dict, shape: str) -> None:
@@ -130,19 +149,10 @@ def _check_strings(loc: str, rec: dict, shape: str) -> None:
             raise UserError(f"{loc}: '{key}' must be a string, got {type(rec[key]).__name__}.")
     if shape == "alpaca" and not isinstance(rec.get("input", ""), str):
         raise UserError(f"{loc}: 'input' must be a string, got {type(rec['input']).__name__}.")
-
-
-def _check_messages(loc: str, rec: dict, shape: str) -> None:
-    messages = rec.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise UserError(f"{loc}: 'messages' must be a non-empty list of {{'role', 'content'}} objects.")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or "role" not in msg:
-            raise UserError(f"{loc}: messages[{i}] must be an object with string 'role' and 'content'.")
-        if msg["role"] not in ROLES:
-            raise UserError(f"{loc}: messages[{i}] has unknown role {msg['role']!r}; allowed: {', '.join(ROLES)}.")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would carry loss.")
+    history = rec.get("history") if shape == "alpaca" else None
+    if history is not None and not (isinstance(history, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in history)):
+        raise UserError(f"{loc}: 'history' must be a list of [instruction, response] string pairs.")
 
 
 def drop_empty_targets(records: list[tuple[str, dict]], shape: str, path: str | Path
@@ -179,6 +189,8 @@ def targets_empty(rec: dict, shape: str) -> bool:
 
 
 def _targets_empty(rec: dict, shape: str) -> bool:
-    if shape == "messages":
-        return all(not m["content"].strip() for m in rec["messages"] if m["role"] == "assistant")
+    if shape == "messages":  # a canonical conversation (records.prepare): tool calls and masked turns count
+        skip = set(rec.get("untrained", ()))
+        return all(not m["content"].strip() and not m.get("tool_calls")
+                   for i, m in enumerate(rec["messages"]) if m["role"] == "assistant" and i not in skip)
     return not rec[TARGETS[shape]].strip()

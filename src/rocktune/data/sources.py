@@ -16,7 +16,11 @@ from pathlib import Path
 from rocktune.errors import UserError, first_line
 
 # File kinds by suffix: the ``datasets`` packaged builder that reads each.
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text",
+            ".md": "text"}
+TEXT_SUFFIXES = (".txt", ".md")
+# datasets' text builder splits by sample_by: a file, a blank-line block or a line is one record
+SAMPLE_BY = {"document": "document", "paragraph": "paragraph", "line": "line"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -76,6 +80,7 @@ class SourceSettings:
     revision: str | None = None
     cache_dir: Path | None = None  # where datasets keeps the Arrow copy of a local file
     streaming: bool = False  # read as an IterableDataset: no Arrow copy of the source
+    text_split: str = "auto"  # plain text files: document, paragraph or line per record (auto: see text_files)
 
 
 def is_hub_id(spec: str) -> bool:
@@ -95,7 +100,10 @@ def open_source(spec: str, settings: SourceSettings, key: str = "data.train_file
     """The source ``spec`` names, its columns renamed per ``settings.columns``."""
     path = Path(spec)
     identity = None
-    if path.is_dir():
+    if path.is_dir() and text_files(path):
+        ds, kind = _from_text(text_files(path), settings, settings.text_split if settings.text_split != "auto"
+                              else "document"), "text"
+    elif path.is_dir():
         ds, kind = _from_disk(path, settings.split, key), "disk"
         identity = ds._fingerprint  # taken before streaming: a stream has none
         ds = ds.to_iterable_dataset() if settings.streaming else ds
@@ -104,7 +112,8 @@ def open_source(spec: str, settings: SourceSettings, key: str = "data.train_file
         if kind is None:
             raise UserError(f"{key}: {spec} has the suffix {path.suffix or '(none)'}, which is not a data format "
                             f"rocktune reads; use {', '.join(sorted(BUILDERS))}, a save_to_disk folder or a hub id.")
-        ds = _from_file(path, kind, settings)
+        ds = _from_file(path, kind, settings) if kind != "text" else _from_text(
+            [path], settings, settings.text_split if settings.text_split != "auto" else "paragraph")
     elif is_hub_id(spec):
         ds, kind = _from_hub(spec, settings, key), "hub"
     else:
@@ -135,6 +144,35 @@ def _from_file(path: Path, builder: str, settings: SourceSettings):
             _explain_json(path)  # our reader names the line and what is wrong with it
         raise UserError(f"{path}: cannot be read as {builder} ({type(exc).__name__}: {first_line(exc)}); check "
                         "that the file is what its suffix says.") from None
+
+
+def text_files(folder: Path) -> list[Path]:
+    """The .txt/.md files under a folder that is not a save_to_disk folder (which holds Arrow files and JSON)."""
+    if any((folder / marker).is_file() for marker in ("dataset_dict.json", "state.json", "dataset_info.json")):
+        return []
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def _from_text(paths: list[Path], settings: SourceSettings, split_by: str):
+    """Plain text for continued pretraining, through datasets' text builder: the ``text`` shape, one record per
+    file, blank-line block or line; a block or line without its surrounding newlines, and blank ones skipped."""
+    import datasets
+
+    if all(p.stat().st_size == 0 for p in paths):
+        raise UserError(f"data file {paths[0] if len(paths) == 1 else paths[0].parent} is empty; it needs text.")
+    cache = str(settings.cache_dir / "sources") if settings.cache_dir else None
+    try:
+        with quiet():
+            ds = datasets.load_dataset("text", data_files=[str(p) for p in paths], split="train", cache_dir=cache,
+                                       streaming=settings.streaming, sample_by=SAMPLE_BY[split_by],
+                                       keep_linebreaks=False)
+            if split_by != "document":
+                ds = ds.map(lambda r: {"text": r["text"].strip("\n")})
+            return ds.filter(lambda r: bool(r["text"].strip()))  # a blank block is no example
+    except Exception as exc:  # noqa: BLE001 - a file that is not UTF-8 text, and the like
+        raise UserError(f"{paths[0]}: cannot be read as UTF-8 text ({type(exc).__name__}: {first_line(exc)}); save "
+                        "it as UTF-8.") from None
 
 
 def _csv_text(path: Path):
@@ -198,8 +236,9 @@ def _from_hub(repo_id: str, settings: SourceSettings, key: str):
             "so the cache holds it.") from None
 
 
-KEYS = ("text", "prompt", "completion", "instruction", "input", "output", "messages")
-KEYS += ("chosen", "rejected", "conversations")  # preference pairs (data/preference.py)
+KEYS = ("text", "prompt", "completion", "instruction", "input", "output", "messages", "conversations", "system",
+        "tools", "history")
+KEYS += ("chosen", "rejected")  # preference pairs (data/preference.py)
 
 
 def _rename(ds, columns: dict[str, str], spec: str):

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rocktune.data import checks, fastencode, records, sources
+from rocktune.data import checks, fastencode, meaning, records, sources
 
 ROWS_PER_PROC = 4000  # below this a worker process costs more to start than it saves
 BATCH = 1000  # rows per tokenizer call
@@ -22,12 +22,22 @@ PROGRESS_FROM = 20_000  # rows from which datasets.map's progress bar is shown
 
 
 def row(values: dict) -> dict:
-    """A record as the JSON reader gives it: a key Arrow filled with null (absent in that row) is absent."""
-    out = {k: v for k, v in values.items() if v is not None}
-    if isinstance(out.get("messages"), list):
-        out["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                           for m in out["messages"]]
-    return out
+    """A record as the JSON reader gives it: a key Arrow filled with null (absent in that row) is absent, at every
+    depth (Arrow gives every message, tool call and tool schema of a column the union of all their keys)."""
+    return {k: _strip(v) for k, v in values.items() if v is not None}
+
+
+def _strip(value):
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def prepare_rows(pairs: list[tuple[object, dict]], settings: fastencode.EncodeSettings) -> list[dict]:
+    """The records of ``pairs`` (location, row) checked and in the encoder's form (``records.prepare``)."""
+    return records.prepare(pairs, settings.source_shape, dict(settings.roles), settings.templated)
 
 
 class _Encode:
@@ -38,20 +48,22 @@ class _Encode:
         self.tokenizer, self.settings = tokenizer, settings
         self.name, self.kind = src.name, src.kind
         self.layout = fastencode.chat_layout(tokenizer) if settings.shape == "messages" else None
+        self.used = meaning.used_keys(settings.source_shape, settings.templated)
 
     def __call__(self, batch: dict, idx: list[int]) -> dict:
         shape = self.settings.shape
         names = list(batch)
-        rows = [row({k: batch[k][j] for k in names}) for j in range(len(idx))]
+        raw = [row({k: batch[k][j] for k in names}) for j in range(len(idx))]
         locs = [sources.RowLoc(self.name, self.kind, i) for i in idx]
-        records.validate(list(zip(locs, rows)), shape)
+        rows = prepare_rows(list(zip(locs, raw)), self.settings)
         empty = [records.targets_empty(rec, shape) for rec in rows]
         todo = [j for j, e in enumerate(empty) if not e]
         encoded = fastencode.encode_many([rows[j] for j in todo], self.tokenizer, self.settings,
                                          [locs[j] for j in todo], self.layout)
         out = {"input_ids": [[] for _ in idx], "labels": [[] for _ in idx], "truncated": [False] * len(idx),
                "prompt_cut": [0] * len(idx), "completion_cut": [0] * len(idx), "empty": empty,
-               "kept": [False] * len(idx), "max_id": [-1] * len(idx)}
+               "kept": [False] * len(idx), "max_id": [-1] * len(idx),
+               "unused": [meaning.unused(rec, self.used) for rec in raw]}
         for j, enc in zip(todo, encoded):
             kept = checks.loss_positions(enc.labels) > 0  # list.count: no per-token Python loop
             out["truncated"][j], out["prompt_cut"][j], out["completion_cut"][j] = (enc.truncated, enc.prompt_cut,
@@ -69,7 +81,7 @@ def features():
     return datasets.Features({"input_ids": ints, "labels": ints, "truncated": datasets.Value("bool"),
                               "prompt_cut": datasets.Value("int32"), "completion_cut": datasets.Value("int32"),
                               "empty": datasets.Value("bool"), "kept": datasets.Value("bool"),
-                              "max_id": datasets.Value("int64")})
+                              "max_id": datasets.Value("int64"), "unused": datasets.List(datasets.Value("string"))})
 
 
 def workers(num_proc: int | None, n_rows: int) -> int:

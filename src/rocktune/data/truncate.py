@@ -28,6 +28,7 @@ class Fitted:
     labels: list[int]
     prompt_cut: int = 0  # prompt-side tokens removed
     completion_cut: int = 0  # completion-side tokens removed
+    kept: list[int] | None = None  # where each kept token was in the uncut example (None: nothing was cut)
 
 
 def tokenize_bounded(tokenizer, text: str, special: bool, max_length: int, keep_end: bool) -> list[int]:
@@ -54,6 +55,7 @@ def fit(ids: list[int], labels: list[int], is_prompt: list[bool], max_length: in
     if excess <= 0:
         return Fitted(ids, labels)
     prompt_cut = 0
+    where = list(range(len(ids)))
     if mode == "prompt":
         start = 1 if keep_first else 0
         n_prompt = sum(is_prompt[start:])
@@ -68,9 +70,29 @@ def fit(ids: list[int], labels: list[int], is_prompt: list[bool], max_length: in
         ids = [t for t, k in zip(ids, keep) if k]
         labels = [t for t, k in zip(labels, keep) if k]
         is_prompt = [p for p, k in zip(is_prompt, keep) if k]
+        where = [w for w, k in zip(where, keep) if k]
     tail = is_prompt[max_length:]
     prompt_cut += sum(tail)
-    return Fitted(ids[:max_length], labels[:max_length], prompt_cut, len(tail) - sum(tail))
+    return Fitted(ids[:max_length], labels[:max_length], prompt_cut, len(tail) - sum(tail), where[:max_length])
+
+
+def uncut_calls(fitted: Fitted, sizes: list[int], calls: set[int], ignore: int) -> Fitted:
+    """A tool call that the cut at the end split in half is not trained: the model would learn to emit a call that
+    never closes. ``sizes``: the token count of each segment of the uncut example; ``calls``: the segments that are
+    tool calls. The tokens of a split call stay in the example as context, without loss."""
+    if fitted.kept is None or not calls or not fitted.kept:
+        return fitted
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += n
+    last = fitted.kept[-1]
+    seg = next((i for i in calls if starts[i] <= last < starts[i] + sizes[i]), None)
+    if seg is None or last == starts[seg] + sizes[seg] - 1:  # the call ends inside the example: whole
+        return fitted
+    lo = starts[seg]
+    labels = [ignore if w >= lo else lab for w, lab in zip(fitted.kept, fitted.labels)]
+    return Fitted(fitted.input_ids, labels, fitted.prompt_cut, fitted.completion_cut, fitted.kept)
 
 
 def describe(n_records: int, n_truncated: int, n_prompt_cut: int, n_completion_cut: int, n_dropped: int,

@@ -1,32 +1,23 @@
 """An Ollama ``Modelfile`` beside the GGUF: FROM, TEMPLATE in Ollama's Go-template language, stop tokens and
 sampling defaults, ready for ``ollama create NAME -f Modelfile``.
 
-Jinja chat templates cannot be translated in general; the two families most fine-tunes use are recognised by
-their markers (ChatML: Qwen, SmolLM; Llama 3). A run trained on raw prompts gets a raw template, whatever the
-tokenizer's chat template says, because that is what the model learned.
+Jinja chat templates cannot be translated in general; every family the GGUF export supports is recognised by its
+markers and gets a TEMPLATE written for it (``export/ollama_templates.py``: ChatML for Qwen and SmolLM, Llama 3 and
+3.1, Mistral/Mixtral, Gemma 2/3, Phi-3, Granite, OLMo 2), tools included where the family's template has them. A
+run trained on raw prompts gets a raw template, whatever the tokenizer's chat template says, because that is what the
+model learned.
 """
 
 from __future__ import annotations
 
 from rocktune.data.encode import ALPACA_NO_INPUT
 from rocktune.errors import UserError
+from rocktune.export import ollama_templates
 from rocktune.readers.template import render_chat_template
-
-CHATML = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
-          "{{ end }}<|im_start|>assistant\n")
-LLAMA3 = ("{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>"
-          "{{- end }}<|start_header_id|>assistant<|end_header_id|>\n\n")
-FAMILIES = {"chatml": ("<|im_start|>", CHATML, "<|im_end|>"), "llama3": ("<|start_header_id|>", LLAMA3, "<|eot_id|>")}
-# the system turn a template inserts by itself when the conversation has none (SmolLM2's, Qwen2.5's, Llama 3.1's)
-DEFAULT_SYSTEM = {"chatml": r"<\|im_start\|>system\n(.*?)<\|im_end\|>",
-                  "llama3": r"<\|start_header_id\|>system<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>"}
 
 
 def template_family(chat_template: str | None) -> str | None:
-    for family, (marker, _, _) in FAMILIES.items():
-        if chat_template and marker in chat_template:
-            return family
-    return None
+    return ollama_templates.family_of(chat_template)
 
 
 def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_name: str | None = None
@@ -40,13 +31,15 @@ def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_
     if style == "chat":
         family = template_family(getattr(tokenizer, "chat_template", None))
         if family is None:
-            notes.append("the tokenizer's chat template is not one rocktune translates (ChatML, Llama 3), so the "
-                         "Modelfile has no TEMPLATE: Ollama falls back to the template it recognises in the GGUF, "
-                         "if any. Add a TEMPLATE line by hand if replies look unformatted.")
+            notes.append("the tokenizer's chat template is not one rocktune translates (ChatML, Llama 3/3.1, "
+                         "Mistral, Gemma, Phi-3, Granite, OLMo 2), so the Modelfile has no TEMPLATE: Ollama falls "
+                         "back to the template it recognises in the GGUF, if any. Add a TEMPLATE line by hand if "
+                         "replies look unformatted.")
         else:
-            lines.append(f'TEMPLATE """{FAMILIES[family][1]}"""')
-            stops.append(FAMILIES[family][2])
-            system = _default_system(tokenizer, family)
+            user = _render_user(tokenizer)
+            lines.append(f'TEMPLATE """{ollama_templates.template_for(family, user)}"""')
+            stops.append(ollama_templates.FAMILIES[family].stop)
+            system = _default_system(user, family)
             if system:
                 lines.append(f"SYSTEM {_quote(system)}")
     elif style == "alpaca":
@@ -58,13 +51,21 @@ def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_
     return "\n".join(lines) + "\n", notes
 
 
-def _default_system(tokenizer, family: str) -> str | None:
+def _render_user(tokenizer) -> str | None:
+    """The Jinja template's rendering of one user turn "x" (None where the template refuses it)."""
+    try:
+        return render_chat_template(tokenizer, [{"role": "user", "content": "x"}], tokenize=False,
+                                    add_generation_prompt=False)
+    except UserError:
+        return None
+
+
+def _default_system(rendered_user: str | None, family: str) -> str | None:
     """Ollama's TEMPLATE only sees the messages it is given; a default the Jinja template adds goes in SYSTEM."""
     import re
 
-    rendered = render_chat_template(tokenizer, [{"role": "user", "content": "x"}], tokenize=False,
-                                    add_generation_prompt=False)
-    found = re.search(DEFAULT_SYSTEM[family], rendered, re.DOTALL)
+    pattern = ollama_templates.FAMILIES[family].system
+    found = re.search(pattern, rendered_user, re.DOTALL) if pattern and rendered_user else None
     return found.group(1) if found else None
 
 

@@ -1,7 +1,8 @@
 """How the model was prompted in training, so that generation and Ollama prompt it the same way.
 
 A run trained on chat ``messages`` learned the chat template; one trained on prompt/completion or plain text
-learned raw text (even when the tokenizer has a template); an alpaca run learned the alpaca frame.
+learned raw text (even when the tokenizer has a template); an alpaca run learned the alpaca frame, or the chat
+template where ``data.chat_template`` rendered its records through it (``data.instruct.uses_template``).
 """
 
 from __future__ import annotations
@@ -14,19 +15,34 @@ from rocktune.readers.template import render_chat_template
 STYLES = ("auto", "chat", "raw", "alpaca")
 
 
-def training_style(run_config: dict) -> str | None:
-    """chat / raw / alpaca from the run's data.format (auto: the first record of its train_file); None if unknown."""
+def training_style(run_config: dict, tokenizer=None) -> str | None:
+    """chat / raw / alpaca from the run's data.format (auto: the first record of its train_file) and
+    data.chat_template; None if unknown."""
+    from rocktune.data.instruct import uses_template
+    from rocktune.errors import UserError
+
     data = run_config.get("data") or {}
     fmt = data.get("format", "auto")
     if fmt == "auto":
         fmt = _first_record_shape(data.get("train_file"))
+    try:
+        if tokenizer is not None and uses_template(data.get("chat_template", "auto"), fmt or "", tokenizer):
+            return "chat"
+    except UserError:  # always, with a tokenizer that has no template: training refused it, so it is not this run
+        return None
     return {"messages": "chat", "prompt_completion": "raw", "text": "raw", "alpaca": "alpaca"}.get(fmt or "")
 
 
 def _first_record_shape(train_file: str | None) -> str | None:
-    from rocktune.data.records import SHAPES
+    from rocktune.data.records import ALIASES, SHAPES
+    from rocktune.data.sources import TEXT_SUFFIXES, text_files
 
-    if not train_file or not Path(train_file).is_file():
+    if not train_file:
+        return None
+    path = Path(train_file)
+    if path.suffix.lower() in TEXT_SUFFIXES or (path.is_dir() and text_files(path)):
+        return "text"
+    if not path.is_file():
         return None
     try:
         with open(train_file, encoding="utf-8") as f:
@@ -36,13 +52,15 @@ def _first_record_shape(train_file: str | None) -> str | None:
         return None
     if not isinstance(first, dict):
         return None
+    if any(key in first for key in ALIASES):
+        return ALIASES[next(key for key in ALIASES if key in first)]
     return next((shape for shape, keys in SHAPES.items() if all(k in first for k in keys)), None)
 
 
 def resolve_style(requested: str, run_config: dict, tokenizer) -> str:
     if requested != "auto":
         return requested
-    learned = training_style(run_config)
+    learned = training_style(run_config, tokenizer)
     if learned:
         return learned
     return "chat" if getattr(tokenizer, "chat_template", None) else "raw"

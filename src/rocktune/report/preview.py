@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rocktune.data import checks, dataset, encode, sources, tokenise, truncate
+from rocktune.data import checks, dataset, encode, records, sources, tokenise, truncate
 
 
 @dataclass
@@ -64,7 +64,9 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         seen, stats = dataset.tokenize_file(data_file, d, tokenizer, Path(tmp) / "cache")
         src = sources.open_source(data_file, dataset.source_settings(d, Path(tmp) / "cache"))
-        shown = [(src.where(i), tokenise.row(r)) for i, r in enumerate(src.head(n_show))]
+        pairs = [(src.where(i), tokenise.row(r)) for i, r in enumerate(src.head(n_show))]
+        settings = dataset.encode_settings(d, records.detect_shape(pairs[:1], d.format), tokenizer)
+        shown = list(zip([loc for loc, _ in pairs], tokenise.prepare_rows(pairs, settings)))
         problems = checks.check_training_data(seen, tokenizer, stats.shape, train_on_prompt, stats.probes)
         lengths = seen.lengths()
         loss = seen.labels.loss_counts().sum() if hasattr(seen.labels, "loss_counts") else \
@@ -76,7 +78,8 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
     notes = stats.notes + truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
                                             stats.n_completion_cut, stats.n_dropped, max_length, truncation)
     return Preview(
-        data_file=str(data_file), shape=stats.shape, max_length=max_length, train_on_prompt=train_on_prompt,
+        data_file=str(data_file), shape=dataset.describe_shape(settings, d.chat_template), max_length=max_length,
+        train_on_prompt=train_on_prompt,
         n_records=n_rows, n_kept=len(seen), n_truncated=stats.n_truncated, n_dropped=n_rows - len(seen),
         truncation_notes=notes, lengths=lengths, loss_tokens=int(loss), total_tokens=int(sum(lengths)),
         stop_tokens=list(checks.stop_token_ids(tokenizer, stats.shape).values()),

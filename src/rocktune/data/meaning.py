@@ -1,0 +1,56 @@
+"""Keys a record carries beyond what its shape uses: never silently dropped.
+
+A key that changes what should be learned (a KTO label, a preference pair, a record weight) is refused with the reason
+and the alternative, because training through it would teach the opposite of what the data says (the undesirable
+answers of a KTO set, the rejected side of a pair). Any other key is counted, and the counts are named once in the
+run's notes and in ``data preview`` (``unused_note``).
+"""
+
+from __future__ import annotations
+
+from rocktune.errors import UserError
+
+USED = {"messages": {"messages", "conversations", "system", "tools"},
+        "alpaca": {"instruction", "input", "output"},
+        "prompt_completion": {"prompt", "completion"},
+        "text": {"text"}}
+CHAT_EXTRAS = {"system", "history"}  # what an instruction record adds when rendered through the chat template
+RECORD_WEIGHTS = ("weight", "loss_weight")
+
+
+def used_keys(shape: str, templated: bool) -> frozenset[str]:
+    extras = (CHAT_EXTRAS if shape == "alpaca" else {"system"}) if templated else set()
+    return frozenset(USED[shape] | extras | set(RECORD_WEIGHTS))
+
+
+def refuse(rec: dict, loc) -> None:
+    """Raise for a key whose meaning rocktune cannot honour in supervised fine-tuning."""
+    if "kto_tag" in rec or isinstance(rec.get("label"), bool):
+        key = "kto_tag" if "kto_tag" in rec else "label"
+        raise UserError(f"{loc}: the record has a KTO-style '{key}' (desirable or not); supervised fine-tuning would "
+                        "train every answer, the undesirable ones included. Keep only the desirable records "
+                        f"(e.g. datasets' .filter(lambda r: r['{key}'])) and drop the key, or train them with a KTO "
+                        "trainer.")
+    if "chosen" in rec and "rejected" in rec:
+        raise UserError(f"{loc}: the record is a preference pair ('chosen' and 'rejected'); supervised fine-tuning "
+                        "would learn from both sides alike. Train it with a preference method (DPO/ORPO), or map the "
+                        "chosen side alone with data.columns (e.g. {messages: chosen}) and drop 'rejected'.")
+    for key in RECORD_WEIGHTS:
+        value = rec.get(key)
+        if value is not None and (isinstance(value, (str, bool)) or value != 1):
+            raise UserError(f"{loc}: the record has {key}={value!r}; rocktune weights every example equally and "
+                            "does not scale its loss. Repeat records to weight them up, remove the ones weighted "
+                            "0, or drop the key (per-message loss_weight 0/1 in a conversation is honoured).")
+
+
+def unused(rec: dict, used: frozenset[str]) -> list[str]:
+    return sorted(k for k in rec if k not in used)
+
+
+def unused_note(counts: dict[str, int], n_records: int, shape: str, name: str) -> str | None:
+    """One note naming every key no part of the shape uses, with how many records carry it."""
+    if not counts:
+        return None
+    parts = ", ".join(f"'{k}' ({n} of {n_records} records)" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return (f"{name}: keys the {shape} shape does not use were ignored: {parts}; map one with data.columns if it "
+            "holds what should be trained")
