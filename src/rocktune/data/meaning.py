@@ -33,8 +33,9 @@ def refuse(rec: dict, loc) -> None:
                         "trainer.")
     if "chosen" in rec and "rejected" in rec:
         raise UserError(f"{loc}: the record is a preference pair ('chosen' and 'rejected'); supervised fine-tuning "
-                        "would learn from both sides alike. Train it with a preference method (DPO/ORPO), or map the "
-                        "chosen side alone with data.columns (e.g. {messages: chosen}) and drop 'rejected'.")
+                        "would learn from both sides alike. Train it with a preference method, DPO/ORPO (task: dpo or "
+                        "task: orpo; docs/preference.md), or map the chosen side alone with data.columns (e.g. "
+                        "{messages: chosen}) and drop 'rejected'.")
     for key in RECORD_WEIGHTS:
         value = rec.get(key)
         if value is not None and (isinstance(value, (str, bool)) or value != 1):
