@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("nodes", nargs="*", help="pytest node ids (with `pytest`)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=None, help="demo: optimizer steps (default: the demo's own)")
+    ap.add_argument("--marker", default=None, help="pytest: run with -m MARKER (e.g. real_model, llama_cpp)")
     args = ap.parse_intermixed_args(argv)  # options may come between the node ids
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names if n not in VARIANTS]
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict] = {}
     for name in names:
         env = VARIANTS[name]
-        rows[name] = {"env": env, **(run_demo(env, args.steps) if args.what == "demo" else run_pytest(env, args.nodes))}
+        nodes = [*args.nodes, *(["-m", args.marker] if args.marker else [])]
+        rows[name] = {"env": env, **(run_demo(env, args.steps) if args.what == "demo" else run_pytest(env, nodes))}
         print(f"{name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)
     import platform
 
