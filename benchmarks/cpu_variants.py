@@ -96,24 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)
     import platform
 
-    out = {"what": args.what, "nodes": args.nodes, "cpu": _cpu_name(), "machine": platform.machine(),
+    from rocktune.bench.measure import cpu_name
+
+    out = {"what": args.what, "nodes": args.nodes, "cpu": cpu_name(), "machine": platform.machine(),
            "variants": rows}
     if args.what == "demo":
         out["spread"] = spread(rows)
     print(json.dumps(out, indent=1))
     return 0 if all(r["exit"] == 0 for r in rows.values()) else 1
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

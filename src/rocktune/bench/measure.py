@@ -117,7 +117,7 @@ def environment(device: str, threads: int) -> dict:
             return None
 
     env = {"python": platform.python_version(), "os": platform.platform(), "machine": platform.machine(),
-           "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": threads,
+           "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": threads,
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "device": device,
            "torch": torch.__version__, "hip": torch.version.hip, "cuda": torch.version.cuda,
            **{pkg: version(pkg) for pkg in ("transformers", "peft", "accelerate", "liger-kernel", "rocktune")}}
@@ -128,7 +128,8 @@ def environment(device: str, threads: int) -> dict:
     return env
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for results that depend on the machine."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

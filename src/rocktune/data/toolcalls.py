@@ -33,15 +33,22 @@ def link(messages: list[dict]) -> None:
 
 def from_text(content, where) -> list[dict]:
     """ShareGPT's function_call value: a JSON object {name, arguments} (or a list of them), usually as a string."""
-    value = content
-    if isinstance(content, str):
-        try:
-            value = json.loads(content)
-        except ValueError:
-            raise UserError(f"{where} is a function_call turn whose value is not JSON ({content[:60]!r}); it must be "
-                            '{"name": ..., "arguments": {...}} (or a list of them).') from None
+    value = _json(content, lambda: f"{where} is a function_call turn whose value is not JSON "
+                  f'({str(content)[:60]!r}); it must be {{"name": ..., "arguments": {{...}}}} (or a list of them).')
     calls = value if isinstance(value, list) else [value]
     return [call(c, where.sub(f"[{j}]")) for j, c in enumerate(calls)]
+
+
+def _json(value, refusal):
+    """``value`` parsed when it is a JSON string (datasets and LLaMA-Factory keep nested values as strings), else as
+    it is; a string that is not JSON is refused with ``refusal()``, built only then (a JSONL row's location reads
+    the file)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise UserError(refusal()) from None
 
 
 def call(call, where) -> dict:
@@ -72,12 +79,8 @@ def schemas(tools, loc) -> list[dict] | None:
     is wrapped as OpenAI's ``{"type": "function", "function": ...}``, the form HF templates take."""
     if tools is None or tools == "" or tools == []:
         return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except ValueError:
-            raise UserError(f"{loc}: 'tools' is a string that is not JSON ({tools[:60]!r}); it must be a list of "
-                            "function schemas, or a JSON string of one.") from None
+    tools = _json(tools, lambda: f"{loc}: 'tools' is a string that is not JSON ({str(tools)[:60]!r}); it must be "
+                  "a list of function schemas, or a JSON string of one.")
     if isinstance(tools, dict):
         tools = [tools]
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
