@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rocktune.atomic import kill_point
 from rocktune.errors import UserError
 
 if TYPE_CHECKING:
@@ -138,10 +139,13 @@ def write_lora(path: Path, peft_state: dict[str, torch.Tensor], r: int, alpha: f
     header = {"format": "pt", "rocktune_version": __version__, "lora_rank": str(r), "lora_alpha": str(alpha),
               **metadata}
     path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a write that was killed: never read, cleared
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=header)
+        kill_point("lora_file.written")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from rocktune.atomic import kill_point
 from rocktune.errors import UserError
 
 MARKERS = ("config.json", "Modelfile")  # what a merged model or an Ollama bundle directory always holds
@@ -25,6 +26,7 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 def check_target(path: Path, overwrite: bool, is_dir: bool | None = None) -> None:
     """The one destination check, before anything is loaded: the output can be created, or replaced."""
+    _put_back(path)
     if not path.exists():
         _check_creatable(path)
         return
@@ -63,7 +65,9 @@ def staged(path: Path, overwrite: bool, is_dir: bool):
         tmp.mkdir()
     try:
         yield tmp
+        kill_point("export.written")
         _fsync(tmp)
+        kill_point("export.fsynced")
         _swap(tmp, path)
     except BaseException as exc:
         full = _no_space(exc)
@@ -90,15 +94,26 @@ def scratch(path: Path):
         _remove(work)
 
 
+def _put_back(path: Path) -> None:
+    """An export killed between ``_swap``'s two renames left the previous output as ``.NAME.old`` and none at
+    ``path``: it is put back, so the next export meets the old output (refused without --overwrite), never a gap."""
+    old = path.with_name(f".{path.name}.old")
+    if old.is_dir() and not path.exists() and not path.is_symlink():
+        os.replace(old, path)
+
+
 def _swap(tmp: Path, path: Path) -> None:
     if not path.is_dir():
         os.replace(tmp, path)
+        kill_point("export.swapped")
         return
     # A directory cannot be replaced by rename; move the old one aside first so a crash keeps one of the two.
     old = path.with_name(f".{path.name}.old")
     _remove(old)
     os.replace(path, old)
+    kill_point("export.old_moved")
     os.replace(tmp, path)
+    kill_point("export.swapped")
     _remove(old)
 
 

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from rocktune.errors import UserError
 from rocktune.train import checkpoint_state
 from rocktune.train.checkpoint_state import STATE
-from rocktune.atomic import write_atomic
+from rocktune.atomic import kill_point, write_atomic
 from rocktune.train.rundir import out_of_space
 from rocktune.readers.json_file import parse_json
 
@@ -101,20 +101,27 @@ def _save(ckpt_root: Path, step: int, state: TrainState, position: dict, extra: 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         state.model.save_pretrained(tmp, safe_serialization=True)
+        kill_point("checkpoint.adapter_written")
         torch.save({"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict(),
                     "scaler": state.scaler.state_dict(), "rng": _rng_tensors()}, tmp / STATE)
+        kill_point("checkpoint.state_written")
         meta = {"step": step, "position": position, "extra": extra, "py_random": _py_random_state(),
                 "np_random": _np_random_state()}
         (tmp / "meta.json").write_text(json.dumps(meta))
+        kill_point("checkpoint.before_manifest")
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "sha256": {f: _sha256(tmp / f) for f in files}}))
-        _fsync_tree(tmp)
+        kill_point("checkpoint.before_fsync")
+        fsync_tree(tmp)
+        kill_point("checkpoint.after_fsync")
         if before_commit is not None:
             before_commit()
         if final.exists():
             shutil.rmtree(final)
+        kill_point("checkpoint.before_rename")
         os.replace(tmp, final)
         _fsync_dir(ckpt_root)
+        kill_point("checkpoint.renamed")
         write_atomic(ckpt_root / LATEST, final.name + "\n")
     except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk surfaces as any of these
         shutil.rmtree(tmp, ignore_errors=True)
@@ -199,6 +206,10 @@ def _candidates(ckpt_root: Path) -> list[Path]:
 
 def _prune(ckpt_root: Path, keep: int) -> None:
     for old in sorted(ckpt_root.glob("step-*"))[:-keep]:
+        # The manifest goes first: a deletion cut short leaves a directory that can never verify, so it is never
+        # taken for a checkpoint (the next prune finishes it).
+        (old / MANIFEST).unlink(missing_ok=True)
+        kill_point("checkpoint.pruning")
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -235,7 +246,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for p in root.rglob("*"):
         if p.is_file():
             # Opened for writing: on Windows fsync (FlushFileBuffers) needs write access.

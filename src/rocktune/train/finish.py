@@ -11,6 +11,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from rocktune.atomic import kill_point
 from rocktune.train import checkpoint
 from rocktune.train.rundir import CONFIG_NAME, out_of_space
 from rocktune.errors import first_line
@@ -72,18 +73,23 @@ def save_adapter(model, out: Path, config_file: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        kill_point("adapter.weights_written")
         (tmp / "rocktune_config.yaml").write_text(config_file.read_text())
         from rocktune.train.model_card import describe_adapter
 
         describe_adapter(tmp, config_file.parent)  # a real README.md and an absolute local base path
+        checkpoint.fsync_tree(tmp)  # as a checkpoint: the rename below must not land before the data
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     old = out.with_name(out.name + ".old")
     shutil.rmtree(old, ignore_errors=True)  # left by a crash between the two renames below
+    kill_point("adapter.staged")
     if out.exists():
         out.rename(old)
+        kill_point("adapter.old_moved")
     tmp.rename(out)
+    kill_point("adapter.swapped")
     shutil.rmtree(old, ignore_errors=True)
 
 
