@@ -21,7 +21,10 @@ from rocktune.config import config_from_dict
 from rocktune.tasks import train
 from rocktune.train import checkpoint
 from rocktune.train.request import RunOptions
-from tests.test_task_contract import assert_same_run, kind, run_worker  # noqa: F401 -- kind: the shared fixture
+from tests import test_task_contract as contract
+from tests.test_task_contract import assert_same_run, run_worker
+
+kind = contract.kind  # the contract tests' fixture: one Kind, and one uninterrupted reference run, per task
 
 # (phase, n): the n-th time a run of test_task_contract's configs (8 steps, a checkpoint every 2, keep 2) reaches it
 RUN_KILLS = [

@@ -67,6 +67,12 @@ def _read_kill_at() -> tuple[str, int] | None:
     return phase, int(n or 1)
 
 
+def leftovers(path: Path) -> list[Path]:
+    """Temporary files of writes to ``path`` that a kill cut short (never read: the target is renamed over)."""
+    path = Path(path)
+    return sorted(path.parent.glob(f".{path.name}.*")) if path.parent.is_dir() else []
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,13 @@ class Pending:
 
     entries: list = field(default_factory=list)  # (cache.Entry, meta)
     created: Path | None = None  # the cache folder, when this preparation created it
+    sources: Path | None = None  # datasets' Arrow copies of the sources (``sources.SourceSettings.cache_dir``)
+    sources_before: frozenset = frozenset()  # what was in ``sources`` before this preparation
+
+    @classmethod
+    def start(cls, cache_dir: Path) -> Pending:
+        held = cache_dir / "sources"
+        return cls(created=None if cache_dir.exists() else cache_dir, sources=held, sources_before=_tree(held))
 
     def commit(self) -> None:
         for entry, meta in self.entries:
@@ -79,6 +86,17 @@ class Pending:
             entry.discard()
         if self.created is not None:
             shutil.rmtree(self.created, ignore_errors=True)
+        elif self.sources is not None:  # a rejected file's Arrow copy would otherwise outlive its rejection
+            for path in sorted(_tree(self.sources) - self.sources_before, key=lambda p: len(p.parts), reverse=True):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+
+def _tree(root: Path) -> frozenset:
+    """Every file and folder under ``root`` (a few per source: datasets keeps one folder of Arrow shards each)."""
+    return frozenset(root.rglob("*")) if root.is_dir() else frozenset()
 
 
 def source_settings(d, cache_dir: Path, eval_side: bool = False) -> sources.SourceSettings:
@@ -92,7 +110,7 @@ def tokenize_file(spec: str, d, tokenizer, cache_dir: Path, vocab_size: int | No
     token id beyond it is an error naming the record. ``pending``: the cache entry is left for the caller to commit
     (``prepare_data``) instead of committed here."""
     own = pending is None
-    pending = Pending(created=None if cache_dir.exists() else cache_dir) if own else pending
+    pending = Pending.start(cache_dir) if own else pending
     try:
         out = _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending, eval_side)
     except BaseException:
@@ -256,7 +274,7 @@ def prepare_data(d, tokenizer, cache_dir: Path, seed: int, vocab_size: int | Non
     """Train and eval examples per the ``data:`` config section ``d``; eval comes from ``d.eval_file`` or a seeded
     ``d.eval_fraction`` of the train file. ``check(train, stats)`` (the caller's data checks) returns notes or
     raises; it runs before any cache entry is committed."""
-    pending = Pending(created=None if cache_dir.exists() else cache_dir)
+    pending = Pending.start(cache_dir)
     try:
         train, stats = tokenize_file(d.train_file, d, tokenizer, cache_dir, vocab_size, pending)
         if d.eval_file:

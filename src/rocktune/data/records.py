@@ -66,15 +66,53 @@ def _read_jsonl(path: Path, text: str) -> list[tuple[str, dict]]:
             out.append((f"{path}:{lineno}", parse_json(line)))
             continue
         except JsonProblem as exc:
-            why = str(exc) if exc.malformed else _advice(exc).rstrip(".")
+            why = _why(exc)
         n_bad += 1
         if n_bad <= MAX_BAD_LINES:
             bad.append(f"{path}:{lineno}: {why}")
     if n_bad:
-        more = f"; and {n_bad - MAX_BAD_LINES} more" if n_bad > MAX_BAD_LINES else ""
-        raise UserError(f"{'; '.join(bad)}{more}. {n_bad} line{'s' if n_bad > 1 else ''} of {path} cannot be "
-                        "parsed; each line must be one JSON object.")
+        raise UserError(_bad_lines(path, bad, n_bad))
     return out
+
+
+def scan_jsonl(path: Path) -> int:
+    """A JSONL file checked line by line as ``read_records`` checks it (every bad line named, file:line), but
+    streamed: memory is bounded by the longest line, never the file, so a file of any size is checked before a
+    worker starts. Returns the number of records."""
+    bad, n_bad, n = [], 0, 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line: {exc.reason}); "
+                                "save the file as UTF-8.") from None
+            if not line.strip():
+                continue
+            try:
+                rec = parse_json(line)
+                why = None if isinstance(rec, dict) else f"each record must be a JSON object, got {type(rec).__name__}"
+            except JsonProblem as exc:
+                why = _why(exc)
+            n += why is None
+            n_bad += why is not None
+            if why is not None and n_bad <= MAX_BAD_LINES:
+                bad.append(f"{path}:{lineno}: {why}")
+    if n_bad:
+        raise UserError(_bad_lines(path, bad, n_bad))
+    if not n:
+        raise UserError(f"data file {path} holds no records.")
+    return n
+
+
+def _why(exc: JsonProblem) -> str:
+    return str(exc) if exc.malformed else _advice(exc).rstrip(".")
+
+
+def _bad_lines(path: Path, bad: list[str], n_bad: int) -> str:
+    more = f"; and {n_bad - MAX_BAD_LINES} more" if n_bad > MAX_BAD_LINES else ""
+    return (f"{'; '.join(bad)}{more}. {n_bad} line{'s' if n_bad > 1 else ''} of {path} cannot be parsed; each line "
+            "must be one JSON object.")
 
 
 def _advice(exc: JsonProblem, jsonl: bool = True) -> str:

@@ -7,6 +7,10 @@ node has said hello; each other node says hello there and waits for node 0's ans
 ``reliability.rendezvous_timeout_s`` (``--rendezvous-timeout``), said at start; a failure is one paragraph naming
 the port or the nodes that did not come, and nothing is written. Only then is the port handed to torchrun, whose own
 rendezvous gets the same bound. Sockets only: the launching process (the supervisor) stays without torch.
+
+A c10d rendezvous (``--rdzv-endpoint HOST:PORT``) gets the same checks where they apply: torchrun starts its store
+on the machine that HOST names, so there the port must be free (one node; with several, a busy port may be a peer's
+store), and elsewhere HOST must resolve and the port answer within the same bound.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ RETRY_S = 0.5  # between connection attempts of a node waiting for node 0
 
 def preflight(launch: Launch, timeout_s: float, say=print) -> None:
     """Raise a ``UserError`` unless this node's rendezvous can form within ``timeout_s``; torch-free."""
-    if launch.rdzv_endpoint:  # c10d: torchrun's own join_timeout bounds it (torchrun_args)
+    if launch.rdzv_endpoint:  # c10d: then torchrun's own join_timeout bounds the rendezvous (torchrun_args)
+        _endpoint_preflight(launch, timeout_s, say)
         return
     if launch.nnodes == 1:
         if launch.master_addr:  # --master-port honoured on one node
@@ -40,20 +45,74 @@ def preflight(launch: Launch, timeout_s: float, say=print) -> None:
         _join(launch, timeout_s)
 
 
-def _listener(launch: Launch) -> socket.socket:
+def _endpoint_preflight(launch: Launch, timeout_s: float, say) -> None:
+    host, port = _split_endpoint(launch.rdzv_endpoint)
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError as exc:
+        raise UserError(f"--rdzv-endpoint {launch.rdzv_endpoint}: the host {host} cannot be resolved on this machine "
+                        f"({exc.strerror or exc}); nothing was started or written. Give the name or address of the "
+                        "machine that hosts the rendezvous, as this machine can reach it.") from None
+    if addresses & _own_addresses():
+        if launch.nnodes == 1:
+            _listener(Launch(launch.nproc, 1, 0, host, port), flag="--rdzv-endpoint").close()
+        return
+    say(f"rendezvous: c10d at {host}:{port}, node {launch.node_rank} of {launch.nnodes}; waiting up to "
+        f"{timeout_s:g} s for it to answer (reliability.rendezvous_timeout_s, --rendezvous-timeout)")
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            socket.create_connection((host, port), timeout=min(left, 10.0)).close()
+            return
+        except TimeoutError:
+            last = "timed out"
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+        time.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0)))
+    raise UserError(f"--rdzv-endpoint {host}:{port} did not answer within {timeout_s:g} s ({last}); this is node "
+                    f"{launch.node_rank} of {launch.nnodes}, and nothing was started or written. Start the run on "
+                    f"the machine {host} first (its torchrun hosts the rendezvous), check that this machine can reach "
+                    "it on that port (firewall), or give it longer with --rendezvous-timeout SECONDS.")
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address is written [::1]:29400
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--rdzv-endpoint {endpoint}: expected HOST:PORT (e.g. head-node:29400), the machine that "
+                        "hosts the rendezvous and a port between 1 and 65535.")
+    return host, int(port)
+
+
+def _own_addresses() -> set[str]:
+    """This machine's addresses as torchrun tells whether it hosts the store: loopback, its name's addresses."""
+    own = {"127.0.0.1", "::1"}
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        try:
+            own |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            continue
+    return own
+
+
+def _listener(launch: Launch, flag: str = "--master-port") -> socket.socket:
+    """The port, bound as torch's store will bind it; ``flag``: the option that named it, for the error."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds it: TIME_WAIT is no use
+    named = f"--master-port {launch.master_port}" if flag == "--master-port" else \
+        f"{flag} {launch.master_addr}:{launch.master_port}: port {launch.master_port}"
+    fix = "with --master-port (the same on every node)" if flag == "--master-port" else f"in {flag}"
     try:
         sock.bind(("", launch.master_port))
     except OSError as exc:
         sock.close()
         if exc.errno in (errno.EADDRINUSE, errno.EACCES):
             why = "is already in use" if exc.errno == errno.EADDRINUSE else "may not be used by this user"
-            raise UserError(f"--master-port {launch.master_port} {why} on this machine (node 0), so the processes "
-                            "cannot meet there. Choose a free port with --master-port (the same on every node), or "
-                            "stop what holds it (`ss -ltnp` shows it).") from None
-        raise UserError(f"--master-port {launch.master_port} cannot be opened on this machine ({exc.strerror}); "
-                        "choose another with --master-port.") from None
+            raise UserError(f"{named} {why} on this machine (node 0), so the processes cannot meet there; nothing "
+                            f"was started or written. Choose a free port {fix}, or stop what holds it (`ss -ltnp` "
+                            "shows it).") from None
+        raise UserError(f"{named} cannot be opened on this machine ({exc.strerror}); choose another {fix}.") from None
     sock.listen(max(8, launch.nnodes))
     return sock
 

@@ -13,6 +13,8 @@
   fail_final_write  make the final adapter write fail as a full disk would (OSError ENOSPC)
   startup_error     raise a RuntimeError in the supervised worker before training starts (a deterministic crash)
   slow_steps        sleep that many seconds in every step (gives a test time to interrupt a run)
+  kill_at           "PHASE[:N]": SIGKILL at the N-th pass through that phase of a write (rocktune/atomic.py's
+                    PHASES: checkpoint, final adapter, Wan LoRA file, export), read by ``atomic.kill_point``
   rank              several processes: only that rank (torchrun's RANK) injects the faults
   marker            a file path: faults act only while it does not exist, and the first one to act creates it,
                     so a restarted process runs clean (a crash that happens once)

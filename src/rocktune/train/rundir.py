@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from rocktune.atomic import write_atomic
+from rocktune.atomic import leftovers, write_atomic
 from rocktune.errors import UserError
 from rocktune.readers.yaml_file import read_yaml
 
@@ -26,8 +26,11 @@ NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "os error 28"
 
 def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool = False) -> None:
     """Raise unless writing a run with ``config`` into ``run_dir`` would lose nothing the user did not ask to lose."""
-    # incidents.jsonl alone is what a supervised run leaves when it crashed before writing anything else.
-    if overwrite or not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {"incidents.jsonl"}:
+    # incidents.jsonl alone is what a supervised run leaves when it crashed before writing anything else; a
+    # temporary copy of config.yaml, what a kill during that first write leaves.
+    if overwrite or not run_dir.exists() or \
+            {p.name for p in run_dir.iterdir()} - {p.name for p in leftovers(run_dir / CONFIG_NAME)} \
+            <= {"incidents.jsonl"}:
         return
     saved = run_dir / CONFIG_NAME
     if not saved.is_file():
@@ -59,6 +62,8 @@ def start(run_dir: Path, config: dict, wipe: bool) -> None:
 
 
 def write_config(run_dir: Path, config: dict) -> None:
+    for stale in leftovers(run_dir / CONFIG_NAME):
+        stale.unlink(missing_ok=True)
     write_atomic(run_dir / CONFIG_NAME, yaml.safe_dump(config, sort_keys=False))
 
 

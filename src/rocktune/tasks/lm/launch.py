@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from rocktune.config import RunConfig, refuse_inapplicable
-from rocktune.data.records import read_records
+from rocktune.data.records import read_records, scan_jsonl
 from rocktune.train.prelaunch import refuse_layout
 from rocktune.train.request import RunOptions
 
-# Larger files are read once, by the worker: parsing them twice would cost more than the early answer saves.
+# Files up to this size are read whole (as the worker reads them); a larger JSONL file is streamed line by line
+# (records.scan_jsonl: memory bounded by its longest line). A larger JSON array is left to the worker: an array
+# cannot be parsed a record at a time by the standard library's parser.
 PRECHECK_MAX_BYTES = 64 << 20
 
 
@@ -25,10 +27,18 @@ def refuse(cfg: RunConfig, options: RunOptions) -> None:
 
 
 def precheck(cfg: RunConfig) -> None:
-    """The JSON of data files small enough to read twice: every malformed line at once, as the worker would say it,
-    within a second instead of after the child has loaded torch and the tokenizer."""
+    """The JSON of the data files: every malformed line at once, as the worker would say it, before the child has
+    loaded torch and the tokenizer (for a large file, before minutes of tokenising)."""
     for file in (cfg.data.train_file, cfg.data.eval_file):
         path = Path(file) if file else None
-        if path is not None and path.is_file() and path.suffix.lower() in (".json", ".jsonl") \
-                and path.stat().st_size <= PRECHECK_MAX_BYTES:  # the other kinds are read by datasets
+        if path is None or not path.is_file() or path.suffix.lower() not in (".json", ".jsonl"):
+            continue  # the other kinds are read by datasets
+        if path.stat().st_size <= PRECHECK_MAX_BYTES:
             read_records(path)
+        elif path.suffix != ".json" and not _starts_array(path):  # read_records' own test of JSONL
+            scan_jsonl(path)
+
+
+def _starts_array(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4096).lstrip().startswith(b"[")

@@ -17,6 +17,7 @@ import torch
 from rocktune.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import preference as prefdata
+from rocktune.data.dataset import Pending
 from rocktune.errors import UserError
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import build, preflight
@@ -185,7 +186,17 @@ class PreferenceTask:
 
 
 def _read_pairs(cfg: RunConfig, tokenizer, cache_root: Path):
-    """(train pairs, eval pairs, notes): every row read and checked before anything is trained."""
+    """(train pairs, eval pairs, notes): every row read and checked before anything is trained. A rejected source
+    leaves no Arrow copy behind (parquet, CSV and hub sources are read through datasets' cache)."""
+    pending = Pending.start(cache_root)
+    try:
+        return _read_checked(cfg, tokenizer, cache_root)
+    except BaseException:
+        pending.discard()
+        raise
+
+
+def _read_checked(cfg: RunConfig, tokenizer, cache_root: Path):
     d = cfg.data
     train_rows = prefdata.read_rows(d.train_file, d, cache_root, "data.train_file")
     train, cut = prefdata.encode_rows(train_rows, tokenizer, d.max_length, d.truncation)
