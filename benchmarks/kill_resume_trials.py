@@ -2,8 +2,10 @@
 
     python benchmarks/kill_resume_trials.py --trials 5 --steps 60 [--seed 0]
 
-Prints one JSON object: per trial the kill times, the steps reached at each kill, and whether the final adapter
-bytes and the logged losses equal the uninterrupted reference. Uses the demo's tiny model and task, on CPU.
+Prints one JSON object: per trial the kill times, the steps reached at each kill, where the kill landed (inside
+which write, as the run directory shows it right after the kill, or outside every write), and whether the final
+adapter bytes and the logged losses equal the uninterrupted reference; then how many kills landed inside a write,
+by phase. Uses the demo's tiny model and task, on CPU. Kills aimed at each phase are tests/test_kill_phases.py's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -67,7 +70,8 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                kills.append({"after_s": round(delay, 2), "last_logged_step": _last_step(root / f"trial{i}")})
+                kills.append({"after_s": round(delay, 2), "last_logged_step": _last_step(root / f"trial{i}"),
+                              "inside_write": write_in_progress(root / f"trial{i}")})
                 resume = ["--resume"]
         done = subprocess.run(cmd + [str(cfg)] + resume, capture_output=True, text=True)
         if done.returncode != 0:
@@ -75,10 +79,44 @@ def main() -> int:
         got = _outcome(root / f"trial{i}")
         trials.append({"trial": i, "kills": kills, "adapter_bytes_equal": got["adapter"] == reference["adapter"],
                        "losses_equal": got["losses"] == reference["losses"]})
+    landed = [k["inside_write"] for t in trials for k in t["kills"]]
     report = {"steps": args.steps, "reference_seconds": round(ref_seconds, 1), "trials": trials,
+              "kills": len(landed), "kills_inside_a_write": sum(x is not None for x in landed),
+              "inside_write_by_phase": dict(Counter(x for x in landed if x is not None)),
               "all_identical": all(t["adapter_bytes_equal"] and t["losses_equal"] for t in trials)}
     print(json.dumps(report, indent=1))
     return 0 if report["all_identical"] else 1
+
+
+def write_in_progress(run: Path) -> str | None:
+    """Which write a kill cut short, read off what it left (None: the kill landed between writes). The names are
+    those of rocktune.atomic.PHASES, the phase that had last completed."""
+    from rocktune.atomic import leftovers
+    from rocktune.train import checkpoint
+
+    ckpts = run / "checkpoints"
+    for tmp in sorted(ckpts.glob(".tmp-step-*")):
+        names = {p.name for p in tmp.iterdir()}
+        for name, phase in ((checkpoint.MANIFEST, "checkpoint.before_fsync"),
+                            ("meta.json", "checkpoint.before_manifest"), (checkpoint.STATE, "checkpoint.state_written"),
+                            ("adapter_model.safetensors", "checkpoint.adapter_written")):
+            if name in names:
+                return phase
+        return "checkpoint.adapter_being_written"  # inside save_pretrained: not one of the kill points
+    steps = sorted(p for p in ckpts.glob("step-*") if p.is_dir())
+    if any(not (p / checkpoint.MANIFEST).exists() for p in steps):
+        return "checkpoint.pruning"
+    latest = ckpts / checkpoint.LATEST
+    if steps and latest.is_file() and latest.read_text().strip() != steps[-1].name:
+        return "checkpoint.renamed"
+    for target in (latest, run / "config.yaml", run / "run_info.json", run / "metrics.jsonl"):
+        if leftovers(target):
+            return f"atomic.written ({target.name})"
+    if (run / "adapter.tmp").exists():  # its README.md is the last file written into it
+        return "adapter.staged" if (run / "adapter.tmp" / "README.md").exists() else "adapter.weights_written"
+    if (run / "adapter.old").exists():
+        return "adapter.swapped"
+    return None
 
 
 def _outcome(run: Path) -> dict:

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from rocktune.errors import UserError
 from rocktune.train import checkpoint_state
 from rocktune.train.checkpoint_state import STATE
-from rocktune.atomic import kill_point, write_atomic
+from rocktune.atomic import kill_point, leftovers, write_atomic
 from rocktune.train.rundir import out_of_space
 from rocktune.readers.json_file import parse_json
 
@@ -122,6 +122,8 @@ def _save(ckpt_root: Path, step: int, state: TrainState, position: dict, extra: 
         os.replace(tmp, final)
         _fsync_dir(ckpt_root)
         kill_point("checkpoint.renamed")
+        for stale in leftovers(ckpt_root / LATEST):  # a temporary `latest` of a write that was killed
+            stale.unlink(missing_ok=True)
         write_atomic(ckpt_root / LATEST, final.name + "\n")
     except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk surfaces as any of these
         shutil.rmtree(tmp, ignore_errors=True)
