@@ -329,11 +329,16 @@ def _with(base, **sections):
 
 
 def _checkpoint_by(world: int):
-    """A run directory whose newest checkpoint was written by ``world`` processes (only its meta.json matters)."""
+    """A run directory whose newest checkpoint was written by ``world`` processes (only its meta.json matters, and
+    the manifest's hash of it: the launching process believes no unverified meta.json)."""
     def make(tmp: Path) -> None:
+        import hashlib
+
         step = tmp / "run" / "checkpoints" / "step-0000004"
         step.mkdir(parents=True)
-        (step / "meta.json").write_text(json.dumps({"step": 4, "extra": {"world_size": world}}))
+        meta = json.dumps({"step": 4, "extra": {"world_size": world}}).encode()
+        (step / "meta.json").write_bytes(meta)
+        (step / "manifest.json").write_text(json.dumps({"sha256": {"meta.json": hashlib.sha256(meta).hexdigest()}}))
     return make
 
 
