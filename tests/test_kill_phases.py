@@ -37,7 +37,7 @@ RUN_KILLS = [
     ("adapter.weights_written", 1), ("adapter.staged", 1), ("adapter.swapped", 1),
 ]
 WAN_ONLY = [("lora_file.written", 1)]
-FAST = {("lm", "checkpoint.renamed"), ("lm", "checkpoint.pruning"), ("lm", "adapter.staged")}
+FAST = {("lm", "checkpoint.renamed"), ("lm", "checkpoint.pruning")}  # the rest: slow (7-9 s a kill, idle)
 TASKS = ("lm", "dpo", "orpo", "wan")
 
 
