@@ -18,6 +18,7 @@ import pytest
 
 from rocktune.atomic import PHASES
 from rocktune.config import config_from_dict
+from rocktune.task_registry import TASKS
 from rocktune.tasks import train
 from rocktune.train import checkpoint
 from rocktune.train.request import RunOptions
@@ -38,11 +39,11 @@ RUN_KILLS = [
 ]
 WAN_ONLY = [("lora_file.written", 1)]
 FAST = {("lm", "checkpoint.renamed"), ("lm", "checkpoint.pruning")}  # the rest: slow (7-9 s a kill, idle)
-TASKS = ("lm", "dpo", "orpo", "wan")
+TASKS_KILLED = ("lm", "dpo", "orpo", "wan")
 
 
 def _cases():
-    for task in TASKS:
+    for task in TASKS_KILLED:
         for phase, n in RUN_KILLS + (WAN_ONLY if task == "wan" else []):
             marks = () if (task, phase) in FAST else (pytest.mark.slow,)
             yield pytest.param(task, phase, n, id=f"{task}-{phase}:{n}", marks=marks)
@@ -52,6 +53,9 @@ def test_every_phase_is_in_a_matrix():
     """A phase added to atomic.PHASES must be killed somewhere here (adapter.old_moved needs an earlier adapter)."""
     covered = {p for p, _ in RUN_KILLS + WAN_ONLY} | {p for p in EXPORT_PHASES} | {"adapter.old_moved"}
     assert covered == set(PHASES)
+    # every task object of the registry is killed (image-lora is the WanTask of video-lora, tested as "wan")
+    kinds = {"lm": "lm", "dpo": "dpo", "orpo": "orpo", "wan": "video-lora"}
+    assert {TASKS[kinds[k]].builder for k in TASKS_KILLED} == {spec.builder for spec in TASKS.values()}
 
 
 @pytest.mark.parametrize("kind, phase, n", list(_cases()), indirect=["kind"])
