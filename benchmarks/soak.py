@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,10 +97,12 @@ def leak(counts: list[int], share: float = WINDOW) -> dict:
     return {"first": max(first), "last": max(last), "leaked": max(last) - max(first)}
 
 
-def measured(samples: list[Sample], warmup_steps: int, workers_only: bool = True) -> list[Sample]:
-    """Samples after warm-up, while the whole tree was up (a sample taken at a restart or at the end is left out)."""
-    full = max((s.procs for s in samples), default=0)
-    return [s for s in samples if s.step > warmup_steps and (s.procs == full or not workers_only)]
+def measured(samples: list[Sample], warmup_steps: int) -> list[Sample]:
+    """Samples after warm-up with the tree as it trains (its most common process count): one taken while the worker
+    restarts or exits, or while a helper process lives (a data worker pool), is left out."""
+    after = [s for s in samples if s.step > warmup_steps]
+    usual = statistics.mode([s.procs for s in after]) if after else 0
+    return [s for s in after if s.procs == usual]
 
 
 def analyse(samples: list[Sample], steps: list[dict], warmup_steps: int) -> dict:
@@ -173,16 +176,36 @@ def last_step(metrics: Path, state: dict) -> int:
     return state.get("step", 0)
 
 
-def run(cfg: Path, run_dir: Path, every_s: float) -> tuple[list[Sample], int, float]:
-    proc = subprocess.Popen([sys.executable, "-m", "rocktune", "train", "-c", str(cfg), "--overwrite"],
-                            stdout=subprocess.DEVNULL, stderr=open(run_dir.parent / "train.log", "w"))
-    samples, state, t0 = [], {}, time.perf_counter()
-    while proc.poll() is None:
-        sample = look(proc.pid, time.perf_counter() - t0, last_step(run_dir / "metrics.jsonl", state))
-        if sample is not None:
-            samples.append(sample)
-        time.sleep(every_s)
-    return samples, proc.returncode, time.perf_counter() - t0
+def run(cfg: Path, run_dir: Path, every_s: float, threads: int) -> tuple[list[Sample], int | None, float]:
+    """Train and watch; a SIGTERM (the GPU check's stage timeout) ends the run early and keeps what was seen
+    (the exit status is then None)."""
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
+    with open(run_dir.parent / "train.log", "w") as log:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
+        proc = subprocess.Popen([sys.executable, "-m", "rocktune", "train", "-c", str(cfg), "--overwrite"],
+                                stdout=subprocess.DEVNULL, stderr=log, env=env)
+        samples, state, t0 = [], {}, time.perf_counter()
+        while proc.poll() is None and not stopped:
+            sample = look(proc.pid, time.perf_counter() - t0, last_step(run_dir / "metrics.jsonl", state))
+            if sample is not None:
+                samples.append(sample)
+            time.sleep(every_s)
+        if stopped:
+            kill_tree(proc.pid)
+            proc.wait()
+    return samples, None if stopped else proc.returncode, time.perf_counter() - t0
+
+
+def kill_tree(pid: int) -> None:
+    """The worker runs in a session of its own (the supervisor's Ctrl-C handling): killed by pid, children first."""
+    import psutil
+
+    for p in reversed(tree(pid)):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def allocator_notes(run_dir: Path) -> list[str]:
@@ -200,6 +223,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--warmup", type=float, default=0.1, help="share of the steps left out as warm-up")
     ap.add_argument("--every", type=float, default=0.5, help="seconds between looks at the process tree")
+    # One thread by default: the soak looks for drift, and on a CPU shared with other work two spinning OpenMP
+    # threads per process swing a step from 0.05 s to 8 s (measured on the 2-core machine here with 5 users).
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for the run on a CPU (0: as set)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (printed in the JSON)")
     args = ap.parse_args()
@@ -210,11 +236,14 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp(prefix="rocktune-soak-"))
     cfg = build(root, args.steps, args.device)
-    samples, code, wall = run(cfg, root / "run", args.every)
-    rows = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    samples, code, wall = run(cfg, root / "run", args.every, args.threads if args.device == "cpu" else 0)
+    metrics = root / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    rows = [json.loads(x) for x in lines[:-1]] + [json.loads(x) for x in lines[-1:] if code is not None]
     steps = [r for r in rows if "loss" in r]
     result = {"command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]), "device": args.device,
-              "exit_status": code, "wall_s": round(wall, 1), "allocator": allocator_notes(root / "run"),
+              "exit_status": code, "cut_short": code is None, "wall_s": round(wall, 1),
+              "allocator": allocator_notes(root / "run"),
               "allocator_env": {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
                                 if k in os.environ},
               **analyse(samples, steps, int(args.steps * args.warmup)),
@@ -230,7 +259,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
-    return 0 if code == 0 else 1
+    return 0 if code in (0, None) else 1
 
 
 if __name__ == "__main__":

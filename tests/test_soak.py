@@ -79,6 +79,12 @@ def test_soak_smoke_runs_the_real_train_and_prints_json(tmp_path):
     assert got["fds"]["first"] > 0 and got["threads"]["first"] > 0 and got["distinct_shapes"] > 2
 
 
+def test_the_gpu_check_runs_the_soak_in_its_second_command_only():
+    text = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    first, second = (text.split(f"\n  {part})\n", 1)[1].split("\n    ;;", 1)[0] for part in ("1", "2"))
+    assert "soak.py" in second and "soak.py" not in first
+
+
 def test_too_few_steps_is_refused():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--steps", "5"],
                           capture_output=True, text=True)
