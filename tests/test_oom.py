@@ -147,3 +147,25 @@ def test_cgroup_memory_max_oom_kill_is_named_and_not_looped(tiny_model_dir, data
         group.rmdir()
     assert proc.returncode == exits.OUT_OF_MEMORY, proc.stderr[-3000:]
     assert "out-of-memory killer" in proc.stderr and "would loop" in proc.stderr
+
+
+@pytest.mark.parametrize("exc", [MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                                                             "DefaultCPUAllocator: can't allocate memory: you tried "
+                                                             "to allocate 8388608 bytes. Error code 12")],
+                         ids=["MemoryError", "cpu_allocator"])
+def test_out_of_memory_outside_a_step_is_one_paragraph_and_exit_7(exc, tiny_model_dir, data, tmp_path, monkeypatch,
+                                                                    capsys):
+    """Loading, an eval pass, a checkpoint: no split can help there, and a traceback would hide what happened."""
+    import rocktune.tasks
+    from rocktune.process.worker import run_in_process
+    from tests.lm_runs import config
+
+    def train(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(rocktune.tasks, "train", train)
+    cfg = config(tiny_model_dir, data, tmp_path / "run")
+    assert run_in_process(RunRequest(cfg, RunOptions(overwrite=True))) == exits.OUT_OF_MEMORY
+    err = capsys.readouterr().err
+    assert "out of memory outside a training step" in err and f"rocktune plan --model {tiny_model_dir}" in err
+    assert ("8388608 bytes" in err) == isinstance(exc, RuntimeError) and "Traceback" not in err
