@@ -97,17 +97,18 @@ def leak(counts: list[int], share: float = WINDOW) -> dict:
     return {"first": min(first), "last": min(last), "leaked": min(last) - min(first)}
 
 
-def measured(samples: list[Sample], warmup_steps: int) -> list[Sample]:
-    """Samples after warm-up with the tree as it trains (its most common process count): one taken while the worker
-    restarts or exits, or while a helper process lives (a data worker pool), is left out."""
-    after = [s for s in samples if s.step > warmup_steps]
+def measured(samples: list[Sample], warmup_steps: int, last_step: int) -> list[Sample]:
+    """Samples after warm-up and before the last step (then the run winds down: final eval, writes, its threads and
+    files closed), with the tree as it trains (its most common process count): one taken while the worker restarts,
+    or while a helper process lives (a data worker pool), is left out."""
+    after = [s for s in samples if warmup_steps < s.step < last_step]
     usual = statistics.mode([s.procs for s in after]) if after else 0
     return [s for s in after if s.procs == usual]
 
 
 def analyse(samples: list[Sample], steps: list[dict], warmup_steps: int) -> dict:
     """The soak's figures and verdict."""
-    kept = measured(samples, warmup_steps)
+    kept = measured(samples, warmup_steps, max((r["step"] for r in steps), default=0))
     rows = [r for r in steps if r["step"] > warmup_steps]
     times = [r["step_s"] for r in rows if not r.get("compiling")]
     t_first, t_last = windows(times) if times else ([], [])
@@ -251,7 +252,8 @@ def main() -> int:
                                 if k in os.environ},
               **analyse(samples, steps, int(args.steps * args.warmup)),
               "series": {"step": [s.step for s in samples], "tree_rss": [s.rss for s in samples],
-                         "fds": [s.fds for s in samples], "threads": [s.threads for s in samples]}}
+                         "fds": [s.fds for s in samples], "threads": [s.threads for s in samples],
+                         "procs": [s.procs for s in samples]}}
     if args.keep:
         result["run_dir"] = str(root / "run")
     else:

@@ -28,6 +28,9 @@ def _samples(rss, fds=None, threads=None, procs=None):
 
 
 def _steps(times, mem=None):
+    """A metrics row per look (step i + 1), and one step more: the run's last, when it winds down (left out)."""
+    times = [*times, times[-1]]
+    mem = [*mem, mem[-1]] if mem else None
     return [{"step": i + 1, "step_s": t, "batch_tokens": 100 + (i % 3) * 8,
              **({"rss_bytes": mem[i]} if mem else {})} for i, t in enumerate(times)]
 
@@ -35,7 +38,7 @@ def _steps(times, mem=None):
 def test_flat_run_passes_every_bar():
     rss = [500 * MIB] * 10 + [600 * MIB + (i % 3) * MIB for i in range(90)]  # warm-up, then flat with jitter
     out = soak.analyse(_samples(rss), _steps([0.1] * 100, rss), warmup_steps=10)
-    assert out["samples_measured"] == 90 and out["distinct_shapes"] == 3 and out["shape_changes"] == 99
+    assert out["samples_measured"] == 90 and out["distinct_shapes"] == 3 and out["shape_changes"] == 100
     assert out["memory"]["tree_rss"]["growth"] == pytest.approx(0.0, abs=1e-9)
     assert out["flat"] == {"memory": True, "step_time": True, "fds": True, "threads": True}
 
@@ -44,11 +47,14 @@ def test_growth_drift_and_leaks_are_caught():
     rss = [600 * MIB * (1 + 0.001 * i) for i in range(100)]  # +0.1% a step: ~9% from first to last window
     fds = [10 + i // 20 for i in range(100)]  # one descriptor more every 20 steps
     threads = [12] * 50 + [13] * 50
-    out = soak.analyse(_samples(rss, fds, threads), _steps([0.1 + 0.001 * i for i in range(100)], rss), 0)
+    times = [0.1 + 0.001 * i for i in range(100)]
+    out = soak.analyse(_samples(rss, fds, threads), _steps(times, rss), 0)
     first, last = statistics_median(rss[:10]), statistics_median(rss[-10:])
     assert out["memory"]["tree_rss"]["growth"] == pytest.approx(last / first - 1)
-    assert out["memory"]["rss_bytes"]["growth"] == pytest.approx(last / first - 1)
-    assert out["step_s"]["drift"] == pytest.approx(0.1945 / 0.1045 - 1)
+    logged = [*rss, rss[-1]]  # the metrics' own series runs to the last step
+    assert out["memory"]["rss_bytes"]["growth"] == pytest.approx(
+        statistics_median(logged[-10:]) / statistics_median(logged[:10]) - 1)
+    assert out["step_s"]["drift"] == pytest.approx(statistics_median([*times, times[-1]][-10:]) / 0.1045 - 1)
     assert (out["fds"]["leaked"], out["threads"]["leaked"]) == (4, 1)
     assert out["flat"] == {"memory": False, "step_time": False, "fds": False, "threads": False}
 
@@ -56,8 +62,12 @@ def test_growth_drift_and_leaks_are_caught():
 def test_samples_during_a_restart_or_the_end_are_left_out():
     procs = [2] * 50 + [1] * 5 + [2] * 45  # the worker gone for five looks: the supervisor alone is far smaller
     rss = [600 * MIB if p == 2 else 50 * MIB for p in procs]
-    out = soak.analyse(_samples(rss, procs=procs), _steps([0.1] * 100), 0)
-    assert out["samples_measured"] == 95 and out["memory"]["tree_rss"]["peak_growth"] == 0
+    fds = [10] * 95 + [4] * 5  # the run winding down at its last step closes files: no leak, and no "fewer" either
+    samples = _samples(rss, fds, procs=procs)
+    samples[-5:] = [soak.Sample(s.t, 101, s.rss, s.fds, s.threads, s.procs) for s in samples[-5:]]
+    out = soak.analyse(samples, _steps([0.1] * 100), 0)
+    assert out["samples_measured"] == 90 and out["memory"]["tree_rss"]["peak_growth"] == 0
+    assert out["fds"] == {"first": 10, "last": 10, "leaked": 0}
 
 
 def statistics_median(values):
