@@ -32,6 +32,7 @@ import yaml
 GROWTH_BAR = 0.05  # memory after warm-up may grow by less than this (issue 39)
 DRIFT_BAR = 0.15  # step-time drift allowed: a shared 2-core machine's load moves a window's median by ~10%
 WINDOW = 0.1  # each compared window: this share of the measured (post-warm-up) part
+ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")  # set by the user, if any
 
 
 @dataclass(frozen=True)
@@ -248,8 +249,7 @@ def main() -> int:
     result = {"command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]), "device": args.device,
               "exit_status": code, "cut_short": code is None, "wall_s": round(wall, 1),
               "allocator": allocator_notes(root / "run"),
-              "allocator_env": {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-                                if k in os.environ},
+              "allocator_env": {k: os.environ[k] for k in ALLOC_VARS if k in os.environ},
               **analyse(samples, steps, int(args.steps * args.warmup)),
               "series": {"step": [s.step for s in samples], "tree_rss": [s.rss for s in samples],
                          "fds": [s.fds for s in samples], "threads": [s.threads for s in samples],
