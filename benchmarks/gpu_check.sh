@@ -9,8 +9,9 @@
 #                                      # step's device account: a profiled step (compiled where the run compiles)
 #                                      # with its kernels per class, busy share and top kernels, the CUDA-event span
 #                                      # of every step, forwards per step, every step's peak and the planner's.
-#     bash benchmarks/gpu_check.sh 2   # <= 4 min: the 1.5B shape, rocktune (MFU target 40%, the planner's peak
-#                                      # against the measured one); hf-best there needs a later session
+#     bash benchmarks/gpu_check.sh 2   # <= 4.5 min: the 1.5B shape, rocktune (MFU target 40%, the planner's peak
+#                                      # against the measured one); hf-best there needs a later session; then
+#                                      # 30 s of the soak (benchmarks/soak.py: GPU memory flat over steps)
 #     bash benchmarks/gpu_check.sh extra   # not in the 15-minute plan: what the first run settled (doctor with the
 #                                      # varlen self-test, pytest -m gpu) and the loss chunk alone, eager vs compiled
 #
@@ -76,6 +77,11 @@ case "$PART" in
     ;;
   2)
     bench rocktune-1.5b 210 "$LARGE" rocktune 70         # builds the 1.5B shape (~60 s), compiles, 11 steps
+    # the soak (issue 39): allocated/reserved over as many steps as 30 s allow, under the knowledge's allocator
+    # settings; its timeout's SIGTERM makes it print what it saw (cut_short). The CPU runs it in tests/test_soak.py.
+    if [ -z "${DRY:-}" ]; then
+      stage soak 30 soak.json $PY benchmarks/soak.py --device $DEVICE --steps 1500 --every 0.2
+    else echo "soak skipped (dry run)" >> "$OUT/stages.txt"; fi
     ;;
   extra)
     stage doctor 50 doctor.json $PY -m rocktune doctor --json $DOCTOR

@@ -51,7 +51,11 @@ def test_report_of_a_run(run, capsys):
     out = run.run_dir / "report.html"
     assert capsys.readouterr().out.strip() == f"report: {out}"
     html = out.read_text()
-    assert _images(html) == ["Train and eval loss", "Learning rate", "Gradient norm", "Throughput"]  # CPU: no memory
+    # CPU: no device memory; the process's RSS over the steps
+    assert _images(html) == ["Train and eval loss", "Learning rate", "Gradient norm", "Throughput",
+                             "Memory over the run"]
+    steps = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert steps and all(r["rss_bytes"] > 2**20 for r in steps)  # what that plot draws, measured at every step
     for name in ("loss", "lr", "grad_norm", "tokens_per_s"):
         assert (run.run_dir / "report_plots" / f"{name}.png").read_bytes().startswith(PNG)
     # self-contained: nothing is fetched, nothing runs
@@ -83,7 +87,7 @@ def test_resumed_run_reports_one_series_and_the_same_losses(run, tiny_model_dir,
     assert losses == pytest.approx(run.losses, abs=1e-6)  # sampling at eval points leaves resume exact
     assert data.sample_steps() == [0, 3, 6] and len(data.samples) == 3 * 2
     html = write_report([data]).read_text()
-    assert f"{run.losses[-1]:.4f}" in html and len(_images(html)) == 4
+    assert f"{run.losses[-1]:.4f}" in html and len(_images(html)) == 5
 
 
 def test_run_with_incidents(run, tmp_path):
@@ -109,7 +113,7 @@ def test_run_with_incidents(run, tmp_path):
     assert "<td>update skipped</td>" in html and "micro-batches split in 2" in html
     assert "<td>restarts / skipped / OOM splits</td><td>1 / 1 / 1</td>" in html
     assert "<td>peak memory (measured / planned)</td><td>0.51 / 0.75 GiB</td>" in html
-    assert _images(html)[-1] == "Device memory"
+    assert _images(html)[-2:] == ["Device memory", "Memory over the run"]
 
 
 def test_several_runs_overlay_and_show_config_differences(run, tmp_path):
@@ -120,7 +124,7 @@ def test_several_runs_overlay_and_show_config_differences(run, tmp_path):
     assert main(["report", str(run.run_dir), str(other), "--out", str(out)]) == 0
     html = out.read_text()
     assert "<td>training.lr</td><td>0.003</td><td>0.001</td>" in html
-    assert len(_images(html)) == 4 and (tmp_path / "cmp" / "compare_plots" / "loss.png").is_file()
+    assert len(_images(html)) == 5 and (tmp_path / "cmp" / "compare_plots" / "loss.png").is_file()
 
 
 def test_not_a_run_dir(tmp_path, capsys):
@@ -151,7 +155,7 @@ def _load_in_browser(browser: str, page, shot) -> tuple[str, str]:
 def test_report_in_a_real_browser(run, tmp_path):
     page = write_report([load_run(run.run_dir)], tmp_path / "report.html")
     dom, log = _load_in_browser(_browser(), page, tmp_path / "shot.png")
-    assert 'data-loaded="4/4"' in dom, dom[-500:]
+    assert 'data-loaded="5/5"' in dom, dom[-500:]
     assert [line for line in log.splitlines() if ":CONSOLE" in line] == []
     assert (tmp_path / "shot.png").read_bytes().startswith(PNG)
     # the check can fail: a page with a script error and a broken image is caught
@@ -159,4 +163,4 @@ def test_report_in_a_real_browser(run, tmp_path):
     bad.write_text(page.read_text().replace("</body>", "<script>notDefined()</script></body>")
                    .replace("data:image/png;base64,iVBOR", "data:image/png;base64,XXXXX", 1))
     dom, log = _load_in_browser(_browser(), bad, tmp_path / "bad.png")
-    assert 'data-loaded="3/4"' in dom and "notDefined is not defined" in log
+    assert 'data-loaded="4/5"' in dom and "notDefined is not defined" in log

@@ -5,7 +5,9 @@ unexpected error before the first step (exit 6 from the child) and a failure tha
 first step (see ``outcome``); each is recorded once in ``incidents.jsonl``. Anything else — a signal, a GPU memory
 access fault, an access violation, an unexpected exit — is recorded there and the child is started again with
 ``--resume``, up to ``max_restarts`` times. Two faults at the same step step down to a safer profile: twice as many
-pieces per micro-batch, fp32, and serialized kernels on ROCm.
+pieces per micro-batch, fp32, and serialized kernels on ROCm. A child the kernel's out-of-memory killer ended
+(``oomkill``) is named as such and restarted only smaller (twice the pieces); killed so again at the same step, the
+run stops with exit 7 instead of looping.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape  # causes quote library messages, which may contain [brackets]
 
 from rocktune import exits
-from rocktune.process import outcome
+from rocktune.process import oomkill, outcome
 from rocktune.train.request import RunRequest
 from rocktune.readers.json_file import parse_json
 from rocktune.readers.yaml_file import read_yaml
@@ -47,8 +49,10 @@ def _supervise(request: RunRequest, max_restarts: int, status: Path) -> int:
     faults_by_step: dict[int, int] = {}
     restarts = 0
     startup_cause = None  # the cause of the last attempt's failure when it came before the first step
+    oom_step = None  # the step at which the last attempt was OOM-killed
     while True:
         status.unlink(missing_ok=True)
+        watch = oomkill.OomWatch()
         code, interrupted = _run_child(request)
         if interrupted:  # the user's Ctrl-C, whatever the child managed to do with it: never a crash to retry
             return exits.INTERRUPTED
@@ -56,9 +60,11 @@ def _supervise(request: RunRequest, max_restarts: int, status: Path) -> int:
             return code if code != exits.FATAL else exits.CRASH
         step = _last_step(run_dir / "metrics.jsonl")
         report = outcome.read(status)
-        cause = report.get("cause") or _describe_exit(code)
-        repeated_at_start = not report.get("stepped") and cause == startup_cause
-        final = code in (exits.DISK_FULL, exits.STARTUP) or repeated_at_start
+        oom = watch.verdict(code)
+        cause = oom or report.get("cause") or _describe_exit(code)
+        oom_again = oom is not None and oom_step == step  # the smaller restart did not get past it either
+        repeated_at_start = not oom and not report.get("stepped") and cause == startup_cause
+        final = code in (exits.DISK_FULL, exits.STARTUP) or repeated_at_start or oom_again
         gives_up = final or restarts >= max_restarts
         from rocktune.process.launch import failure_details
 
@@ -67,6 +73,12 @@ def _supervise(request: RunRequest, max_restarts: int, status: Path) -> int:
                           "restart": None if gives_up else restarts + 1, "max_restarts": max_restarts})
         if code == exits.DISK_FULL:
             return code  # the child said it all, in one paragraph
+        if oom_again:
+            console.print(f"[red]training was {escape(oom)} again at step {step}, with its micro-batches split in "
+                          f"{request.options.pieces}: memory is short even so, and a restart at this size would "
+                          f"loop. Lower data.max_length or training.micro_batch_size (`rocktune plan` shows what "
+                          f"fits), then continue with --resume. See {run_dir / 'incidents.jsonl'}.[/]")
+            return exits.OUT_OF_MEMORY
         if final:
             again = "again the same way " if repeated_at_start else ""
             console.print(f"[red]training failed {again}during start-up, before any step ({escape(cause)}); a "
@@ -79,13 +91,16 @@ def _supervise(request: RunRequest, max_restarts: int, status: Path) -> int:
             return exits.CRASH
         restarts += 1
         faults_by_step[step] = faults_by_step.get(step, 0) + 1
-        request, notes = _next_attempt(request, run_dir, started, code == exits.ROLLBACK, faults_by_step[step] >= 2)
+        oom_step = step if oom else None
+        request, notes = _next_attempt(request, run_dir, started, code == exits.ROLLBACK, faults_by_step[step] >= 2,
+                                       smaller=oom is not None)
         console.print(f"[yellow]training died ({escape(cause)}) at step {step}; restart {restarts}/{max_restarts} "
                       f"from the last good checkpoint{'; ' + '; '.join(notes) if notes else ''}[/]")
 
 
-def _next_attempt(request: RunRequest, run_dir: Path, started: float, rollback: bool, repeated: bool
-                  ) -> tuple[RunRequest, list[str]]:
+def _next_attempt(request: RunRequest, run_dir: Path, started: float, rollback: bool, repeated: bool,
+                  smaller: bool = False) -> tuple[RunRequest, list[str]]:
+    """``smaller``: the last attempt was OOM-killed; split its forwards, and never step up to fp32 (more memory)."""
     notes = []
     options = request.options
     saved = run_dir / "config.yaml"
@@ -95,13 +110,14 @@ def _next_attempt(request: RunRequest, run_dir: Path, started: float, rollback: 
         options = dataclasses.replace(options, overwrite=False, resume=True, auto_fit=False)
     # Otherwise the child died before it wrote anything: repeat the first attempt as asked (--overwrite included).
     training = request.config["training"]
-    if (rollback or repeated) and training["precision"] != "fp32":
+    if (rollback or repeated) and not smaller and training["precision"] != "fp32":
         training["precision"] = "fp32"
         options = dataclasses.replace(options, resume_force=True)  # the supervisor's own, announced change
         notes.append("precision -> fp32")
-    if repeated:
+    if repeated or smaller:
         options = dataclasses.replace(options, pieces=options.pieces * 2)
         notes.append(f"micro-batches split in {options.pieces}")
+    if repeated and not smaller:
         if os.environ.get("AMD_SERIALIZE_KERNEL") is None and _is_rocm():
             os.environ["AMD_SERIALIZE_KERNEL"] = "3"
             notes.append("AMD_SERIALIZE_KERNEL=3 (serialized kernels)")

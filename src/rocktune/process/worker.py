@@ -1,7 +1,8 @@
 """The supervised child: ``python -m rocktune.process.worker REQUEST_JSON``. Maps outcomes to exit statuses.
 
 ``run_in_process`` is also what ``rocktune train --no-supervise`` calls, so both paths report failures alike:
-a user error is one paragraph (exit 2), a full disk one paragraph (exit 5), an unexpected error a traceback — exit 6
+a user error is one paragraph (exit 2), a full disk one paragraph (exit 5), running out of memory on any device one
+paragraph (exit 7: in a step only after splitting it failed too), an unexpected error a traceback — exit 6
 when it came before the first optimizer step (deterministic: the supervisor does not retry it), else 1.
 """
 
@@ -29,7 +30,8 @@ def run_in_process(request: RunRequest) -> int:
         from rocktune.train.distributed import DistributedFailure
         from rocktune.train.faults import Faults
         from rocktune.train.guards import FatalNumerics, RollbackRequired
-        from rocktune.train.step import OutOfMemoryAtMinimum
+        from rocktune.train.oom import is_out_of_memory
+        from rocktune.train.step import OutOfMemoryAtMinimum, OutOfMemoryInGroup
     except KeyboardInterrupt:
         return exits.INTERRUPTED
     # Several ranks: rank 0 reports (the launcher names the first rank that failed); one writer, one file.
@@ -47,9 +49,13 @@ def run_in_process(request: RunRequest) -> int:
         print_error(f"{exc}; the run continues from its last checkpoint in fp32 (under the supervisor, or by "
                     "rerunning with --resume-force training.precision=fp32)")
         return exits.ROLLBACK
-    except (FatalNumerics, OutOfMemoryAtMinimum) as exc:
+    except FatalNumerics as exc:
         print_error(f"{exc} The last good checkpoint is in {cfg.output.dir}/checkpoints.")
         return exits.FATAL
+    except OutOfMemoryAtMinimum as exc:
+        print_error(f"{exc} The last good checkpoint is in {cfg.output.dir}/checkpoints.")
+        report.failed(f"out of memory: {one_line(exc)}")
+        return exits.OUT_OF_MEMORY
     except KeyboardInterrupt:
         return exits.INTERRUPTED
     except DistributedFailure as exc:  # another rank died or hung: said in one paragraph; a restart may help
@@ -57,8 +63,24 @@ def run_in_process(request: RunRequest) -> int:
         report.failed(one_line(exc), exc.unanswered)
         return exits.CRASH
     except Exception as exc:  # noqa: BLE001 — mapped to what the supervisor can do about it
+        if is_out_of_memory(exc) and not isinstance(exc, OutOfMemoryInGroup):  # a group's OOM is restarted
+            return _out_of_memory(exc, report, request)
         return _crashed(exc, report, Path(request.run_dir))
     return exits.INTERRUPTED if result.interrupted else exits.OK
+
+
+def _out_of_memory(exc: Exception, report, request: RunRequest) -> int:
+    """Memory ran out outside a step's split (loading, evaluation, a checkpoint): one paragraph, never a traceback;
+    a restart at the same size would meet the same wall."""
+    from rocktune.errors import one_line, print_error
+    from rocktune.train.oom import describe
+
+    model = request.config.get("model", {}).get("name_or_path", "MODEL")
+    print_error(f"out of memory outside a training step ({describe(exc)}). Less memory is needed: lower "
+                f"data.max_length or training.micro_batch_size, or see what fits with `rocktune plan --model "
+                f"{model}`. Checkpoints written so far are in {Path(request.run_dir) / 'checkpoints'}.")
+    report.failed(f"out of memory: {one_line(exc)}")
+    return exits.OUT_OF_MEMORY
 
 
 def _crashed(exc: Exception, report, run_dir: Path) -> int:

@@ -158,6 +158,28 @@ def memory_plot(runs: list[RunData]) -> bytes | None:
     return _png(fig)
 
 
+HELD = (("rss_bytes", "process RSS", "-"), ("mem_allocated_bytes", "allocated", "-"),
+        ("mem_reserved_bytes", "reserved", ":"))
+
+
+def held_memory_plot(runs: list[RunData]) -> bytes | None:
+    """Memory held after each step (the CPU process's RSS; a GPU's allocated and reserved): flat over a long run,
+    or creeping up — a leak, or fragmentation when reserved pulls away from allocated."""
+    data = [(run, [(label, style, run.series(key, GIB)) for key, label, style in HELD]) for run in runs]
+    if not any(xs for _, series in data for _, _, (xs, _) in series):
+        return None
+    fig, ax = _figure("memory held over the run (after each logged step)", "GiB")
+    several = len(runs) > 1
+    for (run, series), c in zip(data, _colours(len(runs))):
+        for label, style, (xs, ys) in series:
+            if xs:
+                ax.plot(xs, ys, style, color=c, linewidth=1, label=f"{run.name}: {label}" if several else label)
+        _events(ax, run, c, several)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
 def all_plots(runs: list[RunData]) -> dict[str, bytes]:
     """name -> PNG, in the order the report shows them; plots without data are left out."""
     plots = {
@@ -167,6 +189,7 @@ def all_plots(runs: list[RunData]) -> dict[str, bytes]:
         "tokens_per_s": series_plot(runs, "useful_tokens_per_s", "useful (loss-bearing) tokens/s",
                                     "tokens/s", skip_compiling=True),
         "memory": memory_plot(runs),
+        "memory_over_steps": held_memory_plot(runs),
         "rewards": rewards_plot(runs),
         "accuracy": accuracy_plot(runs),
     }

@@ -31,7 +31,7 @@ DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncate
 TASK_SECTIONS = {"diffusion": DIFFUSION, "preference": tuple(n for n, s in TASKS.items() if s.pairs)}
 PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm": "Gradient norm",
                "tokens_per_s": "Throughput", "memory": "Device memory", "rewards": "Preference rewards",
-               "accuracy": "Reward accuracy"}
+               "accuracy": "Reward accuracy", "memory_over_steps": "Memory over the run"}
 
 
 def run_report(run_dirs: list[str], out: str | None = None) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from rocktune.errors import first_line
 from rocktune.model import trainable_parameters
-from rocktune.train import build, checkpoint, distributed, finish, resume, rundir, sinks, summary
+from rocktune.train import build, checkpoint, distributed, finish, memory, resume, rundir, sinks, summary
 from rocktune.train.context import RunContext
 from rocktune.train.finish import save_adapter
 from rocktune.train.guards import NumericGuard
@@ -225,7 +225,8 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
                              "forwards": len(fed.forwards), "pieces": r.pieces,
                              "useful_tokens_per_s": record["tokens"] / elapsed, "step_s": elapsed,
                              "device_wait_s": update.wait_s, "compiling": compiling, "epoch": r.feed.epoch,
-                             "peak_mem_bytes": mem, **({"compile_fallback": r.fallback} if r.fallback else {})})
+                             "peak_mem_bytes": mem, **memory.held(ctx.device),
+                             **({"compile_fallback": r.fallback} if r.fallback else {})})
             r.fallback = None
         if t.eval_every and step % t.eval_every == 0 and step < r.total_steps:
             ev = _evaluate(r, bar)

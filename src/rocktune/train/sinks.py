@@ -19,7 +19,9 @@ from rocktune.atomic import write_atomic
 # metrics.jsonl key -> (chart tag, scale): the charts a person looks at, grouped as TensorBoard groups them.
 TAGS = {"loss": ("train/loss", 1), "eval_loss": ("eval/loss", 1), "lr": ("train/lr", 1),
         "grad_norm": ("train/grad_norm", 1), "useful_tokens_per_s": ("perf/useful_tokens_per_s", 1),
-        "peak_mem_bytes": ("perf/peak_mem_gib", 2**-30), "step_s": ("perf/step_s", 1)}
+        "peak_mem_bytes": ("perf/peak_mem_gib", 2**-30), "step_s": ("perf/step_s", 1),
+        "rss_bytes": ("memory/rss_gib", 2**-30), "mem_allocated_bytes": ("memory/allocated_gib", 2**-30),
+        "mem_reserved_bytes": ("memory/reserved_gib", 2**-30)}
 CLIENTS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 

@@ -1,6 +1,7 @@
 """Forward and backward of one optimizer step, with out-of-memory recovery.
 
-On a device OOM the step's gradients are dropped, every micro-batch is split into twice as many pieces (by the
+On an out-of-memory error (a GPU's, or a CPU allocation refused under an address-space or cgroup limit: see
+oom.py) the step's gradients are dropped, every micro-batch is split into twice as many pieces (by the
 feed, which knows what may not be separated: an LM example, a preference pair) and the step is run again: the
 optimizer still sees exactly the same samples, and because the loss is normalised by the step's loss-bearing units
 the update is the same up to summation order.
@@ -17,8 +18,7 @@ import torch
 
 from rocktune.train.distributed import no_sync
 from rocktune.train.guards import verify_transfer
-from rocktune.train.oom import DEVICE_OOM
-from rocktune.errors import first_line
+from rocktune.train.oom import describe, is_out_of_memory
 
 
 class OutOfMemoryInGroup(RuntimeError):
@@ -144,17 +144,17 @@ def run_with_oom_recovery(attempt, optimizer, pieces: int, max_rows: int, log, o
     while True:
         try:
             return attempt(pieces), pieces
-        except DEVICE_OOM as exc:
-            message = first_line(exc) if str(exc).strip() else "out of memory"
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                if on_compile_error is None or not is_compile_error(exc):
+                    raise
+                on_compile_error(exc)
+                on_compile_error = None
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            message = describe(exc)
             if not alone:
                 raise OutOfMemoryInGroup(f"{message}: the group restarts from its last checkpoint") from None
-        except Exception as exc:
-            if on_compile_error is None or not is_compile_error(exc):
-                raise
-            on_compile_error(exc)
-            on_compile_error = None
-            optimizer.zero_grad(set_to_none=True)
-            continue
         # Outside the except block: the traceback no longer pins the failed step's tensors, so they can be freed.
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
