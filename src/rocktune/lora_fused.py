@@ -45,7 +45,9 @@ def _fresh_casts(plan: Plan, a_params, b_params, dtype):
     with torch.no_grad():
         a_cat = a_params[0] if len(a_params) == 1 else torch.cat(list(a_params))
         bs = [b if s == 1.0 else b * s for b, s in zip(b_params, plan.scalings)]
-        return a_cat.to(dtype), [b.to(dtype) for b in bs]
+        # .detach(): a cast to the dtype it has is the parameter itself, and the node must not take one tensor twice
+        # (Dynamo refuses duplicate inputs to an autograd.Function)
+        return a_cat.to(dtype).detach(), [b.to(dtype).detach() for b in bs]
 
 
 def adapter_weights(cache: dict, plan: Plan, a_params, b_params, dtype):
@@ -86,8 +88,9 @@ class FusedLoRA(torch.autograd.Function):
     def backward(ctx, *dys):
         plan = ctx.plan
         n = len(plan.ranks)
-        x, a_cat, h = ctx.saved_tensors[:3]
-        bs, ws = ctx.saved_tensors[3:3 + n], ctx.saved_tensors[3 + n:]
+        saved = ctx.saved_tensors  # once: checkpointing's recomputation refuses a second unpack
+        x, a_cat, h = saved[:3]
+        bs, ws = saved[3:3 + n], saved[3 + n:]
         live = [i for i in range(n) if dys[i] is not None]
         dh = [torch.mm(dys[i], bs[i]) if i in live else None for i in range(n)]
         if len(live) < n:  # an output unused by the graph: its share of dH is zero
