@@ -56,11 +56,12 @@ def adapter_weights(cache: dict, plan: Plan, a_params, b_params, dtype):
     if torch.compiler.is_compiling():
         return _fresh_casts(plan, a_params, b_params, dtype)
     versions = tuple(p._version for p in (*a_params, *b_params))
-    hit = cache.get(dtype)
+    key = (dtype, a_params[0].device)  # a model moved with ``p.data = ...`` keeps its versions: key the device too
+    hit = cache.get(key)
     if hit is not None and hit[0] == versions:
         return hit[1]
     made = _fresh_casts(plan, a_params, b_params, dtype)
-    cache[dtype] = (versions, made)
+    cache[key] = (versions, made)
     return made
 
 
