@@ -7,10 +7,10 @@ linear, forward + backward time, and the losses of a real run (docs/speed.md sec
 q/k/v projections (one input, as in attention) and on a lone projection, fp32 and bf16-under-autocast (bf16 base as
 on a GPU); ``kernels`` leaves out views and allocations, which launch nothing. Counted at steady state (the fused
 path's adapter casts are made once per optimizer step; ``step_start_extra`` is what the first call of a step adds).
-``--time``: median forward + backward seconds of the q/k/v and gate/up blocks at the Qwen2.5-0.5B shape (hidden
-896, 2 K/V heads of 64, MLP 4,864, r 16), 512 tokens. ``--steps N``: the tiny random Qwen2 of the test suite trained
-on the demo task's 256 examples (fp32, CPU, 8 x 2 per step) with each path; the largest relative loss difference
-per step against the lean path.
+``--time``: forward + backward seconds (minimum and median) of the q/k/v and gate/up blocks at the Qwen2.5-0.5B
+shape (hidden 896, 2 K/V heads of 64, MLP 4,864, r 16), 512 tokens. ``--steps N``: the tiny random Qwen2 of the
+test suite trained on the demo task's 256 examples (fp32, CPU, 8 x 2 per step) with each path; the largest
+relative loss difference per step against the lean path.
 """
 
 from __future__ import annotations
@@ -122,23 +122,27 @@ def all_op_counts() -> dict:
             for mode in MODES}
 
 
-def time_blocks(repeats: int = 7, tokens: int = 512) -> dict:
+def time_blocks(repeats: int = 9, tokens: int = 512) -> dict:
+    """Seconds per forward + backward: the minimum and the median of ``repeats``, the three paths taken in turn
+    within each repeat, so that a load that comes and goes on a shared machine falls on all three alike."""
     out = {}
     shapes = {"qkv": (("q_proj", "k_proj", "v_proj"), (896, 128, 128)), "gate_up": (("gate_proj", "up_proj"),
                                                                                     (4864, 4864))}
     for precision in ("fp32", "bf16"):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         for shape, (names, outs) in shapes.items():
-            for mode in MODES:
-                model = block(mode, 896, names, outs, r=16, dtype=dtype)
-                x = torch.randn(1, tokens, 896, dtype=dtype, requires_grad=True)
-                _fwd_bwd(model, x, precision == "bf16")
-                times = []
-                for _ in range(repeats):
+            models = {mode: block(mode, 896, names, outs, r=16, dtype=dtype) for mode in MODES}
+            x = torch.randn(1, tokens, 896, dtype=dtype, requires_grad=True)
+            times = {mode: [] for mode in MODES}
+            for i in range(repeats + 1):
+                for mode, model in models.items():
                     t0 = time.perf_counter()
                     _fwd_bwd(model, x, precision == "bf16")
-                    times.append(time.perf_counter() - t0)
-                out[f"{precision}/{shape}/{mode}"] = round(statistics.median(times), 5)
+                    if i:  # the first round warms up
+                        times[mode].append(time.perf_counter() - t0)
+            for mode in MODES:
+                out[f"{precision}/{shape}/{mode}"] = {"min": round(min(times[mode]), 5),
+                                                      "median": round(statistics.median(times[mode]), 5)}
     return out
 
 
@@ -177,7 +181,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", action="store_true", help="count aten ops per adapted linear")
     ap.add_argument("--time", action="store_true", help="time forward + backward of the 0.5B-shaped blocks")
     args = ap.parse_args(argv)
-    out: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    import os
+
+    out: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": os.getloadavg()}
     if args.ops:
         out["ops_per_adapted_linear"] = {k: {p: {q: v[p][q] for q in ("ops", "kernels")} if p != "step_start_extra"
                                              else v[p] for p in v} for k, v in all_op_counts().items()}
