@@ -180,6 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="train this many steps with each path (0: no run)")
     ap.add_argument("--ops", action="store_true", help="count aten ops per adapted linear")
     ap.add_argument("--time", action="store_true", help="time forward + backward of the 0.5B-shaped blocks")
+    ap.add_argument("--repeats", type=int, default=9, help="timed rounds of the three paths (--time)")
     args = ap.parse_args(argv)
     import os
 
@@ -188,9 +189,10 @@ def main(argv=None) -> int:
         out["ops_per_adapted_linear"] = {k: {p: {q: v[p][q] for q in ("ops", "kernels")} if p != "step_start_extra"
                                              else v[p] for p in v} for k, v in all_op_counts().items()}
     if args.time:
-        out["cpu_fwd_bwd_s"] = time_blocks()
+        out["cpu_fwd_bwd_s"] = time_blocks(args.repeats)
     if args.steps:
         out["training"] = train_losses(args.steps)
+    out["load_average_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
     return 0
 
