@@ -125,6 +125,22 @@ def test_cases_it_does_not_cover_keep_the_lean_or_peft_s_forward(tiny_model_dir,
                                 "matmul; the others and other cases: the lean forward)")
 
 
+def test_a_trainable_base_bias_or_an_inference_call_keep_training_right(calls):
+    """A base whose bias trains (PEFT's bias="all") needs the gradient the fused node does not give: lean forward.
+    A call under inference mode must not leave casts in the cache that a training step would then save."""
+    model = bench.block("peft", 64, ("q_proj", "k_proj", "v_proj"), (64, 16, 16))
+    lean_lora(model)
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        model(x)
+    assert len(calls) == 1
+    sum(y.sum() for y in model(x)).backward()  # would raise if an inference-mode cast had been cached
+    assert len(calls) == 2
+    model.base_model.model.q_proj.base_layer.bias.requires_grad_(True)
+    sum(y.sum() for y in model(x)).backward()
+    assert len(calls) == 2 and model.base_model.model.q_proj.base_layer.bias.grad is not None
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
     plain = _model(tiny_model_dir)
     lean_lora(plain)

@@ -70,7 +70,8 @@ def _fusable(module, name: str) -> bool:
     """Whether this call may take the fused node: the adapter it was patched for is the one active, untouched."""
     return (not module.disable_adapters and not module.merged and module.active_adapters == [name]
             and not (module.training and module.lora_dropout[name].__class__ is not torch.nn.Identity)
-            and not module.base_layer.weight.requires_grad)
+            and not module.base_layer.weight.requires_grad  # the node gives the base no gradient
+            and (module.base_layer.bias is None or not module.base_layer.bias.requires_grad))
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -86,8 +87,9 @@ def _plain(module, linear_cls) -> bool:
 
 def _groups(model, linear_cls) -> list[list]:
     """Fusable layers, siblings on one input together: same parent, names in SHARED_INPUT, same input width."""
-    fusable = {n: m for n, m in model.named_modules()
-               if _plain(m, linear_cls) and type(m.base_layer) is torch.nn.Linear}
+    fusable = {n: m for n, m in model.named_modules()  # lora_B with a bias (PEFT's lora_bias) is not in the node
+               if _plain(m, linear_cls) and type(m.base_layer) is torch.nn.Linear
+               and m.lora_B[m.active_adapters[0]].bias is None}
     groups, taken = [], set()
     for n in fusable:
         parent, _, leaf = n.rpartition(".")

@@ -53,7 +53,7 @@ def _fresh_casts(plan: Plan, a_params, b_params, dtype):
 def adapter_weights(cache: dict, plan: Plan, a_params, b_params, dtype):
     """``cat(A).to(dtype)`` and each ``(s_i B_i).to(dtype)``, detached: from ``cache`` while no parameter has
     changed since they were made (so once per optimizer step, however many micro-batches or recomputations)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # inference tensors: not for training
         return _fresh_casts(plan, a_params, b_params, dtype)
     versions = tuple(p._version for p in (*a_params, *b_params))
     key = (dtype, a_params[0].device)  # a model moved with ``p.data = ...`` keeps its versions: key the device too
