@@ -48,8 +48,7 @@ class _Group:
 
     def __init__(self, modules, name: str):
         self.modules, self.name = modules, name
-        self.plan = Plan(tuple(float(m.scaling[name]) for m in modules), tuple(m.r[name] for m in modules),
-                         tuple(m.base_layer.bias is not None for m in modules))
+        self.plan = Plan(tuple(float(m.scaling[name]) for m in modules), tuple(m.r[name] for m in modules))
         self.cache: dict = {}  # the adapter weights' casts for this step (lora_fused.adapter_weights)
         self.pending: tuple = (None, {})  # (input, {member index: output}) not yet handed out
 

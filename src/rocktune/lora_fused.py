@@ -27,12 +27,11 @@ import torch
 
 @dataclass(frozen=True)
 class Plan:
-    """What one group call needs beside tensors: each member's LoRA scaling and rank, and whether it has a bias.
-    Floats and ints only, so ``torch.compile`` treats it as a constant."""
+    """What one group call needs beside tensors: each member's LoRA scaling and rank. Floats and ints only, so
+    ``torch.compile`` treats it as a constant."""
 
     scalings: tuple[float, ...]
     ranks: tuple[int, ...]
-    biases: tuple[bool, ...]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
