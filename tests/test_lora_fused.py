@@ -110,6 +110,8 @@ def test_cases_it_does_not_cover_keep_the_lean_or_peft_s_forward(tiny_model_dir,
         dropped.set_adapter("other")  # another adapter active than the one patched: PEFT's own forward
         # (B starts at zero: the base's output, up to what merging and unmerging left in the base weights)
         assert torch.allclose(dropped(input_ids=ids).logits, base_out, atol=1e-5) and len(calls) == 8
+        dropped.base_model.set_adapter(["default", "other"])  # two active at once: PEFT's own forward sums them
+        assert torch.allclose(dropped(input_ids=ids).logits, on, atol=1e-5) and len(calls) == 8
     from peft import LoraConfig, get_peft_model
 
     dora = get_peft_model(load_model(str(tiny_model_dir), "fp32", "sdpa", False, "cpu"),

@@ -31,7 +31,8 @@ SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _lean_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if self.disable_adapters or self.merged or args or kwargs:  # e.g. adapter_names (mixed batches): PEFT's own
+    # e.g. adapter_names (mixed batches), or several adapters active at once: PEFT's own
+    if self.disable_adapters or self.merged or args or kwargs or len(self.active_adapters) != 1:
         return self._peft_forward(x, *args, **kwargs)
     (name,) = self.active_adapters
     if name not in self.lora_A:
