@@ -12,8 +12,8 @@ time / device span) and time per kernel class. The host's time to enqueue a step
 a starvation signal: with the launch queue full the host blocks inside launches. Writes ``profile.json`` (the
 choice, op counts, times, peak memory, what the compiler did, the device's account) and ``profile.txt`` (the top
 ops) under ``--out``, and prints the JSON. ``--lora peft`` runs PEFT's own LoRA forward
-instead of rocktune's lean one, and ``--precision bf16`` a bf16 base under bf16 autocast on a CPU too: the op counts
-of docs/speed.md.
+and ``--lora lean`` rocktune's lean one instead of the fused one (rocktune's default, docs/speed.md section 6),
+and ``--precision bf16`` a bf16 base under bf16 autocast on a CPU too: the op counts of docs/speed.md.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--out", default="/tmp/rt-profile")
     ap.add_argument("--precision", default="auto", help="auto (the platform policy) | fp32 | bf16 | fp16")
-    ap.add_argument("--lora", default="lean", choices=("lean", "peft"),
-                    help="rocktune's lean LoRA forward (default, as training runs) or PEFT's own")
+    ap.add_argument("--lora", default="fused", choices=("fused", "lean", "peft"),
+                    help="rocktune's fused LoRA path (default, as training runs), its lean forward or PEFT's own")
     ap.add_argument("--compile", action="store_true",
                     help="the decoder and the loss compiled, as a GPU run compiles them; warmed up first, and what "
                          "Dynamo did (graph breaks, recompiles) is reported")
@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     attn, note = choose("auto", "sdpa", args.device, (True, False), DTYPES[precision])
     model_dir = workload.model_dir(args.model, Path("/tmp/rt-suite") / args.model / "cache")
     model = apply_lora(load_model(model_dir, precision, attn, False, args.device), 16, 32, 0.0, "all-linear", False)
-    lora_note = lean_lora(model) if args.lora == "lean" else "LoRA side path: PEFT's own forward"
+    lora_note = (lean_lora(model, fused=args.lora == "fused") if args.lora != "peft"
+                 else "LoRA side path: PEFT's own forward")
     vocab = model.get_base_model().config.vocab_size
     batch = packed_batch(args.rows, args.max_length, vocab, attn == VARLEN)
     batch = {k: v.to(args.device) for k, v in batch.items()}

@@ -24,6 +24,7 @@ FORBIDDEN = {
     # varlen attention glue: used by the doctor's self-test and by the LM task's model building
     "attention.py": {"train", "model", "doctor", "planner", *ABOVE_ENGINE},
     "lean_lora.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
+    "lora_fused.py": {"*"},  # the fused LoRA node: torch only, below lean_lora.py
     "modelcheck.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "quant.py": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
     "doctor": {"train", "data", "model", "planner", *ABOVE_ENGINE},

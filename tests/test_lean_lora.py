@@ -35,7 +35,7 @@ def _forward_backward(model, autocast: bool):
 def test_the_lean_path_computes_what_peft_computes(tiny_model_dir, precision, autocast, tol):
     peft_model = _model(tiny_model_dir, precision)
     want_out, want = _forward_backward(peft_model, autocast)
-    note = lean_lora(peft_model)
+    note = lean_lora(peft_model, fused=False)
     assert note == "LoRA side path: lean forward on 14 adapted linear layers (no fp32 round trip of the input)"
     got_out, got = _forward_backward(peft_model, autocast)
     assert (got_out - want_out).abs().max() <= tol * want_out.abs().max()
@@ -55,7 +55,7 @@ def test_fewer_ops_per_adapted_linear_under_autocast(tiny_model_dir):
     it back; the lean path does neither (13 fewer aten calls per adapted linear, forward and backward, here)."""
     model = _model(tiny_model_dir, "bf16")
     before = _op_calls(model)
-    lean_lora(model)
+    lean_lora(model, fused=False)
     after = _op_calls(model)
     assert before - after >= 10 * 14, (before, after)
 
@@ -81,7 +81,7 @@ def test_an_adapter_trained_on_the_lean_path_loads_in_peft_unchanged(tiny_model_
     from peft import PeftModel
 
     model = _model(tiny_model_dir)
-    lean_lora(model)
+    lean_lora(model, fused=False)  # the fused path: tests/test_lora_fused.py
     model.save_pretrained(tmp_path / "adapter")
     loaded = PeftModel.from_pretrained(load_model(str(tiny_model_dir), "fp32", "sdpa", False, "cpu"),
                                        tmp_path / "adapter")
@@ -93,10 +93,8 @@ def test_an_adapter_trained_on_the_lean_path_loads_in_peft_unchanged(tiny_model_
         assert torch.allclose(model(input_ids=ids).logits, loaded(input_ids=ids).logits, atol=1e-6)
 
 
-def test_training_runs_the_lean_path_with_peft_s_losses(tiny_model_dir, task_files, tmp_path, monkeypatch):
-    """rocktune train with and without it: the same losses (fp32 on a CPU: equal to the bit over 50 steps,
-    docs/speed.md; 8 steps here), and the note says it ran."""
-    import json
+def _train_losses(tiny_model_dir, train_file, out, monkeypatch, steps: int, modes=("peft", "lean", "fused")) -> dict:
+    import functools
 
     from rocktune.config import config_from_dict
     from rocktune.tasks import train
@@ -104,14 +102,32 @@ def test_training_runs_the_lean_path_with_peft_s_losses(tiny_model_dir, task_fil
     from tests.conftest import tiny_run_config
 
     losses = {}
-    for mode in ("peft", "lean"):
-        if mode == "peft":
-            monkeypatch.setattr(build, "lean_lora", lambda model: None)
-        else:
-            monkeypatch.setattr(build, "lean_lora", lean_lora)
-        raw = tiny_run_config(tiny_model_dir, task_files[0], None, tmp_path / mode, max_steps=8)
+    for mode in modes:
+        patch = (lambda model: None) if mode == "peft" else functools.partial(lean_lora, fused=mode == "fused")
+        monkeypatch.setattr(build, "lean_lora", patch)
+        raw = tiny_run_config(tiny_model_dir, train_file, None, out / mode, max_steps=steps)
         raw["data"]["eval_fraction"] = 0.0
         losses[mode] = train(config_from_dict(raw), quiet=True).losses
+    return losses
+
+
+def test_training_runs_the_lean_and_fused_paths_with_peft_s_losses(tiny_model_dir, task_files, tmp_path,
+                                                                   monkeypatch):
+    """rocktune train with each side path: the same losses (fp32 on a CPU; 50 steps in the slow test below and
+    docs/speed.md, 8 here), and the note says which ran."""
+    import json
+
+    losses = _train_losses(tiny_model_dir, task_files[0], tmp_path, monkeypatch, 8)
     assert losses["lean"] == pytest.approx(losses["peft"], rel=1e-6) and len(losses["lean"]) == 8
-    notes = json.loads((tmp_path / "lean" / "run_info.json").read_text())["notes"]
-    assert any(n.startswith("LoRA side path: lean forward on 14 adapted linear layers") for n in notes)
+    assert losses["fused"] == pytest.approx(losses["lean"], rel=1e-5)
+    notes = json.loads((tmp_path / "fused" / "run_info.json").read_text())["notes"]
+    assert any(n.startswith("LoRA side path: fused on 14 of 14 adapted linear layers") for n in notes)
+
+
+@pytest.mark.slow  # two 50-step runs
+def test_fifty_steps_of_the_fused_path_keep_the_lean_path_s_losses(tiny_model_dir, task_files, tmp_path,
+                                                                   monkeypatch):
+    losses = _train_losses(tiny_model_dir, task_files[0], tmp_path, monkeypatch, 50, ("lean", "fused"))
+    assert len(losses["fused"]) == 50
+    worst = max(abs(f - le) / abs(le) for f, le in zip(losses["fused"], losses["lean"]))
+    assert worst <= 1e-3, worst

@@ -67,7 +67,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     notes = [n for n in (liger(model, m.liger, device),) if n]  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
                        m.gradient_checkpointing)
-    notes += [n for n in (lean_lora(model),) if n]  # same parameters and files, no fp32 round trip per layer
+    notes += [n for n in (lean_lora(model),) if n]  # same parameters and files, fewer passes (docs/speed.md 6)
     if compile_:
         notes.append(compile_decoder(model))
     return model, notes

@@ -1,0 +1,124 @@
+"""The fused LoRA side path: a base linear and its adapter, or siblings that read the same input (q/k/v, gate/up),
+as one autograd node of matmuls only.
+
+Forward, per group of n adapted linears on one input ``x`` (2-D views):
+``h = x @ cat(A_1..A_n)^T`` (one skinny matmul for the group), then per member ``y_i = x @ W_i^T (+ bias)`` and
+``y_i.addmm_(h_i, (s_i B_i)^T)``: the scaled add rides in the matmul's epilogue, so it costs no pass of its own.
+Backward, from the members' ``dY_i``: ``dH = cat(dY_i @ s_i B_i)`` (n skinny matmuls), ``dX = dH @ cat(A)`` then
+``dX.addmm_(dY_i, W_i)`` (the base's input gradient accumulated in the epilogue, not by a separate add),
+``dA = dH^T @ x`` (one matmul for the group), ``dB_i = s_i dY_i^T @ h_i``. dY is read by exactly two matmuls per
+member (dX's and dB's); the scaling is folded into the cast of dB to the master dtype.
+
+The math runs in the compute dtype (autocast's, else the input's), as autocast would run it. The fp32 master adapter
+weights are cast (and concatenated, and B scaled) once per optimizer step, not per call: the casts are cached
+against the parameters' version counters, which every in-place update (optimizer step, load) bumps. Under
+``torch.compile`` the cache is skipped and Inductor fuses the casts into its own kernels.
+
+The parameters stay PEFT's own (nothing is concatenated in place), so names, state dicts and saved files are
+unchanged. The frozen base weights are never given a gradient (the caller checks ``requires_grad`` is off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one group call needs beside tensors: each member's LoRA scaling and rank. Floats and ints only, so
+    ``torch.compile`` treats it as a constant."""
+
+    scalings: tuple[float, ...]
+    ranks: tuple[int, ...]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _fresh_casts(plan: Plan, a_params, b_params, dtype):
+    with torch.no_grad():
+        a_cat = a_params[0] if len(a_params) == 1 else torch.cat(list(a_params))
+        bs = [b if s == 1.0 else b * s for b, s in zip(b_params, plan.scalings)]
+        # .detach(): a cast to the dtype it has is the parameter itself, and the node must not take one tensor twice
+        # (Dynamo refuses duplicate inputs to an autograd.Function)
+        return a_cat.to(dtype).detach(), [b.to(dtype).detach() for b in bs]
+
+
+def adapter_weights(cache: dict, plan: Plan, a_params, b_params, dtype):
+    """``cat(A).to(dtype)`` and each ``(s_i B_i).to(dtype)``, detached: from ``cache`` while no parameter has
+    changed since they were made (so once per optimizer step, however many micro-batches or recomputations)."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # inference tensors: not for training
+        return _fresh_casts(plan, a_params, b_params, dtype)
+    versions = tuple(p._version for p in (*a_params, *b_params))
+    key = (dtype, a_params[0].device)  # a model moved with ``p.data = ...`` keeps its versions: key the device too
+    hit = cache.get(key)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    made = _fresh_casts(plan, a_params, b_params, dtype)
+    cache[key] = (versions, made)
+    return made
+
+
+class FusedLoRA(torch.autograd.Function):
+    """Inputs: ``plan``, ``x`` (2-D, compute dtype), ``a_cat`` and ``bs`` (the cached casts, detached), then per
+    member ``W, bias, A, B`` (the real parameters, only so that autograd hands A's and B's gradients to them; bias
+    may be None). Outputs: one ``y`` per member."""
+
+    @staticmethod
+    def forward(ctx, plan, x, a_cat, bs, *params):
+        h = torch.mm(x, a_cat.t())
+        ys, ws, start = [], [], 0
+        for i, r in enumerate(plan.ranks):
+            w, bias = params[4 * i].to(x.dtype), params[4 * i + 1]  # a no-op unless autocast runs an fp32 base
+            y = torch.mm(x, w.t()) if bias is None else torch.addmm(bias.to(x.dtype), x, w.t())
+            ys.append(y.addmm_(h[:, start:start + r], bs[i].t()))
+            ws.append(w)
+            start += r
+        ctx.plan = plan
+        ctx.master = (params[2].dtype, params[3].dtype)  # the adapter's master dtype (fp32 unless cast by hand)
+        ctx.save_for_backward(x, a_cat, h, *bs, *ws)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        plan = ctx.plan
+        n = len(plan.ranks)
+        saved = ctx.saved_tensors  # once: checkpointing's recomputation refuses a second unpack
+        x, a_cat, h = saved[:3]
+        bs, ws = saved[3:3 + n], saved[3 + n:]
+        live = [i for i in range(n) if dys[i] is not None]
+        dh = [torch.mm(dys[i], bs[i]) if i in live else None for i in range(n)]
+        if len(live) < n:  # an output unused by the graph: its share of dH is zero
+            dh = [d if d is not None else x.new_zeros(x.shape[0], r) for d, r in zip(dh, plan.ranks)]
+        dh_cat = dh[0] if n == 1 else torch.cat(dh, dim=1)
+        dx = torch.mm(dh_cat, a_cat)
+        for i in live:
+            dx.addmm_(dys[i], ws[i])
+        a_dtype, b_dtype = ctx.master
+        da = torch.mm(dh_cat.t(), x).to(a_dtype)  # one cast for the group; the members' rows are contiguous views
+        grads, start = [], 0
+        for i, r in enumerate(plan.ranks):
+            db = None
+            if i in live:
+                db = torch.mm(dys[i].t(), h[:, start:start + r])
+                if plan.scalings[i] != 1.0 or db.dtype != b_dtype:  # scaling and cast to the master dtype: one op
+                    db = torch.mul(db, plan.scalings[i], out=torch.empty_like(db, dtype=b_dtype))
+            grads += [None, None, da[start:start + r], db]
+            start += r
+        return (None, dx, None, None, *grads)
+
+
+def run_group(cache: dict, plan: Plan, x: torch.Tensor, members) -> list[torch.Tensor]:
+    """``members``: per adapted linear, ``(base nn.Linear, lora_A weight, lora_B weight)``. Returns each member's
+    output shaped like ``x`` with its own last dimension, in the compute dtype."""
+    dtype = compute_dtype(x)
+    a_cat, bs = adapter_weights(cache, plan, [m[1] for m in members], [m[2] for m in members], dtype)
+    params = [t for base, a, b in members for t in (base.weight, base.bias, a, b)]
+    x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+    ys = FusedLoRA.apply(plan, x2d, a_cat, tuple(bs), *params)
+    return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
