@@ -9,6 +9,7 @@ import torch
 
 from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
+from rocktune.data.flat import collate_flat
 from rocktune.data.packing import collate_packed
 from rocktune.lean_lora import lean_lora
 from rocktune.attention import choose as choose_attention
@@ -17,17 +18,22 @@ from rocktune.tasks.lm.preflight import liger_gate
 
 
 def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
-                 width: int = 0, segments: bool = False):
+                 width: int = 0, segments: bool = False, flat: tuple[int, int] | None = None):
     """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row, ``pin``
     puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it), ``width``
     pads packed rows to at least that many tokens (static shapes), ``segments`` adds the document bounds that
-    varlen attention reads (``cu_seq_lens``)."""
+    varlen attention reads (``cu_seq_lens``). ``flat``: (T, cu_seq_lens slots): each forward is one flat row
+    (``data/flat.py``), its bounds padded to a fixed length."""
     def finish(batch):
         batch = with_loss_index(batch)
         return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
 
     if packing:
         def collate_rows(rows):
+            if flat:
+                (row,) = rows
+                return finish(collate_flat([(examples.input_ids[i], examples.labels[i]) for i in row], pad_id,
+                                           *flat))
             rows = [[i for row in rows for i in row]] if one_row else rows
             return finish(collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows],
                                          pad_id, 0 if one_row else width, segments))

@@ -125,7 +125,8 @@ class LMTask:
         collate = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
                                      one_row=attn == "flash_attention_2",
                                      pin=ctx.choices.pin_memory and device == "cuda",
-                                     width=d.max_length if feeding.static_width else 0, segments=attn == VARLEN)
+                                     width=d.max_length if feeding.static_width else 0, segments=attn == VARLEN,
+                                     flat=(feeding.flat_width, feeding.cu_slots) if feeding.flat_width else None)
         # DDP: each rank evaluates its share and the sums are added; FSDP: every rank runs every eval forward.
         eval_share = eval_set if fsdp or not dist.enabled else \
             eval_set.subset(list(range(dist.rank, len(eval_set), dist.world)))
