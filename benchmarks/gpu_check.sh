@@ -4,9 +4,10 @@
 # then there (carry .whl):
 #
 #     bash benchmarks/gpu_check.sh 1   # <= 9 min: the Qwen2.5-0.5B shape at the GPU suite's workload, one bench
-#                                      # configuration per stage, most important first: rocktune (compile, Liger),
-#                                      # rt-no-compile, rt-no-liger, hf-best. Each rocktune row carries the real
-#                                      # step's device account: a profiled step (compiled where the run compiles)
+#                                      # configuration per stage, most important first: rocktune (compile, Inductor's
+#                                      # own fusion), rt-no-compile, rt-liger (compile with Liger), hf-best. Each
+#                                      # rocktune row carries the real step's device account: a profiled step
+#                                      # (compiled where the run compiles)
 #                                      # with its kernels per class, busy share and top kernels, the CUDA-event span
 #                                      # of every step, forwards per step, every step's peak and the planner's.
 #     bash benchmarks/gpu_check.sh 2   # <= 4 min: the 1.5B shape, rocktune (MFU target 40%, the planner's peak
@@ -71,7 +72,7 @@ case "$PART" in
     # rocktune rows: compile (~50 s), 10 steps, an 11th under the profiler (reading its trace takes seconds too)
     bench rocktune-0.5b 150 "$SMALL" rocktune 20         # also builds the shape and the data (seconds)
     bench rt-no-compile-0.5b 80 "$SMALL" rt-no-compile 0 # eager: what compile buys
-    bench rt-no-liger-0.5b 120 "$SMALL" rt-no-liger 0    # compiled without Liger: Inductor's own fusion
+    bench rt-liger-0.5b 120 "$SMALL" rt-liger 0          # compiled with Liger: the pair of rocktune's Inductor fusion
     bench hf-best-0.5b 140 "$SMALL" hf-best 0            # the yardstick of the 1.5x target; longest, so last
     ;;
   2)

@@ -18,7 +18,7 @@ from rocktune.tasks.lm.build import make_collate
 from rocktune.tasks.lm.feed import Feeding, Share, StepFeed
 from rocktune.tasks.lm.loss import causal_lm_loss_sum
 from rocktune.tasks.lm.split import split_rows
-from tests.varlen_standin import opaque_varlen
+from rocktune.varlen_standin import opaque_varlen
 
 
 def _data(n: int, lo: int, hi: int, seed: int = 0):
@@ -143,6 +143,7 @@ def test_ranks_take_whole_flat_forwards_and_an_out_of_memory_split_keeps_the_los
     assert sum(sums) == pytest.approx(causal_lm_loss_sum(model, batch, 64)[0].item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_compiled_model_fed_the_flat_stream_compiles_at_most_two_graphs(tiny_model_dir):
     """The collate's real output over 10 steps of varying document lengths (forwards of 3 or more widths), the decoder
     compiled as the run compiles it, the varlen kernel an opaque custom op as torch's is: Dynamo's graphs counted by

@@ -44,7 +44,7 @@ def test_the_speed_commands_measure_rather_than_re_check():
     one, two = _body("1"), _body("2")
     assert "doctor" not in one + two and "pytest" not in one + two
     configs = re.findall(r"^\s*bench [\w.-]+ \d+ \"\$SMALL\" ([\w-]+)", one, re.M)
-    assert configs == ["rocktune", "rt-no-compile", "rt-no-liger", "hf-best"]
+    assert configs == ["rocktune", "rt-no-compile", "rt-liger", "hf-best"]
     assert re.findall(r"^\s*bench [\w.-]+ \d+ \"\$LARGE\" ([\w-]+)", two, re.M) == ["rocktune"]
 
 
