@@ -23,6 +23,8 @@ FORBIDDEN = {
     "model.py": {"train", "doctor", *ABOVE_ENGINE},
     # varlen attention glue: used by the doctor's self-test and by the LM task's model building
     "attention.py": {"train", "model", "doctor", "planner", *ABOVE_ENGINE},
+    # the varlen kernel's opaque CPU stand-in (tests, benchmarks/compiled_layer.py): the attention glue only
+    "varlen_standin.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "lean_lora.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "modelcheck.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "quant.py": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
