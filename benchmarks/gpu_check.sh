@@ -13,7 +13,8 @@
 #     bash benchmarks/gpu_check.sh 2   # <= 4 min: the 1.5B shape, rocktune (MFU target 40%, the planner's peak
 #                                      # against the measured one); hf-best there needs a later session
 #     bash benchmarks/gpu_check.sh extra   # not in the 15-minute plan: what the first run settled (doctor with the
-#                                      # varlen self-test, pytest -m gpu) and the loss chunk alone, eager vs compiled
+#                                      # varlen self-test, pytest -m gpu), the loss chunk alone, eager vs compiled,
+#                                      # and one compiled LoRA layer's kernels (benchmarks/compiled_layer.py)
 #
 # Sized from the first H200 run (2026-11-26, docs/benchmarks.md): rocktune's configuration took about 80 s with
 # 5 steps (48 s of it compiling), hf-best did not finish in 100 s; building the 1.5B shape takes about a minute.
@@ -82,6 +83,8 @@ case "$PART" in
     stage doctor 50 doctor.json $PY -m rocktune doctor --json $DOCTOR
     stage pytest-gpu 300 pytest-gpu.txt $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests
     stage profile-loss 100 profile-loss.json $PY benchmarks/profile_loss.py --device $DEVICE $LOSS
+    # one LoRA decoder layer under Inductor: graph breaks, graphs, Triton kernels generated, matmul calls
+    stage compiled-layer 60 compiled-layer.json $PY benchmarks/compiled_layer.py --device $DEVICE
     ;;
 esac
 ls -la "$OUT" >> "$OUT/stages.txt"

@@ -171,7 +171,9 @@ def test_a_compiled_model_fed_the_flat_stream_compiles_at_most_two_graphs(tiny_m
     finally:
         decoder._compiled_call_impl = None
     assert len(set(widths)) >= 3 and max(widths) == 640  # a third width reuses the symbolic graph
-    assert counter.frame_count <= 2, counter.frame_count  # the full width, then one graph of symbolic length
+    # one graph of symbolic length for every width (the loss marks a flat row's length dynamic); the bound
+    # is 2, and 2 here would mean a second compilation on a GPU too
+    assert counter.frame_count == 1, counter.frame_count
     assert sum(counters["graph_break"].values()) == breaks
 
 

@@ -99,7 +99,8 @@ def make_forward(kernel: Callable) -> Callable:
                 extra["enable_gqa"] = True  # K/V heads shared by their query group: no copy
             else:
                 k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        max_q = kwargs["max_length_q"]
+        # the row width bounds every document: inside a compiled graph it is the query's (possibly symbolic) length
+        max_q = kwargs.get("max_length_q") or length
         out = kernel(q, k, v, cu, kwargs.get("cu_seq_lens_k", cu), max_q, kwargs.get("max_length_k", max_q),
                      **extra)
         return out.reshape(batch, length, heads, dim), None

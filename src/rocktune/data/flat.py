@@ -6,9 +6,10 @@ step, so no compiled graph or captured CUDA graph is ever reused. Here a step's 
 longest first) into forwards of ``T`` tokens, ``T`` a multiple of ``ALIGN`` chosen once per run, and:
 
 - a forward's width is ``T`` when its tokens reach within ``ALIGN`` of it (every forward of a step but the last,
-  in practice), else its tokens rounded up to ``ALIGN``: a step's last forward is not padded to a whole ``T``. Two
-  widths, not one per step: Dynamo compiles the first width it sees statically and, at the next, one graph with a
-  symbolic length (automatic dynamic shapes) that every later width reuses: at most 2 graphs per run.
+  in practice), else its tokens rounded up to ``ALIGN``: a step's last forward is not padded to a whole ``T``. The
+  loss marks a flat row's length dynamic (``tasks/lm/loss.varlen_inputs``), so a compiled decoder makes one graph
+  with a symbolic length for every width of the run (without the mark, Dynamo's automatic dynamic shapes would
+  compile the first width statically and the second symbolically: 2 graphs).
 - ``cu_seq_lens`` always has ``slots`` entries: the real bounds, then the padding's own trailing segment, then the
   last bound repeated (empty documents, which the kernel skips). ``slots`` is the most documents a forward of ``T``
   can hold in this data set, known before the first step.

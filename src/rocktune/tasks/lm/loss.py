@@ -57,11 +57,16 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
 
 def varlen_inputs(batch: dict[str, torch.Tensor]) -> dict:
     """The keyword arguments transformers hands every attention layer for variable-length attention
-    (rocktune.attention): the host-built document bounds, and as ``max_length`` the row width: no document is longer,
-    and it is a constant (``data.max_length``) whenever compile pads rows to a static width, so the compiled graph
-    is not specialised per batch."""
-    cu, width = batch["cu_seq_lens"], batch["input_ids"].shape[1]
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": width, "max_length_k": width}
+    (rocktune.attention): the host-built document bounds. No ``max_length``: the glue takes the row width from the
+    query's shape inside the graph, so no Python int that changes per batch reaches a compiled decoder's guards.
+    A flat forward (one row, data/flat.py) has its length marked dynamic: a compiled decoder then makes one graph
+    for every width of the run instead of a static one first (half the compile time on a GPU)."""
+    if batch["input_ids"].shape[0] == 1:
+        for key in ("input_ids", "position_ids"):
+            if key in batch:
+                torch._dynamo.maybe_mark_dynamic(batch[key], 1)
+    cu = batch["cu_seq_lens"]
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
 
 
 def _fast_path_ok(base) -> bool:
