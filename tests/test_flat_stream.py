@@ -11,8 +11,8 @@ import torch
 
 from rocktune import attention as A
 from rocktune.data.batching import IGNORE, loss_token_counts
-from rocktune.data.flat import (ALIGN, collate_flat, cu_slots, flat_width, forward_width, padding_share,
-                                step_forwards)
+from rocktune.data.flat import (ALIGN, collate_flat, cu_slots, flat_width, forward_width, max_segment,
+                                padding_share, step_forwards)
 from rocktune.data.packing import epoch_steps, step_rows
 from rocktune.tasks.lm.build import make_collate
 from rocktune.tasks.lm.feed import Feeding, Share, StepFeed
@@ -35,6 +35,7 @@ def test_the_width_is_a_multiple_of_128_never_below_the_longest_example():
     assert (forward_width(1000, 1024), forward_width(897, 1024), forward_width(896, 1024)) == (1024, 1024, 896)
     assert forward_width(130, 1024) == 256
     assert cu_slots([5, 1, 3, 2, 50], 6) == 3 + 2  # 1+2+3 fit: 0, three ends, the padding's end
+    assert max_segment(2048) == 2048 and max_segment(64) == 127  # an example, or padding under 128
 
 
 def test_a_steps_forwards_hold_each_example_once_within_the_width_fullest_first():
@@ -54,6 +55,7 @@ def test_a_flat_forward_is_one_row_with_fixed_bounds_and_unlabelled_padding():
     assert out["input_ids"].shape == (1, 128)  # 9 tokens: the step's short last forward, rounded up to 128
     assert out["cu_seq_lens"].tolist() == [0, 3, 5, 9, 128, 128, 128, 128]
     assert out["cu_seq_lens"].dtype == torch.int32
+    assert max(out["cu_seq_lens"].diff().tolist()) <= max_segment(4)  # the padding segment too
     assert out["position_ids"][0, :12].tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 5, 6]
     # each document's first label is masked (no loss asks a document to predict the next); padding has none
     assert out["labels"][0, :9].tolist() == [IGNORE, 2, 3, IGNORE, 5, IGNORE, IGNORE, 8, 9]
@@ -103,11 +105,13 @@ def _feed(examples, lengths, width: int, rows: int = 2, world: int = 1, rank: in
 
 
 def _step(model, step, chunk=64):
-    """The loop's arithmetic: each forward's loss sum over the step's loss-bearing tokens, backward per forward."""
+    """The loop's arithmetic: each forward's loss sum over the step's loss-bearing tokens, backward per forward;
+    a flat forward's segments bounded as the run bounds them (the stand-in kernels assert the bound)."""
     model.zero_grad()
     total = 0.0
     for batch in step.forwards:
-        loss, _ = causal_lm_loss_sum(model, batch, chunk)
+        flat = batch["input_ids"].shape[0] == 1
+        loss, _ = causal_lm_loss_sum(model, batch, chunk, max_document=max_segment(512) if flat else None)
         (loss / step.loss_tokens).backward()
         total += loss.item() / step.loss_tokens
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}

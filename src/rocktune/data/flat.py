@@ -29,6 +29,12 @@ def round_up(n: int, grain: int = ALIGN) -> int:
     return -(-n // grain) * grain
 
 
+def max_segment(max_length: int) -> int:
+    """The longest segment of a flat forward's bounds: an example (at most ``max_length``) or the padding (under
+    ``ALIGN``: a forward is within ``ALIGN`` of full or rounded up to it). varlen attention's ``max_length``."""
+    return max(max_length, ALIGN - 1)
+
+
 def flat_width(token_budget: int, max_length: int) -> int:
     """``T`` for a token budget per forward (the planner's, or ``training.micro_batch_tokens``): the budget rounded
     down to ``ALIGN``, but never below the longest possible example."""

@@ -15,6 +15,7 @@ from rocktune.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import checks
 from rocktune.data.batching import loss_token_counts
+from rocktune.data.flat import max_segment
 from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import autofit, build, preflight
@@ -117,7 +118,8 @@ class LMTask:
         ctx.notes += notes + feed_notes + [n for n in (attn_note,) if n] + model_notes + stats.notes
         fsdp = strategy == "fsdp"
         # The loss's chunk body compiles with the decoder, and falls back with it (uncompile).
-        loss_module = LossModule(model, chunk, t.loss_impl == "chunked", compiled)
+        loss_module = LossModule(model, chunk, t.loss_impl == "chunked", compiled,
+                                 max_segment(d.max_length) if feeding.flat_width else None)
         loss = distributed.wrap(loss_module, dist, device, strategy, ctx.notes)
         params = trainable_parameters(model)
         idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
