@@ -43,7 +43,9 @@ def test_under_compile_auto_leaves_the_layer_to_inductor_and_says_so(monkeypatch
     assert use and "set model.liger=auto to let Inductor fuse" in note
     assert build.fusion("off", "cuda", compiled=True) == (False, "fusion: inductor (torch.compile fuses the whole "
                                                                  "layer; Liger left out)")
-    assert build.fusion("auto", "cpu", compiled=False)[1].startswith("fusion: none (eager")
+    assert build.fusion("off", "cuda", compiled=False) == (False, "fusion: none (eager, no Liger)")
+    assert build.fusion("auto", "cpu", compiled=False) == (False, None)  # nothing to choose: no note
+    assert build.fusion("auto", "cpu", compiled=True)[1].startswith("fusion: inductor (")
 
 
 def test_the_bench_row_reads_the_fusion_choice(tmp_path):

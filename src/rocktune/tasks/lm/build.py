@@ -71,7 +71,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     model = load_model(m.name_or_path, precision, attn_implementation, m.trust_remote_code, device, m.quantization,
                        m.double_quant)
     use_liger, fusion_note = fusion(m.liger, device, compile_)
-    notes = [fusion_note]
+    notes = [fusion_note] if fusion_note else []
     if use_liger:
         liger(model, m.liger, device)  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
@@ -85,13 +85,14 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
 FUSION_NOTE = "fusion: "  # the note's prefix: the bench reads the choice from run_info.json's notes
 
 
-def fusion(mode: str, device: str, compiled: bool) -> tuple[bool, str]:
+def fusion(mode: str, device: str, compiled: bool) -> tuple[bool, str | None]:
     """Who fuses the elementwise work around the matmuls (RMSNorm, RoPE, SwiGLU, the LoRA and residual adds, the
     casts): (apply Liger's kernels, the note that says which and why). ``model.liger=auto`` under compile leaves it
     to Inductor: Liger's Triton kernels are opaque to Inductor, which can then fuse nothing across them (and its
     mutation analysis copies their inputs conservatively); that is the reasoning behind the default, not a
     measurement: ``rocktune`` against ``rt-liger`` in the bench measures it (docs/speed.md). Without compile, Liger
-    where it can run (nothing else fuses); ``on``/``off`` are taken as given."""
+    where it can run (nothing else fuses); ``on``/``off`` are taken as given. An eager CPU run gets no note: there
+    is nothing to choose."""
     liger_gate(device, mode)
     available = device == "cuda" and importlib.util.find_spec("liger_kernel") is not None
     use = mode == "on" or (mode == "auto" and available and not compiled)
@@ -103,8 +104,10 @@ def fusion(mode: str, device: str, compiled: bool) -> tuple[bool, str]:
         what = ("inductor (torch.compile fuses the whole layer; Liger left out" +
                 (": its kernels are opaque to Inductor, model.liger=on to use them)" if mode == "auto" and available
                  else ")"))
+    elif device != "cuda":
+        return False, None
     else:
-        what = "none (eager, no Liger" + ("" if mode == "off" else ": needs a ROCm/CUDA device and liger-kernel") + ")"
+        what = "none (eager, no Liger" + ("" if mode == "off" else ": liger-kernel is not installed") + ")"
     return use, FUSION_NOTE + what
 
 
