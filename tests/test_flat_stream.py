@@ -80,7 +80,7 @@ def test_padding_is_under_one_percent_on_the_gpu_suites_workload(tokenizer):
     # rows of 2,048 (today's non-flat token batching), for the record: what the flat stream removes
     rows = [step_rows(s, lengths, 2048) for s in steps]
     row_share = 1 - sum(lengths) / (2048 * sum(len(r) for r in rows))
-    assert row_share > 0.02 > max(shares.values()) * 2, row_share
+    assert row_share > 0.05, row_share  # 8.9% here, the first H200 run's 9%; flat: 0.31%, 0.12%, 0.12%
 
 
 def _model(tiny_model_dir, attn):
