@@ -4,16 +4,18 @@
 # then there (carry .whl):
 #
 #     bash benchmarks/gpu_check.sh 1   # <= 9 min: the Qwen2.5-0.5B shape at the GPU suite's workload, one bench
-#                                      # configuration per stage, most important first: rocktune (compile, Liger),
-#                                      # rt-no-compile, rt-no-liger, hf-best. Each rocktune row carries the real
-#                                      # step's device account: a profiled step (compiled where the run compiles)
+#                                      # configuration per stage, most important first: rocktune (compile, Inductor's
+#                                      # own fusion), rt-no-compile, rt-liger (compile with Liger), hf-best. Each
+#                                      # rocktune row carries the real step's device account: a profiled step
+#                                      # (compiled where the run compiles)
 #                                      # with its kernels per class, busy share and top kernels, the CUDA-event span
 #                                      # of every step, forwards per step, every step's peak and the planner's.
 #     bash benchmarks/gpu_check.sh 2   # <= 4.5 min: the 1.5B shape, rocktune (MFU target 40%, the planner's peak
 #                                      # against the measured one); hf-best there needs a later session; then
 #                                      # 30 s of the soak (benchmarks/soak.py: GPU memory flat over steps)
 #     bash benchmarks/gpu_check.sh extra   # not in the 15-minute plan: what the first run settled (doctor with the
-#                                      # varlen self-test, pytest -m gpu) and the loss chunk alone, eager vs compiled
+#                                      # varlen self-test, pytest -m gpu), the loss chunk alone, eager vs compiled,
+#                                      # and one compiled LoRA layer's kernels (benchmarks/compiled_layer.py)
 #
 # Sized from the first H200 run (2026-11-26, docs/benchmarks.md): rocktune's configuration took about 80 s with
 # 5 steps (48 s of it compiling), hf-best did not finish in 100 s; building the 1.5B shape takes about a minute.
@@ -72,7 +74,7 @@ case "$PART" in
     # rocktune rows: compile (~50 s), 10 steps, an 11th under the profiler (reading its trace takes seconds too)
     bench rocktune-0.5b 150 "$SMALL" rocktune 20         # also builds the shape and the data (seconds)
     bench rt-no-compile-0.5b 80 "$SMALL" rt-no-compile 0 # eager: what compile buys
-    bench rt-no-liger-0.5b 120 "$SMALL" rt-no-liger 0    # compiled without Liger: Inductor's own fusion
+    bench rt-liger-0.5b 120 "$SMALL" rt-liger 0          # compiled with Liger: the pair of rocktune's Inductor fusion
     bench hf-best-0.5b 140 "$SMALL" hf-best 0            # the yardstick of the 1.5x target; longest, so last
     ;;
   2)
@@ -87,6 +89,8 @@ case "$PART" in
     stage doctor 50 doctor.json $PY -m rocktune doctor --json $DOCTOR
     stage pytest-gpu 300 pytest-gpu.txt $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests
     stage profile-loss 100 profile-loss.json $PY benchmarks/profile_loss.py --device $DEVICE $LOSS
+    # one LoRA decoder layer under Inductor: graph breaks, graphs, Triton kernels generated, matmul calls
+    stage compiled-layer 60 compiled-layer.json $PY benchmarks/compiled_layer.py --device $DEVICE
     ;;
 esac
 ls -la "$OUT" >> "$OUT/stages.txt"

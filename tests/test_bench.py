@@ -232,4 +232,4 @@ def test_gpu_suite_definition():
     assert gpu.common["micro_batch_size"] * gpu.common["grad_accum"] == 64
     # 8 measured steps (issue 36), and a full step more for the profiled one a GPU run adds
     assert gpu.steps == 8 and gpu.samples() >= 64 * (gpu.steps + gpu.warmup + 1) and gpu.warmup >= 2
-    assert set(gpu.configs.split(",")) == {"hf-best", "rocktune", "rt-no-compile", "rt-no-liger"}
+    assert set(gpu.configs.split(",")) == {"hf-best", "rocktune", "rt-no-compile", "rt-liger"}

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-LIMIT_S = {"1": 9 * 60, "2": 4.5 * 60, "extra": 8 * 60}  # 1 + 2 + start-up (1-2 min) within 15 minutes
+LIMIT_S = {"1": 9 * 60, "2": 4.5 * 60, "extra": 9 * 60}  # 1 + 2 + start-up (1-2 min) within 15 minutes
 INSTALL_S = 30
 # Absent on the GPU test machine (../shared/gpu/README.md lists what it has), or optional extras anywhere.
 OPTIONAL = {"av", "liger_kernel", "flash_attn", "bitsandbytes", "gguf", "llama_cpp", "diffusers"}
@@ -44,7 +44,7 @@ def test_the_speed_commands_measure_rather_than_re_check():
     one, two = _body("1"), _body("2")
     assert "doctor" not in one + two and "pytest" not in one + two
     configs = re.findall(r"^\s*bench [\w.-]+ \d+ \"\$SMALL\" ([\w-]+)", one, re.M)
-    assert configs == ["rocktune", "rt-no-compile", "rt-no-liger", "hf-best"]
+    assert configs == ["rocktune", "rt-no-compile", "rt-liger", "hf-best"]
     assert re.findall(r"^\s*bench [\w.-]+ \d+ \"\$LARGE\" ([\w-]+)", two, re.M) == ["rocktune"]
 
 
@@ -84,13 +84,15 @@ def test_commands_1_and_2_dry_run_the_bench_writing_as_they_go(part, shape, tmp_
 @pytest.mark.slow
 def test_extra_dry_runs_the_doctor_pytest_gpu_and_the_loss(tmp_path):
     stages = _dry_run("extra", tmp_path)
-    assert len(re.findall(r"ends: exit status 0", stages)) == 3, stages
+    assert len(re.findall(r"ends: exit status 0", stages)) == 4, stages
     doctor = json.loads((tmp_path / "doctor.json").read_text())
     varlen = [c for c in doctor["checks"] if c["name"].startswith("varlen[")]
     assert varlen and varlen[0]["status"] == "skip"  # CUDA-only: skipped with its reason on a CPU
     assert "skipped" in (tmp_path / "pytest-gpu.txt").read_text()  # collected everything, ran none here
     loss = json.loads((tmp_path / "profile-loss.json").read_text())
     assert loss["compiled"]["aten_calls_per_chunk"] < loss["eager"]["aten_calls_per_chunk"]
+    layers = json.loads((tmp_path / "compiled-layer.json").read_text())["layers"]
+    assert [x["graph_breaks"] for x in layers] == [0, 0] and all(x["forward"]["generated"] > 0 for x in layers)
 
 
 def test_the_first_command_covers_the_whole_gpu_suite():

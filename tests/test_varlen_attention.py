@@ -221,3 +221,4 @@ def test_a_token_batched_run_picks_varlen_on_a_gpu_and_trains_as_sdpa_does(tiny_
     assert losses["auto"] == pytest.approx(losses["sdpa"], rel=1e-5) and len(losses["auto"]) == 3
     notes = json.loads((tmp_path / "auto" / "run_info.json").read_text())["notes"]
     assert any(n.startswith("attention: varlen_attn over the collate's document bounds (self-test: ") for n in notes)
+    assert any("flat forwards of 128 tokens" in n for n in notes)  # varlen: one flat row per forward (data/flat.py)

@@ -99,7 +99,8 @@ def make_forward(kernel: Callable) -> Callable:
                 extra["enable_gqa"] = True  # K/V heads shared by their query group: no copy
             else:
                 k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-        max_q = kwargs["max_length_q"]
+        # the row width bounds every document: inside a compiled graph it is the query's (possibly symbolic) length
+        max_q = kwargs.get("max_length_q") or length
         out = kernel(q, k, v, cu, kwargs.get("cu_seq_lens_k", cu), max_q, kwargs.get("max_length_k", max_q),
                      **extra)
         return out.reshape(batch, length, heads, dim), None
@@ -130,7 +131,9 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     outs = []
     bounds = cu_seq_q.tolist()
     for a, b in zip(bounds, bounds[1:]):
-        assert 0 < b - a <= max_q, (a, b, max_q)
+        assert 0 <= b - a <= max_q, (a, b, max_q)
+        if a == b:  # an empty document: the flat stream pads its bounds to a fixed length with these
+            continue
         q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))
         outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                    enable_gqa=enable_gqa).transpose(0, 1))
@@ -146,7 +149,8 @@ class SelfTest:
 
 def self_test(device: str, dtype: torch.dtype, kernel: Callable | None = None) -> SelfTest:
     """Forward and backward of the registered glue with ``kernel`` (torch's by default) on packed rows of mixed
-    lengths (grouped-query heads, padding), against fp32 math attention with the dense block-diagonal mask."""
+    lengths (grouped-query heads, padding, empty documents at the end of the bounds as the flat stream pads them),
+    against fp32 math attention with the dense block-diagonal mask."""
     kernel = kernel or varlen_kernel()
     if kernel is None:
         return SelfTest(False, f"torch {torch.__version__} has no torch.nn.attention.varlen (needs >= 2.10)")
@@ -155,6 +159,7 @@ def self_test(device: str, dtype: torch.dtype, kernel: Callable | None = None) -
     rows = [[37, 5, 1, 20], [60, 3]]  # documents per row; the rest of each row of 72 is padding
     width, heads, kv_heads, dim = 72, 4, 2, 64
     cu = cu_seq_lens(rows, width)
+    cu = torch.cat([cu, cu[-1:].expand(2)])  # empty trailing documents: how the flat stream fixes the bounds' length
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(len(rows), h, width, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     grad_out = torch.randn(len(rows), width, heads, dim, generator=gen)
@@ -196,6 +201,7 @@ def _token_major(tensors):
 def _dense_mask(cu: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """The (rows, 1, L, L) block-diagonal causal mask dense SDPA would use: the yardstick only."""
     seg = torch.zeros(rows * width, dtype=torch.long)
+    cu = torch.unique(cu)  # empty documents add no bound
     seg[cu[1:-1].long()] = 1
     seg = seg.cumsum(0).view(rows, width)
     causal = torch.ones(width, width, dtype=torch.bool).tril()

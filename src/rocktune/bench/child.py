@@ -81,15 +81,18 @@ def device_clock(spec: dict, raw: dict, cuda=None, profile=None):
 
 def ran(run_dir: Path, rows: list[dict]) -> dict:
     """What the run actually used, from its run_info.json and metrics: the attention and why, whether the decoder
-    was compiled, every compile failure it fell back from (step and message), the precision and the planner's
-    predicted peak."""
+    was compiled and who fused the layer's elementwise work (liger | inductor | none, with why), every compile
+    failure it fell back from (step and message), the precision and the planner's predicted peak."""
     path = run_dir / "run_info.json"
     info = json.loads(path.read_text()) if path.is_file() else {}
     notes = info.get("notes", [])
     attention = next((n.removeprefix("attention: ") for n in notes if n.startswith("attention: ")), None)
     if attention is None:  # no note (examples on a CPU, or a set value): the resolved setting says it
         attention = next((n for n in notes if n.startswith("attn_implementation")), None)
+    # who fused the work around the matmuls: Liger's kernels, Inductor's own fusion, or none (build.fusion's note)
+    fusion = next((n.removeprefix("fusion: ") for n in notes if n.startswith("fusion: ")), None)
     return {"attention": attention, "compiled": any(n.startswith("torch.compile applied") for n in notes),
+            "fusion": fusion.split(" ", 1)[0] if fusion else None, "fusion_note": fusion,
             "compile_fallbacks": [{"step": r["step"], "error": r["compile_fallback"]} for r in rows
                                   if r.get("compile_fallback")],
             "precision": info.get("precision"), "predicted_peak_bytes": info.get("predicted_peak_bytes")}

@@ -66,6 +66,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("rt-adamw-torch", "rocktune", "foreach/fused AdamW off: the per-parameter for-loop AdamW",
                 {"training.optimizer": "adamw_torch"}),
     BenchConfig("rt-no-liger", "rocktune", "Liger kernels off", {"model.liger": "off"}, needs_gpu=True),
+    # The pair that settles the default under compile: rocktune (auto: Inductor's own fusion) against this.
+    BenchConfig("rt-liger", "rocktune", "Liger's kernels on under torch.compile too (auto leaves a compiled layer "
+                "to Inductor's fusion)", {"model.liger": "on"}, needs_gpu=True, default_on_cpu=False),
     BenchConfig("rt-compile", "rocktune", "torch.compile on the decoder, whatever the platform default",
                 {"training.compile": True}, in_default_set=False),
     BenchConfig("rt-mb8", "rocktune", "micro-batch 8 x accumulation 1", {"training.micro_batch_size": 8,

@@ -170,6 +170,7 @@ def summarise(results: list[dict], warmup: int, lengths: list[int], device: str,
             # which attention ran (rocktune: its note, with why) and what compile fell back from
             row["attention"] = resolved.get("attention") or resolved.get("attn_implementation")
             row["compile_fallbacks"] = resolved.get("compile_fallbacks", [])
+            row["fusion"] = resolved.get("fusion")  # liger | inductor | none: the Liger-vs-Inductor choice
             row["compiler"] = r.get("compiler") or {}  # graph breaks, recompiles, graphs (bench/compiler.py)
             # the device's own account (bench/device_time.py): step spans from CUDA events, and one profiled step's
             # kernels, busy share and time per kernel class; absent on a CPU

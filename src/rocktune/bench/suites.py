@@ -3,7 +3,8 @@
 ``gpu``: both Qwen2.5 shapes (random init, built once and cached), bf16, a realistic SFT workload — 64 examples
 of 50-2,000 tokens per optimizer step, max_length 2,048, 2 warm-up and 8 measured steps — and the configurations
 the GPU targets compare: rocktune's defaults against an expert's HF setup, plus the switches that explain the gap
-(compile, Liger). Each model's report is written as soon as it is done, so a later failure loses nothing.
+(compile; Liger against Inductor's fusion). Each model's report is written as soon as it is done, so a later
+failure loses nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Suite:
 
 SUITES = {
     "gpu": Suite(models=("qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"),
-                 configs="hf-best,rocktune,rt-no-compile,rt-no-liger",
+                 configs="hf-best,rocktune,rt-no-compile,rt-liger",
                  common={"micro_batch_size": 8, "grad_accum": 8, "max_length": 2048}, token_range=(50, 2000),
                  steps=8, warmup=2),  # two warm-up steps: compilation, and a Dynamo recompile for new shapes
 }

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from rocktune.attention import VARLEN
 from rocktune.config import RunConfig
+from rocktune.data.flat import cu_slots, flat_width
 from rocktune.errors import UserError
 from rocktune.tasks.lm.feed import CPU_ROWS, Feeding, resolve_mode, rows_for_budget, rows_per_step
 
@@ -141,6 +143,9 @@ def plan_feeding(cfg: RunConfig, choices, lengths: list[int], vram_bytes: int | 
                                          parallel)
         notes.append(note)
     feeding = dataclasses.replace(feeding, rows_per_forward=rows, static_width=static_width)
+    if attn == VARLEN:  # varlen reads document bounds, not rows: the same token budget as one flat row
+        width = flat_width(rows * d.max_length, d.max_length)
+        feeding = dataclasses.replace(feeding, flat_width=width, cu_slots=cu_slots(lengths, width))
     return feeding, [feeding.describe(), *notes], peak
 
 

@@ -9,6 +9,7 @@ import torch
 
 from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
+from rocktune.data.flat import collate_flat
 from rocktune.data.packing import collate_packed
 from rocktune.lean_lora import lean_lora
 from rocktune.attention import choose as choose_attention
@@ -17,17 +18,22 @@ from rocktune.tasks.lm.preflight import liger_gate
 
 
 def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
-                 width: int = 0, segments: bool = False):
+                 width: int = 0, segments: bool = False, flat: tuple[int, int] | None = None):
     """Index structure from the stream -> host tensors; ``one_row`` joins packed rows into a single row, ``pin``
     puts them in page-locked memory (faster, asynchronous copies where the platform advice allows it), ``width``
     pads packed rows to at least that many tokens (static shapes), ``segments`` adds the document bounds that
-    varlen attention reads (``cu_seq_lens``)."""
+    varlen attention reads (``cu_seq_lens``). ``flat``: (T, cu_seq_lens slots): each forward is one flat row
+    (``data/flat.py``), its bounds padded to a fixed length."""
     def finish(batch):
         batch = with_loss_index(batch)
         return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
 
     if packing:
         def collate_rows(rows):
+            if flat:
+                (row,) = rows
+                return finish(collate_flat([(examples.input_ids[i], examples.labels[i]) for i in row], pad_id,
+                                           *flat))
             rows = [[i for row in rows for i in row]] if one_row else rows
             return finish(collate_packed([[(examples.input_ids[i], examples.labels[i]) for i in row] for row in rows],
                                          pad_id, 0 if one_row else width, segments))
@@ -64,13 +70,45 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     m = model_cfg
     model = load_model(m.name_or_path, precision, attn_implementation, m.trust_remote_code, device, m.quantization,
                        m.double_quant)
-    notes = [n for n in (liger(model, m.liger, device),) if n]  # patches the base, so before PEFT wraps it
+    use_liger, fusion_note = fusion(m.liger, device, compile_)
+    notes = [fusion_note] if fusion_note else []
+    if use_liger:
+        liger(model, m.liger, device)  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
                        m.gradient_checkpointing)
     notes += [n for n in (lean_lora(model),) if n]  # same parameters and files, fewer passes (docs/speed.md 6)
     if compile_:
         notes.append(compile_decoder(model))
     return model, notes
+
+
+FUSION_NOTE = "fusion: "  # the note's prefix: the bench reads the choice from run_info.json's notes
+
+
+def fusion(mode: str, device: str, compiled: bool) -> tuple[bool, str | None]:
+    """Who fuses the elementwise work around the matmuls (RMSNorm, RoPE, SwiGLU, the LoRA and residual adds, the
+    casts): (apply Liger's kernels, the note that says which and why). ``model.liger=auto`` under compile leaves it
+    to Inductor: Liger's Triton kernels are opaque to Inductor, which can then fuse nothing across them (and its
+    mutation analysis copies their inputs conservatively); that is the reasoning behind the default, not a
+    measurement: ``rocktune`` against ``rt-liger`` in the bench measures it (docs/speed.md). Without compile, Liger
+    where it can run (nothing else fuses); ``on``/``off`` are taken as given. An eager CPU run gets no note: there
+    is nothing to choose."""
+    liger_gate(device, mode)
+    available = device == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    use = mode == "on" or (mode == "auto" and available and not compiled)
+    if use:
+        what = ("liger (Liger's RMSNorm, SwiGLU and RoPE kernels"
+                + (", opaque to Inductor: set model.liger=auto to let Inductor fuse the whole layer)" if compiled
+                   else ")"))
+    elif compiled:
+        what = ("inductor (torch.compile fuses the whole layer; Liger left out" +
+                (": its kernels are opaque to Inductor, model.liger=on to use them)" if mode == "auto" and available
+                 else ")"))
+    elif device != "cuda":
+        return False, None
+    else:
+        what = "none (eager, no Liger" + ("" if mode == "off" else ": liger-kernel is not installed") + ")"
+    return use, FUSION_NOTE + what
 
 
 def liger(model, mode: str, device: str) -> str | None:

@@ -6,7 +6,9 @@ Two ways to cut a step (``training.batching``), the same samples per optimizer s
   Small forwards are what the CPU runs fastest.
 - ``tokens``: the step's ``micro_batch_size x grad_accum`` examples packed without padding into rows of
   ``max_length`` tokens, ``rows_per_forward`` rows per forward. A GPU runs a forward of 2 short examples about as
-  fast as one of 64 (launch and host overhead dominate), so it is fed as many tokens per forward as fit.
+  fast as one of 64 (launch and host overhead dominate), so it is fed as many tokens per forward as fit. With
+  varlen attention (which reads document bounds, not rows) a forward is instead one flat row of at most
+  ``flat_width`` tokens (``data/flat.py``): almost no padding, and shapes that repeat.
 
 On a GPU the next step is collated (and pinned) in a background thread while the current one computes, so the
 device does not wait for the host between steps. The stream position saved in checkpoints is that of the last step
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rocktune.data.batching import BatchStream, epoch_batches
+from rocktune.data.flat import step_forwards
 from rocktune.data.packing import cut_forwards, epoch_packed_batches, epoch_steps, step_rows
 from rocktune.tasks.lm.split import max_pieces, split_rows
 
@@ -37,6 +40,8 @@ class Feeding:
     rows_per_forward: int = 1  # tokens mode
     static_width: bool = False  # tokens mode: pad every row to max_length (torch.compile; steady allocator blocks)
     seed: int = 0
+    flat_width: int = 0  # tokens mode with varlen attention: one row of this many tokens per forward (0: rows)
+    cu_slots: int = 0  # the fixed length of a flat forward's cu_seq_lens
 
     @property
     def examples_per_step(self) -> int:
@@ -48,6 +53,10 @@ class Feeding:
         return self.mode == "tokens" or self.packing
 
     def describe(self) -> str:
+        if self.mode == "tokens" and self.flat_width:
+            return (f"batching: tokens — {self.examples_per_step} examples per optimizer step packed into flat "
+                    f"forwards of {self.flat_width:,} tokens (one row each, varlen attention; a step's last forward "
+                    f"rounded up to 128 tokens), cu_seq_lens of {self.cu_slots} entries")
         if self.mode == "tokens":
             return (f"batching: tokens — {self.examples_per_step} examples per optimizer step packed into rows of "
                     f"{self.max_length}, up to {self.rows_per_forward} rows "
@@ -171,6 +180,10 @@ class StepFeed:
         f = self.feeding
         if f.mode == "tokens":
             everything = items[0]
+            if f.flat_width:  # one row per forward: forwards are dealt round-robin, not rows
+                flat = [[row] for row in step_forwards(everything, self.lengths, f.flat_width)]
+                return flat[self.rank :: self.world], sum(self.loss_counts[i] for i in everything), \
+                    len(flat[:: self.world])
             rows = step_rows(everything, self.lengths, f.max_length)
             mine = cut_forwards(rows[self.rank :: self.world], f.rows_per_forward)
             most = len(cut_forwards(rows[:: self.world], f.rows_per_forward))  # rank 0's share is the largest

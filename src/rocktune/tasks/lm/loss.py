@@ -27,9 +27,11 @@ HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "
 
 
 def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 1024,
-                       fast: bool = True, compiled: bool = False) -> tuple[torch.Tensor, int]:
+                       fast: bool = True, compiled: bool = False,
+                       max_document: int | None = None) -> tuple[torch.Tensor, int]:
     """``compiled``: the chunk body runs through torch.compile (``compiled_chunk``), as it does when the run
-    compiles; otherwise eagerly (``eager_chunk``)."""
+    compiles; otherwise eagerly (``eager_chunk``). ``max_document``: the longest segment varlen attention can meet
+    (a flat stream's, ``data.flat.max_segment``); None: the row width."""
     labels = batch["labels"]
     targets = labels[:, 1:]
     index = batch.get("loss_index")  # host-computed (data.batching.with_loss_index): no device sync for sizes
@@ -37,7 +39,7 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if "cu_seq_lens" in batch:
-        inputs.update(varlen_inputs(batch))
+        inputs.update(varlen_inputs(batch, max_document))
     if not (fast and _fast_path_ok(base)):
         logits = model(**inputs).logits
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
@@ -55,13 +57,21 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
     return loss, n_tokens
 
 
-def varlen_inputs(batch: dict[str, torch.Tensor]) -> dict:
+def varlen_inputs(batch: dict[str, torch.Tensor], max_document: int | None = None) -> dict:
     """The keyword arguments transformers hands every attention layer for variable-length attention
-    (rocktune.attention): the host-built document bounds, and as ``max_length`` the row width: no document is longer,
-    and it is a constant (``data.max_length``) whenever compile pads rows to a static width, so the compiled graph
-    is not specialised per batch."""
-    cu, width = batch["cu_seq_lens"], batch["input_ids"].shape[1]
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": width, "max_length_k": width}
+    (rocktune.attention): the host-built document bounds, and ``max_document`` as the kernel's ``max_length``: a
+    run's constant, which sizes the kernel's grid (a flat forward's width of tens of thousands of tokens would launch
+    that many query blocks per document, nearly all empty). Without it the glue takes the row width from the
+    query's shape inside the graph; either way no Python int that changes per batch reaches a compiled decoder.
+    A flat forward (one row, data/flat.py) has its length marked dynamic: a compiled decoder then makes one graph
+    for every width of the run instead of a static one first (half the compile time on a GPU)."""
+    if batch["input_ids"].shape[0] == 1:
+        for key in ("input_ids", "position_ids"):
+            if key in batch:
+                torch._dynamo.maybe_mark_dynamic(batch[key], 1)
+    cu = batch["cu_seq_lens"]
+    bound = {"max_length_q": max_document, "max_length_k": max_document} if max_document else {}
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, **bound}
 
 
 def _fast_path_ok(base) -> bool:
@@ -174,13 +184,14 @@ class LossModule(torch.nn.Module):
     call that computes the loss: rocktune's fused head + cross-entropy reaches into the decoder directly.
     ``compiled``: the loss's chunk body runs compiled; the compile fallback (``LMTask.uncompile``) sets it False."""
 
-    def __init__(self, model, chunk_size: int, fast: bool, compiled: bool = False):
+    def __init__(self, model, chunk_size: int, fast: bool, compiled: bool = False, max_document: int | None = None):
         super().__init__()
         self.model, self.chunk_size, self.fast, self.compiled = model, chunk_size, fast, compiled
+        self.max_document = max_document  # varlen's segment bound in a flat stream (data.flat.max_segment)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.sum_and_count(batch)[0]
 
     def sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """(summed token loss, loss-bearing tokens): the evaluation's call, outside DDP."""
-        return causal_lm_loss_sum(self.model, batch, self.chunk_size, self.fast, self.compiled)
+        return causal_lm_loss_sum(self.model, batch, self.chunk_size, self.fast, self.compiled, self.max_document)

@@ -15,6 +15,7 @@ from rocktune.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import checks
 from rocktune.data.batching import loss_token_counts
+from rocktune.data.flat import max_segment
 from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import autofit, build, preflight
@@ -117,7 +118,8 @@ class LMTask:
         ctx.notes += notes + feed_notes + [n for n in (attn_note,) if n] + model_notes + stats.notes
         fsdp = strategy == "fsdp"
         # The loss's chunk body compiles with the decoder, and falls back with it (uncompile).
-        loss_module = LossModule(model, chunk, t.loss_impl == "chunked", compiled)
+        loss_module = LossModule(model, chunk, t.loss_impl == "chunked", compiled,
+                                 max_segment(d.max_length) if feeding.flat_width else None)
         loss = distributed.wrap(loss_module, dist, device, strategy, ctx.notes)
         params = trainable_parameters(model)
         idle = build.idle_batch(tokenizer.pad_token_id)  # a forward with no loss, for ranks that must keep in step
@@ -125,7 +127,8 @@ class LMTask:
         collate = build.make_collate(train_set, feeding.packed, tokenizer.pad_token_id,
                                      one_row=attn == "flash_attention_2",
                                      pin=ctx.choices.pin_memory and device == "cuda",
-                                     width=d.max_length if feeding.static_width else 0, segments=attn == VARLEN)
+                                     width=d.max_length if feeding.static_width else 0, segments=attn == VARLEN,
+                                     flat=(feeding.flat_width, feeding.cu_slots) if feeding.flat_width else None)
         # DDP: each rank evaluates its share and the sums are added; FSDP: every rank runs every eval forward.
         eval_share = eval_set if fsdp or not dist.enabled else \
             eval_set.subset(list(range(dist.rank, len(eval_set), dist.world)))
