@@ -210,3 +210,17 @@ def test_the_compiled_decoder_runs_the_fused_path_without_graph_breaks(tiny_mode
     assert breaks == 0, dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.allclose(got_out, want_out, atol=1e-5) and _rel(got, want) <= 1e-5
     torch._dynamo.reset()
+
+
+def test_a_quantised_base_keeps_peft_s_forward(tiny_model_dir):
+    """QLoRA: PEFT wraps a bitsandbytes 4-bit base in its own layer class, which neither path patches."""
+    from transformers import AutoModelForCausalLM
+
+    from rocktune import quant
+    from tests.test_qlora import cpu_kernel_or_skip
+
+    cpu_kernel_or_skip("nf4")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, device_map={"": "cpu"}, dtype=torch.float32,
+                                                quantization_config=quant.bnb_config("nf4", True, torch.float32))
+    model = apply_lora(base, 8, 16, 0.0, "all-linear", False)
+    assert lean_lora(model) is None
