@@ -90,7 +90,7 @@ case "$PART" in
     stage pytest-gpu 300 pytest-gpu.txt $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests
     stage profile-loss 100 profile-loss.json $PY benchmarks/profile_loss.py --device $DEVICE $LOSS
     # one LoRA decoder layer under Inductor: graph breaks, graphs, Triton kernels generated, matmul calls
-    stage compiled-layer 60 compiled-layer.json $PY benchmarks/compiled_layer.py --device $DEVICE
+    stage compiled-layer 120 compiled-layer.json $PY benchmarks/compiled_layer.py --device $DEVICE
     ;;
 esac
 ls -la "$OUT" >> "$OUT/stages.txt"

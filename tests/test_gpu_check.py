@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-LIMIT_S = {"1": 9 * 60, "2": 4.5 * 60, "extra": 9 * 60}  # 1 + 2 + start-up (1-2 min) within 15 minutes
+LIMIT_S = {"1": 9 * 60, "2": 4.5 * 60, "extra": 10 * 60}  # 1 + 2 + start-up (1-2 min) within 15 minutes
 INSTALL_S = 30
 # Absent on the GPU test machine (../shared/gpu/README.md lists what it has), or optional extras anywhere.
 OPTIONAL = {"av", "liger_kernel", "flash_attn", "bitsandbytes", "gguf", "llama_cpp", "diffusers"}
