@@ -38,7 +38,7 @@ RUN_KILLS = [
     ("adapter.weights_written", 1), ("adapter.staged", 1), ("adapter.swapped", 1),
 ]
 WAN_ONLY = [("lora_file.written", 1)]
-FAST = {("lm", "checkpoint.renamed"), ("lm", "checkpoint.pruning")}  # the rest: slow (7-9 s a kill, idle)
+FAST = {("lm", "checkpoint.pruning")}  # the rest is slow: 7-9 s a kill when the machine is idle
 TASKS_KILLED = ("lm", "dpo", "orpo", "wan")
 
 

@@ -70,6 +70,30 @@ def test_a_rejected_data_file_leaves_no_arrow_copy(tokenizer, tmp_path):
     assert _arrow(cache) == kept
 
 
+def test_a_rejected_pairs_file_leaves_no_arrow_copy(tokenizer, tiny_model_dir, tmp_path):
+    """Preference pairs from CSV are read through datasets too; a pair with an empty answer is refused after."""
+    from rocktune.config import config_from_dict
+    from rocktune.tasks.preference.task import _read_pairs
+
+    cache = tmp_path / "cache"
+    good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
+    good.write_text("prompt,chosen,rejected\n" + "".join(f"q{i}, yes{i}, no{i}\n" for i in range(6)))
+    bad.write_text("prompt,chosen,rejected\n" + "".join(f"q{i}, yes{i},{'' if i == 3 else f' no{i}'}\n"
+                                                       for i in range(6)))
+
+    def cfg(data: Path):
+        return config_from_dict({"task": "dpo", "model": {"name_or_path": str(tiny_model_dir)},
+                                 "data": {"train_file": str(data), "max_length": 64, "cache_dir": str(cache)},
+                                 "training": {"device": "cpu"}, "output": {"dir": str(tmp_path / "run")}})
+
+    _read_pairs(cfg(good), tokenizer, cache)
+    kept = _arrow(cache)
+    assert kept
+    with pytest.raises(UserError, match="'rejected' answer is empty"):
+        _read_pairs(cfg(bad), tokenizer, cache)
+    assert _arrow(cache) == kept
+
+
 # --- (c) a JSONL file over 64 MiB is checked before a child starts, in bounded memory -------------------------------
 
 BIG_LINE = json.dumps({"prompt": "q " * 200, "completion": "a " * 300}) + "\n"
