@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rocktune-installed
 
-.PHONY: demo test test-real install clean llama-cpp demo-real
+.PHONY: demo test test-long test-real install clean llama-cpp demo-real
 
 demo: $(STAMP)
 	$(BIN)/rocktune demo
@@ -16,6 +16,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
+
+# The tests marked `long` (a minute or more each on 2 cores: the full kill matrix, the DPO demo, several-process
+# runs...), which `make test` skips with that reason. CI runs them after `make test`.
+test-long: $(STAMP)
+	$(BIN)/python -m pytest -m long
 
 install: $(STAMP)
 

@@ -12,6 +12,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 TINY_SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2}
+LONG_REASON = "long: a minute or more on 2 CPU cores, outside `make test`; `make test-long` runs it (CI does), or set ROCKTUNE_LONG=1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long`` keep ``make test`` within minutes: skipped there with their reason, run by
+    ``make test-long`` (``-m long``), which CI runs after ``make test``, or anywhere with ``ROCKTUNE_LONG=1``."""
+    if os.environ.get("ROCKTUNE_LONG") == "1" or "long" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason=LONG_REASON)
+    for item in items:
+        if item.get_closest_marker("long"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

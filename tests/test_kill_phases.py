@@ -2,7 +2,8 @@
 itself exactly between two steps of a checkpoint save, of the final adapter/LoRA writes or of an export; then what
 is on disk is checked (nothing half-written is where a reader looks) and the run is resumed (the export rerun):
 the result must equal the uninterrupted reference byte for byte. The references are shared with
-tests/test_task_contract.py (one uninterrupted run per task). The full matrix is slow; a subset runs by default.
+tests/test_task_contract.py (one uninterrupted run per task). The full matrix is marked long (`make test-long`,
+CI); a subset runs in `make test`.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ RUN_KILLS = [
     ("adapter.weights_written", 1), ("adapter.staged", 1), ("adapter.swapped", 1),
 ]
 WAN_ONLY = [("lora_file.written", 1)]
-FAST = {("lm", "checkpoint.pruning")}  # the rest is slow: 7-9 s a kill when the machine is idle
+FAST = {("lm", "checkpoint.pruning")}  # the rest is long: 7-9 s a kill when the machine is idle, ~55 kills
 TASKS_KILLED = ("lm", "dpo", "orpo", "wan")
 
 
 def _cases():
     for task in TASKS_KILLED:
         for phase, n in RUN_KILLS + (WAN_ONLY if task == "wan" else []):
-            marks = () if (task, phase) in FAST else (pytest.mark.slow,)
+            marks = () if (task, phase) in FAST else (pytest.mark.long,)
             yield pytest.param(task, phase, n, id=f"{task}-{phase}:{n}", marks=marks)
 
 
@@ -109,7 +110,7 @@ def merged_reference(request, tmp_path_factory) -> tuple[Path, Path]:
     return lm, out
 
 
-@pytest.mark.parametrize("phase", [p if p == "export.old_moved" else pytest.param(p, marks=pytest.mark.slow)
+@pytest.mark.parametrize("phase", [p if p == "export.old_moved" else pytest.param(p, marks=pytest.mark.long)
                                    for p in EXPORT_PHASES])
 def test_kill_at_an_export_phase_keeps_old_or_new_and_the_rerun_is_exact(merged_reference, phase, tmp_path):
     run, want = merged_reference

@@ -15,6 +15,8 @@ store), and elsewhere HOST must resolve and the port answer within the same boun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import errno
 import socket
 import time
@@ -59,17 +61,9 @@ def _endpoint_preflight(launch: Launch, timeout_s: float, say) -> None:
         return
     say(f"rendezvous: c10d at {host}:{port}, node {launch.node_rank} of {launch.nnodes}; waiting up to "
         f"{timeout_s:g} s for it to answer (reliability.rendezvous_timeout_s, --rendezvous-timeout)")
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            socket.create_connection((host, port), timeout=min(left, 10.0)).close()
-            return
-        except TimeoutError:
-            last = "timed out"
-        except OSError as exc:
-            last = exc.strerror or str(exc)
-        time.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0)))
+    last = _retry(timeout_s, lambda left: socket.create_connection((host, port), timeout=min(left, 10.0)).close())
+    if last is None:
+        return
     raise UserError(f"--rdzv-endpoint {host}:{port} did not answer within {timeout_s:g} s ({last}); this is node "
                     f"{launch.node_rank} of {launch.nnodes}, and nothing was started or written. Start the run on "
                     f"the machine {host} first (its torchrun hosts the rendezvous), check that this machine can reach "
@@ -171,23 +165,37 @@ def _hello_rank(conn: socket.socket, timeout_s: float) -> int | None:
         return None
 
 
-def _join(launch: Launch, timeout_s: float) -> None:
-    """Node > 0: hello to node 0 until it answers go, within the bound."""
+def _retry(timeout_s: float, attempt: Callable[[float], str | None]) -> str | None:
+    """Calls ``attempt(seconds left)`` every RETRY_S until it returns None (done) or ``timeout_s`` have passed; then
+    returns why the last attempt failed (its string, "timed out", or the socket error)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while (left := deadline - time.monotonic()) > 0:
         try:
-            with socket.create_connection((launch.master_addr, launch.master_port), timeout=min(left, 10.0)) as conn:
-                conn.sendall(HELLO + f"{launch.node_rank}\n".encode())
-                conn.settimeout(max(deadline - time.monotonic(), 0.1))
-                if conn.recv(len(GO)) == GO:
-                    return
-                last = "node 0 closed the connection (is something else listening on that port?)"
+            last = attempt(left)
+            if last is None:
+                return None
         except TimeoutError:
             last = "timed out"
         except OSError as exc:
             last = exc.strerror or str(exc)
         time.sleep(min(RETRY_S, max(deadline - time.monotonic(), 0)))
+    return last
+
+
+def _join(launch: Launch, timeout_s: float) -> None:
+    """Node > 0: hello to node 0 until it answers go, within the bound."""
+    def hello(left: float) -> str | None:
+        with socket.create_connection((launch.master_addr, launch.master_port), timeout=min(left, 10.0)) as conn:
+            conn.sendall(HELLO + f"{launch.node_rank}\n".encode())
+            conn.settimeout(max(left, 0.1))
+            if conn.recv(len(GO)) == GO:
+                return None
+            return "node 0 closed the connection (is something else listening on that port?)"
+
+    last = _retry(timeout_s, hello)
+    if last is None:
+        return
     raise UserError(f"node 0 at {launch.master_addr}:{launch.master_port} did not answer within {timeout_s:g} s "
                     f"({last}); this is node {launch.node_rank} of {launch.nnodes}. Start node 0 (`rocktune train "
                     "... --node-rank 0`) with the same --master-addr and --master-port, check that this machine can "
