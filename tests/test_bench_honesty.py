@@ -56,17 +56,20 @@ def test_the_report_records_which_attention_ran_and_compile_fallbacks(tmp_path):
     (tmp_path / "run_info.json").write_text(json.dumps({"precision": "bf16", "predicted_peak_bytes": 7, "notes": [
         "attn_implementation auto -> sdpa (PyTorch SDPA picks the best sound backend)",
         "torch.compile applied to the decoder (the first steps include compilation)",
+        "fusion: inductor (compiled: Liger's kernels would be opaque to Inductor)",
         "attention: varlen_attn over the collate's document bounds (self-test: passed)"]}))
     rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.9, "compile_fallback": "InductorError: fed in"}]
     resolved = ran(tmp_path, rows)
     assert resolved == {"attention": "varlen_attn over the collate's document bounds (self-test: passed)",
                         "compiled": True, "compile_fallbacks": [{"step": 2, "error": "InductorError: fed in"}],
-                        "precision": "bf16", "predicted_peak_bytes": 7}
+                        "precision": "bf16", "predicted_peak_bytes": 7, "fusion": "inductor",
+                        "fusion_note": "inductor (compiled: Liger's kernels would be opaque to Inductor)"}
     rep = runner.summarise([_result("rocktune", 1, 2, resolved), _result("hf-best", 1, 1, {
         "attn_implementation": "flex_attention"})], 0, [500], "cuda")
     by = {r["name"]: r for r in rep["configs"]}
     assert by["rocktune"]["attention"].startswith("varlen_attn") and by["hf-best"]["attention"] == "flex_attention"
     assert by["rocktune"]["compile_fallbacks"] == [{"step": 2, "error": "InductorError: fed in"}]
+    assert by["rocktune"]["fusion"] == "inductor"  # the Liger-vs-Inductor choice travels to the bench row
 
 
 def test_hf_best_is_an_expert_setup_without_extra_packages(monkeypatch, tokenizer):

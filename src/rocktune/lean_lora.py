@@ -14,8 +14,11 @@ the parameters or their names changes, so the saved adapter loads in PEFT unchan
 ``fused=True`` (the default) goes further (``rocktune.lora_fused``): a layer whose base is a plain frozen
 ``nn.Linear`` and whose dropout is off (or which is evaluating) runs base and adapter as one autograd node of
 matmuls, the scaled add in the matmul's epilogue, and siblings that read the same input (q/k/v, gate/up) share one
-A matmul. Anything else (dropout while training, disabled, merged, mixed or several active adapters) takes the lean
-forward, which hands the cases it does not cover to PEFT's own; DoRA and quantised layers are never patched.
+A matmul, wherever autograd records (training). A call without gradients (an eval pass, generation) takes the lean
+forward, whose fp32 values are PEFT's to the bit: the eval loss a run logs is the one its saved adapter gives when
+loaded with PEFT (tests/test_train.py). Anything else (dropout while training, disabled, merged, mixed or several
+active adapters) takes the lean forward, which hands the cases it does not cover to PEFT's own; DoRA and quantised
+layers are never patched.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ class _Group:
 
 
 def _fusable(module, name: str) -> bool:
-    """Whether this call may take the fused node: the adapter it was patched for is the one active, untouched."""
-    return (not module.disable_adapters and not module.merged and module.active_adapters == [name]
+    """Whether this call may take the fused node: autograd records (no grad: the lean forward, PEFT's values to the
+    bit), and the adapter it was patched for is the one active, untouched."""
+    return (torch.is_grad_enabled() and not module.disable_adapters and not module.merged and module.active_adapters == [name]
             and not (module.training and module.lora_dropout[name].__class__ is not torch.nn.Identity)
             and not module.base_layer.weight.requires_grad  # the node gives the base no gradient
             and (module.base_layer.bias is None or not module.base_layer.bias.requires_grad))
