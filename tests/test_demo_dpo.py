@@ -10,7 +10,7 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.long  # trains the SFT demo, then DPO: minutes on 2 cores
 def test_dpo_demo_makes_the_preferred_answer_win(tmp_path):
     res = subprocess.run([sys.executable, "-m", "rocktune", "demo", "--task", "dpo", "--out", str(tmp_path / "dpo"),
                           "--from", str(tmp_path / "sft"), "--json"], capture_output=True, text=True, timeout=1200)

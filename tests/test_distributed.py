@@ -13,7 +13,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform == "win32", reason="gloo + torchrun on Linux/macOS")]
+pytestmark = [pytest.mark.long, pytest.mark.skipif(sys.platform == "win32", reason="gloo + torchrun on Linux/macOS")]
 
 
 @pytest.fixture(scope="module")
