@@ -12,7 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 TINY_SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2}
-LONG_REASON = "long: a minute or more on 2 CPU cores, outside `make test`; `make test-long` runs it (CI does), or set ROCKTUNE_LONG=1"
+LONG_REASON = ("long: a minute or more on 2 CPU cores, outside `make test`; `make test-long` runs it (CI does), "
+               "or set ROCKTUNE_LONG=1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -72,7 +72,8 @@ class _Group:
 def _fusable(module, name: str) -> bool:
     """Whether this call may take the fused node: autograd records (no grad: the lean forward, PEFT's values to the
     bit), and the adapter it was patched for is the one active, untouched."""
-    return (torch.is_grad_enabled() and not module.disable_adapters and not module.merged and module.active_adapters == [name]
+    return (torch.is_grad_enabled() and not module.disable_adapters and not module.merged
+            and module.active_adapters == [name]
             and not (module.training and module.lora_dropout[name].__class__ is not torch.nn.Identity)
             and not module.base_layer.weight.requires_grad  # the node gives the base no gradient
             and (module.base_layer.bias is None or not module.base_layer.bias.requires_grad))
