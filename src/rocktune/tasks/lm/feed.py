@@ -105,7 +105,26 @@ class Share:
     lockstep: bool = False
 
 
-class StepFeed:
+class StreamPosition:
+    """Where a feed stands in its ``BatchStream`` after the last step it handed out, which is what a checkpoint saves;
+    shared by every task's feed. The feed sets ``stream``, ``_items_per_step`` (stream items per optimizer step),
+    ``_position`` and ``_epoch``."""
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.stream) // self._items_per_step)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last step handed out."""
+        return self._epoch
+
+    def position(self) -> dict[str, int]:
+        """Stream position after the last step handed out: where a resumed run continues."""
+        return dict(self._position)
+
+
+class StepFeed(StreamPosition):
     """Hands out one optimizer step at a time. With several ranks every rank walks the same deterministic stream,
     takes its disjoint share (rows of the step, or micro-batches, dealt round-robin) and derives the
     global loss-token count from per-example counts, so the normaliser needs no communication."""
@@ -136,19 +155,6 @@ class StepFeed:
         self._epoch = self.stream.epoch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocktune-feed") if prefetch else None
         self._ahead = None  # (plan, future of collated batches, position, epoch) of the prefetched step
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return -(-len(self.stream) // self._items_per_step)
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the last step handed out."""
-        return self._epoch
-
-    def position(self) -> dict[str, int]:
-        """Stream position after the last step handed out: where a resumed run continues."""
-        return dict(self._position)
 
     def next(self) -> Step:
         if self._ahead is None:

@@ -13,7 +13,7 @@ import torch
 from rocktune.data.batching import BatchStream, epoch_batches
 from rocktune.data.packing import collate_packed, cut_segments
 from rocktune.data.preference import PairSet
-from rocktune.tasks.lm.feed import Step
+from rocktune.tasks.lm.feed import Step, StreamPosition
 
 
 def collate_pairs(pairs: PairSet, idx: list[int], pad_id: int, nll_scale: float, segments: bool) -> dict:
@@ -54,7 +54,7 @@ def split_pairs(batch: dict, pieces: int) -> list[dict]:
     return parts
 
 
-class PairFeed:
+class PairFeed(StreamPosition):
     """One optimizer step at a time: ``grad_accum`` micro-batches of ``pairs_per_forward`` length-bucketed pairs,
     dealt round-robin to the ranks; the step's normaliser is its number of pairs (every rank's)."""
 
@@ -66,18 +66,8 @@ class PairFeed:
         self.rank, self.world, self.idle = share
         lengths = pairs.lengths()
         self.stream = BatchStream(lambda e: epoch_batches(lengths, pairs_per_forward, seed, e), epoch, index)
+        self._items_per_step = grad_accum
         self._position, self._epoch = self.stream.position(), self.stream.epoch
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return -(-len(self.stream) // self.grad_accum)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def position(self) -> dict[str, int]:
-        return dict(self._position)
 
     def next(self) -> Step:
         items = [self.stream.next() for _ in range(self.grad_accum)]
