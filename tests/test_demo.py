@@ -65,7 +65,8 @@ def test_demo_figures_hold_under_avx2_kernels_and_one_thread(tmp_path):
 @pytest.mark.llama_cpp
 def test_llama_cpp_answers_the_demos_held_out_prompts_as_transformers_does(demo, monkeypatch):
     """README/docs/export.md: the demo's f16 file and its base GGUF + GGUF LoRA give the transformers PeftModel's
-    greedy tokens on all 100 held-out prompts (6 tokens each) in llama.cpp; the q8_0 file on at least 95 (100 on the AMD EPYC here; 98 on the earlier demo)."""
+    greedy tokens on all 100 held-out prompts (6 tokens each) in llama.cpp; the q8_0 file on at least 95 (100 on the
+    AMD EPYC here; 98 on the earlier demo)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp builds it)")
     import torch
     from peft import PeftModel
