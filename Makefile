@@ -12,7 +12,7 @@ STAMP := $(VENV)/.rocktune-installed
 demo: $(STAMP)
 	$(BIN)/rocktune demo
 
-# The linter first (seconds): style and import mistakes fail before the 12-minute suite starts.
+# The linter first (seconds): style and import mistakes fail before the 11-13-minute suite starts.
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest
