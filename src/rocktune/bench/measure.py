@@ -13,6 +13,8 @@ import resource
 import sys
 from pathlib import Path
 
+from rocktune.train.memory import resident_bytes
+
 
 def _status_kib(field: str) -> int | None:
     try:
@@ -25,8 +27,7 @@ def _status_kib(field: str) -> int | None:
 
 
 def rss_bytes() -> int | None:
-    kib = _status_kib("VmRSS")
-    return kib * 1024 if kib is not None else None
+    return resident_bytes() or None  # the training loop's own reader (train/memory.py), so both report one figure
 
 
 class MemoryProbe:
