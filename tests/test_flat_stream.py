@@ -195,3 +195,21 @@ def test_token_batching_with_varlen_plans_flat_forwards():
     assert feeding.cu_slots == cu_slots(lengths, feeding.flat_width) and "flat forwards of" in notes[0]
     rows, _, _ = autofit.plan_feeding(cfg, AutoChoices("cuda", "bf16", "sdpa"), lengths, 24 * 2**30, True)
     assert rows.flat_width == 0  # SDPA and flex read rows: they keep rows of max_length
+
+
+def test_the_opaque_stand_in_gives_the_reference_attention_s_values_and_gradients():
+    """The stand-in's backward is written out by hand (autograd does not run inside a custom op): its gradients must
+    be the reference attention's, including a zero-length document (the fixed-length bounds' padding)."""
+    from rocktune.attention import reference_varlen
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(12, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    grads = []
+    for fn in (opaque_varlen, lambda *a, **kw: reference_varlen(*a, **kw)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves, cu, cu, 7, 7, scale=0.3, window_size=(-1, 0), enable_gqa=True)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append((out.detach(), *(t.grad for t in leaves)))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
