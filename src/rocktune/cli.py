@@ -235,6 +235,10 @@ def _add_doctor(sub) -> None:
     p.add_argument("--nproc", type=int, default=1,
                    help="instead: start N processes (torchrun) and run train's multi-GPU preflight alone: barrier, "
                         "an all-reduce of known values, peer access, each under a timeout")
+    p.add_argument("--model", metavar="PATH",
+                   help="also train this model (hub id or local directory) a few steps on the device the way `train` "
+                        "would (fused LoRA path, default optimizer, compiled where train compiles) against PEFT's "
+                        "reference forward: a build that computes wrong gradients fails before a long run")
     p.set_defaults(func=_run_doctor)
 
 
@@ -252,8 +256,16 @@ def _run_doctor(args) -> int:
         return run_preflight(args.nproc, min(args.timeout, 120.0))
     from rocktune.doctor.main import run_doctor
 
+    more = None
+    if args.model:
+        from rocktune.model import check_model_source
+        from rocktune.tasks.lm import pathcheck
+
+        check_model_source(args.model)  # a missing directory or a malformed id: the usual clear error, now
+        more = lambda device, precision: (("rocktune.tasks.lm.pathcheck", args.model),  # noqa: E731
+                                          pathcheck.names(device, precision))
     return run_doctor(as_json=args.json, no_device=args.no_device, simulate=args.simulate,
-                      run_checks=not args.no_checks, perf=not args.no_perf, timeout=args.timeout)
+                      run_checks=not args.no_checks, perf=not args.no_perf, timeout=args.timeout, more=more)
 
 
 # --- env -------------------------------------------------------------------------------------------------------

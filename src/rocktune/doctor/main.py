@@ -12,8 +12,10 @@ from rocktune.platform.environment import apply_advice
 
 
 def run_doctor(as_json: bool = False, no_device: bool = False, simulate: str | None = None,
-               run_checks: bool = True, perf: bool = True, timeout: float = 300.0) -> int:
-    """Exit status: 1 when a check failed, else 0. ``simulate`` computes advice for a snapshot, running nothing."""
+               run_checks: bool = True, perf: bool = True, timeout: float = 300.0, more=None) -> int:
+    """Exit status: 1 when a check failed, else 0. ``simulate`` computes advice for a snapshot, running nothing.
+    ``more(device, precision) -> (child, names)``: further checks run by another child module after the device's
+    own (``--model``: that model's training path, from the LM task, which this layer does not import)."""
     if simulate:
         plat = load_platform(simulate)
     else:
@@ -30,7 +32,13 @@ def run_doctor(as_json: bool = False, no_device: bool = False, simulate: str | N
         env = dict(os.environ)
         report["advice"]["applied_for_checks"] = apply_advice(advice, env)  # the checks see what `train` would set
         report["device"] = device
-        report["checks"] = [asdict(r) for r in _checks(device, env, perf, timeout)]
+        results = _checks(device, env, perf, timeout)
+        if more is not None:
+            from rocktune.doctor.runner import run_checks as run_child_checks
+
+            child, names = more(device, advice.defaults.precision if device != "cpu" else "fp32")
+            results += run_child_checks(device, names, env, timeout, child)
+        report["checks"] = [asdict(r) for r in results]
     if as_json:
         import json
         import sys
