@@ -268,4 +268,4 @@ def test_a_user_turn_quoting_a_reply_falls_back_to_the_per_prefix_rendering(toke
     got = fastencode.encode_many([{"messages": msgs}], tokenizer, settings, ["x"], layout)[0]
     assert got == encode.encode({"messages": msgs}, "messages", tokenizer, 512, False, "x")
     plain = [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]
-    assert fastencode.chat_segments(plain, tokenizer, layout) == encode._chat_segments(plain, tokenizer, "x")
+    assert fastencode.chat_segments(plain, tokenizer, layout) == encode.chat_segments(plain, tokenizer, "x")

@@ -19,6 +19,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from rocktune.data import pair_signal
+from rocktune.data.chat import Where, content_text
 from rocktune.data.encode import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, IGNORE
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
@@ -72,6 +74,10 @@ def read_pair(row: dict, where: str) -> PairText:
     """The pair a source row holds, in whichever shape it comes; a row of no known shape is named."""
     # A table (datasets) gives every row every column, None where a record lacks the key.
     row = {k: v for k, v in row.items() if v is not None}
+    if "preferred_output" in row or "non_preferred_output" in row:
+        row = _openai(row, where)
+    if row.get("tools"):
+        raise _no_tools(where, "a 'tools' list")
     if "chosen" not in row or "rejected" not in row:
         raise UserError(f"{where}: a preference pair needs 'chosen' and 'rejected' (this row has {sorted(row)}); "
                         f"shapes: {'; '.join(SHAPES)}. Map other column names with data.columns.")
@@ -96,6 +102,26 @@ def read_pair(row: dict, where: str) -> PairText:
                         _messages(rejected, where, "rejected"), True)
     return PairText(_text(prompt, where, "prompt"), _text(chosen, where, "chosen"),
                     _text(rejected, where, "rejected"), False)
+
+
+def _openai(row: dict, where: str) -> dict:
+    """OpenAI's preference format: ``input`` ({messages, tools?, parallel_tool_calls?}), ``preferred_output`` and
+    ``non_preferred_output`` (lists of assistant messages), as TRL's conversational prompt/chosen/rejected."""
+    missing = [k for k in ("input", "preferred_output", "non_preferred_output") if k not in row]
+    inp = row.get("input")
+    if missing or not isinstance(inp, dict) or "messages" not in inp:
+        raise UserError(f"{where}: OpenAI's preference format needs 'input' ({{'messages': [...]}}), "
+                        f"'preferred_output' and 'non_preferred_output'; this row has {sorted(row)}"
+                        + (f" (missing {missing})" if missing else f" and its 'input' has "
+                           f"{sorted(inp) if isinstance(inp, dict) else type(inp).__name__}") + ".")
+    return {"prompt": inp["messages"], "tools": inp.get("tools"), "chosen": row["preferred_output"],
+            "rejected": row["non_preferred_output"]}
+
+
+def _no_tools(where: str, what: str) -> UserError:
+    return UserError(f"{where}: the pair has {what}; preference tuning does not render tools or tool calls yet, and "
+                     "training without them would score answers against a prompt that lacks them. Remove the pairs "
+                     "that use tools (or their tool definitions, if the answers do not depend on them).")
 
 
 def _implicit(chosen, rejected, chat: bool, where: str) -> PairText:
@@ -136,10 +162,15 @@ def _messages(value, where: str, key: str) -> list[dict]:
 
 
 def _message(msg, where: str) -> dict:
-    if not (isinstance(msg, dict) and isinstance(msg.get("content"), str)
-            and msg.get("role") in ("system", "user", "assistant")):
+    if isinstance(msg, dict) and (msg.get("tool_calls") or msg.get("function_call") or msg.get("role") == "tool"):
+        raise _no_tools(where, "a tool call or tool result")
+    if not (isinstance(msg, dict) and isinstance(msg.get("content"), (str, list))
+            and msg.get("role") in ("system", "developer", "user", "assistant")):
         raise UserError(f"{where} must be an object with 'role' (system, user, assistant) and string 'content'.")
-    return {"role": msg["role"], "content": msg["content"]}
+    # content parts (OpenAI's and HF's lists of text parts) are joined as SFT joins them; OpenAI's developer role
+    # is its newer name for the system role
+    role = "system" if msg["role"] == "developer" else msg["role"]
+    return {"role": role, "content": content_text(msg["content"], Where(where, "message"))}
 
 
 def _text(value, where: str, key: str) -> str:
@@ -197,8 +228,27 @@ def _render(pair: PairText, tokenizer, where: str) -> tuple[list[int], list[int]
 
 def encode_rows(rows, tokenizer, max_length: int, truncation: str) -> tuple[list[Pair], int]:
     """``rows``: ``(where, row)``; returns the pairs and how many were truncated."""
-    pairs = [encode_pair(read_pair(row, where), tokenizer, max_length, truncation, where) for where, row in rows]
+    pairs = [pair for pair, _ in encode_kinds(rows, tokenizer, max_length, truncation)]
     return pairs, sum(p.truncated for p in pairs)
+
+
+def encode_kinds(rows, tokenizer, max_length: int, truncation: str) -> list[tuple[Pair, str | None]]:
+    """Each row's pair and why it carries no preference signal (``pair_signal.kind``; None when it does)."""
+    out = []
+    for where, row in rows:
+        text = read_pair(row, where)
+        pair = encode_pair(text, tokenizer, max_length, truncation, where)
+        out.append((pair, pair_signal.kind(text, pair)))
+    return out
+
+
+def encode_screened(rows, tokenizer, d, policy: str, name: str) -> tuple[list[Pair], int, list[str]]:
+    """The pairs of ``rows`` that carry signal (``pair_signal.screen`` per ``policy``: preference.no_signal), how
+    many of those were truncated, and the warning naming the others; ``d``: the data section."""
+    encoded = encode_kinds(rows, tokenizer, d.max_length, d.truncation)
+    keep, notes = pair_signal.screen([(where, k) for (where, _), (_, k) in zip(rows, encoded)], policy, name)
+    pairs = [encoded[i][0] for i in keep]
+    return pairs, sum(p.truncated for p in pairs), notes
 
 
 def pair_set(pairs: list[Pair]) -> PairSet:
@@ -233,11 +283,30 @@ def read_rows(spec: str, d, cache_dir, key: str, eval_side: bool = False) -> lis
 
     if Path(spec).is_file() and Path(spec).suffix.lower() in (".json", ".jsonl"):
         rows = read_records(spec)
-        missing = {src for src in d.columns.values() if src not in rows[0][1]}
+        missing = {src for src in d.columns.values() if nested(rows[0][1], src) is None}
         if missing:
             raise UserError(f"data.columns maps to {sorted(missing)}, which {rows[0][0]} does not have (its keys: "
-                            f"{sorted(rows[0][1])}); fix data.columns.")
-        renamed = {v: k for k, v in d.columns.items()}
-        return [(where, {renamed.get(k, k): v for k, v in row.items()}) for where, row in rows]
+                            f"{sorted(rows[0][1])}; a nested field is named with dots, e.g. input.messages); fix "
+                            "data.columns.")
+        return [(where, _mapped(row, d.columns)) for where, row in rows]
     src = open_source(spec, source_settings(d, cache_dir, eval_side), key)
     return [(RowLoc(src.name, src.kind, i), row) for i, row in enumerate(src.dataset)]
+
+
+def nested(row: dict, path: str):
+    """``row``'s field at ``path``: a key, or keys joined by dots for a nested field (``input.messages``)."""
+    if path in row:
+        return row[path]
+    value = row
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _mapped(row: dict, columns: dict[str, str]) -> dict:
+    """``row`` with each mapped field under its record key (a top-level source key renamed, a nested one copied)."""
+    out = {k: v for k, v in row.items() if k not in columns.values()}
+    out.update({key: nested(row, src) for key, src in columns.items()})
+    return out

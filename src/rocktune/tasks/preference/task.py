@@ -197,16 +197,16 @@ def _read_pairs(cfg: RunConfig, tokenizer, cache_root: Path):
 
 
 def _read_checked(cfg: RunConfig, tokenizer, cache_root: Path):
-    d = cfg.data
+    d, policy = cfg.data, cfg.preference.no_signal
     train_rows = prefdata.read_rows(d.train_file, d, cache_root, "data.train_file")
-    train, cut = prefdata.encode_rows(train_rows, tokenizer, d.max_length, d.truncation)
+    train, cut, notes = prefdata.encode_screened(train_rows, tokenizer, d, policy, d.train_file)
     if d.eval_file:
-        held, cut_eval = prefdata.encode_rows(prefdata.read_rows(d.eval_file, d, cache_root, "data.eval_file", True),
-                                              tokenizer, d.max_length, d.truncation)
-        cut += cut_eval
+        eval_rows = prefdata.read_rows(d.eval_file, d, cache_root, "data.eval_file", True)
+        held, cut_eval, eval_notes = prefdata.encode_screened(eval_rows, tokenizer, d, policy, d.eval_file)
+        cut, notes = cut + cut_eval, notes + eval_notes
     else:
         train, held = prefdata.split_pairs(train, d.eval_fraction, cfg.training.seed)
-    notes = [f"{cut} pairs cut to data.max_length={d.max_length} (both answers alike)"] if cut else []
+    notes += [f"{cut} pairs cut to data.max_length={d.max_length} (both answers alike)"] if cut else []
     return prefdata.pair_set(train), prefdata.pair_set(held), notes
 
 

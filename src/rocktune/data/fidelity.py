@@ -1,0 +1,89 @@
+"""Meaning never lost to a template: what a conversation says must be in the text its chat template renders.
+
+A chat template renders what it was written for and silently drops the rest: a ChatML template without tool
+support (SmolLM2's, the demo model's) renders an assistant turn that only calls a tool as an empty turn and ignores
+``tools=``, so a tool-calling set would teach the model to answer with nothing; a template without a system role may
+skip the system prompt. Each record is checked on its own rendering (the segments the encoder cut it into), never
+by the template's name: every message's text, each tool call's name and arguments (in the reply that trains them)
+and, by rendering once without it, the tool list. Text is compared with whitespace, punctuation and case removed,
+so a template that trims, quotes or JSON-escapes what it writes still passes; what it does not write at all fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from rocktune.errors import UserError
+
+_NOT_WORD = re.compile(r"[\W_]+")
+FIX_TOOLS = ("Use a chat template that renders tools and tool calls: data.chat_template naming a .jinja file (the "
+             "model family's own tool-calling template, e.g. Qwen2.5's for a ChatML model) or a template rocktune "
+             "knows (data.chat_template: chatml-tools for ChatML models such as SmolLM2 and Qwen); or train "
+             "without them, explicitly: data.tools: drop (the tool list, the calls and the tool results are removed, "
+             "and a conversation left without an answer is dropped).")
+FIX_TEXT = ("Use a chat template that renders it (data.chat_template naming a .jinja file, or a model whose template "
+            "does), or remove that part from the records if the model is meant to learn without it.")
+
+
+def words(text: str) -> str:
+    """``text`` reduced to its letters and digits, case folded: what any rendering of it keeps."""
+    return _NOT_WORD.sub("", text).casefold()
+
+
+class _Text:
+    """A rendered text, searched raw first (C speed) and reduced to words only when the raw search fails."""
+
+    def __init__(self, text: str):
+        self.text, self._words = text, None
+
+    def has(self, piece: str) -> bool:
+        piece = piece.strip()
+        if not piece or piece in self.text:
+            return True
+        if self._words is None:
+            self._words = words(self.text)
+        return words(piece) in self._words
+
+
+def check(rec: dict, segments: list[tuple[str, bool]], loc, tools_rendered: bool = True) -> None:
+    """Raise when the rendering (``segments``: a prompt and a reply segment per assistant turn, then the rest, as
+    the encoder cuts it) lacks any part of the canonical conversation ``rec``. ``tools_rendered``: whether the
+    rendering with ``tools=`` differs from the one without (the caller renders both)."""
+    if rec.get("tools") and not tools_rendered:
+        names = ", ".join(t["function"]["name"] for t in rec["tools"])
+        raise UserError(f"{loc}: the model's chat template does not render the record's tool list ({names}): the "
+                        "rendering is the same with and without it, so the model would be trained to call tools "
+                        f"it was never shown. {FIX_TOOLS}")
+    full = _Text("".join(text for text, _ in segments))
+    replies = [_Text(text) for text, _ in segments[1::2]]
+    n_reply = 0
+    for i, msg in enumerate(rec["messages"]):
+        if msg["role"] != "assistant":
+            if not full.has(msg["content"]):
+                _lost(loc, i, msg, f"its {msg['role']} text", FIX_TEXT)
+            continue
+        reply = replies[n_reply] if n_reply < len(replies) else _Text("")
+        n_reply += 1
+        for call in msg.get("tool_calls", ()):
+            fn = call["function"]
+            missing = [p for p in (fn["name"], *_leaves(fn["arguments"])) if not reply.has(p)]
+            if missing:
+                _lost(loc, i, msg, f"its call of {fn['name']!r} (the reply renders as {reply.text[:80]!r})",
+                      FIX_TOOLS)
+        if not reply.has(msg["content"]):
+            _lost(loc, i, msg, f"its text (the reply renders as {reply.text[:80]!r})", FIX_TEXT)
+
+
+def _leaves(value) -> list[str]:
+    """The keys and scalar values of a call's arguments, as text."""
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in (str(k), *_leaves(v))]
+    if isinstance(value, list):
+        return [x for v in value for x in _leaves(v)]
+    return [value if isinstance(value, str) else json.dumps(value)]
+
+
+def _lost(loc, i: int, msg: dict, what: str, fix: str) -> None:
+    raise UserError(f"{loc}: messages[{i}] ({msg['role']}): the model's chat template does not render {what}, so "
+                    f"training would not see what the record says. {fix}")
