@@ -16,9 +16,10 @@ from rocktune.data import toolcalls
 from rocktune.errors import UserError
 
 # ShareGPT tags (LLaMA-Factory's defaults) and OpenAI roles -> the role a template knows; data.roles adds to these.
-# OpenAI's "developer" is its newer name for the system role.
+# OpenAI's "developer" is its newer name for the system role, "function" its older one for a tool's result.
 ROLE_TAGS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-             "developer": "system", "function_call": "function_call", "observation": "tool", "tool": "tool"}
+             "developer": "system", "function_call": "function_call", "observation": "tool", "tool": "tool",
+             "function": "tool"}
 TARGETS = ("system", "user", "assistant", "tool", "function_call")
 TEXT_PARTS = ("text", "input_text", "output_text")  # HF's and OpenAI's text part types
 WEIGHT_KEYS = ("loss_weight", "weight", "train")  # per-message: LLaMA-Factory/TRL, Axolotl's weight and train

@@ -17,13 +17,13 @@ import re
 from rocktune.errors import UserError
 
 _NOT_WORD = re.compile(r"[\W_]+")
-FIX_TOOLS = ("Use a chat template that renders tools and tool calls: data.chat_template naming a .jinja file (the "
-             "model family's own tool-calling template, e.g. Qwen2.5's for a ChatML model) or a template rocktune "
-             "knows (data.chat_template: chatml-tools for ChatML models such as SmolLM2 and Qwen); or train "
-             "without them, explicitly: data.tools: drop (the tool list, the calls and the tool results are removed, "
-             "and a conversation left without an answer is dropped).")
-FIX_TEXT = ("Use a chat template that renders it (data.chat_template naming a .jinja file, or a model whose template "
-            "does), or remove that part from the records if the model is meant to learn without it.")
+FIX_TOOLS = ("Use a chat template that renders tools and tool calls: point model.name_or_path at a copy of the model "
+             "directory whose chat_template.jinja does (for a ChatML model such as SmolLM2 or the demo model, a "
+             "ChatML tool-calling template such as Qwen2.5's; training, generate, export and the Ollama TEMPLATE all "
+             "follow the directory's template); or train without them, explicitly: data.tools: drop (the tool list, "
+             "the calls and the tool results are removed, and a conversation left without an answer is dropped).")
+FIX_TEXT = ("Use a chat template that renders it (a copy of the model directory with a chat_template.jinja that does), "
+            "or remove that part from the records if the model is meant to learn without it.")
 
 
 def words(text: str) -> str:
