@@ -164,3 +164,40 @@ def test_smollm2_template_refuses_tool_records(request):
         _encode(OPENAI_TOOLS, tok)
     assert "get_weather" not in tok.decode(_encode(OPENAI_TOOLS, tok, drop=True).input_ids)
     assert _trained(tok, _encode(SYSTEM, tok)).startswith("Bonjour.")
+
+
+QWEN_FILE = DATA / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+
+
+def test_a_template_file_trains_tool_data_and_export_follows_it(tiny_model_dir, tmp_path):
+    """The fix the refusal names, for the demo model (ChatML without tools): data.chat_template naming a ChatML
+    tool-calling template. Training renders the calls with it; export's tokenizer, the merged model and the Ollama
+    TEMPLATE follow the same template (its <tools> blocks included)."""
+    from rocktune.config import config_from_dict
+    from rocktune.export.ollama import modelfile
+    from rocktune.export.source import load_tokenizer, resolve
+    from rocktune.tasks import train
+    from tests.conftest import tiny_run_config
+
+    cfg = tiny_run_config(tiny_model_dir, DATA / "openai_chat_tools.jsonl", None, tmp_path / "out", max_steps=1,
+                          micro_batch_size=2, grad_accum=1)
+    cfg["data"].update(max_length=1400, eval_fraction=0.2, chat_template=str(QWEN_FILE))
+    train(config_from_dict(cfg), quiet=True)
+    tok = load_tokenizer(resolve(str(tmp_path / "out")))
+    assert tok.chat_template == QWEN_FILE.read_text()
+    text, notes = modelfile("model.gguf", "chat", tok, None)
+    assert "<tools>" in text and "<tool_call>" in text and not notes
+    plain, _ = modelfile("model.gguf", "chat", load_tokenizer(resolve(str(tiny_model_dir))), None)
+    assert "TEMPLATE" in plain and "<tools>" not in plain  # the demo's own ChatML: no tool blocks it never had
+
+
+def test_a_template_file_that_is_missing_or_not_jinja_is_refused(tokenizer, tmp_path):
+    from rocktune.config import load_config
+    from rocktune.readers.template import use_template
+
+    with pytest.raises(UserError, match=r"data.chat_template: .*must be auto, always, never, or a chat template "
+                                        r"file ending in \.jinja"):
+        load_config(None, ["data.train_file=x.jsonl", "data.chat_template=chatml"])
+    missing = load_config(None, ["data.train_file=x.jsonl", f"data.chat_template={tmp_path / 'none.jinja'}"])
+    with pytest.raises(UserError, match=r"data.chat_template=.*none.jinja cannot be read"):
+        use_template(tokenizer, missing.data.chat_template)

@@ -98,11 +98,12 @@ class DataConfig(_Section):
         "{bot: assistant, customer: user}; a role is one of system, user, assistant, tool, function_call.",
         json_schema_extra=only("sft"),
     )
-    chat_template: Literal["auto", "always", "never"] = Field(
+    chat_template: str = Field(
         "auto", description="Render Alpaca and prompt/completion records through the model's chat template as "
         "single-turn conversations. auto: Alpaca yes where the tokenizer has a template (as LLaMA-Factory does), "
-        "prompt/completion no (as TRL does); export and generate follow what was trained.",
-        json_schema_extra=only("sft"),
+        "prompt/completion no (as TRL does); always; never. Or a .jinja file: the chat template to use instead of "
+        "the tokenizer's (e.g. one that renders tools), as auto otherwise; export and generate follow what was "
+        "trained.", json_schema_extra=only("lm"),
     )
     tools: Literal["render", "drop"] = Field(
         "render", description="Tool lists, assistant tool calls and tool results of conversations. render: through "
@@ -153,6 +154,16 @@ class DataConfig(_Section):
         json_schema_extra=only("sft")
     )
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
+
+    @field_validator("chat_template", mode="after")
+    @classmethod
+    def template_file(cls, value: str) -> str:
+        if value in ("auto", "always", "never"):
+            return value
+        if not value.endswith(".jinja"):
+            raise ValueError("must be auto, always, never, or a chat template file ending in .jinja")
+        # absolute, so that export and generate, run from elsewhere, find the template the run trained with
+        return str(Path(home(value)).absolute())
 
     @field_validator("train_file", "eval_file", "cache_dir", mode="before")
     @classmethod

@@ -63,7 +63,10 @@ def run_pair_preview(cfg, n_show: int, as_json: bool) -> int:
 
     from rocktune.model import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    from rocktune.readers.template import use_template
+
+    tokenizer = use_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
+                             cfg.data.chat_template)
     pv = build_pair_preview(cfg.data, tokenizer, n_show, cfg.preference.no_signal)
     failed = int(any(p["level"] == "error" for p in pv["problems"]))
     if as_json:

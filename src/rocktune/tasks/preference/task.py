@@ -16,6 +16,7 @@ import torch
 
 from rocktune.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
+from rocktune.readers.template import use_template
 from rocktune.data import preference as prefdata
 from rocktune.data.dataset import Pending
 from rocktune.errors import UserError
@@ -78,7 +79,8 @@ class PreferenceTask:
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, dist, device = ctx.cfg, ctx.dist, ctx.device
         m, rel = cfg.model, cfg.reliability
-        tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
+        tokenizer = use_template(preflight.load_tokenizer(m.name_or_path, m.trust_remote_code),
+                                 cfg.data.chat_template)
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
         (train, held, notes) = _read_pairs(cfg, tokenizer, ctx.cache_root)
