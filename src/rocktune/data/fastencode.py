@@ -98,7 +98,7 @@ def _segments(rec: dict, shape: str, tokenizer, loc: str, layout: ChatLayout | N
         if shape == "messages" and layout is not None and not has_tools(rec):
             found = chat_segments(rec["messages"], tokenizer, layout)
             if found is not None:
-                fidelity.check(rec, found, loc)
+                fidelity.check(rec, found, loc, located=True)
                 return found
         return encode._segments(rec, shape, tokenizer, loc)
     except UserError:

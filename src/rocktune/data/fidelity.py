@@ -46,25 +46,29 @@ class _Text:
         return words(piece) in self._words
 
 
-def check(rec: dict, segments: list[tuple[str, bool]], loc, tools_rendered: bool = True) -> None:
+def check(rec: dict, segments: list[tuple[str, bool]], loc, tools_rendered: bool = True,
+          located: bool = False) -> None:
     """Raise when the rendering (``segments``: a prompt and a reply segment per assistant turn, then the rest, as
     the encoder cuts it) lacks any part of the canonical conversation ``rec``. ``tools_rendered``: whether the
-    rendering with ``tools=`` differs from the one without (the caller renders both)."""
+    rendering with ``tools=`` differs from the one without (the caller renders both). ``located``: the replies were
+    found verbatim in the rendering (the one-rendering layout, which has no tool calls), so only the other turns
+    need looking for."""
     if rec.get("tools") and not tools_rendered:
         names = ", ".join(t["function"]["name"] for t in rec["tools"])
         raise UserError(f"{loc}: the model's chat template does not render the record's tool list ({names}): the "
                         "rendering is the same with and without it, so the model would be trained to call tools "
                         f"it was never shown. {FIX_TOOLS}")
     full = _Text("".join(text for text, _ in segments))
-    replies = [_Text(text) for text, _ in segments[1::2]]
     n_reply = 0
     for i, msg in enumerate(rec["messages"]):
         if msg["role"] != "assistant":
             if not full.has(msg["content"]):
                 _lost(loc, i, msg, f"its {msg['role']} text", FIX_TEXT)
             continue
-        reply = replies[n_reply] if n_reply < len(replies) else _Text("")
         n_reply += 1
+        if located:
+            continue
+        reply = _Text(segments[2 * n_reply - 1][0] if 2 * n_reply - 1 < len(segments) else "")
         for call in msg.get("tool_calls", ()):
             fn = call["function"]
             missing = [p for p in (fn["name"], *_leaves(fn["arguments"])) if not reply.has(p)]

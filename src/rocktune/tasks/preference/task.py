@@ -66,6 +66,9 @@ class PreferenceTask:
         if self.cfg.training.parallel == "fsdp":
             raise UserError(f"task={self.cfg.task} trains with training.parallel=ddp (or one process); fsdp is not "
                             "supported for preference pairs yet.")
+        if self.cfg.data.chat_template in ("always", "never"):  # instruction records: SFT's; a .jinja file applies
+            raise UserError(f"data.chat_template={self.cfg.data.chat_template} decides how SFT renders instruction "
+                            f"records and does nothing for task={self.cfg.task}; remove it (a .jinja file is used).")
         refuse_layout(options.processes, self.cfg.training.parallel, self.cfg.model.quantization)
 
     def check(self, ctx: RunContext) -> None:
