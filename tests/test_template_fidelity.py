@@ -164,6 +164,10 @@ def test_smollm2_template_refuses_tool_records(request):
         _encode(OPENAI_TOOLS, tok)
     assert "get_weather" not in tok.decode(_encode(OPENAI_TOOLS, tok, drop=True).input_ids)
     assert _trained(tok, _encode(SYSTEM, tok)).startswith("Bonjour.")
+    from rocktune.export.ollama import modelfile
+
+    text, notes = modelfile("model.gguf", "chat", tok, None)  # its Ollama TEMPLATE: ChatML without tool blocks
+    assert "<|im_start|>" in text and "<tools>" not in text and "<tool_call>" not in text and not notes
 
 
 QWEN_FILE = DATA / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
@@ -201,3 +205,16 @@ def test_a_template_file_that_is_missing_or_not_jinja_is_refused(tokenizer, tmp_
     missing = load_config(None, ["data.train_file=x.jsonl", f"data.chat_template={tmp_path / 'none.jinja'}"])
     with pytest.raises(UserError, match=r"data.chat_template=.*none.jinja cannot be read"):
         use_template(tokenizer, missing.data.chat_template)
+
+
+def test_qwen3_dropping_the_reasoning_of_an_earlier_turn_is_refused():
+    """Qwen3's template keeps a <think> block only after the last user turn: the earlier turn's reasoning would be
+    trained away. The last turn's is rendered and passes."""
+    def turn(q, a):
+        reply = f"<think>\nworking {a}\n</think>\n\n{a}"
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": reply}]
+    tok = real("qwen3")
+    assert "working A1" in _trained(tok, _encode({"messages": turn("Q1", "A1")}, tok))
+    with pytest.raises(UserError, match=r"messages\[1\] \(assistant\).*does not render its text \(the reply renders "
+                                        r"as 'A1<\|im_end\|>\\n'\)"):
+        _encode({"messages": turn("Q1", "A1") + turn("Q2", "A2")}, tok)
