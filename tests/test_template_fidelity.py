@@ -218,3 +218,21 @@ def test_qwen3_dropping_the_reasoning_of_an_earlier_turn_is_refused():
     with pytest.raises(UserError, match=r"messages\[1\] \(assistant\).*does not render its text \(the reply renders "
                                         r"as 'A1<\|im_end\|>\\n'\)"):
         _encode({"messages": turn("Q1", "A1") + turn("Q2", "A2")}, tok)
+
+
+def test_data_preview_refuses_the_tool_file_and_drop_previews_it(tiny_model_dir, capsys):
+    """The newcomer's path with the demo model: preview stops with the reason and the fix (no "checks passed");
+    the override it names, given to `data preview --data`, previews the text turns."""
+    import json
+
+    from rocktune.cli import main
+
+    f = str(DATA / "openai_chat_tools.jsonl")
+    assert main(["data", "preview", "--data", f, "--model", str(tiny_model_dir)]) != 0
+    err = capsys.readouterr().err
+    assert "does not render the record's tool list" in " ".join(err.split()) and "data.tools: drop" in err
+    assert main(["data", "preview", "--data", f, "--model", str(tiny_model_dir), "data.tools=drop", "--json",
+                 "--max-length", "2048"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_kept"] == 5 and not [p for p in out["problems"] if p["level"] == "error"]
+    assert any("data.tools=drop" in n for n in out["truncation_notes"])
