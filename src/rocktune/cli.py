@@ -404,7 +404,8 @@ def _add_data(sub) -> None:
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     q = data_sub.add_parser("preview", help="counts, lengths, trained tokens highlighted, and the checks train runs")
     q.add_argument("-c", "--config", help="YAML config: its data and model sections are previewed")
-    q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=512")
+    q.add_argument("overrides", nargs="*", help="dotted overrides, with -c or with --data, e.g. data.max_length=512, "
+                   "task=dpo (previews preference pairs), data.tools=drop")
     q.add_argument("--data", help="data file (JSON/JSONL, parquet, CSV, Arrow, .txt/.md), a folder of text files, "
                    "save_to_disk folder or hub dataset id "
                    "(instead of -c)")
