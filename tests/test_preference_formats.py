@@ -8,6 +8,7 @@ kind, count and rows, dropped while a minority and refused as a majority (``pref
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -64,15 +65,41 @@ def test_nested_columns_reach_an_sft_conversation_in_parquet(tmp_path, tokenizer
     assert "messages<-input.messages" in stats.source
 
 
-def test_tools_in_a_pair_are_refused_not_dropped():
+def _tool_pair() -> dict:
+    """An OpenAI pair whose preferred answer calls a tool from input.tools, the other answers without it."""
     row = json.loads(OPENAI.read_text().splitlines()[0])
-    row["input"]["tools"] = [{"type": "function", "function": {"name": "lookup_plant", "parameters": {}}}]
-    with pytest.raises(UserError, match=r"r0: the pair has a 'tools' list; preference tuning does not render tools"):
-        read_pair(row, "r0")
-    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
-    with pytest.raises(UserError, match="a tool call or tool result"):
-        read_pair({"prompt": [{"role": "user", "content": "q"}], "chosen": [call],
-                   "rejected": [{"role": "assistant", "content": "no"}]}, "r1")
+    row["input"]["tools"] = [{"type": "function", "function": {
+        "name": "lookup_plant", "description": "Care sheet of a plant",
+        "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}}]
+    row["preferred_output"] = [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_p1", "type": "function", "function": {"name": "lookup_plant",
+                                                          "arguments": json.dumps({"name": "snake plant"})}}]}]
+    return row
+
+
+def test_a_pair_with_tools_renders_them_or_is_refused(tokenizer):
+    """input.tools and a tool call in an answer go to the chat template; a template that drops either is refused
+    (meaning never lost), as in SFT."""
+    from rocktune.data.preference import encode_pair
+    from tests.test_chat_data import real
+
+    pair = read_pair(_tool_pair(), "r0")
+    assert pair.tools[0]["function"]["name"] == "lookup_plant"
+    qwen = real("qwen2.5")
+    enc = encode_pair(pair, qwen, 2048, "prompt", "r0")
+    ids, labels = enc.chosen
+    assert "<tools>" in qwen.decode(ids) and "lookup_plant" in qwen.decode(ids[:labels.count(-100)])
+    assert qwen.decode([t for t, lab in zip(ids, labels) if lab != -100]) == (
+        '<tool_call>\n{"name": "lookup_plant", "arguments": {"name": "snake plant"}}\n</tool_call><|im_end|>\n')
+    with pytest.raises(UserError, match=r"r0: the model's chat template does not render the pair's tool list "
+                                        r"\(lookup_plant\)"):
+        encode_pair(pair, tokenizer, 2048, "prompt", "r0")
+    no_list = dataclasses.replace(pair, tools=None)
+    with pytest.raises(UserError, match=r"r0: messages\[0\] \(assistant\): the model's chat template does not "
+                                        r"render its call of 'lookup_plant'"):
+        encode_pair(no_list, tokenizer, 2048, "prompt", "r0")
+    with pytest.raises(UserError, match=r"r1: the pair has a 'tools' list but its prompt and answers are text"):
+        read_pair({"prompt": "q", "chosen": "a", "rejected": "b", "tools": pair.tools}, "r1")
     with pytest.raises(UserError, match=r"r2: OpenAI's preference format needs .*\(missing "
                                         r"\['non_preferred_output'\]\)"):
         read_pair({"input": {"messages": []}, "preferred_output": []}, "r2")

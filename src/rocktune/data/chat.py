@@ -123,6 +123,11 @@ def _message(turn, where: Where, roles: dict[str, str]) -> tuple[dict, bool]:
     return msg, trained
 
 
+def message(turn, where: Where) -> dict:
+    """One message in the canonical form (tool calls in HF's layout, content parts joined): for preference pairs."""
+    return _message(turn, where, {})[0]
+
+
 def _tool_only(msg: dict) -> bool:
     """Whether a message goes entirely with data.tools: drop (a tool result, or a call without text); a call
     beside text loses the call and keeps the text."""

@@ -17,13 +17,13 @@ import re
 from rocktune.errors import UserError
 
 _NOT_WORD = re.compile(r"[\W_]+")
-FIX_TOOLS = ("Use a chat template that renders tools and tool calls: point model.name_or_path at a copy of the model "
-             "directory whose chat_template.jinja does (for a ChatML model such as SmolLM2 or the demo model, a "
-             "ChatML tool-calling template such as Qwen2.5's; training, generate, export and the Ollama TEMPLATE all "
-             "follow the directory's template); or train without them, explicitly: data.tools: drop (the tool list, "
-             "the calls and the tool results are removed, and a conversation left without an answer is dropped).")
-FIX_TEXT = ("Use a chat template that renders it (a copy of the model directory with a chat_template.jinja that does), "
-            "or remove that part from the records if the model is meant to learn without it.")
+FIX_TOOLS = ("Use a chat template that renders tools and tool calls: data.chat_template naming a .jinja file that does "
+             "(for a ChatML model such as SmolLM2 or the demo model, a ChatML tool-calling template such as Qwen2.5's "
+             "chat_template.jinja; training, generate, export and the Ollama TEMPLATE all use it), or a model whose "
+             "own template does; or train without them, explicitly: data.tools: drop (the tool list, the calls and "
+             "the tool results are removed, and a conversation left without an answer is dropped).")
+FIX_TEXT = ("Use a chat template that renders it (data.chat_template naming a .jinja file that does, or a model whose "
+            "own template does), or remove that part from the records if the model is meant to learn without it.")
 
 
 def words(text: str) -> str:
@@ -91,3 +91,17 @@ def _leaves(value) -> list[str]:
 def _lost(loc, i: int, msg: dict, what: str, fix: str) -> None:
     raise UserError(f"{loc}: messages[{i}] ({msg['role']}): the model's chat template does not render {what}, so "
                     f"training would not see what the record says. {fix}")
+
+
+def check_answer(messages: list[dict], rendered: str, loc) -> None:
+    """One answer of a preference pair (its assistant messages, rendered as ``rendered``): its text and its tool
+    calls must be there, or the pair would compare answers the loss never sees."""
+    text = _Text(rendered)
+    for i, msg in enumerate(messages):
+        for call in msg.get("tool_calls", ()):
+            fn = call["function"]
+            if not all(text.has(p) for p in (fn["name"], *_leaves(fn["arguments"]))):
+                _lost(loc, i, msg, f"its call of {fn['name']!r} (the answer renders as {rendered[:80]!r})",
+                      FIX_TEXT)
+        if not text.has(msg["content"]):
+            _lost(loc, i, msg, f"its text (the answer renders as {rendered[:80]!r})", FIX_TEXT)

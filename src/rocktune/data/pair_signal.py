@@ -40,7 +40,7 @@ def kind(text, pair) -> str | None:
 def _flat(answer) -> str:
     if isinstance(answer, str):
         return answer
-    return "\n".join(f"{m['role']}: {m['content']}" for m in answer)
+    return "\n".join(f"{m['role']}: {m['content']} {m.get('tool_calls') or ''}" for m in answer)
 
 
 def summary(kinds: list[tuple[object, str | None]]) -> dict[str, dict]:

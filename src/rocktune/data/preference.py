@@ -15,11 +15,12 @@ ends with the end-of-sequence token (conversations: the template's end of turn).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from dataclasses import dataclass
 
-from rocktune.data import pair_signal
+from rocktune.data import chat, fidelity, pair_signal, toolcalls
 from rocktune.data.chat import Where, content_text
 from rocktune.data.encode import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, IGNORE
 from rocktune.errors import UserError
@@ -40,6 +41,7 @@ class PairText:
     chosen: str | list
     rejected: str | list
     chat: bool
+    tools: list | None = None  # function schemas given to the chat template as tools= (conversational pairs)
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,21 @@ class PairSet:
 
 
 def read_pair(row: dict, where: str) -> PairText:
-    """The pair a source row holds, in whichever shape it comes; a row of no known shape is named."""
+    """The pair a source row holds, in whichever shape it comes; a row of no known shape is named. A ``tools``
+    list (OpenAI's ``input.tools``, or a column) goes to the chat template with the conversation."""
     # A table (datasets) gives every row every column, None where a record lacks the key.
     row = {k: v for k, v in row.items() if v is not None}
     if "preferred_output" in row or "non_preferred_output" in row:
         row = _openai(row, where)
-    if row.get("tools"):
-        raise _no_tools(where, "a 'tools' list")
+    pair = _read(row, where)
+    tools = toolcalls.schemas(row.get("tools"), where)
+    if tools and not pair.chat:
+        raise UserError(f"{where}: the pair has a 'tools' list but its prompt and answers are text; tools are "
+                        "rendered by a chat template, so give the pair as messages (or drop the tools).")
+    return dataclasses.replace(pair, tools=tools) if tools else pair
+
+
+def _read(row: dict, where: str) -> PairText:
     if "chosen" not in row or "rejected" not in row:
         raise UserError(f"{where}: a preference pair needs 'chosen' and 'rejected' (this row has {sorted(row)}); "
                         f"shapes: {'; '.join(SHAPES)}. Map other column names with data.columns.")
@@ -114,14 +124,8 @@ def _openai(row: dict, where: str) -> dict:
                         f"'preferred_output' and 'non_preferred_output'; this row has {sorted(row)}"
                         + (f" (missing {missing})" if missing else f" and its 'input' has "
                            f"{sorted(inp) if isinstance(inp, dict) else type(inp).__name__}") + ".")
-    return {"prompt": inp["messages"], "tools": inp.get("tools"), "chosen": row["preferred_output"],
-            "rejected": row["non_preferred_output"]}
-
-
-def _no_tools(where: str, what: str) -> UserError:
-    return UserError(f"{where}: the pair has {what}; preference tuning does not render tools or tool calls yet, and "
-                     "training without them would score answers against a prompt that lacks them. Remove the pairs "
-                     "that use tools (or their tool definitions, if the answers do not depend on them).")
+    return {"prompt": inp["messages"], "tools": inp.get("tools") or row.get("tools"),
+            "chosen": row["preferred_output"], "rejected": row["non_preferred_output"]}
 
 
 def _implicit(chosen, rejected, chat: bool, where: str) -> PairText:
@@ -162,8 +166,9 @@ def _messages(value, where: str, key: str) -> list[dict]:
 
 
 def _message(msg, where: str) -> dict:
-    if isinstance(msg, dict) and (msg.get("tool_calls") or msg.get("function_call") or msg.get("role") == "tool"):
-        raise _no_tools(where, "a tool call or tool result")
+    if isinstance(msg, dict) and (msg.get("tool_calls") or msg.get("function_call")
+                                  or msg.get("role") in ("tool", "function")):
+        return chat.message(msg, Where(where, "message"))  # a call or a result, in the layout templates take
     if not (isinstance(msg, dict) and isinstance(msg.get("content"), (str, list))
             and msg.get("role") in ("system", "developer", "user", "assistant")):
         raise UserError(f"{where} must be an object with 'role' (system, user, assistant) and string 'content'.")
@@ -185,7 +190,8 @@ def encode_pair(pair: PairText, tokenizer, max_length: int, truncation: str, whe
     then each answer at its end; with ``truncation=end`` every sequence keeps its first ``max_length`` tokens."""
     for key in ("chosen", "rejected"):
         answer = getattr(pair, key)
-        if not (answer.strip() if isinstance(answer, str) else any(m["content"].strip() for m in answer)):
+        if not (answer.strip() if isinstance(answer, str) else any(m["content"].strip() or m.get("tool_calls")
+                                                                     for m in answer)):
             raise UserError(f"{where}: the '{key}' answer is empty, so the pair compares nothing; fill it in or "
                             "remove the row.")
     prompt, chosen, rejected = _render(pair, tokenizer, where)
@@ -213,14 +219,24 @@ def _render(pair: PairText, tokenizer, where: str) -> tuple[list[int], list[int]
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{where}: conversational pairs need the tokenizer's chat template, and this tokenizer has "
                         "none; use an instruct model's tokenizer or give the pairs as text.")
-    start = render_chat_template(tokenizer, pair.prompt, tokenize=False, add_generation_prompt=True) \
+    extra = {"tools": pair.tools} if pair.tools else {}
+    start = render_chat_template(tokenizer, pair.prompt, tokenize=False, add_generation_prompt=True, **extra) \
         if pair.prompt else ""
+    if pair.tools and start == render_chat_template(tokenizer, pair.prompt, tokenize=False,
+                                                    add_generation_prompt=True):
+        names = ", ".join(t["function"]["name"] for t in pair.tools)
+        raise UserError(f"{where}: the model's chat template does not render the pair's tool list ({names}): the "
+                        "prompt renders the same with and without it. Use a template that renders tools "
+                        "(data.chat_template naming a .jinja file that does, or a model whose own template does), or "
+                        "remove the tools from the pairs if the answers do not depend on them.")
 
     def answer(msgs):
-        full = render_chat_template(tokenizer, pair.prompt + msgs, tokenize=False, add_generation_prompt=False)
+        full = render_chat_template(tokenizer, pair.prompt + msgs, tokenize=False, add_generation_prompt=False,
+                                    **extra)
         if not full.startswith(start):
             raise UserError(f"{where}: the chat template does not render the prompt as the start of the whole "
                             "conversation, so the answer cannot be located; use another template or text pairs.")
+        fidelity.check_answer(msgs, full[len(start):], where)
         return tokenizer(full[len(start):], add_special_tokens=False)["input_ids"]
     prompt = tokenizer(start, add_special_tokens=False)["input_ids"] if start else []
     return prompt, answer(pair.chosen), answer(pair.rejected)
