@@ -85,6 +85,8 @@ def _leaves(value) -> list[str]:
         return [x for k, v in value.items() for x in (str(k), *_leaves(v))]
     if isinstance(value, list):
         return [x for v in value for x in _leaves(v)]
+    if value is None:  # null / None / nothing, by how a template writes it: nothing to look for
+        return []
     return [value if isinstance(value, str) else json.dumps(value)]
 
 
