@@ -416,7 +416,8 @@ def _add_data(sub) -> None:
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     q = data_sub.add_parser("preview", help="counts, lengths, trained tokens highlighted, and the checks train runs")
     q.add_argument("-c", "--config", help="YAML config: its data and model sections are previewed")
-    q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=512")
+    q.add_argument("overrides", nargs="*", help="dotted overrides, with -c or with --data, e.g. data.max_length=512, "
+                   "task=dpo (previews preference pairs), data.tools=drop")
     q.add_argument("--data", help="data file (JSON/JSONL, parquet, CSV, Arrow, .txt/.md), a folder of text files, "
                    "save_to_disk folder or hub dataset id "
                    "(instead of -c)")
@@ -434,10 +435,11 @@ def _add_data(sub) -> None:
 
 
 def _run_data_preview(args) -> int:
-    if args.config:
+    if args.config or (args.data and args.model):
         from rocktune.config import load_config
 
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides) if args.config else \
+            load_config(None, args.overrides, base=_preview_flags(args))
         if cfg.is_diffusion:
             from rocktune.diffusion.preview import run_media_preview
 
@@ -448,24 +450,23 @@ def _run_data_preview(args) -> int:
             return run_pair_preview(cfg, args.examples, args.json)
         # The whole data section: columns, split, subset, revision, num_proc open the source as train does.
         data, model, trust = cfg.data, cfg.model.name_or_path, cfg.model.trust_remote_code
-    elif args.data and args.model:
-        from pydantic import ValidationError
-
-        from rocktune.config import DataConfig
-
-        try:
-            data = DataConfig(train_file=args.data, format=args.format, max_length=args.max_length,
-                              train_on_prompt=args.train_on_prompt, truncation=args.truncation)
-        except ValidationError as exc:
-            raise UserError(f"rocktune data preview: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}; "
-                            "fix the flag (see --help).") from None
-        model, trust = args.model, False
     else:
         raise UserError("rocktune data preview needs -c CONFIG, or both --data FILE and --model MODEL.")
     from rocktune.report.preview_view import run_preview
 
     return run_preview(data, model=model, trust_remote_code=trust, n_show=args.examples, html=args.html,
                        as_json=args.json)
+
+
+def _preview_flags(args) -> dict:
+    """The settings ``--data`` / ``--model`` and the flags give, as a config's sections; the dotted overrides
+    (``task=dpo``, ``data.columns=...``) go on top. A flag left at its default is not set, so that a task the flag
+    does not apply to (data.format for dpo) is not refused for it."""
+    data = {"train_file": args.data}
+    flags = {"format": (args.format, "auto"), "max_length": (args.max_length, 1024),
+             "train_on_prompt": (args.train_on_prompt, False), "truncation": (args.truncation, "prompt")}
+    data.update({key: value for key, (value, default) in flags.items() if value != default})
+    return {"model": {"name_or_path": args.model}, "data": data}
 
 
 def _add_report(sub) -> None:

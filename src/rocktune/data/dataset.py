@@ -135,7 +135,7 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
                             truncation=d.truncation, empty_targets="dropped", columns=src.columns,
                             split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision,
                             roles=settings.roles, templated=settings.templated, text_split=d.text_split,
-                            records="chat-v2")
+                            tools=d.tools, records="chat-v3")
     probes = []
     if settings.shape == "messages":
         pairs = [(src.where(i), rec) for i, rec in enumerate(head)]
@@ -171,7 +171,7 @@ def encode_settings(d, shape: str, tokenizer) -> fastencode.EncodeSettings:
     """How records of ``shape`` are encoded per the ``data:`` config section ``d``."""
     templated = instruct.uses_template(d.chat_template, shape, tokenizer)
     return fastencode.EncodeSettings("messages" if templated else shape, d.max_length, d.train_on_prompt,
-                                     d.truncation, shape, tuple(sorted(d.roles.items())))
+                                     d.truncation, shape, tuple(sorted(d.roles.items())), d.tools)
 
 
 def describe_shape(settings: fastencode.EncodeSettings, chat_template: str) -> str:
@@ -203,7 +203,10 @@ def _summarise(out, src: sources.Source, settings: fastencode.EncodeSettings, vo
     notes = []
     if n_empty:
         where = [src.where(int(i)) for i in np.flatnonzero(empty)[:3]]
-        notes.append(records.empty_note(where, n_empty, len(empty), shape, src.name))
+        note = records.empty_note(where, n_empty, len(empty), shape, src.name)
+        if settings.tools == "drop" and shape == "messages":
+            note += " (data.tools=drop: a conversation whose assistant turns only call tools has none left)"
+        notes.append(note)
     counts = collections.Counter(out.data.column("unused").combine_chunks().flatten().to_pylist())
     unused = meaning.unused_note(dict(counts), len(empty), settings.source_shape, src.name)
     notes += [unused] if unused else []

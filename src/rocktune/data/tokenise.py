@@ -37,7 +37,8 @@ def _strip(value):
 
 def prepare_rows(pairs: list[tuple[object, dict]], settings: fastencode.EncodeSettings) -> list[dict]:
     """The records of ``pairs`` (location, row) checked and in the encoder's form (``records.prepare``)."""
-    return records.prepare(pairs, settings.source_shape, dict(settings.roles), settings.templated)
+    return records.prepare(pairs, settings.source_shape, dict(settings.roles), settings.templated,
+                           settings.tools == "drop")
 
 
 class _Encode:

@@ -107,7 +107,9 @@ def run_preview(data, model: str, trust_remote_code: bool, n_show: int, html: st
     ``train``."""
     from rocktune.model import load_tokenizer
 
-    tokenizer = load_tokenizer(model, trust_remote_code)
+    from rocktune.readers.template import use_template
+
+    tokenizer = use_template(load_tokenizer(model, trust_remote_code), data.chat_template)
     pv = build_preview(data.train_file, data.format, tokenizer, data.max_length, data.train_on_prompt, n_show,
                        data.truncation, data)
     if as_json:
