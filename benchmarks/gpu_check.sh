@@ -55,7 +55,7 @@ pack() {
 # run NAME SECONDS FILE COMMAND...: stdout to $WORK/FILE, stderr to $WORK/NAME.err, under its own timeout (SIGKILL
 # 5 s after SIGTERM); sets RC and SECS
 run() {
-  local name=$1 secs=$2 file=$3
+  local name=$1 secs=$(($2 * SLACK)) file=$3
   shift 3
   note "$name begins (timeout ${secs}s)"
   local t0=$SECONDS
@@ -107,7 +107,7 @@ bench() {
   gated "$name" || return
   rm -rf "$SUITE/$shape/runs/$config" "$SUITE/$shape/results"  # nothing of an earlier command is read as this one's
   run "$name" "$secs" "$name.json" $PY -m rocktune bench --suite gpu --device $DEVICE --model "$shape" \
-    --out "$SUITE" --timeout $((secs - build - 10)) --json --configs "$config"
+    --out "$SUITE" --timeout $(((secs - build - 10) * SLACK)) --json --configs "$config"
   BENCHED+=("$WORK/$name.json")
   say "$($PY -m rocktune.bench.check bench --stage "$name" --rc $RC --secs $SECS --file "$WORK/$name.json" \
     --shape "$shape" --config "$config" --run-dir "$SUITE/$shape/runs/$config" --device $DEVICE \
@@ -133,7 +133,9 @@ plain() {
 }
 
 if [ -n "${DRY:-}" ]; then
-  PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; COLLECT="--collect-only"
+  # a CPU's work is not the GPU's: the dry run checks the plumbing, with 3 times each timeout (a loaded shared CPU
+  # compiles a layer in about 2 minutes)
+  PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; COLLECT="--collect-only"; SLACK=3
   LOSS="--dtype fp32 --rows 300 --chunk 128 --vocab 512 --hidden 64 --repeat 1"
 else
   if [ -d .whl ]; then
@@ -142,7 +144,7 @@ else
       .whl/*.whl > "$WORK/install.txt" 2>&1 || { note "wheel install failed"; say "install: FAIL"; pack; exit 1; }
     export PYTHONPATH=/tmp/site:$PYTHONPATH
   fi
-  PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; COLLECT=""
+  PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; COLLECT=""; SLACK=1
   LOSS="--dtype bf16 --chunk 2048 --rows 8192 --repeat 5"
 fi
 : > "$OUT/summary.txt"
@@ -150,8 +152,8 @@ note "gpu_check.sh $PART${DRY:+ --dry-run} in $PWD, work folder $WORK"
 
 case "$PART" in
   1)
+    correctness 150  # first: if nothing else runs, this answers
     plain machine 5 machine.txt sh -c 'nvidia-smi || echo "no nvidia-smi"'
-    correctness 150
     # the real loop's OOM split and resume (about 150 s: three compiled runs) and the planner's peaks: part tests
     tests gpu-tests 50 $PY -m pytest -q -p no:cacheprovider $COLLECT -m gpu tests \
       --deselect tests/test_gpu_train.py --deselect tests/test_planner_validation.py

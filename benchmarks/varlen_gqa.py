@@ -18,9 +18,9 @@ def calls(device: str, dtype, kernel) -> dict:
     from rocktune import attention as A
 
     args = A.KernelArgs.of(kernel)
-    both = {"un-repeated": A._self_test(device, dtype, kernel, grouped_kv=True)}
+    both = {"un-repeated": A.self_test_call(device, dtype, kernel, grouped_kv=True)}
     if not args.gqa:
-        both["repeated"] = A._self_test(device, dtype, kernel, grouped_kv=False)
+        both["repeated"] = A.self_test_call(device, dtype, kernel, grouped_kv=False)
     chosen = A.self_test(device, dtype, kernel)
     return {"takes_enable_gqa": args.gqa,
             **{name: {"ok": r.ok, "error": r.error, "detail": r.detail} for name, r in both.items()},

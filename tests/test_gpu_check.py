@@ -54,7 +54,7 @@ def test_the_first_command_proves_training_before_it_measures_speed():
     planner's, then the grouped-query varlen self-test), and only then spends time on speed; a failed correctness
     stage skips the speed stages (a speed of paths not proven to train is no figure)."""
     names = [n for n, _ in _stages("1")]
-    assert names == ["machine", "correctness", "gpu-tests", "varlen-gqa", "rocktune-0.5b", "hf-best-0.5b"]
+    assert names == ["correctness", "machine", "gpu-tests", "varlen-gqa", "rocktune-0.5b", "hf-best-0.5b"]
     text = SCRIPT.read_text()
     files = re.search(r'local files=\(([^)]*)\)', text).group(1).split()
     assert files == ['"$MATRIX"', "tests/test_lora_fused.py", "tests/test_lean_lora.py",
@@ -234,10 +234,10 @@ def test_command_1_dry_run_returns_few_files_one_line_per_stage_and_the_ratios(t
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.tar.gz", "report.json", "stages.txt", "summary.txt"]
     assert len(list(out.iterdir())) <= MAX_FILES and all(p.stat().st_size < 16 * 2**20 for p in out.iterdir())
     lines = (out / "summary.txt").read_text().splitlines()
-    assert [x.split(":", 1)[0] for x in lines] == ["machine", "correctness", "gpu-tests", "varlen-gqa",
+    assert [x.split(":", 1)[0] for x in lines] == ["correctness", "machine", "gpu-tests", "varlen-gqa",
                                                    "rocktune-0.5b", "hf-best-0.5b", "ratios tiny"], lines
     assert proc.stdout.splitlines() == lines  # the same lines come back in the command's output
-    assert lines[1].startswith("correctness: ok" if matrix else "correctness: FAIL, tests/test_training_matrix.py is "
+    assert lines[0].startswith("correctness: ok" if matrix else "correctness: FAIL, tests/test_training_matrix.py is "
                                                                   "absent")
     assert "stand-in 2.11 signature float32 ok (K/V un-repeated" in lines[3]
     assert lines[4].startswith("rocktune-0.5b: ok, loss ") and lines[5].startswith("hf-best-0.5b: ok, loss ")
@@ -256,7 +256,7 @@ def test_command_1_dry_run_returns_few_files_one_line_per_stage_and_the_ratios(t
 def test_a_failed_correctness_stage_skips_the_speed_stages(tmp_path):
     proc = _dry_run("1", tmp_path, GPU_CHECK_MATRIX="tests/no_such_matrix.py")
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
-    assert proc.returncode == 1 and lines[1].startswith("correctness: FAIL, tests/no_such_matrix.py is absent")
+    assert proc.returncode == 1 and lines[0].startswith("correctness: FAIL, tests/no_such_matrix.py is absent")
     assert lines[2].startswith("gpu-tests: ok") and lines[3].startswith("varlen-gqa: ok")  # the rest of the answer
     assert lines[4:] == [f"{n}: SKIPPED (correctness failed: a speed of paths not proven to train is no figure; "
                          "KEEP_GOING=1 runs it)" for n in ("rocktune-0.5b", "hf-best-0.5b")]

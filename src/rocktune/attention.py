@@ -179,13 +179,13 @@ def self_test(device: str, dtype: torch.dtype, kernel: Callable | None = None) -
         flag = KernelArgs.of(kernel).gqa
     except TypeError as exc:
         return SelfTest(False, f"TypeError: {exc}")
-    grouped = _self_test(device, dtype, kernel, grouped_kv=True)
+    grouped = self_test_call(device, dtype, kernel, grouped_kv=True)
     if flag:
         return grouped
     if grouped.ok:
         return SelfTest(True, f"{grouped.detail}; grouped K/V un-repeated (the kernel takes no enable_gqa)",
                         grouped.error, True)
-    repeated = _self_test(device, dtype, kernel, grouped_kv=False)
+    repeated = self_test_call(device, dtype, kernel, grouped_kv=False)
     return SelfTest(repeated.ok, f"{repeated.detail}; K/V repeated per query head (un-repeated they failed: "
                                  f"{grouped.detail})", repeated.error, False)
 
@@ -194,7 +194,9 @@ def self_test(device: str, dtype: torch.dtype, kernel: Callable | None = None) -
 SELF_TEST_HEADS = (14, 2)
 
 
-def _self_test(device: str, dtype: torch.dtype, kernel: Callable, grouped_kv: bool) -> SelfTest:
+def self_test_call(device: str, dtype: torch.dtype, kernel: Callable, grouped_kv: bool) -> SelfTest:
+    """One call of the self-test: grouped K/V un-repeated (``grouped_kv``; with ``enable_gqa`` where the kernel takes
+    it) or repeated per query head. ``self_test`` picks; ``benchmarks/varlen_gqa.py`` reports both."""
     from rocktune.data.packing import cu_seq_lens
 
     rows = [[37, 5, 1, 20], [60, 3]]  # documents per row; the rest of each row of 72 is padding
