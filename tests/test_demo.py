@@ -122,24 +122,17 @@ def test_the_demo_learns_alike_with_every_optimizer(tmp_path):
     """Issue 43: fused AdamW (the GPU's default) once left the fused LoRA path with the first step's adapter: eval
     loss 5.99 -> 4.06 -> 4.14 where foreach gave 5.99 -> 3.02 -> 2.22. Every optimizer the config accepts must learn
     the demo alike: eval losses at steps 20 and 40 within 3% of torch's single-tensor AdamW."""
-    from rocktune.config import config_from_dict
-    from rocktune.demo.run import DEMO_SKILLS, MODEL_SHAPE, demo_config
-    from rocktune.demo.task import make_task, write_jsonl
-    from rocktune.demo.tiny import build_tiny_model
-    from rocktune.tasks import train
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("optimizer_parity", Path(__file__).parents[1] / "benchmarks" /
+                                                  "optimizer_parity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     from tests.test_training_matrix import OPTIMIZERS
 
-    build_tiny_model(tmp_path / "base", seed=0, **MODEL_SHAPE)
-    train_rows, eval_rows = make_task(n_train=4000, n_eval=100, seed=0, skills=DEMO_SKILLS)
-    write_jsonl(tmp_path / "data" / "train.jsonl", train_rows)
-    write_jsonl(tmp_path / "data" / "eval.jsonl", eval_rows)
-    curves = {}
-    for opt in OPTIMIZERS:
-        cfg = demo_config(tmp_path / "base", tmp_path / "data", tmp_path / opt, 40)
-        cfg["training"].update(optimizer=opt, eval_every=20, sample_count=0)
-        result = train(config_from_dict(cfg), quiet=True)
-        rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-        curves[opt] = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert set(bench.optimizers()) == set(OPTIMIZERS)
+    curves = bench.curves(tmp_path, 40)
     ref = curves["adamw_torch"]
     assert ref[0] == pytest.approx(LOSS_BEFORE[0], abs=LOSS_BEFORE[1]) and ref[-1] < 2.6, curves
     for opt, curve in curves.items():
