@@ -42,6 +42,7 @@ class EncodeSettings:
     truncation: str = "prompt"
     record_shape: str | None = None  # the shape the records come in (None: ``shape``)
     roles: tuple[tuple[str, str], ...] = ()  # data.roles: (tag, role) pairs
+    stride: int = 0  # text: tokens between window starts (data.text_stride; textstream.stride_for)
 
     @property
     def source_shape(self) -> str:
