@@ -16,6 +16,7 @@ a document's bound.
 from __future__ import annotations
 
 from rocktune.data.encode import IGNORE, Encoded
+from rocktune.data.ids import token_ids
 from rocktune.errors import UserError, first_line
 
 
@@ -60,8 +61,7 @@ def encode_documents(texts: list[str], tokenizer, max_length: int, stride: int, 
 
 def _tokenize(texts: list[str], tokenizer, locs: list) -> list[list[int]]:
     def call(batch):
-        return tokenizer(batch, add_special_tokens=True, return_attention_mask=False,
-                         return_token_type_ids=False)["input_ids"]
+        return token_ids(tokenizer, batch, True)
 
     try:
         return call(texts)

@@ -66,7 +66,7 @@ class _Encode:
             unused = meaning.unused(raw[j], self.used)
             for k, enc in enumerate(encoded or [None]):
                 _append(out, enc, empty=empty[j] and k == 0, first=k == 0, unused=unused if k == 0 else [])
-        return out
+        return _table(out)
 
     def _encode(self, recs: list[dict], locs: list) -> list[list]:
         if self.settings.shape == "text":
@@ -92,6 +92,25 @@ def _append(out: dict, enc, empty: bool, first: bool, unused: list) -> None:
     out["kept"].append(kept)
     out["unused"].append(unused)
     out["first"].append(first)
+
+
+def _table(out: dict):
+    """The rows as an Arrow table of ``features()``' schema: built in C by pyarrow from the lists, where datasets'
+    writer would infer and convert each column of a returned dict in Python (2 s of 24 in a profile of 20,000
+    Alpaca records)."""
+    import pyarrow as pa
+
+    return pa.Table.from_pydict(out, schema=schema())
+
+
+_SCHEMA: list = []
+
+
+def schema():
+    """``features()`` as an Arrow schema, made once per process."""
+    if not _SCHEMA:
+        _SCHEMA.append(features().arrow_schema)
+    return _SCHEMA[0]
 
 
 def features():
@@ -159,7 +178,6 @@ def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings,
     from tqdm.auto import tqdm
 
     path = scratch / "tokens.arrow"
-    schema = features().arrow_schema
     encoder = _Encode(tokenizer, settings, src)
     procs = workers(num_proc, 1 << 62)  # the size is unknown: all the cores data.num_proc allows
     pool = None
@@ -171,10 +189,10 @@ def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings,
         else:
             results = (encoder(batch, idx) for batch, idx in _numbered(src))
         bar = tqdm(desc=f"tokenising {src.name} (streamed)", unit=" records", disable=None)
-        with sources.quiet(), pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        with sources.quiet(), pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema()) as writer:
             for out in results:
-                writer.write_table(pa.Table.from_pydict(out, schema=schema))
-                bar.update(sum(out["first"]))  # records, not the windows of a text
+                writer.write_table(out)
+                bar.update(sum(out.column("first").to_pylist()))  # records, not the windows of a text
         bar.close()
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
