@@ -63,3 +63,27 @@ def test_every_optional_tool_a_skip_needs_is_named_in_the_docs():
         assert reason in (ROOT / "tests" / test_file).read_text(), test_file
         assert f"**{name}**" in testing and docs in testing, name
     assert "docs/testing.md" in readme
+
+
+def test_readme_first_screen_a_ten_line_config_and_commands_that_run():
+    """Item 7: the two commands, then a my.yaml a config loader accepts and the commands after it, each a real
+    subcommand with real options."""
+    import shlex
+
+    import yaml
+
+    from rocktune.cli import build_parser
+    from rocktune.config import config_from_dict
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first = readme[:readme.index("\n## ")]
+    assert "make demo" in first and "make test" in first
+    block = re.search(r"```yaml\n(.*?)```", first, re.S).group(1)
+    assert len(block.strip().splitlines()) <= 10
+    cfg = config_from_dict(yaml.safe_load(block))
+    assert cfg.data.train_file and cfg.output.dir == "runs/my-chat"
+    commands = re.findall(r"^(rocktune [^#\n]*?)\s*(?:#.*)?$", first, re.M)
+    assert len(commands) == 4
+    parser = build_parser()
+    for line in commands:
+        parser.parse_args(shlex.split(line)[1:])  # argparse exits on an unknown option or subcommand
