@@ -28,8 +28,9 @@ def render(report: dict, console: Console | None = None) -> None:
         console.print(_checks_table(checks, report.get("device", "?")))
         counts = {s: sum(c["status"] == s for c in checks) for s in ("pass", "fail", "skip")}
         verdict = "[bold red]checks failed[/]" if counts["fail"] else "[green]all checks passed[/]"
-        verdict += " [yellow](the machine is oversubscribed: see the warning above)[/]" if busy else ""
-        console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
+        busy_note = " [yellow](the machine is oversubscribed: see the warning above)[/]" if busy else ""
+        console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+                      + busy_note)
     elif "device" not in report:
         console.print("[dim]no checks run (simulated platform or --no-checks)[/]")
 
