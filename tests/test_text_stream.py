@@ -78,7 +78,7 @@ def test_a_one_megabyte_corpus_trains_every_token(tmp_path, tokenizer):
     assert pv.total_tokens == len(whole) - 1 + pv.n_windows  # the context repeated: one token per window
     assert pv.problems == []  # no "would not learn to stop": that rule is for answers
     assert [ex["loc"] for ex in pv.examples] == [f"{f}[row 0] window {k} of {pv.n_windows}" for k in (1, 2)]
-    assert any(f"1 documents cut into {pv.n_windows:,} windows of up to 64 tokens" in n for n in pv.truncation_notes)
+    assert any(f"1 document cut into {pv.n_windows:,} windows of up to 64 tokens" in n for n in pv.truncation_notes)
 
 
 def test_text_records_longer_than_max_length_become_windows(tmp_path, tokenizer):

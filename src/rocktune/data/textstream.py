@@ -79,6 +79,7 @@ def _tokenize(texts: list[str], tokenizer, locs: list) -> list[list[int]]:
 def describe(n_documents: int, n_windows: int, max_length: int, stride: int) -> str:
     """The line the preview and the log give a text set."""
     overlap = max_length - stride
-    return (f"{n_documents:,} documents cut into {n_windows:,} windows of up to {max_length} tokens (stride "
+    return (f"{n_documents:,} document{'s' if n_documents != 1 else ''} cut into {n_windows:,} window"
+            f"{'s' if n_windows != 1 else ''} of up to {max_length} tokens (stride "
             f"{stride}: {overlap} token{'s' if overlap != 1 else ''} of context repeated, never trained twice); every "
             "token after a document's first is trained")
