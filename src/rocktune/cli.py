@@ -184,8 +184,12 @@ def _launch(args):
 # --- demo ------------------------------------------------------------------------------------------------------
 
 
+# what `make demo` takes, as README states it (tests/test_newcomer.py holds the two to the same figure)
+DEMO_TIME = "about 25 s on a 2-core CPU once installed, 20 s of it training"
+
+
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="train the built-in tiny model on a synthetic task (offline, ~1 minute on CPU)")
+    p = sub.add_parser("demo", help=f"train the built-in tiny model on a synthetic task (offline; {DEMO_TIME})")
     p.add_argument("--out", default=None, help="run directory (default: runs/demo, with --real runs/demo-real)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's own)")

@@ -117,6 +117,12 @@ class DataConfig(_Section):
         "blank-line block (paragraph) or per line. auto: document for a folder, paragraph for a single file.",
         json_schema_extra=only("sft"),
     )
+    text_stride: PositiveInt | None = Field(
+        None, description="Text data (documents: text records, a text column, .txt/.md): each document is cut into "
+        "windows of max_length tokens starting every text_stride tokens; a token an earlier window trained is "
+        "context in the next, never trained twice. Default max_length - 1 (one token of context, every token "
+        "trained once); smaller: more context per window, more windows.", json_schema_extra=only("sft")
+    )
     split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.",
         json_schema_extra=only("lm"))
     eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.",
@@ -139,7 +145,8 @@ class DataConfig(_Section):
         "auto", description="Record shape; auto detects it per file from the first record's keys.",
         json_schema_extra=only("sft")
     )
-    max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted).",
+    max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted); "
+        "text documents are cut into windows of this length instead (text_stride).",
         json_schema_extra=only("lm"))
     truncation: Literal["prompt", "end"] = Field(
         "prompt", description="How an example longer than max_length is cut. prompt: the start of the prompt (or the "

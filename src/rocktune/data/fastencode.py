@@ -20,6 +20,7 @@ import numpy as np
 
 from rocktune.data import encode, fidelity
 from rocktune.data.encode import IGNORE, Encoded
+from rocktune.data.ids import token_ids
 from rocktune.data.chat import has_tools
 from rocktune.data.truncate import CHARS_PER_TOKEN, MARGIN, Fitted, tokenize_bounded, uncut_calls
 from rocktune.errors import UserError, first_line
@@ -43,6 +44,7 @@ class EncodeSettings:
     record_shape: str | None = None  # the shape the records come in (None: ``shape``)
     roles: tuple[tuple[str, str], ...] = ()  # data.roles: (tag, role) pairs
     tools: str = "render"  # data.tools: render | drop
+    stride: int = 0  # text: tokens between window starts (data.text_stride; textstream.stride_for)
 
     @property
     def source_shape(self) -> str:
@@ -132,8 +134,7 @@ def _tokenize(segs: list[list[tuple[str, bool]]], tokenizer, s: EncodeSettings, 
         if not items:
             continue
         try:
-            ids = tokenizer([t for _, _, t in items], add_special_tokens=special, return_attention_mask=False,
-                            return_token_type_ids=False)["input_ids"]
+            ids = token_ids(tokenizer, [t for _, _, t in items], special)
         except Exception:  # noqa: BLE001 - find the record the tokenizer refuses, one by one, to name it
             ids = [_guard(lambda t=t, sp=special: tokenizer(t, add_special_tokens=sp)["input_ids"], locs[r])
                    for r, _, t in items]

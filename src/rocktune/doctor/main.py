@@ -26,7 +26,8 @@ def run_doctor(as_json: bool = False, no_device: bool = False, simulate: str | N
     if not simulate:  # what `train` would pick here: a snapshot has no affinity mask or cgroup to read
         from rocktune.platform.threads import choose_threads
 
-        report["threads"] = choose_threads().note
+        report["load"] = machine_load()
+        report["threads"] = choose_threads(probe=not plat.devices or no_device).note
     if run_checks and not simulate:
         device = "cuda" if plat.devices and not no_device else "cpu"
         env = dict(os.environ)
@@ -49,6 +50,20 @@ def run_doctor(as_json: bool = False, no_device: bool = False, simulate: str | N
 
         render(report)
     return 1 if any(c["status"] == "fail" for c in report["checks"]) else 0
+
+
+def machine_load() -> dict | None:
+    """The work other processes keep the usable CPUs busy with, and whether it already fills them (a CPU run then
+    measures its threads and runs slower than on a quiet machine); None where it cannot be seen."""
+    from rocktune.platform.thread_probe import load_seen
+    from rocktune.platform.threads import affinity_cpus, oversubscribed
+
+    load = load_seen(0.5)
+    if load is None:
+        return None
+    cpus = affinity_cpus()
+    return {"busy": round(load.busy, 2), "source": load.source, "cpus": cpus,
+            "oversubscribed": oversubscribed(load.busy, cpus)}
 
 
 def _checks(device: str, env: dict[str, str], perf: bool, timeout: float):
