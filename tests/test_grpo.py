@@ -1,0 +1,171 @@
+"""task: grpo — data shapes, rewards, advantages, the sampler and a tiny run through the one loop, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from rocktune.config import config_from_dict
+from rocktune.data.prompts import encode_prompt, gsm8k_answer, read_prompt
+from rocktune.errors import UserError
+from rocktune.tasks.grpo import rewards as R
+from rocktune.tasks.grpo.feed import advantages, row_weights
+from rocktune.tasks.grpo.rollout import Sampling, generator_state, new_generator, sample, set_generator_state
+from tests.conftest import write_jsonl
+
+
+def test_rows_of_every_shape():
+    text = read_prompt({"prompt": "add 1 2 =", "answer": " 03", "level": 2}, "f:1")
+    assert (text.prompt, text.answer, text.chat, text.fields) == ("add 1 2 =", " 03", False,
+                                                                   {"answer": " 03", "level": 2})
+    chat = read_prompt({"prompt": [{"role": "user", "content": "hi"}], "solution": "x"}, "f:2")
+    assert chat.chat and chat.answer == "x" and chat.fields == {"solution": "x", "answer": "x"}
+    gsm = read_prompt({"question": "How many?", "answer": "3 + 4 = 7 apples\n#### 1,007"}, "f:3")
+    assert (gsm.prompt, gsm.answer) == ("How many?", "1007")
+    assert read_prompt({"prompt": "only a prompt"}, "f:4").answer is None
+    assert gsm8k_answer("no marker 12") == "no marker 12"
+
+
+@pytest.mark.parametrize("row, words", [({"text": "x"}, "needs 'prompt'"), ({"prompt": ""}, "non-empty"),
+                                        ({"prompt": [{"role": "bot", "content": "x"}]}, r"prompt\[0\]"),
+                                        ({"prompt": "p", "answer": [1]}, "text or a number")])
+def test_bad_rows_name_the_row(row, words):
+    with pytest.raises(UserError, match=words) as exc:
+        read_prompt(row, "train.jsonl:7")
+    assert "train.jsonl:7" in str(exc.value)
+
+
+def test_a_long_prompt_keeps_its_end(tokenizer):
+    p = encode_prompt(read_prompt({"prompt": "upper abcdefghij " * 20 + "= end"}, "r"), tokenizer, 8, "r")
+    assert p.truncated and len(p.ids) == 8 and tokenizer.decode(p.ids).endswith("= end")
+
+
+def test_built_in_rewards():
+    comps = [" ABCD", "the answer is #### 42", "so \\boxed{41.9}", "nothing"]
+    refs = [" ABCD", "42", "42", "7"]
+    where = ["r0", "r1", "r2", "r3"]
+    assert R.exact(comps, where, answer=refs) == [1.0, 1.0, 0.0, 0.0]
+    assert R.numeric(0.2)(comps, where, answer=["1"] + refs[1:]) == [0.0, 1.0, 1.0, 0.0]  # ' ABCD': no number
+    assert R.regex(r"####\s*\d+$")(comps) == [0.0, 1.0, 0.0, 0.0]
+    assert R.length(10, 4)([[1] * 5, [1] * 6, [1] * 8, [1] * 12]) == [0.0, 0.0, -0.5, -1.0]
+    with pytest.raises(UserError, match="r1: the 'numeric' reward needs a number"):
+        R.numeric(0.1)(["1", "2"], ["r0", "r1"], answer=["1", "two"])
+    with pytest.raises(UserError, match="r0: the 'exact' reward compares with a reference answer"):
+        R.exact(["1"], ["r0"], answer=[None])
+
+
+def _batch(n=2):
+    return R.Batch(["p"] * n, ["a"] * n, [[1]] * n, [{"answer": "a"}] * n, [f"train.jsonl:{i + 1}" for i in range(n)])
+
+
+def test_user_rewards_checked_and_named(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def good(completions, **kw):\n    return [len(c) for c in completions]\n"
+        "def nan(completions, **kw):\n    return [1.0, float('nan')]\n"
+        "def boom(completions, **kw):\n    raise KeyError('solution')\n"
+        "def short(completions, **kw):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [
+        {"function": "my_rewards:good", "weight": 0.5}, {"function": "exact", "weight": 2.0}]}})
+    built = R.build(cfg.grpo.rewards, 16)
+    table = R.score(built, _batch())
+    assert [r.name for r in built] == ["good", "exact"] and table == [[1.0, 1.0], [1.0, 1.0]]
+    assert R.weighted(built, table) == [2.5, 2.5]
+    for fn, words in (("nan", "train.jsonl:2: the reward 'nan' returned nan"), ("boom", "raised KeyError"),
+                      ("short", "one number per completion")):
+        with pytest.raises(UserError, match=words):
+            R.score([R.Reward(fn, 1.0, getattr(sys.modules["my_rewards"], fn))], _batch())
+    with pytest.raises(UserError, match="could not import"):
+        R.build(config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [
+            {"function": "no_such_module:f"}]}}).grpo.rewards, 16)
+
+
+def test_reward_config_is_checked():
+    from rocktune.errors import UserError as E
+
+    for spec, words in (({"function": "regex"}, "needs pattern"), ({"function": "regex", "pattern": "("}, "not a "
+                        "regular expression"), ({"function": "bleu"}, "module:function")):
+        with pytest.raises(E, match=words):
+            config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [spec]}})
+    with pytest.raises(E, match="only for task=grpo"):
+        from rocktune.config import refuse_inapplicable
+        refuse_inapplicable(config_from_dict({"data": {"train_file": "x"}, "grpo": {"beta": 0.1}}))
+
+
+def test_advantages_and_weights():
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0])
+    group = advantages(r, 3, "group")
+    assert torch.allclose(group[:3], (r[:3] - 1 / 3) / (r[:3].std() + 1e-4))
+    assert torch.equal(group[3:], torch.zeros(3))  # equal rewards: no signal
+    assert torch.allclose(advantages(r, 3, "none"), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0]))
+    assert torch.allclose(advantages(r, 3, "batch"), advantages(r, 3, "none") / (r.std() + 1e-4))
+    assert row_weights([2, 4], "grpo", 8) == ([0.5, 0.25], 2)
+    assert row_weights([2, 4], "dapo", 8) == ([1.0, 1.0], 6)
+    assert row_weights([2, 4], "dr_grpo", 8) == ([0.125, 0.125], 2)
+
+
+def _tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_sampler_matches_a_full_forward_and_its_rng_resumes(tiny_model_dir, tokenizer):
+    """Greedy completions from the KV cache equal argmax over full forwards of the growing text; a generator state
+    saved and restored samples the same completions again."""
+    model = _tiny(tiny_model_dir)
+    prompts = [tuple(tokenizer("upper abcd =")["input_ids"]), tuple(tokenizer("add 3 4 =")["input_ids"])]
+    greedy = sample(model, prompts, Sampling(6, 0.0), tokenizer.pad_token_id, None)
+    for p, got in zip(prompts, greedy):
+        ids = list(p)
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert got == ids[len(p):]
+    gen = new_generator("cpu", 3)
+    state = generator_state(gen)
+    s = Sampling(8, 1.0, top_k=20, top_p=0.9, stop_ids=(tokenizer.eos_token_id,))
+    first = sample(model, prompts * 2, s, tokenizer.pad_token_id, gen)
+    set_generator_state(gen, state)
+    assert sample(model, prompts * 2, s, tokenizer.pad_token_id, gen) == first
+    stopped = sample(model, prompts, Sampling(8, 0.0, stop_strings=(greedy[0] and tokenizer.decode(greedy[0][:2]),)),
+                     tokenizer.pad_token_id, None, lambda ids: tokenizer.decode(ids))
+    assert stopped[0] == greedy[0][:2]
+
+
+def grpo_config(model_dir, train, out, **training) -> dict:
+    t = {"max_steps": 4, "micro_batch_size": 4, "grad_accum": 2, "lr": 5e-3, "warmup_steps": 0, "eval_every": 2,
+         "precision": "fp32", "device": "cpu", "seed": 0, **training}
+    return {"task": "grpo", "model": {"name_or_path": str(model_dir)}, "lora": {"r": 8, "alpha": 16},
+            "data": {"train_file": str(train), "max_length": 32, "eval_fraction": 0.2},
+            "grpo": {"num_generations": 4, "max_completion_length": 6, "beta": 0.05, "top_k": 30,
+                     "rewards": [{"function": "exact"}, {"function": "regex", "pattern": "[A-Z]", "weight": 0.5}]},
+            "training": t, "output": {"dir": str(out)}}
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    from rocktune.demo.task import make_task
+
+    rows, _ = make_task(n_train=40, n_eval=0, seed=1)
+    return write_jsonl(tmp_path_factory.mktemp("grpo") / "prompts.jsonl",
+                       [{"prompt": r["prompt"], "answer": r["completion"]} for r in rows])
+
+
+def test_a_tiny_run_logs_trl_metrics(tiny_model_dir, prompt_file, tmp_path):
+    from rocktune.tasks import train
+
+    result = train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "run")), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 4 and all(r["completions"] == 8 for r in steps)
+    for key in ("reward", "reward_std", "kl", "rewards/exact/mean", "rewards/regex/mean", "completions/mean_length",
+                "clip_ratio/region_mean", "frac_reward_zero_std", "rollout_tokens_per_s"):
+        assert all(key in r for r in steps), key
+    assert all(0 < r["completions/mean_length"] <= 6 for r in steps)
+    assert all(r["clip_ratio/region_mean"] == 0.0 for r in steps)  # one update per rollout: the ratio is 1
+    assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0  # the adapter starts as the reference, then moves
+    assert any("eval_reward" in r for r in rows)
+    assert (result.run_dir / "adapter" / "adapter_model.safetensors").is_file()
