@@ -47,7 +47,8 @@ def test_keys_the_old_wan_hand_list_missed_are_refused():
                                  "lm": ["training.loss_impl=full"]}
     from rocktune.tasks import refuse_before_launch
 
-    with pytest.raises(UserError, match=r"data.max_length=512, training.parallel=fsdp: only for task=lm, dpo, orpo, grpo"):
+    with pytest.raises(UserError,
+                       match=r"data.max_length=512, training.parallel=fsdp: only for task=lm, dpo, orpo, grpo"):
         refuse_before_launch(cfg, RunOptions())
     # defaults and the harmless values of the old list are not refusals
     assert inapplicable(_cfg("video-lora", model={"name_or_path": "w", "liger": "off"},

@@ -350,6 +350,8 @@ class GRPOConfig(_Section):
                             "chat template's end of turn); the completion keeps them.")
     beta: float = Field(0.0, ge=0.0, description="Weight of the KL to the reference (the model with its adapter off); "
                         "0: no reference forward at all (TRL's default).")
+    use_bias_correction_kl: bool = Field(True, description="Multiply the KL term by the probability ratio, which "
+                                         "makes its gradient the unbiased reverse-KL gradient (TRL's default).")
     epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Clipping of the probability ratio, below (and above "
                            "unless epsilon_high).")
     epsilon_high: float | None = Field(None, gt=0.0, description="Upper clipping (DAPO's clip-higher, e.g. 0.28).")

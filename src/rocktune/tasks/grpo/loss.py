@@ -3,7 +3,8 @@
 A batch row is one completion after its prompt, right-padded: ``input_ids``, ``attention_mask``, ``completion_mask``
 (1 on the completion's tokens), the completion's group-relative ``advantage`` and its aggregation ``weight``. The
 per-token loss is PPO's clipped surrogate, ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``, plus
-``beta`` times the k3 estimate of the KL to the reference, which is the same model with the adapter switched off
+``beta`` times the k3 estimate of the KL to the reference (times the ratio unless ``use_bias_correction_kl`` is
+off, as TRL), which is the same model with the adapter switched off
 (no second copy), run without gradients in the same call. One generation feeds one optimizer step, so the "old"
 policy of the ratio is the current one detached (TRL's default, num_iterations=1): the ratio is 1 in value and its
 gradient is the policy gradient.
@@ -40,15 +41,17 @@ class Objective:
     epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets it above)
     loss_type: str = "dapo"  # grpo | dapo | dr_grpo
     max_completion_length: int = 512
+    temperature: float = 1.0  # the rollouts': log-probabilities are of the distribution sampled from (as TRL)
+    use_bias_correction_kl: bool = True  # the KL times the ratio: an unbiased reverse-KL gradient (TRL's default)
 
 
-def token_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Log-probabilities of each row's tokens 1.. under ``model`` [rows, width - 1] (0 where not a completion
-    token); the head runs on completion positions only: no full logits."""
+def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of each row's tokens 1.. under ``model`` at ``temperature`` [rows, width - 1] (0 where not
+    a completion token); the head runs on completion positions only: no full logits."""
     ids, mask = batch["input_ids"], batch["completion_mask"][:, 1:].bool()
     hidden, head = _hidden(model, {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False})
     rows, cols = mask.nonzero(as_tuple=True)
-    logits = head(hidden[:, :-1][rows, cols]).float()
+    logits = head(hidden[:, :-1][rows, cols]).float() / temperature
     picked = torch.log_softmax(logits, -1).gather(1, ids[:, 1:][rows, cols][:, None]).squeeze(1)
     out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32, device=ids.device)
     return out.index_put((rows, cols), picked)
@@ -74,6 +77,8 @@ def token_losses(o: Objective, logps: torch.Tensor, old: torch.Tensor, ref: torc
     stats = {}
     if ref is not None and o.beta != 0.0:
         kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if o.use_bias_correction_kl:
+            kl = kl * ratio  # 1 in value on-policy, but its gradient is what makes the KL estimate's unbiased
         losses = losses + o.beta * kl
         stats["kl"] = (kl.detach() * mask).sum(-1)
     low_hit = (ratio < 1 - o.epsilon) & (a < 0)
@@ -95,12 +100,14 @@ class GRPOLoss(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch["completion_mask"][:, 1:].float()
-        logps = token_logps(self.model, batch)
+        o = self.objective
+        logps = token_logps(self.model, batch, o.temperature)
         ref = None
-        if self.objective.beta != 0.0:
+        if o.beta != 0.0:
             with torch.no_grad(), _adapter_off(self.model):
-                ref = token_logps(self.model, batch)
-        losses, stats = token_losses(self.objective, logps, logps.detach(), ref, batch["advantage"], mask)
+                ref = token_logps(self.model, batch, o.temperature)
+        old = batch.get("old_logps", logps.detach())  # given: the policy that sampled, if it was another
+        losses, stats = token_losses(o, logps, old, ref, batch["advantage"], mask)
         for k, v in stats.items():
             self._stats[k] = self._stats.get(k, 0) + v.sum()
         self._stats["tokens"] = self._stats.get("tokens", 0) + mask.sum()

@@ -95,7 +95,8 @@ class GRPOTask:
         model, model_notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn, device, False)
         reward_list = rewardfns.build(g.rewards, g.max_completion_length)  # user code imported here, and only here
         ctx.notes += model_notes
-        loss = GRPOLoss(model, Objective(g.beta, g.epsilon, g.epsilon_high, g.loss_type, g.max_completion_length))
+        loss = GRPOLoss(model, Objective(g.beta, g.epsilon, g.epsilon_high, g.loss_type, g.max_completion_length,
+                                         g.temperature, g.use_bias_correction_kl))
         sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k,
                             tuple(stop_ids(tokenizer, model)),
                             tuple(g.stop))
