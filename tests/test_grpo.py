@@ -107,6 +107,23 @@ def test_advantages_and_weights():
     assert row_weights([2, 4], "dr_grpo", 8) == ([0.125, 0.125], 2)
 
 
+def test_the_zero_guard_judges_what_a_step_can_show():
+    """GRPO's on-policy loss value is zero whenever the advantages cancel, and its gradient too when every reward of
+    every group is equal: neither is the device's silent zero; a zero gradient on a step with signal still is."""
+    from rocktune.train.guards import FatalNumerics, NumericGuard
+
+    guard = NumericGuard(nan_patience=3, zero_patience=3)
+    for step in range(1, 10):  # the loss value alone, or everything on a step without signal
+        guard.check(step, 0.0, 0.5, ("loss",))
+        guard.check(step, 0.0, 0.0, ("loss", "grad"))
+    assert guard.zero_in_row == 0
+    guard.check(10, 0.0, 0.0, ("loss",))
+    guard.check(11, 0.0, 0.0, ("loss", "grad"))  # neither counts nor clears
+    guard.check(12, 0.0, 0.0, ("loss",))
+    with pytest.raises(FatalNumerics, match="exactly zero for 3 steps"):
+        guard.check(13, 0.0, 0.0, ("loss",))
+
+
 def _tiny(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

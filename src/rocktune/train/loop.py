@@ -205,7 +205,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         except OutOfMemoryAtMinimum as exc:
             raise OutOfMemoryAtMinimum(task.oom_message(step, exc)) from None
         asked = stop.requested or (dist.main and (ctx.run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
-        update = finish_step(r.runner, step_loss, fed.loss_tokens, asked, step)
+        update = finish_step(r.runner, step_loss, fed.loss_tokens, asked, step, getattr(fed, "zero_expected", ()))
         stop.requested = update.stop
         if not update.applied:
             bar.log(f"[yellow]step {step}: non-finite loss or gradient, update skipped[/]")

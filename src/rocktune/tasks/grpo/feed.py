@@ -74,6 +74,8 @@ class RolloutStep:
     real_tokens: int
     completion_tokens: int
     stats: dict
+    # the loss value may be exactly zero on-policy (advantages cancel); the gradient too when every advantage is zero
+    zero_expected: tuple[str, ...] = ("loss",)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class RolloutFeed(StreamPosition):
         forwards = [collate(out.prompts[i : i + size], out.completions[i : i + size], adv[i : i + size].tolist(),
                             weights[i : i + size], s.pad_id) for i in range(0, n, size)]
         real = sum(len(p) + c for p, c in zip(out.prompts, lengths))
-        return RolloutStep(idx, forwards, normaliser, real, sum(lengths), out.stats)
+        return RolloutStep(idx, forwards, normaliser, real, sum(lengths), out.stats,
+                           ("loss", "grad") if bool((adv == 0).all()) else ("loss",))
 
     def max_pieces(self, batch: dict) -> int:
         return batch["input_ids"].shape[0]
