@@ -186,3 +186,11 @@ def test_a_tiny_run_logs_trl_metrics(tiny_model_dir, prompt_file, tmp_path):
     assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0  # the adapter starts as the reference, then moves
     assert any("eval_reward" in r for r in rows)
     assert (result.run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    pytest.importorskip("matplotlib")
+    from rocktune.report.plots import all_plots
+    from rocktune.report.rundata import load_run
+    from rocktune.report.run_report import summary_row
+
+    plots = all_plots([load_run(result.run_dir)])
+    assert {"loss", "reward", "kl", "completion_length", "clip_ratio"} <= set(plots)
+    assert "held-out reward, greedy (first → last)" in summary_row(load_run(result.run_dir))
