@@ -194,3 +194,43 @@ def test_a_tiny_run_logs_trl_metrics(tiny_model_dir, prompt_file, tmp_path):
     plots = all_plots([load_run(result.run_dir)])
     assert {"loss", "reward", "kl", "completion_length", "clip_ratio"} <= set(plots)
     assert "held-out reward, greedy (first → last)" in summary_row(load_run(result.run_dir))
+
+
+def test_plan_counts_the_rollout_kv_cache():
+    """K and V of every layer for every completion of a step, prompt + completion tokens long; the rollout's peak
+    replaces the update's when larger (the cache is freed before the update's forward)."""
+    from dataclasses import replace
+
+    from rocktune.planner.estimate import RunSpec, estimate
+    from rocktune.planner.shapes import load_shape
+
+    shape = load_shape("Qwen2.5-0.5B")
+    spec = RunSpec(micro_batch=4, seq_len=768, precision="bf16", rollout_rows=64, rollout_prompt=256,
+                   rollout_new=512)
+    est = estimate(shape, spec)
+    assert est.by_name()["rollout_kv_cache"] == 2 * shape.layers * shape.kv_dim * 2 * 64 * 768
+    update = estimate(shape, replace(spec, rollout_rows=0))
+    assert "rollout_kv_cache" not in update.by_name()
+    rollout = sum(t.bytes for t in est.terms if t.phase == "rollout")
+    assert est.peak_allocated == max(update.peak_allocated, update.phase("static") + rollout)
+    huge = estimate(shape, replace(spec, rollout_rows=4096))
+    assert huge.peak_allocated == huge.phase("static") + sum(t.bytes for t in huge.terms if t.phase == "rollout")
+
+
+def test_data_preview_shows_prompt_answer_and_generation_prompt(tiny_model_dir, tmp_path):
+    import subprocess
+
+    import yaml
+
+    rows = [{"question": "How many apples?", "answer": "3 + 4 = 7\n#### 7", "level": 1}, {"prompt": "upper ab ="}]
+    cfg = {"task": "grpo", "model": {"name_or_path": str(tiny_model_dir)},
+           "data": {"train_file": str(write_jsonl(tmp_path / "p.jsonl", rows)), "max_length": 32}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "rocktune", "data", "preview", "-c", str(tmp_path / "c.yaml"),
+                          "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    pv = json.loads(out.stdout)
+    assert (pv["n_prompts"], pv["n_with_answer"]) == (2, 1)
+    first, second = pv["prompts"]
+    assert (first["prompt"], first["answer"], first["fields"]) == ("How many apples?", "7", ["level"])
+    assert first["rendered"].endswith("How many apples?") and second["answer"] is None

@@ -312,6 +312,11 @@ def _add_plan(sub) -> None:
     p.add_argument("--task", choices=NAMES, default="lm",
                    help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); or a Wan LoRA "
                         "(video-lora, image-lora): MODEL is then a diffusers Wan directory or hub id")
+    p.add_argument("--completion-length", type=int, default=512,
+                   help="grpo: most tokens a completion may have (grpo.max_completion_length; default 512); "
+                        "--max-length is then the prompt's bound")
+    p.add_argument("--rollout-rows", type=int, default=None,
+                   help="grpo: completions sampled together, micro_batch_size x grad_accum (default: --global-batch)")
     p.add_argument("--resolution", default="832x480", help="video-lora/image-lora: WIDTHxHEIGHT (default 832x480)")
     p.add_argument("--frames", type=int, default=81, help="video-lora: frames per clip, 4k+1 (default 81)")
     p.add_argument("--text-tokens", type=int, default=512,
@@ -336,7 +341,12 @@ def _run_plan(args) -> int:
     # A preference pair is two sequences in one forward; DPO's reference pass runs without gradients, so its
     # activations are freed layer by layer and add no more than the eval pass does.
     sequences = args.batch * (2 if TASKS[args.task].pairs else 1)
-    spec = RunSpec(micro_batch=sequences, seq_len=args.max_length, lora_r=args.lora_r, targets=targets,
+    # GRPO: the update's rows are prompt + completion; the rollout's KV cache holds every completion of a step.
+    grpo = args.task == "grpo"
+    rollout = (args.rollout_rows or args.global_batch, args.max_length, args.completion_length) if grpo else (0, 0, 0)
+    spec = RunSpec(micro_batch=sequences, seq_len=args.max_length + (args.completion_length if grpo else 0),
+                   rollout_rows=rollout[0], rollout_prompt=rollout[1], rollout_new=rollout[2], lora_r=args.lora_r,
+                   targets=targets,
                    precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
                    lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
                    parallel=args.parallel, compiled=args.compiled)
@@ -434,6 +444,10 @@ def _run_data_preview(args) -> int:
             from rocktune.report.pair_preview import run_pair_preview
 
             return run_pair_preview(cfg, args.examples, args.json)
+        if cfg.task == "grpo":
+            from rocktune.report.prompt_preview import run_prompt_preview
+
+            return run_prompt_preview(cfg, args.examples, args.json)
         # The whole data section: columns, split, subset, revision, num_proc open the source as train does.
         data, model, trust = cfg.data, cfg.model.name_or_path, cfg.model.trust_remote_code
     elif args.data and args.model:
