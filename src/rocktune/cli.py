@@ -193,9 +193,10 @@ def _add_demo(sub) -> None:
     p.add_argument("--real", action="store_true",
                    help="teach a real pretrained chat model (SmolLM2-135M-Instruct, from the demo-real extra) a "
                         "new skill instead; a few minutes on a CPU")
-    p.add_argument("--task", choices=("lm", "dpo"), default="lm",
+    p.add_argument("--task", choices=("lm", "dpo", "grpo"), default="lm",
                    help="dpo: preference tuning after SFT — the SFT demo's model (from --from, trained first when "
-                        "absent) taught to prefer one style of answer; out: runs/demo-dpo")
+                        "absent) taught to prefer one style of answer; out: runs/demo-dpo. grpo: a short SFT, then "
+                        "GRPO with the exact-answer reward; out: runs/demo-grpo")
     p.add_argument("--from", dest="sft_dir", default="runs/demo",
                    help="--task dpo: the SFT demo's --out to start from (default runs/demo)")
     p.set_defaults(func=_run_demo)
@@ -208,6 +209,11 @@ def _run_demo(args) -> int:
         from rocktune.demo.real import run_real_demo
 
         return run_real_demo(out_dir=args.out or "runs/demo-real", as_json=args.json, steps=args.steps,
+                             overwrite=args.overwrite)
+    if args.task == "grpo":
+        from rocktune.demo.grpo_run import run_grpo_demo
+
+        return run_grpo_demo(out_dir=args.out or "runs/demo-grpo", as_json=args.json, steps=args.steps,
                              overwrite=args.overwrite)
     if args.task == "dpo":
         from rocktune.demo.prefs_run import run_dpo_demo
