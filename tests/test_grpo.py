@@ -234,3 +234,29 @@ def test_data_preview_shows_prompt_answer_and_generation_prompt(tiny_model_dir, 
     first, second = pv["prompts"]
     assert (first["prompt"], first["answer"], first["fields"]) == ("How many apples?", "7", ["level"])
     assert first["rendered"].endswith("How many apples?") and second["answer"] is None
+
+
+@pytest.mark.parametrize("change, options, words", [
+    ({"training": {"micro_batch_size": 5}}, {}, "multiple of grpo.num_generations=4"),
+    ({}, {"processes": 2}, "one process for now"),
+    ({}, {"auto_fit": True}, "--auto fits supervised"),
+])
+def test_refused_before_launch(tiny_model_dir, prompt_file, tmp_path, change, options, words):
+    from rocktune.tasks import refuse_before_launch
+    from rocktune.train.request import RunOptions
+
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "run")
+    for section, values in change.items():
+        cfg[section].update(values)
+    with pytest.raises(UserError, match=words):
+        refuse_before_launch(config_from_dict(cfg), RunOptions(**options))
+
+
+def test_generate_prompts_a_grpo_run_as_it_was_trained(tmp_path):
+    """Text prompts were tokenised raw (even where the tokenizer has a chat template); messages through it."""
+    from rocktune.export.style import training_style
+
+    text = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "upper ab =", "answer": " AB"}])
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"q": [{"role": "user", "content": "hi"}]}])
+    assert training_style({"task": "grpo", "data": {"train_file": str(text)}}) == "raw"
+    assert training_style({"task": "grpo", "data": {"train_file": str(chat), "columns": {"prompt": "q"}}}) == "chat"

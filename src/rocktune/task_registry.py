@@ -35,7 +35,7 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
              "rocktune.tasks.preference.task:PreferenceTask", _LM_LAUNCH, pairs=True),
     TaskSpec("grpo", "reinforcement learning of a causal LM's LoRA with verifiable rewards by GRPO (DAPO, Dr. GRPO): "
              "rollouts on rocktune's own generation path, no vLLM", frozenset({"lm", "grpo"}),
-             "rocktune.tasks.grpo.task:GRPOTask", _LM_LAUNCH),
+             "rocktune.tasks.grpo.task:GRPOTask", "rocktune.tasks.grpo.launch"),
     TaskSpec("video-lora", "LoRA for a Wan 2.1/2.2 text-to-video transformer on clips with captions",
              frozenset({"diffusion"}), "rocktune.tasks.wan.task:WanTask", "rocktune.tasks.wan.refuse",
              diffusion=True),

@@ -21,6 +21,7 @@ from rocktune.data import prompts as promptdata
 from rocktune.errors import UserError
 from rocktune.model import stop_ids
 from rocktune.tasks.grpo import rewards as rewardfns
+from rocktune.tasks.grpo.launch import refuse_grpo
 from rocktune.tasks.grpo.feed import Rollout, RolloutFeed, StepShape, digest
 from rocktune.tasks.grpo.loss import GRPOLoss, Objective
 from rocktune.tasks.grpo.rollout import Sampling, generator_state, new_generator, sample, set_generator_state
@@ -64,17 +65,7 @@ class GRPOTask:
 
     def refuse(self, options: RunOptions) -> None:
         refuse_inapplicable(self.cfg)
-        t, g = self.cfg.training, self.cfg.grpo
-        if options.auto_fit:
-            raise UserError("--auto fits supervised LM runs; for task=grpo set training.micro_batch_size (completions "
-                            "per forward) yourself: `rocktune plan MODEL --task grpo` shows what fits.")
-        if options.processes > 1 or t.parallel == "fsdp":
-            raise UserError("task=grpo runs in one process for now (rollouts are not yet split across ranks); drop "
-                            "--nproc and training.parallel.")
-        if (t.micro_batch_size * t.grad_accum) % g.num_generations:
-            raise UserError(f"task=grpo: training.micro_batch_size x grad_accum = {t.micro_batch_size * t.grad_accum} "
-                            f"completions per step must be a multiple of grpo.num_generations={g.num_generations} "
-                            "(each prompt's group is scored together); change one of them.")
+        refuse_grpo(self.cfg, options)  # the launching process said the same (tasks/grpo/launch.py)
 
     def check(self, ctx: RunContext) -> None:
         cfg = ctx.cfg
