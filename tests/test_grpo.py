@@ -260,3 +260,35 @@ def test_generate_prompts_a_grpo_run_as_it_was_trained(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"q": [{"role": "user", "content": "hi"}]}])
     assert training_style({"task": "grpo", "data": {"train_file": str(text)}}) == "raw"
     assert training_style({"task": "grpo", "data": {"train_file": str(chat), "columns": {"prompt": "q"}}}) == "chat"
+
+
+def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """More than 4 rows in one sampling batch "run out of memory": the step's 8 rows are sampled in 2 batches from
+    then on (logged, and kept by checkpoints), and the run trains on."""
+    from rocktune.tasks import train
+    from rocktune.tasks.grpo import task as grpo_task
+
+    real = grpo_task.sample
+
+    def small_only(model, prompts, *args, **kwargs):
+        if len(prompts) > 4:
+            raise MemoryError()
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_task, "sample", small_only)
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "run", max_steps=2, eval_every=0)
+    train(config_from_dict(cfg), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_pieces"] for r in rows if "loss" in r] == [2, 2]
+    assert all(r["completions"] == 8 for r in rows if "loss" in r)
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step-0000002" / "meta.json").read_text())
+    assert meta["extra"]["rollout_pieces"] == 2
+
+    def never(model, prompts, *args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(grpo_task, "sample", never)
+    from rocktune.train.step import OutOfMemoryAtMinimum
+
+    with pytest.raises(OutOfMemoryAtMinimum, match="one completion at a time"):
+        train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "b", max_steps=1)), quiet=True)

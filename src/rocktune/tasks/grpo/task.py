@@ -9,6 +9,7 @@ KL is taken to is the same model with the adapter switched off. The sampler's RN
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,9 @@ from rocktune.tasks.lm import build, preflight
 from rocktune.tasks.lm.quant_gate import check_quantization
 from rocktune.train import build as engine_build
 from rocktune.train.context import RunContext
+from rocktune.train.oom import describe, is_out_of_memory
 from rocktune.train.request import RunOptions
+from rocktune.train.step import OutOfMemoryAtMinimum
 from rocktune.train.task import Prepared
 
 EVAL_ROWS = 64  # held-out prompts generated per forward (greedy, no gradients)
@@ -59,6 +62,8 @@ class GRPOTask:
         self.cfg = cfg
         self.run: GRPORun | None = None
         self.eval_stats: dict[str, float] = {}
+        self.rollout_pieces = 1  # the rollout's OOM split: batches it samples in (kept by checkpoints)
+        self.log = print
 
     def attn_setting(self) -> str:
         return self.cfg.model.attn_implementation
@@ -128,14 +133,41 @@ class GRPOTask:
         return Rollout([p.ids for p in rows], completions, total, stats)
 
     def _generate(self, rows: list, sampling: Sampling, generator) -> list[list[int]]:
+        """Completions of ``rows``, sampled in ``rollout_pieces`` batches. Out of memory, the sampler's RNG is put
+        back and the rows are cut in twice as many batches (kept for the rest of the run and by checkpoints, so a
+        resumed run samples the same); with one row per batch there is nothing left to cut."""
+        while True:
+            state = generator.get_state() if generator is not None else None
+            try:
+                return self._sample_in(rows, sampling, generator, self.rollout_pieces)
+            except Exception as exc:  # noqa: BLE001 -- only out-of-memory is handled; the rest re-raised
+                if not is_out_of_memory(exc):
+                    raise
+                message = describe(exc)
+            # outside the except block: the failed batch's tensors are no longer pinned by the traceback
+            if state is not None:
+                generator.set_state(state)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if self.rollout_pieces >= len(rows):
+                raise OutOfMemoryAtMinimum(f"{message} while sampling one completion at a time; lower "
+                                           "grpo.max_completion_length or data.max_length")
+            self.rollout_pieces *= 2
+            self.log(f"[yellow]out of memory in the rollout: sampling in {self.rollout_pieces} batches[/]")
+
+    def _sample_in(self, rows: list, sampling: Sampling, generator, pieces: int) -> list[list[int]]:
         r = self.run
-        model = r.model
+        model, size = r.model, -(-len(rows) // pieces)
         was_training = model.training
         model.eval()  # no dropout while sampling: the completions are the policy's own
         try:
-            with r.autocast():
-                return sample(model, [p.ids for p in rows], sampling, r.tokenizer.pad_token_id, generator,
-                              lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True))
+            out = []
+            for i in range(0, len(rows), size):
+                with r.autocast():
+                    out += sample(model, [p.ids for p in rows[i : i + size]], sampling, r.tokenizer.pad_token_id,
+                                  generator, lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True))
+            return out
         finally:
             model.train(was_training)
 
@@ -164,7 +196,7 @@ class GRPOTask:
         rows = list(r.held.prompts)
         completions = []
         for i in range(0, len(rows), EVAL_ROWS):
-            completions += self._generate(rows[i : i + EVAL_ROWS], greedy, None)
+            completions += self._generate(rows[i : i + EVAL_ROWS], greedy, None)  # greedy: the split changes nothing
         total, stats = self._score(rows, completions)
         self.eval_stats = {"eval_reward": float(total.mean()),
                            **{f"eval_{k}": v for k, v in stats.items() if k.endswith("/mean")}}
@@ -176,20 +208,25 @@ class GRPOTask:
                             "the same random stream; pass --resume-force to continue with fresh samples.")
 
     def resumed(self, restored) -> None:
+        self.rollout_pieces = max(self.rollout_pieces, restored.extra.get("rollout_pieces", 1))
         state = restored.extra.get("sampler_rng")
         if state is not None:
             set_generator_state(self.run.generator, state)
 
     def checkpoint_extra(self) -> dict:
-        return {"world_size": 1, "sampler_rng": generator_state(self.run.generator)}
+        return {"world_size": 1, "sampler_rng": generator_state(self.run.generator),
+                "rollout_pieces": self.rollout_pieces}
 
     def start(self, start_step: int, metrics, log) -> None:
-        """Nothing to open: the eval's greedy completions are scored, not written (training.sample_count is SFT's)."""
+        """Nothing to open (the eval's greedy completions are scored, not written); the rollout's OOM split
+        reports through the run's log."""
+        self.log = log
 
     def record(self, fed) -> dict:
         """The step's rollout statistics and the update's (TRL's names); tokens: the completion tokens scored."""
         return {"tokens": fed.completion_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),
                 "real_tokens": fed.real_tokens, "completions": sum(b["input_ids"].shape[0] for b in fed.forwards),
+                "rollout_pieces": self.rollout_pieces,
                 "samples": digest(fed.forwards), **fed.stats, **self.run.loss.take_stats()}
 
     def after_eval(self, step: int, metrics, log) -> None:
