@@ -39,8 +39,9 @@ RUN_KILLS = [
     ("adapter.weights_written", 1), ("adapter.staged", 1), ("adapter.swapped", 1),
 ]
 WAN_ONLY = [("lora_file.written", 1)]
-FAST = {("lm", "checkpoint.pruning")}  # the rest is long: 7-9 s a kill when the machine is idle, ~55 kills
-TASKS_KILLED = ("lm", "dpo", "orpo", "wan")
+# the rest is long: 7-9 s a kill when the machine is idle, ~70 kills
+FAST = {("lm", "checkpoint.pruning"), ("grpo", "checkpoint.state_written")}
+TASKS_KILLED = ("lm", "dpo", "orpo", "wan", "grpo")
 
 
 def _cases():
@@ -55,7 +56,7 @@ def test_every_phase_is_in_a_matrix():
     covered = {p for p, _ in RUN_KILLS + WAN_ONLY} | {p for p in EXPORT_PHASES} | {"adapter.old_moved"}
     assert covered == set(PHASES)
     # every task object of the registry is killed (image-lora is the WanTask of video-lora, tested as "wan")
-    kinds = {"lm": "lm", "dpo": "dpo", "orpo": "orpo", "wan": "video-lora"}
+    kinds = {"lm": "lm", "dpo": "dpo", "orpo": "orpo", "wan": "video-lora", "grpo": "grpo"}
     assert {TASKS[kinds[k]].builder for k in TASKS_KILLED} == {spec.builder for spec in TASKS.values()}
 
 

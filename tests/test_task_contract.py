@@ -30,7 +30,8 @@ from rocktune.train.request import RunOptions, RunRequest
 
 STEPS = 8  # as tests/lm_runs.py
 KEYS = ("step", "loss", "lr", "grad_norm", "tokens", "batch_tokens", "latent_values", "samples", "eval_loss", "epoch",
-        "rewards/margins", "rewards/accuracies", "logps/chosen", "eval_rewards/margins")
+        "rewards/margins", "rewards/accuracies", "logps/chosen", "eval_rewards/margins", "reward", "kl",
+        "completions/mean_length", "eval_reward")
 
 
 @dataclass
@@ -102,15 +103,38 @@ def _pair_kind(request, task: str, tmp: Path) -> Kind:
     return Kind(task, config, ("adapter/adapter_model.safetensors",), "host-to-device transfers are corrupting")
 
 
+def _grpo_kind(request, tmp: Path) -> Kind:
+    """GRPO on the tiny Qwen2 over the LM tests' prompts (their completions are the reference answers), sampled at
+    temperature 1 with the KL on and dropout in the update (resume restores the sampler's RNG and the global one).
+    The tiny model's answers are never exact, so a format reward that its random completions sometimes meet gives
+    the groups different rewards."""
+    from tests.conftest import tiny_run_config
+
+    model_dir, (train_file, eval_file) = request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("data")
+
+    def config(out: Path, **training) -> dict:
+        cfg = tiny_run_config(model_dir, train_file, eval_file, out, **{"max_steps": STEPS, "micro_batch_size": 4,
+                                                                          "eval_every": 4, "lr": 1e-2, **training})
+        cfg["task"], cfg["lora"]["dropout"] = "grpo", 0.1
+        cfg["data"].update({"cache_dir": str(tmp / "cache"), "max_length": 32})
+        cfg["grpo"] = {"num_generations": 4, "max_completion_length": 6, "beta": 0.04,
+                       "rewards": [{"function": "exact"}, {"function": "regex", "pattern": "[a-z]"}]}
+        cfg["reliability"] = {"save_every": 2, "keep_checkpoints": 2, "min_free_disk_mb": 0}
+        return cfg
+
+    return Kind("grpo", config, ("adapter/adapter_model.safetensors",), "host-to-device transfers are corrupting")
+
+
 _KINDS: dict[str, Kind] = {}
 
 
-@pytest.fixture(params=["lm", "wan", "dpo", "orpo"])
+@pytest.fixture(params=["lm", "wan", "dpo", "orpo", "grpo"])
 def kind(request, tmp_path_factory) -> Kind:
     if request.param not in _KINDS:
         tmp = tmp_path_factory.mktemp(f"task-{request.param}")
         _KINDS[request.param] = _lm_kind(request) if request.param == "lm" else \
-            _wan_kind(tmp) if request.param == "wan" else _pair_kind(request, request.param, tmp)
+            _wan_kind(tmp) if request.param == "wan" else _grpo_kind(request, tmp) if request.param == "grpo" else \
+            _pair_kind(request, request.param, tmp)
     return _KINDS[request.param]
 
 

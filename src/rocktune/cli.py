@@ -197,9 +197,10 @@ def _add_demo(sub) -> None:
     p.add_argument("--real", action="store_true",
                    help="teach a real pretrained chat model (SmolLM2-135M-Instruct, from the demo-real extra) a "
                         "new skill instead; a few minutes on a CPU")
-    p.add_argument("--task", choices=("lm", "dpo"), default="lm",
+    p.add_argument("--task", choices=("lm", "dpo", "grpo"), default="lm",
                    help="dpo: preference tuning after SFT — the SFT demo's model (from --from, trained first when "
-                        "absent) taught to prefer one style of answer; out: runs/demo-dpo")
+                        "absent) taught to prefer one style of answer; out: runs/demo-dpo. grpo: a short SFT, then "
+                        "GRPO with the exact-answer reward; out: runs/demo-grpo")
     p.add_argument("--from", dest="sft_dir", default="runs/demo",
                    help="--task dpo: the SFT demo's --out to start from (default runs/demo)")
     p.set_defaults(func=_run_demo)
@@ -212,6 +213,11 @@ def _run_demo(args) -> int:
         from rocktune.demo.real import run_real_demo
 
         return run_real_demo(out_dir=args.out or "runs/demo-real", as_json=args.json, steps=args.steps,
+                             overwrite=args.overwrite)
+    if args.task == "grpo":
+        from rocktune.demo.grpo_run import run_grpo_demo
+
+        return run_grpo_demo(out_dir=args.out or "runs/demo-grpo", as_json=args.json, steps=args.steps,
                              overwrite=args.overwrite)
     if args.task == "dpo":
         from rocktune.demo.prefs_run import run_dpo_demo
@@ -328,6 +334,11 @@ def _add_plan(sub) -> None:
     p.add_argument("--task", choices=NAMES, default="lm",
                    help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); or a Wan LoRA "
                         "(video-lora, image-lora): MODEL is then a diffusers Wan directory or hub id")
+    p.add_argument("--completion-length", type=int, default=512,
+                   help="grpo: most tokens a completion may have (grpo.max_completion_length; default 512); "
+                        "--max-length is then the prompt's bound")
+    p.add_argument("--rollout-rows", type=int, default=None,
+                   help="grpo: completions sampled together, micro_batch_size x grad_accum (default: --global-batch)")
     p.add_argument("--resolution", default="832x480", help="video-lora/image-lora: WIDTHxHEIGHT (default 832x480)")
     p.add_argument("--frames", type=int, default=81, help="video-lora: frames per clip, 4k+1 (default 81)")
     p.add_argument("--text-tokens", type=int, default=512,
@@ -352,7 +363,12 @@ def _run_plan(args) -> int:
     # A preference pair is two sequences in one forward; DPO's reference pass runs without gradients, so its
     # activations are freed layer by layer and add no more than the eval pass does.
     sequences = args.batch * (2 if TASKS[args.task].pairs else 1)
-    spec = RunSpec(micro_batch=sequences, seq_len=args.max_length, lora_r=args.lora_r, targets=targets,
+    # GRPO: the update's rows are prompt + completion; the rollout's KV cache holds every completion of a step.
+    grpo = args.task == "grpo"
+    rollout = (args.rollout_rows or args.global_batch, args.max_length, args.completion_length) if grpo else (0, 0, 0)
+    spec = RunSpec(micro_batch=sequences, seq_len=args.max_length + (args.completion_length if grpo else 0),
+                   rollout_rows=rollout[0], rollout_prompt=rollout[1], rollout_new=rollout[2], lora_r=args.lora_r,
+                   targets=targets,
                    precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
                    lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
                    parallel=args.parallel, compiled=args.compiled)
@@ -452,6 +468,10 @@ def _run_data_preview(args) -> int:
             from rocktune.report.pair_preview import run_pair_preview
 
             return run_pair_preview(cfg, args.examples, args.json)
+        if cfg.task == "grpo":
+            from rocktune.report.prompt_preview import run_prompt_preview
+
+            return run_prompt_preview(cfg, args.examples, args.json)
         # The whole data section: columns, split, subset, revision, num_proc open the source as train does.
         data, model, trust = cfg.data, cfg.model.name_or_path, cfg.model.trust_remote_code
     else:

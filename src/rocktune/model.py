@@ -179,3 +179,19 @@ def moe_expert_parameters(model) -> list[str]:
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
+
+
+# End-of-turn markers that end a reply even where the tokenizer's eos is another token (base models' <|endoftext|>)
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
+
+
+def stop_ids(tokenizer, model) -> list[int]:
+    """The tokens that end a generated reply: eos, the generation config's eos, and the end-of-turn markers the
+    vocabulary has (``rocktune generate`` and GRPO's rollouts stop alike)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in TURN_ENDS if t in vocab]
+    return list(dict.fromkeys(ids))

@@ -33,6 +33,9 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("orpo", "preference tuning of a causal LM's LoRA on chosen/rejected pairs by ORPO (odds ratio plus the "
              "chosen answer's likelihood; no reference)", frozenset({"lm", "preference"}),
              "rocktune.tasks.preference.task:PreferenceTask", _LM_LAUNCH, pairs=True),
+    TaskSpec("grpo", "reinforcement learning of a causal LM's LoRA with verifiable rewards by GRPO (DAPO, Dr. GRPO): "
+             "rollouts on rocktune's own generation path, no vLLM", frozenset({"lm", "grpo"}),
+             "rocktune.tasks.grpo.task:GRPOTask", "rocktune.tasks.grpo.launch"),
     TaskSpec("video-lora", "LoRA for a Wan 2.1/2.2 text-to-video transformer on clips with captions",
              frozenset({"diffusion"}), "rocktune.tasks.wan.task:WanTask", "rocktune.tasks.wan.refuse",
              diffusion=True),

@@ -15,10 +15,8 @@ from pathlib import Path
 from rocktune.errors import UserError, first_line
 from rocktune.export import style as styles
 from rocktune.export.source import Origin, Source, resolve
+from rocktune.model import stop_ids
 from rocktune.platform.environment import resolve_device
-
-# End-of-turn markers that end a reply even where the tokenizer's eos is another token (base models' <|endoftext|>)
-TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
 
 def load(src: Source, device: str):
@@ -45,16 +43,6 @@ def load(src: Source, device: str):
 
         model = PeftModel.from_pretrained(model, str(src.adapter))
     return model.to(device).eval(), tok
-
-
-def stop_ids(tokenizer, model) -> list[int]:
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    gen = getattr(model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids += [extra] if isinstance(extra, int) else list(extra or [])
-    vocab = tokenizer.get_vocab()
-    ids += [vocab[t] for t in TURN_ENDS if t in vocab]
-    return list(dict.fromkeys(ids))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ def training_style(run_config: dict, tokenizer=None) -> str | None:
     from rocktune.errors import UserError
 
     data = run_config.get("data") or {}
+    if run_config.get("task") == "grpo":  # prompts as data/prompts.py reads them: messages rendered, text raw
+        first = _first_record(data.get("train_file"))
+        key = (data.get("columns") or {}).get("prompt", "prompt")
+        return None if first is None else "chat" if isinstance(first.get(key), list) else "raw"
     fmt = data.get("format", "auto")
     if fmt == "auto":
         fmt = _first_record_shape(data.get("train_file"))
@@ -42,7 +46,17 @@ def _first_record_shape(train_file: str | None) -> str | None:
     path = Path(train_file)
     if path.suffix.lower() in TEXT_SUFFIXES or (path.is_dir() and text_files(path)):
         return "text"
-    if not path.is_file():
+    first = _first_record(train_file)
+    if first is None:
+        return None
+    if any(key in first for key in ALIASES):
+        return ALIASES[next(key for key in ALIASES if key in first)]
+    return next((shape for shape, keys in SHAPES.items() if all(k in first for k in keys)), None)
+
+
+def _first_record(train_file: str | None) -> dict | None:
+    """The first record of a JSON/JSONL train_file, or None."""
+    if not train_file or not Path(train_file).is_file():
         return None
     try:
         with open(train_file, encoding="utf-8") as f:
@@ -50,11 +64,7 @@ def _first_record_shape(train_file: str | None) -> str | None:
         first = parse_json(head.splitlines()[0]) if not head.startswith("[") else parse_json(head)[0]
     except (JsonProblem, IndexError, KeyError, TypeError, OSError, ValueError):
         return None
-    if not isinstance(first, dict):
-        return None
-    if any(key in first for key in ALIASES):
-        return ALIASES[next(key for key in ALIASES if key in first)]
-    return next((shape for shape, keys in SHAPES.items() if all(k in first for k in keys)), None)
+    return first if isinstance(first, dict) else None
 
 
 def resolve_style(requested: str, run_config: dict, tokenizer) -> str:

@@ -46,6 +46,9 @@ class RunSpec:
     parallel: str = "ddp"  # ddp: base replicated | fsdp: decoder layers' base weights sharded over the ranks
     compiled: bool = False  # the decoder and the loss chunk run under torch.compile (activations: varlen only)
     kv_copies: bool = False  # varlen: the kernel takes no grouped-query K/V (torch 2.11): K/V repeated per head
+    rollout_rows: int = 0  # task grpo: completions sampled together (one batch, a KV cache row each)
+    rollout_prompt: int = 0  # task grpo: prompt tokens per row (the prefill)
+    rollout_new: int = 0  # task grpo: the most tokens a completion adds to its row's KV cache
 
     def __post_init__(self):
         # Accept the config's forms: a list of module names, one name, "auto" attention (SDPA where it runs).
@@ -93,7 +96,9 @@ class Estimate(TermSums):
 
     @property
     def peak_allocated(self) -> int:
-        return self.phase("static") + self.saved_bytes + self.peak_transient_bytes
+        """The update's peak, or the rollout's (GRPO), whichever is larger: the KV cache is freed before the
+        update's forward starts."""
+        return self.phase("static") + max(self.saved_bytes + self.peak_transient_bytes, self.phase("rollout"))
 
     @property
     def total_bytes(self) -> int:
@@ -147,12 +152,28 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
             add("lora_dropout", drop, "saved", f"p={spec.lora_dropout}: mask + dropped copy per adapter input")
     _outside_layers(shape, spec, tok, n_loss, add)
     _transients(shape, spec, tok, n_loss, rest, add)
-    dynamic = est.saved_bytes + est.peak_transient_bytes
+    if spec.rollout_rows:
+        _rollout(shape, spec, tok.dt, add)
+    dynamic = max(est.saved_bytes + est.peak_transient_bytes, est.phase("rollout"))
     add("allocator_overhead", FRAGMENTATION * dynamic + 64 * MIB, "overhead",
         f"{FRAGMENTATION:.0%} of activations + transients + 64 MiB for block rounding and fragmentation")
     add("device_context", CONTEXT[spec.device], "overhead",
         "CUDA/HIP context + BLAS workspaces" if spec.device == "gpu" else "Python + torch resident set")
     return est
+
+
+def _rollout(shape: ModelShape, spec: RunSpec, dt: int, add) -> None:
+    """GRPO's sampling (tasks/grpo/rollout.py): every completion of a step in one batch, a KV cache that grows to
+    prompt + completion tokens per row, and each token's last-position logits (float, with their softmax)."""
+    rows, prompt = spec.rollout_rows, spec.rollout_prompt
+    tokens = prompt + spec.rollout_new
+    add("rollout_kv_cache", 2 * shape.layers * shape.kv_dim * dt * rows * tokens, "rollout",
+        f"K and V of {shape.layers} layers x {shape.kv_dim} x {dt} B, {rows} rows x {tokens} tokens")
+    add("rollout_logits", 2 * rows * shape.vocab * 4, "rollout",
+        f"the last position's logits and probabilities, {rows} rows x {shape.vocab} x fp32")
+    add("rollout_prefill", rows * prompt * (2 * shape.hidden + 2 * shape.intermediate) * dt, "rollout",
+        f"the prefill of {rows} x {prompt} prompt tokens: one layer's hidden and MLP activations at a time, no "
+        "gradients")
 
 
 def _padded(spec: RunSpec) -> bool:

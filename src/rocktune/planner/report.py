@@ -77,7 +77,8 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     details = {t.name: t.inputs for t in off.terms} | {t.name: t.inputs for t in on.terms if t.name not in a}
     budget = doc["budget_bytes"]
     usable = budget * (1 - MARGIN)
-    notes = {"peak allocated": "static + saved + largest transient (compare with torch.cuda.max_memory_allocated)",
+    notes = {"peak allocated": "static + saved + largest transient, or static + the rollout's terms (grpo) when "
+             "larger (compare with torch.cuda.max_memory_allocated)",
              "total": "peak + allocator overhead + device context",
              "fits?": f"budget {fmt_bytes(budget)} ({doc['budget_source']}), {MARGIN:.0%} kept free"}
     for name in names:

@@ -69,7 +69,9 @@ def _colours(n: int) -> list:
 
 def loss_plot(runs: list[RunData]) -> bytes:
     pairs = all(run.config.get("task") in PAIR_TASKS for run in runs)
-    fig, ax = _figure("loss", "loss per preference pair" if pairs else "cross-entropy per loss-bearing token")
+    rl = all(run.config.get("task") == "grpo" for run in runs)
+    fig, ax = _figure("loss", "loss per preference pair" if pairs else "GRPO objective (clipped surrogate + beta KL)"
+                      if rl else "cross-entropy per loss-bearing token")
     several = len(runs) > 1
     for run, c in zip(runs, _colours(len(runs))):
         prefix = f"{run.name}: " if several else ""
@@ -140,6 +142,27 @@ def accuracy_plot(runs: list[RunData]) -> bytes | None:
     return _png(fig)
 
 
+def reward_plot(runs: list[RunData]) -> bytes | None:
+    """A GRPO run's mean reward per step (TRL's ``reward``) and each reward function's (``rewards/NAME/mean``), and
+    the held-out greedy reward at each eval as markers."""
+    data = [(run, run.series("reward")) for run in runs]
+    if not any(xs for _, (xs, _) in data):
+        return None
+    fig, ax = _figure("reward of the rollouts (weighted sum; each function dotted)", "reward")
+    several = len(runs) > 1
+    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
+        prefix = f"{run.name}: " if several else ""
+        ax.plot(xs, ys, color=c, linewidth=1, label=f"{prefix}reward")
+        names = sorted({k for r in run.steps for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+        for name in names if len(names) > 1 else []:
+            ax.plot(*run.series(name), ":", color=c, linewidth=1, label=f"{prefix}{name.split('/')[1]}")
+        ev = [(r["step"], r["eval_reward"]) for r in run.eval_stats if "eval_reward" in r]
+        eval_points(ax, ev, c, f"{prefix}held-out (greedy)")
+        _events(ax, run, c, several)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
 def memory_plot(runs: list[RunData]) -> bytes | None:
     """Measured peak device memory per step beside the planner's prediction (a horizontal line)."""
     data = [(run, run.series("peak_mem_bytes", GIB)) for run in runs]
@@ -192,5 +215,9 @@ def all_plots(runs: list[RunData]) -> dict[str, bytes]:
         "memory_over_steps": held_memory_plot(runs),
         "rewards": rewards_plot(runs),
         "accuracy": accuracy_plot(runs),
+        "reward": reward_plot(runs),
+        "kl": series_plot(runs, "kl", "KL to the reference (adapter off)", "per-token KL (k3)"),
+        "completion_length": series_plot(runs, "completions/mean_length", "mean completion length", "tokens"),
+        "clip_ratio": series_plot(runs, "clip_ratio/region_mean", "clipped share of completion tokens", "share"),
     }
     return {k: v for k, v in plots.items() if v is not None}

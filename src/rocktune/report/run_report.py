@@ -28,10 +28,13 @@ DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncate
                "task": "task", "buckets": "examples per size bucket", "transformer": "transformer trained",
                "flow_shift": "flow shift", "timestep_sampling": "timestep sampling"}
 # config sections that only one kind of task reads: the other kind's run hides them
-TASK_SECTIONS = {"diffusion": DIFFUSION, "preference": tuple(n for n, s in TASKS.items() if s.pairs)}
+TASK_SECTIONS = {"diffusion": DIFFUSION, "preference": tuple(n for n, s in TASKS.items() if s.pairs),
+                 "grpo": ("grpo",)}
 PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm": "Gradient norm",
                "tokens_per_s": "Throughput", "memory": "Device memory", "rewards": "Preference rewards",
-               "accuracy": "Reward accuracy", "memory_over_steps": "Memory over the run"}
+               "accuracy": "Reward accuracy", "memory_over_steps": "Memory over the run", "reward": "Rollout rewards",
+               "kl": "KL to the reference", "completion_length": "Completion length",
+               "clip_ratio": "Clipped ratio"}
 
 
 def run_report(run_dirs: list[str], out: str | None = None) -> int:
@@ -100,6 +103,9 @@ def summary_row(run: RunData) -> dict[str, str]:
     preference = {"eval reward accuracy / margin (first → last)":
                   f"{_fmt(acc[0], '.3f')} / {_fmt(margin[0])} → {_fmt(acc[-1], '.3f')} / {_fmt(margin[-1])}"} \
         if acc and margin else {}
+    held = [r["eval_reward"] for r in run.eval_stats if "eval_reward" in r]
+    if held:
+        preference = {"held-out reward, greedy (first → last)": f"{_fmt(held[0], '.3f')} → {_fmt(held[-1], '.3f')}"}
     return {
         "run": run.name, "steps": str(run.steps[-1]["step"] if run.steps else 0),
         "final train loss": _fmt(losses[-1] if losses else None),

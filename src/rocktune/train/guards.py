@@ -22,8 +22,11 @@ class NumericGuard:
         self.nan_patience, self.zero_patience = nan_patience, zero_patience
         self.nonfinite_in_row = self.zero_in_row = self.skipped_total = 0
 
-    def check(self, step: int, loss: float, grad_norm: float) -> bool:
-        """True when the update may be applied; False to skip it. Raises when skipping is not enough."""
+    def check(self, step: int, loss: float, grad_norm: float, zero_expected: tuple[str, ...] = ()) -> bool:
+        """True when the update may be applied; False to skip it. Raises when skipping is not enough.
+        ``zero_expected``: what the task knows may be exactly zero this step by construction ("loss": GRPO's
+        on-policy loss value sums advantages that cancel; "grad": every advantage is zero), which then says nothing
+        about the device and is not counted."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.nonfinite_in_row += 1
             self.skipped_total += 1
@@ -32,7 +35,9 @@ class NumericGuard:
                                        f"(last at step {step})")
             return False
         self.nonfinite_in_row = 0
-        self.zero_in_row = self.zero_in_row + 1 if (loss == 0.0 or grad_norm == 0.0) else 0
+        zero = (loss == 0.0 and "loss" not in zero_expected) or (grad_norm == 0.0 and "grad" not in zero_expected)
+        if zero or "grad" not in zero_expected:  # a step that could not show a zero neither counts nor clears
+            self.zero_in_row = self.zero_in_row + 1 if zero else 0
         if self.zero_in_row >= self.zero_patience:
             raise FatalNumerics(
                 f"the loss or every gradient was exactly zero for {self.zero_in_row} steps in a row (step {step}). "

@@ -213,7 +213,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         asked = stop.requested or (dist.main and (ctx.run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
         r.tripwire.check_path(step, fed.forwards[0], bar.log)
         lr_used = r.scheduler.get_last_lr()[0]
-        update = finish_step(r.runner, step_loss, fed.loss_tokens, asked, step)
+        update = finish_step(r.runner, step_loss, fed.loss_tokens, asked, step, getattr(fed, "zero_expected", ()))
         r.tripwire.check_update(step, update.applied, lr_used, update.grad_norm)
         stop.requested = update.stop
         if not update.applied:

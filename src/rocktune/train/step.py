@@ -106,9 +106,11 @@ class Update:
     applied: bool  # False: the guard skipped a non-finite step
 
 
-def finish_step(run: StepRunner, step_loss: torch.Tensor, step_tokens: int, asked: bool, step: int) -> Update:
-    """Clip, synchronise once (loss, stop request and gradient norm of every rank together), let the guard judge,
-    then update and advance the schedule."""
+def finish_step(run: StepRunner, step_loss: torch.Tensor, step_tokens: int, asked: bool, step: int,
+                zero_expected: tuple[str, ...] = ()) -> Update:
+    """Clip, synchronise once (loss, stop request and gradient norm of every rank together), let the guard judge
+    (``zero_expected``: what the feed says may be zero by construction, guards.NumericGuard.check), then update and
+    advance the schedule."""
     from rocktune.train.distributed import reduce_step
 
     scaler, optimizer = run.scaler, run.optimizer
@@ -122,7 +124,7 @@ def finish_step(run: StepRunner, step_loss: torch.Tensor, step_tokens: int, aske
     loss = loss_sum / max(step_tokens, 1)
     # An fp16 overflow (finite loss, inf gradient) is the GradScaler's business: it skips and rescales.
     overflow = scaler.is_enabled() and math.isfinite(loss) and not math.isfinite(grad_norm)
-    applied = overflow or run.guard.check(step, loss, grad_norm)
+    applied = overflow or run.guard.check(step, loss, grad_norm, zero_expected)
     if applied:
         scaler.step(optimizer)
     scaler.update()

@@ -42,7 +42,10 @@ class Feed(Protocol):
     steps_per_epoch: int
     epoch: int
 
-    def next(self): ...  # -> an object with .forwards (host batches) and .loss_tokens (the step's normaliser)
+    # -> an object with .forwards (host batches), .loss_tokens (the step's normaliser) and, optionally,
+    # .zero_expected: what may be exactly zero by construction, which the silent-zeros guard then does not count
+    # ("loss": GRPO's on-policy loss value; "grad" too when every reward of every group is equal)
+    def next(self): ...
 
     def position(self) -> dict: ...
 

@@ -1,0 +1,151 @@
+"""Rollout and update tokens/s of rocktune's GRPO beside TRL's GRPOTrainer without vLLM (its default), on the same
+tiny model, prompts and settings, in one run. Prints one JSON object.
+
+    PYTHONPATH=src python benchmarks/grpo_vs_trl.py [--steps 6] [--warmup 1] [--rounds 3] [--threads 1]
+        [--device cpu]
+
+Both sides: the demo's tiny Qwen2 (random weights, so every completion runs to max_completion_length and both
+generate the same number of tokens), LoRA r=16 on all linear layers, 4 prompts x 8 completions per optimizer step,
+one micro-batch, temperature 1, beta 0, loss dapo, fp32, AdamW. Measured per optimizer step after ``--warmup``
+steps:
+
+- rollout: the completions' generation alone (rocktune: tasks/grpo/rollout.sample, its ``rollout_s``; TRL: its
+  ``_generate``, transformers' ``generate``), tokens/s = completion tokens / seconds;
+- update: the rest of the optimizer step (rewards, advantages, forward, backward, optimizer step), tokens/s =
+  completion tokens / seconds (rocktune: ``step_s - rollout_s``; TRL: the callback-timed step minus ``_generate``).
+
+The ratio is rocktune's over TRL's, from the tokens and seconds of every round together. Each round trains both
+afresh, one after the other, so that a machine shared with other jobs slows both alike; the per-round ratios show
+how much the load moved the figures. TRL is the test extra's; nothing of it is imported by rocktune.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+SHAPE = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2}
+PROMPTS, G, NEW, LR, R = 4, 8, 32, 1e-3, 16
+
+
+def _reward(completions, **kwargs):
+    return [float("A" in c) for c in completions]
+
+
+def _setup(work: Path) -> tuple[Path, Path]:
+    from rocktune.demo.task import make_task, write_jsonl
+    from rocktune.demo.tiny import build_tiny_model
+
+    model = build_tiny_model(work / "model", seed=0, **SHAPE)
+    rows, _ = make_task(n_train=256, n_eval=0, seed=0, skills=("upper",))
+    data = write_jsonl(work / "prompts.jsonl", [{"prompt": r["prompt"], "answer": r["completion"]} for r in rows])
+    return model, data
+
+
+def run_rocktune(model: Path, data: Path, out: Path, steps: int, device: str) -> list[dict]:
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from rocktune.train.request import RunOptions
+
+    cfg = {"task": "grpo", "model": {"name_or_path": str(model)}, "lora": {"r": R, "alpha": 2 * R},
+           "data": {"train_file": str(data), "eval_fraction": 0.0, "max_length": 32},
+           "grpo": {"num_generations": G, "max_completion_length": NEW, "beta": 0.0, "loss_type": "dapo",
+                    "rewards": [{"function": "regex", "pattern": "A"}]},
+           "training": {"max_steps": steps, "micro_batch_size": PROMPTS * G, "grad_accum": 1, "lr": LR,
+                        "warmup_steps": 0, "eval_every": 0, "log_every": 1, "precision": "fp32", "device": device,
+                        "seed": 0},
+           "reliability": {"save_every": 0}, "output": {"dir": str(out)}}
+    train(config_from_dict(cfg), RunOptions(overwrite=True), quiet=True)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{"rollout_s": r["rollout_s"], "update_s": r["step_s"] - r["rollout_s"], "tokens": r["tokens"]}
+            for r in rows if "loss" in r]
+
+
+def run_trl(model: Path, data: Path, out: Path, steps: int, device: str) -> list[dict]:
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(out), num_generations=G, max_completion_length=NEW, beta=0.0, loss_type="dapo",
+                      per_device_train_batch_size=PROMPTS * G, gradient_accumulation_steps=1, learning_rate=LR,
+                      lr_scheduler_type="cosine", warmup_steps=0, max_steps=steps, logging_steps=1, report_to=[],
+                      save_strategy="no", bf16=False, use_cpu=device == "cpu", seed=0, gradient_checkpointing=False)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype="float32")
+    trainer = GRPOTrainer(model=base, reward_funcs=_reward, args=args, processing_class=tokenizer,
+                          train_dataset=load_dataset("json", data_files=str(data), split="train"),
+                          peft_config=LoraConfig(r=R, lora_alpha=2 * R, target_modules="all-linear"))
+    steps_out: list[dict] = []
+    generate, current = trainer._generate, {}
+
+    def timed_generate(prompts):
+        t0 = time.perf_counter()
+        out = generate(prompts)
+        current["rollout_s"] = current.get("rollout_s", 0.0) + time.perf_counter() - t0
+        current["tokens"] = current.get("tokens", 0) + sum(len(c) for c in out[1])
+        return out
+    trainer._generate = timed_generate
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            current.clear()
+            current["t0"] = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            wall = time.perf_counter() - current["t0"]
+            steps_out.append({"rollout_s": current["rollout_s"], "update_s": wall - current["rollout_s"],
+                              "tokens": current["tokens"]})
+    trainer.add_callback(StepClock())
+    trainer.train()
+    return steps_out
+
+
+def summary(kept: list[dict]) -> dict:
+    tokens = sum(s["tokens"] for s in kept)
+    rollout, update = sum(s["rollout_s"] for s in kept), sum(s["update_s"] for s in kept)
+    return {"steps_measured": len(kept), "completion_tokens": tokens,
+            "rollout_tokens_per_s": round(tokens / rollout, 1), "update_tokens_per_s": round(tokens / update, 1),
+            "step_s_median": round(statistics.median(s["rollout_s"] + s["update_s"] for s in kept), 4)}
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="fresh runs of each side, alternating (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for both (default 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="rocktune-grpo-bench-") as tmp:
+        work = Path(tmp)
+        model, data = _setup(work)
+        for i in range(a.rounds):
+            mine = run_rocktune(model, data, work / f"rocktune{i}", a.steps + a.warmup, a.device)[a.warmup:]
+            theirs = run_trl(model, data, work / f"trl{i}", a.steps + a.warmup, a.device)[a.warmup:]
+            rounds.append((mine, theirs))
+    ours = summary([s for mine, _ in rounds for s in mine])
+    trl = summary([s for _, theirs in rounds for s in theirs])
+    per_round = [{k: round(summary(m)[f"{k}_tokens_per_s"] / summary(t)[f"{k}_tokens_per_s"], 2)
+                  for k in ("rollout", "update")} for m, t in rounds]
+    import trl as trl_pkg
+
+    print(json.dumps({"device": a.device, "threads": a.threads, "trl": trl_pkg.__version__, "torch": torch.__version__,
+                      "settings": {"prompts_per_step": PROMPTS, "num_generations": G, "max_completion_length": NEW,
+                                   "lora_r": R, "model": SHAPE},
+                      "rocktune": ours, "trl_grpo_trainer": trl,
+                      "rollout_ratio": round(ours["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"], 2),
+                      "update_ratio": round(ours["update_tokens_per_s"] / trl["update_tokens_per_s"], 2),
+                      "ratios_per_round": per_round}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Prompts for reinforcement learning (task: grpo) as users have them -> a rendered prompt, its reference answer and
+the row's other fields -> token ids.
+
+Record shapes, detected per row from its keys (``data.columns`` renames source columns to these keys first):
+
+- TRL's prompt-only format: ``prompt``, a string, or (conversational) a list of ``{role, content}`` messages; every
+  other column travels to the reward functions, as TRL passes them (``answer``, ``solution``, ``ground_truth`` ...).
+- GSM8K's ``question``/``answer``: the answer's text after the last ``####`` is the reference (``#### 1,234`` ->
+  ``1234``); the worked solution before it is never shown to the model.
+- A reference answer under ``answer``, ``solution``, ``ground_truth`` or ``completion`` (the first present, in that
+  order) is what the built-in answer rewards compare with; a prompt-only row has none (format rewards still work).
+
+A text prompt is tokenised with the tokenizer's specials, as SFT and DPO render plain prompts; a conversational one
+through the chat template with its generation prompt. An error names the row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+from rocktune.data.preference import _message
+from rocktune.errors import UserError
+from rocktune.readers.template import render_chat_template
+
+ANSWER_KEYS = ("answer", "solution", "ground_truth", "completion")
+SHAPES = ("prompt (TRL prompt-only: text or messages), with any answer/solution/ground_truth column",
+          "question/answer (GSM8K, the reference after '####')")
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One row, read: the prompt (text or messages), its reference answer (None: prompt-only) and every other field
+    of the row, which the reward functions receive by name."""
+
+    prompt: str | list
+    answer: str | None
+    chat: bool
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A tokenised prompt: the ids the rollout continues, the rendered text (data preview) and the row."""
+
+    ids: tuple[int, ...]
+    text: str
+    row: PromptRow
+    where: str  # the file:line or row an error about its rewards names
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    prompts: tuple[Prompt, ...]
+    fingerprint: str  # of the token ids and answers: a resume refuses other data
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def lengths(self) -> list[int]:
+        return [len(p.ids) for p in self.prompts]
+
+
+def gsm8k_answer(text: str) -> str:
+    """GSM8K's convention: the final answer follows the last ``####`` (thousands separators dropped)."""
+    return text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in text else text.strip()
+
+
+def read_prompt(row: dict, where: str) -> PromptRow:
+    """The prompt a source row holds, in whichever shape it comes; a row of no known shape is named."""
+    row = {k: v for k, v in row.items() if v is not None}  # a table gives every row every column
+    if "prompt" in row:
+        prompt = row["prompt"]
+    elif "question" in row:
+        prompt = row["question"]
+        if isinstance(row.get("answer"), str):
+            row = {**row, "answer": gsm8k_answer(row["answer"])}
+    else:
+        raise UserError(f"{where}: a GRPO row needs 'prompt' (or GSM8K's 'question'); this row has {sorted(row)}. "
+                        f"Shapes: {'; '.join(SHAPES)}. Map other column names with data.columns.")
+    chat = isinstance(prompt, list)
+    if chat:
+        if not prompt:
+            raise UserError(f"{where}: 'prompt' is an empty list of messages; give at least one user message.")
+        prompt = [_message(m, f"{where}: prompt[{i}]") for i, m in enumerate(prompt)]
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise UserError(f"{where}: 'prompt' must be non-empty text or a list of {{'role', 'content'}} messages, got "
+                        f"{prompt!r:.60}.")
+    answer = next((row[k] for k in ANSWER_KEYS if k in row), None)
+    if answer is not None and not isinstance(answer, (str, int, float)):
+        raise UserError(f"{where}: the reference answer must be text or a number, got {type(answer).__name__}.")
+    fields = {k: v for k, v in row.items() if k not in ("prompt", "question")}
+    if answer is not None:
+        fields["answer"] = str(answer)  # the built-in rewards' reference, whichever column held it
+    return PromptRow(prompt, None if answer is None else str(answer), chat, fields)
+
+
+def encode_prompt(row: PromptRow, tokenizer, max_length: int, where: str) -> Prompt:
+    """Token ids of the prompt; one longer than ``max_length`` keeps its end (the question next to the answer)."""
+    if row.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"{where}: conversational prompts need the tokenizer's chat template, and this tokenizer "
+                            "has none; use an instruct model's tokenizer or give the prompts as text.")
+        text = render_chat_template(tokenizer, row.prompt, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = row.prompt
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    truncated = len(ids) > max_length
+    return Prompt(tuple(ids[len(ids) - max_length:] if truncated else ids), text, row, where, truncated)
+
+
+def encode_rows(rows, tokenizer, max_length: int) -> list[Prompt]:
+    """``rows``: ``(where, row)`` pairs as data/preference.read_rows gives them."""
+    return [encode_prompt(read_prompt(row, str(where)), tokenizer, max_length, str(where)) for where, row in rows]
+
+
+def prompt_set(prompts: list[Prompt]) -> PromptSet:
+    h = hashlib.blake2b(digest_size=8)
+    for p in prompts:
+        h.update(repr((p.ids, p.row.answer)).encode())
+    return PromptSet(tuple(prompts), h.hexdigest())
+
+
+def split_prompts(prompts: list[Prompt], fraction: float, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """Hold out ``fraction`` of the prompts for eval (at least one when asked for and there are two or more)."""
+    if fraction <= 0 or len(prompts) < 2:
+        return prompts, []
+    order = list(range(len(prompts)))
+    random.Random(f"eval-prompts:{seed}").shuffle(order)
+    held = set(order[:min(len(prompts) - 1, max(1, round(len(prompts) * fraction)))])
+    return [p for i, p in enumerate(prompts) if i not in held], [p for i, p in enumerate(prompts) if i in held]

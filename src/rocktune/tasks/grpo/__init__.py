@@ -1,0 +1,1 @@
+"""GRPO (task: grpo): reinforcement learning with verifiable rewards on a causal LM's LoRA; docs/rl.md."""

@@ -1,0 +1,30 @@
+"""What the launching process refuses for task: grpo before the supervisor or any worker starts (torch-free): the
+LM tasks' checks, and what GRPO alone rules out. The worker decides the same again (``GRPOTask.refuse``)."""
+
+from __future__ import annotations
+
+from rocktune.config import RunConfig
+from rocktune.errors import UserError
+from rocktune.tasks.lm import launch as lm_launch
+from rocktune.train.request import RunOptions
+
+precheck = lm_launch.precheck
+
+
+def refuse(cfg: RunConfig, options: RunOptions) -> None:
+    lm_launch.refuse(cfg, options)
+    refuse_grpo(cfg, options)
+
+
+def refuse_grpo(cfg: RunConfig, options: RunOptions) -> None:
+    t, g = cfg.training, cfg.grpo
+    if options.auto_fit:
+        raise UserError("--auto fits supervised LM runs; for task=grpo set training.micro_batch_size (completions "
+                        "per forward) yourself: `rocktune plan MODEL --task grpo` shows what fits.")
+    if options.processes > 1 or t.parallel == "fsdp":
+        raise UserError("task=grpo runs in one process for now (rollouts are not yet split across ranks); drop "
+                        "--nproc and training.parallel.")
+    if (t.micro_batch_size * t.grad_accum) % g.num_generations:
+        raise UserError(f"task=grpo: training.micro_batch_size x grad_accum = {t.micro_batch_size * t.grad_accum} "
+                        f"completions per step must be a multiple of grpo.num_generations={g.num_generations} "
+                        "(each prompt's group is scored together); change one of them.")

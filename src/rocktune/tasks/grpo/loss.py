@@ -1,0 +1,130 @@
+"""The GRPO objective in one tested place (tests/test_grpo_trl.py compares it with TRL's GRPOTrainer).
+
+A batch row is one completion after its prompt, right-padded: ``input_ids``, ``attention_mask``, ``completion_mask``
+(1 on the completion's tokens), the completion's group-relative ``advantage`` and its aggregation ``weight``. The
+per-token loss is PPO's clipped surrogate, ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``, plus
+``beta`` times the k3 estimate of the KL to the reference (times the ratio unless ``use_bias_correction_kl`` is
+off, as TRL), which is the same model with the adapter switched off
+(no second copy), run without gradients in the same call. One generation feeds one optimizer step, so the "old"
+policy of the ratio is the current one detached (TRL's default, num_iterations=1): the ratio is 1 in value and its
+gradient is the policy gradient.
+
+``forward`` returns the sum over rows of ``weight * sum of the row's token losses``; the engine divides by the step's
+normaliser, so every aggregation TRL offers is a choice of weight and normaliser (rollout.py's ``aggregation``):
+
+- grpo: weight 1/|o_i|, normaliser the step's completions (each sequence's token mean, then the mean);
+- dapo: weight 1, normaliser the step's completion tokens (the token mean over the whole step);
+- dr_grpo: weight 1/max_completion_length, normaliser the step's completions.
+
+Because every quantity is per row, micro-batching, the OOM split and gradient accumulation leave the step's loss as
+it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from rocktune.tasks.lm.loss import HEAD_TRANSFORMS
+
+STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """TRL's GRPOConfig settings of the same names."""
+
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher sets it above)
+    loss_type: str = "dapo"  # grpo | dapo | dr_grpo
+    max_completion_length: int = 512
+    temperature: float = 1.0  # the rollouts': log-probabilities are of the distribution sampled from (as TRL)
+    use_bias_correction_kl: bool = True  # the KL times the ratio: an unbiased reverse-KL gradient (TRL's default)
+
+
+def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of each row's tokens 1.. under ``model`` at ``temperature`` [rows, width - 1] (0 where not
+    a completion token); the head runs on completion positions only: no full logits."""
+    ids, mask = batch["input_ids"], batch["completion_mask"][:, 1:].bool()
+    hidden, head = _hidden(model, {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False})
+    rows, cols = mask.nonzero(as_tuple=True)
+    logits = head(hidden[:, :-1][rows, cols]).float() / temperature
+    picked = torch.log_softmax(logits, -1).gather(1, ids[:, 1:][rows, cols][:, None]).squeeze(1)
+    out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32, device=ids.device)
+    return out.index_put((rows, cols), picked)
+
+
+def _hidden(model, inputs: dict):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    plain = not any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS)
+    if plain and hasattr(base, "get_decoder") and base.get_output_embeddings() is not None:
+        return base.get_decoder()(**inputs).last_hidden_state, base.get_output_embeddings()
+    return model(**inputs).logits, torch.nn.Identity()
+
+
+def token_losses(o: Objective, logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
+                 advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token losses [rows, T] and per-row statistic sums (over the mask) for the metrics."""
+    ratio = torch.exp(logps - old)
+    high = o.epsilon if o.epsilon_high is None else o.epsilon_high
+    clipped = torch.clamp(ratio, 1 - o.epsilon, 1 + high)
+    a = advantages[:, None]
+    losses = -torch.min(ratio * a, clipped * a)
+    stats = {}
+    if ref is not None and o.beta != 0.0:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if o.use_bias_correction_kl:
+            kl = kl * ratio  # 1 in value on-policy, but its gradient is what makes the KL estimate's unbiased
+        losses = losses + o.beta * kl
+        stats["kl"] = (kl.detach() * mask).sum(-1)
+    low_hit = (ratio < 1 - o.epsilon) & (a < 0)
+    high_hit = (ratio > 1 + high) & (a > 0)
+    stats["clip_ratio/low_mean"] = (low_hit * mask).sum(-1).float()
+    stats["clip_ratio/high_mean"] = (high_hit * mask).sum(-1).float()
+    stats["clip_ratio/region_mean"] = ((low_hit | high_hit) * mask).sum(-1).float()
+    return losses, stats
+
+
+class GRPOLoss(torch.nn.Module):
+    """batch -> the weighted sum of its completions' token losses; the engine normalises per step. Statistics
+    (KL, clip ratios) are summed over completion tokens until ``take_stats``."""
+
+    def __init__(self, model, objective: Objective):
+        super().__init__()
+        self.model, self.objective = model, objective
+        self._stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch["completion_mask"][:, 1:].float()
+        o = self.objective
+        logps = token_logps(self.model, batch, o.temperature)
+        ref = None
+        if o.beta != 0.0:
+            with torch.no_grad(), _adapter_off(self.model):
+                ref = token_logps(self.model, batch, o.temperature)
+        old = batch.get("old_logps", logps.detach())  # given: the policy that sampled, if it was another
+        losses, stats = token_losses(o, logps, old, ref, batch["advantage"], mask)
+        for k, v in stats.items():
+            self._stats[k] = self._stats.get(k, 0) + v.sum()
+        self._stats["tokens"] = self._stats.get("tokens", 0) + mask.sum()
+        return ((losses * mask).sum(-1) * batch["weight"]).sum()
+
+    def take_stats(self) -> dict[str, float]:
+        """Token means over the completions seen since the last call (one synchronisation), and reset."""
+        stats, self._stats = self._stats, {}
+        tokens = stats.pop("tokens", None)
+        if tokens is None:
+            return {}
+        keys = list(stats)
+        values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32) for k in keys] + [tokens.float()])
+        *sums, count = values.tolist()
+        return {k: v / max(count, 1.0) for k, v in zip(keys, sums)}
+
+
+def _adapter_off(model):
+    """The reference: the base model, i.e. the same weights with the LoRA adapter switched off."""
+    return model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()

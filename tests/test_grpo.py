@@ -1,0 +1,294 @@
+"""task: grpo — data shapes, rewards, advantages, the sampler and a tiny run through the one loop, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from rocktune.config import config_from_dict
+from rocktune.data.prompts import encode_prompt, gsm8k_answer, read_prompt
+from rocktune.errors import UserError
+from rocktune.tasks.grpo import rewards as R
+from rocktune.tasks.grpo.feed import advantages, row_weights
+from rocktune.tasks.grpo.rollout import Sampling, generator_state, new_generator, sample, set_generator_state
+from tests.conftest import write_jsonl
+
+
+def test_rows_of_every_shape():
+    text = read_prompt({"prompt": "add 1 2 =", "answer": " 03", "level": 2}, "f:1")
+    assert (text.prompt, text.answer, text.chat, text.fields) == ("add 1 2 =", " 03", False,
+                                                                   {"answer": " 03", "level": 2})
+    chat = read_prompt({"prompt": [{"role": "user", "content": "hi"}], "solution": "x"}, "f:2")
+    assert chat.chat and chat.answer == "x" and chat.fields == {"solution": "x", "answer": "x"}
+    gsm = read_prompt({"question": "How many?", "answer": "3 + 4 = 7 apples\n#### 1,007"}, "f:3")
+    assert (gsm.prompt, gsm.answer) == ("How many?", "1007")
+    assert read_prompt({"prompt": "only a prompt"}, "f:4").answer is None
+    assert gsm8k_answer("no marker 12") == "no marker 12"
+
+
+@pytest.mark.parametrize("row, words", [({"text": "x"}, "needs 'prompt'"), ({"prompt": ""}, "non-empty"),
+                                        ({"prompt": [{"role": "bot", "content": "x"}]}, r"prompt\[0\]"),
+                                        ({"prompt": "p", "answer": [1]}, "text or a number")])
+def test_bad_rows_name_the_row(row, words):
+    with pytest.raises(UserError, match=words) as exc:
+        read_prompt(row, "train.jsonl:7")
+    assert "train.jsonl:7" in str(exc.value)
+
+
+def test_a_long_prompt_keeps_its_end(tokenizer):
+    p = encode_prompt(read_prompt({"prompt": "upper abcdefghij " * 20 + "= end"}, "r"), tokenizer, 8, "r")
+    assert p.truncated and len(p.ids) == 8 and tokenizer.decode(p.ids).endswith("= end")
+
+
+def test_built_in_rewards():
+    comps = [" ABCD", "the answer is #### 42", "so \\boxed{41.9}", "nothing"]
+    refs = [" ABCD", "42", "42", "7"]
+    where = ["r0", "r1", "r2", "r3"]
+    assert R.exact(comps, where, answer=refs) == [1.0, 1.0, 0.0, 0.0]
+    assert R.numeric(0.2)(comps, where, answer=["1"] + refs[1:]) == [0.0, 1.0, 1.0, 0.0]  # ' ABCD': no number
+    assert R.regex(r"####\s*\d+$")(comps) == [0.0, 1.0, 0.0, 0.0]
+    assert R.length(10, 4)([[1] * 5, [1] * 6, [1] * 8, [1] * 12]) == [0.0, 0.0, -0.5, -1.0]
+    with pytest.raises(UserError, match="r1: the 'numeric' reward needs a number"):
+        R.numeric(0.1)(["1", "2"], ["r0", "r1"], answer=["1", "two"])
+    with pytest.raises(UserError, match="r0: the 'exact' reward compares with a reference answer"):
+        R.exact(["1"], ["r0"], answer=[None])
+
+
+def _batch(n=2):
+    return R.Batch(["p"] * n, ["a"] * n, [[1]] * n, [{"answer": "a"}] * n, [f"train.jsonl:{i + 1}" for i in range(n)])
+
+
+def test_user_rewards_checked_and_named(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def good(completions, **kw):\n    return [len(c) for c in completions]\n"
+        "def nan(completions, **kw):\n    return [1.0, float('nan')]\n"
+        "def boom(completions, **kw):\n    raise KeyError('solution')\n"
+        "def short(completions, **kw):\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [
+        {"function": "my_rewards:good", "weight": 0.5}, {"function": "exact", "weight": 2.0}]}})
+    built = R.build(cfg.grpo.rewards, 16)
+    table = R.score(built, _batch())
+    assert [r.name for r in built] == ["good", "exact"] and table == [[1.0, 1.0], [1.0, 1.0]]
+    assert R.weighted(built, table) == [2.5, 2.5]
+    for fn, words in (("nan", "train.jsonl:2: the reward 'nan' returned nan"), ("boom", "raised KeyError"),
+                      ("short", "one number per completion")):
+        with pytest.raises(UserError, match=words):
+            R.score([R.Reward(fn, 1.0, getattr(sys.modules["my_rewards"], fn))], _batch())
+    with pytest.raises(UserError, match="could not import"):
+        R.build(config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [
+            {"function": "no_such_module:f"}]}}).grpo.rewards, 16)
+
+
+def test_reward_config_is_checked():
+    from rocktune.errors import UserError as E
+
+    for spec, words in (({"function": "regex"}, "needs pattern"), ({"function": "regex", "pattern": "("}, "not a "
+                        "regular expression"), ({"function": "bleu"}, "module:function")):
+        with pytest.raises(E, match=words):
+            config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [spec]}})
+    with pytest.raises(E, match="only for task=grpo"):
+        from rocktune.config import refuse_inapplicable
+        refuse_inapplicable(config_from_dict({"data": {"train_file": "x"}, "grpo": {"beta": 0.1}}))
+
+
+def test_advantages_and_weights():
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0])
+    group = advantages(r, 3, "group")
+    assert torch.allclose(group[:3], (r[:3] - 1 / 3) / (r[:3].std() + 1e-4))
+    assert torch.equal(group[3:], torch.zeros(3))  # equal rewards: no signal
+    assert torch.allclose(advantages(r, 3, "none"), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0]))
+    assert torch.allclose(advantages(r, 3, "batch"), advantages(r, 3, "none") / (r.std() + 1e-4))
+    assert row_weights([2, 4], "grpo", 8) == ([0.5, 0.25], 2)
+    assert row_weights([2, 4], "dapo", 8) == ([1.0, 1.0], 6)
+    assert row_weights([2, 4], "dr_grpo", 8) == ([0.125, 0.125], 2)
+
+
+def test_the_zero_guard_judges_what_a_step_can_show():
+    """GRPO's on-policy loss value is zero whenever the advantages cancel, and its gradient too when every reward of
+    every group is equal: neither is the device's silent zero; a zero gradient on a step with signal still is."""
+    from rocktune.train.guards import FatalNumerics, NumericGuard
+
+    guard = NumericGuard(nan_patience=3, zero_patience=3)
+    for step in range(1, 10):  # the loss value alone, or everything on a step without signal
+        guard.check(step, 0.0, 0.5, ("loss",))
+        guard.check(step, 0.0, 0.0, ("loss", "grad"))
+    assert guard.zero_in_row == 0
+    guard.check(10, 0.0, 0.0, ("loss",))
+    guard.check(11, 0.0, 0.0, ("loss", "grad"))  # neither counts nor clears
+    guard.check(12, 0.0, 0.0, ("loss",))
+    with pytest.raises(FatalNumerics, match="exactly zero for 3 steps"):
+        guard.check(13, 0.0, 0.0, ("loss",))
+
+
+def _tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_sampler_matches_a_full_forward_and_its_rng_resumes(tiny_model_dir, tokenizer):
+    """Greedy completions from the KV cache equal argmax over full forwards of the growing text; a generator state
+    saved and restored samples the same completions again."""
+    model = _tiny(tiny_model_dir)
+    prompts = [tuple(tokenizer("upper abcd =")["input_ids"]), tuple(tokenizer("add 3 4 =")["input_ids"])]
+    greedy = sample(model, prompts, Sampling(6, 0.0), tokenizer.pad_token_id, None)
+    for p, got in zip(prompts, greedy):
+        ids = list(p)
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert got == ids[len(p):]
+    gen = new_generator("cpu", 3)
+    state = generator_state(gen)
+    s = Sampling(8, 1.0, top_k=20, top_p=0.9, stop_ids=(tokenizer.eos_token_id,))
+    first = sample(model, prompts * 2, s, tokenizer.pad_token_id, gen)
+    set_generator_state(gen, state)
+    assert sample(model, prompts * 2, s, tokenizer.pad_token_id, gen) == first
+    stopped = sample(model, prompts, Sampling(8, 0.0, stop_strings=(greedy[0] and tokenizer.decode(greedy[0][:2]),)),
+                     tokenizer.pad_token_id, None, lambda ids: tokenizer.decode(ids))
+    assert stopped[0] == greedy[0][:2]
+
+
+def grpo_config(model_dir, train, out, **training) -> dict:
+    t = {"max_steps": 4, "micro_batch_size": 4, "grad_accum": 2, "lr": 5e-3, "warmup_steps": 0, "eval_every": 2,
+         "precision": "fp32", "device": "cpu", "seed": 0, **training}
+    return {"task": "grpo", "model": {"name_or_path": str(model_dir)}, "lora": {"r": 8, "alpha": 16},
+            "data": {"train_file": str(train), "max_length": 32, "eval_fraction": 0.2},
+            "grpo": {"num_generations": 4, "max_completion_length": 6, "beta": 0.05, "top_k": 30,
+                     "rewards": [{"function": "exact"}, {"function": "regex", "pattern": "[A-Z]", "weight": 0.5}]},
+            "training": t, "output": {"dir": str(out)}}
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    from rocktune.demo.task import make_task
+
+    rows, _ = make_task(n_train=40, n_eval=0, seed=1)
+    return write_jsonl(tmp_path_factory.mktemp("grpo") / "prompts.jsonl",
+                       [{"prompt": r["prompt"], "answer": r["completion"]} for r in rows])
+
+
+def test_a_tiny_run_logs_trl_metrics(tiny_model_dir, prompt_file, tmp_path):
+    from rocktune.tasks import train
+
+    result = train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "run")), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 4 and all(r["completions"] == 8 for r in steps)
+    for key in ("reward", "reward_std", "kl", "rewards/exact/mean", "rewards/regex/mean", "completions/mean_length",
+                "clip_ratio/region_mean", "frac_reward_zero_std", "rollout_tokens_per_s"):
+        assert all(key in r for r in steps), key
+    assert all(0 < r["completions/mean_length"] <= 6 for r in steps)
+    assert all(r["clip_ratio/region_mean"] == 0.0 for r in steps)  # one update per rollout: the ratio is 1
+    assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0  # the adapter starts as the reference, then moves
+    assert any("eval_reward" in r for r in rows)
+    assert (result.run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    pytest.importorskip("matplotlib")
+    from rocktune.report.plots import all_plots
+    from rocktune.report.rundata import load_run
+    from rocktune.report.run_report import summary_row
+
+    plots = all_plots([load_run(result.run_dir)])
+    assert {"loss", "reward", "kl", "completion_length", "clip_ratio"} <= set(plots)
+    assert "held-out reward, greedy (first → last)" in summary_row(load_run(result.run_dir))
+
+
+def test_plan_counts_the_rollout_kv_cache():
+    """K and V of every layer for every completion of a step, prompt + completion tokens long; the rollout's peak
+    replaces the update's when larger (the cache is freed before the update's forward)."""
+    from dataclasses import replace
+
+    from rocktune.planner.estimate import RunSpec, estimate
+    from rocktune.planner.shapes import load_shape
+
+    shape = load_shape("Qwen2.5-0.5B")
+    spec = RunSpec(micro_batch=4, seq_len=768, precision="bf16", rollout_rows=64, rollout_prompt=256,
+                   rollout_new=512)
+    est = estimate(shape, spec)
+    assert est.by_name()["rollout_kv_cache"] == 2 * shape.layers * shape.kv_dim * 2 * 64 * 768
+    update = estimate(shape, replace(spec, rollout_rows=0))
+    assert "rollout_kv_cache" not in update.by_name()
+    rollout = sum(t.bytes for t in est.terms if t.phase == "rollout")
+    assert est.peak_allocated == max(update.peak_allocated, update.phase("static") + rollout)
+    huge = estimate(shape, replace(spec, rollout_rows=4096))
+    assert huge.peak_allocated == huge.phase("static") + sum(t.bytes for t in huge.terms if t.phase == "rollout")
+
+
+def test_data_preview_shows_prompt_answer_and_generation_prompt(tiny_model_dir, tmp_path):
+    import subprocess
+
+    import yaml
+
+    rows = [{"question": "How many apples?", "answer": "3 + 4 = 7\n#### 7", "level": 1}, {"prompt": "upper ab ="}]
+    cfg = {"task": "grpo", "model": {"name_or_path": str(tiny_model_dir)},
+           "data": {"train_file": str(write_jsonl(tmp_path / "p.jsonl", rows)), "max_length": 32}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "rocktune", "data", "preview", "-c", str(tmp_path / "c.yaml"),
+                          "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    pv = json.loads(out.stdout)
+    assert (pv["n_prompts"], pv["n_with_answer"]) == (2, 1)
+    first, second = pv["prompts"]
+    assert (first["prompt"], first["answer"], first["fields"]) == ("How many apples?", "7", ["level"])
+    assert first["rendered"].endswith("How many apples?") and second["answer"] is None
+
+
+@pytest.mark.parametrize("change, options, words", [
+    ({"training": {"micro_batch_size": 5}}, {}, "multiple of grpo.num_generations=4"),
+    ({}, {"processes": 2}, "one process for now"),
+    ({}, {"auto_fit": True}, "--auto fits supervised"),
+])
+def test_refused_before_launch(tiny_model_dir, prompt_file, tmp_path, change, options, words):
+    from rocktune.tasks import refuse_before_launch
+    from rocktune.train.request import RunOptions
+
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "run")
+    for section, values in change.items():
+        cfg[section].update(values)
+    with pytest.raises(UserError, match=words):
+        refuse_before_launch(config_from_dict(cfg), RunOptions(**options))
+
+
+def test_generate_prompts_a_grpo_run_as_it_was_trained(tmp_path):
+    """Text prompts were tokenised raw (even where the tokenizer has a chat template); messages through it."""
+    from rocktune.export.style import training_style
+
+    text = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "upper ab =", "answer": " AB"}])
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"q": [{"role": "user", "content": "hi"}]}])
+    assert training_style({"task": "grpo", "data": {"train_file": str(text)}}) == "raw"
+    assert training_style({"task": "grpo", "data": {"train_file": str(chat), "columns": {"prompt": "q"}}}) == "chat"
+
+
+def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """More than 4 rows in one sampling batch "run out of memory": the step's 8 rows are sampled in 2 batches from
+    then on (logged, and kept by checkpoints), and the run trains on."""
+    from rocktune.tasks import train
+    from rocktune.tasks.grpo import task as grpo_task
+
+    real = grpo_task.sample
+
+    def small_only(model, prompts, *args, **kwargs):
+        if len(prompts) > 4:
+            raise MemoryError()
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_task, "sample", small_only)
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "run", max_steps=2, eval_every=0)
+    train(config_from_dict(cfg), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_pieces"] for r in rows if "loss" in r] == [2, 2]
+    assert all(r["completions"] == 8 for r in rows if "loss" in r)
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step-0000002" / "meta.json").read_text())
+    assert meta["extra"]["rollout_pieces"] == 2
+
+    def never(model, prompts, *args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(grpo_task, "sample", never)
+    from rocktune.train.step import OutOfMemoryAtMinimum
+
+    with pytest.raises(OutOfMemoryAtMinimum, match="one completion at a time"):
+        train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "b", max_steps=1)), quiet=True)
