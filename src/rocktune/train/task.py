@@ -9,6 +9,8 @@ data, its model and loss, its evaluation and what it writes besides the adapter.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -17,6 +19,28 @@ import torch
 
 from rocktune.train.context import RunContext
 from rocktune.train.request import RunOptions
+
+
+class KeepsStats(torch.nn.Module):
+    """A loss module that sums statistics of what it sees (on the device, no synchronisation) until the task takes
+    them. Calls that are not the step's own (an eval pass, the training-path tripwire's probe) run inside
+    ``separate_stats`` so that the step's figures stay the step's: a resumed run logs what an uninterrupted one does."""
+
+    def __init__(self):
+        super().__init__()
+        self._stats: dict[str, torch.Tensor] = {}
+
+    def add_stats(self, stats: dict) -> None:
+        for k, v in stats.items():
+            self._stats[k] = self._stats.get(k, 0) + v
+
+    @contextlib.contextmanager
+    def separate_stats(self):
+        outer, self._stats = self._stats, {}
+        try:
+            yield
+        finally:
+            self._stats = outer
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ forks the RNG, so a run with the tripwire trains exactly as one without it: the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -104,7 +105,9 @@ class Tripwire:
         def loss_fn(_model):
             return self.loss_of(on_device)
 
-        with no_sync(self.loss_of, last=False):  # several ranks: the probe's gradients stay on each rank
+        inner = getattr(self.loss_of, "module", self.loss_of)  # DDP's wrapped module
+        apart = getattr(inner, "separate_stats", contextlib.nullcontext)  # train/task.KeepsStats
+        with no_sync(self.loss_of, last=False), apart():  # the probe's gradients and statistics are not the step's
             got = lora_check.probe(self.model, loss_fn, self.autocast)
             with lora_check.reference_mode(self.model):
                 ref = lora_check.probe(self.model, loss_fn, self.autocast)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from rocktune.tasks.lm.loss import HEAD_TRANSFORMS
+from rocktune.train.task import KeepsStats
 
 STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -89,14 +90,13 @@ def token_losses(o: Objective, logps: torch.Tensor, old: torch.Tensor, ref: torc
     return losses, stats
 
 
-class GRPOLoss(torch.nn.Module):
+class GRPOLoss(KeepsStats):
     """batch -> the weighted sum of its completions' token losses; the engine normalises per step. Statistics
     (KL, clip ratios) are summed over completion tokens until ``take_stats``."""
 
     def __init__(self, model, objective: Objective):
         super().__init__()
         self.model, self.objective = model, objective
-        self._stats: dict[str, torch.Tensor] = {}
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch["completion_mask"][:, 1:].float()
@@ -108,9 +108,7 @@ class GRPOLoss(torch.nn.Module):
                 ref = token_logps(self.model, batch, o.temperature)
         old = batch.get("old_logps", logps.detach())  # given: the policy that sampled, if it was another
         losses, stats = token_losses(o, logps, old, ref, batch["advantage"], mask)
-        for k, v in stats.items():
-            self._stats[k] = self._stats.get(k, 0) + v.sum()
-        self._stats["tokens"] = self._stats.get("tokens", 0) + mask.sum()
+        self.add_stats({**{k: v.sum() for k, v in stats.items()}, "tokens": mask.sum()})
         return ((losses * mask).sum(-1) * batch["weight"]).sum()
 
     def take_stats(self) -> dict[str, float]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
 from rocktune.tasks.lm.loss import HEAD_TRANSFORMS, varlen_inputs
+from rocktune.train.task import KeepsStats
 
 MODEL_INPUTS = ("input_ids", "position_ids")
 STATS = ("pairs", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -121,20 +122,17 @@ def pair_losses(objective: Objective, policy: SequenceLogps, reference: Sequence
     return losses, stats
 
 
-class PreferenceLoss(torch.nn.Module):
+class PreferenceLoss(KeepsStats):
     """The model and its pair loss as one module (DDP wraps it: its forward is the call that computes the loss).
     Statistics of every pair it sees are summed on the device (no synchronisation) until ``take_stats``."""
 
     def __init__(self, model, objective: Objective):
         super().__init__()
         self.model, self.objective = model, objective
-        self._stats: dict[str, torch.Tensor] = {}
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         losses, stats = self.pair_losses(batch)
-        for k, v in stats.items():
-            self._stats[k] = self._stats.get(k, 0) + v.sum()
-        self._stats["pairs"] = self._stats.get("pairs", 0) + losses.shape[0]
+        self.add_stats({**{k: v.sum() for k, v in stats.items()}, "pairs": losses.shape[0]})
         return losses.sum()
 
     def pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -145,15 +143,6 @@ class PreferenceLoss(torch.nn.Module):
             with torch.no_grad(), _adapter_off(self.model):
                 reference = sequence_logps(self.model, batch)
         return pair_losses(self.objective, policy, reference, batch.get("nll_scale"))
-
-    @contextlib.contextmanager
-    def separate_stats(self):
-        """Statistics summed inside (the eval pass) are kept apart from those of the training step around it."""
-        outer, self._stats = self._stats, {}
-        try:
-            yield
-        finally:
-            self._stats = outer
 
     def take_stats(self) -> dict[str, float]:
         """The means over the pairs seen since the last call (one synchronisation), and reset."""
