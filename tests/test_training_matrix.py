@@ -4,8 +4,9 @@ fp32 and bf16 autocast, gradient checkpointing on and off — three optimizer st
 movement within rocktune.lora_check.TOLERANCE, every adapter tensor with a gradient at the first step.
 
 It exists because a fast path once trained nothing on the GPUs' defaults while the suite stayed green: torch's
-fused AdamW does not bump the version counters a cast cache trusted, and a compiler dropped inputs used only for
-their gradients. The mutants at the end prove that each of those failures would fail this matrix.
+fused AdamW does not bump the version counters a cast cache trusted, and torch 2.11's compiled graph gave the
+adapter zero gradients (an in-place add inside the fused node). The mutants at the end prove that each of those
+failures would fail this matrix.
 """
 
 from __future__ import annotations

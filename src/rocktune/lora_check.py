@@ -7,8 +7,8 @@ tensor has a gradient at the first step. The correctness matrix (tests/test_trai
 --model`` and a run's tripwire (train/tripwire.py) all judge with ``compare`` and ``compare_probe`` here, so a
 failure names the same cause wherever it shows:
 
-- ``no-gradient``: adapter tensors got no gradient (a compiled graph that dropped the inputs it used only for
-  their gradients, a side path that detached them);
+- ``no-gradient``: adapter tensors got no gradient (a compiled graph that loses them, as torch 2.11's did for an
+  in-place add inside the fused node; a side path that detaches them);
 - ``stale``: the loss stopped following the adapter (a forward that keeps an old adapter, e.g. cached casts an
   optimizer never invalidated);
 - ``no-update``: the optimizer step left the adapter where it was;

@@ -12,9 +12,9 @@ member (dX's and dB's); the scaling is folded into the cast of dB to the master 
 The math runs in the compute dtype (autocast's, else the input's), as autocast would run it. The adapter's casts
 (``cat(A)`` and each ``s_i B_i`` in the compute dtype) are made inside the node from the real fp32 master parameters,
 at every call: nothing is cached. A cache keyed on what torch does not promise (a version counter that torch's fused
-AdamW does not bump, an input a compiled graph uses only so that autograd hands it a gradient) trained nothing on
-the GPUs' defaults; recasting ~9 M adapter parameters per forward is a pass of a few tens of MB, far below one
-matmul of the layer. Under ``torch.compile`` Inductor fuses these casts into its own kernels.
+AdamW does not bump) trained nothing on the GPUs' defaults; recasting ~9 M adapter parameters per forward is a
+pass of a few tens of MB, far below one matmul of the layer. Under ``torch.compile`` Inductor fuses these casts into
+its own kernels.
 
 The parameters stay PEFT's own (nothing is concatenated in place), so names, state dicts and saved files are
 unchanged. The frozen base weights are never given a gradient (the caller checks ``requires_grad`` is off).
@@ -55,6 +55,16 @@ def _adapter_casts(plan: Plan, a_params, b_params, dtype):
     return a_cat, bs
 
 
+def _add_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + a @ b`` as one matmul whose epilogue adds ``c``: in place in eager mode (no pass of its own, no copy of
+    ``c``); out of place under ``torch.compile``, whose graphs are functional anyway. An in-place add on the forward's
+    output inside this node made torch 2.11's compiled graph hand A and B zero gradients (tests/test_training_matrix.py
+    on 2.11), so the compiled node mutates nothing."""
+    if torch.compiler.is_compiling():
+        return torch.addmm(c, a, b)
+    return c.addmm_(a, b)
+
+
 class FusedLoRA(torch.autograd.Function):
     """Inputs: ``plan``, ``x`` (2-D, compute dtype), then per member ``W, bias, A, B`` (the real parameters; bias
     may be None). The forward computes from A and B themselves, so no compiler can treat them as unused. Outputs:
@@ -68,7 +78,7 @@ class FusedLoRA(torch.autograd.Function):
         for i, r in enumerate(plan.ranks):
             w, bias = params[4 * i].to(x.dtype), params[4 * i + 1]  # a no-op unless autocast runs an fp32 base
             y = torch.mm(x, w.t()) if bias is None else torch.addmm(bias.to(x.dtype), x, w.t())
-            ys.append(y.addmm_(h[:, start:start + r], bs[i].t()))
+            ys.append(_add_product(y, h[:, start:start + r], bs[i].t()))
             ws.append(w)
             start += r
         ctx.plan = plan
@@ -90,7 +100,7 @@ class FusedLoRA(torch.autograd.Function):
         dh_cat = dh[0] if n == 1 else torch.cat(dh, dim=1)
         dx = torch.mm(dh_cat, a_cat)
         for i in live:
-            dx.addmm_(dys[i], ws[i])
+            dx = _add_product(dx, dys[i], ws[i])
         a_dtype, b_dtype = ctx.master
         da = torch.mm(dh_cat.t(), x).to(a_dtype)  # one cast for the group; the members' rows are contiguous views
         grads, start = [], 0
