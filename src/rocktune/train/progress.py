@@ -9,17 +9,22 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from rocktune.atomic import kill_point
+
 
 class MetricsLog:
-    """Append-only JSON lines; flushed per line so a crash loses at most the line being written."""
+    """Append-only JSON lines; flushed per line so a crash loses at most the line being written. One process writes
+    it (train/runlock.py), so the count kept here is the file's: a checkpoint records it, a resume cuts back to it."""
 
     def __init__(self, path: Path):
         self.path = path
         self._lines = len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
     def write(self, record: dict) -> None:
+        kill_point("metrics.appending")
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        kill_point("metrics.appended")
         self._lines += 1
 
     def lines(self) -> int:
