@@ -91,10 +91,13 @@ class Bench:
         self.base = root / "base_model"
         # Built in a child: a torch operation here would start OpenMP's threads, which a forked child cannot use.
         in_child(lambda: _write_inputs(root))
-        # Everything a forked attempt runs is imported here, once (importing starts no thread).
-        from rocktune.process.worker import run_in_process  # noqa: F401
-        from rocktune.tasks.lm import task  # noqa: F401
-        from rocktune.train import loop  # noqa: F401
+        # What a forked attempt imports is imported here, once: the model's code, peft (and the bitsandbytes and
+        # compiler modules it pulls in) are most of an attempt's CPU time otherwise. Importing starts no thread.
+        import importlib
+
+        for name in ("rocktune.process.worker", "rocktune.tasks.lm.task", "rocktune.train.loop", "peft",
+                     "transformers.models.qwen2.modeling_qwen2", "torch._inductor.compile_fx"):
+            importlib.import_module(name)
 
     def config(self, name: str) -> dict:
         from rocktune.demo.run import demo_config

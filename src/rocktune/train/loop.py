@@ -102,7 +102,7 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
             bar.log(f"resumed from {r.restored.path.name} (step {r.start_step} of {r.total_steps})")
         bar.log(f"{parts.intro}; {sum(p.numel() for p in r.params):,} trainable parameters; {ctx.precision} on "
                 f"{ctx.device}")
-        task.start(r.start_step, r.metrics, bar.log)
+        task.start(sinks.redo_from(r.start_step, r.total_steps), r.metrics, bar.log)
         if r.restored is None:
             r.result.eval_loss_before = _evaluate(r, bar)
             r.metrics.write({"step": 0, "eval_loss": r.result.eval_loss_before})

@@ -96,8 +96,8 @@ def open_log(base, run_dir: Path, redo: int, tensorboard: bool, wandb: bool, mlf
     if mlflow:
         sinks.append(_MLflow(run_dir))
     log = LiveLog(base, sinks)
-    if sinks and getattr(base, "path", None) is not None:
-        for record in _logged_from(base.path, redo):
+    if sinks:
+        for record in _logged_from(run_dir / "metrics.jsonl", redo):
             log.send(record)
     return log
 
