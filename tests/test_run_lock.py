@@ -166,3 +166,27 @@ def test_tensorboard_shows_each_step_once_after_a_resume(kill_at, tiny_model_dir
     assert [e.step for e in acc.Tensors("eval/loss")] == [0, 8]
     assert [e.step for e in acc.Tensors("samples/text_summary")] == [0, 8]
     assert [json.loads(x)["step"] for x in (run / "samples.jsonl").read_text().splitlines()] == [0, 8]
+
+
+def test_wandb_and_mlflow_get_each_step_once_on_a_final_phase_resume(tmp_path, monkeypatch):
+    """A resume from the last step's checkpoint (8 of 8) sends that step's kept training line again, once, even from
+    an older version's log that holds it twice; the final eval follows. Earlier steps are not sent again."""
+    import types
+
+    from rocktune.train import sinks
+    from tests.test_live_metrics import _Recorder
+
+    mlflow, run = _Recorder(), _Recorder()
+    monkeypatch.setitem(sys.modules, "mlflow", types.SimpleNamespace(**{n: getattr(mlflow, n) for n in (
+        "set_experiment", "start_run", "log_metrics", "log_text", "end_run")}))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **k: run, Html=lambda s: s))
+    rows = [{"step": 0, "eval_loss": 3.0}] + [{"step": s, "loss": 1.0 / s} for s in range(1, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + rows[-1:]))
+    log = sinks.open_log(_Recorder(), tmp_path, sinks.redo_from(8, 8), tensorboard=False, wandb=True, mlflow=True)
+    log.write({"step": 8, "eval_loss": 2.0})
+    log.close()
+    assert [(a[0], k["step"]) for name, a, k in mlflow.calls if name == "log_metrics"] == [
+        ({"train_loss": 0.125}, 8), ({"eval_loss": 2.0}, 8)]
+    assert [(a[0], k["step"]) for name, a, k in run.calls if name == "log"] == [
+        ({"train/loss": 0.125}, 8), ({"eval/loss": 2.0}, 8)]
+    assert sinks.redo_from(0, 8) == 0 and sinks.redo_from(4, 8) == 5
