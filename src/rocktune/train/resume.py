@@ -90,25 +90,31 @@ def truncate_metrics(path: Path, keep_lines: int) -> list[str]:
     if not path.is_file():
         return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = lines[:keep_lines]
-    notes = []
+    kept, notes = lines[:keep_lines], []
     if kept and not kept[-1].endswith("\n"):
         kept.pop()
         notes.append(f"{path.name}: dropped its last line, cut short")
-    parsed = []
-    for line in kept:
-        try:
-            parsed.append(parse_json(line))
-        except JsonProblem:
-            parsed.append(None)  # left for the report to name; never a repeat
-    again = metrics_log.repeats(parsed)
-    if again:
-        steps = metrics_log.describe([parsed[i].get("step") for i in sorted(again)])
-        notes.append(f"{path.name}: dropped repeated lines of {steps} (logged twice by an earlier version; the "
+    kept, dropped = _drop_repeats(kept)
+    if dropped:
+        notes.append(f"{path.name}: dropped repeated lines of {dropped} (logged twice by an earlier version; the "
                      "later copy kept)")
-        kept = [line for i, line in enumerate(kept) if i not in again]
     kill_point("metrics.truncating")
     if len(kept) != len(lines):
         write_atomic(path, "".join(kept))
     kill_point("metrics.truncated")
     return notes
+
+
+def _drop_repeats(lines: list[str]) -> tuple[list[str], str | None]:
+    """``lines`` but those a later line logs again (readers/metrics_log.py), and the dropped ones described."""
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(parse_json(line))
+        except JsonProblem:
+            parsed.append(None)  # left for the report to name; never a repeat
+    again = metrics_log.repeats(parsed)
+    if not again:
+        return lines, None
+    return ([line for i, line in enumerate(lines) if i not in again],
+            metrics_log.describe([parsed[i].get("step") for i in sorted(again)]))
