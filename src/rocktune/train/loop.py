@@ -275,6 +275,7 @@ def _save_checkpoint(r: Run, step: int) -> None:
     extra = r.task.checkpoint_extra()  # every rank takes part (e.g. gathering RNG states); rank 0 writes
     if not ctx.dist.main:
         return
+    r.metrics.sync()  # the lines the checkpoint counts are on the disk before it is
     extra.update({"pieces": r.pieces, "eval_loss_before": r.result.eval_loss_before,
                   "data_fingerprint": r.parts.fingerprint, "metrics_lines": r.metrics.lines(),
                   "skipped_steps": r.guard.skipped_total})

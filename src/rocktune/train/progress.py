@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -31,6 +32,15 @@ class MetricsLog:
         """Lines written so far; a checkpoint records it so a resume can drop what came after."""
         return self._lines
 
+    def sync(self) -> None:
+        """Flush the lines to the disk: a checkpoint (fsynced itself) never counts lines a power cut could take."""
+        if self.path.is_file():
+            fd = os.open(self.path, os.O_RDWR | getattr(os, "O_BINARY", 0))  # Windows' fsync needs write access
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
 
 class NullLog:
     """What ranks other than 0 log to: nothing (metrics come from rank 0)."""
@@ -40,6 +50,9 @@ class NullLog:
 
     def lines(self) -> int:
         return 0
+
+    def sync(self) -> None:
+        pass
 
 
 class ProgressBar:

@@ -91,6 +91,9 @@ def truncate_metrics(path: Path, keep_lines: int) -> list[str]:
         return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept, notes = lines[:keep_lines], []
+    if len(lines) < keep_lines:  # the log was not synced before a checkpoint until this version: a power cut
+        notes.append(f"{path.name} holds {len(lines)} lines, fewer than the {keep_lines} its checkpoint counts (lost "
+                     "in a power cut?): the steps they logged stay missing from it")
     if kept and not kept[-1].endswith("\n"):
         kept.pop()
         notes.append(f"{path.name}: dropped its last line, cut short")

@@ -66,6 +66,9 @@ class LiveLog:
     def lines(self) -> int:
         return self.base.lines()
 
+    def sync(self) -> None:
+        self.base.sync()
+
     def text(self, tag: str, text: str, step: int) -> None:
         for sink in self.sinks:
             sink.text(tag, text, step)
