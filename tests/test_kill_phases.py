@@ -52,8 +52,9 @@ FIRST_KILL = ("metrics.appended", 5)  # leaves lines after the newest checkpoint
 VOLATILE = {"step_s", "useful_tokens_per_s", "device_wait_s", "rss_bytes", "peak_rss_bytes", "peak_mem_bytes",
             "mem_allocated_bytes", "mem_reserved_bytes", "compiling", "compile_fallback"}
 WAN_ONLY = [("lora_file.written", 1)]
-FAST = {("lm", "checkpoint.pruning"), ("lm", "metrics.appended"), ("lm", "finish.logged"),
-        ("lm", "metrics.truncating")}  # the rest is long: 7-9 s a kill when the machine is idle, ~80 kills
+# the rest is long: 7-9 s a kill when the machine is idle, ~80 kills (a kill at finish.logged runs by default in
+# tests/test_run_lock.py, with TensorBoard on)
+FAST = {("lm", "checkpoint.pruning"), ("lm", "metrics.appended"), ("lm", "metrics.truncating")}
 TASKS_KILLED = ("lm", "dpo", "orpo", "wan")
 
 
