@@ -22,7 +22,7 @@ from rocktune.config import config_from_dict
 from rocktune.task_registry import TASKS
 from rocktune.tasks import train
 from rocktune.train import checkpoint
-from rocktune.train.request import RunOptions
+from rocktune.train.request import RunOptions, RunRequest
 from tests import test_task_contract as contract
 from tests.test_task_contract import assert_same_run, run_worker
 
@@ -37,10 +37,25 @@ RUN_KILLS = [
     ("checkpoint.renamed", 2),
     ("checkpoint.pruning", 1),  # step 6's save deletes step 2
     ("adapter.weights_written", 1), ("adapter.staged", 1), ("adapter.swapped", 1),
+    # the metric log's own writes: its 5th line (the 4th step's for lm; around step 3-4 for the others, whose evals
+    # add lines), before it is appended and after it is appended and flushed, with no checkpoint yet for it
+    ("metrics.appending", 5), ("metrics.appended", 5),
+    ("finish.evaluated", 1), ("finish.logged", 1),  # around the final eval: before its line, after it and samples
 ]
+# Killed in the resume after a first kill: before and after the truncation of the log to the checkpoint's count.
+TRUNCATION_KILLS = ["metrics.truncating", "metrics.truncated"]
+FIRST_KILL = ("metrics.appended", 5)  # leaves lines after the newest checkpoint, so the resume has lines to cut
+# Fields of a metrics line that legitimately differ between two runs of the same steps: wall-clock time and memory
+# measured as the process ran (step_s, throughput, the wait for the device; RSS and device memory, which depend on
+# what else the process did: a resumed process never ran the steps before its checkpoint), and whether the step
+# compiled (the first step of every attempt does, when compiling). Every other field must be equal, line by line.
+VOLATILE = {"step_s", "useful_tokens_per_s", "device_wait_s", "rss_bytes", "peak_rss_bytes", "peak_mem_bytes",
+            "mem_allocated_bytes", "mem_reserved_bytes", "compiling", "compile_fallback"}
 WAN_ONLY = [("lora_file.written", 1)]
-# the rest is long: 7-9 s a kill when the machine is idle, ~70 kills
-FAST = {("lm", "checkpoint.pruning"), ("grpo", "checkpoint.state_written")}
+# the rest is long: 7-9 s a kill when the machine is idle, ~95 kills (a kill at finish.logged runs by default in
+# tests/test_run_lock.py, with TensorBoard on)
+FAST = {("lm", "checkpoint.pruning"), ("lm", "metrics.appended"), ("lm", "metrics.truncating"),
+        ("grpo", "checkpoint.state_written")}
 TASKS_KILLED = ("lm", "dpo", "orpo", "wan", "grpo")
 
 
@@ -53,7 +68,7 @@ def _cases():
 
 def test_every_phase_is_in_a_matrix():
     """A phase added to atomic.PHASES must be killed somewhere here (adapter.old_moved needs an earlier adapter)."""
-    covered = {p for p, _ in RUN_KILLS + WAN_ONLY} | {p for p in EXPORT_PHASES} | {"adapter.old_moved"}
+    covered = {p for p, _ in RUN_KILLS + WAN_ONLY} | set(EXPORT_PHASES) | set(TRUNCATION_KILLS) | {"adapter.old_moved"}
     assert covered == set(PHASES)
     # every task object of the registry is killed (image-lora is the WanTask of video-lora, tested as "wan")
     kinds = {"lm": "lm", "dpo": "dpo", "orpo": "orpo", "wan": "video-lora", "grpo": "grpo"}
@@ -68,14 +83,79 @@ def test_kill_at_a_write_phase_then_resume_is_exact(kind, phase, n, tmp_path_fac
     proc = run_worker(cfg, {"kill_at": f"{phase}:{n}"})
     assert proc.returncode == -signal.SIGKILL, f"{phase}:{n} was never reached\n{proc.stderr[-2000:]}"
     _nothing_half_written_where_read(run)
+    _log_in_step_with_the_checkpoint(run, ref)
     result = train(config_from_dict(cfg), RunOptions(resume=True), quiet=True)
     assert not result.interrupted
+    _assert_finished_like_the_reference(kind, run, ref)
+
+
+@pytest.mark.parametrize("kind, phase", [
+    pytest.param(task, phase, id=f"{task}-{phase}", marks=() if (task, phase) in FAST else (pytest.mark.long,))
+    for task in TASKS_KILLED for phase in TRUNCATION_KILLS], indirect=["kind"])
+def test_kill_at_the_resume_truncation_then_resume_is_exact(kind, phase, tmp_path_factory, tmp_path):
+    """Killed after a line the newest checkpoint does not count; the resume killed before, or right after, it cuts
+    the log back to the checkpoint's count; the next resume finishes equal to the reference, line by line."""
+    ref = kind.ref(tmp_path_factory)
+    run = tmp_path / "run"
+    cfg = kind.config(run)
+    assert run_worker(cfg, {"kill_at": "%s:%d" % FIRST_KILL}).returncode == -signal.SIGKILL
+    lines = (run / "metrics.jsonl").read_text()
+    resumed = run_worker_resume(cfg, {"kill_at": phase})
+    assert resumed.returncode == -signal.SIGKILL, f"{phase} was never reached\n{resumed.stderr[-2000:]}"
+    after = (run / "metrics.jsonl").read_text()
+    assert after == lines if phase == "metrics.truncating" else lines.startswith(after) and after != lines
+    _log_in_step_with_the_checkpoint(run, ref)
+    result = train(config_from_dict(cfg), RunOptions(resume=True), quiet=True)
+    assert not result.interrupted
+    _assert_finished_like_the_reference(kind, run, ref)
+
+
+def run_worker_resume(cfg: dict, faults: dict) -> subprocess.CompletedProcess:
+    request = RunRequest(cfg, RunOptions(resume=True))
+    env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps(faults))
+    return subprocess.run([sys.executable, "-m", "rocktune.process.worker", request.to_json()], env=env,
+                          capture_output=True, text=True)
+
+
+def _assert_finished_like_the_reference(kind, run: Path, ref: Path) -> None:
     assert_same_run(kind, run, ref)
+    assert_same_log(run, ref)
+    assert not list(run.glob(".metrics.jsonl.*")), "a truncation's temporary was left behind"
     ckpts = run / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.name != checkpoint.LATEST) == ["step-0000006",
                                                                                        "step-0000008"]
     assert (ckpts / checkpoint.LATEST).read_text() == "step-0000008\n"
     assert not list(run.glob("adapter.*")), "the final adapter's temporary or previous copy was left behind"
+
+
+def _lines(path: Path) -> list[dict]:
+    """The log's lines, each without its volatile values but with the names of all its fields."""
+    return [{k: v for k, v in rec.items() if k not in VOLATILE} | {"fields": sorted(rec)}
+            for rec in map(json.loads, path.read_text().splitlines())] if path.is_file() else []
+
+
+def assert_same_log(run: Path, ref: Path) -> None:
+    """The whole metrics log, line by line: the same lines in the same order, every field but VOLATILE equal."""
+    got, want = _lines(run / "metrics.jsonl"), _lines(ref / "metrics.jsonl")
+    assert len(got) == len(want), f"{len(got)} lines against the reference's {len(want)}: {[r['step'] for r in got]}"
+    for n, (a, b) in enumerate(zip(got, want), start=1):
+        assert a == b, f"metrics.jsonl line {n} differs"
+
+
+def _log_in_step_with_the_checkpoint(run: Path, ref: Path) -> None:
+    """Right after a kill: the checkpoint a resume would pick counts no more lines than the file holds whole, and
+    those lines are the reference's first ones (so the resume's cut leaves exactly the uninterrupted prefix)."""
+    newest = next((p for p in sorted(run.glob("checkpoints/step-*"), reverse=True)
+                   if checkpoint.verify(p) is None), None)
+    if newest is None:
+        return  # no checkpoint: the resume starts over
+    count = json.loads((newest / "meta.json").read_text())["extra"]["metrics_lines"]
+    text = (run / "metrics.jsonl").read_text()
+    whole = text.count("\n")
+    assert count <= whole, f"{newest.name} counts {count} lines, the file holds {whole} whole ones"
+    got = [{k: v for k, v in json.loads(x).items() if k not in VOLATILE} for x in text.splitlines()[:count]]
+    want = [{k: v for k, v in r.items() if k != "fields"} for r in _lines(ref / "metrics.jsonl")[:count]]
+    assert got == want
 
 
 def _nothing_half_written_where_read(run: Path) -> None:

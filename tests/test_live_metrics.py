@@ -77,10 +77,14 @@ def test_prompt_is_everything_before_the_first_trained_token():
 def test_resume_drops_samples_after_the_checkpoint(tmp_path, tokenizer):
     path = tmp_path / "samples.jsonl"
     write_jsonl(path, [{"step": s, "prompt": "p", "output": "o"} for s in (0, 2, 4)])
-    Sampler(path, tokenizer, [([1], None)], [256], SampleSettings(0, [], 4, "cpu"), start_step=2)
+    Sampler(path, tokenizer, [([1], None)], [256], SampleSettings(0, [], 4, "cpu"), redo_from=3)  # resumed at 2
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 2]
+    # resumed at the last step (4 of 4): only the final phase is redone, so the final samples (step 4) go
+    write_jsonl(path, [{"step": s, "prompt": "p", "output": "o"} for s in (0, 2, 4)])
+    Sampler(path, tokenizer, [([1], None)], [256], SampleSettings(0, [], 4, "cpu"), redo_from=4)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 2]
     # a fresh run starts the file over
-    Sampler(path, tokenizer, [([1], None)], [256], SampleSettings(0, [], 4, "cpu"), start_step=0)
+    Sampler(path, tokenizer, [([1], None)], [256], SampleSettings(0, [], 4, "cpu"), redo_from=0)
     assert path.read_text() == ""
 
 

@@ -3,7 +3,8 @@
 Sources: ``metrics.jsonl`` (step lines and eval lines), ``config.yaml``, ``run_info.json`` (platform, advice,
 planner's prediction, data statistics), ``samples.jsonl``, ``incidents.jsonl`` (the supervisor's restarts) and the
 checkpoint directories. A resumed run's ``metrics.jsonl`` is already one clean series: resume truncates it to the
-checkpoint's line count before it appends.
+checkpoint's line count before it appends. A log of an older version may hold a step range twice (two processes
+appended at once): each repeated line is left out, and said, like a damaged one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rocktune.errors import UserError
+from rocktune.readers import metrics_log
 from rocktune.readers.json_file import JsonProblem, parse_json, read_json
 from rocktune.readers.yaml_file import read_yaml
 
@@ -73,7 +75,7 @@ def load_run(path: str | Path) -> RunData:
         raise UserError(f"{run} is not a rocktune run directory (no metrics.jsonl); pass the output.dir of a run "
                         "that rocktune train has started.")
     skipped: list[tuple[str, int, str]] = []
-    rows = _jsonl(metrics, skipped, _metrics_problem)
+    rows = _unique(_jsonl(metrics, skipped, _metrics_problem, numbered=True), metrics, skipped)
     config = read_yaml(run / "config.yaml", DAMAGED)[0] if (run / "config.yaml").is_file() else {}
     if not isinstance(config or {}, dict):
         raise UserError(f"{run / 'config.yaml'} does not hold a run's config (a mapping of sections); {DAMAGED}")
@@ -88,7 +90,20 @@ def load_run(path: str | Path) -> RunData:
                    skipped_lines=skipped)
 
 
-def _jsonl(path: Path, skipped: list[tuple[str, int, str]], problem) -> list[dict]:
+def _unique(numbered: list[tuple[int, dict]], path: Path, skipped: list[tuple[str, int, str]]) -> list[dict]:
+    """The lines of ``numbered`` (line number, record) but those a later line logs again (a log of an older version
+    written by two processes at once holds steps twice): each dropped line noted as skipped, naming its copy."""
+    again = metrics_log.repeats([rec for _, rec in numbered])
+    kept_at = {metrics_log.line_key(rec): n for i, (n, rec) in enumerate(numbered) if i not in again}
+    for i in sorted(again):
+        n, rec = numbered[i]
+        copy = kept_at[metrics_log.line_key(rec)]
+        skipped.append((str(path), n, f"step {rec.get('step')} logged again at line {copy} (a repeat; the later copy "
+                                      "is kept)"))
+    return [rec for i, (_, rec) in enumerate(numbered) if i not in again]
+
+
+def _jsonl(path: Path, skipped: list[tuple[str, int, str]], problem, numbered: bool = False) -> list:
     """Every line that parses and has the fields the report reads; any other line is left out and noted in
     ``skipped`` as (file, line, why) (a last line cut short by a crash is left out, as resume leaves it out, and
     said too). JSON too deep or too large to parse stays a refusal: no crash writes that."""
@@ -110,7 +125,7 @@ def _jsonl(path: Path, skipped: list[tuple[str, int, str]], problem) -> list[dic
         if why:
             skipped.append((str(path), lineno, why))
             continue
-        out.append(rec)
+        out.append((lineno, rec) if numbered else rec)
     return out
 
 

@@ -39,11 +39,13 @@ def train(cfg: RunConfig, options: RunOptions | None = None, *, quiet: bool = Fa
           on_ready=None, on_step_done=None) -> TrainResult:
     """Train ``cfg``. ``on_ready(model)`` (benchmarks): the model with its adapter is built; ``on_step_done(step)``
     (the supervised worker): an optimizer step has completed."""
-    from rocktune.train import context, loop
+    from rocktune.train import context, loop, runlock
 
     options = options or RunOptions()
     task = make_task(cfg)
     task.refuse(options)  # config-only refusals come before the device or any file is touched
     ctx = context.resolve(cfg, options, task.attn_setting(), faults, quiet)
     ctx.on_step_done = on_step_done
-    return loop.run(task, ctx, on_ready)
+    # One process trains a run directory at a time, from before it is read until the process ends (runlock.py).
+    with runlock.RunLock(ctx.run_dir, enabled=ctx.dist.main) as ctx.run_lock:
+        return loop.run(task, ctx, on_ready)

@@ -30,6 +30,7 @@ class RunContext:
     quiet: bool = False
     notes: list[str] = field(default_factory=list)  # in the order decided: the console and run_info.json
     on_step_done: Callable[[int], None] | None = None  # the supervised worker: start-up is over after step 1
+    run_lock: object = None  # runlock.RunLock: held by rank 0 while it trains the run directory
 
     @property
     def device(self) -> str:

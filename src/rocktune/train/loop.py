@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rocktune.atomic import kill_point
 from rocktune.errors import first_line
 from rocktune.model import trainable_parameters
 from rocktune.train import build, checkpoint, distributed, finish, memory, resume, rundir, sinks, summary
@@ -103,7 +104,7 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
             bar.log(f"resumed from {r.restored.path.name} (step {r.start_step} of {r.total_steps})")
         bar.log(f"{parts.intro}; {sum(p.numel() for p in r.params):,} trainable parameters; {ctx.precision} on "
                 f"{ctx.device}")
-        task.start(r.start_step, r.metrics, bar.log)
+        task.start(sinks.redo_from(r.start_step, r.total_steps), r.metrics, bar.log)
         if r.restored is None:
             r.result.eval_loss_before = _evaluate(r, bar)
             r.metrics.write({"step": 0, "eval_loss": r.result.eval_loss_before})
@@ -167,15 +168,18 @@ def _begin(r: Run, resolved: dict) -> None:
     ctx, run_dir = r.ctx, r.ctx.run_dir
     if ctx.dist.main and r.restored is None:
         rundir.start(run_dir, resolved, wipe=ctx.options.overwrite and not ctx.options.resume)
+        if ctx.run_lock is not None:
+            ctx.run_lock.take()  # a new run directory is locked once it exists (runlock.py)
         resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
     elif ctx.dist.main:
         rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
-        resume.truncate_metrics(run_dir / "metrics.jsonl", r.restored.extra["metrics_lines"])
+        ctx.notes += resume.truncate_metrics(run_dir / "metrics.jsonl", r.restored.extra["metrics_lines"])
     distributed.barrier(ctx.dist, "the start of the run")
     # Metrics, samples, eval, reports and the adapter come from rank 0; the other ranks train and stay quiet.
     main, out = ctx.dist.main, ctx.cfg.output
-    r.metrics = sinks.open_log(MetricsLog(run_dir / "metrics.jsonl") if main else NullLog(), run_dir, r.start_step,
-                               out.tensorboard and main, out.wandb and main, out.mlflow and main)
+    r.metrics = sinks.open_log(MetricsLog(run_dir / "metrics.jsonl") if main else NullLog(), run_dir,
+                               sinks.redo_from(r.start_step, r.total_steps), out.tensorboard and main,
+                               out.wandb and main, out.mlflow and main)
     if main:
         sinks.write_info(run_dir, ctx.device, ctx.precision, r.parts.predicted_peak, ctx.notes, r.parts.data_info)
 
@@ -280,6 +284,7 @@ def _save_checkpoint(r: Run, step: int) -> None:
     extra = r.task.checkpoint_extra()  # every rank takes part (e.g. gathering RNG states); rank 0 writes
     if not ctx.dist.main:
         return
+    r.metrics.sync()  # the lines the checkpoint counts are on the disk before it is
     extra.update({"pieces": r.pieces, "eval_loss_before": r.result.eval_loss_before,
                   "data_fingerprint": r.parts.fingerprint, "metrics_lines": r.metrics.lines(),
                   "skipped_steps": r.guard.skipped_total})
@@ -295,10 +300,12 @@ def _finish(r: Run, bar) -> None:
     r.result.eval_loss_after = _evaluate(r, bar)
     if ctx.dist.main:
         need = finish.adapter_bytes(r.params)
+        kill_point("finish.evaluated")
         with finish.guarded(run_dir, "the final metrics" + task.samples_what, need):
             rss = {} if ctx.device == "cuda" else {"peak_rss_bytes": summary.peak_rss()}  # the report's memory
             r.metrics.write({"step": total, "eval_loss": r.result.eval_loss_after, **rss})
             task.after_eval(total, r.metrics, bar.log)
+        kill_point("finish.logged")
         for what, write in task.final_files(run_dir):
             with finish.guarded(run_dir, what, need):
                 write()

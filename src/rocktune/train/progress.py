@@ -3,28 +3,43 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from rocktune.atomic import kill_point
+
 
 class MetricsLog:
-    """Append-only JSON lines; flushed per line so a crash loses at most the line being written."""
+    """Append-only JSON lines; flushed per line so a crash loses at most the line being written. One process writes
+    it (train/runlock.py), so the count kept here is the file's: a checkpoint records it, a resume cuts back to it."""
 
     def __init__(self, path: Path):
         self.path = path
         self._lines = len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
 
     def write(self, record: dict) -> None:
+        kill_point("metrics.appending")
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        kill_point("metrics.appended")
         self._lines += 1
 
     def lines(self) -> int:
         """Lines written so far; a checkpoint records it so a resume can drop what came after."""
         return self._lines
+
+    def sync(self) -> None:
+        """Flush the lines to the disk: a checkpoint (fsynced itself) never counts lines a power cut could take."""
+        if self.path.is_file():
+            fd = os.open(self.path, os.O_RDWR | getattr(os, "O_BINARY", 0))  # Windows' fsync needs write access
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 class NullLog:
@@ -35,6 +50,9 @@ class NullLog:
 
     def lines(self) -> int:
         return 0
+
+    def sync(self) -> None:
+        pass
 
 
 class ProgressBar:

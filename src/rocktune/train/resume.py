@@ -6,7 +6,9 @@ from pathlib import Path
 
 
 from rocktune.errors import UserError
-from rocktune.atomic import write_atomic
+from rocktune.atomic import kill_point, leftovers, write_atomic
+from rocktune.readers import metrics_log
+from rocktune.readers.json_file import JsonProblem, parse_json
 from rocktune.train.rundir import CONFIG_NAME, DAMAGED_CONFIG, diff_keys
 from rocktune.readers.yaml_file import read_yaml
 
@@ -113,10 +115,46 @@ def _check_world(name: str, saved, world: int, force: bool) -> None:
                         f"longer be one exact run. Resume with --nproc {saved}, or pass --resume-force.")
 
 
-def truncate_metrics(path: Path, keep_lines: int) -> None:
-    """Drop metric lines written after the checkpoint, so a resumed run's log equals an uninterrupted one."""
+def truncate_metrics(path: Path, keep_lines: int) -> list[str]:
+    """Cut the log back to the ``keep_lines`` lines written before the checkpoint, so a resumed run's log equals an
+    uninterrupted one; returns what else it dropped, for the console. The one writer is this process (runlock.py),
+    so the count is the file's. The cut is one atomic replace (a kill before it leaves the file as it was; one
+    after, cut; its temporary of a killed attempt is removed here). Also dropped: a last line without its newline
+    (cut short), which the next line would otherwise extend into one garbled line, and repeated lines, which only
+    a log written by an older version holds (two processes appending at once)."""
+    for stale in leftovers(path):
+        stale.unlink(missing_ok=True)
     if not path.is_file():
-        return
+        return []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    if len(lines) > keep_lines:
-        write_atomic(path, "".join(lines[:keep_lines]))
+    kept, notes = lines[:keep_lines], []
+    if len(lines) < keep_lines:  # the log was not synced before a checkpoint until this version: a power cut
+        notes.append(f"{path.name} holds {len(lines)} lines, fewer than the {keep_lines} its checkpoint counts (lost "
+                     "in a power cut?): the steps they logged stay missing from it")
+    if kept and not kept[-1].endswith("\n"):
+        kept.pop()
+        notes.append(f"{path.name}: dropped its last line, cut short")
+    kept, dropped = _drop_repeats(kept)
+    if dropped:
+        notes.append(f"{path.name}: dropped repeated lines of {dropped} (logged twice by an earlier version; the "
+                     "later copy kept)")
+    kill_point("metrics.truncating")
+    if len(kept) != len(lines):
+        write_atomic(path, "".join(kept))
+    kill_point("metrics.truncated")
+    return notes
+
+
+def _drop_repeats(lines: list[str]) -> tuple[list[str], str | None]:
+    """``lines`` but those a later line logs again (readers/metrics_log.py), and the dropped ones described."""
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(parse_json(line))
+        except JsonProblem:
+            parsed.append(None)  # left for the report to name; never a repeat
+    again = metrics_log.repeats(parsed)
+    if not again:
+        return lines, None
+    return ([line for i, line in enumerate(lines) if i not in again],
+            metrics_log.describe([parsed[i].get("step") for i in sorted(again)]))

@@ -14,6 +14,7 @@ import yaml
 from rocktune.atomic import leftovers, write_atomic
 from rocktune.errors import UserError
 from rocktune.readers.yaml_file import read_yaml
+from rocktune.train.runlock import LOCK_NAME
 
 CONFIG_NAME = "config.yaml"
 DAMAGED_CONFIG = "the run directory's config.yaml is damaged: restore it, or pass --overwrite to start again."
@@ -27,10 +28,10 @@ NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "os error 28"
 def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool = False) -> None:
     """Raise unless writing a run with ``config`` into ``run_dir`` would lose nothing the user did not ask to lose."""
     # incidents.jsonl alone is what a supervised run leaves when it crashed before writing anything else; a
-    # temporary copy of config.yaml, what a kill during that first write leaves.
+    # temporary copy of config.yaml, what a kill during that first write leaves; .lock, the run lock (runlock.py).
     if overwrite or not run_dir.exists() or \
             {p.name for p in run_dir.iterdir()} - {p.name for p in leftovers(run_dir / CONFIG_NAME)} \
-            <= {"incidents.jsonl"}:
+            <= {"incidents.jsonl", LOCK_NAME}:
         return
     saved = run_dir / CONFIG_NAME
     if not saved.is_file():
@@ -54,8 +55,9 @@ def check_output_dir(run_dir: Path, config: dict, overwrite: bool, resume: bool 
 def start(run_dir: Path, config: dict, wipe: bool) -> None:
     if wipe and run_dir.exists():
         for entry in run_dir.iterdir():
-            if entry.name == "incidents.jsonl":
-                continue  # the supervisor's record of crashes on the way here (timestamped, so old lines tell)
+            if entry.name in ("incidents.jsonl", LOCK_NAME):
+                continue  # the supervisor's record of crashes on the way here (timestamped, so old lines tell); the
+                # lock this process holds (deleting it would let another process lock a new file)
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, config)

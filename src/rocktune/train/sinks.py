@@ -15,6 +15,8 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.atomic import write_atomic
+from rocktune.readers import metrics_log
+from rocktune.readers.json_file import JsonProblem, parse_json
 
 # metrics.jsonl key -> (chart tag, scale): the charts a person looks at, grouped as TensorBoard groups them.
 TAGS = {"loss": ("train/loss", 1), "eval_loss": ("eval/loss", 1), "lr": ("train/lr", 1),
@@ -52,6 +54,10 @@ class LiveLog:
 
     def write(self, record: dict) -> None:
         self.base.write(record)
+        self.send(record)
+
+    def send(self, record: dict) -> None:
+        """To the sinks only (a line the log already holds, sent again after a resume: ``open_log``)."""
         values = scalars(record)
         if values and "step" in record:
             for sink in self.sinks:
@@ -59,6 +65,9 @@ class LiveLog:
 
     def lines(self) -> int:
         return self.base.lines()
+
+    def sync(self) -> None:
+        self.base.sync()
 
     def text(self, tag: str, text: str, step: int) -> None:
         for sink in self.sinks:
@@ -70,23 +79,55 @@ class LiveLog:
         self.sinks = []
 
 
-def open_log(base, run_dir: Path, start_step: int, tensorboard: bool, wandb: bool, mlflow: bool) -> LiveLog:
+def redo_from(start_step: int, total_steps: int) -> int:
+    """The first step a run that starts after ``start_step`` logs anything at: 0 for a run from the start; the step
+    after the checkpoint for a resume; the checkpoint's own step when that is the last one, since a resume there
+    redoes only the final phase, whose lines (final eval, samples) are logged at the last step."""
+    return start_step if start_step in (0, total_steps) else start_step + 1
+
+
+def open_log(base, run_dir: Path, redo: int, tensorboard: bool, wandb: bool, mlflow: bool) -> LiveLog:
+    """The sinks of a run that logs from step ``redo`` on (``redo_from``). TensorBoard's directory outlives an
+    attempt: it is told to hide whatever an earlier attempt logged at ``redo`` and after, and the lines the log still
+    holds from ``redo`` on (a final-phase resume's last training step) are sent again, so each step shows once. W&B
+    and MLflow start a tracker run per attempt, which begins after the checkpoint: none holds a step twice."""
     sinks = []
     if tensorboard:
-        sinks.append(_TensorBoard(run_dir / "tensorboard", start_step))
+        sinks.append(_TensorBoard(run_dir / "tensorboard", redo))
     if wandb:
         sinks.append(_WandB(run_dir))
     if mlflow:
         sinks.append(_MLflow(run_dir))
-    return LiveLog(base, sinks)
+    log = LiveLog(base, sinks)
+    if sinks:
+        for record in _logged_from(run_dir / "metrics.jsonl", redo):
+            log.send(record)
+    return log
+
+
+def _logged_from(path: Path, step: int) -> list[dict]:
+    """The log's lines at ``step`` and after (none but a final-phase resume's last step), repeats left out."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = parse_json(line)
+        except JsonProblem:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= step:
+            rows.append(rec)
+    again = metrics_log.repeats(rows)
+    return [r for i, r in enumerate(rows) if i not in again]
 
 
 class _TensorBoard:
-    def __init__(self, log_dir: Path, start_step: int):
+    def __init__(self, log_dir: Path, redo: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        # A resumed run logs again the steps after its checkpoint: purge_step hides the first attempt's copies.
-        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
+        # Every attempt logs into the same directory: purge_step hides what earlier attempts logged at ``redo`` and
+        # after (a run restarted from nothing: everything; a resume: the steps after its checkpoint).
+        self.writer = SummaryWriter(str(log_dir), purge_step=redo)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():

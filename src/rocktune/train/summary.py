@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rocktune.readers import metrics_log
 from rocktune.readers.json_file import JsonProblem, parse_json
 
 # The commands that use a run directory, each shown only once its module is installed.
@@ -39,11 +40,14 @@ def read_figures(metrics_file: Path) -> RunFigures:
     fig = RunFigures()
     if not metrics_file.is_file():
         return fig
+    recs = []
     for line in metrics_file.read_text(encoding="utf-8").splitlines():
         try:
-            rec = parse_json(line)
+            recs.append(parse_json(line))
         except JsonProblem:
             continue  # a line torn by a crash; the checkpoint's count already excludes it
+    again = metrics_log.repeats(recs)  # a log of an older version may hold steps twice: counted once
+    for rec in (r for i, r in enumerate(recs) if i not in again and isinstance(r, dict)):
         fig.device_peak = max(fig.device_peak, rec.get("peak_mem_bytes") or 0)
         fig.peak_rss = rec.get("peak_rss_bytes") or fig.peak_rss
         if "eval_loss" in rec:

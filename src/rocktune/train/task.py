@@ -103,7 +103,9 @@ class Task(Protocol):
 
     def checkpoint_extra(self) -> dict: ...  # task state a checkpoint keeps (the engine adds its own)
 
-    def start(self, start_step: int, metrics, log) -> None: ...  # metrics are open: e.g. the sample writer
+    # metrics are open: e.g. the sample writer; ``redo_from``: the first step this attempt logs at (sinks.redo_from),
+    # so what an earlier attempt logged from there on is dropped
+    def start(self, redo_from: int, metrics, log) -> None: ...
 
     def record(self, fed) -> dict: ...  # a logged step's task metrics; "tokens" is the throughput's unit
 

@@ -98,7 +98,7 @@ class SampleSettings:
 
 class Sampler:
     def __init__(self, path: Path, tokenizer, prompts: list[tuple[list[int], list[int] | None]], stop_ids: list[int],
-                 settings: SampleSettings, start_step: int = 0, write: bool = True, synced: bool = False):
+                 settings: SampleSettings, redo_from: int = 0, write: bool = True, synced: bool = False):
         """``prompts``: (token ids, expected completion or None); ``settings``: length, device and autocast."""
         self.path, self.tokenizer, self.prompts, self.stop_ids = path, tokenizer, prompts, stop_ids
         self.user_turn = UserTurn(tokenizer, settings.shape)
@@ -108,16 +108,16 @@ class Sampler:
         self.write = write
         self.synced = synced  # FSDP: every rank keeps decoding until all are done (transformers' synced_gpus)
         if prompts and write:  # only the process that samples touches the file
-            _keep_until(path, start_step)
+            _keep_before(path, redo_from)
 
     @classmethod
-    def build(cls, run_dir: Path, tokenizer, shape: str, eval_set, settings: SampleSettings, start_step: int,
+    def build(cls, run_dir: Path, tokenizer, shape: str, eval_set, settings: SampleSettings, redo_from: int,
               write: bool = True, synced: bool = False) -> Sampler:
         prompts = prompts_from_examples(eval_set.input_ids, eval_set.labels, settings.count) if settings.count else []
         prompts += [(render_prompt(p, tokenizer, shape), None) for p in settings.prompts]
         stops = sorted({*checks.stop_token_ids(tokenizer, shape), tokenizer.eos_token_id} - {None})
         settings = dataclasses.replace(settings, shape=shape)
-        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings, start_step, write, synced)
+        return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings, redo_from, write, synced)
 
     @torch.no_grad()
     def at(self, step: int, model, log, say) -> None:
@@ -155,15 +155,16 @@ class Sampler:
         return self.tokenizer.decode([t for t in ids if t not in self.stop_ids])
 
 
-def _keep_until(path: Path, step: int) -> None:
-    """A resumed run drops the samples logged after its checkpoint (they are generated again); a new run, all."""
+def _keep_before(path: Path, step: int) -> None:
+    """An attempt drops the samples logged from ``step`` on, where it logs again: a resume, those after its
+    checkpoint (and, when it redoes only the final phase, the final samples at the last step); a new run, all."""
     from rocktune.atomic import write_atomic
 
     kept = []
     if step and path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             with contextlib.suppress(ValueError):
-                if parse_json(line)["step"] <= step:
+                if parse_json(line)["step"] < step:
                     kept.append(line + "\n")
     write_atomic(path, "".join(kept))
 

@@ -173,14 +173,14 @@ class LMTask:
         rank_rng = distributed.gather_rng(r.ctx.dist)  # every rank takes part; rank 0 writes the checkpoint
         return {"batching": r.feeding.mode, "world_size": r.ctx.dist.world, "rank_rng": rank_rng}
 
-    def start(self, start_step: int, metrics, log) -> None:
+    def start(self, redo_from: int, metrics, log) -> None:
         r = self.run
         t, dist = r.ctx.cfg.training, r.ctx.dist
         samples = dist.main or r.strategy == "fsdp"
         settings = SampleSettings(t.sample_count if samples else 0, t.sample_prompts if samples else [],
                                   t.sample_max_new_tokens, r.ctx.device, r.autocast)
         self.sampler = Sampler.build(r.ctx.run_dir, r.tokenizer, r.shape, r.eval_set, settings,
-                                     start_step, write=dist.main, synced=r.strategy == "fsdp")
+                                     redo_from, write=dist.main, synced=r.strategy == "fsdp")
 
     def record(self, fed) -> dict:
         return {"tokens": fed.loss_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),

@@ -156,7 +156,7 @@ class PreferenceTask:
     def checkpoint_extra(self) -> dict:
         return {"world_size": self.run.ctx.dist.world, "rank_rng": distributed.gather_rng(self.run.ctx.dist)}
 
-    def start(self, start_step: int, metrics, log) -> None:
+    def start(self, redo_from: int, metrics, log) -> None:
         """Nothing to open: samples are an SFT feature (training.sample_count is refused for this task)."""
 
     def record(self, fed) -> dict:

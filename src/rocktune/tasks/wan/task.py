@@ -107,7 +107,7 @@ class WanTask:
     def checkpoint_extra(self) -> dict:
         return {}
 
-    def start(self, start_step: int, metrics, log) -> None:
+    def start(self, redo_from: int, metrics, log) -> None:
         """Nothing to open: renders come after training (rocktune generate)."""
 
     def record(self, fed) -> dict:
