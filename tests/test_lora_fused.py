@@ -13,6 +13,9 @@ from rocktune import lora_fused
 from rocktune.lean_lora import lean_lora
 from rocktune.model import apply_lora, load_model
 
+# every torch users run (make test-torches): the side paths are where a torch release can make training silently wrong
+pytestmark = pytest.mark.torches
+
 _spec = importlib.util.spec_from_file_location("lean_lora_parity",
                                                Path(__file__).parents[1] / "benchmarks" / "lean_lora_parity.py")
 bench = importlib.util.module_from_spec(_spec)
