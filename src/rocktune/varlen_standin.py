@@ -4,8 +4,8 @@ Python, which Dynamo would trace into a graph per document layout; torch's kerne
 enters, and so is this one, so a compiled model's graphs and recompiles on the CPU are those of the GPU path (the
 tests and ``benchmarks/compiled_layer.py`` on a CPU). Slow: a test's yardstick, never a training path."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch 2.4's custom_op reads the signature's annotations as types and
+# refuses them as strings ("Parameter q has unsupported type torch.Tensor"); later torches resolve either.
 import torch
 
 from rocktune.attention import reference_varlen
