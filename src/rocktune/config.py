@@ -230,6 +230,11 @@ class ReliabilityConfig(_Section):
         "--master-port) before the missing ones are named and nothing is started; --rendezvous-timeout overrides."
     )
     min_free_disk_mb: int = Field(256, ge=0, description="Free space required beyond a checkpoint's own size.")
+    check_path_every: int = Field(
+        500, ge=0, description="The training-path tripwire: at steps 1 and 2 and every N, one small piece of the "
+        "batch through the run's own forward and backward and through PEFT's reference forward must agree, and the "
+        "update must move the adapter; otherwise the run stops with the cause (0: steps 1 and 2 only)."
+    )
 
 
 class OutputConfig(_Section):

@@ -23,11 +23,17 @@ layers are never patched.
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
 
 from rocktune.lora_fused import Plan, run_group
+
+# Every side path a LoRA linear can take, by name: PEFT's own forward (the reference), the lean one and the fused
+# one. tests/test_training_matrix.py proves each against the reference and fails when a path is added here without
+# entering its matrix.
+SIDE_PATHS = ("peft", "lean", "fused")
 
 # Siblings that a decoder layer calls on one and the same input tensor (Llama/Qwen/Mistral-style naming).
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -53,7 +59,6 @@ class _Group:
     def __init__(self, modules, name: str):
         self.modules, self.name = modules, name
         self.plan = Plan(tuple(float(m.scaling[name]) for m in modules), tuple(m.r[name] for m in modules))
-        self.cache: dict = {}  # the adapter weights' casts for this step (lora_fused.adapter_weights)
         self.pending: tuple = (None, {})  # (input, {member index: output}) not yet handed out
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +69,7 @@ class _Group:
                 self.pending = (None, {})
             return y
         members = [(m.base_layer, m.lora_A[self.name].weight, m.lora_B[self.name].weight) for m in self.modules]
-        ys = run_group(self.cache, self.plan, x, members)
+        ys = run_group(self.plan, x, members)
         self.pending = (x, {i: y for i, y in enumerate(ys) if i != index}) if len(ys) > 1 else (None, {})
         return ys[index]
 
@@ -134,3 +139,24 @@ def lean_lora(model, fused: bool = True) -> str | None:
     shared = sum(1 for g in groups if len(g) > 1)
     return (f"LoRA side path: fused on {fused_n} of {patched} adapted linear layers ({shared} groups share one A "
             f"matmul; the others and other cases: the lean forward)")
+
+
+def patch(model, path: str) -> str | None:
+    """Give ``model`` (a PeftModel) the side path named in SIDE_PATHS; returns the note (None: PEFT's own)."""
+    if path not in SIDE_PATHS:
+        raise ValueError(f"unknown LoRA side path {path!r}: one of {SIDE_PATHS}")
+    return None if path == "peft" else lean_lora(model, fused=path == "fused")
+
+
+@contextlib.contextmanager
+def peft_forward(model):
+    """Inside: every layer this module patched runs PEFT's own forward again (the reference); restored after."""
+    patched = [m for m in model.modules() if "forward" in vars(m) and hasattr(m, "_peft_forward")]
+    saved = [m.forward for m in patched]
+    try:
+        for m in patched:
+            m.forward = m._peft_forward
+        yield
+    finally:
+        for m, fwd in zip(patched, saved):
+            m.forward = fwd

@@ -9,10 +9,12 @@ Backward, from the members' ``dY_i``: ``dH = cat(dY_i @ s_i B_i)`` (n skinny mat
 ``dA = dH^T @ x`` (one matmul for the group), ``dB_i = s_i dY_i^T @ h_i``. dY is read by exactly two matmuls per
 member (dX's and dB's); the scaling is folded into the cast of dB to the master dtype.
 
-The math runs in the compute dtype (autocast's, else the input's), as autocast would run it. The fp32 master adapter
-weights are cast (and concatenated, and B scaled) once per optimizer step, not per call: the casts are cached
-against the parameters' version counters, which every in-place update (optimizer step, load) bumps. Under
-``torch.compile`` the cache is skipped and Inductor fuses the casts into its own kernels.
+The math runs in the compute dtype (autocast's, else the input's), as autocast would run it. The adapter's casts
+(``cat(A)`` and each ``s_i B_i`` in the compute dtype) are made inside the node from the real fp32 master parameters,
+at every call: nothing is cached. A cache keyed on what torch does not promise (a version counter that torch's fused
+AdamW does not bump, an input a compiled graph uses only so that autograd hands it a gradient) trained nothing on
+the GPUs' defaults; recasting ~9 M adapter parameters per forward is a pass of a few tens of MB, far below one
+matmul of the layer. Under ``torch.compile`` Inductor fuses these casts into its own kernels.
 
 The parameters stay PEFT's own (nothing is concatenated in place), so names, state dicts and saved files are
 unchanged. The frozen base weights are never given a gradient (the caller checks ``requires_grad`` is off).
@@ -40,37 +42,27 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _fresh_casts(plan: Plan, a_params, b_params, dtype):
-    with torch.no_grad():
-        a_cat = a_params[0] if len(a_params) == 1 else torch.cat(list(a_params))
-        bs = [b if s == 1.0 else b * s for b, s in zip(b_params, plan.scalings)]
-        # .detach(): a cast to the dtype it has is the parameter itself, and the node must not take one tensor twice
-        # (Dynamo refuses duplicate inputs to an autograd.Function)
-        return a_cat.to(dtype).detach(), [b.to(dtype).detach() for b in bs]
-
-
-def adapter_weights(cache: dict, plan: Plan, a_params, b_params, dtype):
-    """``cat(A).to(dtype)`` and each ``(s_i B_i).to(dtype)``, detached: from ``cache`` while no parameter has
-    changed since they were made (so once per optimizer step, however many micro-batches or recomputations)."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # inference tensors: not for training
-        return _fresh_casts(plan, a_params, b_params, dtype)
-    versions = tuple(p._version for p in (*a_params, *b_params))
-    key = (dtype, a_params[0].device)  # a model moved with ``p.data = ...`` keeps its versions: key the device too
-    hit = cache.get(key)
-    if hit is not None and hit[0] == versions:
-        return hit[1]
-    made = _fresh_casts(plan, a_params, b_params, dtype)
-    cache[key] = (versions, made)
-    return made
+def _adapter_casts(plan: Plan, a_params, b_params, dtype):
+    """``cat(A)`` and each ``s_i B_i`` in ``dtype``, one kernel each (the concatenation, scaling and cast write the
+    result directly); a parameter that needs none of them is used as it is."""
+    if len(a_params) == 1:
+        a_cat = a_params[0].to(dtype)
+    else:
+        rows = sum(a.shape[0] for a in a_params)
+        a_cat = torch.cat(list(a_params), out=a_params[0].new_empty(rows, a_params[0].shape[1], dtype=dtype))
+    bs = [b.to(dtype) if s == 1.0 else torch.mul(b, s, out=torch.empty_like(b, dtype=dtype))
+          for b, s in zip(b_params, plan.scalings)]
+    return a_cat, bs
 
 
 class FusedLoRA(torch.autograd.Function):
-    """Inputs: ``plan``, ``x`` (2-D, compute dtype), ``a_cat`` and ``bs`` (the cached casts, detached), then per
-    member ``W, bias, A, B`` (the real parameters, only so that autograd hands A's and B's gradients to them; bias
-    may be None). Outputs: one ``y`` per member."""
+    """Inputs: ``plan``, ``x`` (2-D, compute dtype), then per member ``W, bias, A, B`` (the real parameters; bias
+    may be None). The forward computes from A and B themselves, so no compiler can treat them as unused. Outputs:
+    one ``y`` per member."""
 
     @staticmethod
-    def forward(ctx, plan, x, a_cat, bs, *params):
+    def forward(ctx, plan, x, *params):
+        a_cat, bs = _adapter_casts(plan, params[2::4], params[3::4], x.dtype)
         h = torch.mm(x, a_cat.t())
         ys, ws, start = [], [], 0
         for i, r in enumerate(plan.ranks):
@@ -110,15 +102,13 @@ class FusedLoRA(torch.autograd.Function):
                     db = torch.mul(db, plan.scalings[i], out=torch.empty_like(db, dtype=b_dtype))
             grads += [None, None, da[start:start + r], db]
             start += r
-        return (None, dx, None, None, *grads)
+        return (None, dx, *grads)
 
 
-def run_group(cache: dict, plan: Plan, x: torch.Tensor, members) -> list[torch.Tensor]:
+def run_group(plan: Plan, x: torch.Tensor, members) -> list[torch.Tensor]:
     """``members``: per adapted linear, ``(base nn.Linear, lora_A weight, lora_B weight)``. Returns each member's
     output shaped like ``x`` with its own last dimension, in the compute dtype."""
-    dtype = compute_dtype(x)
-    a_cat, bs = adapter_weights(cache, plan, [m[1] for m in members], [m[2] for m in members], dtype)
     params = [t for base, a, b in members for t in (base.weight, base.bias, a, b)]
-    x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-    ys = FusedLoRA.apply(plan, x2d, a_cat, tuple(bs), *params)
+    x2d = x.reshape(-1, x.shape[-1]).to(compute_dtype(x))
+    ys = FusedLoRA.apply(plan, x2d, *params)
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]

@@ -28,6 +28,7 @@ from rocktune.train.rundir import STOP_FILE
 from rocktune.train.step import (OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward,
                                  is_compile_error, run_with_oom_recovery)
 from rocktune.train.task import Prepared, Task
+from rocktune.train.tripwire import Tripwire
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Run:
     space_skips: checkpoint.SpaceSkips = field(default_factory=checkpoint.SpaceSkips)
     compiled: bool = False  # the decoder is compiled now (a compile failure turns it off, once)
     fallback: str | None = None  # that failure, for the metrics row of the step it happened in (the bench reports it)
+    tripwire: Tripwire | None = None
 
     @property
     def state(self) -> checkpoint.TrainState:
@@ -138,6 +140,9 @@ def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
     result = TrainResult(run_dir=ctx.run_dir, steps=total, model=parts.model, tokenizer=parts.tokenizer)
     r = Run(ctx, task, parts, params, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces,
             None, result, compiled=parts.compiled)
+    r.tripwire = Tripwire(parts.model, runner.loss_of, ctx.device, runner.autocast, ctx.precision, t.optimizer,
+                          lambda b, n: r.feed.split(b, n), lambda b: r.feed.max_pieces(b), rel.check_path_every,
+                          lambda: r.compiled)
 
     def check(found) -> None:  # before the checkpoint is applied: a refused resume changes nothing
         task.check_resume(found, ctx.options.resume_force)
@@ -181,6 +186,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
     dist, faults, run_peak = ctx.dist, ctx.faults, 0
     parts.model.train()
     first_step = r.start_step + 1
+    r.tripwire.first = first_step
     for step in range(first_step, r.total_steps + 1):
         t0 = time.perf_counter()
         if ctx.device == "cuda":
@@ -205,7 +211,10 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         except OutOfMemoryAtMinimum as exc:
             raise OutOfMemoryAtMinimum(task.oom_message(step, exc)) from None
         asked = stop.requested or (dist.main and (ctx.run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
+        r.tripwire.check_path(step, fed.forwards[0], bar.log)
+        lr_used = r.scheduler.get_last_lr()[0]
         update = finish_step(r.runner, step_loss, fed.loss_tokens, asked, step)
+        r.tripwire.check_update(step, update.applied, lr_used, update.grad_norm)
         stop.requested = update.stop
         if not update.applied:
             bar.log(f"[yellow]step {step}: non-finite loss or gradient, update skipped[/]")

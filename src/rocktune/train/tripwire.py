@@ -1,0 +1,127 @@
+"""A run checks its own training path: at its first two steps (a resumed run's too), then every
+``reliability.check_path_every`` steps.
+
+Two checks, both cheap next to a step:
+
+- the path against the reference: one small piece of the step's first micro-batch (the feed's smallest split: one
+  example, one pair) through the run's own forward and backward (its side path, its compiled graph), then through
+  PEFT's own eager forward on the same adapter values (rocktune.lora_check.reference_mode); losses and adapter
+  gradients must agree within the precision's rounding (lora_check.TOLERANCE), and every adapter tensor the
+  reference gives a gradient must get one;
+- the update: an applied optimizer step with a learning rate and a gradient must move the adapter.
+
+A disagreement stops the run (exit 4, never retried) with its cause named: the compiler dropped the adapter's
+gradients, the forward kept an old adapter (a stale cast), the optimizer did not update, or a kernel computes wrong
+values. The step's accumulated gradients are set aside while the probe runs and put back after it, and the probe
+forks the RNG, so a run with the tripwire trains exactly as one without it: the same losses, adapters, resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rocktune import lora_check
+from rocktune.train.distributed import no_sync
+from rocktune.train.guards import DOCTOR_HINT, FatalNumerics
+from rocktune.train.oom import is_out_of_memory
+
+
+class TrainingPathWrong(FatalNumerics):
+    """The run's own training path disagrees with the reference: its updates cannot be trusted."""
+
+
+_FIX = {
+    "no-gradient": "{what} computes no gradient for adapter tensors that PEFT's reference forward gives one{hint}",
+    "stale": "the run's forward matched PEFT's reference before the first update and not after it: it keeps an old "
+             "adapter (a cast or cache that the optimizer's update did not reach){hint}",
+    "no-update": "the optimizer step left the adapter unchanged although the learning rate and the gradient are not "
+                 "zero (training.optimizer={optimizer}: try adamw_torch)",
+    "mismatch": "{what} computes other values than PEFT's reference forward on the same adapter: a wrong kernel or "
+                "cast on this device{hint}",
+}
+
+
+@dataclass
+class Tripwire:
+    """What the checks need from the run, grouped: built once by the loop."""
+
+    model: torch.nn.Module  # the PEFT model (the reference mode switches its layers)
+    loss_of: torch.nn.Module  # the task's loss module: batch -> summed loss
+    device: str
+    autocast: object  # () -> context manager
+    precision: str
+    optimizer_kind: str
+    split: object  # the feed's split(batch, pieces)
+    max_pieces: object  # the feed's max_pieces(batch)
+    every: int = 0
+    compiled: object = lambda: False  # () -> bool: the decoder is compiled now (a fallback turns it off)
+    first: int = 1  # this process's first step (a resumed run checks its own first two steps too)
+    passed: list[int] = field(default_factory=list)  # steps whose probe agreed with the reference
+    snapshot: list | None = None
+
+    def due(self, step: int) -> bool:
+        return step < self.first + 2 or bool(self.every and step % self.every == 0)
+
+    def check_path(self, step: int, batch: dict, log) -> None:
+        """Between the step's backward and its update: probe the path against the reference, then keep the adapter's
+        values to judge the update by (``check_update``)."""
+        if not self.due(step):
+            return
+        params = list(lora_check.adapter_params(self.model).values())
+        self.snapshot = [p.detach().clone() for p in params]
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            problems = self._probe(batch)
+        except Exception as exc:  # noqa: BLE001 -- a check that does not fit must not end a run that does
+            if not is_out_of_memory(exc):
+                raise
+            log(f"[yellow]step {step}: the training-path check was skipped: its probe ran out of memory[/]")
+            problems = []
+        finally:
+            for p, g in zip(params, held):
+                p.grad = g
+        if problems:
+            raise TrainingPathWrong(self._message(step, problems))
+        self.passed.append(step)
+
+    def check_update(self, step: int, applied: bool, lr: float, grad_norm: float) -> None:
+        """After the update of a due step: an applied step with a learning rate and a gradient moved the adapter."""
+        before, self.snapshot = self.snapshot, None
+        if before is None or not applied or lr == 0.0 or not grad_norm:
+            return
+        params = list(lora_check.adapter_params(self.model).values())
+        if all(torch.equal(p.detach(), b) for p, b in zip(params, before)):
+            raise TrainingPathWrong(self._message(step, [lora_check.Problem("no-update", "")]))
+
+    def _probe(self, batch: dict) -> list[lora_check.Problem]:
+        piece = self.split(batch, self.max_pieces(batch))[0]
+        on_device = {k: v.to(self.device) for k, v in piece.items()}
+
+        def loss_fn(_model):
+            return self.loss_of(on_device)
+
+        with no_sync(self.loss_of, last=False):  # several ranks: the probe's gradients stay on each rank
+            got = lora_check.probe(self.model, loss_fn, self.autocast)
+            with lora_check.reference_mode(self.model):
+                ref = lora_check.probe(self.model, loss_fn, self.autocast)
+        return lora_check.compare_probe(got, ref, self.precision)
+
+    def _message(self, step: int, problems: list[lora_check.Problem]) -> str:
+        compiled = self.compiled()
+        what = "the compiled graph (torch.compile)" if compiled else "the LoRA side path"
+        hint = (": set training.compile=false to train eagerly, and report the torch version" if compiled
+                else f"; {DOCTOR_HINT}")
+        # A path that agreed before an update and not after it keeps an old adapter: that is the cause, and the
+        # missing gradients it may bring (an old lora_B of zeros gives lora_A none) follow from it.
+        stale = bool(self.passed) and any(p.cause == "mismatch" for p in problems)
+        named = sorted(((("stale" if stale and p.cause == "mismatch" else p.cause), p) for p in problems),
+                       key=lambda cp: list(_FIX).index(cp[0]) if cp[0] != "stale" else -1)
+        causes = [_FIX[cause].format(what=what, hint=hint, optimizer=self.optimizer_kind)
+                  + (f" ({p.detail})" if p.detail else "") for cause, p in named]
+        return (f"step {step}: the training path check failed, so this run's updates cannot be trusted and it stops "
+                f"before wasting more time. " + " Also: ".join(causes) + ". `rocktune doctor --model PATH` runs "
+                "the same comparison for a few steps.")
