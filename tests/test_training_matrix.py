@@ -26,6 +26,8 @@ SIDE_PATHS = ("peft", "lean", "fused")
 PRECISIONS = ("fp32", "bf16")
 STEPS, LR = 3, 1e-2
 
+pytestmark = pytest.mark.torches  # on every torch users run too (make test-torches)
+
 
 def test_the_matrix_covers_every_optimizer_and_side_path():
     """Adding an optimizer to the config or a side path to lean_lora without entering it here fails."""
