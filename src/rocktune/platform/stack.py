@@ -92,9 +92,11 @@ def _install_hint(torch_version: str | None) -> str:
     if not pins:
         return ("Install your torch build first (README: Installing on a GPU machine), then rocktune: "
                 "`make install`, or `pip install -e .`")
-    quoted = " ".join(f"'{c}'" for c in pins)
+    # Reinstalling rocktune under the constraints, not the pins alone: pip then also moves datasets and diffusers
+    # back to releases that accept the older huggingface-hub the older transformers needs.
     return (f"Versions that work with torch {torch_version}: {', '.join(pins)}. `make install` applies them as pip "
-            f"constraints; by hand: pip install {quoted}")
+            "constraints; by hand: python -m rocktune.platform.stack --constraints > constraints.txt && "
+            "pip install -c constraints.txt -e .")
 
 
 def _supported_hint() -> str:
