@@ -88,3 +88,19 @@ def test_the_installed_stack_here_passes_and_its_constraints_are_what_the_instal
     out = subprocess.run([sys.executable, "-m", "rocktune.platform.stack", "--constraints"], capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == stack.constraints(stack.installed_version("torch"))
+
+
+def test_a_simulated_report_lists_the_refusal_among_its_findings():
+    """`rocktune doctor --simulate` judges someone else's report: the MI50's 2.4.1 with transformers 5 is an error
+    there; with transformers 4 (as its report has) it is not."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from rocktune.platform.advise import advise
+    from rocktune.platform.detect import load_platform
+
+    plat = load_platform(Path(__file__).parent / "data" / "platforms" / "mi50_gfx906_torch241_rocm60.json")
+    assert not [f for f in advise(plat).findings if f.id.startswith("stack")]
+    broken = replace(plat, libraries={**plat.libraries, "transformers": "5.24.0"})
+    (found,) = [f for f in advise(broken).findings if f.id == "stack-mismatch"]
+    assert found.level == "error" and "transformers>=4.56,<5" in found.fix
