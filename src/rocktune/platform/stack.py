@@ -75,7 +75,16 @@ def problems(torch_version: str | None, libraries: dict[str, str]) -> list[Stack
 
 def check_installed() -> list[StackProblem]:
     """``problems`` for this interpreter's packages, read from their metadata (nothing is imported)."""
-    return problems(installed_version("torch"), installed(pinned_names()))
+    return problems(installed_version("torch") or _imported_torch_version(), installed(pinned_names()))
+
+
+def _imported_torch_version() -> str | None:
+    """A torch without package metadata (a source build on sys.path) still counts: ask torch itself."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.__version__
 
 
 def refuse_unsupported(command: str) -> None:
