@@ -104,3 +104,22 @@ def test_a_simulated_report_lists_the_refusal_among_its_findings():
     broken = replace(plat, libraries={**plat.libraries, "transformers": "5.24.0"})
     (found,) = [f for f in advise(broken).findings if f.id == "stack-mismatch"]
     assert found.level == "error" and "transformers>=4.56,<5" in found.fix
+
+
+def test_compile_is_refused_with_its_reason_below_2_6_only():
+    assert "sdpa_mask_older_torch" in stack.compile_refusal("2.4.1+rocm6.0")
+    assert stack.compile_refusal("2.11.0+cu130") is None and stack.compile_refusal("2.13.0+cpu") is None
+
+
+def test_a_run_on_a_torch_that_cannot_compile_trains_eager_and_says_why(tiny_model_dir, task_files, tmp_path,
+                                                                        monkeypatch):
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from rocktune.tasks.lm import build
+    from tests.conftest import tiny_run_config
+
+    monkeypatch.setattr(build, "compile_refusal", lambda: "a stated reason")
+    cfg = tiny_run_config(tiny_model_dir, *task_files, tmp_path / "out", max_steps=2, compile=True)
+    result = train(config_from_dict(cfg), quiet=True)
+    info = (tmp_path / "out" / "run_info.json").read_text()
+    assert "torch.compile off: a stated reason" in info and len(result.losses) == 2

@@ -43,6 +43,11 @@ def stack_for(torch_version: str) -> dict | None:
     return next((s for s in knowledge.load()["stacks"] if knowledge.version_matches(torch_version, s["torch"])), None)
 
 
+def compile_refusal(torch_version: str) -> str | None:
+    """Why torch.compile cannot run beside ``torch_version``'s stack; None where it can."""
+    return (stack_for(torch_version) or {}).get("compile")
+
+
 def pinned_names() -> list[str]:
     return sorted({name for s in knowledge.load()["stacks"] for name in s.get("pins", {})})
 
