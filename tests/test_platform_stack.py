@@ -123,3 +123,21 @@ def test_a_run_on_a_torch_that_cannot_compile_trains_eager_and_says_why(tiny_mod
     result = train(config_from_dict(cfg), quiet=True)
     info = (tmp_path / "out" / "run_info.json").read_text()
     assert "torch.compile off: a stated reason" in info and len(result.losses) == 2
+
+
+def test_wan_lora_is_refused_on_torch_2_4_only_and_train_says_why(tmp_path, monkeypatch, capsys):
+    assert "enable_gqa" in stack.task_refusal("2.4.1+rocm6.0", "video-lora")
+    assert stack.task_refusal("2.4.1", "image-lora") and stack.task_refusal("2.4.1", "sft") is None
+    assert stack.task_refusal("2.11.0+cu130", "video-lora") is None
+    from rocktune.cli import main
+
+    versions = {"torch": "2.4.1", "transformers": "4.57.6"}
+    monkeypatch.setattr(stack, "installed_version", versions.get)
+    for name in ("wan", "clips"):
+        (tmp_path / name).mkdir()
+    args = ["train", "task=video-lora", f"model.name_or_path={tmp_path / 'wan'}",
+            f"data.train_file={tmp_path / 'clips'}", f"output.dir={tmp_path / 'out'}"]
+    assert main(args) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "task video-lora with torch 2.4.1" in err and "enable_gqa" in err
+    assert not (tmp_path / "out").exists()

@@ -120,6 +120,9 @@ def _run_train(args) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(cfg, comments=True))
         return 0
+    from rocktune.platform.stack import refuse_task
+
+    refuse_task(cfg.task)
     vram = None
     if args.vram and not args.auto:
         raise UserError("--vram is the budget for --auto; pass both, or neither.")

@@ -48,6 +48,21 @@ def compile_refusal(torch_version: str) -> str | None:
     return (stack_for(torch_version) or {}).get("compile")
 
 
+def task_refusal(torch_version: str | None, task: str) -> str | None:
+    """Why ``task`` cannot run beside ``torch_version``'s stack; None where it can."""
+    return ((stack_for(torch_version or "") or {}).get("tasks") or {}).get(task)
+
+
+def refuse_task(task: str) -> None:
+    """Raise UserError when the installed torch's stack cannot run ``task``, before anything is loaded."""
+    torch_version = installed_version("torch") or _imported_torch_version()
+    why = task_refusal(torch_version, task)
+    if why:
+        from rocktune.errors import UserError
+
+        raise UserError(f"rocktune train: task {task} with torch {torch_version}: {why}")
+
+
 def pinned_names() -> list[str]:
     return sorted({name for s in knowledge.load()["stacks"] for name in s.get("pins", {})})
 
