@@ -16,8 +16,8 @@ H200_BF16 = 989.4e12
 
 
 def _result(name, useful, real, resolved=None, status="ok"):
-    steps = [{"step": i, "loss": 2.0, "tokens": useful, "step_s": 1.0, "real_tokens": real, "batch_tokens": real,
-              "device_wait_s": 0.9} for i in range(1, 4)]
+    steps = [{"step": i, "loss": 2.0 - i / 10, "tokens": useful, "step_s": 1.0, "real_tokens": real,
+              "batch_tokens": real, "device_wait_s": 0.9} for i in range(1, 4)]
     return {"name": name, "kind": "rocktune" if name.startswith(("rocktune", "rt-")) else "hf", "status": status,
             "steps": steps, "memory": {"device_peak_allocated_bytes": 1e9, "rss_growth_bytes": 1}, "shape": SHAPE,
             "environment": {"gpu": "NVIDIA H200", "device": "cuda"}, "resolved": resolved or {},
@@ -136,3 +136,42 @@ def test_the_report_records_graph_breaks_recompiles_and_graphs():
     rep = runner.summarise([{**_result("rocktune", 1, 2), "compiler": got}], 0, [500], "cuda")
     assert rep["configs"][0]["compiler"] == got
     torch._dynamo.reset()
+
+
+def test_the_speed_of_a_run_whose_loss_did_not_fall_is_no_figure():
+    """A run that learns nothing (issue 43: zero LoRA gradients under a compiler) would otherwise report the speed of
+    doing nothing: its figures are kept aside as invalid and no ratio or target reads them."""
+    assert stats.loss_fell([2.0, 1.9]) and stats.loss_fell([5.0, 5.1, 4.0, 4.1]) and stats.loss_fell([1.0]) is None
+    assert not stats.loss_fell([2.0, 2.0, 2.0]) and not stats.loss_fell([2.0, 1.5, 2.5, 1.9])  # late half higher
+    flat = _result("rocktune", 9_000, 18_000)
+    for s in flat["steps"]:
+        s["loss"] = 2.0
+    rep = runner.summarise([_result("hf-best", 3_000, 6_000), flat], 0, [500], "cuda")
+    rt = next(r for r in rep["configs"] if r["name"] == "rocktune")
+    assert rt["loss_fell"] is False and rt["useful_tokens_per_s"] is None and rt["mfu"] is None
+    assert rt["invalid_speed"]["useful_tokens_per_s"] == 9_000 and "loss did not fall" in rt["invalid_reason"]
+    assert rt["ratios"]["best-hf"]["tokens_per_s"] is None and rt["ratios"]["best-hf"]["memory"] == 1.0
+    t = runner.targets(rep["configs"], None, "cuda", "qwen2.5-0.5b-shape")
+    assert t["tokens_per_s_vs_best-hf"]["met"] is None and t["mfu"]["value"] is None
+
+
+def test_a_configuration_cut_by_its_time_limit_reports_what_its_metrics_held(tmp_path):
+    """The GPU check's stages are time-boxed: a run killed at its limit keeps the steps it logged (rocktune's loop
+    and the HF baseline's timer write metrics.jsonl as they go), warm-up left out of the figures."""
+    from rocktune.bench.measure import MemoryProbe
+
+    probe = MemoryProbe("cpu")
+    probe.journal = tmp_path / "hf-best" / "metrics.jsonl"
+    for i in range(1, 5):  # the HF side's timer, step by step
+        probe.log_step({"step": i, "loss": 3.0 - i / 10, "tokens": 100, "real_tokens": 150, "batch_tokens": 160,
+                        "step_s": 10.0 if i == 1 else 0.5})
+    spec = {"warmup": 1, "device": "cuda"}
+    cut = runner.partial_result("hf-best", "hf", tmp_path / "hf-best", spec, "timed out after 90 s")
+    assert cut["status"] == "timeout" and cut["reason"] == "timed out after 90 s (4 steps done, 3 measured)"
+    assert len(cut["steps"]) == 3 and cut["first_round_losses"] == pytest.approx([2.9, 2.8, 2.7, 2.6])
+    row = runner.summarise([cut], 0, [500], "cuda")["configs"][0]
+    assert row["status"] == "timeout" and row["useful_tokens_per_s"] == 200.0 and row["loss_fell"] is True
+    assert row["peak_memory_bytes"] is None and row["mfu"] is None  # no shape, no peak logged here: not measured
+    empty = runner.partial_result("rocktune", "rocktune", tmp_path / "none", spec, "timed out after 9 s")
+    assert empty["reason"].endswith("(no step done)") and runner.summarise([empty], 0, [500], "cuda")[
+        "configs"][0].get("useful_tokens_per_s") is None

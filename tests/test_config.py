@@ -114,3 +114,16 @@ def test_an_unknown_dtype_is_refused_with_the_accepted_names(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["export", "run", "--to", "merged", "--dtype", "float8"])
     assert "invalid choice: 'float8'" in capsys.readouterr().err
+
+
+def test_a_home_relative_path_is_expanded_not_taken_for_a_hub_id(monkeypatch, tmp_path):
+    """`model.name_or_path=~/...` never passes through a shell: expanded here, so a missing one is named as a path."""
+    from rocktune.model import check_model_source
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["model.name_or_path=~/models/m", "data.train_file=~/d.jsonl", "output.dir=~/runs/x",
+                             "data.chat_template=~/t.jinja"])
+    assert cfg.model.name_or_path == str(tmp_path / "models" / "m") and cfg.data.train_file == str(tmp_path / "d.jsonl")
+    assert cfg.output.dir == str(tmp_path / "runs" / "x") and cfg.data.chat_template == str(tmp_path / "t.jinja")
+    with pytest.raises(UserError, match=f"model path {tmp_path / 'models' / 'm'} does not exist"):
+        check_model_source(cfg.model.name_or_path)

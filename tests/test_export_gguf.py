@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rocktune.cli import main
+from rocktune.export import ollama_templates
 from tests.export_fixtures import build_model, make_run
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'rocktune[gguf]') writes GGUF files")
@@ -123,7 +124,8 @@ def test_ollama_bundle(models, tmp_path):
     bundle = run / "export" / "ollama"
     text = (bundle / "Modelfile").read_text()
     assert text.startswith("FROM ./model.gguf\n")
-    assert '<|im_start|>user\n{{ .Content }}<|im_end|>' in text and 'PARAMETER stop "<|im_end|>"' in text
+    # the tiny model's ChatML has no tools: its TEMPLATE is ChatML without tool blocks
+    assert f'TEMPLATE """{ollama_templates.CHATML_PLAIN}"""' in text and 'PARAMETER stop "<|im_end|>"' in text
     assert "PARAMETER temperature 0" in text
     assert fields(gguf.GGUFReader(bundle / "model.gguf"))["general.file_type"] == 7  # MOSTLY_Q8_0
     # a run trained on raw prompt/completion text is prompted raw, whatever the tokenizer's template

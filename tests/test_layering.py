@@ -27,6 +27,8 @@ FORBIDDEN = {
     "varlen_standin.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "lean_lora.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "lora_fused.py": {"*"},  # the fused LoRA node: torch only, below lean_lora.py
+    # the reference and its judge (the matrix, doctor --model, the run's tripwire): above lean_lora.py only
+    "lora_check.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "modelcheck.py": {"train", "data", "model", "doctor", "planner", *ABOVE_ENGINE},
     "quant.py": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
     "doctor": {"train", "data", "model", "planner", *ABOVE_ENGINE},

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from rocktune.export import ollama_templates as ot
+from rocktune.export.ollama import renders_tools
 from tests.family_fixtures import TEMPLATES as SHAPES
 from tests.family_fixtures import Template, build_tokenizer
 from tests.test_chat_data import SPECS, WEATHER, real
@@ -158,7 +159,7 @@ def test_ollama_template_renders_as_the_hf_template(render_go, template, conv):
     if default and not any(m["role"] == "system" for m in messages):  # the Modelfile's SYSTEM, as Ollama adds it
         found = re.search(default, user, re.DOTALL)
         sent = ([{"role": "system", "content": found.group(1)}] if found else []) + sent
-    got = render_go(ot.template_for(family, user), sent, tools)
+    got = render_go(ot.template_for(family, user, renders_tools(tok)), sent, tools)
     assert canonical(got) == canonical(want)
 
 
@@ -170,7 +171,8 @@ def test_modelfile_has_the_family_template_and_stop(template):
     family = ot.family_of(tok.chat_template)
     text, notes = modelfile("model.gguf", "chat", tok, None)
     user = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
-    assert f'TEMPLATE """{ot.template_for(family, user)}"""' in text and not notes
+    assert f'TEMPLATE """{ot.template_for(family, user, renders_tools(tok))}"""' in text and not notes
+    assert ("<tools>" in text) == (template in ("qwen2.5", "qwen3"))  # only where the Jinja template has them
     assert f'PARAMETER stop "{ot.FAMILIES[family].stop}"' in text
     want = {"qwen2.5": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."}.get(template)
     assert (f'SYSTEM "{want}"' in text) if want else ("SYSTEM" not in text or template == "granite-3.3")

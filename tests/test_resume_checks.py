@@ -53,3 +53,19 @@ def test_a_refused_resume_applies_nothing(tiny_model_dir, data, tmp_path, monkey
     with pytest.raises(UserError, match="fed in"):
         train(config_from_dict(cfg), RunOptions(resume=True), quiet=True)
     assert applied == []
+
+
+def test_a_key_a_newer_version_added_at_its_default_does_not_refuse_the_resume(tmp_path):
+    """An upgrade between a kill and its resume: the run's config.yaml lacks the new key. At its default it computes
+    what the old version computed; set to anything else it is a change like any other."""
+    import yaml
+
+    from rocktune.errors import UserError
+    from rocktune.train.resume import check_config
+    from rocktune.train.rundir import CONFIG_NAME
+
+    now = {"training": {"lr": 1e-3, "optimizer": "auto"}, "reliability": {"check_path_every": 500}}
+    (tmp_path / CONFIG_NAME).write_text(yaml.safe_dump({"training": {"lr": 1e-3}}))
+    check_config(tmp_path, now, force=False)
+    with pytest.raises(UserError, match="training.optimizer"):
+        check_config(tmp_path, {**now, "training": {"lr": 1e-3, "optimizer": "adamw_torch"}}, force=False)

@@ -16,6 +16,7 @@ from rocktune.errors import UserError
 from rocktune.model import apply_lora, load_model
 from rocktune.tasks.lm.loss import causal_lm_loss_sum
 from rocktune.tasks.lm.split import split_rows
+from rocktune.varlen_standin import opaque_varlen_2_11
 
 
 def _example(gen, n):
@@ -222,3 +223,93 @@ def test_a_token_batched_run_picks_varlen_on_a_gpu_and_trains_as_sdpa_does(tiny_
     notes = json.loads((tmp_path / "auto" / "run_info.json").read_text())["notes"]
     assert any(n.startswith("attention: varlen_attn over the collate's document bounds (self-test: ") for n in notes)
     assert any("flat forwards of 128 tokens" in n for n in notes)  # varlen: one flat row per forward (data/flat.py)
+
+
+# Grouped-query heads on a torch whose varlen_attn takes no enable_gqa (2.11, the GPU test machine's): the stand-in
+# with that signature accepts grouped K/V as aten's FA2 varlen kernel does (query heads a multiple of the K/V heads).
+def _refuses_groups(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """A 2.11-signature kernel that demands as many K/V heads as query heads (as a cuDNN backend may)."""
+    if k.shape[1] != q.shape[1]:
+        raise RuntimeError("fed in: key/value heads must equal query heads")
+    return opaque_varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+def _wrong_groups(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """A 2.11-signature kernel that takes grouped K/V silently and pairs query head h with K/V head h % H_kv (the
+    interleaved order) instead of h // group: wrong, and raising nothing."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat(1, group, 1) for t in (k, v))
+    return opaque_varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+def test_the_self_test_proves_grouped_kv_un_repeated_on_a_kernel_without_enable_gqa():
+    assert A.SELF_TEST_HEADS == (14, 2)  # Qwen2.5-0.5B's grouping: a group of 7
+    assert not A.KernelArgs.of(opaque_varlen_2_11).gqa
+    took = A.self_test("cpu", torch.float32, opaque_varlen_2_11)
+    assert took.ok and took.grouped_kv and took.error < 1e-5 and "grouped K/V un-repeated" in took.detail
+    with_flag = A.self_test("cpu", torch.float32, A.reference_varlen)  # 2.13's enable_gqa: one call, no copies
+    assert with_flag.ok and with_flag.grouped_kv and "un-repeated" not in with_flag.detail
+    for kernel, why in ((_refuses_groups, "RuntimeError: fed in"), (_wrong_groups, "worst relative error")):
+        kept = A.self_test("cpu", torch.float32, kernel)
+        assert kept.ok and not kept.grouped_kv and kept.error < 1e-5, kept.detail  # proven with K/V repeated
+        assert "K/V repeated per query head (un-repeated they failed: " in kept.detail and why in kept.detail
+
+
+@pytest.mark.parametrize("kernel, grouped", [(opaque_varlen_2_11, True), (_refuses_groups, False),
+                                             (_wrong_groups, False)], ids=["takes-groups", "refuses", "miscomputes"])
+def test_auto_registers_grouped_kv_only_where_the_self_test_proved_them(kernel, grouped):
+    name, note = A.choose("auto", "sdpa", "cuda", (True, False), torch.float32,
+                          test=lambda d, dt: A.self_test("cpu", dt, kernel))
+    assert name == A.VARLEN and ("grouped K/V un-repeated" in note) == grouped
+    assert A.repeats_kv(kernel) is not grouped  # the memory planner counts the copies exactly when they are made
+    A.register(kernel)  # as set (model.attn_implementation=varlen), untested: repeated on such a kernel
+    assert A.repeats_kv(kernel)
+    assert not A.repeats_kv(A.reference_varlen)  # enable_gqa: never a copy
+
+
+class _Spy211(_Spy):
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        self.calls.append((cu_q.clone(), max_q, False, tuple(k.shape)))
+        return opaque_varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_14_2_dir(tmp_path_factory):
+    """Qwen2.5-0.5B's head grouping at toy width: 14 query heads of 8 dims over 2 K/V heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=112, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=128)
+    path = tmp_path_factory.mktemp("qwen14") / "model"
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["un-repeated", "repeated"])
+def test_grouped_kv_through_the_2_11_signature_give_sdpas_loss_and_gradients(grouped, tiny_qwen_14_2_dir):
+    """The whole model, 14 query heads over 2 K/V heads, through the compiler-opaque stand-in with 2.11's signature:
+    un-repeated K/V (2 heads reach the kernel) and repeated ones (14) both give dense masked SDPA's loss and
+    gradients."""
+    batch = with_loss_index(collate_packed(_rows([[7, 20, 3], [25], [1, 9, 12], [32]], seed=3), 0, 32,
+                                           segments=True))
+    dense = {k: v for k, v in batch.items() if k != "cu_seq_lens"}
+    want_loss, want = _loss_and_grads(tiny_qwen_14_2_dir, "sdpa", dense)
+    spy = _Spy211()
+    got_loss, got = _loss_and_grads(tiny_qwen_14_2_dir, A.register(spy, grouped_kv=grouped), batch)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    worst = max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
+    assert worst < 1e-4 and len(got) > 0
+    assert [kv[1] for *_, kv in spy.calls] == [2 if grouped else 14] * 2  # one call per layer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or A.varlen_kernel() is None,
+                    reason="needs a CUDA or ROCm device and torch >= 2.10")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_torchs_kernel_passes_the_grouped_query_self_test_on_the_device(dtype):
+    """The varlen self-test, 14 query heads over 2 K/V heads, on this device's kernel: passes, and where the kernel
+    takes no enable_gqa (torch 2.11) it says whether grouped K/V went un-repeated (benchmarks/varlen_gqa.py prints
+    both calls' errors)."""
+    result = A.self_test("cuda", dtype)
+    assert result.ok, result.detail

@@ -11,6 +11,14 @@ has no mask function, transformers builds no mask and never looks for packed seq
 
 The kernel's keyword arguments changed between torch releases (causality as ``is_causal`` or as ``window_size``;
 ``scale`` and ``enable_gqa`` appeared later): they are read from its signature once, at registration.
+
+Grouped-query models (Qwen2.5-0.5B: 14 query heads, 2 K/V heads) on a torch whose ``varlen_attn`` has no
+``enable_gqa`` (2.10, 2.11): the Python wrapper there checks no head counts and hands K/V to
+``aten::_flash_attention_forward``/``_backward``, whose FA2 varlen kernel only requires the query heads to be a multiple
+of the K/V heads (it sums dK/dV over each group itself); 2.13's ``enable_gqa`` adds the Python check and nothing
+else on that path. So the glue passes grouped K/V as they are once the self-test has proven that very call on the
+device (forward and backward against math attention), and repeats them (a copy per query head, saved for backward)
+where it has not (a cuDNN or ROCm backend that refuses or miscomputes them).
 """
 
 from __future__ import annotations
@@ -60,18 +68,27 @@ class KernelArgs:
         return cls(causal, "scale" in params, "enable_gqa" in params)
 
 
+class _Registered:
+    """How the glue registered in this process treats grouped K/V (transformers' registry is process-wide too)."""
+
+    grouped_kv = False
+
+
 def repeats_kv(kernel: Callable | None = None) -> bool:
-    """Whether the glue repeats K/V to every query head for this kernel (no ``enable_gqa``: torch 2.11), so that the
-    kernel saves the copies for backward: the memory planner counts them."""
+    """Whether the glue repeats K/V to every query head for this kernel, so that the kernel saves the copies for
+    backward: the memory planner counts them. Never with ``enable_gqa``; without it (torch 2.11) unless the glue
+    registered here passes them as they are (its self-test proved that call on this device); before any
+    registration the copies are counted (the larger estimate)."""
     kernel = kernel or varlen_kernel()
-    return kernel is not None and not KernelArgs.of(kernel).gqa
+    return kernel is not None and not KernelArgs.of(kernel).gqa and not _Registered.grouped_kv
 
 
-def make_forward(kernel: Callable) -> Callable:
+def make_forward(kernel: Callable, grouped_kv: bool = False) -> Callable:
     """The attention function transformers calls per layer: ``(module, q, k, v, mask, ...) -> (out, None)`` with
     q/k/v of shape ``(B, heads, L, head_dim)`` and out ``(B, L, heads, head_dim)``. Without ``cu_seq_lens_q``
     (evaluation's right-padded rows, generation) it is transformers' causal SDPA: exact there, since no padding
-    precedes a real token."""
+    precedes a real token. ``grouped_kv``: hand grouped K/V un-repeated to a kernel without ``enable_gqa``, only where
+    the self-test proved that call on this device."""
     args = KernelArgs.of(kernel)
 
     def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -97,7 +114,7 @@ def make_forward(kernel: Callable) -> Callable:
         if k.shape[1] != heads:
             if args.gqa:
                 extra["enable_gqa"] = True  # K/V heads shared by their query group: no copy
-            else:
+            elif not grouped_kv:
                 k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
         # the row width bounds every document: inside a compiled graph it is the query's (possibly symbolic) length
         max_q = kwargs.get("max_length_q") or length
@@ -108,15 +125,17 @@ def make_forward(kernel: Callable) -> Callable:
     return varlen_attention_forward
 
 
-def register(kernel: Callable | None = None) -> str:
+def register(kernel: Callable | None = None, grouped_kv: bool = False) -> str:
     """Register the varlen attention (torch's kernel unless ``kernel`` is given: the CPU tests pass
-    ``reference_varlen``) with transformers; returns the name to load a model with."""
+    ``reference_varlen``) with transformers; returns the name to load a model with. ``grouped_kv``: what the
+    self-test proved (``SelfTest.grouped_kv``); unproven, a kernel without ``enable_gqa`` gets repeated K/V."""
     from transformers import AttentionInterface
 
     kernel = kernel or varlen_kernel()
     if kernel is None:
         raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
-    AttentionInterface.register(VARLEN, make_forward(kernel))
+    AttentionInterface.register(VARLEN, make_forward(kernel, grouped_kv))
+    _Registered.grouped_kv = grouped_kv
     return VARLEN
 
 
@@ -145,19 +164,43 @@ class SelfTest:
     ok: bool
     detail: str
     error: float | None = None
+    grouped_kv: bool = False  # the proven call hands grouped K/V to the kernel as they are (no copies)
 
 
 def self_test(device: str, dtype: torch.dtype, kernel: Callable | None = None) -> SelfTest:
     """Forward and backward of the registered glue with ``kernel`` (torch's by default) on packed rows of mixed
     lengths (grouped-query heads, padding, empty documents at the end of the bounds as the flat stream pads them),
-    against fp32 math attention with the dense block-diagonal mask."""
+    against fp32 math attention with the dense block-diagonal mask. A kernel without ``enable_gqa`` is tried with
+    grouped K/V as they are first; where that fails, with K/V repeated (what the glue then does)."""
     kernel = kernel or varlen_kernel()
     if kernel is None:
         return SelfTest(False, f"torch {torch.__version__} has no torch.nn.attention.varlen (needs >= 2.10)")
+    try:
+        flag = KernelArgs.of(kernel).gqa
+    except TypeError as exc:
+        return SelfTest(False, f"TypeError: {exc}")
+    grouped = self_test_call(device, dtype, kernel, grouped_kv=True)
+    if flag:
+        return grouped
+    if grouped.ok:
+        return SelfTest(True, f"{grouped.detail}; grouped K/V un-repeated (the kernel takes no enable_gqa)",
+                        grouped.error, True)
+    repeated = self_test_call(device, dtype, kernel, grouped_kv=False)
+    return SelfTest(repeated.ok, f"{repeated.detail}; K/V repeated per query head (un-repeated they failed: "
+                                 f"{grouped.detail})", repeated.error, False)
+
+
+# Qwen2.5-0.5B's heads: 14 query heads share 2 K/V heads (a group of 7, not a power of two)
+SELF_TEST_HEADS = (14, 2)
+
+
+def self_test_call(device: str, dtype: torch.dtype, kernel: Callable, grouped_kv: bool) -> SelfTest:
+    """One call of the self-test: grouped K/V un-repeated (``grouped_kv``; with ``enable_gqa`` where the kernel takes
+    it) or repeated per query head. ``self_test`` picks; ``benchmarks/varlen_gqa.py`` reports both."""
     from rocktune.data.packing import cu_seq_lens
 
     rows = [[37, 5, 1, 20], [60, 3]]  # documents per row; the rest of each row of 72 is padding
-    width, heads, kv_heads, dim = 72, 4, 2, 64
+    (heads, kv_heads), width, dim = SELF_TEST_HEADS, 72, 64
     cu = cu_seq_lens(rows, width)
     cu = torch.cat([cu, cu[-1:].expand(2)])  # empty trailing documents: how the flat stream fixes the bounds' length
     gen = torch.Generator().manual_seed(0)
@@ -166,7 +209,7 @@ def self_test(device: str, dtype: torch.dtype, kernel: Callable | None = None) -
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = heads // kv_heads, True
     try:
-        forward = make_forward(kernel)
+        forward = make_forward(kernel, grouped_kv)
         got = _out_and_grads(lambda a, b, c: forward(module, a, b, c, None, scaling=dim ** -0.5,
                                                      cu_seq_lens_q=cu.to(device), cu_seq_lens_k=cu.to(device),
                                                      max_length_q=width, max_length_k=width)[0],
@@ -183,7 +226,8 @@ def self_test(device: str, dtype: torch.dtype, kernel: Callable | None = None) -
     ok = worst <= SELF_TEST_TOL[dtype]
     what = ("output", "dq", "dk", "dv")[errors.index(worst)]
     return SelfTest(ok, f"varlen_attn {str(dtype).replace('torch.', '')} on {device}: worst relative error "
-                        f"{worst:.2e} ({what}) vs fp32 math attention, tolerance {SELF_TEST_TOL[dtype]:.0e}", worst)
+                        f"{worst:.2e} ({what}) vs fp32 math attention, tolerance {SELF_TEST_TOL[dtype]:.0e}", worst,
+                    grouped_kv)
 
 
 def _out_and_grads(fn, qkv, grad_out, device, dtype):
@@ -241,7 +285,8 @@ def choose(setting: str, advised: str, device: str, feeding: tuple[bool, bool], 
         return advised, f"attention: {advised} (varlen_attn is CUDA/ROCm-only; packed rows get a block-diagonal mask)"
     result = test(device, dtype)
     if result.ok:
-        return register(), f"attention: varlen_attn over the collate's document bounds (self-test: {result.detail})"
+        return register(grouped_kv=result.grouped_kv), (f"attention: varlen_attn over the collate's document bounds "
+                                                        f"(self-test: {result.detail})")
     if compiled:
         return FLEX, (f"attention: flex_attention with a document block mask (varlen self-test failed: "
                       f"{result.detail}; compile is on)")

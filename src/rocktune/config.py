@@ -30,6 +30,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
+def home(value):
+    """``~/...`` as the shell would expand it: a path a user types in YAML or an override is not seen by a shell,
+    and an unexpanded one would be taken for a hub id."""
+    import os
+
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field("Qwen/Qwen2.5-0.5B-Instruct", description="HF hub id or local directory of a causal LM.")
     trust_remote_code: bool = Field(False, description="Run Python code shipped with the model (off: it executes).",
@@ -54,6 +62,11 @@ class ModelConfig(_Section):
         True, description="nf4/fp4: quantise the per-block scales too (about 0.4 bit per weight less memory).",
         json_schema_extra=only("lm")
     )
+
+    @field_validator("name_or_path", mode="before")
+    @classmethod
+    def expand_home(cls, value):
+        return home(value)
 
 
 class LoraConfig(_Section):
@@ -85,16 +98,30 @@ class DataConfig(_Section):
         "{bot: assistant, customer: user}; a role is one of system, user, assistant, tool, function_call.",
         json_schema_extra=only("sft"),
     )
-    chat_template: Literal["auto", "always", "never"] = Field(
+    chat_template: str = Field(
         "auto", description="Render Alpaca and prompt/completion records through the model's chat template as "
         "single-turn conversations. auto: Alpaca yes where the tokenizer has a template (as LLaMA-Factory does), "
-        "prompt/completion no (as TRL does); export and generate follow what was trained.",
+        "prompt/completion no (as TRL does); always; never. Or a .jinja file: the chat template to use instead of "
+        "the tokenizer's (e.g. one that renders tools), as auto otherwise; export and generate follow what was "
+        "trained.", json_schema_extra=only("lm"),
+    )
+    tools: Literal["render", "drop"] = Field(
+        "render", description="Tool lists, assistant tool calls and tool results of conversations. render: through "
+        "the chat template, and a record whose tools or calls the template does not render is refused (it would "
+        "train empty answers); drop: removed before rendering (a conversation left without an answer is dropped, "
+        "counted), to train a template without tool support on the text turns alone.",
         json_schema_extra=only("sft"),
     )
     text_split: Literal["auto", "document", "paragraph", "line"] = Field(
         "auto", description="Plain .txt/.md files and folders of them: one example per file (document), per "
         "blank-line block (paragraph) or per line. auto: document for a folder, paragraph for a single file.",
         json_schema_extra=only("sft"),
+    )
+    text_stride: PositiveInt | None = Field(
+        None, description="Text data (documents: text records, a text column, .txt/.md): each document is cut into "
+        "windows of max_length tokens starting every text_stride tokens; a token an earlier window trained is "
+        "context in the next, never trained twice. Default max_length - 1 (one token of context, every token "
+        "trained once); smaller: more context per window, more windows.", json_schema_extra=only("sft")
     )
     split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.",
         json_schema_extra=only("lm"))
@@ -118,7 +145,8 @@ class DataConfig(_Section):
         "auto", description="Record shape; auto detects it per file from the first record's keys.",
         json_schema_extra=only("sft")
     )
-    max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted).",
+    max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted); "
+        "text documents are cut into windows of this length instead (text_stride).",
         json_schema_extra=only("lm"))
     truncation: Literal["prompt", "end"] = Field(
         "prompt", description="How an example longer than max_length is cut. prompt: the start of the prompt (or the "
@@ -133,6 +161,21 @@ class DataConfig(_Section):
         json_schema_extra=only("sft")
     )
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
+
+    @field_validator("chat_template", mode="after")
+    @classmethod
+    def template_file(cls, value: str) -> str:
+        if value in ("auto", "always", "never"):
+            return value
+        if not value.endswith(".jinja"):
+            raise ValueError("must be auto, always, never, or a chat template file ending in .jinja")
+        # absolute, so that export and generate, run from elsewhere, find the template the run trained with
+        return str(Path(home(value)).absolute())
+
+    @field_validator("train_file", "eval_file", "cache_dir", mode="before")
+    @classmethod
+    def expand_home(cls, value):
+        return home(value)
 
 
 class TrainingConfig(_Section):
@@ -248,6 +291,11 @@ class OutputConfig(_Section):
     mlflow: bool = Field(False, description="Also log to MLflow through its own client (MLFLOW_TRACKING_URI as you "
                          "set it; experiment rocktune).")
 
+    @field_validator("dir", mode="before")
+    @classmethod
+    def expand_home(cls, value):
+        return home(value)
+
 
 class DiffusionConfig(_Section):
     """task: video-lora / image-lora only (docs/diffusion.md); the LM path ignores this section."""
@@ -306,6 +354,11 @@ class PreferenceConfig(_Section):
     label_smoothing: float = Field(
         0.0, ge=0.0, lt=0.5, json_schema_extra=only("dpo"), description="sigmoid loss: the share of pairs assumed "
         "mislabelled (conservative DPO): the loss mixes in -log sigmoid(-beta x margin) with this weight.")
+    no_signal: Literal["auto", "drop", "refuse"] = Field(
+        "auto", description="Pairs that teach nothing (chosen equal to rejected, or differing only in whitespace or "
+        "past max_length; answers that share no prompt), each kind named with its count and rows. auto: dropped "
+        "with a warning while they are at most half of the file, else the file is refused; drop: always dropped; "
+        "refuse: any one stops the run.")
 
 
 class RunConfig(_Section):
@@ -375,10 +428,12 @@ _TASK_DOCS = {**{n: "docs/diffusion.md" for n, s in TASKS.items() if s.diffusion
               **{n: "docs/preference.md" for n, s in TASKS.items() if s.pairs}}
 
 
-def load_config(path: str | None, overrides: list[str] | None = None, require_paths: bool = False) -> RunConfig:
+def load_config(path: str | None, overrides: list[str] | None = None, require_paths: bool = False,
+                base: dict[str, Any] | None = None) -> RunConfig:
     """Read YAML (optional), apply ``a.b=value`` overrides, validate; errors become ``UserError``.
-    ``require_paths`` (``train``): every missing model/data path is an error here, with its file:line."""
-    raw: dict[str, Any] = {}
+    ``require_paths`` (``train``): every missing model/data path is an error here, with its file:line. ``base``:
+    settings to start from instead of a file (``data preview --data FILE --model M``), overrides on top."""
+    raw: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (base or {}).items()}
     lines: dict[tuple[str, ...], int] = {}
     given: dict[tuple[str, ...], str] = {}  # key path -> the override that set it: errors name the override
     if path is not None:

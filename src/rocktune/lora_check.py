@@ -77,13 +77,17 @@ def train_trace(model, loss_fn, optimizer: torch.optim.Optimizer, steps: int, au
 
 
 def _rel(got: float, want: float) -> float:
-    return abs(got - want) / max(abs(want), 1e-12)
+    """Relative to the reference, but never to less than 1: a loss that is zero by construction (an on-policy RL
+    objective's value) is compared absolutely, not against its own rounding."""
+    return abs(got - want) / max(abs(want), 1.0)
 
 
 def _delta_error(got: dict, want: dict) -> float:
     num = sum(float((got[n] - want[n]).pow(2).sum()) for n in want)
     den = sum(float(want[n].pow(2).sum()) for n in want)
-    return (num / max(den, 1e-30)) ** 0.5
+    if den == 0.0:  # the reference has nothing (a step without signal): any value the path has is wrong
+        return 0.0 if num == 0.0 else float("inf")
+    return (num / den) ** 0.5
 
 
 @dataclass(frozen=True)

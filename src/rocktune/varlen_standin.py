@@ -2,7 +2,10 @@
 output shapes, computed by ``rocktune.attention.reference_varlen``. The reference itself loops over the bounds in
 Python, which Dynamo would trace into a graph per document layout; torch's kernel is a custom op Dynamo never
 enters, and so is this one, so a compiled model's graphs and recompiles on the CPU are those of the GPU path (the
-tests and ``benchmarks/compiled_layer.py`` on a CPU). Slow: a test's yardstick, never a training path."""
+tests and ``benchmarks/compiled_layer.py`` on a CPU). Slow: a test's yardstick, never a training path.
+
+Two signatures over the one op: torch 2.13's (``enable_gqa``) and torch 2.11's (no ``enable_gqa``; grouped K/V taken as
+they are where the query heads are a multiple of theirs, the one check FA2's varlen kernel makes)."""
 
 # No `from __future__ import annotations`: torch 2.4's custom_op reads the signature's annotations as types and
 # refuses them as strings ("Parameter q has unsupported type torch.Tensor"); later torches resolve either.
@@ -69,4 +72,13 @@ def opaque_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=
                   enable_gqa=False):
     """torch 2.13's ``varlen_attn`` signature (causal, grouped-query) over the custom op."""
     assert tuple(window_size) == (-1, 0) and enable_gqa
+    return _varlen(query, key, value, cu_seq_q, max_q, scale if scale is not None else query.shape[-1] ** -0.5)
+
+
+def opaque_varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch 2.11's ``varlen_attn`` signature (no ``enable_gqa``) over the custom op: what ``aten``'s FA2 varlen kernel
+    accepts, grouped K/V included when their heads divide the query's."""
+    assert tuple(window_size) == (-1, 0)
+    if query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
     return _varlen(query, key, value, cu_seq_q, max_q, scale if scale is not None else query.shape[-1] ** -0.5)

@@ -161,6 +161,7 @@ def _run(spec: dict) -> dict:
 
         raise SkipBaseline("no ROCm/CUDA device is visible to torch")
     probe = MemoryProbe(device)
+    probe.journal = Path(spec["run_dir"]) / "metrics.jsonl"  # the HF side's steps as they come (a run cut short)
     compiler = CompilerRecord().start()
     if spec["kind"] == "rocktune":
         steps, resolved = run_rocktune(spec, probe)

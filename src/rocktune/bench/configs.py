@@ -36,10 +36,12 @@ HF_TUNED = {"precision": "auto", "padding": "longest", "gradient_checkpointing":
 # An expert's HF setup today, with nothing the machine lacks: bf16, padding-free flattened rows with per-example
 # position ids (DataCollatorWithFlattening: transformers separates the examples from the position ids), attention
 # flash-attention 2 when flash_attn is installed, else flex attention on a GPU (a document block mask, no dense
-# square), SDPA on a CPU; fused AdamW and the Trainer's torch_compile on a GPU; Liger when installed; the largest
-# per-device batch that fits (probed on the worst micro-batch), the global batch kept.
+# square), SDPA on a CPU; fused AdamW and the Trainer's torch_compile on a GPU; Liger when installed; a fixed
+# per-device batch of 8 examples, the global batch kept: 8 rows of up to 2,048 tokens fit an 80 GB GPU with the full
+# logits too (Liger absent), and fixing it costs nothing, where probing the largest OOM by OOM took over 100 s of
+# the H200's time-boxed run (docs/gpu-runs/2026-11-26-h200).
 HF_BEST = {"precision": "auto", "padding": "flatten", "gradient_checkpointing": False, "attn_implementation": "best",
-           "sampler": "group_by_length", "liger": True, "batch": "largest", "compile": True,
+           "sampler": "group_by_length", "liger": True, "micro_batch": 8, "compile": True,
            "optim": "adamw_torch_fused"}
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
@@ -49,7 +51,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 "dynamic padding, no checkpointing", HF_TUNED, baseline=True),
     BenchConfig("hf-best", "hf", "HF Trainer + PEFT as an expert sets it up: bf16, padding-free flattening with "
                 "position ids, FA2 when installed else flex attention, fused AdamW, torch_compile, Liger when "
-                "installed, largest per-device batch that fits",
+                "installed, 8 examples per device batch",
                 HF_BEST, baseline=True, default_on_cpu=False),
     BenchConfig("rocktune", "rocktune", "rocktune defaults: on a GPU token batching (packed rows, planner-sized "
                 "forwards, compile where sound, Liger), on a CPU length bucketing; chunked loss at loss positions "

@@ -62,17 +62,7 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
     if order is not None:  # loss parity: rocktune's micro-batches, in rocktune's order, not shuffled
         ids, labels = [ids[i] for i in order], [labels[i] for i in order]
     collator = _collator(recipe, attn, tokenizer, common["max_length"])
-    micro, accum = common["micro_batch_size"], common["grad_accum"]
-    # What an expert tunes by hand on a GPU: the largest per-device batch that fits (a CPU has no such limit to find).
-    if recipe.get("batch") == "largest" and device == "cuda":
-        if _liger(recipe.get("liger", False), device):  # the Trainer patches in train(); probe what will train
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-            _apply_liger_kernel_to_instance(model=model.get_base_model())
-        micro = largest_fitting_batch(lambda n: _trial_step(model, collator, ids, labels, n, device, precision),
-                                      micro * accum)
-        accum = common["micro_batch_size"] * common["grad_accum"] // micro
-        probe.mark_loaded(model)  # the probing forwards are not part of the measured training
+    micro, accum = fixed_micro_batch(recipe.get("micro_batch"), common)
     records: list[dict] = []
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="rocktune-hf-"), max_steps=steps,
@@ -96,6 +86,7 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
             now = time.perf_counter()
             acc = {**trainer.acc, "loss": float(trainer.acc["loss"])}  # after the step's sync: costs nothing
             records.append({**acc, "step": len(records) + 1, "step_s": now - self.t})
+            probe.log_step(records[-1])
             trainer.acc = _zero()
             self.t = now
 
@@ -142,31 +133,13 @@ def real_token_count(inputs: dict) -> int:
     return int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
 
 
-def largest_fitting_batch(trial, global_batch: int) -> int:
-    """The largest divisor of the global batch whose worst-case micro-batch survives ``trial(n)`` without a device
-    out-of-memory error (so the global batch is kept exactly)."""
-    from rocktune.train.oom import DEVICE_OOM
-
-    for n in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0), reverse=True):
-        try:
-            trial(n)
-            return n
-        except DEVICE_OOM:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    raise SkipBaseline("not even one example per forward fits this device")
-
-
-def _trial_step(model, collator, ids, labels, n: int, device: str, precision: str) -> None:
-    """Forward + backward of the ``n`` longest examples (the worst micro-batch), gradients dropped after."""
-    longest = sorted(range(len(ids)), key=lambda i: -len(ids[i]))[:n]
-    batch = collator([{"input_ids": ids[i], "labels": labels[i], "attention_mask": [1] * len(ids[i])}
-                      for i in longest])
-    batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    with torch.autocast(device_type=device, dtype=dtype, enabled=precision != "fp32"):
-        model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
+def fixed_micro_batch(micro: int | None, common: dict) -> tuple[int, int]:
+    """(per-device batch, accumulation): the recipe's fixed micro-batch where it divides the global batch (which is
+    kept), else the common one."""
+    total = common["micro_batch_size"] * common["grad_accum"]
+    if not micro or total % micro:
+        return common["micro_batch_size"], common["grad_accum"]
+    return micro, total // micro
 
 
 def expert_arguments(recipe: dict, device: str) -> dict:

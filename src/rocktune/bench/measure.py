@@ -7,6 +7,7 @@ the growth of RSS over the loaded model is measured, not the transient peak of l
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -37,6 +38,7 @@ class MemoryProbe:
         self.peak_source = "ru_maxrss (includes model loading)"
         self.shape: dict | None = None
         self.step_peaks: list[tuple[int, int]] = []  # (allocated, reserved) peaks of each optimizer step
+        self.journal: Path | None = None  # where ``log_step`` appends each step of a run that keeps no metrics
 
     def mark_loaded(self, model=None) -> None:
         """Called once the model (with LoRA) is in memory and before the first training step."""
@@ -62,6 +64,20 @@ class MemoryProbe:
             import torch
 
             self.step_peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+
+    def log_step(self, record: dict) -> None:
+        """One optimizer step of the HF baseline, appended as a line of ``metrics.jsonl`` (rocktune's loop writes its
+        own): what a run cut by its time limit still reports (``runner.partial_result``)."""
+        if self.journal is None:
+            return
+        self.journal.parent.mkdir(parents=True, exist_ok=True)
+        peak = None
+        if self.device == "cuda":
+            import torch
+
+            peak = torch.cuda.max_memory_allocated()  # since the model was loaded: never reset on this side
+        with self.journal.open("a") as f:
+            f.write(json.dumps({**record, "peak_mem_bytes": peak}) + "\n")
 
     def report(self) -> dict:
         import torch

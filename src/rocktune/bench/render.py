@@ -30,6 +30,8 @@ def render(report: dict) -> None:
         if r["status"] != "ok":
             not_run.append(f"{r['name']}: [yellow]{r['status']}[/] — {r.get('reason')}")
             continue
+        if r.get("invalid_reason"):
+            not_run.append(f"{r['name']}: [red]speed invalid[/] — {r['invalid_reason']}")
         ratios = r.get("ratios", {})
         table.add_row(
             r["name"], _fmt(r["useful_tokens_per_s"], ",.0f"), _fmt(r["step_s"], ".2f"),

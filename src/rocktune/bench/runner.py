@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,7 @@ def run_one(cfg: BenchConfig, spec: dict, out_dir: Path, timeout: float) -> dict
             "nproc": cfg.nproc}
     if cfg.needs_gpu and spec["device"] == "cpu":
         return {"name": cfg.name, "kind": cfg.kind, "status": "skipped", "reason": "needs a ROCm/CUDA device"}
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short must not report an earlier run's metrics.jsonl
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         spec_file, result_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -124,11 +126,32 @@ def run_one(cfg: BenchConfig, spec: dict, out_dir: Path, timeout: float) -> dict
             proc = subprocess.run([sys.executable, "-m", "rocktune.bench.child", str(spec_file), str(result_file)],
                                   env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"name": cfg.name, "kind": cfg.kind, "status": "error", "reason": f"timed out after {timeout:.0f} s"}
+            return partial_result(cfg.name, cfg.kind, run_dir, spec, f"timed out after {timeout:.0f} s")
         if not result_file.is_file():  # killed (e.g. by the kernel's OOM killer) before it could write
             tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
             return {"name": cfg.name, "kind": cfg.kind, "status": "error", "reason": tail[0]}
         return json.loads(result_file.read_text())
+
+
+STEP_KEYS = ("step", "loss", "tokens", "step_s", "real_tokens", "batch_tokens", "forwards", "compiling")
+
+
+def partial_result(name: str, kind: str, run_dir: Path, spec: dict, reason: str) -> dict:
+    """What a configuration cut by its time limit had done: the optimizer steps its ``metrics.jsonl`` holds (rocktune's
+    loop writes one line per step, the HF baseline's timer too), warm-up steps kept for the losses and left out of
+    the figures, and the largest step's device peak the loop logged. No result file, so no model shape (no MFU)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    steps = [{k: r.get(k) for k in STEP_KEYS} for r in rows if "loss" in r and r.get("step_s")]
+    warmup = spec.get("warmup", 0)
+    peaks = [r["peak_mem_bytes"] for r in rows if r.get("peak_mem_bytes")]
+    memory = {"rss_growth_bytes": None, "source": "metrics.jsonl (the run was cut short)"}
+    if spec.get("device") == "cuda":
+        memory["device_peak_allocated_bytes"] = max(peaks) if peaks else None
+    done = f"{len(steps)} steps done, {max(len(steps) - warmup, 0)} measured" if steps else "no step done"
+    return {"name": name, "kind": kind, "status": "timeout", "reason": f"{reason} ({done})",
+            "steps": steps[warmup:], "first_round_losses": [s["loss"] for s in steps], "first_round_steps": steps,
+            "memory": memory, "partial": True}
 
 
 def merge_rounds(rounds: list[dict], warmup: int) -> dict:
@@ -149,54 +172,91 @@ def merge_rounds(rounds: list[dict], warmup: int) -> dict:
 
 def summarise(results: list[dict], warmup: int, lengths: list[int], device: str, common: dict | None = None) -> dict:
     common = common or COMMON
-    rows = []
-    for r in results:
-        cfg = _config(r["name"])
-        row = {"name": r["name"], "kind": r["kind"], "description": cfg.description, "settings": cfg.settings,
-               "status": r["status"], "reason": r.get("reason")}
-        if r["status"] == "ok":
-            row.update(stats.summarise_steps(r["steps"], warmup))
-            if r.get("first_round_losses"):  # every step of one whole run, warm-up included
-                row.update(losses=r["first_round_losses"], final_loss=r["first_round_losses"][-1])
-            # forwards and tokens processed (padding included) of every step of one run, warm-up included: the
-            # largest forward is what the memory peak and the planner's estimate are about
-            first = r.get("first_round_steps") or []
-            row["forwards_per_step"] = [s.get("forwards") for s in first]
-            row["tokens_per_step"] = [s.get("batch_tokens") for s in first]
-            mem = r["memory"]
-            row["memory"] = mem
-            row["peak_memory_bytes"] = mem.get("device_peak_allocated_bytes", mem["rss_growth_bytes"])
-            row["resolved"] = resolved = r.get("resolved") or {}
-            # which attention ran (rocktune: its note, with why) and what compile fell back from
-            row["attention"] = resolved.get("attention") or resolved.get("attn_implementation")
-            row["compile_fallbacks"] = resolved.get("compile_fallbacks", [])
-            row["fusion"] = resolved.get("fusion")  # liger | inductor | none: the Liger-vs-Inductor choice
-            row["compiler"] = r.get("compiler") or {}  # graph breaks, recompiles, graphs (bench/compiler.py)
-            # the device's own account (bench/device_time.py): step spans from CUDA events, and one profiled step's
-            # kernels, busy share and time per kernel class; absent on a CPU
-            row["device_time"] = resolved.get("device_time")
-            row["device_busy_share"] = (row["device_time"] or {}).get("busy_share")
-            shape = r.get("shape") or {}
-            fpt = stats.flops_per_token(shape["matmul_params"], shape["layers"], shape["attn_dim"], lengths) \
-                if shape else None
-            row["model_flops_per_token"] = fpt
-            peak = _peak(r.get("environment", {}), shape)
-            row["mfu"] = stats.mfu(row["real_tokens_per_s"], fpt, peak,
-                                   (shape.get("head_params", 0), row["useful_tokens_per_s"]))
-            row["mfu_all_token_head"] = stats.mfu(row["real_tokens_per_s"], fpt, peak)
-        rows.append(row)
-    by_name = {r["name"]: r for r in rows}
-    ran = [r for r in rows if r["kind"] == "hf" and r["status"] == "ok" and r.get("useful_tokens_per_s")]
-    best = max(ran, key=lambda r: r["useful_tokens_per_s"], default=None)
-    for row in rows:
-        row["ratios"] = {b: _ratios(row, by_name[b], common) for b in BASELINES
-                         if b in by_name and by_name[b]["status"] == "ok" and row["status"] == "ok"}
-        if best is not None and row["status"] == "ok":
-            row["ratios"][BEST_HF] = {**_ratios(row, best, common), "against": best["name"]}
+    rows = [_row(r, warmup, lengths) for r in results]
+    best = compare(rows, common)
     env = next((r["environment"] for r in results if r.get("environment")), {})
     return {"schema": "rocktune-bench/1", "environment": env,
             "peak_memory_kind": "device max allocated" if device == "cuda" else "RSS growth over the loaded model",
-            "mfu_convention": MFU_CONVENTION, "best_hf": best["name"] if best else None, "configs": rows}
+            "mfu_convention": MFU_CONVENTION, "best_hf": best, "configs": rows}
+
+
+# The figures a run's speed gives; a run whose loss did not fall has none of them (``_validate``).
+SPEED_FIGURES = ("useful_tokens_per_s", "real_tokens_per_s", "step_s", "mfu", "mfu_all_token_head")
+
+
+def _row(r: dict, warmup: int, lengths: list[int]) -> dict:
+    cfg = _config(r["name"])
+    row = {"name": r["name"], "kind": r["kind"], "description": cfg.description, "settings": cfg.settings,
+           "status": r["status"], "reason": r.get("reason")}
+    # a run cut by its time limit (status timeout) still reports the steps its metrics.jsonl held
+    if r["status"] == "ok" or (r["status"] == "timeout" and r.get("steps")):
+        row.update(_figures(r, warmup, lengths))
+        _validate(row)
+    return row
+
+
+def _figures(r: dict, warmup: int, lengths: list[int]) -> dict:
+    row = stats.summarise_steps(r["steps"], warmup)
+    if r.get("first_round_losses"):  # every step of one whole run, warm-up included
+        row.update(losses=r["first_round_losses"], final_loss=r["first_round_losses"][-1])
+    # forwards and tokens processed (padding included) of every step of one run, warm-up included: the
+    # largest forward is what the memory peak and the planner's estimate are about
+    first = r.get("first_round_steps") or []
+    row["forwards_per_step"] = [s.get("forwards") for s in first]
+    row["tokens_per_step"] = [s.get("batch_tokens") for s in first]
+    mem = r["memory"]
+    row["memory"] = mem
+    row["peak_memory_bytes"] = mem.get("device_peak_allocated_bytes", mem["rss_growth_bytes"])
+    row["resolved"] = resolved = r.get("resolved") or {}
+    # which attention ran (rocktune: its note, with why) and what compile fell back from
+    row["attention"] = resolved.get("attention") or resolved.get("attn_implementation")
+    row["compile_fallbacks"] = resolved.get("compile_fallbacks", [])
+    row["fusion"] = resolved.get("fusion")  # liger | inductor | none: the Liger-vs-Inductor choice
+    row["compiler"] = r.get("compiler") or {}  # graph breaks, recompiles, graphs (bench/compiler.py)
+    # the device's own account (bench/device_time.py): step spans from CUDA events, and one profiled step's
+    # kernels, busy share and time per kernel class; absent on a CPU
+    row["device_time"] = resolved.get("device_time")
+    row["device_busy_share"] = (row["device_time"] or {}).get("busy_share")
+    shape = r.get("shape") or {}
+    fpt = stats.flops_per_token(shape["matmul_params"], shape["layers"], shape["attn_dim"], lengths) \
+        if shape else None
+    row["model_flops_per_token"] = fpt
+    peak = _peak(r.get("environment", {}), shape)
+    row["mfu"] = stats.mfu(row["real_tokens_per_s"], fpt, peak,
+                           (shape.get("head_params", 0), row["useful_tokens_per_s"]))
+    row["mfu_all_token_head"] = stats.mfu(row["real_tokens_per_s"], fpt, peak)
+    return row
+
+
+def _validate(row: dict) -> None:
+    """A speed of a run whose loss did not fall is no figure: it is kept aside, named invalid, and nothing (ratios,
+    targets, the GPU check's lines) reads it."""
+    losses = row.get("losses") or []
+    row["loss_fell"] = stats.loss_fell(losses)
+    if row["loss_fell"] is False:
+        row["invalid_speed"] = {k: row.get(k) for k in SPEED_FIGURES}
+        row.update(dict.fromkeys(SPEED_FIGURES))
+        row["invalid_reason"] = (f"loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps): "
+                                 "the speed of a run that learns nothing is no figure")
+
+
+def _has_figures(row: dict) -> bool:
+    return "peak_memory_bytes" in row
+
+
+def compare(rows: list[dict], common: dict) -> str | None:
+    """Every row's ratios against each baseline and the fastest Hugging Face row (best-hf) that gave a valid speed
+    (a baseline that failed is not a yardstick); returns that row's name. Rows from several bench runs can be
+    compared once put together (``bench/check.py``: the GPU check runs one configuration per stage)."""
+    by_name = {r["name"]: r for r in rows}
+    ran = [r for r in rows if r["kind"] == "hf" and _has_figures(r) and r.get("useful_tokens_per_s")]
+    best = max(ran, key=lambda r: r["useful_tokens_per_s"], default=None)
+    for row in rows:
+        row["ratios"] = {b: _ratios(row, by_name[b], common) for b in BASELINES
+                         if b in by_name and _has_figures(by_name[b]) and _has_figures(row)}
+        if best is not None and _has_figures(row):
+            row["ratios"][BEST_HF] = {**_ratios(row, best, common), "against": best["name"]}
+    return best["name"] if best else None
 
 
 def _ratios(row: dict, base: dict, common: dict) -> dict:
@@ -212,7 +272,7 @@ def _micro_batch(row: dict, common: dict) -> tuple:
 
 def targets(rows: list[dict], parity: dict | None, device: str = "cpu", model: str | None = None) -> dict:
     """The issue's targets, checked on rocktune's default configuration."""
-    rt = next((r for r in rows if r["name"] == "rocktune" and r["status"] == "ok"), None)
+    rt = next((r for r in rows if r["name"] == "rocktune" and (r["status"] == "ok" or _has_figures(r))), None)
     out = {}
     if device == "cuda" and model in MFU_TARGETS:
         value = (rt or {}).get("mfu")

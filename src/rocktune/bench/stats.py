@@ -77,6 +77,17 @@ def summarise_steps(steps: list[dict], warmup: int) -> dict:
     }
 
 
+def loss_fell(losses: list[float]) -> bool | None:
+    """Whether a run's loss fell: its last step below its first, and the later half of its steps below the earlier
+    half on average (one lucky last batch is not learning). None with fewer than two steps. A run whose loss did not
+    fall trained nothing that can be seen, and its speed is no figure (``runner.summarise``)."""
+    if len(losses) < 2:
+        return None
+    half = len(losses) // 2
+    early, late = losses[:half], losses[len(losses) - half:]
+    return losses[-1] < losses[0] and sum(late) / half < sum(early) / half
+
+
 def loss_parity(a: list[float], b: list[float], rel_tol: float) -> dict:
     """Per-step |delta loss| between two runs that saw the same samples in the same optimizer steps."""
     n = min(len(a), len(b))

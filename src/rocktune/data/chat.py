@@ -16,8 +16,10 @@ from rocktune.data import toolcalls
 from rocktune.errors import UserError
 
 # ShareGPT tags (LLaMA-Factory's defaults) and OpenAI roles -> the role a template knows; data.roles adds to these.
+# OpenAI's "developer" is its newer name for the system role, "function" its older one for a tool's result.
 ROLE_TAGS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-             "function_call": "function_call", "observation": "tool", "tool": "tool"}
+             "developer": "system", "function_call": "function_call", "observation": "tool", "tool": "tool",
+             "function": "tool"}
 TARGETS = ("system", "user", "assistant", "tool", "function_call")
 TEXT_PARTS = ("text", "input_text", "output_text")  # HF's and OpenAI's text part types
 WEIGHT_KEYS = ("loss_weight", "weight", "train")  # per-message: LLaMA-Factory/TRL, Axolotl's weight and train
@@ -45,8 +47,11 @@ def conversation_key(rec: dict) -> str:
     return "conversations" if "conversations" in rec and "messages" not in rec else "messages"
 
 
-def to_chat(rec: dict, loc, roles: dict[str, str]) -> dict:
-    """The canonical conversation of a record of the messages shape; ``roles``: data.roles (tag -> role)."""
+def to_chat(rec: dict, loc, roles: dict[str, str], drop_tools: bool = False) -> dict:
+    """The canonical conversation of a record of the messages shape; ``roles``: data.roles (tag -> role).
+    ``drop_tools`` (data.tools: drop): the tool list, tool calls and tool results removed; a conversation left
+    without an assistant turn gets an empty one, so that it is counted and dropped like any record without a
+    target."""
     key = conversation_key(rec)
     turns = rec.get(key)
     if not isinstance(turns, list) or not turns:
@@ -55,6 +60,8 @@ def to_chat(rec: dict, loc, roles: dict[str, str]) -> dict:
     messages, untrained = [], []
     for i, turn in enumerate(turns):
         msg, trained = _message(turn, Where(loc, f"{key}[{i}]"), roles)
+        if drop_tools and _tool_only(msg):
+            continue
         if msg["role"] == "assistant" and not trained:
             untrained.append(len(messages))
         messages.append(msg)
@@ -67,12 +74,16 @@ def to_chat(rec: dict, loc, roles: dict[str, str]) -> dict:
                             "turn as well; keep one of them.")
         messages.insert(0, {"role": "system", "content": system})
         untrained = [i + 1 for i in untrained]
+    if drop_tools and not any(m["role"] == "assistant" for m in messages):
+        messages.append({"role": "assistant", "content": ""})
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would carry loss (roles seen: "
                         f"{sorted({m['role'] for m in messages})}; map an assistant tag with data.roles).")
     toolcalls.link(messages)
     out = {"messages": messages}
-    tools = toolcalls.schemas(rec.get("tools"), loc)
+    # OpenAI's older fine-tuning format lists its tools as bare function schemas under "functions"
+    listed = rec.get("tools") if rec.get("tools") not in (None, "", []) else rec.get("functions")
+    tools = None if drop_tools else toolcalls.schemas(listed, loc)
     if tools:
         out["tools"] = tools
     if untrained:
@@ -112,6 +123,20 @@ def _message(turn, where: Where, roles: dict[str, str]) -> tuple[dict, bool]:
     return msg, trained
 
 
+def message(turn, where: Where) -> dict:
+    """One message in the canonical form (tool calls in HF's layout, content parts joined): for preference pairs."""
+    return _message(turn, where, {})[0]
+
+
+def _tool_only(msg: dict) -> bool:
+    """Whether a message goes entirely with data.tools: drop (a tool result, or a call without text); a call
+    beside text loses the call and keeps the text."""
+    if msg["role"] == "tool":
+        return True
+    calls = msg.pop("tool_calls", None)
+    return bool(calls) and not msg["content"].strip()
+
+
 def _weight(turn: dict, where: Where, role: str) -> bool:
     """Whether an assistant turn is trained: loss_weight / weight / train 0 or 1 is a mask; anything else would
     scale the loss, which rocktune does not do, so it is refused rather than read as 1."""
@@ -130,6 +155,11 @@ def _weight(turn: dict, where: Where, role: str) -> bool:
             raise UserError(f"{where} is a {role} turn with {key}={value!r}: only assistant turns carry loss; to "
                             "train on prompts too set data.train_on_prompt=true, or drop the key.")
     return trained
+
+
+def content_text(content, where: Where) -> str:
+    """A message's content as one string: text parts joined, media parts refused (as for SFT conversations)."""
+    return _text(content, where)
 
 
 def _text(content, where: Where, allow_none: bool = False) -> str:

@@ -2,7 +2,9 @@
 
 Each catches a masking mistake users of fine-tuning tools keep finding only after training: nothing carries loss;
 everything does although only completions should; the end-of-sequence / end-of-turn token never carries loss (the
-model never learns to stop); the conversation as rocktune tokenises it differs from the tokenizer's own chat template.
+model never learns to stop: a rule for answers — chat turns, completions, instruction outputs — not for text, whose
+documents are cut into windows and whose end token closes each document wherever its last window falls); the
+conversation as rocktune tokenises it differs from the tokenizer's own chat template.
 ``train`` raises on an error; ``rocktune data preview`` shows every problem.
 """
 
@@ -33,7 +35,8 @@ def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool,
     problems = _masking(examples.labels, examples.input_ids, shape, train_on_prompt)
     if any(p.code == "no-loss-tokens" for p in problems):
         return problems
-    problems += _stop_token(examples.labels, tokenizer, shape)
+    if shape != "text":  # a corpus is continued, not answered: its end token ends a document, not a reply
+        problems += _stop_token(examples.labels, tokenizer, shape)
     if shape == "messages" and probes:
         problems += _template(probes[:TEMPLATE_PROBES], tokenizer)
     return problems
@@ -104,7 +107,8 @@ def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]
     if learned == 0:
         return [Problem("error", "stop-never-trained", f"the end token {names} never carries loss in any example, so "
                         "the model would not learn to stop generating (masked as padding, or left out by the "
-                        "chat template); the end token of each completion must be trained.")]
+                        "chat template); the end token of each completion must be trained (a rule for chat and "
+                        "instruction answers, where a model must learn to stop; text data is exempt).")]
     if learned < len(labels) / 2:
         return [Problem("warning", "stop-rarely-trained", f"the end token {names} carries loss in only {learned} of "
                         f"{len(labels)} examples (truncated by data.max_length?).")]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rocktune.data import cache, checks, fastencode, instruct, meaning, records, sources, tokenise, truncate
+from rocktune.data import (cache, checks, fastencode, instruct, meaning, records, sources, textstream, tokenise,
+                           truncate)
 from rocktune.data.tokens import TokenRows
 from rocktune.errors import UserError
 
@@ -61,6 +62,8 @@ class DataStats:
     cache_bytes: int = 0
     probes: list = field(default_factory=list)  # chat data: the first records, for the template comparison
     n_empty: int = 0  # records without any target, dropped before tokenising (not in n_records)
+    n_windows: int = 0  # text: the examples its documents were cut into (textstream); 0 for other shapes
+    stride: int = 0  # text: tokens between window starts
 
 
 @dataclass
@@ -135,7 +138,7 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
                             truncation=d.truncation, empty_targets="dropped", columns=src.columns,
                             split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision,
                             roles=settings.roles, templated=settings.templated, text_split=d.text_split,
-                            records="chat-v2")
+                            tools=d.tools, records="chat-v4", text_stride=settings.stride)
     probes = []
     if settings.shape == "messages":
         pairs = [(src.where(i), rec) for i, rec in enumerate(head)]
@@ -170,8 +173,9 @@ def _column(out, name: str) -> np.ndarray:
 def encode_settings(d, shape: str, tokenizer) -> fastencode.EncodeSettings:
     """How records of ``shape`` are encoded per the ``data:`` config section ``d``."""
     templated = instruct.uses_template(d.chat_template, shape, tokenizer)
+    stride = textstream.stride_for(d.max_length, d.text_stride) if shape == "text" else 0
     return fastencode.EncodeSettings("messages" if templated else shape, d.max_length, d.train_on_prompt,
-                                     d.truncation, shape, tuple(sorted(d.roles.items())))
+                                     d.truncation, shape, tuple(sorted(d.roles.items())), d.tools, stride)
 
 
 def describe_shape(settings: fastencode.EncodeSettings, chat_template: str) -> str:
@@ -187,30 +191,39 @@ def describe_shape(settings: fastencode.EncodeSettings, chat_template: str) -> s
 def _summarise(out, src: sources.Source, settings: fastencode.EncodeSettings, vocab_size: int | None, d) -> dict:
     """The statistics of the tokenised rows, and every rejection, before anything is written."""
     shape = settings.shape
-    empty, kept = _column(out, "empty"), _column(out, "kept")
-    n_empty = int(empty.sum())
-    if n_empty == len(empty):
+    empty, kept, first = _column(out, "empty"), _column(out, "kept"), _column(out, "first")
+    record = np.cumsum(first) - 1  # the record of each row (a text document gives one row per window)
+    n_records, n_empty = int(first.sum()), int(empty.sum())
+    if n_empty == n_records:
         raise UserError(records.all_empty([src.where(i) for i in range(min(n_empty, 3))], n_empty, shape, src.name))
     max_id = _column(out, "max_id")
     top = int(max_id.max(initial=-1))
     if vocab_size is not None and top >= vocab_size:
         row = int(np.flatnonzero(max_id >= vocab_size)[0])
-        raise UserError(_beyond_vocab(src.where(row), int(max_id[row]), vocab_size))
+        raise UserError(_beyond_vocab(src.where(int(record[row])), int(max_id[row]), vocab_size))
     if not kept.any():
         raise UserError(f"{src.name}: no record has anything to learn from: "
                         + truncate.why_empty(d.max_length, d.truncation))
     tokenised = ~empty
+    docs = first & tokenised  # a record's first row: a text document's first window, any other record's example
     notes = []
     if n_empty:
-        where = [src.where(int(i)) for i in np.flatnonzero(empty)[:3]]
-        notes.append(records.empty_note(where, n_empty, len(empty), shape, src.name))
+        where = [src.where(int(record[i])) for i in np.flatnonzero(empty)[:3]]
+        note = records.empty_note(where, n_empty, n_records, shape, src.name)
+        if settings.tools == "drop" and shape == "messages":
+            note += " (data.tools=drop: a conversation whose assistant turns only call tools has none left)"
+        notes.append(note)
     counts = collections.Counter(out.data.column("unused").combine_chunks().flatten().to_pylist())
-    unused = meaning.unused_note(dict(counts), len(empty), settings.source_shape, src.name)
+    unused = meaning.unused_note(dict(counts), n_records, settings.source_shape, src.name)
     notes += [unused] if unused else []
     if settings.templated:
         notes.append(f"{src.name}: {describe_shape(settings, d.chat_template)}")
-    return {"n_records": int(tokenised.sum()), "n_truncated": int(_column(out, "truncated").sum()),
+    if shape == "text":
+        notes.append(f"{src.name}: " + textstream.describe(int(docs.sum()), int(kept.sum()), d.max_length,
+                                                           settings.stride))
+    return {"n_records": int(docs.sum()), "n_truncated": int(_column(out, "truncated").sum()),
             "n_dropped": int((tokenised & ~kept).sum()), "shape": shape,
+            "n_windows": int(kept.sum()) if shape == "text" else 0, "stride": settings.stride,
             "n_prompt_cut": int((_column(out, "prompt_cut") > 0).sum()),
             "n_completion_cut": int((_column(out, "completion_cut") > 0).sum()), "max_id": top, "n_empty": n_empty,
             "notes": notes}
@@ -245,7 +258,8 @@ def _examples(arrays: dict) -> Examples:
 def _stats(meta: dict, hit: bool, key: str, source: str, rate: float, size: int) -> DataStats:
     return DataStats(meta["shape"], meta["n_records"], meta["n_truncated"], meta["n_dropped"], hit, key,
                      list(meta.get("notes", [])), meta.get("n_prompt_cut", 0), meta.get("n_completion_cut", 0),
-                     source, rate, size, n_empty=meta.get("n_empty", 0))
+                     source, rate, size, n_empty=meta.get("n_empty", 0), n_windows=meta.get("n_windows", 0),
+                     stride=meta.get("stride", 0))
 
 
 def _beyond_vocab(where, token_id: int, vocab_size: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rocktune.data import fidelity
 from rocktune.data.truncate import fit, tokenize_bounded, uncut_calls
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
@@ -100,11 +101,24 @@ def _segments(record: dict, shape: str, tokenizer, loc: str) -> list[tuple[str, 
         template = ALPACA_WITH_INPUT if record.get("input") else ALPACA_NO_INPUT
         prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
         return [(prompt, False), (record["output"], True)]
-    return _chat_segments(record["messages"], tokenizer, loc, record.get("tools"), record.get("untrained", ()))
+    return _chat_segments(record, tokenizer, loc)
 
 
-def _chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None = None,
-                   untrained=()) -> list[tuple[str, bool]]:
+def _chat_segments(record: dict, tokenizer, loc: str) -> list[tuple[str, bool]]:
+    """``chat_segments`` of a canonical conversation, checked against the record (``fidelity``): a part of it the
+    template does not render (tool calls, the tool list, a system prompt) is refused, not trained as if absent."""
+    tools = record.get("tools")
+    segments = chat_segments(record["messages"], tokenizer, loc, tools, record.get("untrained", ()))
+    shown = True
+    if tools:  # a template that ignores tools= renders the same text without them
+        shown = len({render_chat_template(tokenizer, record["messages"], tokenize=False, add_generation_prompt=False,
+                                          **extra) for extra in ({}, {"tools": tools})}) == 2
+    fidelity.check(record, segments, loc, shown)
+    return segments
+
+
+def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None = None,
+                  untrained=()) -> list[tuple[str, bool]]:
     """Split the rendered conversation at each assistant turn by rendering growing prefixes of it.
 
     The text between "prefix + generation prompt" and "prefix + assistant turn" is exactly what the model must

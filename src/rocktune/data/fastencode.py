@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rocktune.data import encode
+from rocktune.data import encode, fidelity
 from rocktune.data.encode import IGNORE, Encoded
+from rocktune.data.ids import token_ids
 from rocktune.data.chat import has_tools
 from rocktune.data.truncate import CHARS_PER_TOKEN, MARGIN, Fitted, tokenize_bounded, uncut_calls
 from rocktune.errors import UserError, first_line
@@ -42,6 +43,8 @@ class EncodeSettings:
     truncation: str = "prompt"
     record_shape: str | None = None  # the shape the records come in (None: ``shape``)
     roles: tuple[tuple[str, str], ...] = ()  # data.roles: (tag, role) pairs
+    tools: str = "render"  # data.tools: render | drop
+    stride: int = 0  # text: tokens between window starts (data.text_stride; textstream.stride_for)
 
     @property
     def source_shape(self) -> str:
@@ -97,6 +100,7 @@ def _segments(rec: dict, shape: str, tokenizer, loc: str, layout: ChatLayout | N
         if shape == "messages" and layout is not None and not has_tools(rec):
             found = chat_segments(rec["messages"], tokenizer, layout)
             if found is not None:
+                fidelity.check(rec, found, loc, located=True)
                 return found
         return encode._segments(rec, shape, tokenizer, loc)
     except UserError:
@@ -130,8 +134,7 @@ def _tokenize(segs: list[list[tuple[str, bool]]], tokenizer, s: EncodeSettings, 
         if not items:
             continue
         try:
-            ids = tokenizer([t for _, _, t in items], add_special_tokens=special, return_attention_mask=False,
-                            return_token_type_ids=False)["input_ids"]
+            ids = token_ids(tokenizer, [t for _, _, t in items], special)
         except Exception:  # noqa: BLE001 - find the record the tokenizer refuses, one by one, to name it
             ids = [_guard(lambda t=t, sp=special: tokenizer(t, add_special_tokens=sp)["input_ids"], locs[r])
                    for r, _, t in items]
@@ -188,7 +191,7 @@ def chat_layout(tokenizer) -> ChatLayout | None:
         layout = ChatLayout(prompted[len(bare):], replied.split(PROBE_REPLY, 1)[1])
         for chat in PROBE_CHATS:
             msgs = [{"role": r, "content": c} for r, c in chat]
-            if chat_segments(msgs, tokenizer, layout) != encode._chat_segments(msgs, tokenizer, "probe"):
+            if chat_segments(msgs, tokenizer, layout) != encode.chat_segments(msgs, tokenizer, "probe"):
                 return None
     except Exception:  # noqa: BLE001 - a template that refuses a probe shape: keep the per-prefix rendering
         return None
@@ -196,7 +199,7 @@ def chat_layout(tokenizer) -> ChatLayout | None:
 
 
 def chat_segments(messages: list[dict], tokenizer, layout: ChatLayout) -> list[tuple[str, bool]] | None:
-    """``encode._chat_segments`` from one rendering; None when a reply is not found where the layout puts it, or
+    """``encode.chat_segments`` from one rendering; None when a reply is not found where the layout puts it, or
     when its text occurs twice in its stretch of the rendering (a user turn quoting the reply, header and all), so
     that where it is would be a guess."""
     full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rocktune.errors import UserError
 
-USED = {"messages": {"messages", "conversations", "system", "tools"},
+USED = {"messages": {"messages", "conversations", "system", "tools", "functions"},
         "alpaca": {"instruction", "input", "output"},
         "prompt_completion": {"prompt", "completion"},
         "text": {"text"}}
@@ -31,11 +31,13 @@ def refuse(rec: dict, loc) -> None:
                         "train every answer, the undesirable ones included. Keep only the desirable records "
                         f"(e.g. datasets' .filter(lambda r: r['{key}'])) and drop the key, or train them with a KTO "
                         "trainer.")
-    if "chosen" in rec and "rejected" in rec:
-        raise UserError(f"{loc}: the record is a preference pair ('chosen' and 'rejected'); supervised fine-tuning "
-                        "would learn from both sides alike. Train it with a preference method, DPO/ORPO (task: dpo or "
-                        "task: orpo; docs/preference.md), or map the chosen side alone with data.columns (e.g. "
-                        "{messages: chosen}) and drop 'rejected'.")
+    for good, bad, whose in (("chosen", "rejected", ""), ("preferred_output", "non_preferred_output", "OpenAI's ")):
+        if good in rec and bad in rec:
+            raise UserError(f"{loc}: the record is a preference pair ({whose}'{good}' and '{bad}'); supervised "
+                            "fine-tuning would learn from both sides alike. Train it with a preference method, "
+                            "DPO/ORPO (task: dpo or task: orpo; docs/preference.md; `rocktune data preview` shows "
+                            f"it as pairs with task=dpo), or map the preferred side alone with data.columns (e.g. "
+                            f"{{messages: {good}}}) and drop '{bad}'.")
     for key in RECORD_WEIGHTS:
         value = rec.get(key)
         if value is not None and (isinstance(value, (str, bool)) or value != 1):

@@ -15,10 +15,13 @@ ends with the end-of-sequence token (conversations: the template's end of turn).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from dataclasses import dataclass
 
+from rocktune.data import chat, fidelity, pair_signal, toolcalls
+from rocktune.data.chat import Where, content_text
 from rocktune.data.encode import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, IGNORE
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
@@ -38,6 +41,7 @@ class PairText:
     chosen: str | list
     rejected: str | list
     chat: bool
+    tools: list | None = None  # function schemas given to the chat template as tools= (conversational pairs)
 
 
 @dataclass(frozen=True)
@@ -69,9 +73,21 @@ class PairSet:
 
 
 def read_pair(row: dict, where: str) -> PairText:
-    """The pair a source row holds, in whichever shape it comes; a row of no known shape is named."""
+    """The pair a source row holds, in whichever shape it comes; a row of no known shape is named. A ``tools``
+    list (OpenAI's ``input.tools``, or a column) goes to the chat template with the conversation."""
     # A table (datasets) gives every row every column, None where a record lacks the key.
     row = {k: v for k, v in row.items() if v is not None}
+    if "preferred_output" in row or "non_preferred_output" in row:
+        row = _openai(row, where)
+    pair = _read(row, where)
+    tools = toolcalls.schemas(row.get("tools"), where)
+    if tools and not pair.chat:
+        raise UserError(f"{where}: the pair has a 'tools' list but its prompt and answers are text; tools are "
+                        "rendered by a chat template, so give the pair as messages (or drop the tools).")
+    return dataclasses.replace(pair, tools=tools) if tools else pair
+
+
+def _read(row: dict, where: str) -> PairText:
     if "chosen" not in row or "rejected" not in row:
         raise UserError(f"{where}: a preference pair needs 'chosen' and 'rejected' (this row has {sorted(row)}); "
                         f"shapes: {'; '.join(SHAPES)}. Map other column names with data.columns.")
@@ -96,6 +112,20 @@ def read_pair(row: dict, where: str) -> PairText:
                         _messages(rejected, where, "rejected"), True)
     return PairText(_text(prompt, where, "prompt"), _text(chosen, where, "chosen"),
                     _text(rejected, where, "rejected"), False)
+
+
+def _openai(row: dict, where: str) -> dict:
+    """OpenAI's preference format: ``input`` ({messages, tools?, parallel_tool_calls?}), ``preferred_output`` and
+    ``non_preferred_output`` (lists of assistant messages), as TRL's conversational prompt/chosen/rejected."""
+    missing = [k for k in ("input", "preferred_output", "non_preferred_output") if k not in row]
+    inp = row.get("input")
+    if missing or not isinstance(inp, dict) or "messages" not in inp:
+        raise UserError(f"{where}: OpenAI's preference format needs 'input' ({{'messages': [...]}}), "
+                        f"'preferred_output' and 'non_preferred_output'; this row has {sorted(row)}"
+                        + (f" (missing {missing})" if missing else f" and its 'input' has "
+                           f"{sorted(inp) if isinstance(inp, dict) else type(inp).__name__}") + ".")
+    return {"prompt": inp["messages"], "tools": inp.get("tools") or row.get("tools"),
+            "chosen": row["preferred_output"], "rejected": row["non_preferred_output"]}
 
 
 def _implicit(chosen, rejected, chat: bool, where: str) -> PairText:
@@ -136,10 +166,16 @@ def _messages(value, where: str, key: str) -> list[dict]:
 
 
 def _message(msg, where: str) -> dict:
-    if not (isinstance(msg, dict) and isinstance(msg.get("content"), str)
-            and msg.get("role") in ("system", "user", "assistant")):
+    if isinstance(msg, dict) and (msg.get("tool_calls") or msg.get("function_call")
+                                  or msg.get("role") in ("tool", "function")):
+        return chat.message(msg, Where(where, "message"))  # a call or a result, in the layout templates take
+    if not (isinstance(msg, dict) and isinstance(msg.get("content"), (str, list))
+            and msg.get("role") in ("system", "developer", "user", "assistant")):
         raise UserError(f"{where} must be an object with 'role' (system, user, assistant) and string 'content'.")
-    return {"role": msg["role"], "content": msg["content"]}
+    # content parts (OpenAI's and HF's lists of text parts) are joined as SFT joins them; OpenAI's developer role
+    # is its newer name for the system role
+    role = "system" if msg["role"] == "developer" else msg["role"]
+    return {"role": role, "content": content_text(msg["content"], Where(where, "message"))}
 
 
 def _text(value, where: str, key: str) -> str:
@@ -154,7 +190,8 @@ def encode_pair(pair: PairText, tokenizer, max_length: int, truncation: str, whe
     then each answer at its end; with ``truncation=end`` every sequence keeps its first ``max_length`` tokens."""
     for key in ("chosen", "rejected"):
         answer = getattr(pair, key)
-        if not (answer.strip() if isinstance(answer, str) else any(m["content"].strip() for m in answer)):
+        if not (answer.strip() if isinstance(answer, str) else any(m["content"].strip() or m.get("tool_calls")
+                                                                     for m in answer)):
             raise UserError(f"{where}: the '{key}' answer is empty, so the pair compares nothing; fill it in or "
                             "remove the row.")
     prompt, chosen, rejected = _render(pair, tokenizer, where)
@@ -182,14 +219,24 @@ def _render(pair: PairText, tokenizer, where: str) -> tuple[list[int], list[int]
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{where}: conversational pairs need the tokenizer's chat template, and this tokenizer has "
                         "none; use an instruct model's tokenizer or give the pairs as text.")
-    start = render_chat_template(tokenizer, pair.prompt, tokenize=False, add_generation_prompt=True) \
+    extra = {"tools": pair.tools} if pair.tools else {}
+    start = render_chat_template(tokenizer, pair.prompt, tokenize=False, add_generation_prompt=True, **extra) \
         if pair.prompt else ""
+    if pair.tools and start == render_chat_template(tokenizer, pair.prompt, tokenize=False,
+                                                    add_generation_prompt=True):
+        names = ", ".join(t["function"]["name"] for t in pair.tools)
+        raise UserError(f"{where}: the model's chat template does not render the pair's tool list ({names}): the "
+                        "prompt renders the same with and without it. Use a template that renders tools "
+                        "(data.chat_template naming a .jinja file that does, or a model whose own template does), or "
+                        "remove the tools from the pairs if the answers do not depend on them.")
 
     def answer(msgs):
-        full = render_chat_template(tokenizer, pair.prompt + msgs, tokenize=False, add_generation_prompt=False)
+        full = render_chat_template(tokenizer, pair.prompt + msgs, tokenize=False, add_generation_prompt=False,
+                                    **extra)
         if not full.startswith(start):
             raise UserError(f"{where}: the chat template does not render the prompt as the start of the whole "
                             "conversation, so the answer cannot be located; use another template or text pairs.")
+        fidelity.check_answer(msgs, full[len(start):], where)
         return tokenizer(full[len(start):], add_special_tokens=False)["input_ids"]
     prompt = tokenizer(start, add_special_tokens=False)["input_ids"] if start else []
     return prompt, answer(pair.chosen), answer(pair.rejected)
@@ -197,8 +244,27 @@ def _render(pair: PairText, tokenizer, where: str) -> tuple[list[int], list[int]
 
 def encode_rows(rows, tokenizer, max_length: int, truncation: str) -> tuple[list[Pair], int]:
     """``rows``: ``(where, row)``; returns the pairs and how many were truncated."""
-    pairs = [encode_pair(read_pair(row, where), tokenizer, max_length, truncation, where) for where, row in rows]
+    pairs = [pair for pair, _ in encode_kinds(rows, tokenizer, max_length, truncation)]
     return pairs, sum(p.truncated for p in pairs)
+
+
+def encode_kinds(rows, tokenizer, max_length: int, truncation: str) -> list[tuple[Pair, str | None]]:
+    """Each row's pair and why it carries no preference signal (``pair_signal.kind``; None when it does)."""
+    out = []
+    for where, row in rows:
+        text = read_pair(row, where)
+        pair = encode_pair(text, tokenizer, max_length, truncation, where)
+        out.append((pair, pair_signal.kind(text, pair)))
+    return out
+
+
+def encode_screened(rows, tokenizer, d, policy: str, name: str) -> tuple[list[Pair], int, list[str]]:
+    """The pairs of ``rows`` that carry signal (``pair_signal.screen`` per ``policy``: preference.no_signal), how
+    many of those were truncated, and the warning naming the others; ``d``: the data section."""
+    encoded = encode_kinds(rows, tokenizer, d.max_length, d.truncation)
+    keep, notes = pair_signal.screen([(where, k) for (where, _), (_, k) in zip(rows, encoded)], policy, name)
+    pairs = [encoded[i][0] for i in keep]
+    return pairs, sum(p.truncated for p in pairs), notes
 
 
 def pair_set(pairs: list[Pair]) -> PairSet:
@@ -233,11 +299,30 @@ def read_rows(spec: str, d, cache_dir, key: str, eval_side: bool = False) -> lis
 
     if Path(spec).is_file() and Path(spec).suffix.lower() in (".json", ".jsonl"):
         rows = read_records(spec)
-        missing = {src for src in d.columns.values() if src not in rows[0][1]}
+        missing = {src for src in d.columns.values() if nested(rows[0][1], src) is None}
         if missing:
             raise UserError(f"data.columns maps to {sorted(missing)}, which {rows[0][0]} does not have (its keys: "
-                            f"{sorted(rows[0][1])}); fix data.columns.")
-        renamed = {v: k for k, v in d.columns.items()}
-        return [(where, {renamed.get(k, k): v for k, v in row.items()}) for where, row in rows]
+                            f"{sorted(rows[0][1])}; a nested field is named with dots, e.g. input.messages); fix "
+                            "data.columns.")
+        return [(where, _mapped(row, d.columns)) for where, row in rows]
     src = open_source(spec, source_settings(d, cache_dir, eval_side), key)
     return [(RowLoc(src.name, src.kind, i), row) for i, row in enumerate(src.dataset)]
+
+
+def nested(row: dict, path: str):
+    """``row``'s field at ``path``: a key, or keys joined by dots for a nested field (``input.messages``)."""
+    if path in row:
+        return row[path]
+    value = row
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _mapped(row: dict, columns: dict[str, str]) -> dict:
+    """``row`` with each mapped field under its record key (a top-level source key renamed, a nested one copied)."""
+    out = {k: v for k, v in row.items() if k not in columns.values()}
+    out.update({key: nested(row, src) for key, src in columns.items()})
+    return out

@@ -164,15 +164,16 @@ def validate(records: list[tuple[str, dict]], shape: str) -> None:
 
 
 def prepare(records: list[tuple[object, dict]], shape: str, roles: dict[str, str] | None = None,
-            templated: bool = False) -> list[dict]:
+            templated: bool = False, drop_tools: bool = False) -> list[dict]:
     """Every record checked and in the form the encoder takes: a conversation normalised (``chat.to_chat``:
-    ShareGPT, tool calls, content parts, per-message weights; ``roles``: data.roles), an instruction record checked,
-    and with ``templated`` turned into a single-turn conversation. Keys that change what is learned are refused."""
+    ShareGPT, tool calls, content parts, per-message weights; ``roles``: data.roles; ``drop_tools``: data.tools:
+    drop), an instruction record checked, and with ``templated`` turned into a single-turn conversation. Keys that
+    change what is learned are refused."""
     out = []
     for loc, rec in records:
         meaning.refuse(rec, loc)
         if shape == "messages":
-            out.append(chat.to_chat(rec, loc, roles or {}))
+            out.append(chat.to_chat(rec, loc, roles or {}, drop_tools))
             continue
         _check_strings(loc, rec, shape)
         out.append(instruct.from_instruction(rec, shape) if templated else rec)

@@ -247,6 +247,10 @@ def _rename(ds, columns: dict[str, str], spec: str):
     names = ds.column_names
     if names is None:  # a stream whose columns are known only from its first row
         names = list(next(iter(ds.take(1)), {}))
+    if any("." in src and src not in names for src in columns.values()) and hasattr(ds, "flatten"):
+        # a nested field (input.messages): datasets' flatten names a struct's fields with dots
+        ds = ds.flatten()
+        names = ds.column_names
     unknown = sorted(set(columns) - set(KEYS))
     if unknown:
         raise UserError(f"data.columns has {unknown}, which no record shape uses; its keys are record keys "
@@ -254,7 +258,8 @@ def _rename(ds, columns: dict[str, str], spec: str):
     missing = [src for src in columns.values() if src not in names]
     if missing:
         raise UserError(f"data.columns maps to {missing}, which {spec} does not have (its columns: "
-                        f"{names}); fix data.columns.")
+                        f"{names}; a nested field is named with dots, e.g. input.messages, except in a streamed "
+                        "source); fix data.columns.")
     # A column already named like a shape key that is being replaced by a mapped one would collide: drop it.
     clash = [k for k, v in columns.items() if k in names and k != v and k not in columns.values()]
     ds = ds.remove_columns(clash) if clash else ds

@@ -116,7 +116,10 @@ def generate(model, tokenizer, rows: list[dict]) -> list[dict]:
 
 def _print_summary(fig: dict, samples: list[dict]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from rocktune.tasks.lm.samples import visible
 
     console = Console()
     table = Table(title="rocktune demo: tiny Qwen2 + LoRA on upper-casing, letter shifting and letters as digits")
@@ -131,7 +134,8 @@ def _print_summary(fig: dict, samples: list[dict]) -> None:
     console.print(table)
     for s in samples:
         mark = "[green]ok[/]" if s["output"] == s["expected"] else "[red]x[/]"
-        console.print(f"  {s['prompt']}{s['output']!r:<10} expected {s['expected']!r:<8} {mark}")
+        output, expected = (escape(f"'{visible(s[k])}'") for k in ("output", "expected"))
+        console.print(f"  {escape(s['prompt'])}{output:<10} expected {expected:<8} {mark}")
     console.print(f"adapter: {fig['run_dir']}/adapter")
     console.print(f"report: {fig['report']}" if fig["report"] else
                   "report: not written (pip install 'rocktune[report]' for plots and an HTML page of the run)")

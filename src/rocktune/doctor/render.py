@@ -16,6 +16,9 @@ def render(report: dict, console: Console | None = None) -> None:
     console.print(_platform_table(plat))
     if report.get("threads"):
         console.print(escape(report["threads"]))
+    busy = load_warning(report.get("load"))
+    if busy:
+        console.print(f"[yellow]warning[/] {escape(busy)}")
     console.print(_defaults_table(advice))
     if advice["env"]:
         console.print(_env_table(advice))
@@ -25,9 +28,21 @@ def render(report: dict, console: Console | None = None) -> None:
         console.print(_checks_table(checks, report.get("device", "?")))
         counts = {s: sum(c["status"] == s for c in checks) for s in ("pass", "fail", "skip")}
         verdict = "[bold red]checks failed[/]" if counts["fail"] else "[green]all checks passed[/]"
-        console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped")
+        busy_note = " [yellow](the machine is oversubscribed: see the warning above)[/]" if busy else ""
+        console.print(f"{verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+                      + busy_note)
     elif "device" not in report:
         console.print("[dim]no checks run (simulated platform or --no-checks)[/]")
+
+
+def load_warning(load: dict | None) -> str | None:
+    """The oversubscription warning, or None."""
+    if not load or not load.get("oversubscribed"):
+        return None
+    return (f"oversubscribed: other processes keep {load['busy']:.1f} of the {load['cpus']} usable CPUs busy "
+            f"({load['source']}). A CPU run measures its torch threads at start and takes the fastest count (often "
+            "1 here), and still runs slower than on a quiet machine; stop the other work, or give the run its own "
+            "cores (taskset, a container's CPU quota).")
 
 
 def _platform_table(p: dict) -> Table:

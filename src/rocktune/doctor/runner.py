@@ -10,11 +10,17 @@ import sys
 from rocktune.doctor.checks import CheckResult
 
 
-def run_checks(device: str, names: list[str], env: dict[str, str], timeout: float = 300.0) -> list[CheckResult]:
+CHILD = ("rocktune.doctor.child",)
+
+
+def run_checks(device: str, names: list[str], env: dict[str, str], timeout: float = 300.0,
+               child: tuple[str, ...] = CHILD) -> list[CheckResult]:
+    """``child``: the module that runs the checks (``python -m MODULE DEVICE [ARGS...] NAMES_JSON``) and its extra
+    arguments; it speaks the protocol of doctor/child.py."""
     results: dict[str, CheckResult] = {}
     remaining = list(names)
     while remaining:
-        out, err, rc = _run_child(device, remaining, env, timeout)
+        out, err, rc = _run_child([device, *child[1:]], remaining, env, timeout, child[0])
         current, started = None, False
         for line in out.splitlines():
             if line.startswith("@@start "):
@@ -37,8 +43,9 @@ def run_checks(device: str, names: list[str], env: dict[str, str], timeout: floa
     return [results[n] for n in names]
 
 
-def _run_child(device: str, names: list[str], env: dict[str, str], timeout: float) -> tuple[str, str, int]:
-    cmd = [sys.executable, "-m", "rocktune.doctor.child", device, json.dumps(names)]
+def _run_child(args: list[str], names: list[str], env: dict[str, str], timeout: float, module: str
+               ) -> tuple[str, str, int]:
+    cmd = [sys.executable, "-m", module, *args, json.dumps(names)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
         return proc.stdout, proc.stderr, proc.returncode

@@ -23,7 +23,7 @@ TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</
 
 def load(src: Source, device: str):
     """(model, tokenizer) ready for generation; the adapter stays a PeftModel."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from rocktune.model import quiet_transformers
 
@@ -32,8 +32,10 @@ def load(src: Source, device: str):
     from rocktune.platform.advise import device_precision
 
     dtype = DTYPES[device_precision(device)]  # the platform's policy: fp32 on gfx906, where bf16 is emulated
+    from rocktune.export.source import load_tokenizer
+
+    tok = load_tokenizer(src)
     try:
-        tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(src.base, dtype=dtype, trust_remote_code=src.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise UserError(f"could not load {src.base}: {first_line(exc)} (offline? pass a local "

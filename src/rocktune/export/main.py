@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from rocktune.errors import UserError, first_line
+from rocktune.errors import UserError
 from rocktune.export import arch as archs
 from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style, vocab
-from rocktune.export.source import Origin, Source, load_config, resolve
+from rocktune.export.source import Origin, Source, load_config, load_tokenizer, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
 
@@ -55,7 +55,7 @@ def _merged(src: Source, target: Path, dtype: str, overwrite: bool) -> Path:
     sys.stderr.write(f"loading {src.base} in fp32 and merging {src.adapter}\n")
     model, notes = merge.merged_model(src, dtype)
     with output.staged(target, overwrite, is_dir=True) as tmp:
-        merge.save_merged(model, src.base, src.trust_remote_code, tmp)
+        merge.save_merged(model, load_tokenizer(src), tmp)
     _notes(notes)
     return target
 
@@ -118,12 +118,7 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
 
 def _tokenizer(src: Source, model_config, tok_dir: Path):
     """Save the base's tokenizer and the model config where gguf-py's vocabulary helpers read them."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"could not load the tokenizer of {src.base}: {first_line(exc)}") from None
+    tok = load_tokenizer(src)
     tok.save_pretrained(tok_dir)
     model_config.save_pretrained(tok_dir)
     _copy_sentencepiece_model(src.base, tok_dir)
@@ -134,14 +129,14 @@ def _tokenizer(src: Source, model_config, tok_dir: Path):
 def _check_chat_template(src: Source) -> None:
     """The GGUF carries the base's chat template and the Modelfile is derived from it: a template the sandbox
     refuses is refused here, before minutes of merging and before anything is written."""
-    from transformers import AutoTokenizer
-
     from rocktune.readers.template import check_chat_template
 
     try:
-        tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
-    except (OSError, ValueError):
-        return  # said with its fix where the tokenizer is loaded for the export
+        tok = load_tokenizer(src)
+    except UserError as exc:
+        if "could not load the tokenizer" in str(exc):
+            return  # said with its fix where the tokenizer is loaded for the export
+        raise
     check_chat_template(tok)
 
 

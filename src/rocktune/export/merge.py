@@ -91,14 +91,7 @@ def merged_model(src: Source, dtype: str):
     return merged, notes
 
 
-def save_merged(model, tokenizer_src: str, trust_remote_code: bool, out: Path) -> None:
-    """Write ``model`` and the base's tokenizer (chat template included) into the directory ``out``."""
-    from transformers import AutoTokenizer
-
+def save_merged(model, tok, out: Path) -> None:
+    """Write ``model`` and the run's tokenizer ``tok`` (the chat template it trained with included) into ``out``."""
     model.save_pretrained(out, safe_serialization=True)
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_src, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"could not load the tokenizer of {tokenizer_src}: {first_line(exc)}") \
-            from None
     tok.save_pretrained(out)

@@ -37,7 +37,8 @@ def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_
                          "replies look unformatted.")
         else:
             user = _render_user(tokenizer)
-            lines.append(f'TEMPLATE """{ollama_templates.template_for(family, user)}"""')
+            template = ollama_templates.template_for(family, user, renders_tools(tokenizer))
+            lines.append(f'TEMPLATE """{template}"""')
             stops.append(ollama_templates.FAMILIES[family].stop)
             system = _default_system(user, family)
             if system:
@@ -58,6 +59,20 @@ def _render_user(tokenizer) -> str | None:
                                     add_generation_prompt=False)
     except UserError:
         return None
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "rocktune_probe_tool", "description": "probe",
+                                              "parameters": {"type": "object", "properties": {}}}}
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the Jinja template writes a ``tools=`` list into the prompt (rendered with and without one)."""
+    user = [{"role": "user", "content": "x"}]
+    try:
+        return len({render_chat_template(tokenizer, user, tokenize=False, add_generation_prompt=True, **extra)
+                    for extra in ({}, {"tools": [PROBE_TOOL]})}) == 2
+    except UserError:
+        return False
 
 
 def _default_system(rendered_user: str | None, family: str) -> str | None:

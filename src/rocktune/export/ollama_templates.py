@@ -40,6 +40,16 @@ CHATML = (
     + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|im_start|>assistant\n")
 )
 
+# ChatML whose Jinja template has no tools (SmolLM2's, the demo model's): every turn as it comes, no tool blocks a
+# model trained on it never saw
+CHATML_PLAIN = (
+    '{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}' + PREV +
+    '{{ range .Messages }}{{ if ne .Role "system" }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}'
+    '{{ $prev = .Role }}{{ end }}' + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|im_start|>assistant\n")
+)
+# the variant of a family for a Jinja template that ignores tools= (one whose tool-less turns match it)
+WITHOUT_TOOLS = {"chatml": CHATML_PLAIN}
+
 # Llama 3 / 3.2-style header turns, no date header
 LLAMA3 = (PREV + '{{ if .System }}<|start_header_id|>system<|end_header_id|>\n\n{{ .System }}<|eot_id|>{{ end }}'
           '{{ range .Messages }}{{ if ne .Role "system" }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n'
@@ -150,9 +160,12 @@ def family_of(chat_template: str | None) -> str | None:
     return None
 
 
-def template_for(family: str, rendered_user: str | None = None) -> str:
+def template_for(family: str, rendered_user: str | None = None, tools: bool = True) -> str:
     """The TEMPLATE of ``family``; ``rendered_user``: the Jinja template's rendering of one user turn "x", which
-    tells Mistral's releases apart (a space after [INST] or not)."""
+    tells Mistral's releases apart (a space after [INST] or not); ``tools``: whether the Jinja template renders
+    ``tools=`` (SmolLM2's ChatML does not: its TEMPLATE must not carry Qwen's tool blocks)."""
     if family == "mistral" and rendered_user is not None and "[INST]x" in rendered_user:
         return MISTRAL_NEMO
+    if not tools and family in WITHOUT_TOOLS:
+        return WITHOUT_TOOLS[family]
     return FAMILIES[family].template

@@ -176,3 +176,18 @@ def _dims(module) -> str:
     if hasattr(module, "num_embeddings"):
         return f"{module.num_embeddings}x{module.embedding_dim}"
     return f"{module.in_features}->{module.out_features}"
+
+
+def load_tokenizer(src: Source):
+    """The tokenizer the run trained with: the base's, with the chat template ``data.chat_template`` named when it
+    named a file (generate, the GGUF's template and the Ollama TEMPLATE must prompt as training rendered)."""
+    from transformers import AutoTokenizer
+
+    from rocktune.readers.template import use_template
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src.base, trust_remote_code=src.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load the tokenizer of {src.base}: {first_line(exc)} (offline? pass a local "
+                        "model directory with --base)") from None
+    return use_template(tok, (src.run_config.get("data") or {}).get("chat_template"))

@@ -48,9 +48,33 @@ def _refused(tokenizer, exc: Exception) -> UserError:
                      "file.")
 
 
+MODES = ("auto", "always", "never")  # data.chat_template's values that keep the tokenizer's own template
+
+
+def use_template(tokenizer, setting: str | None):
+    """``tokenizer`` with the chat template that ``data.chat_template`` names, when it names a ``.jinja`` file
+    (training, preview, generate and export all render with it; the Ollama TEMPLATE is chosen from it); the
+    tokenizer's own template otherwise. The file is read, and proven to render, here."""
+    if not setting or setting in MODES:
+        return tokenizer
+    path = Path(setting)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"data.chat_template={setting} cannot be read ({getattr(exc, 'strerror', None) or exc}); "
+                        "name a .jinja chat template file (e.g. the chat_template.jinja of a model of the same "
+                        "family), or auto.") from None
+    tokenizer.chat_template = text
+    tokenizer.rocktune_template_file = str(path)  # errors name the file the template came from
+    check_chat_template(tokenizer)
+    return tokenizer
+
+
 def template_file(tokenizer) -> str:
-    """Where a tokenizer's chat template was read from: chat_template.jinja or tokenizer_config.json of its
-    directory, or the hub id when it came from the hub cache."""
+    """Where a tokenizer's chat template was read from: data.chat_template's file, chat_template.jinja or
+    tokenizer_config.json of its directory, or the hub id when it came from the hub cache."""
+    if getattr(tokenizer, "rocktune_template_file", None):
+        return tokenizer.rocktune_template_file
     source = str(getattr(tokenizer, "name_or_path", "") or "")
     folder = Path(source).expanduser()
     if source and folder.is_dir():

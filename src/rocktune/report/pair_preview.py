@@ -11,19 +11,23 @@ import json
 import tempfile
 from pathlib import Path
 
-from rocktune.data.preference import encode_pair, read_pair, read_rows
+from rocktune.data import pair_signal
+from rocktune.data.preference import encode_kinds, read_rows
+from rocktune.errors import UserError
 from rocktune.report.preview import runs
 
 
-def build_pair_preview(data, tokenizer, n_show: int) -> dict:
+def build_pair_preview(data, tokenizer, n_show: int, no_signal: str = "auto") -> dict:
     """``data``: the config's data section. Every row is read and encoded (an error names the row); the first
-    ``n_show`` pairs are returned as runs of ``[text, trained, special]`` per side."""
+    ``n_show`` pairs are returned as runs of ``[text, trained, special]`` per side. Pairs without signal are
+    counted by kind with their rows, and judged by ``no_signal`` (preference.no_signal) as training judges them."""
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         rows = read_rows(data.train_file, data, Path(tmp) / "cache", "data.train_file")
     special = set(tokenizer.all_special_ids)
     shown, lengths, truncated = [], [], 0
-    for where, row in rows:
-        pair = encode_pair(read_pair(row, where), tokenizer, data.max_length, data.truncation, where)
+    encoded = encode_kinds(rows, tokenizer, data.max_length, data.truncation)
+    kinds = [(where, k) for (where, _), (_, k) in zip(rows, encoded)]
+    for (where, _), (pair, _) in zip(rows, encoded):
         lengths.append(pair.length)
         truncated += pair.truncated
         if len(shown) < n_show:
@@ -35,7 +39,17 @@ def build_pair_preview(data, tokenizer, n_show: int) -> dict:
     return {"data_file": data.train_file, "n_pairs": len(lengths), "n_truncated": truncated,
             "max_length": data.max_length, "tokens_per_pair": {"min": min(lengths), "max": max(lengths),
                                                                "mean": sum(lengths) / len(lengths)},
-            "pairs": shown}
+            "pairs": shown, "no_signal": pair_signal.summary(kinds),
+            "problems": _signal_problems(kinds, no_signal, data.train_file)}
+
+
+def _signal_problems(kinds, policy: str, name: str) -> list[dict]:
+    """What training would say about the pairs without signal: an error where it would stop, else a warning."""
+    try:
+        _, notes = pair_signal.screen(kinds, policy, name)
+    except UserError as exc:
+        return [{"level": "error", "code": "no-signal", "message": str(exc)}]
+    return [{"level": "warning", "code": "no-signal", "message": n.removeprefix("warning: ")} for n in notes]
 
 
 def _text(run_list: list) -> str:
@@ -49,11 +63,15 @@ def run_pair_preview(cfg, n_show: int, as_json: bool) -> int:
 
     from rocktune.model import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
-    pv = build_pair_preview(cfg.data, tokenizer, n_show)
+    from rocktune.readers.template import use_template
+
+    tokenizer = use_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
+                             cfg.data.chat_template)
+    pv = build_pair_preview(cfg.data, tokenizer, n_show, cfg.preference.no_signal)
+    failed = int(any(p["level"] == "error" for p in pv["problems"]))
     if as_json:
         print(json.dumps(pv, indent=1))
-        return 0
+        return failed
     console = Console()
     lengths = pv["tokens_per_pair"]
     console.print(f"{pv['data_file']}: {pv['n_pairs']} pairs for task={cfg.task}; {pv['n_truncated']} cut to "
@@ -67,4 +85,8 @@ def run_pair_preview(cfg, n_show: int, as_json: bool) -> int:
         table.add_column(f"rejected ({r} trained tokens)")
         table.add_row(_text(pair["chosen"]), _text(pair["rejected"]))
         console.print(table, markup=False)
-    return 0
+    for problem in pv["problems"]:
+        console.print(f"{problem['level']}: {problem['message']}", markup=False)
+    if not pv["problems"]:
+        console.print("checks passed: every pair has a shared prompt and two different answers.", markup=False)
+    return failed

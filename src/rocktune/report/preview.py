@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rocktune.data import checks, dataset, encode, records, sources, tokenise, truncate
+from rocktune.data import checks, dataset, encode, records, sources, textstream, tokenise, truncate
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Preview:
     source: str = ""  # path or hub id, its kind, rows and column mapping
     records_per_s: float = 0.0  # tokenisation rate, imports done
     cache_bytes: int = 0  # what the token cache of this data takes
+    n_windows: int = 0  # text: the windows its documents were cut into (the examples trained); 0 otherwise
 
     @property
     def loss_share(self) -> float:
@@ -72,21 +73,34 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
         loss = seen.labels.loss_counts().sum() if hasattr(seen.labels, "loss_counts") else \
             sum(checks.loss_positions(lab) for lab in seen.labels)
         special = set(tokenizer.all_special_ids)
-        encoded = [(loc, encode.encode(rec, stats.shape, tokenizer, max_length, train_on_prompt, loc, truncation))
-                   for loc, rec in shown]
-        n_rows = len(seen) + stats.n_dropped + stats.n_empty
+        encoded = _shown(shown, stats, tokenizer, d, n_show)
+        n_rows = stats.n_records + stats.n_empty
+        n_kept = len(seen) if stats.shape != "text" else n_rows - stats.n_dropped
     notes = stats.notes + truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
                                             stats.n_completion_cut, stats.n_dropped, max_length, truncation)
     return Preview(
         data_file=str(data_file), shape=dataset.describe_shape(settings, d.chat_template), max_length=max_length,
         train_on_prompt=train_on_prompt,
-        n_records=n_rows, n_kept=len(seen), n_truncated=stats.n_truncated, n_dropped=n_rows - len(seen),
+        n_records=n_rows, n_kept=n_kept, n_truncated=stats.n_truncated, n_dropped=n_rows - n_kept,
         truncation_notes=notes, lengths=lengths, loss_tokens=int(loss), total_tokens=int(sum(lengths)),
         stop_tokens=list(checks.stop_token_ids(tokenizer, stats.shape).values()),
         examples=[{"loc": loc, "truncated": e.truncated, "runs": runs(e.input_ids, e.labels, tokenizer, special)}
                   for loc, e in encoded],
         problems=[asdict(p) for p in problems], source=stats.source, records_per_s=stats.records_per_s,
-        cache_bytes=stats.cache_bytes)
+        cache_bytes=stats.cache_bytes, n_windows=stats.n_windows)
+
+
+def _shown(shown: list[tuple[str, dict]], stats, tokenizer, d, n_show: int) -> list[tuple[str, encode.Encoded]]:
+    """The examples to show, encoded by the per-record reference; a text set's first windows, named by document
+    and window."""
+    if stats.shape != "text":
+        return [(loc, encode.encode(rec, stats.shape, tokenizer, d.max_length, d.train_on_prompt, loc, d.truncation))
+                for loc, rec in shown]
+    docs = textstream.encode_documents([rec["text"] for _, rec in shown], tokenizer, d.max_length, stats.stride,
+                                       [loc for loc, _ in shown])
+    named = [(f"{loc} window {k + 1} of {len(wins)}", w) for (loc, _), wins in zip(shown, docs)
+             for k, w in enumerate(wins)]
+    return named[:n_show]
 
 
 def runs(input_ids: list[int], labels: list[int], tokenizer, special: set[int]) -> list[list]:

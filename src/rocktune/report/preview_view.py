@@ -12,6 +12,9 @@ from rocktune.report import page
 from rocktune.report.preview import Preview, build_preview, histogram
 
 BAR = 40
+OPEN, CLOSE = "⟦", "⟧"  # trained tokens, where colours cannot be shown
+TEXT_END = (" (ends each document; the rule that it must carry loss is for answers, where a model must learn to "
+            "stop, not for text)")
 
 
 def _shown(chunk: str, trained: bool) -> str:
@@ -21,17 +24,19 @@ def _shown(chunk: str, trained: bool) -> str:
 
 def _summary(pv: Preview) -> list[tuple[str, str]]:
     s = pv.length_stats()
+    text = pv.shape == "text"
     return [
-        ("data", pv.source or pv.data_file), ("shape", pv.shape), ("records", f"{pv.n_records}"),
-        ("kept for training", f"{pv.n_kept}"),
+        ("data", pv.source or pv.data_file), ("shape", pv.shape),
+        ("documents" if text else "records", f"{pv.n_records}"),
+        ("kept for training", f"{pv.n_windows} windows" if text else f"{pv.n_kept}"),
         ("truncated", f"{pv.n_truncated} (longer than data.max_length={pv.max_length})"),
         ("dropped", f"{pv.n_dropped} (no loss-bearing token left after truncation)"),
         *(("", note) for note in pv.truncation_notes),
-        ("tokens per example", f"min {s['min']}, median {s['median']:g}, mean {s['mean']:.1f}, p95 {s['p95']}, "
-                               f"max {s['max']}"),
+        ("tokens per window" if text else "tokens per example",
+         f"min {s['min']}, median {s['median']:g}, mean {s['mean']:.1f}, p95 {s['p95']}, max {s['max']}"),
         ("loss-bearing tokens", f"{pv.loss_tokens:,} of {pv.total_tokens:,} ({pv.loss_share:.1%})"),
         ("trained on prompts", "yes" if pv.train_on_prompt else "no (completions / assistant turns only)"),
-        ("end token", " / ".join(pv.stop_tokens) or "none"),
+        ("end token", (" / ".join(pv.stop_tokens) or "none") + (TEXT_END if text else "")),
         ("tokenised", f"{pv.records_per_s:,.0f} records/s"),
         ("token cache", f"{pv.cache_bytes / 2**20:,.1f} MiB"),
     ]
@@ -41,7 +46,6 @@ def print_preview(pv: Preview) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-    from rich.text import Text
 
     console = Console(highlight=False)
     table = Table(title="rocktune data preview", show_header=False)
@@ -54,14 +58,35 @@ def print_preview(pv: Preview) -> None:
     for b in bins:
         console.print(f"  {b['from']:>6}-{b['to']:<6} {'█' * round(BAR * b['count'] / top):<{BAR}} {b['count']}")
     for ex in pv.examples:
-        console.print(f"\n[bold]{escape(ex['loc'])}[/]" + ("  [yellow](truncated)[/]" if ex["truncated"] else "") +
-                      "   [on dark_green] trained [/] [dim]not trained[/] [bold reverse] special [/]")
-        text = Text()
-        for chunk, trained, special in ex["runs"]:
-            style = ("bold reverse " if special else "") + ("on dark_green" if trained else "dim")
-            text.append(_shown(chunk, trained), style=style)
-        console.print(text)
+        head = f"\n[bold]{escape(ex['loc'])}[/]" + ("  [yellow](truncated)[/]" if ex["truncated"] else "")
+        if console.color_system is not None:
+            console.print(head + "   [on dark_green] trained [/] [dim]not trained[/] [bold reverse] special [/]")
+            console.print(_styled(ex["runs"]))
+        else:  # colours are dropped when the output is a file or a pipe: the marks must be in the text itself
+            console.print(head + f"   {escape(OPEN)}trained{escape(CLOSE)} not trained")
+            console.print(plain_runs(ex["runs"]), markup=False, soft_wrap=True)
     _print_problems(console, pv.problems)
+
+
+def _styled(runs: list[list]):
+    from rich.text import Text
+
+    text = Text()
+    for chunk, trained, special in runs:
+        style = ("bold reverse " if special else "") + ("on dark_green" if trained else "dim")
+        text.append(_shown(chunk, trained), style=style)
+    return text
+
+
+def plain_runs(runs: list[list]) -> str:
+    """The example as plain text, each stretch of trained tokens between ``OPEN`` and ``CLOSE``."""
+    out, inside = [], False
+    for chunk, trained, _ in runs:
+        if trained != inside:
+            out.append(OPEN if trained else CLOSE)
+            inside = trained
+        out.append(chunk)
+    return "".join(out) + (CLOSE if inside else "")
 
 
 def _print_problems(console, problems: list[dict]) -> None:
@@ -107,7 +132,9 @@ def run_preview(data, model: str, trust_remote_code: bool, n_show: int, html: st
     ``train``."""
     from rocktune.model import load_tokenizer
 
-    tokenizer = load_tokenizer(model, trust_remote_code)
+    from rocktune.readers.template import use_template
+
+    tokenizer = use_template(load_tokenizer(model, trust_remote_code), data.chat_template)
     pv = build_preview(data.train_file, data.format, tokenizer, data.max_length, data.train_on_prompt, n_show,
                        data.truncation, data)
     if as_json:

@@ -70,7 +70,10 @@ def resolve(cfg: RunConfig, options: RunOptions, attn_setting: str, faults: Faul
     from rocktune.platform.threads import apply_threads, choose_threads
 
     platform, notes = prepare_environment()
-    threads = choose_threads()  # the cores this process may use, not the machine's (platform/threads.py)
+    # the cores this process may use, not the machine's; on a CPU run, the count that measures fastest under the load
+    # the machine carries now (platform/threads.py, thread_probe.py)
+    on_cpu = cfg.training.device == "cpu" or not platform.devices
+    threads = choose_threads(probe=on_cpu)
     apply_threads(threads)
     dist = distributed.from_env()  # one process unless torchrun started several
     distributed.device_for(dist)  # each rank's own GPU, before any self-test touches one

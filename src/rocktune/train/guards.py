@@ -36,8 +36,10 @@ class NumericGuard:
         if self.zero_in_row >= self.zero_patience:
             raise FatalNumerics(
                 f"the loss or every gradient was exactly zero for {self.zero_in_row} steps in a row (step {step}). "
-                "A real loss is never exactly zero: this is the signature of data arriving as zeros on the device "
-                f"or a precision conversion that flushes to zero; {DOCTOR_HINT}, and try training.precision=fp32."
+                "A real loss is never exactly zero: this is the signature of data arriving as zeros on the device, "
+                "a precision conversion that flushes to zero, or a training path that computes no gradient (a "
+                f"compiled graph: try training.compile=false); {DOCTOR_HINT} (with --model for the training path), "
+                "and try training.precision=fp32."
             )
         return True
 

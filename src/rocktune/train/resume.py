@@ -22,12 +22,49 @@ def check_config(run_dir: Path, config: dict, force: bool) -> None:
     saved = run_dir / CONFIG_NAME
     if not saved.is_file():
         return  # killed before it wrote anything: the resume is simply the start of the run
-    changed = [k for k in diff_keys(read_yaml(saved, DAMAGED_CONFIG)[0] or {}, config)
-               if not k.startswith(RESUMABLE_CHANGES)]
+    old = read_yaml(saved, DAMAGED_CONFIG)[0] or {}
+    changed = [k for k in diff_keys(old, config)
+               if not k.startswith(RESUMABLE_CHANGES) and not _new_key_at_default(old, config, k)]
     if changed and not force:
         raise UserError(f"--resume: the config differs from the run in {run_dir} in {', '.join(changed[:8])}; "
                         "resuming would mix two different runs. Restore those values, or pass --resume-force to "
                         "continue anyway.")
+
+
+def _lookup(tree: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+_ABSENT = object()
+
+
+def _new_key_at_default(old: dict, config: dict, key: str) -> bool:
+    """A key the run's saved config lacks (a newer rocktune added it) left at its default computes what the version
+    that wrote the run computed: it is no change, so an upgrade between a kill and its resume does not refuse."""
+    if _lookup(old, key) is not _ABSENT:
+        return False
+    default = _default(key)
+    return default is not _ABSENT and default == _lookup(config, key)
+
+
+def _default(key: str):
+    """The documented default of a dotted config key (config.py's fields), or _ABSENT for a key it does not have."""
+    from pydantic import BaseModel
+
+    from rocktune.config import RunConfig
+
+    cls, *_, last = (RunConfig, *key.split("."))
+    for part in key.split(".")[:-1]:
+        field = cls.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return _ABSENT
+        cls = field.annotation
+    field = cls.model_fields.get(last)
+    return _ABSENT if field is None else field.get_default(call_default_factory=True)
 
 
 def check_data(restored, fingerprint: str, force: bool) -> None:

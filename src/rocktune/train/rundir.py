@@ -68,6 +68,9 @@ def write_config(run_dir: Path, config: dict) -> None:
 
 
 def diff_keys(old, new, prefix: str = "") -> list[str]:
+    """The dotted leaf keys whose values differ; a section one side lacks is compared key by key with nothing."""
+    if isinstance(old, dict) and new is None or old is None and isinstance(new, dict):
+        old, new = old or {}, new or {}
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(set(old) | set(new))
         return [d for k in keys for d in diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")]

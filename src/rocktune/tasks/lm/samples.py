@@ -171,13 +171,35 @@ def _keep_until(path: Path, step: int) -> None:
 def _short(text: str) -> str:
     from rich.markup import escape
 
-    text = repr(text)[1:-1]
+    text = visible(text)
     return escape(text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 1] + "…")
+
+
+def visible(text: str) -> str:
+    """``text`` on one line with nothing a terminal would act on: a line break as ⏎, a tab as →, another control
+    character as its Unicode control picture (0x14 as ␔: an untrained model's byte tokens decode to such bytes,
+    which a terminal would otherwise receive raw or as a ``\\x14`` escape that reads like part of the output)."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch == "\n":
+            out.append("⏎")
+        elif ch == "\t":
+            out.append("→")
+        elif code < 0x20:
+            out.append(chr(0x2400 + code))
+        elif code == 0x7F:
+            out.append("␡")
+        elif not ch.isprintable() and ch != " ":
+            out.append("�")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def _markdown(rows: list[dict]) -> str:
     def cell(s):
-        return "" if s is None else s.replace("|", "\\|").replace("\n", "⏎")
+        return "" if s is None else visible(s).replace("|", "\\|")
 
     return "| prompt | output | expected |\n|---|---|---|\n" + "".join(
         f"| {cell(r['prompt'])} | {cell(r['output'])} | {cell(r['expected'])} |\n" for r in rows)

@@ -18,6 +18,7 @@ from rocktune.data.batching import loss_token_counts
 from rocktune.data.flat import max_segment
 from rocktune.data.dataset import prepare_data
 from rocktune.model import trainable_parameters
+from rocktune.readers.template import use_template
 from rocktune.tasks.lm import autofit, build, preflight
 from rocktune.tasks.lm.evaluate import eval_sums
 from rocktune.tasks.lm.feed import Feeding, Share, StepFeed, resolve_mode
@@ -88,7 +89,7 @@ class LMTask:
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, dist, device = ctx.cfg, ctx.dist, ctx.device
         t, m, d, rel = cfg.training, cfg.model, cfg.data, cfg.reliability
-        tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
+        tokenizer = use_template(preflight.load_tokenizer(m.name_or_path, m.trust_remote_code), d.chat_template)
 
         def data_checks(examples, stats):
             return checks.enforce(checks.check_training_data(examples, tokenizer, stats.shape, d.train_on_prompt,

@@ -16,6 +16,7 @@ import torch
 
 from rocktune.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
+from rocktune.readers.template import use_template
 from rocktune.data import preference as prefdata
 from rocktune.data.dataset import Pending
 from rocktune.errors import UserError
@@ -65,6 +66,9 @@ class PreferenceTask:
         if self.cfg.training.parallel == "fsdp":
             raise UserError(f"task={self.cfg.task} trains with training.parallel=ddp (or one process); fsdp is not "
                             "supported for preference pairs yet.")
+        if self.cfg.data.chat_template in ("always", "never"):  # instruction records: SFT's; a .jinja file applies
+            raise UserError(f"data.chat_template={self.cfg.data.chat_template} decides how SFT renders instruction "
+                            f"records and does nothing for task={self.cfg.task}; remove it (a .jinja file is used).")
         refuse_layout(options.processes, self.cfg.training.parallel, self.cfg.model.quantization)
 
     def check(self, ctx: RunContext) -> None:
@@ -78,7 +82,8 @@ class PreferenceTask:
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, dist, device = ctx.cfg, ctx.dist, ctx.device
         m, rel = cfg.model, cfg.reliability
-        tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
+        tokenizer = use_template(preflight.load_tokenizer(m.name_or_path, m.trust_remote_code),
+                                 cfg.data.chat_template)
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
         (train, held, notes) = _read_pairs(cfg, tokenizer, ctx.cache_root)
@@ -197,16 +202,16 @@ def _read_pairs(cfg: RunConfig, tokenizer, cache_root: Path):
 
 
 def _read_checked(cfg: RunConfig, tokenizer, cache_root: Path):
-    d = cfg.data
+    d, policy = cfg.data, cfg.preference.no_signal
     train_rows = prefdata.read_rows(d.train_file, d, cache_root, "data.train_file")
-    train, cut = prefdata.encode_rows(train_rows, tokenizer, d.max_length, d.truncation)
+    train, cut, notes = prefdata.encode_screened(train_rows, tokenizer, d, policy, d.train_file)
     if d.eval_file:
-        held, cut_eval = prefdata.encode_rows(prefdata.read_rows(d.eval_file, d, cache_root, "data.eval_file", True),
-                                              tokenizer, d.max_length, d.truncation)
-        cut += cut_eval
+        eval_rows = prefdata.read_rows(d.eval_file, d, cache_root, "data.eval_file", True)
+        held, cut_eval, eval_notes = prefdata.encode_screened(eval_rows, tokenizer, d, policy, d.eval_file)
+        cut, notes = cut + cut_eval, notes + eval_notes
     else:
         train, held = prefdata.split_pairs(train, d.eval_fraction, cfg.training.seed)
-    notes = [f"{cut} pairs cut to data.max_length={d.max_length} (both answers alike)"] if cut else []
+    notes += [f"{cut} pairs cut to data.max_length={d.max_length} (both answers alike)"] if cut else []
     return prefdata.pair_set(train), prefdata.pair_set(held), notes
 
 
