@@ -141,3 +141,13 @@ def test_wan_lora_is_refused_on_torch_2_4_only_and_train_says_why(tmp_path, monk
     err = " ".join(capsys.readouterr().err.split())
     assert "task video-lora with torch 2.4.1" in err and "enable_gqa" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_installer_step_stops_on_a_torch_below_the_lowest_claimed(monkeypatch, capsys):
+    """What `make install` runs before installing rocktune: pins printed for 2.4, a stop with the reason for 2.3."""
+    versions = {"torch": "2.4.1+rocm6.0"}
+    monkeypatch.setattr(stack, "installed_version", versions.get)
+    assert stack.main(["--constraints"]) == 0 and capsys.readouterr().out.split() == ["transformers>=4.56,<5"]
+    versions["torch"] = "2.3.1"
+    assert stack.main(["--constraints"]) == 1
+    assert "torch 2.3.1 is not supported" in capsys.readouterr().err
