@@ -1,13 +1,15 @@
 # The two commands of the README. Both create .venv on first use and install rocktune into it.
 # torch: if the venv already has a torch build (ROCm/CUDA, installed by you first — see README), it is kept;
-# otherwise the pinned CPU build below is installed.
+# otherwise the pinned CPU build below is installed. Then the releases of transformers & co. that work with that
+# torch (knowledge.yaml `stacks`, e.g. transformers < 5 beside torch < 2.6) become pip constraints in
+# $(VENV)/constraints.txt; a torch rocktune cannot support stops the install there, saying why.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rocktune-installed
 
-.PHONY: demo test test-long test-real install clean llama-cpp demo-real
+.PHONY: demo test test-long test-real test-torches install clean llama-cpp demo-real
 
 demo: $(STAMP)
 	$(BIN)/rocktune demo
@@ -22,13 +24,22 @@ test: $(STAMP)
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -m long
 
+# The tests marked `torches` on each torch users run besides the pinned one (2.4.1 and 2.11.0 by default, or
+# TORCHES="..."): a venv per torch (.venv-torch-VERSION), that torch installed first, then `make install` into it, as
+# README tells a GPU user (.ci/torches; timings in docs/testing.md). CI runs it after `make test-real`.
+test-torches:
+	.ci/torches $(TORCHES)
+
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# knowledge.yaml holds the stacks (the pins for an older torch): a change there re-applies them.
+$(STAMP): pyproject.toml src/rocktune/platform/knowledge.yaml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q pyyaml
+	PYTHONPATH=src $(BIN)/python -m rocktune.platform.stack --constraints > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	$(BIN)/python -c "import torch; print('torch', torch.__version__, '(hip', torch.version.hip, ', cuda', torch.version.cuda, ')')"
 	touch $@
 
@@ -51,4 +62,4 @@ test-real: demo-real
 	$(BIN)/python -m pytest -m real_model tests/test_demo_real.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-torch-* runs .pytest_cache

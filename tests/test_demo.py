@@ -45,6 +45,7 @@ def assert_readme_figures(fig: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.torches
 def test_demo_learns_and_prints_json(demo):
     out, fig = demo
     assert_readme_figures(fig)

@@ -11,6 +11,10 @@ from rocktune.lean_lora import lean_lora
 from rocktune.model import apply_lora, load_model
 
 
+# every torch users run (make test-torches): the side paths are where a torch release can make training silently wrong
+pytestmark = pytest.mark.torches
+
+
 def _model(model_dir, precision="fp32", dora=False):
     torch.manual_seed(0)
     model = apply_lora(load_model(str(model_dir), precision, "sdpa", False, "cpu"), 8, 16, 0.0, "all-linear", False)

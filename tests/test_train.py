@@ -30,6 +30,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     return train(config_from_dict(cfg), quiet=True)
 
 
+@pytest.mark.torches
 def test_losses_match_recorded_values(trained):
     assert len(trained.losses) == 6
     if EXPECTED_LOSSES is None:
@@ -38,6 +39,7 @@ def test_losses_match_recorded_values(trained):
     assert trained.eval_loss_after < trained.eval_loss_before
 
 
+@pytest.mark.torches
 def test_only_lora_weights_change(trained, tiny_model_dir):
     base = load_file(tiny_model_dir / "model.safetensors")
     state = trained.model.get_base_model().state_dict()
@@ -53,6 +55,7 @@ def test_only_lora_weights_change(trained, tiny_model_dir):
     assert trainable and all("lora_" in n for n in trainable)
 
 
+@pytest.mark.torches
 def test_adapter_loads_in_peft_with_identical_logits(trained, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -14,6 +14,8 @@ from rocktune.train import tripwire
 from tests.conftest import tiny_run_config
 from tests.test_train import EXPECTED_LOSSES
 
+pytestmark = pytest.mark.torches  # on every torch users run too (make test-torches)
+
 
 def _run(tiny_model_dir, task_files, tmp_path, **training):
     cfg = tiny_run_config(tiny_model_dir, *task_files, tmp_path / "out", **training)

@@ -102,6 +102,9 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
+    from rocktune.platform.stack import refuse_unsupported
+
+    refuse_unsupported("train")  # an unusable torch/transformers pair: said here, not as an ImportError in a child
     from rocktune.config import dump_config, load_config
     from rocktune.process.pipes import guard_std_streams
 
@@ -117,6 +120,9 @@ def _run_train(args) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(cfg, comments=True))
         return 0
+    from rocktune.platform.stack import refuse_task
+
+    refuse_task(cfg.task)
     vram = None
     if args.vram and not args.auto:
         raise UserError("--vram is the budget for --auto; pass both, or neither.")
@@ -209,6 +215,9 @@ def _add_demo(sub) -> None:
 def _run_demo(args) -> int:
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, not {args.steps}")
+    from rocktune.platform.stack import refuse_unsupported
+
+    refuse_unsupported("demo")
     if args.real:
         from rocktune.demo.real import run_real_demo
 
@@ -259,6 +268,10 @@ def _run_doctor(args) -> int:
         raise UserError(f"--simulate: no such file {args.simulate}")
     if args.timeout <= 0:
         raise UserError("--timeout must be positive")
+    if not args.simulate:  # a simulated report's stack is judged in its advice instead (platform/advise.py)
+        from rocktune.platform.stack import refuse_unsupported
+
+        refuse_unsupported("doctor")
     if args.nproc > 1:
         from rocktune.process.launch import check_available, run_preflight
 

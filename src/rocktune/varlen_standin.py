@@ -7,8 +7,8 @@ tests and ``benchmarks/compiled_layer.py`` on a CPU). Slow: a test's yardstick, 
 Two signatures over the one op: torch 2.13's (``enable_gqa``) and torch 2.11's (no ``enable_gqa``; grouped K/V taken as
 they are where the query heads are a multiple of theirs, the one check FA2's varlen kernel makes)."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch 2.4's custom_op reads the signature's annotations as types and
+# refuses them as strings ("Parameter q has unsupported type torch.Tensor"); later torches resolve either.
 import torch
 
 from rocktune.attention import reference_varlen

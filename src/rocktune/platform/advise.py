@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from rocktune.platform import knowledge
+from rocktune.platform import knowledge, stack
 from rocktune.platform.detect import Platform
 
 
@@ -70,6 +70,8 @@ def advise(plat: Platform) -> Advice:
     for rule in knowledge.matching_rules(plat):
         _apply_rule(rule, ctx, advice)
     advice.defaults.grad_scaler = advice.defaults.precision == "fp16"
+    for p in stack.problems(plat.torch, plat.libraries):  # what `doctor` and `train` refuse on the machine itself
+        advice.findings.append(Finding(p.id, "error", p.message, p.fix, p.source, p.confidence))
     return advice
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from rocktune.errors import UserError
 
 LIBRARIES = ("transformers", "peft", "bitsandbytes", "flash-attn", "liger-kernel", "torchao", "triton",
-             "diffusers", "av")  # the last two: task video-lora / image-lora
+             "diffusers", "av",  # these two: task video-lora / image-lora
+             "huggingface-hub", "datasets", "accelerate")  # and these: which of them fit the torch (platform/stack)
 ENV_PREFIXES = ("HSA_", "HIP_", "ROCR_", "ROCM_", "AMD_", "CUDA_", "NCCL_", "RCCL_", "PYTORCH_", "TORCH_",
                 "MIOPEN_", "FLASH_ATTENTION_", "GPU_", "DISABLE_ADDMM", "OMP_NUM_THREADS")
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")

@@ -24,8 +24,9 @@ def load(path: str | None = None) -> dict:
     data = yaml.safe_load(Path(path or _PATH).read_text())
     data.setdefault("qlora", [])
     data.setdefault("bnb_builds", [])
-    for entry in data["archs"] + data["rules"] + data["qlora"] + data["bnb_builds"]:
-        name = entry.get("id") or entry.get("ids") or entry.get("library")
+    data.setdefault("stacks", [])
+    for entry in data["archs"] + data["rules"] + data["qlora"] + data["bnb_builds"] + data["stacks"]:
+        name = entry.get("id") or entry.get("ids") or entry.get("library") or entry.get("torch")
         if not entry.get("source") or entry.get("confidence") not in CONFIDENCES:
             raise ValueError(f"knowledge entry {name}: needs a source and confidence documented|reported")
         if entry.get("level", "info") not in LEVELS:

@@ -133,6 +133,15 @@ def want_compile(setting, platform_sound: bool, device: str, batching: str, worl
     return platform_sound and device == "cuda" and batching in ("auto", "tokens") and world == 1
 
 
+def compile_refusal() -> str | None:
+    """Why this torch's stack cannot compile the decoder (knowledge.yaml `stacks`), or None."""
+    import torch
+
+    from rocktune.platform.stack import compile_refusal as refusal
+
+    return refusal(torch.__version__)
+
+
 def uncompile_decoder(model) -> None:
     """Undo ``nn.Module.compile``: the module's plain forward is called again."""
     model.get_base_model().get_decoder()._compiled_call_impl = None

@@ -104,6 +104,10 @@ class LMTask:
         distributed.same_run(dist, stats.fingerprint)
         lengths = train_set.lengths()
         compiled = build.want_compile(t.compile, ctx.choices.compile, device, t.batching, dist.world)
+        refused = build.compile_refusal() if compiled else None
+        if refused:  # known to fail with this torch's libraries: eager from the start, not a fallback mid-run
+            compiled = False
+            ctx.notes.append(f"torch.compile off: {refused}")
         parallel, notes = autofit.choose_parallel(cfg, dist.world, device, ctx.precision, ctx.attn,
                                                   ctx.options.vram_bytes)
         strategy = distributed.strategy(dist, parallel, m.quantization)
