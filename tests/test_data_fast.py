@@ -15,8 +15,9 @@ from rocktune.errors import UserError
 from tests.conftest import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = sorted((ROOT / "examples" / "data").glob("*.jsonl")) + sorted(
-    f for f in (ROOT / "tests" / "data").rglob("*.jsonl") if "preference" not in f.name)  # pairs: not SFT records
+NOT_SFT = ("preference", "gsm8k_style")  # pairs and GRPO prompts: records of other tasks
+FILES = sorted(f for f in (ROOT / "examples" / "data").glob("*.jsonl") if not f.name.startswith(NOT_SFT)) + sorted(
+    f for f in (ROOT / "tests" / "data").rglob("*.jsonl") if "preference" not in f.name)
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,8 @@ FIRST_KILL = ("metrics.appended", 5)  # leaves lines after the newest checkpoint
 # what else the process did: a resumed process never ran the steps before its checkpoint), and whether the step
 # compiled (the first step of every attempt does, when compiling). Every other field must be equal, line by line.
 VOLATILE = {"step_s", "useful_tokens_per_s", "device_wait_s", "rss_bytes", "peak_rss_bytes", "peak_mem_bytes",
-            "mem_allocated_bytes", "mem_reserved_bytes", "compiling", "compile_fallback"}
+            "mem_allocated_bytes", "mem_reserved_bytes", "compiling", "compile_fallback",
+            "rollout_s", "rollout_tokens_per_s"}  # GRPO's rollout: wall-clock time too
 WAN_ONLY = [("lora_file.written", 1)]
 # the rest is long: 7-9 s a kill when the machine is idle, ~95 kills (a kill at finish.logged runs by default in
 # tests/test_run_lock.py, with TensorBoard on)
