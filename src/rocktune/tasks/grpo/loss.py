@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rocktune.tasks.lm.loss import HEAD_TRANSFORMS
+from rocktune.tasks.lm.loss import hidden_and_head
 from rocktune.train.task import KeepsStats
 
 STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -50,21 +50,13 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0)
     """Log-probabilities of each row's tokens 1.. under ``model`` at ``temperature`` [rows, width - 1] (0 where not
     a completion token); the head runs on completion positions only: no full logits."""
     ids, mask = batch["input_ids"], batch["completion_mask"][:, 1:].bool()
-    hidden, head = _hidden(model, {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False})
+    inputs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False}
+    hidden, head = hidden_and_head(model, inputs)
     rows, cols = mask.nonzero(as_tuple=True)
     logits = head(hidden[:, :-1][rows, cols]).float() / temperature
     picked = torch.log_softmax(logits, -1).gather(1, ids[:, 1:][rows, cols][:, None]).squeeze(1)
     out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32, device=ids.device)
     return out.index_put((rows, cols), picked)
-
-
-def _hidden(model, inputs: dict):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    plain = not any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS)
-    if plain and hasattr(base, "get_decoder") and base.get_output_embeddings() is not None:
-        return base.get_decoder()(**inputs).last_hidden_state, base.get_output_embeddings()
-    return model(**inputs).logits, torch.nn.Identity()
 
 
 def token_losses(o: Objective, logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,

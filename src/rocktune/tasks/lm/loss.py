@@ -26,6 +26,18 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def hidden_and_head(model, inputs: dict):
+    """The decoder's last hidden states and the output head (the head applied to scored positions only), or, for
+    a model without that split or with an output transform (softcapping, logit scales), the full logits and an
+    identity head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    plain = not any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS)
+    if plain and hasattr(base, "get_decoder") and base.get_output_embeddings() is not None:
+        return base.get_decoder()(**inputs).last_hidden_state, base.get_output_embeddings()
+    return model(**inputs).logits, torch.nn.Identity()
+
+
 def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 1024,
                        fast: bool = True, compiled: bool = False,
                        max_document: int | None = None) -> tuple[torch.Tensor, int]:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
-from rocktune.tasks.lm.loss import HEAD_TRANSFORMS, varlen_inputs
+from rocktune.tasks.lm.loss import hidden_and_head, varlen_inputs
 from rocktune.train.task import KeepsStats
 
 MODEL_INPUTS = ("input_ids", "position_ids")
@@ -57,7 +57,7 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], with_nll: bool = False
     same = (side[:, 1:] == side[:, :-1]) & (side[:, 1:] > 0)
     answer = same & (labels[:, 1:] != IGNORE)
     wanted = answer | (same & (side[:, 1:] == 1)) if with_nll else answer
-    hidden, head = _hidden(model, inputs)
+    hidden, head = hidden_and_head(model, inputs)
     rows, cols = wanted.nonzero(as_tuple=True)
     logits = head(hidden[:, :-1][rows, cols]).float()  # only the positions that are scored: no full logits
     token_logps = torch.log_softmax(logits, -1).gather(1, ids[:, 1:][rows, cols][:, None]).squeeze(1)
@@ -71,18 +71,6 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], with_nll: bool = False
         nll = torch.zeros(ids.shape[0], dtype=torch.float32, device=ids.device)
         nll.index_put_((rows,), torch.where(which == 0, -token_logps, 0.0), accumulate=True)
     return SequenceLogps(sums, counts, nll)
-
-
-def _hidden(model, inputs: dict):
-    """The decoder's last hidden states and the output head (the head applied to scored positions only), or, for
-    a model without that split or with an output transform (softcapping, logit scales), the full logits and an
-    identity head."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    plain = not any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS)
-    if plain and hasattr(base, "get_decoder") and base.get_output_embeddings() is not None:
-        return base.get_decoder()(**inputs).last_hidden_state, base.get_output_embeddings()
-    return model(**inputs).logits, torch.nn.Identity()
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
