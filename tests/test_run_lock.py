@@ -20,7 +20,7 @@ import pytest
 
 from rocktune.config import config_from_dict
 from rocktune.errors import UserError
-from rocktune.train import resume, summary
+from rocktune.train import resume, sinks, summary
 from rocktune.train.request import RunOptions, RunRequest
 from rocktune.train.runlock import LOCK_NAME, RunLock
 from tests import lm_runs
@@ -168,6 +168,52 @@ def test_tensorboard_shows_each_step_once_after_a_resume(kill_at, tiny_model_dir
     assert [e.step for e in acc.Tensors("eval/loss")] == [0, 8]
     assert [e.step for e in acc.Tensors("samples/text_summary")] == [0, 8]
     assert [json.loads(x)["step"] for x in (run / "samples.jsonl").read_text().splitlines()] == [0, 8]
+
+
+def _event_steps(log_dir: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [e.step for e in acc.Tensors(tag)]
+
+
+def _earlier_attempt(log_dir: Path, name: str) -> None:
+    """An attempt that logged steps 1-3, its event file renamed to ``name``."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(log_dir), purge_step=0)
+    for step in (1, 2, 3):
+        w.add_scalar("train/loss", 9.0, step)
+    w.close()
+    [made] = log_dir.iterdir()
+    made.rename(log_dir / name)
+
+
+def test_a_restart_in_the_second_its_killed_attempt_started_still_hides_that_attempt(tmp_path):
+    """CI's failure (stop 48): the killed worker and the resume made their event files in the same second; the
+    resume's smaller pid sorted its file first, so the killed attempt's file purged the resume's steps instead."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    log_dir = tmp_path / "tensorboard"
+    log_dir.mkdir()
+    # the same second as now, a host name that sorts after any: the order the failure had
+    _earlier_attempt(log_dir, f"events.out.tfevents.{int(time.time()):010d}.~~~~.99999999.0")
+    tb = sinks._TensorBoard(log_dir, redo=0)
+    for step in range(1, 9):
+        tb.scalars({"train/loss": float(step)}, step)
+    tb.close()
+    assert _event_steps(log_dir, "train/loss") == list(range(1, 9))
+
+
+def test_an_event_file_that_cannot_sort_last_is_said(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    log_dir = tmp_path / "tensorboard"
+    log_dir.mkdir()
+    _earlier_attempt(log_dir, f"events.out.tfevents.{int(time.time()) + 3600:010d}.host.1.0")  # an hour ahead
+    monkeypatch.setattr(sinks.time, "sleep", lambda s: None)
+    sinks._TensorBoard(log_dir, redo=0).close()
+    assert "sorts before an earlier attempt's (the clock went back?)" in capsys.readouterr().err
+    assert len(list(log_dir.iterdir())) == 2  # the retries left no files behind but the last
 
 
 def test_wandb_and_mlflow_get_each_step_once_on_a_final_phase_resume(tmp_path, monkeypatch):

@@ -11,12 +11,16 @@ import atexit
 import importlib.util
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.atomic import write_atomic
 from rocktune.readers import metrics_log
 from rocktune.readers.json_file import JsonProblem, parse_json
+
+_SORT_LAST_TRIES = 3
 
 # metrics.jsonl key -> (chart tag, scale): the charts a person looks at, grouped as TensorBoard groups them.
 TAGS = {"loss": ("train/loss", 1), "eval_loss": ("eval/loss", 1), "lr": ("train/lr", 1),
@@ -126,8 +130,27 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         # Every attempt logs into the same directory: purge_step hides what earlier attempts logged at ``redo`` and
-        # after (a run restarted from nothing: everything; a resume: the steps after its checkpoint).
-        self.writer = SummaryWriter(str(log_dir), purge_step=redo)
+        # after (a run restarted from nothing: everything; a resume: the steps after its checkpoint). The purge acts
+        # on what the reader has read before this file, and the reader reads a directory's files in sorted name
+        # order; the name holds the whole second it was made in, then host and pid. An attempt that starts in the
+        # second its killed predecessor started in (a fast restart, a smaller pid) would sort first and be purged
+        # by the old file instead, so the file is made again in a later second until it sorts last.
+        log_dir.mkdir(parents=True, exist_ok=True)
+        before = {p.name for p in log_dir.iterdir()}
+        for tries_left in reversed(range(_SORT_LAST_TRIES)):
+            self.writer = SummaryWriter(str(log_dir), purge_step=redo)
+            self.writer.flush()
+            mine = sorted({p.name for p in log_dir.iterdir()} - before)
+            if not before or not mine or mine[0] > max(before):
+                return
+            if not tries_left:
+                break
+            self.writer.close()
+            for name in mine:
+                (log_dir / name).unlink(missing_ok=True)
+            time.sleep(1.0 - time.time() % 1.0 + 0.01)
+        print("tensorboard: this attempt's event file sorts before an earlier attempt's (the clock went back?); "
+              "TensorBoard may show steps of both", file=sys.stderr)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
