@@ -147,7 +147,7 @@ class DataConfig(_Section):
     )
     max_length: int = Field(1024, gt=1, description="Tokens per example; longer examples are truncated (counted); "
         "text documents are cut into windows of this length instead (text_stride).",
-        json_schema_extra=only("lm"))
+        json_schema_extra=only("lm", "vlm"))
     truncation: Literal["prompt", "end"] = Field(
         "prompt", description="How an example longer than max_length is cut. prompt: the start of the prompt (or the "
         "oldest turns) first, keeping its end next to the completion; the completion is cut at its end only when it "
@@ -161,6 +161,13 @@ class DataConfig(_Section):
         json_schema_extra=only("sft")
     )
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
+    min_pixels: PositiveInt | None = Field(
+        None, description="task=vlm: the fewest pixels an image is resized to (the image processor's min_pixels); "
+        "default: the model's preprocessor_config.json.", json_schema_extra=only("vlm"))
+    max_pixels: PositiveInt | None = Field(
+        None, description="task=vlm: the most pixels an image is resized to (the image processor's max_pixels): "
+        "bounds each image's tokens (one per 28x28 pixels on Qwen2.5-VL) and so the memory; default: the model's "
+        "preprocessor_config.json.", json_schema_extra=only("vlm"))
 
     @field_validator("chat_template", mode="after")
     @classmethod
@@ -488,7 +495,7 @@ def refuse_inapplicable(cfg: RunConfig) -> None:
 
 
 _TASK_DOCS = {**{n: "docs/diffusion.md" for n, s in TASKS.items() if s.diffusion},
-              **{n: "docs/preference.md" for n, s in TASKS.items() if s.pairs}, "grpo": "docs/rl.md"}
+              **{n: "docs/preference.md" for n, s in TASKS.items() if s.pairs}, "grpo": "docs/rl.md", "vlm": "docs/vision.md"}
 
 
 def load_config(path: str | None, overrides: list[str] | None = None, require_paths: bool = False,

@@ -1,0 +1,84 @@
+"""Build a tiny random-init Qwen2.5-VL and its processor offline, saved as an ordinary HF model directory.
+
+The language model is a few layers wide and deep, the vision tower one block; the tokenizer is the demo's byte-level
+one (``demo/tiny.py``) with Qwen's vision special tokens added, and the processor is transformers' own
+``Qwen2_5_VLProcessor`` around a real ``Qwen2VLImageProcessor``. The directory loads through
+``Qwen2_5_VLForConditionalGeneration`` / ``AutoProcessor`` like a hub checkpoint, so tests exercise the loading a
+real run does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rocktune.demo.tiny import EOS_ID, SPECIALS, build_tokenizer
+
+VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# A ChatML template for content parts: an image part renders as Qwen's vision start, one image pad (which the
+# processor widens to the image's token count) and vision end; a plain string content renders as text.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_vl_tokenizer():
+    """The demo's byte-level tokenizer with Qwen's vision specials (ids 259-262) and the content-part template."""
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS[1:] + VISION_SPECIALS})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_vl_config(tokenizer, hidden: int = 64, layers: int = 2, vision_hidden: int = 32, vision_depth: int = 1):
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+           (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+    head_dim = 16
+    text = {"vocab_size": 320, "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
+            "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim // 2 or 1,
+            "max_position_embeddings": 4096, "rope_theta": 10000.0, "initializer_range": 0.1,
+            # mrope: temporal, height and width sections of half the head dimension
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
+    vision = {"depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 2,
+              "num_heads": 2, "out_hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [0]}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+
+
+def build_image_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16):
+    """Qwen's own image processor (its Pillow backend where torchvision is absent), saved as a hub model's
+    ``preprocessor_config.json`` is: 14-pixel patches merged 2 x 2 into one token."""
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, merge_size=2,
+                                 temporal_patch_size=2)
+
+
+def build_tiny_vlm(out_dir: str | Path, seed: int = 0, **shape) -> Path:
+    """Write a random-init tiny Qwen2.5-VL, its tokenizer and its processor to ``out_dir`` and return the path."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rocktune.model import quiet_transformers
+
+    quiet_transformers()
+    out = Path(out_dir)
+    tokenizer = build_vl_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(tiny_vl_config(tokenizer, **shape), dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    build_image_processor().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,96 @@
+"""What each optimizer step of a vision-language run feeds the model: micro-batches of whole examples.
+
+A batch is the examples' token rows padded to the longest (an attention mask, labels -100 on padding), and the
+pixels of their images, made now by the image processor from the image files (images are not held in memory
+between steps), concatenated in row order as the model expects. ``pixel_rows`` and ``image_counts`` say which
+pixels and grids belong to which row, so the OOM split cuts between examples, never through one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rocktune.data.batching import BatchStream, epoch_batches
+from rocktune.data.encode import IGNORE
+from rocktune.data.images import load
+from rocktune.data.vision import VisionExample
+from rocktune.errors import UserError
+from rocktune.tasks.lm.feed import Step, StreamPosition
+
+ROW_KEYS = ("input_ids", "attention_mask", "labels", "pixel_rows", "image_counts")
+
+
+def loss_count(example: VisionExample) -> int:
+    """Loss-bearing positions of one example (a label scores the token before it, so the first never does)."""
+    return sum(label != IGNORE for label in example.labels[1:])
+
+
+def collate(examples: list[VisionExample], pad_id: int, image_processor) -> dict[str, torch.Tensor]:
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    for r, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[r, :n], labels[r, :n], mask[r, :n] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+             "pixel_rows": torch.tensor([e.pixel_rows for e in examples]),
+             "image_counts": torch.tensor([len(e.images) for e in examples])}
+    refs = [(ref, grid) for e in examples for ref, grid in zip(e.images, e.grids)]
+    if refs:
+        out = image_processor(images=[load(ref, "an image of the data") for ref, _ in refs], return_tensors="pt")
+        grids = out["image_grid_thw"]
+        if [tuple(int(x) for x in g) for g in grids] != [g for _, g in refs]:
+            raise UserError("an image of the training data changed since the run read it (its size differs); "
+                            "restore the files or start a new run.")
+        batch["pixel_values"], batch["image_grid_thw"] = out["pixel_values"], grids
+    return batch
+
+
+def split_rows(batch: dict, pieces: int) -> list[dict]:
+    """The OOM split: whole examples, each with its own pixels and grids."""
+    rows = batch["input_ids"].shape[0]
+    if pieces == 1 or rows == 1:
+        return [batch]
+    size = -(-rows // pieces)
+    pix = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), batch["pixel_rows"]]), 0).tolist()
+    img = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), batch["image_counts"]]), 0).tolist()
+    parts = []
+    for i in range(0, rows, size):
+        j = min(i + size, rows)
+        part = {k: batch[k][i:j] for k in ROW_KEYS}
+        if img[j] > img[i]:
+            part["pixel_values"] = batch["pixel_values"][pix[i] : pix[j]]
+            part["image_grid_thw"] = batch["image_grid_thw"][img[i] : img[j]]
+        parts.append(part)
+    return parts
+
+
+class VisionFeed(StreamPosition):
+    """``grad_accum`` micro-batches of ``micro_batch_size`` length-bucketed examples per optimizer step; the step's
+    normaliser is its loss-bearing tokens."""
+
+    split = staticmethod(split_rows)
+
+    def __init__(self, examples: list[VisionExample], micro_batch_size: int, grad_accum: int, seed: int, make_batch,
+                 epoch: int = 0, index: int = 0):
+        self.examples, self.grad_accum, self.make_batch = examples, grad_accum, make_batch
+        lengths = [len(e.input_ids) for e in examples]
+        self.counts = [loss_count(e) for e in examples]
+        self.stream = BatchStream(lambda e: epoch_batches(lengths, micro_batch_size, seed, e), epoch, index)
+        self._items_per_step = grad_accum
+        self._position, self._epoch = self.stream.position(), self.stream.epoch
+
+    def next(self) -> Step:
+        items = [self.stream.next() for _ in range(self.grad_accum)]
+        self._position, self._epoch = self.stream.position(), self.stream.epoch
+        forwards = [self.make_batch([self.examples[i] for i in item]) for item in items]
+        every = [i for item in items for i in item]
+        real = sum(len(self.examples[i].input_ids) for i in every)
+        return Step(items, forwards, sum(self.counts[i] for i in every), real)
+
+    def max_pieces(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0]
+
+    def close(self) -> None:
+        """Nothing to release: batches are collated in the step that uses them."""

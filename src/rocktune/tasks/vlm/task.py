@@ -1,0 +1,195 @@
+"""The vision-language task (task: vlm): LoRA on a vision-language model's language model, trained on conversations
+with images (data/vision.py). The vision tower and projector stay frozen unless lora.target_modules reaches them.
+
+Everything a run does the same way whatever it trains (steps, OOM split, guards, the training-path tripwire,
+checkpoints, exact resume, Ctrl-C, the final writes) is the engine's; this task brings the data (every row and
+image read and checked before anything is written), the model (build.py), the feed (feed.py) and the loss
+(loss.py). One process for now (launch.py refuses --nproc).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rocktune.config import RunConfig, refuse_inapplicable
+from rocktune.data import sources
+from rocktune.data.records import read_records
+from rocktune.data.vision import VisionExample, VisionTokens, encode
+from rocktune.errors import UserError
+from rocktune.tasks.lm import autofit, preflight
+from rocktune.tasks.vlm import build, launch
+from rocktune.tasks.vlm.feed import VisionFeed, collate
+from rocktune.tasks.vlm.loss import VisionLoss
+from rocktune.train import build as engine_build
+from rocktune.train import distributed, resume
+from rocktune.train.context import RunContext
+from rocktune.train.request import RunOptions
+from rocktune.train.task import Prepared
+
+
+@dataclass(frozen=True)
+class VisionRun:
+    """What ``prepare`` built and the later hooks use: set once, never changed."""
+
+    ctx: RunContext
+    train: list[VisionExample]
+    held: list[VisionExample]
+    loss: VisionLoss
+    pad_id: int
+    vision: VisionTokens
+
+
+class VLMTask:
+    kind = "vlm"
+    samples_what = ""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run: VisionRun | None = None
+
+    def attn_setting(self) -> str:
+        return "sdpa"  # model.attn_implementation is an LM setting (refused unless sdpa)
+
+    def refuse(self, options: RunOptions) -> None:
+        refuse_inapplicable(self.cfg)
+        launch.refuse(self.cfg, options)
+
+    def check(self, ctx: RunContext) -> None:
+        d = ctx.cfg.data
+        for key, file in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
+            if file:
+                sources.check_spec(file, key)
+                if Path(file).suffix.lower() not in (".json", ".jsonl"):
+                    raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL files for now (images named by path "
+                                    "relative to the file, file:// or data: URLs; docs/vision.md).")
+        build.model_type(ctx.cfg.model.name_or_path)
+
+    def prepare(self, ctx: RunContext) -> Prepared:
+        cfg, device = ctx.cfg, ctx.device
+        m, d = cfg.model, cfg.data
+        tokenizer = preflight.load_tokenizer(m.name_or_path, False)
+        from transformers import AutoConfig
+
+        vision = build.vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels,
+                                     d.max_pixels)
+        train, held = _read(cfg, tokenizer, vision)
+        model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device)
+        ctx.notes += notes
+        loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
+        self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision)
+        fingerprint = _fingerprint(train)
+        lengths = [len(e.input_ids) for e in train]
+        n_images = sum(len(e.images) for e in train)
+        info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
+                "train_tokens": sum(lengths), "max_example_tokens": max(lengths), "train_images": n_images,
+                "image_tokens": sum(e.pixel_rows // vision.merge_size**2 for e in train),
+                "n_truncated": sum(e.truncated for e in train), "fingerprint": fingerprint}
+        return Prepared(model, loss, fingerprint,
+                        f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm)", info,
+                        tokenizer=tokenizer)
+
+    def new_feed(self, **position) -> VisionFeed:
+        r, t = self.run, self.cfg.training
+        return VisionFeed(r.train, t.micro_batch_size, t.grad_accum, t.seed, self._batch, **position)
+
+    def _batch(self, examples: list[VisionExample]) -> dict:
+        return collate(examples, self.run.pad_id, self.run.vision.image_processor)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean token loss over the eval conversations."""
+        r = self.run
+        if not r.held:
+            return None
+        model = r.loss.model
+        was_training = model.training
+        model.eval()
+        autocast = engine_build.autocast(r.ctx.device, r.ctx.precision)
+        total, count = 0.0, 0
+        size = self.cfg.training.micro_batch_size
+        for start in range(0, len(r.held), size):
+            batch = self._batch(r.held[start : start + size])
+            with autocast():
+                loss, n = r.loss.sum_and_count({k: v.to(r.ctx.device) for k, v in batch.items()})
+            total, count = total + float(loss), count + n
+        model.train(was_training)
+        return total / max(count, 1)
+
+    def check_resume(self, restored, force: bool) -> None:
+        resume.check_world(restored, 1, force)
+
+    def resumed(self, restored) -> None:
+        distributed.restore_rng(self.run.ctx.dist, restored.extra.get("rank_rng"))
+
+    def checkpoint_extra(self) -> dict:
+        return {"world_size": 1, "rank_rng": distributed.gather_rng(self.run.ctx.dist)}
+
+    def start(self, redo_from: int, metrics, log) -> None:
+        """Nothing to open: sample generations are an SFT feature (not yet for vlm)."""
+
+    def record(self, fed) -> dict:
+        return {"tokens": fed.loss_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),
+                "real_tokens": fed.real_tokens, "images": sum(int(b["image_counts"].sum()) for b in fed.forwards),
+                "samples": _digest(fed.forwards)}
+
+    def after_eval(self, step: int, metrics, log) -> None:
+        """No sample generations yet."""
+
+    def final_files(self, run_dir: Path) -> list:
+        return []
+
+    def outputs(self, run_dir: Path) -> list[str] | None:
+        return None
+
+    def oom_message(self, step: int, exc: BaseException) -> str:
+        return (f"out of memory at step {step} even with one conversation per forward ({exc}); lower data.max_pixels "
+                "(fewer tokens per image), lower data.max_length or turn on model.gradient_checkpointing.")
+
+    def uncompile(self) -> None:
+        """Never compiled (training.compile is an SFT setting)."""
+
+
+def _read(cfg: RunConfig, tokenizer, vision: VisionTokens) -> tuple[list[VisionExample], list[VisionExample]]:
+    """(train, eval) examples: every row of every file encoded, every image opened, before anything is written."""
+    d = cfg.data
+    train = _encode_file(d.train_file, tokenizer, vision, d.max_length)
+    if d.eval_file:
+        return train, _encode_file(d.eval_file, tokenizer, vision, d.max_length)
+    order = list(range(len(train)))
+    random.Random(cfg.training.seed).shuffle(order)
+    n_eval = int(len(train) * d.eval_fraction) or (1 if d.eval_fraction and len(train) > 1 else 0)
+    held = set(order[:n_eval])
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+def _encode_file(file: str, tokenizer, vision: VisionTokens, max_length: int) -> list[VisionExample]:
+    base = Path(file).parent
+    return [encode(rec, base, tokenizer, vision, max_length, loc) for loc, rec in read_records(file)]
+
+
+def _fingerprint(examples: list[VisionExample]) -> str:
+    """Of the tokens, labels and images (a file by its path, size and modification time; embedded bytes by hash)."""
+    h = hashlib.blake2b(digest_size=16)
+    for e in examples:
+        h.update(json.dumps([e.input_ids, e.labels, e.grids]).encode())
+        for ref in e.images:
+            if ref.path is not None:
+                st = ref.path.stat()
+                h.update(f"{ref.path}:{st.st_size}:{st.st_mtime_ns}".encode())
+            else:
+                h.update(hashlib.blake2b(ref.data, digest_size=16).digest())
+    return h.hexdigest()
+
+
+def _digest(forwards: list[dict]) -> str:
+    h = hashlib.blake2b(digest_size=6)
+    for batch in forwards:
+        h.update(batch["input_ids"].numpy().tobytes())
+    return h.hexdigest()
+
