@@ -21,6 +21,7 @@ FORBIDDEN = {
     "planner": {"train", "data", "model", "doctor", *ABOVE_ENGINE},
     "data": {"train", "model", "doctor", "planner", "diffusion", *ABOVE_ENGINE},
     "model.py": {"train", "doctor", *ABOVE_ENGINE},
+    "vision_model.py": {"train", "doctor", *ABOVE_ENGINE},  # vision-language models: task=vlm, generate --image
     # varlen attention glue: used by the doctor's self-test and by the LM task's model building
     "attention.py": {"train", "model", "doctor", "planner", *ABOVE_ENGINE},
     # the varlen kernel's opaque CPU stand-in (tests, benchmarks/compiled_layer.py): the attention glue only

@@ -43,12 +43,13 @@ def test_keys_the_old_wan_hand_list_missed_are_refused():
     """tasks/wan/refuse.py's list promised LM-only keys would be refused and missed these."""
     cfg = _cfg("video-lora", training={"parallel": "fsdp", "loss_impl": "full"}, data={"train_file": "t",
                                                                                          "max_length": 512})
-    assert inapplicable(cfg) == {"lm, dpo, orpo, grpo": ["data.max_length=512", "training.parallel=fsdp"],
-                                 "lm": ["training.loss_impl=full"]}
+    assert inapplicable(cfg) == {"lm, dpo, orpo, grpo, vlm": ["data.max_length=512"],
+                                 "lm, dpo, orpo, grpo": ["training.parallel=fsdp"], "lm": ["training.loss_impl=full"]}
     from rocktune.tasks import refuse_before_launch
 
     with pytest.raises(UserError,
-                       match=r"data.max_length=512, training.parallel=fsdp: only for task=lm, dpo, orpo, grpo"):
+                       match=r"data.max_length=512: only for task=lm, dpo, orpo, grpo, vlm; training.parallel=fsdp: "
+                             r"only for task=lm, dpo, orpo, grpo;"):
         refuse_before_launch(cfg, RunOptions())
     # defaults and the harmless values of the old list are not refusals
     assert inapplicable(_cfg("video-lora", model={"name_or_path": "w", "liger": "off"},
@@ -64,7 +65,7 @@ def test_each_task_refuses_the_others_keys():
     assert inapplicable(_cfg("dpo", preference={"loss_type": "ipo", "beta": 0.5})) == {}
 
 
-@pytest.mark.parametrize("task", ["lm", "dpo", "orpo", "grpo"])
+@pytest.mark.parametrize("task", ["lm", "dpo", "orpo", "grpo", "vlm"])
 def test_make_task_builds_the_registered_class(task):
     from rocktune.tasks import make_task
 

@@ -586,6 +586,8 @@ def _add_generate(sub) -> None:
                    help="prompt format (default: the run's training format; chat template for model directories)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampling")
     p.add_argument("--device", default="auto", help="auto (GPU when present), cpu or cuda (ROCm builds too)")
+    p.add_argument("--image", action="append", help="task=vlm runs: an image the --prompt asks about (a path, file:// "
+                   "or data: URL); repeat for several")
     p.add_argument("--compare", action="store_true", help="with --prompt: also answer with the adapter switched off "
                    "(video-lora/image-lora: also render the base alone from the same seed, as NAME-base.mp4)")
     _add_trust_remote_code(p)
@@ -626,7 +628,14 @@ def _generate(args) -> int:
                         "(0.7 is usual).")
     from rocktune.export.generate import run_generate
     from rocktune.export.source import Origin
+    from rocktune.export.vision_generate import is_vision_dir, run_generate_vision
 
+    if args.image or is_vision_dir(args.run):
+        if args.chat or args.file:
+            raise UserError("a vision-language run answers one --prompt about its --image files; --chat and --file "
+                            "are not available for it yet.")
+        return run_generate_vision(Origin(args.run, args.base, args.trust_remote_code), args.prompt, args.image or [],
+                                   (args.max_new_tokens, args.temperature), args.device, args.compare)
     return run_generate(Origin(args.run, args.base, args.trust_remote_code), prompt=args.prompt, chat=args.chat,
                         file=args.file, max_new_tokens=args.max_new_tokens, template=args.template,
                         temperature=args.temperature, device=args.device, compare=args.compare)

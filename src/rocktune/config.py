@@ -495,7 +495,8 @@ def refuse_inapplicable(cfg: RunConfig) -> None:
 
 
 _TASK_DOCS = {**{n: "docs/diffusion.md" for n, s in TASKS.items() if s.diffusion},
-              **{n: "docs/preference.md" for n, s in TASKS.items() if s.pairs}, "grpo": "docs/rl.md", "vlm": "docs/vision.md"}
+              **{n: "docs/preference.md" for n, s in TASKS.items() if s.pairs}, "grpo": "docs/rl.md",
+              "vlm": "docs/vision.md"}
 
 
 def load_config(path: str | None, overrides: list[str] | None = None, require_paths: bool = False,

@@ -21,6 +21,7 @@ class TaskSpec:
     launch: str  # module with refuse(cfg, options) and precheck(cfg): run in the launching process, torch-free
     diffusion: bool = False  # Wan through diffusers: its own generate/export paths (video files, ComfyUI LoRA)
     pairs: bool = False  # trains on preference pairs (chosen, rejected)
+    vision: bool = False  # a vision-language model: generate takes --image, the model card loads its own class
 
 
 _LM_LAUNCH = "rocktune.tasks.lm.launch"
@@ -38,7 +39,7 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
              "rocktune.tasks.grpo.task:GRPOTask", "rocktune.tasks.grpo.launch"),
     TaskSpec("vlm", "LoRA for a vision-language model's language model (Qwen2.5-VL) on conversations with images; "
              "the vision tower and projector frozen", frozenset({"vlm"}), "rocktune.tasks.vlm.task:VLMTask",
-             "rocktune.tasks.vlm.launch"),
+             "rocktune.tasks.vlm.launch", vision=True),
     TaskSpec("video-lora", "LoRA for a Wan 2.1/2.2 text-to-video transformer on clips with captions",
              frozenset({"diffusion"}), "rocktune.tasks.wan.task:WanTask", "rocktune.tasks.wan.refuse",
              diffusion=True),

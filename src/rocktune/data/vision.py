@@ -24,6 +24,7 @@ from pathlib import Path
 from rocktune.data.encode import IGNORE, chat_segments
 from rocktune.data.images import ImageRef, load, resolve
 from rocktune.errors import UserError
+from rocktune.readers.template import render_chat_template
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "model": "assistant"}
@@ -132,6 +133,17 @@ def encode(rec: dict, base: Path, tokenizer, vision: VisionTokens, max_length: i
     if all(label == IGNORE for label in labels[1:]):
         raise UserError(f"{loc}: no assistant token is left to train on within data.max_length={max_length}.")
     return VisionExample(ids, labels, tuple(refs), grids, truncated)
+
+
+def encode_prompt(messages: list[dict], refs: list[ImageRef], tokenizer, vision: VisionTokens,
+                  loc: str) -> VisionExample:
+    """A conversation to be answered (``messages`` canonical, as ``to_conversation`` makes them), rendered with the
+    template's generation prompt and widened as in training: the input of ``rocktune generate --image``."""
+    grids = tuple(_grid(vision, ref, f"{loc}, image {i + 1}") for i, ref in enumerate(refs))
+    text = render_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids, labels = _widen(ids, [IGNORE] * len(ids), vision, grids, loc)
+    return VisionExample(ids, labels, tuple(refs), grids)
 
 
 def _grid(vision: VisionTokens, ref: ImageRef, loc: str) -> tuple[int, int, int]:

@@ -30,15 +30,13 @@ CHAT_TEMPLATE = (
 
 def build_vl_tokenizer():
     """The demo's byte-level tokenizer with Qwen's vision specials (ids 259-262) and the content-part template."""
-    from tokenizers import AddedToken
-
     tok = build_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": SPECIALS[1:] + VISION_SPECIALS})
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-def tiny_vl_config(tokenizer, hidden: int = 64, layers: int = 2, vision_hidden: int = 32, vision_depth: int = 1):
+def tiny_vl_config(tokenizer, hidden: int = 128, layers: int = 2, vision_hidden: int = 32, vision_depth: int = 1):
     from transformers import Qwen2_5_VLConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in

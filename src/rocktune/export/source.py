@@ -135,10 +135,14 @@ def check_shapes(src: Source) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    from rocktune.vision_model import model_class
+
     weights = read_adapter(src.adapter, f"{RETRAIN}.").weights
+    config = load_config(src.base, src.trust_remote_code)
+    vision = model_class(config)  # a vision-language base (task=vlm): its own class, vision tower included
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(src.base, src.trust_remote_code),
-                                                 trust_remote_code=src.trust_remote_code)
+        model = vision._from_config(config) if vision else \
+            AutoModelForCausalLM.from_config(config, trust_remote_code=src.trust_remote_code)
     modules = dict(model.named_modules())
     with safe_open(str(weights), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)

@@ -64,7 +64,22 @@ def card(config: dict, base: str, run_dir: Path) -> str:
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     return (f"# LoRA adapter for {base}\n\nTrained by rocktune; the whole resolved config is `rocktune_config.yaml` "
             f"beside this file, the run's metrics are in `{run_dir / 'metrics.jsonl'}`.\n\n{table}\n"
-            + (_load_video(run_dir) if video else _load_lm(base, run_dir)))
+            + (_load_video(run_dir) if video else _load_vision(base, run_dir) if _vision(config) else
+               _load_lm(base, run_dir)))
+
+
+def _vision(config: dict) -> bool:
+    name = config.get("task")
+    return name in TASKS and TASKS[name].vision
+
+
+def _load_vision(base: str, run_dir: Path) -> str:
+    return (f"## Use it\n\n```bash\nrocktune generate {run_dir} --image PHOTO.png --prompt \"...\" --compare\n```\n\n"
+            f"In Python (PEFT):\n\n```python\nfrom peft import PeftModel\n"
+            f"from transformers import AutoModelForImageTextToText\n\n"
+            f"base = AutoModelForImageTextToText.from_pretrained({base!r})\n"
+            f"model = PeftModel.from_pretrained(base, {str(run_dir / 'adapter')!r})\n```\n\n"
+            "GGUF/Ollama export of vision-language runs is not available yet (docs/vision.md).\n")
 
 
 def _load_lm(base: str, run_dir: Path) -> str:

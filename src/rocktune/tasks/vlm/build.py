@@ -1,76 +1,11 @@
-"""The vision-language model and its processor parts, loaded from a model directory the way a hub checkpoint is.
-
-Supported families are listed in ``FAMILIES`` (transformers' model_type -> class name); another model_type is refused
-with the list, never trained half-understood. The processor is taken as its parts: the tokenizer (with its chat
-template) and the image processor, with ``data.min_pixels``/``data.max_pixels`` applied. (transformers' combined
-processor class also builds a video processor, which needs torchvision; images need only the image processor.)
-"""
+"""The vision-language model with its adapter: LoRA on the language model, the vision side frozen by default."""
 
 from __future__ import annotations
 
 import torch
 
-from rocktune.data.vision import VisionTokens
-from rocktune.errors import UserError, first_line
-from rocktune.model import DTYPES, apply_lora, check_model_source
-
-FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-VISION_PREFIX = "visual"  # the vision tower and its projector (visual.merger) in Qwen2.5-VL's module tree
-
-
-def model_type(name_or_path: str) -> str:
-    """The checkpoint's model_type, refused unless it is a supported family."""
-    from transformers import AutoConfig
-
-    check_model_source(name_or_path)
-    try:
-        kind = AutoConfig.from_pretrained(name_or_path).model_type
-    except (OSError, ValueError) as exc:
-        raise UserError(f"could not read the config of model {name_or_path}: {first_line(exc)} (offline? pass a "
-                        "local model directory)") from None
-    if kind not in FAMILIES:
-        raise UserError(f"task=vlm supports {', '.join(FAMILIES)} (Qwen2.5-VL) so far; {name_or_path} is a "
-                        f"{kind!r} model (docs/vision.md lists what is planned).")
-    return kind
-
-
-def vision_tokens(name_or_path: str, config, min_pixels: int | None, max_pixels: int | None) -> VisionTokens:
-    from transformers import AutoImageProcessor
-
-    limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-    try:
-        images = AutoImageProcessor.from_pretrained(name_or_path, **limits)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"the image processor of {name_or_path} does not load ({first_line(exc)}); the model "
-                        "directory needs its preprocessor_config.json.") from None
-    masked = frozenset(getattr(config, k) for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
-    return VisionTokens(images, config.image_token_id, masked, images.merge_size)
-
-
-def load_vlm(name_or_path: str, precision: str, attn_implementation: str, device: str):
-    import transformers
-
-    cls = getattr(transformers, FAMILIES[model_type(name_or_path)])
-    try:
-        model = cls.from_pretrained(name_or_path, dtype=DTYPES[precision], attn_implementation=attn_implementation)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"could not load model {name_or_path}: {first_line(exc)} (offline? pass a local model "
-                        "directory)") from None
-    model.config.use_cache = False
-    return model.to(device)
-
-
-def language_targets(model) -> str:
-    """PEFT's target_modules for LoRA on the language model only: a pattern over its linear layers' full names
-    (never the vision tower, the projector or the head)."""
-    head = model.get_output_embeddings()
-    names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                    if isinstance(m, torch.nn.Linear) and m is not head and not _in_vision(name)})
-    return rf"^(?!{VISION_PREFIX}\.|.*\.{VISION_PREFIX}\.).*\.({'|'.join(names)})$"
-
-
-def _in_vision(name: str) -> bool:
-    return name.startswith(VISION_PREFIX + ".") or f".{VISION_PREFIX}." in name
+from rocktune.model import apply_lora
+from rocktune.vision_model import VISION_PREFIX, in_vision, language_targets, load_vlm
 
 
 def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation: str, device: str):
@@ -82,7 +17,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
                        model_cfg.gradient_checkpointing)
     adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and isinstance(m, torch.nn.Module)
                and any(True for _ in m.lora_A.values())]
-    vision = sum(_in_vision(n.removeprefix("base_model.model.")) for n in adapted)
+    vision = sum(in_vision(n.removeprefix("base_model.model.")) for n in adapted)
     if vision:
         where = f"LoRA on {len(adapted) - vision} language-model and {vision} vision-tower/projector modules " \
                 "(lora.target_modules reaches the vision side)"

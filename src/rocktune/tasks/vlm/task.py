@@ -21,10 +21,12 @@ from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources
 from rocktune.data.records import read_records
 from rocktune.data.vision import VisionExample, VisionTokens, encode
+from rocktune.data.vision_batch import collate
 from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import build, launch
-from rocktune.tasks.vlm.feed import VisionFeed, collate
+from rocktune.vision_model import model_type, vision_tokens
+from rocktune.tasks.vlm.feed import VisionFeed
 from rocktune.tasks.vlm.loss import VisionLoss
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
@@ -68,7 +70,7 @@ class VLMTask:
                 if Path(file).suffix.lower() not in (".json", ".jsonl"):
                     raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL files for now (images named by path "
                                     "relative to the file, file:// or data: URLs; docs/vision.md).")
-        build.model_type(ctx.cfg.model.name_or_path)
+        model_type(ctx.cfg.model.name_or_path)
 
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, device = ctx.cfg, ctx.device
@@ -76,7 +78,7 @@ class VLMTask:
         tokenizer = preflight.load_tokenizer(m.name_or_path, False)
         from transformers import AutoConfig
 
-        vision = build.vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels,
+        vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels,
                                      d.max_pixels)
         train, held = _read(cfg, tokenizer, vision)
         model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device)
@@ -145,7 +147,10 @@ class VLMTask:
         return []
 
     def outputs(self, run_dir: Path) -> list[str] | None:
-        return None
+        """The LM's next commands, less export (GGUF and Ollama do not carry the vision tower yet)."""
+        return [f"  adapter         {run_dir / 'adapter'} (PEFT; base {self.cfg.model.name_or_path})", "next:",
+                f"  rocktune generate {run_dir} --image PHOTO.png --prompt \"...\" --compare   # with and without "
+                "the adapter", f"  rocktune report {run_dir}   # loss curves and run facts"]
 
     def oom_message(self, step: int, exc: BaseException) -> str:
         return (f"out of memory at step {step} even with one conversation per forward ({exc}); lower data.max_pixels "

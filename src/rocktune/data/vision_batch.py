@@ -1,0 +1,40 @@
+"""Vision-language examples -> host tensors: token rows padded to the longest (an attention mask, labels -100 on
+padding) and the pixels of their images, made now by the image processor from the image files (images are not held
+in memory between steps), concatenated in row order as the model expects. ``pixel_rows`` and ``image_counts`` say
+which pixels and grids belong to which row, so a batch can be cut between examples (tasks/vlm/feed.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from rocktune.data.encode import IGNORE
+from rocktune.data.images import load
+from rocktune.data.vision import VisionExample
+from rocktune.errors import UserError
+
+
+def loss_count(example: VisionExample) -> int:
+    """Loss-bearing positions of one example (a label scores the token before it, so the first never does)."""
+    return sum(label != IGNORE for label in example.labels[1:])
+
+
+def collate(examples: list[VisionExample], pad_id: int, image_processor) -> dict[str, torch.Tensor]:
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    for r, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[r, :n], labels[r, :n], mask[r, :n] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+             "pixel_rows": torch.tensor([e.pixel_rows for e in examples]),
+             "image_counts": torch.tensor([len(e.images) for e in examples])}
+    refs = [(ref, grid) for e in examples for ref, grid in zip(e.images, e.grids)]
+    if refs:
+        out = image_processor(images=[load(ref, "an image of the data") for ref, _ in refs], return_tensors="pt")
+        grids = out["image_grid_thw"]
+        if [tuple(int(x) for x in g) for g in grids] != [g for _, g in refs]:
+            raise UserError("an image of the data changed since it was read (its size differs); restore the files "
+                            "or start a new run.")
+        batch["pixel_values"], batch["image_grid_thw"] = out["pixel_values"], grids
+    return batch

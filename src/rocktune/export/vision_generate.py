@@ -1,0 +1,103 @@
+"""``rocktune generate RUN --image PATH --prompt TEXT``: a task=vlm run's adapter answering about an image.
+
+The base vision-language model with the run's adapter (unmerged, so ``--compare`` can switch it off), the prompt
+rendered by the model's chat template with one image part per ``--image`` and widened exactly as training widened
+it (data/vision.py), greedy decoding unless a temperature is given.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rocktune.data.images import check
+from rocktune.data.images import resolve as image_ref
+from rocktune.data.vision import VisionTokens, encode_prompt
+from rocktune.data.vision_batch import collate
+from rocktune.errors import UserError, first_line
+from rocktune.export.source import Origin, Source, load_tokenizer, resolve
+from rocktune.model import stop_ids
+from rocktune.platform.environment import resolve_device
+from rocktune.readers.yaml_file import read_yaml
+from rocktune.task_registry import TASKS
+
+
+def is_vision_run(src: Source) -> bool:
+    name = src.run_config.get("task")
+    return name in TASKS and TASKS[name].vision
+
+
+def is_vision_dir(path: str) -> bool:
+    """A run directory of a vision-language task (its saved config says so): generate answers about images."""
+    for saved in (Path(path) / "config.yaml", Path(path) / "adapter" / "rocktune_config.yaml"):
+        if saved.is_file():
+            config = read_yaml(saved, "restore the run directory from a copy, or train again.")[0]
+            name = config.get("task") if isinstance(config, dict) else None
+            return name in TASKS and TASKS[name].vision
+    return False
+
+
+def load(src: Source, device: str):
+    """(model, tokenizer, vision tokens) ready for generation, with the run's pixel limits."""
+    from transformers import AutoConfig
+
+    from rocktune.model import quiet_transformers
+    from rocktune.platform.advise import device_precision
+    from rocktune.vision_model import load_vlm, vision_tokens
+
+    quiet_transformers()
+    data = src.run_config.get("data") or {}
+    vision = vision_tokens(src.base, AutoConfig.from_pretrained(src.base), data.get("min_pixels"),
+                           data.get("max_pixels"))
+    model = load_vlm(src.base, device_precision(device), "sdpa", device)  # the platform's precision policy
+    if src.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(src.adapter))
+    return model.to(device).eval(), load_tokenizer(src), vision
+
+
+def reply(model, tokenizer, vision: VisionTokens, prompt: str, images: list[str], settings: tuple[int, float]) -> str:
+    """One answer to ``prompt`` about ``images`` (paths, file:// or data: URLs); ``settings``: (max new tokens,
+    temperature)."""
+    import torch
+
+    refs = [image_ref(path, Path.cwd(), f"--image {path}") for path in images]
+    parts = [{"type": "image"} for _ in refs] + [{"type": "text", "text": prompt}]
+    example = encode_prompt([{"role": "user", "content": parts}], refs, tokenizer, vision, "--prompt")
+    batch = collate([example], tokenizer.pad_token_id, vision.image_processor)
+    inputs = {k: v.to(model.device) for k, v in batch.items()
+              if k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+    max_new_tokens, temperature = settings
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    stops = stop_ids(tokenizer, model)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                             pad_token_id=tokenizer.pad_token_id, **sampling)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def run_generate_vision(origin: Origin, prompt: str | None, images: list[str], settings: tuple[int, float],
+                        device: str, compare: bool) -> int:
+    if prompt is None:
+        raise UserError("generate --image needs --prompt TEXT (the question about the image).")
+    src = resolve(origin.path, origin.base, origin.trust_remote_code)
+    if src.run_config and not is_vision_run(src):
+        raise UserError(f"--image needs a vision-language run (task=vlm); {origin.path} trained "
+                        f"task={src.run_config.get('task')}.")
+    for path in images:  # every image is checked before minutes of model loading
+        check(image_ref(path, Path.cwd(), f"--image {path}"), f"--image {path}")
+    if compare and src.adapter is None:
+        raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
+                        "without an adapter.")
+    try:
+        model, tok, vision = load(src, resolve_device(device))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"could not load {src.base}: {first_line(exc)}") from None
+    if compare:
+        with model.disable_adapter():
+            sys.stdout.write(f"base:  {reply(model, tok, vision, prompt, images, settings)}\n")
+        sys.stdout.write(f"tuned: {reply(model, tok, vision, prompt, images, settings)}\n")
+    else:
+        sys.stdout.write(reply(model, tok, vision, prompt, images, settings) + "\n")
+    return 0
