@@ -1,0 +1,210 @@
+"""Vision-language data (data/images.py, data/vision.py): every shape the ecosystem writes gives the same tokens,
+loss sits on the assistant's tokens only (never on image tokens), the pixel limits reach the image processor, and
+every bad image is a UserError naming its row. The tokenizer and Qwen's image processor are built offline
+(demo/tiny_vlm.py); no model weights are needed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rocktune.data.encode import IGNORE
+from rocktune.data.records import read_records
+from rocktune.data.vision import encode
+from rocktune.demo.tiny_vlm import build_image_processor, build_vl_tokenizer
+from rocktune.demo.vision_task import QUESTION, draw
+from rocktune.errors import UserError
+from rocktune.vision_model import vision_tokens
+
+pytest.importorskip("PIL")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_vl_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tok) -> Path:
+    """A directory with the image processor and tokenizer files a model directory has (no weights)."""
+    out = tmp_path_factory.mktemp("vl-processor")
+    build_image_processor().save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _config(tok):
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    return SimpleNamespace(**ids)
+
+
+@pytest.fixture(scope="module")
+def vision(model_dir, tok):
+    return vision_tokens(str(model_dir), _config(tok), None, None)
+
+
+@pytest.fixture()
+def folder(tmp_path) -> Path:
+    import random
+
+    (tmp_path / "images").mkdir()
+    draw("red", random.Random(0), size=64).save(tmp_path / "images" / "red.png")
+    return tmp_path
+
+
+def _encode_rows(folder: Path, rows: list[dict], tok, vision, max_length: int = 128):
+    data = folder / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [encode(rec, data.parent, tok, vision, max_length, loc) for loc, rec in read_records(data)]
+
+
+def _user(parts):
+    return [{"role": "user", "content": parts}, {"role": "assistant", "content": "red"}]
+
+
+def test_every_format_gives_the_same_tokens_labels_and_grid(folder, tok, vision):
+    png = (folder / "images" / "red.png").read_bytes()
+    text = {"type": "text", "text": QUESTION}
+    rows = [
+        {"messages": _user([{"type": "image_url", "image_url": {"url": "images/red.png"}}, text])},  # OpenAI
+        {"messages": _user([{"type": "image_url", "image_url": "images/red.png"}, text])},  # url as a string
+        {"messages": _user([{"type": "image_url", "image_url": {"url": (folder / "images/red.png").as_uri()}},
+                            text])},  # file:// URL
+        {"messages": _user([{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(png).decode()}}, text])},  # base64 data URL
+        {"messages": _user([{"type": "image", "image": "images/red.png"}, text])},  # HF's image part
+        {"messages": _user([{"type": "image"}, text]), "images": ["images/red.png"]},  # TRL's images column
+        {"conversations": [{"from": "human", "value": "<image>" + QUESTION}, {"from": "gpt", "value": "red"}],
+         "image": "images/red.png"},  # LLaVA / ShareGPT
+    ]
+    out = _encode_rows(folder, rows, tok, vision)
+    first = out[0]
+    for e in out[1:]:
+        assert (e.input_ids, e.labels, e.grids) == (first.input_ids, first.labels, first.grids)
+    assert first.images[0].path == folder / "images" / "red.png"
+    assert out[3].images[0].data == png
+
+
+def test_loss_is_on_the_assistant_tokens_only_and_never_on_image_tokens(folder, tok, vision):
+    row = {"messages": _user([{"type": "image_url", "image_url": {"url": "images/red.png"}},
+                              {"type": "text", "text": QUESTION}])}
+    (e,) = _encode_rows(folder, [row], tok, vision)
+    # a 64x64 image within [4, 16] x 28x28 pixels: resized to 56x56, 4x4 patches of 14, merged 2x2 into 4 tokens
+    assert e.grids == ((1, 4, 4),)
+    assert e.input_ids.count(vision.image_token_id) == 4
+    trained = [t for t, label in zip(e.input_ids, e.labels) if label != IGNORE]
+    assert tok.decode(trained) == "red<|im_end|>\n"
+    assert all(label == IGNORE for t, label in zip(e.input_ids, e.labels) if t in vision.masked_ids)
+    assert tok.decode(e.input_ids).startswith("<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 4)
+
+
+def test_llava_markers_keep_their_text_and_several_images_keep_their_order(folder, tok, vision):
+    import random
+
+    draw("blue", random.Random(1), size=200).save(folder / "images" / "blue.png")
+    row = {"conversations": [{"from": "human", "value": "<image>\nfirst, then <image>\n" + QUESTION},
+                             {"from": "gpt", "value": "red, blue"}], "images": ["images/red.png", "images/blue.png"]}
+    (e,) = _encode_rows(folder, [row], tok, vision)
+    assert [r.path.name for r in e.images] == ["red.png", "blue.png"]
+    assert e.grids == ((1, 4, 4), (1, 8, 8))  # 200x200 -> 112x112 under max_pixels 28*28*16: 16 tokens
+    assert e.input_ids.count(vision.image_token_id) == 4 + 16
+    assert "<|vision_end|>\nfirst, then <|vision_start|>" in tok.decode(e.input_ids)
+
+
+def test_max_and_min_pixels_reach_the_image_processor(folder, model_dir, tok):
+    import random
+
+    draw("blue", random.Random(1), size=200).save(folder / "images" / "big.png")
+    row = {"messages": _user([{"type": "image", "image": "images/big.png"}, {"type": "text", "text": "?"}])}
+    grids = {}
+    for limit in (28 * 28 * 4, 28 * 28 * 16, 28 * 28 * 64):
+        v = vision_tokens(str(model_dir), _config(tok), None, limit)
+        (e,) = _encode_rows(folder, [row], tok, v)
+        grids[limit] = e.grids[0]
+    assert grids == {3136: (1, 4, 4), 12544: (1, 8, 8), 50176: (1, 14, 14)}
+    v = vision_tokens(str(model_dir), _config(tok), 28 * 28 * 36, 28 * 28 * 64)  # a small image is enlarged
+    (e,) = _encode_rows(folder, [{"messages": _user([{"type": "image", "image": "images/red.png"}])}], tok, v)
+    assert e.grids == ((1, 12, 12),)
+
+
+def test_a_long_example_is_cut_at_its_end_but_never_through_an_image(folder, tok, vision):
+    long = {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/red.png"},
+                                                      {"type": "text", "text": QUESTION}]},
+                         {"role": "assistant", "content": "red " * 40}]}
+    (e,) = _encode_rows(folder, [long], tok, vision, max_length=60)
+    assert e.truncated and len(e.input_ids) == 60 and e.input_ids.count(vision.image_token_id) == 4
+    with pytest.raises(UserError, match=r"train.jsonl:1: .* would cut through an image's tokens"):
+        _encode_rows(folder, [long], tok, vision, max_length=8)
+
+
+def _png_claiming(width: int, height: int, real: bytes) -> bytes:
+    """``real`` with its IHDR chunk's size rewritten (its CRC recomputed): a header that promises a huge image."""
+    ihdr = real[16:29]
+    patched = struct.pack(">II", width, height) + ihdr[8:]
+    crc = struct.pack(">I", zlib.crc32(b"IHDR" + patched) & 0xFFFFFFFF)
+    return real[:16] + patched + crc + real[33:]
+
+
+def _bad_image_cases(folder: Path) -> dict[str, tuple[object, str]]:
+    png = (folder / "images" / "red.png").read_bytes()
+    (folder / "images" / "text.png").write_text("not an image at all")
+    (folder / "images" / "cut.png").write_bytes(png[: len(png) // 2])
+    (folder / "images" / "bomb.png").write_bytes(_png_claiming(40_000, 40_000, png))
+    return {
+        "missing": ("images/nope.png", r"images/nope.png does not exist"),
+        "not an image": ("images/text.png", r"text.png is not an image Pillow can read"),
+        "truncated": ("images/cut.png", r"cut.png cannot be read .*truncated or damaged"),
+        "bomb": ("images/bomb.png", r"bomb.png has more than 89,478,485 pixels \(a decompression bomb guard\)"),
+        "bad base64": ("data:image/png;base64,@@@", r"base64 text does not decode"),
+        "not base64": ("data:image/png,abc", r"is not base64"),
+        "remote": ("https://example.invalid/x.png", r"is a remote URL; rocktune reads local images only"),
+        "not a string": (42, r"an image must be a path"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "not an image", "truncated", "bomb", "bad base64", "not base64", "remote",
+                                  "not a string"])
+def test_a_bad_image_is_a_clear_error_naming_its_row(folder, tok, vision, case):
+    source, message = _bad_image_cases(folder)[case]
+    good = {"messages": _user([{"type": "image", "image": "images/red.png"}])}
+    bad = {"messages": _user([{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": source}}])}
+    with pytest.raises(UserError, match=r"train.jsonl:2, image 1: .*" + message):
+        _encode_rows(folder, [good, bad], tok, vision)
+
+
+def test_placeholders_and_images_must_match(folder, tok, vision):
+    row = {"messages": _user([{"type": "image"}, {"type": "image"}]), "images": ["images/red.png"]}
+    with pytest.raises(UserError, match=r"train.jsonl:1: 2 image placeholders .* but 1 images"):
+        _encode_rows(folder, [row], tok, vision)
+    llava = {"conversations": [{"from": "human", "value": "no marker"}, {"from": "gpt", "value": "x"}],
+             "image": "images/red.png"}
+    with pytest.raises(UserError, match=r"0 image placeholders .* but 1 images"):
+        _encode_rows(folder, [llava], tok, vision)
+
+
+def test_a_template_that_drops_images_is_refused(folder, vision):
+    from rocktune.demo.tiny import build_tokenizer
+
+    text_only = build_tokenizer()  # its template renders content as a string: the image part is lost
+    text_only.add_special_tokens({"additional_special_tokens": ["<|image_pad|>"]})
+    row = {"messages": _user([{"type": "image", "image": "images/red.png"}, {"type": "text", "text": "?"}])}
+    with pytest.raises(UserError, match=r"rendered 0 image placeholders for 1 images; use the model's own chat"):
+        _encode_rows(folder, [row], text_only, vision)
+
+
+def test_malformed_records_name_their_turn(folder, tok, vision):
+    cases = [({"messages": []}, r"non-empty 'messages'"),
+             ({"messages": [{"role": "robot", "content": "x"}]}, r"turn 1: unknown role 'robot'"),
+             ({"messages": _user([{"type": "audio"}])}, r"turn 1: a content part must be"),
+             ({"messages": [{"role": "user", "content": [{"type": "image", "image": "images/red.png"}]}]},
+              r"no assistant turn")]
+    for row, message in cases:
+        with pytest.raises(UserError, match=r"train.jsonl:1.*" + message):
+            _encode_rows(folder, [row], tok, vision)
