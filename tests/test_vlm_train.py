@@ -1,0 +1,132 @@
+"""task=vlm end to end on a tiny random-init Qwen2.5-VL built offline (demo/tiny_vlm.py), loaded back through
+rocktune's normal loading: the loss falls with LoRA on the language model only, the model learns the colour of a
+drawn shape (held-out accuracy far above the 25% of chance, by greedy generation), ``rocktune generate --image``
+answers from the run directory, and what task=vlm cannot do is refused before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rocktune.config import config_from_dict
+from rocktune.errors import UserError
+from rocktune.tasks import refuse_before_launch, train
+from rocktune.train.request import RunOptions
+
+pytest.importorskip("PIL")
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory) -> Path:
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> tuple[Path, Path]:
+    from rocktune.demo.vision_task import write_colour_task
+
+    return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=256, n_eval=32, seed=0)
+
+
+def vlm_config(model: Path, data: tuple[Path, Path], out: Path, **training) -> dict:
+    t = {"max_steps": 12, "micro_batch_size": 8, "grad_accum": 1, "lr": 5e-3, "warmup_steps": 5, "eval_every": 0,
+         "precision": "fp32", "device": "cpu", "seed": 0, **training}
+    return {"task": "vlm", "model": {"name_or_path": str(model)}, "lora": {"r": 16, "alpha": 32},
+            "data": {"train_file": str(data[0]), "eval_file": str(data[1]), "max_length": 64},
+            "training": t, "reliability": {"save_every": 0, "min_free_disk_mb": 0}, "output": {"dir": str(out)}}
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_loss_falls_with_lora_on_the_language_model_only(vlm_dir, colours, tmp_path):
+    from safetensors import safe_open
+
+    run = tmp_path / "run"
+    train(config_from_dict(vlm_config(vlm_dir, colours, run, max_steps=30)), quiet=True)
+    rows = _metrics(run)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 2.0
+    assert evals[0] > 5.5 and evals[-1] < evals[0] - 4.0
+    steps = [r for r in rows if "loss" in r]
+    # 8 conversations, 8 images per step; the answer ("red<|im_end|>\n": 3-6 letters + 2) carries the loss alone
+    assert all(r["images"] == 8 and 8 * 5 <= r["tokens"] <= 8 * 8 for r in steps)
+    info = json.loads((run / "run_info.json").read_text())
+    assert "LoRA on 14 language-model modules; the vision tower and projector (visual.*) are frozen" in info["notes"]
+    assert info["data"]["train_images"] == 256 and info["data"]["image_tokens"] == 256 * 4
+    with safe_open(str(run / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert len(keys) == 28 and all(".language_model." in k and "visual" not in k for k in keys)
+
+
+def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:
+    from rocktune.export.vision_generate import reply
+
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()][:n]
+    right = 0
+    for row in rows:
+        image = str(eval_file.parent / row["messages"][0]["content"][0]["image_url"]["url"])
+        said = reply(model, tok, vision, row["messages"][0]["content"][1]["text"], [image], (8, 0.0))
+        right += said.strip() == row["messages"][1]["content"]
+    return right / len(rows)
+
+
+def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dir, colours, tmp_path, capsys):
+    """The issue's "done when": four colours, so chance is 25%; the answer is only in the image (the question never
+    changes). 300 steps take about 15 s on one CPU thread."""
+    run = tmp_path / "run"
+    train(config_from_dict(vlm_config(vlm_dir, colours, run, max_steps=300)), quiet=True)
+    from rocktune.export.source import resolve
+    from rocktune.export.vision_generate import load
+
+    evals = [r["eval_loss"] for r in _metrics(run) if "eval_loss" in r]
+    assert evals[-1] < 0.1
+    model, tok, vision = load(resolve(str(run)), "cpu")
+    assert _accuracy(model, tok, vision, colours[1], 32) >= 0.9
+    with model.disable_adapter():  # the random base cannot even spell a colour
+        assert _accuracy(model, tok, vision, colours[1], 8) == 0.0
+
+    from rocktune.cli import main
+
+    capsys.readouterr()
+    image = colours[1].parent / "images" / "eval_0.png"
+    assert main(["generate", str(run), "--image", str(image), "--prompt", "What colour is the shape?",
+                 "--max-new-tokens", "8"]) == 0
+    expected = json.loads(colours[1].read_text().splitlines()[0])["messages"][1]["content"]
+    assert capsys.readouterr().out.strip() == expected
+
+
+@pytest.mark.parametrize(("change", "options", "message"), [
+    ({"data": {"packing": True}}, RunOptions(), r"data.packing=True: only for task=lm"),
+    ({"model": {"quantization": "nf4"}}, RunOptions(), r"model.quantization=nf4: only for task=lm"),
+    ({}, RunOptions(processes=2), r"task=vlm trains in one process for now"),
+    ({}, RunOptions(auto_fit=True), r"--auto fits supervised text runs"),
+])
+def test_what_vlm_cannot_do_is_refused_before_launch(tmp_path, change, options, message):
+    cfg = vlm_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
+    for section, values in change.items():
+        cfg[section].update(values)
+    with pytest.raises(UserError, match=message):
+        refuse_before_launch(config_from_dict(cfg), options)
+
+
+def test_pixel_limits_are_refused_for_text_tasks():
+    cfg = config_from_dict({"data": {"train_file": "t.jsonl", "max_pixels": 50176}})
+    with pytest.raises(UserError, match=r"data.max_pixels=50176: only for task=vlm"):
+        refuse_before_launch(cfg, RunOptions())
+
+
+def test_a_text_model_or_a_parquet_file_is_refused_before_training(tiny_model_dir, vlm_dir, colours, tmp_path):
+    with pytest.raises(UserError, match=r"task=vlm supports qwen2_5_vl .* is a 'qwen2' model"):
+        train(config_from_dict(vlm_config(tiny_model_dir, colours, tmp_path / "a")), quiet=True)
+    parquet = tmp_path / "rows.parquet"
+    parquet.write_bytes(b"PAR1")
+    with pytest.raises(UserError, match=r"task=vlm reads JSON/JSONL files for now"):
+        train(config_from_dict(vlm_config(vlm_dir, (parquet, colours[1]), tmp_path / "b")), quiet=True)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
