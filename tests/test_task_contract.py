@@ -131,16 +131,36 @@ def _grpo_kind(request, tmp: Path) -> Kind:
     return Kind("grpo", config, ("adapter/adapter_model.safetensors",), "host-to-device transfers are corrupting")
 
 
+def _vlm_kind(tmp: Path) -> Kind:
+    """task=vlm on a tiny Qwen2.5-VL over the colour task's images, dropout on."""
+    pytest.importorskip("PIL")
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.demo.vision_task import write_colour_task
+    from tests.test_vlm_train import vlm_config
+
+    model, data = build_tiny_vlm(tmp / "tiny-vlm"), write_colour_task(tmp / "colours", 32, 8, seed=1)
+
+    def config(out: Path, **training) -> dict:
+        cfg = vlm_config(model, data, out, **{"max_steps": STEPS, "micro_batch_size": 4, "grad_accum": 2,
+                                              "eval_every": 4, **training})
+        cfg["lora"]["dropout"] = 0.1
+        cfg["reliability"] = {"save_every": 2, "keep_checkpoints": 2, "min_free_disk_mb": 0}
+        return cfg
+
+    return Kind("vlm", config, ("adapter/adapter_model.safetensors",), "host-to-device transfers are corrupting")
+
+
 _KINDS: dict[str, Kind] = {}
 
 
-@pytest.fixture(params=["lm", "wan", "dpo", "orpo", "grpo"])
+# task=vlm's contract (88 s on 2 cores beside other jobs) runs in `make test-long`; tests/test_vlm_*.py in `make test`
+@pytest.fixture(params=["lm", "wan", "dpo", "orpo", "grpo", pytest.param("vlm", marks=pytest.mark.long)])
 def kind(request, tmp_path_factory) -> Kind:
     if request.param not in _KINDS:
         tmp = tmp_path_factory.mktemp(f"task-{request.param}")
         _KINDS[request.param] = _lm_kind(request) if request.param == "lm" else \
             _wan_kind(tmp) if request.param == "wan" else _grpo_kind(request, tmp) if request.param == "grpo" else \
-            _pair_kind(request, request.param, tmp)
+            _vlm_kind(tmp) if request.param == "vlm" else _pair_kind(request, request.param, tmp)
     return _KINDS[request.param]
 
 
