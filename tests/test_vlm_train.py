@@ -130,3 +130,17 @@ def test_a_text_model_or_a_parquet_file_is_refused_before_training(tiny_model_di
     with pytest.raises(UserError, match=r"task=vlm reads JSON/JSONL files for now"):
         train(config_from_dict(vlm_config(vlm_dir, (parquet, colours[1]), tmp_path / "b")), quiet=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_checkpointing_and_a_held_out_share_train_the_same_losses(vlm_dir, colours, tmp_path):
+    """model.gradient_checkpointing recomputes the same numbers; without eval_file, eval_fraction is held out."""
+    losses = []
+    for on in (False, True):
+        cfg = vlm_config(vlm_dir, colours, tmp_path / f"gc-{on}", max_steps=3)
+        cfg["model"]["gradient_checkpointing"] = on
+        cfg["data"].update({"eval_file": None, "eval_fraction": 0.125})
+        train(config_from_dict(cfg), quiet=True)
+        losses.append([r["loss"] for r in _metrics(tmp_path / f"gc-{on}") if "loss" in r])
+        info = json.loads((tmp_path / f"gc-{on}" / "run_info.json").read_text())["data"]
+        assert (info["n_train"], info["n_eval"]) == (224, 32)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

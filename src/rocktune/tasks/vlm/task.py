@@ -10,6 +10,7 @@ image read and checked before anything is written), the model (build.py), the fe
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import random
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class VLMTask:
         launch.refuse(self.cfg, options)
 
     def check(self, ctx: RunContext) -> None:
+        if importlib.util.find_spec("PIL") is None:
+            raise UserError("task=vlm reads images with Pillow, which is not installed: "
+                            "pip install 'rocktune[vision]'.")
         d = ctx.cfg.data
         for key, file in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
             if file:
