@@ -208,3 +208,12 @@ def test_malformed_records_name_their_turn(folder, tok, vision):
     for row, message in cases:
         with pytest.raises(UserError, match=r"train.jsonl:1.*" + message):
             _encode_rows(folder, [row], tok, vision)
+
+
+def test_the_shipped_example_encodes_every_row(tok, vision):
+    """examples/vision/chat.jsonl (docs/vision.md's example): all four shapes, a system turn, two assistant turns."""
+    data = Path(__file__).parents[1] / "examples" / "vision" / "chat.jsonl"
+    out = [encode(rec, data.parent, tok, vision, 256, loc) for loc, rec in read_records(data)]
+    assert [len(e.images) for e in out] == [1, 1, 1, 1]
+    answers = [tok.decode([t for t, label in zip(e.input_ids, e.labels) if label != IGNORE]) for e in out]
+    assert answers == ["red<|im_end|>\n", "blue<|im_end|>\nyes<|im_end|>\n", "green<|im_end|>\n", "green<|im_end|>\n"]
