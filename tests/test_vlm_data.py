@@ -80,6 +80,7 @@ def test_every_format_gives_the_same_tokens_labels_and_grid(folder, tok, vision)
         {"messages": _user([{"type": "image_url", "image_url": {
             "url": "data:image/png;base64," + base64.b64encode(png).decode()}}, text])},  # base64 data URL
         {"messages": _user([{"type": "image", "image": "images/red.png"}, text])},  # HF's image part
+        {"messages": _user([{"type": "image", "image": {"path": "images/red.png"}}, text])},  # a datasets Image
         {"messages": _user([{"type": "image"}, text]), "images": ["images/red.png"]},  # TRL's images column
         {"conversations": [{"from": "human", "value": "<image>" + QUESTION}, {"from": "gpt", "value": "red"}],
          "image": "images/red.png"},  # LLaVA / ShareGPT
@@ -90,6 +91,9 @@ def test_every_format_gives_the_same_tokens_labels_and_grid(folder, tok, vision)
         assert (e.input_ids, e.labels, e.grids) == (first.input_ids, first.labels, first.grids)
     assert first.images[0].path == folder / "images" / "red.png"
     assert out[3].images[0].data == png
+    from rocktune.data.images import ImageRef, resolve
+
+    assert resolve({"bytes": png, "path": None}, folder, "x") == ImageRef(data=png)  # a datasets Image's bytes
 
 
 def test_loss_is_on_the_assistant_tokens_only_and_never_on_image_tokens(folder, tok, vision):
