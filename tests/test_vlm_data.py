@@ -221,3 +221,37 @@ def test_the_shipped_example_encodes_every_row(tok, vision):
     assert [len(e.images) for e in out] == [1, 1, 1, 1]
     answers = [tok.decode([t for t, label in zip(e.input_ids, e.labels) if label != IGNORE]) for e in out]
     assert answers == ["red<|im_end|>\n", "blue<|im_end|>\nyes<|im_end|>\n", "green<|im_end|>\n", "green<|im_end|>\n"]
+
+
+def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, tok, vision):
+    """Qwen2_5_VLProcessor widens the placeholders and makes the pixels for the same rendered text: the same ids and
+    pixel values. (Its constructor's class check wants a torchvision video processor, absent here: patched out, the
+    video side is not used.)"""
+    import random
+    from unittest import mock
+
+    import torch
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    from rocktune.data.images import load
+    from rocktune.data.vision_batch import collate
+
+    draw("blue", random.Random(2), size=200).save(folder / "images" / "wide.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/red.png"},
+                                                     {"type": "text", "text": "and"},
+                                                     {"type": "image", "image": "images/wide.png"}]},
+                        {"role": "assistant", "content": "red, blue"}]}
+    (e,) = _encode_rows(folder, [row], tok, vision)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: type(arg)):
+        proc = Qwen2_5_VLProcessor(image_processor=vision.image_processor, tokenizer=tok, video_processor=None,
+                                   chat_template=tok.chat_template)
+    messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                 [{"type": p["type"], **({"text": p["text"]} if p["type"] == "text" else {})} for p in m["content"]]}
+                for m in row["messages"]]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    ref = proc(text=[text], images=[load(r, "x") for r in e.images], return_tensors="pt")
+    assert ref["input_ids"][0].tolist() == e.input_ids
+    batch = collate([e], tok.pad_token_id, vision.image_processor)
+    assert torch.equal(batch["pixel_values"], ref["pixel_values"])
+    assert torch.equal(batch["image_grid_thw"], ref["image_grid_thw"])

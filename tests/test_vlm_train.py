@@ -144,3 +144,46 @@ def test_checkpointing_and_a_held_out_share_train_the_same_losses(vlm_dir, colou
         info = json.loads((tmp_path / f"gc-{on}" / "run_info.json").read_text())["data"]
         assert (info["n_train"], info["n_eval"]) == (224, 32)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dir, colours):
+    """VisionLoss (the backbone, then head + cross-entropy at loss positions in chunks) against the PEFT model's own
+    forward and torch's cross-entropy on its full logits: the same summed loss and the same adapter gradients, on a
+    padded batch of three conversations with their images."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    from rocktune.data.records import read_records
+    from rocktune.data.vision import encode
+    from rocktune.data.vision_batch import collate
+    from rocktune.model import apply_lora, load_tokenizer
+    from rocktune.tasks.vlm.loss import VisionLoss
+    from rocktune.vision_model import language_targets, load_vlm, vision_tokens
+
+    tok = load_tokenizer(str(vlm_dir), False)
+    vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), None, None)
+    rows = read_records(colours[1])[:3]
+    batch = collate([encode(r, colours[1].parent, tok, vision, 64, loc) for loc, r in rows], tok.pad_token_id,
+                    vision.image_processor)
+    base = load_vlm(str(vlm_dir), "fp32", "sdpa", "cpu")
+    model = apply_lora(base, 8, 16, 0.0, language_targets(base), False)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)  # a non-zero adapter, so that it shapes the loss
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ours, count = VisionLoss(model, chunk_size=7).sum_and_count(batch)
+    ours_grads = grads(ours)
+    logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}).logits
+    ref = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), reduction="sum")
+    ref_grads = grads(ref)
+    assert count == int((batch["labels"][:, 1:] != -100).sum()) and len(ours_grads) == 28
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
+    for name, g in ours_grads.items():
+        assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
