@@ -255,3 +255,20 @@ def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, t
     batch = collate([e], tok.pad_token_id, vision.image_processor)
     assert torch.equal(batch["pixel_values"], ref["pixel_values"])
     assert torch.equal(batch["image_grid_thw"], ref["image_grid_thw"])
+
+
+def test_a_template_kept_only_by_the_processor_is_used(tmp_path, tok):
+    """Vision-language checkpoints may keep the chat template in the processor's chat_template.json."""
+    from transformers import AutoTokenizer
+
+    from rocktune.vision_model import with_processor_template
+
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": tok.chat_template}))
+    bare = AutoTokenizer.from_pretrained(tmp_path)
+    assert not bare.chat_template
+    assert with_processor_template(bare, str(tmp_path)).chat_template == tok.chat_template

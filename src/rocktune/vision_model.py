@@ -56,6 +56,24 @@ def vision_tokens(name_or_path: str, config, min_pixels: int | None, max_pixels:
     return VisionTokens(images, config.image_token_id, masked, images.merge_size)
 
 
+def with_processor_template(tokenizer, name_or_path: str):
+    """The tokenizer with a chat template: its own, else the processor's (``chat_template.json`` or
+    ``chat_template.jinja`` of a local model directory, where vision-language checkpoints keep it)."""
+    from pathlib import Path
+
+    from rocktune.readers.json_file import read_json
+
+    folder = Path(name_or_path)
+    if getattr(tokenizer, "chat_template", None) or not folder.is_dir():
+        return tokenizer
+    if (folder / "chat_template.json").is_file():
+        template = read_json(folder / "chat_template.json", "download the model again.").get("chat_template")
+        tokenizer.chat_template = template if isinstance(template, str) else None
+    elif (folder / "chat_template.jinja").is_file():
+        tokenizer.chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    return tokenizer
+
+
 def load_vlm(name_or_path: str, precision: str, attn_implementation: str, device: str):
     from transformers import AutoConfig
 

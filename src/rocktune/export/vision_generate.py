@@ -43,7 +43,7 @@ def load(src: Source, device: str):
 
     from rocktune.model import quiet_transformers
     from rocktune.platform.advise import device_precision
-    from rocktune.vision_model import load_vlm, vision_tokens
+    from rocktune.vision_model import load_vlm, vision_tokens, with_processor_template
 
     quiet_transformers()
     data = src.run_config.get("data") or {}
@@ -54,7 +54,7 @@ def load(src: Source, device: str):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(src.adapter))
-    return model.to(device).eval(), load_tokenizer(src), vision
+    return model.to(device).eval(), with_processor_template(load_tokenizer(src), src.base), vision
 
 
 def reply(model, tokenizer, vision: VisionTokens, prompt: str, images: list[str], settings: tuple[int, float]) -> str:

@@ -26,7 +26,7 @@ from rocktune.data.vision_batch import collate
 from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import build, launch
-from rocktune.vision_model import model_type, vision_tokens
+from rocktune.vision_model import model_type, vision_tokens, with_processor_template
 from rocktune.tasks.vlm.feed import VisionFeed
 from rocktune.tasks.vlm.loss import VisionLoss
 from rocktune.train import build as engine_build
@@ -79,7 +79,7 @@ class VLMTask:
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, device = ctx.cfg, ctx.device
         m, d = cfg.model, cfg.data
-        tokenizer = preflight.load_tokenizer(m.name_or_path, False)
+        tokenizer = with_processor_template(preflight.load_tokenizer(m.name_or_path, False), m.name_or_path)
         from transformers import AutoConfig
 
         vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels,
