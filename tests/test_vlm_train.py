@@ -63,6 +63,38 @@ def test_the_loss_falls_with_lora_on_the_language_model_only(vlm_dir, colours, t
     with safe_open(str(run / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     assert len(keys) == 28 and all(".language_model." in k and "visual" not in k for k in keys)
+    _merged_sees_as_the_adapter_did(run, colours[1])
+
+
+def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
+    """export --to merged: a plain Qwen2.5-VL directory with the image processor and the chat template, whose
+    logits on a batch with images are the adapter's."""
+    import torch
+
+    from rocktune.cli import main
+    from rocktune.data.records import read_records
+    from rocktune.data.vision import encode
+    from rocktune.data.vision_batch import collate
+    from rocktune.export.source import resolve
+    from rocktune.export.vision_generate import is_vision_dir, load
+
+    assert main(["export", str(run), "--to", "merged"]) == 0
+    merged = run / "export" / "merged"
+    assert {"preprocessor_config.json", "config.json", "model.safetensors"} <= {p.name for p in merged.iterdir()}
+    assert is_vision_dir(str(merged))
+    logits = []
+    for where in (run, merged):
+        model, tok, vision = load(resolve(str(where)), "cpu")
+        rows = read_records(eval_file)[:2]
+        batch = collate([encode(r, eval_file.parent, tok, vision, 64, loc) for loc, r in rows], tok.pad_token_id,
+                        vision.image_processor)
+        with torch.no_grad():
+            logits.append(model(**{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values",
+                                                         "image_grid_thw")}).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
+    for to in ("gguf", "gguf-lora", "ollama"):  # never a GGUF without its eyes: refused (exit 2), nothing written
+        assert main(["export", str(run), "--to", to]) == 2
+    assert sorted(p.name for p in (run / "export").iterdir()) == ["merged"]
 
 
 def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:

@@ -55,7 +55,7 @@ def _merged(src: Source, target: Path, dtype: str, overwrite: bool) -> Path:
     sys.stderr.write(f"loading {src.base} in fp32 and merging {src.adapter}\n")
     model, notes = merge.merged_model(src, dtype)
     with output.staged(target, overwrite, is_dir=True) as tmp:
-        merge.save_merged(model, load_tokenizer(src), tmp)
+        merge.save_merged(model, load_tokenizer(src), tmp, src.base)
     _notes(notes)
     return target
 

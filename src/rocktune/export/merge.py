@@ -39,8 +39,13 @@ def load_base_fp32(name_or_path: str, trust_remote_code: bool):
 
     from rocktune.model import quiet_transformers
 
+    from rocktune.vision_model import model_class
+
     quiet_transformers()
+    vision = model_class(load_config(name_or_path, trust_remote_code))  # task=vlm: the vision tower comes along
     try:
+        if vision is not None:
+            return vision.from_pretrained(name_or_path, dtype=torch.float32)
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -91,7 +96,16 @@ def merged_model(src: Source, dtype: str):
     return merged, notes
 
 
-def save_merged(model, tok, out: Path) -> None:
-    """Write ``model`` and the run's tokenizer ``tok`` (the chat template it trained with included) into ``out``."""
+def save_merged(model, tok, out: Path, base: str | None = None) -> None:
+    """Write ``model`` and the run's tokenizer ``tok`` (the chat template it trained with included) into ``out``; a
+    vision-language model also gets its base's image processor (``preprocessor_config.json``), so that the merged
+    directory sees as the base did."""
+    from rocktune.vision_model import model_class, with_processor_template
+
     model.save_pretrained(out, safe_serialization=True)
+    if base is not None and model_class(model.config) is not None:
+        from transformers import AutoImageProcessor
+
+        AutoImageProcessor.from_pretrained(base).save_pretrained(out)
+        tok = with_processor_template(tok, base)
     tok.save_pretrained(out)

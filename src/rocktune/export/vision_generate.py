@@ -28,13 +28,18 @@ def is_vision_run(src: Source) -> bool:
 
 
 def is_vision_dir(path: str) -> bool:
-    """A run directory of a vision-language task (its saved config says so): generate answers about images."""
+    """A run directory of a vision-language task (its saved config says so), or a vision-language model directory
+    (e.g. ``export --to merged``'s): generate answers about images."""
+    from rocktune.readers.json_file import read_json
+    from rocktune.vision_model import FAMILIES
+
     for saved in (Path(path) / "config.yaml", Path(path) / "adapter" / "rocktune_config.yaml"):
         if saved.is_file():
             config = read_yaml(saved, "restore the run directory from a copy, or train again.")[0]
             name = config.get("task") if isinstance(config, dict) else None
             return name in TASKS and TASKS[name].vision
-    return False
+    model = Path(path) / "config.json"
+    return model.is_file() and read_json(model, "download the model again.").get("model_type") in FAMILIES
 
 
 def load(src: Source, device: str):
