@@ -223,7 +223,8 @@ def test_the_shipped_example_encodes_every_row(tok, vision):
     assert answers == ["red<|im_end|>\n", "blue<|im_end|>\nyes<|im_end|>\n", "green<|im_end|>\n", "green<|im_end|>\n"]
 
 
-def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, tok, vision):
+@pytest.mark.parametrize(("processor", "patch"), [("Qwen2_5_VLProcessor", 14), ("Qwen3VLProcessor", 16)])
+def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, tok, processor, patch, tmp_path):
     """Qwen2_5_VLProcessor widens the placeholders and makes the pixels for the same rendered text: the same ids and
     pixel values. (Its constructor's class check wants a torchvision video processor, absent here: patched out, the
     video side is not used.)"""
@@ -231,12 +232,15 @@ def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, t
     from unittest import mock
 
     import torch
-    from transformers import Qwen2_5_VLProcessor
+    import transformers
     from transformers.processing_utils import ProcessorMixin
 
     from rocktune.data.images import load
     from rocktune.data.vision_batch import collate
 
+    build_image_processor(patch).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    vision = vision_tokens(str(tmp_path), _config(tok), None, None)
     draw("blue", random.Random(2), size=200).save(folder / "images" / "wide.png")
     row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/red.png"},
                                                      {"type": "text", "text": "and"},
@@ -244,17 +248,19 @@ def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, t
                         {"role": "assistant", "content": "red, blue"}]}
     (e,) = _encode_rows(folder, [row], tok, vision)
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: type(arg)):
-        proc = Qwen2_5_VLProcessor(image_processor=vision.image_processor, tokenizer=tok, video_processor=None,
-                                   chat_template=tok.chat_template)
+        proc = getattr(transformers, processor)(image_processor=vision.image_processor, tokenizer=tok,
+                                                 video_processor=None, chat_template=tok.chat_template)
     messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
                  [{"type": p["type"], **({"text": p["text"]} if p["type"] == "text" else {})} for p in m["content"]]}
                 for m in row["messages"]]
     text = tok.apply_chat_template(messages, tokenize=False)
     ref = proc(text=[text], images=[load(r, "x") for r in e.images], return_tensors="pt")
     assert ref["input_ids"][0].tolist() == e.input_ids
-    batch = collate([e], tok.pad_token_id, vision.image_processor)
+    batch = collate([e], tok.pad_token_id, vision)
     assert torch.equal(batch["pixel_values"], ref["pixel_values"])
     assert torch.equal(batch["image_grid_thw"], ref["image_grid_thw"])
+    if "mm_token_type_ids" in ref:  # transformers 5 processors mark the image tokens; the collate marks them alike
+        assert torch.equal(batch["mm_token_type_ids"], ref["mm_token_type_ids"])
 
 
 def test_a_template_kept_only_by_the_processor_is_used(tmp_path, tok):

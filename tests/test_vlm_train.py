@@ -18,11 +18,26 @@ from rocktune.train.request import RunOptions
 pytest.importorskip("PIL")
 
 
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+
+
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> Path:
+def vlm_dirs(tmp_path_factory):
+    """family -> a tiny random-init model directory of it, built once per module when first asked for."""
     from rocktune.demo.tiny_vlm import build_tiny_vlm
 
-    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
+    built: dict[str, Path] = {}
+
+    def get(family: str = "qwen2_5_vl") -> Path:
+        if family not in built:
+            built[family] = build_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{family}") / "model", family=family)
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(vlm_dirs) -> Path:
+    return vlm_dirs()
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +59,12 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_loss_falls_with_lora_on_the_language_model_only(vlm_dir, colours, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_loss_falls_with_lora_on_the_language_model_only(vlm_dirs, colours, tmp_path, family):
     from safetensors import safe_open
 
     run = tmp_path / "run"
-    train(config_from_dict(vlm_config(vlm_dir, colours, run, max_steps=30)), quiet=True)
+    train(config_from_dict(vlm_config(vlm_dirs(family), colours, run, max_steps=30)), quiet=True)
     rows = _metrics(run)
     losses = [r["loss"] for r in rows if "loss" in r]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
@@ -77,6 +93,7 @@ def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
     from rocktune.data.vision_batch import collate
     from rocktune.export.source import resolve
     from rocktune.export.vision_generate import is_vision_dir, load
+    from rocktune.vision_model import model_inputs
 
     assert main(["export", str(run), "--to", "merged"]) == 0
     merged = run / "export" / "merged"
@@ -87,10 +104,10 @@ def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
         model, tok, vision = load(resolve(str(where)), "cpu")
         rows = read_records(eval_file)[:2]
         batch = collate([encode(r, eval_file.parent, tok, vision, 64, loc) for loc, r in rows], tok.pad_token_id,
-                        vision.image_processor)
+                        vision)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         with torch.no_grad():
-            logits.append(model(**{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values",
-                                                         "image_grid_thw")}).logits)
+            logits.append(model(**model_inputs(base, batch)).logits)
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
     for to in ("gguf", "gguf-lora", "ollama"):  # never a GGUF without its eyes: refused (exit 2), nothing written
         assert main(["export", str(run), "--to", to]) == 2
@@ -109,11 +126,12 @@ def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:
     return right / len(rows)
 
 
-def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dir, colours, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.long)])
+def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dirs, colours, tmp_path, capsys, family):
     """The issue's "done when": four colours, so chance is 25%; the answer is only in the image (the question never
-    changes). 300 steps take about 15 s on one CPU thread."""
+    changes). 300 steps take 15-30 s on one CPU thread; Qwen3-VL's run (accuracy 1.0 measured) is in make test-long."""
     run = tmp_path / "run"
-    train(config_from_dict(vlm_config(vlm_dir, colours, run, max_steps=300)), quiet=True)
+    train(config_from_dict(vlm_config(vlm_dirs(family), colours, run, max_steps=300)), quiet=True)
     from rocktune.export.source import resolve
     from rocktune.export.vision_generate import load
 
@@ -155,7 +173,7 @@ def test_pixel_limits_are_refused_for_text_tasks():
 
 
 def test_a_text_model_or_a_parquet_file_is_refused_before_training(tiny_model_dir, vlm_dir, colours, tmp_path):
-    with pytest.raises(UserError, match=r"task=vlm supports qwen2_5_vl .* is a 'qwen2' model"):
+    with pytest.raises(UserError, match=r"task=vlm supports qwen2_5_vl, qwen3_vl .* is a 'qwen2' model"):
         train(config_from_dict(vlm_config(tiny_model_dir, colours, tmp_path / "a")), quiet=True)
     parquet = tmp_path / "rows.parquet"
     parquet.write_bytes(b"PAR1")
@@ -178,7 +196,8 @@ def test_checkpointing_and_a_held_out_share_train_the_same_losses(vlm_dir, colou
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
-def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dir, colours):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dirs, colours, family):
     """VisionLoss (the backbone, then head + cross-entropy at loss positions in chunks) against the PEFT model's own
     forward and torch's cross-entropy on its full logits: the same summed loss and the same adapter gradients, on a
     padded batch of three conversations with their images."""
@@ -191,13 +210,13 @@ def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dir, colours)
     from rocktune.data.vision_batch import collate
     from rocktune.model import apply_lora, load_tokenizer
     from rocktune.tasks.vlm.loss import VisionLoss
-    from rocktune.vision_model import language_targets, load_vlm, vision_tokens
+    from rocktune.vision_model import language_targets, load_vlm, model_inputs, vision_tokens
 
+    vlm_dir = vlm_dirs(family)
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), None, None)
     rows = read_records(colours[1])[:3]
-    batch = collate([encode(r, colours[1].parent, tok, vision, 64, loc) for loc, r in rows], tok.pad_token_id,
-                    vision.image_processor)
+    batch = collate([encode(r, colours[1].parent, tok, vision, 64, loc) for loc, r in rows], tok.pad_token_id, vision)
     base = load_vlm(str(vlm_dir), "fp32", "sdpa", "cpu")
     model = apply_lora(base, 8, 16, 0.0, language_targets(base), False)
     torch.manual_seed(0)
@@ -212,7 +231,7 @@ def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dir, colours)
 
     ours, count = VisionLoss(model, chunk_size=7).sum_and_count(batch)
     ours_grads = grads(ours)
-    logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}).logits
+    logits = model(**model_inputs(model.get_base_model(), batch)).logits
     ref = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), reduction="sum")
     ref_grads = grads(ref)
     assert count == int((batch["labels"][:, 1:] != -100).sum()) and len(ours_grads) == 28

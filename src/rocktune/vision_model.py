@@ -15,7 +15,7 @@ from rocktune.data.vision import VisionTokens
 from rocktune.errors import UserError, first_line
 from rocktune.model import DTYPES, check_model_source
 
-FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 VISION_PREFIX = "visual"  # the vision tower and its projector (visual.merger) in Qwen2.5-VL's module tree
 
 
@@ -30,8 +30,13 @@ def model_type(name_or_path: str) -> str:
         raise UserError(f"could not read the config of model {name_or_path}: {first_line(exc)} (offline? pass a "
                         "local model directory)") from None
     if kind not in FAMILIES:
-        raise UserError(f"task=vlm supports {', '.join(FAMILIES)} (Qwen2.5-VL) so far; {name_or_path} is a "
-                        f"{kind!r} model (docs/vision.md lists what is planned).")
+        raise UserError(f"task=vlm supports {', '.join(FAMILIES)} (Qwen2.5-VL, Qwen3-VL) so far; {name_or_path} is "
+                        f"a {kind!r} model (docs/vision.md lists what is planned).")
+    import transformers
+
+    if not hasattr(transformers, FAMILIES[kind]):
+        raise UserError(f"{name_or_path} is a {kind} model, which transformers {transformers.__version__} does not "
+                        f"know ({FAMILIES[kind]}); upgrade transformers.")
     return kind
 
 
@@ -40,7 +45,7 @@ def model_class(config):
     import transformers
 
     name = FAMILIES.get(getattr(config, "model_type", None))
-    return getattr(transformers, name) if name else None
+    return getattr(transformers, name, None) if name else None
 
 
 def vision_tokens(name_or_path: str, config, min_pixels: int | None, max_pixels: int | None) -> VisionTokens:
@@ -99,3 +104,15 @@ def language_targets(model) -> str:
 
 def in_vision(name: str) -> bool:
     return name.startswith(VISION_PREFIX + ".") or f".{VISION_PREFIX}." in name
+
+
+INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def model_inputs(module, batch: dict) -> dict:
+    """The batch's model inputs that ``module``'s forward takes (Qwen3-VL needs ``mm_token_type_ids``; a transformers
+    release whose Qwen2.5-VL forward does not know it computes the same from the ids)."""
+    import inspect
+
+    params = inspect.signature(module.forward).parameters
+    return {k: batch[k] for k in INPUTS if k in batch and k in params}

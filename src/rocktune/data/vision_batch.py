@@ -9,7 +9,7 @@ import torch
 
 from rocktune.data.encode import IGNORE
 from rocktune.data.images import load
-from rocktune.data.vision import VisionExample
+from rocktune.data.vision import VisionExample, VisionTokens
 from rocktune.errors import UserError
 
 
@@ -18,7 +18,9 @@ def loss_count(example: VisionExample) -> int:
     return sum(label != IGNORE for label in example.labels[1:])
 
 
-def collate(examples: list[VisionExample], pad_id: int, image_processor) -> dict[str, torch.Tensor]:
+def collate(examples: list[VisionExample], pad_id: int, vision: VisionTokens) -> dict[str, torch.Tensor]:
+    """``mm_token_type_ids`` marks the image tokens (1) as transformers' Qwen processors do: Qwen3-VL places its 3-D
+    rotary positions by it (the loss passes it to the models whose forward takes it)."""
     width = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full_like(ids, IGNORE)
@@ -27,11 +29,12 @@ def collate(examples: list[VisionExample], pad_id: int, image_processor) -> dict
         n = len(e.input_ids)
         ids[r, :n], labels[r, :n], mask[r, :n] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+             "mm_token_type_ids": (ids == vision.image_token_id).long(),
              "pixel_rows": torch.tensor([e.pixel_rows for e in examples]),
              "image_counts": torch.tensor([len(e.images) for e in examples])}
     refs = [(ref, grid) for e in examples for ref, grid in zip(e.images, e.grids)]
     if refs:
-        out = image_processor(images=[load(ref, "an image of the data") for ref, _ in refs], return_tensors="pt")
+        out = vision.image_processor(images=[load(ref, "an image of the data") for ref, _ in refs], return_tensors="pt")
         grids = out["image_grid_thw"]
         if [tuple(int(x) for x in g) for g in grids] != [g for _, g in refs]:
             raise UserError("an image of the data changed since it was read (its size differs); restore the files "

@@ -1,4 +1,4 @@
-"""Build a tiny random-init Qwen2.5-VL and its processor offline, saved as an ordinary HF model directory.
+"""Build a tiny random-init Qwen2.5-VL (or Qwen3-VL) and its processor offline, saved as an HF model directory.
 
 The language model is a few layers wide and deep, the vision tower one block; the tokenizer is the demo's byte-level
 one (``demo/tiny.py``) with Qwen's vision special tokens added, and the processor is transformers' own
@@ -36,38 +36,56 @@ def build_vl_tokenizer():
     return tok
 
 
-def tiny_vl_config(tokenizer, hidden: int = 128, layers: int = 2, vision_hidden: int = 32, vision_depth: int = 1):
-    from transformers import Qwen2_5_VLConfig
+def _token_ids(tokenizer) -> dict[str, int]:
+    return {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+            (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+             ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
 
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
-           (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+
+# family -> (config class, model class, the vision config's family keys, patch size); the language model's mrope
+# splits half the head dimension (8 of 16) into temporal, height and width sections
+FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   {"window_size": 56, "fullatt_block_indexes": [0]}, {}, 14),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, {"mrope_interleaved": True}, 16),
+}
+
+
+def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, layers: int = 2, vision_hidden: int = 32,
+                   vision_depth: int = 1):
+    import transformers
+
+    config_cls, _, vision_keys, rope_keys, patch = FAMILIES[family]
     head_dim = 16
     text = {"vocab_size": 320, "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
             "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim // 2 or 1,
-            "max_position_embeddings": 4096, "rope_theta": 10000.0, "initializer_range": 0.1,
-            # mrope: temporal, height and width sections of half the head dimension
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "head_dim": head_dim, "max_position_embeddings": 4096, "initializer_range": 0.1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                **rope_keys},
             "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
     vision = {"depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 2,
-              "num_heads": 2, "out_hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [0]}
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+              "num_heads": 2, "out_hidden_size": hidden, "patch_size": patch, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, **vision_keys}
+    return getattr(transformers, config_cls)(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                             **_token_ids(tokenizer))
 
 
-def build_image_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16):
+def build_image_processor(patch: int = 14, min_tokens: int = 4, max_tokens: int = 16):
     """Qwen's own image processor (its Pillow backend where torchvision is absent), saved as a hub model's
-    ``preprocessor_config.json`` is: 14-pixel patches merged 2 x 2 into one token."""
+    ``preprocessor_config.json`` is: ``patch``-pixel patches merged 2 x 2 into one token, 4 to 16 tokens an image."""
     from transformers import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, merge_size=2,
-                                 temporal_patch_size=2)
+    side = patch * 2
+    return Qwen2VLImageProcessor(min_pixels=side * side * min_tokens, max_pixels=side * side * max_tokens,
+                                 patch_size=patch, merge_size=2, temporal_patch_size=2)
 
 
-def build_tiny_vlm(out_dir: str | Path, seed: int = 0, **shape) -> Path:
-    """Write a random-init tiny Qwen2.5-VL, its tokenizer and its processor to ``out_dir`` and return the path."""
+def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl", **shape) -> Path:
+    """Write a random-init tiny vision-language model of ``family`` (Qwen2.5-VL, Qwen3-VL), its tokenizer and its
+    image processor to ``out_dir`` and return the path."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
     from rocktune.model import quiet_transformers
 
@@ -75,8 +93,9 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0, **shape) -> Path:
     out = Path(out_dir)
     tokenizer = build_vl_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(tiny_vl_config(tokenizer, **shape), dtype=torch.float32)
+    model_cls = getattr(transformers, FAMILIES[family][1])
+    model = model_cls._from_config(tiny_vl_config(tokenizer, family, **shape), dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    build_image_processor().save_pretrained(out)
+    build_image_processor(FAMILIES[family][4]).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

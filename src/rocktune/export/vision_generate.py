@@ -20,6 +20,7 @@ from rocktune.model import stop_ids
 from rocktune.platform.environment import resolve_device
 from rocktune.readers.yaml_file import read_yaml
 from rocktune.task_registry import TASKS
+from rocktune.vision_model import model_inputs
 
 
 def is_vision_run(src: Source) -> bool:
@@ -70,9 +71,9 @@ def reply(model, tokenizer, vision: VisionTokens, prompt: str, images: list[str]
     refs = [image_ref(path, Path.cwd(), f"--image {path}") for path in images]
     parts = [{"type": "image"} for _ in refs] + [{"type": "text", "text": prompt}]
     example = encode_prompt([{"role": "user", "content": parts}], refs, tokenizer, vision, "--prompt")
-    batch = collate([example], tokenizer.pad_token_id, vision.image_processor)
-    inputs = {k: v.to(model.device) for k, v in batch.items()
-              if k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+    batch = collate([example], tokenizer.pad_token_id, vision)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inputs = {k: v.to(model.device) for k, v in model_inputs(base, batch).items()}
     max_new_tokens, temperature = settings
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     stops = stop_ids(tokenizer, model)

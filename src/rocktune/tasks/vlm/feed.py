@@ -11,7 +11,7 @@ from rocktune.data.vision import VisionExample
 from rocktune.data.vision_batch import loss_count
 from rocktune.tasks.lm.feed import Step, StreamPosition
 
-ROW_KEYS = ("input_ids", "attention_mask", "labels", "pixel_rows", "image_counts")
+ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "pixel_rows", "image_counts")
 
 
 def split_rows(batch: dict, pieces: int) -> list[dict]:

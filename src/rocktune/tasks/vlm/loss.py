@@ -13,9 +13,7 @@ import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
 from rocktune.tasks.lm.loss import LinearCrossEntropy
-
-MODEL_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
-
+from rocktune.vision_model import model_inputs
 
 class VisionLoss(torch.nn.Module):
     def __init__(self, model, chunk_size: int):
@@ -27,8 +25,7 @@ class VisionLoss(torch.nn.Module):
 
     def sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         base = self.model.get_base_model()
-        inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
-        hidden = base.model(**inputs).last_hidden_state[:, :-1]
+        hidden = base.model(**model_inputs(base.model, batch)).last_hidden_state[:, :-1]
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]

@@ -105,7 +105,7 @@ class VLMTask:
         return VisionFeed(r.train, t.micro_batch_size, t.grad_accum, t.seed, self._batch, **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
-        return collate(examples, self.run.pad_id, self.run.vision.image_processor)
+        return collate(examples, self.run.pad_id, self.run.vision)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
