@@ -37,9 +37,9 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("grpo", "reinforcement learning of a causal LM's LoRA with verifiable rewards by GRPO (DAPO, Dr. GRPO): "
              "rollouts on rocktune's own generation path, no vLLM", frozenset({"lm", "grpo"}),
              "rocktune.tasks.grpo.task:GRPOTask", "rocktune.tasks.grpo.launch"),
-    TaskSpec("vlm", "LoRA for a vision-language model's language model (Qwen2.5-VL) on conversations with images; "
-             "the vision tower and projector frozen", frozenset({"vlm"}), "rocktune.tasks.vlm.task:VLMTask",
-             "rocktune.tasks.vlm.launch", vision=True),
+    TaskSpec("vlm", "LoRA for a vision-language model's language model (Qwen2.5-VL, Qwen3-VL) on conversations "
+             "with images; the vision tower and projector frozen", frozenset({"vlm"}),
+             "rocktune.tasks.vlm.task:VLMTask", "rocktune.tasks.vlm.launch", vision=True),
     TaskSpec("video-lora", "LoRA for a Wan 2.1/2.2 text-to-video transformer on clips with captions",
              frozenset({"diffusion"}), "rocktune.tasks.wan.task:WanTask", "rocktune.tasks.wan.refuse",
              diffusion=True),
