@@ -63,6 +63,12 @@ class ModelConfig(_Section):
         json_schema_extra=only("lm")
     )
 
+    vision_patch_embed: Literal["auto", "conv3d", "linear"] = Field(
+        "auto", description="task=vlm: how the vision tower's patch embedding runs. conv3d: the model's own Conv3d; "
+        "linear: the same projection as one matmul (stride equals kernel, so the two are equal; the weights and saved "
+        "files unchanged), for ROCm builds where that Conv3d was reported to crash; auto: conv3d, with the platform "
+        "knowledge's note where it applies.", json_schema_extra=only("vlm"))
+
     @field_validator("name_or_path", mode="before")
     @classmethod
     def expand_home(cls, value):

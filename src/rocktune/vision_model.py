@@ -116,3 +116,34 @@ def model_inputs(module, batch: dict) -> dict:
 
     params = inspect.signature(module.forward).parameters
     return {k: batch[k] for k in INPUTS if k in batch and k in params}
+
+
+def patch_embed_as_linear(model) -> int:
+    """Run every Conv3d of the vision tower whose stride equals its kernel (no padding, dilation or groups) as one
+    matmul: each output is the dot product of one whole patch with each filter, so ``F.linear`` on the flattened
+    patch computes the same. The module and its weights stay (state_dict, adapters and saved files unchanged); only
+    this instance's forward is replaced. Returns how many were replaced."""
+    import types
+
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv3d) and in_vision(name) and _whole_patches(module):
+            module.forward = types.MethodType(_conv3d_as_linear, module)
+            count += 1
+    return count
+
+
+def _whole_patches(conv) -> bool:
+    return (tuple(conv.stride) == tuple(conv.kernel_size) and tuple(conv.padding) == (0, 0, 0)
+            and tuple(conv.dilation) == (1, 1, 1) and conv.groups == 1 and conv.padding_mode == "zeros")
+
+
+def _conv3d_as_linear(self, x):
+    """(N, C, T, H, W) with (T, H, W) a multiple of the kernel -> the Conv3d's output, by one matmul per patch."""
+    import torch.nn.functional as F
+
+    kt, kh, kw = self.kernel_size
+    n, c, t, h, w = x.shape
+    patches = x.reshape(n, c, t // kt, kt, h // kh, kh, w // kw, kw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    out = F.linear(patches.reshape(-1, c * kt * kh * kw), self.weight.reshape(self.out_channels, -1), self.bias)
+    return out.reshape(n, t // kt, h // kh, w // kw, self.out_channels).permute(0, 4, 1, 2, 3)

@@ -49,13 +49,15 @@ def load(src: Source, device: str):
 
     from rocktune.model import quiet_transformers
     from rocktune.platform.advise import device_precision
-    from rocktune.vision_model import load_vlm, vision_tokens, with_processor_template
+    from rocktune.vision_model import load_vlm, patch_embed_as_linear, vision_tokens, with_processor_template
 
     quiet_transformers()
     data = src.run_config.get("data") or {}
     vision = vision_tokens(src.base, AutoConfig.from_pretrained(src.base), data.get("min_pixels"),
                            data.get("max_pixels"))
     model = load_vlm(src.base, device_precision(device), "sdpa", device)  # the platform's precision policy
+    if (src.run_config.get("model") or {}).get("vision_patch_embed") == "linear":  # as the run trained
+        patch_embed_as_linear(model)
     if src.adapter is not None:
         from peft import PeftModel
 

@@ -85,7 +85,7 @@ class VLMTask:
         vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels,
                                      d.max_pixels)
         train, held = _read(cfg, tokenizer, vision)
-        model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device)
+        model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device, ctx.platform)
         ctx.notes += notes
         loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
         self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision)
