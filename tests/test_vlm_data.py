@@ -278,3 +278,30 @@ def test_a_template_kept_only_by_the_processor_is_used(tmp_path, tok):
     bare = AutoTokenizer.from_pretrained(tmp_path)
     assert not bare.chat_template
     assert with_processor_template(bare, str(tmp_path)).chat_template == tok.chat_template
+
+
+def test_parquet_and_save_to_disk_image_columns_give_the_same_tokens(folder, tok, vision, tmp_path):
+    """TRL's vision sets: list content parts and a list-of-Image column (bytes embedded), read through datasets
+    undecoded; the same tokens, labels and pixels' grid as the JSONL row naming the file."""
+    from datasets import Dataset, Features, Image, Sequence, Value
+
+    from rocktune.config import DataConfig
+    from rocktune.data.vision_source import read_rows
+
+    png = (folder / "images" / "red.png").read_bytes()
+    part = {"type": Value("string"), "text": Value("string")}
+    features = Features({"messages": [{"role": Value("string"), "content": [part]}], "images": Sequence(Image())})
+    messages = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": QUESTION}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+    ds = Dataset.from_dict({"messages": [messages], "images": [[{"bytes": png, "path": None}]]}, features=features)
+    ds.to_parquet(str(tmp_path / "rows.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    (want,) = _encode_rows(folder, [{"messages": _user([{"type": "image", "image": "images/red.png"},
+                                                        {"type": "text", "text": QUESTION}])}], tok, vision)
+    for spec, where in ((tmp_path / "rows.parquet", "rows.parquet[row 0]"), (tmp_path / "saved", "saved[row 0]")):
+        rows, base = read_rows(str(spec), DataConfig(train_file=str(spec)), tmp_path / "cache", "data.train_file")
+        ((loc, rec),) = rows
+        assert str(loc).endswith(where)
+        got = encode(rec, base, tok, vision, 128, str(loc))
+        assert (got.input_ids, got.labels, got.grids) == (want.input_ids, want.labels, want.grids)
+        assert got.images[0].data == png

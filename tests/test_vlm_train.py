@@ -172,13 +172,13 @@ def test_pixel_limits_are_refused_for_text_tasks():
         refuse_before_launch(cfg, RunOptions())
 
 
-def test_a_text_model_or_a_parquet_file_is_refused_before_training(tiny_model_dir, vlm_dir, colours, tmp_path):
+def test_a_text_model_or_a_csv_file_is_refused_before_training(tiny_model_dir, vlm_dir, colours, tmp_path):
     with pytest.raises(UserError, match=r"task=vlm supports qwen2_5_vl, qwen3_vl .* is a 'qwen2' model"):
         train(config_from_dict(vlm_config(tiny_model_dir, colours, tmp_path / "a")), quiet=True)
-    parquet = tmp_path / "rows.parquet"
-    parquet.write_bytes(b"PAR1")
-    with pytest.raises(UserError, match=r"task=vlm reads JSON/JSONL files for now"):
-        train(config_from_dict(vlm_config(vlm_dir, (parquet, colours[1]), tmp_path / "b")), quiet=True)
+    table = tmp_path / "rows.csv"
+    table.write_text("messages\nx\n")
+    with pytest.raises(UserError, match=r"task=vlm reads JSON/JSONL, parquet and Arrow files, save_to_disk folders"):
+        train(config_from_dict(vlm_config(vlm_dir, (table, colours[1]), tmp_path / "b")), quiet=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -20,9 +20,9 @@ import torch
 
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources
-from rocktune.data.records import read_records
 from rocktune.data.vision import VisionExample, VisionTokens, encode
 from rocktune.data.vision_batch import collate
+from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import build, launch
@@ -71,9 +71,10 @@ class VLMTask:
         for key, file in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
             if file:
                 sources.check_spec(file, key)
-                if Path(file).suffix.lower() not in (".json", ".jsonl"):
-                    raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL files for now (images named by path "
-                                    "relative to the file, file:// or data: URLs; docs/vision.md).")
+                if Path(file).is_file() and Path(file).suffix.lower() not in (".json", ".jsonl", ".parquet",
+                                                                               ".arrow"):
+                    raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL, parquet and Arrow files, save_to_disk "
+                                    "folders and hub ids (docs/vision.md).")
         model_type(ctx.cfg.model.name_or_path)
 
     def prepare(self, ctx: RunContext) -> Prepared:
@@ -84,7 +85,7 @@ class VLMTask:
 
         vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels,
                                      d.max_pixels)
-        train, held = _read(cfg, tokenizer, vision)
+        train, held = _read(cfg, tokenizer, vision, ctx.cache_root)
         model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device, ctx.platform)
         ctx.notes += notes
         loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
@@ -164,12 +165,12 @@ class VLMTask:
         """Never compiled (training.compile is an SFT setting)."""
 
 
-def _read(cfg: RunConfig, tokenizer, vision: VisionTokens) -> tuple[list[VisionExample], list[VisionExample]]:
-    """(train, eval) examples: every row of every file encoded, every image opened, before anything is written."""
+def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path):
+    """(train, eval) examples: every row of every source encoded, every image opened, before anything is written."""
     d = cfg.data
-    train = _encode_file(d.train_file, tokenizer, vision, d.max_length)
+    train = _encode_source(d.train_file, d, (tokenizer, vision), cache_root, "data.train_file")
     if d.eval_file:
-        return train, _encode_file(d.eval_file, tokenizer, vision, d.max_length)
+        return train, _encode_source(d.eval_file, d, (tokenizer, vision), cache_root, "data.eval_file")
     order = list(range(len(train)))
     random.Random(cfg.training.seed).shuffle(order)
     n_eval = int(len(train) * d.eval_fraction) or (1 if d.eval_fraction and len(train) > 1 else 0)
@@ -177,9 +178,10 @@ def _read(cfg: RunConfig, tokenizer, vision: VisionTokens) -> tuple[list[VisionE
     return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
 
 
-def _encode_file(file: str, tokenizer, vision: VisionTokens, max_length: int) -> list[VisionExample]:
-    base = Path(file).parent
-    return [encode(rec, base, tokenizer, vision, max_length, loc) for loc, rec in read_records(file)]
+def _encode_source(spec: str, d, parts: tuple, cache_root: Path, key: str) -> list[VisionExample]:
+    tokenizer, vision = parts
+    rows, base = read_rows(spec, d, cache_root, key)
+    return [encode(rec, base, tokenizer, vision, d.max_length, str(loc)) for loc, rec in rows]
 
 
 def _fingerprint(examples: list[VisionExample]) -> str:
