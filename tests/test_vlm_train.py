@@ -238,3 +238,19 @@ def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dirs, colours
     assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
     for name, g in ours_grads.items():
         assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_data_preview_shows_each_image_its_tokens_and_where_they_sit(vlm_dir, capsys):
+    from rocktune.cli import main
+
+    data = Path(__file__).parents[1] / "examples" / "vision" / "chat.jsonl"
+    capsys.readouterr()
+    assert main(["data", "preview", "--data", str(data), "--model", str(vlm_dir), "task=vlm", "--json", "-n", "2"]) == 0
+    pv = json.loads(capsys.readouterr().out)
+    assert (pv["n_examples"], pv["n_images"], pv["image_tokens"]) == (4, 4, 16)
+    assert pv["trained_tokens"] == sum(len(a) + 2 for a in ("red", "blue", "yes", "green", "green"))
+    first = pv["examples"][0]
+    assert first["images"] == [{"source": str(data.parent / "images" / "red_square.png"), "size": [56, 56],
+                                "grid_thw": [1, 4, 4], "tokens": 4, "positions": [7, 11]}]
+    assert "<|vision_start|><image 1: 4 tokens><|vision_end|>What colour is the shape?" in first["text"]
+    assert first["text"].endswith("[red<|im_end|>\n]")

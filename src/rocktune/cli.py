@@ -477,6 +477,10 @@ def _run_data_preview(args) -> int:
             from rocktune.diffusion.preview import run_media_preview
 
             return run_media_preview(cfg, args.examples, args.json)
+        if cfg.spec.vision:
+            from rocktune.report.vision_preview import run_vision_preview
+
+            return run_vision_preview(cfg, args.examples, args.json)
         if cfg.spec.pairs:
             from rocktune.report.pair_preview import run_pair_preview
 
