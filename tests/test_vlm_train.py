@@ -254,3 +254,9 @@ def test_data_preview_shows_each_image_its_tokens_and_where_they_sit(vlm_dir, ca
                                 "grid_thw": [1, 4, 4], "tokens": 4, "positions": [7, 11]}]
     assert "<|vision_start|><image 1: 4 tokens><|vision_end|>What colour is the shape?" in first["text"]
     assert first["text"].endswith("[red<|im_end|>\n]")
+
+
+def test_plan_says_it_cannot_plan_a_vision_run_yet(vlm_dir):
+    from rocktune.cli import main
+
+    assert main(["plan", str(vlm_dir), "--task", "vlm"]) == 2

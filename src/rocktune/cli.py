@@ -361,6 +361,10 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
+    if TASKS[args.task].vision:
+        raise UserError(f"rocktune plan does not count image tokens or the vision tower's memory yet, so it cannot "
+                        f"plan task={args.task} (docs/vision.md); lower data.max_pixels and training.micro_batch_size "
+                        "if a run runs out of memory.")
     if TASKS[args.task].diffusion:
         from rocktune.planner.wan import WanSpec, parse_resolution, run_wan_plan
 
