@@ -79,6 +79,8 @@ def test_the_loss_falls_with_lora_on_the_language_model_only(vlm_dirs, colours, 
     with safe_open(str(run / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     assert len(keys) == 28 and all(".language_model." in k and "visual" not in k for k in keys)
+    card = (run / "adapter" / "README.md").read_text()
+    assert "--image PHOTO.png" in card and "AutoModelForImageTextToText" in card and "--to gguf" not in card
     _merged_sees_as_the_adapter_did(run, colours[1])
 
 
