@@ -262,3 +262,31 @@ def test_plan_says_it_cannot_plan_a_vision_run_yet(vlm_dir):
     from rocktune.cli import main
 
     assert main(["plan", str(vlm_dir), "--task", "vlm"]) == 2
+
+
+@pytest.mark.parametrize(("family", "vision", "note", "keys"), [
+    ("qwen2_5_vl", "projector", "LoRA on 14 language-model and 2 projector modules; the vision tower (visual.*) is "
+     "frozen", {"merger.mlp.0", "merger.mlp.2"}),
+    ("qwen3_vl", "projector", "LoRA on 14 language-model and 4 projector modules; the vision tower (visual.*) is "
+     "frozen", {"merger.linear_fc1", "merger.linear_fc2", "deepstack_merger_list.0.linear_fc1"}),
+    ("qwen2_5_vl", "all", "LoRA on 14 language-model and 2 projector and 5 vision-tower modules",
+     {"merger.mlp.0", "blocks.0.attn.qkv", "blocks.0.mlp.down_proj"}),
+])
+def test_lora_on_the_projector_or_the_whole_vision_side_is_opt_in_and_named(vlm_dirs, colours, tmp_path, family,
+                                                                              vision, note, keys):
+    from safetensors import safe_open
+
+    cfg = vlm_config(vlm_dirs(family), colours, tmp_path / "run", max_steps=3)
+    cfg["lora"]["vision"] = vision
+    train(config_from_dict(cfg), quiet=True)
+    assert note in json.loads((tmp_path / "run" / "run_info.json").read_text())["notes"]
+    with safe_open(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        adapted = {k.split(".visual.")[1].rsplit(".lora_", 1)[0] for k in f.keys() if ".visual." in k}
+    assert keys <= adapted and ("blocks" in " ".join(adapted)) == (vision == "all")
+
+
+def test_lora_vision_with_a_list_of_targets_is_refused(tmp_path):
+    cfg = vlm_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
+    cfg["lora"].update({"vision": "projector", "target_modules": ["q_proj"]})
+    with pytest.raises(UserError, match=r"lora.vision=projector chooses the vision side with lora.target_modules"):
+        refuse_before_launch(config_from_dict(cfg), RunOptions())

@@ -82,6 +82,11 @@ class LoraConfig(_Section):
     target_modules: str | list[str] = Field(
         "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the head."
     )
+    vision: Literal["none", "projector", "all"] = Field(
+        "none", description="task=vlm with target_modules all-linear: LoRA on the vision side too. none: the language "
+        "model only (the vision tower and projector frozen); projector: also the projector (the merger that maps "
+        "image features into the language model); all: also every linear layer of the vision tower.",
+        json_schema_extra=only("vlm"))
 
 
 class DataConfig(_Section):

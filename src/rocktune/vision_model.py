@@ -9,6 +9,8 @@ processor class also builds a video processor, which needs torchvision; images n
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from rocktune.data.vision import VisionTokens
@@ -93,17 +95,29 @@ def load_vlm(name_or_path: str, precision: str, attn_implementation: str, device
     return model.to(device)
 
 
-def language_targets(model) -> str:
-    """PEFT's target_modules for LoRA on the language model only: a pattern over its linear layers' full names
-    (never the vision tower, the projector or the head)."""
+def language_targets(model, vision: str = "none") -> str:
+    """PEFT's target_modules for LoRA on the language model's linear layers (never the head), plus, when asked
+    (``lora.vision``), the projector's (``projector``) or every linear layer of the vision side (``all``)."""
     head = model.get_output_embeddings()
     names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                     if isinstance(m, torch.nn.Linear) and m is not head and not in_vision(name)})
-    return rf"^(?!{VISION_PREFIX}\.|.*\.{VISION_PREFIX}\.).*\.({'|'.join(names)})$"
+    language = rf"(?!{VISION_PREFIX}\.|.*\.{VISION_PREFIX}\.).*\.({'|'.join(names)})"
+    if vision == "none":
+        return f"^{language}$"
+    extra = [re.escape(name) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             and in_vision(name) and (vision == "all" or vision_part(name) == "projector")]
+    return f"^(?:{language}|{'|'.join(extra)})$"
 
 
 def in_vision(name: str) -> bool:
     return name.startswith(VISION_PREFIX + ".") or f".{VISION_PREFIX}." in name
+
+
+def vision_part(name: str) -> str:
+    """language | projector (the mergers that map vision features into the language model's width) | tower."""
+    if not in_vision(name):
+        return "language"
+    return "projector" if "merger" in name else "tower"
 
 
 INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")

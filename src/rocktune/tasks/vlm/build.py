@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rocktune.model import apply_lora
-from rocktune.vision_model import VISION_PREFIX, in_vision, language_targets, load_vlm, patch_embed_as_linear
+from rocktune.vision_model import VISION_PREFIX, language_targets, load_vlm, patch_embed_as_linear, vision_part
 
 
 PATCH_RULE = "rocm-conv3d-patch-embed"  # platform/knowledge.yaml
@@ -29,16 +29,22 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     the note says which parts carry adapters and that the vision tower and projector are frozen."""
     model = load_vlm(model_cfg.name_or_path, precision, attn_implementation, device)
     patch_notes = patch_embed(model, model_cfg.vision_patch_embed, platform)
-    targets = language_targets(model) if lora_cfg.target_modules == "all-linear" else lora_cfg.target_modules
+    targets = language_targets(model, lora_cfg.vision) if lora_cfg.target_modules == "all-linear" else \
+        lora_cfg.target_modules
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, targets,
                        model_cfg.gradient_checkpointing)
-    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and isinstance(m, torch.nn.Module)
-               and any(True for _ in m.lora_A.values())]
-    vision = sum(in_vision(n.removeprefix("base_model.model.")) for n in adapted)
-    if vision:
-        where = f"LoRA on {len(adapted) - vision} language-model and {vision} vision-tower/projector modules " \
-                "(lora.target_modules reaches the vision side)"
-    else:
-        where = (f"LoRA on {len(adapted)} language-model modules; the vision tower and projector "
-                 f"({VISION_PREFIX}.*) are frozen")
-    return model, [where] + patch_notes
+    return model, [adapted_note(model)] + patch_notes
+
+
+def adapted_note(model) -> str:
+    """Which parts carry adapters, counted, and which stay frozen: the run log's statement of what trains."""
+    parts = {"language": 0, "projector": 0, "tower": 0}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and len(module.lora_A):
+            parts[vision_part(name.removeprefix("base_model.model."))] += 1
+    words = {"language": "language-model", "projector": "projector", "tower": "vision-tower"}
+    trained = " and ".join(f"{n} {words[p]}" for p, n in parts.items() if n)
+    frozen = {(True, True): "; the vision tower and projector ({}.*) are frozen",
+              (True, False): "; the vision tower ({}.*) is frozen", (False, True): "; the projector is frozen",
+              (False, False): ""}[(not parts["tower"], not parts["projector"])]
+    return f"LoRA on {trained} modules" + frozen.format(VISION_PREFIX)
