@@ -290,3 +290,42 @@ def test_lora_vision_with_a_list_of_targets_is_refused(tmp_path):
     cfg["lora"].update({"vision": "projector", "target_modules": ["q_proj"]})
     with pytest.raises(UserError, match=r"lora.vision=projector chooses the vision side with lora.target_modules"):
         refuse_before_launch(config_from_dict(cfg), RunOptions())
+
+
+def test_the_prefetching_feed_hands_out_the_same_steps_and_positions(vlm_dir, colours):
+    """A GPU run processes the next step's images in a thread: the same batches, positions and resumed stream."""
+    import torch
+    from transformers import AutoConfig
+
+    from rocktune.data.records import read_records
+    from rocktune.data.vision import encode
+    from rocktune.data.vision_batch import collate
+    from rocktune.model import load_tokenizer
+    from rocktune.tasks.vlm.feed import VisionFeed
+    from rocktune.vision_model import vision_tokens
+
+    tok = load_tokenizer(str(vlm_dir), False)
+    vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), None, None)
+    examples = [encode(r, colours[1].parent, tok, vision, 64, loc) for loc, r in read_records(colours[1])]
+
+    def batch(exs):
+        return collate(exs, tok.pad_token_id, vision)
+
+    def walk(feed, n):
+        out = []
+        for _ in range(n):
+            step = feed.next()
+            copies = [{k: v.clone() for k, v in f.items()} for f in step.forwards]
+            out.append((step.loss_tokens, feed.position(), copies))
+        feed.close()
+        return out
+
+    plain = walk(VisionFeed(examples, (4, 2, 0), batch), 6)
+    ahead = walk(VisionFeed(examples, (4, 2, 0), batch, prefetch=True), 6)
+    resumed = walk(VisionFeed(examples, (4, 2, 0), batch, prefetch=True, **plain[2][1]), 3)
+    for got in (ahead, [None] * 3 + resumed):
+        for want, step in zip(plain, got):
+            if step is None:
+                continue
+            assert step[:2] == want[:2]
+            assert all(torch.equal(a[k], b[k]) for a, b in zip(step[2], want[2]) for k in a)

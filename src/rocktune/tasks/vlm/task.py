@@ -103,7 +103,9 @@ class VLMTask:
 
     def new_feed(self, **position) -> VisionFeed:
         r, t = self.run, self.cfg.training
-        return VisionFeed(r.train, t.micro_batch_size, t.grad_accum, t.seed, self._batch, **position)
+        # On a GPU the next step's images are processed while this one computes; on a CPU a thread would compete.
+        return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed), self._batch, r.ctx.device == "cuda",
+                          **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
         return collate(examples, self.run.pad_id, self.run.vision)
