@@ -20,6 +20,7 @@ import torch
 
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources
+from rocktune.data.dataset import Pending
 from rocktune.data.vision import VisionExample, VisionTokens, encode
 from rocktune.data.vision_batch import collate
 from rocktune.data.vision_source import read_rows
@@ -80,12 +81,16 @@ class VLMTask:
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, device = ctx.cfg, ctx.device
         m, d = cfg.model, cfg.data
-        tokenizer = with_processor_template(preflight.load_tokenizer(m.name_or_path, False), m.name_or_path)
         from transformers import AutoConfig
 
-        vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels,
-                                     d.max_pixels)
-        train, held = _read(cfg, tokenizer, vision, ctx.cache_root)
+        tokenizer = with_processor_template(preflight.load_tokenizer(m.name_or_path, False), m.name_or_path)
+        vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels, d.max_pixels)
+        pending = Pending.start(ctx.cache_root)
+        try:
+            train, held = _read(cfg, tokenizer, vision, ctx.cache_root)
+        except BaseException:  # a rejected source leaves no Arrow copy behind (parquet and hub sources)
+            pending.discard()
+            raise
         model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device, ctx.platform)
         ctx.notes += notes
         loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
