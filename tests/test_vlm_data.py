@@ -80,6 +80,8 @@ def test_every_format_gives_the_same_tokens_labels_and_grid(folder, tok, vision)
         {"messages": _user([{"type": "image_url", "image_url": {
             "url": "data:image/png;base64," + base64.b64encode(png).decode()}}, text])},  # base64 data URL
         {"messages": _user([{"type": "image", "image": "images/red.png"}, text])},  # HF's image part
+        {"messages": _user([{"type": "input_image", "image_url": "images/red.png"},
+                            {"type": "input_text", "text": QUESTION}])},  # OpenAI's Responses API
         {"messages": _user([{"type": "image", "image": {"path": "images/red.png"}}, text])},  # a datasets Image
         {"messages": _user([{"type": "image"}, text]), "images": ["images/red.png"]},  # TRL's images column
         {"conversations": [{"from": "human", "value": "<image>" + QUESTION}, {"from": "gpt", "value": "red"}],
@@ -90,7 +92,7 @@ def test_every_format_gives_the_same_tokens_labels_and_grid(folder, tok, vision)
     for e in out[1:]:
         assert (e.input_ids, e.labels, e.grids) == (first.input_ids, first.labels, first.grids)
     assert first.images[0].path == folder / "images" / "red.png"
-    assert out[3].images[0].data == png
+    assert out[3].images[0].data == png and len(out) == 9
     from rocktune.data.images import ImageRef, resolve
 
     assert resolve({"bytes": png, "path": None}, folder, "x") == ImageRef(data=png)  # a datasets Image's bytes

@@ -4,7 +4,8 @@ The shapes the ecosystem writes, each normalised to HF's canonical conversation 
 the order the images come) plus the list of images:
 
 - OpenAI / HF messages whose content is a list of parts: ``{"type": "image_url", "image_url": {"url": ...}}``,
-  ``{"type": "image", "image" | "url" | "path": ...}``, ``{"type": "text", "text": ...}``;
+  ``{"type": "image", "image" | "url" | "path": ...}``, ``{"type": "text", "text": ...}`` (and the Responses API's
+  ``input_image`` / ``input_text``);
 - TRL's vision datasets: ``messages`` with bare ``{"type": "image"}`` placeholders and an ``images`` column that
   fills them in order;
 - LLaVA / ShareGPT: ``conversations`` of ``{"from", "value"}`` turns with ``<image>`` markers in the text and an
@@ -93,9 +94,9 @@ def _parts(content, where: str) -> list[dict]:
 
 def _part(part, where: str) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
+    if kind in ("text", "input_text") and isinstance(part.get("text"), str):  # input_*: OpenAI's Responses API
         return {"type": "text", "text": part["text"]}
-    if kind == "image_url":
+    if kind in ("image_url", "input_image"):
         url = part.get("image_url")
         return {"type": "image", "source": url.get("url") if isinstance(url, dict) else url}
     if kind == "image":
