@@ -6,6 +6,7 @@ answers from the run directory, and what task=vlm cannot do is refused before an
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,7 @@ def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dirs, colours, tmp_pa
 @pytest.mark.parametrize(("change", "options", "message"), [
     ({"data": {"packing": True}}, RunOptions(), r"data.packing=True: only for task=lm"),
     ({"model": {"quantization": "nf4"}}, RunOptions(), r"model.quantization=nf4: only for task=lm"),
-    ({}, RunOptions(processes=2), r"task=vlm trains in one process for now"),
+    ({"lora": {"vision": "projector"}}, RunOptions(processes=2), r"lora.vision=projector trains in one process"),
     ({}, RunOptions(auto_fit=True), r"--auto fits supervised text runs"),
 ])
 def test_what_vlm_cannot_do_is_refused_before_launch(tmp_path, change, options, message):
@@ -329,3 +330,33 @@ def test_the_prefetching_feed_hands_out_the_same_steps_and_positions(vlm_dir, co
                 continue
             assert step[:2] == want[:2]
             assert all(torch.equal(a[k], b[k]) for a, b in zip(step[2], want[2]) for k in a)
+
+
+@pytest.mark.long
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo + torchrun on Linux/macOS")
+@pytest.mark.parametrize("grad_accum", [2, 1])
+def test_two_ranks_make_the_one_process_update(vlm_dir, colours, tmp_path, grad_accum):
+    """DDP over 2 CPU ranks (gloo, torchrun): each rank collates and sees its share of the step's conversations and
+    their images (grad_accum 1: rank 1's share is empty and it runs the idle batch); the logged losses and the
+    adapter are those of one process."""
+    import yaml
+
+    from tests.test_distributed import adapter, losses, rocktune
+
+    runs = {}
+    for name, nproc in (("one", []), ("two", ["--nproc", 2])):
+        cfg = vlm_config(vlm_dir, colours, tmp_path / name, max_steps=4, micro_batch_size=4, grad_accum=grad_accum,
+                         eval_every=2)
+        cfg["reliability"].update({"collective_timeout_s": 30, "preflight_timeout_s": 60})
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        res = rocktune("train", "-c", path, "--no-supervise", *nproc)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = (tmp_path / name, res.stderr)
+    (one, _), (two, stderr) = runs["one"], runs["two"]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    evals = [[r["eval_loss"] for r in _metrics(run) if "eval_loss" in r] for run in (one, two)]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-5)
+    a, b = adapter(one), adapter(two)
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert "2 ranks, gloo; preflight passed" in stderr

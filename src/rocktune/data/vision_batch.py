@@ -41,3 +41,12 @@ def collate(examples: list[VisionExample], pad_id: int, vision: VisionTokens) ->
                             "or start a new run.")
         batch["pixel_values"], batch["image_grid_thw"] = out["pixel_values"], grids
     return batch
+
+
+def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
+    """One pad token that scores nothing and shows no image: the forward a rank runs when its share of a small step
+    is empty, so that DDP's all-reduce sees every rank (the language model's adapter gets a zero gradient)."""
+    ids = torch.tensor([[pad_id]])
+    zero = torch.zeros(1, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, IGNORE),
+            "mm_token_type_ids": torch.zeros_like(ids), "pixel_rows": zero, "image_counts": zero.clone()}

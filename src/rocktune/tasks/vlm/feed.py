@@ -44,9 +44,12 @@ class VisionFeed(StreamPosition):
     split = staticmethod(split_rows)
 
     def __init__(self, examples: list[VisionExample], shape: tuple[int, int, int], make_batch, prefetch: bool = False,
-                 epoch: int = 0, index: int = 0):
+                 share=(0, 1, None), epoch: int = 0, index: int = 0):
         micro_batch_size, self.grad_accum, seed = shape
         self.examples, self.make_batch = examples, make_batch
+        # several ranks (DDP): every rank walks the same stream and takes the step's micro-batches round-robin; a rank
+        # whose share of a small step is empty runs ``idle`` (no loss, no image) so that every rank's backward meets
+        self.rank, self.world, self.idle = share
         lengths = [len(e.input_ids) for e in examples]
         self.counts = [loss_count(e) for e in examples]
         self.stream = BatchStream(lambda e: epoch_batches(lengths, micro_batch_size, seed, e), epoch, index)
@@ -58,17 +61,22 @@ class VisionFeed(StreamPosition):
     def next(self) -> Step:
         if self._ahead is None:
             items = self._take()
-            forwards = self._collate(items)
+            forwards = self._collate(self._mine(items))
             self._position, self._epoch = self.stream.position(), self.stream.epoch
         else:
             items, future, self._position, self._epoch = self._ahead
             self._ahead, forwards = None, future.result()
         if self._pool is not None:
             ahead = self._take()
-            self._ahead = (ahead, self._pool.submit(self._collate, ahead), self.stream.position(), self.stream.epoch)
+            self._ahead = (ahead, self._pool.submit(self._collate, self._mine(ahead)), self.stream.position(),
+                           self.stream.epoch)
         every = [i for item in items for i in item]
-        real = sum(len(self.examples[i].input_ids) for i in every)
-        return Step(items, forwards, sum(self.counts[i] for i in every), real)
+        mine = self._mine(items)
+        real = sum(len(self.examples[i].input_ids) for item in mine for i in item)
+        return Step(mine, forwards or [self.idle], sum(self.counts[i] for i in every), real)
+
+    def _mine(self, items: list) -> list:
+        return items[self.rank :: self.world]
 
     def _take(self) -> list:
         return [self.stream.next() for _ in range(self.grad_accum)]

@@ -4,7 +4,7 @@ with images (data/vision.py). The vision tower and projector stay frozen unless 
 Everything a run does the same way whatever it trains (steps, OOM split, guards, the training-path tripwire,
 checkpoints, exact resume, Ctrl-C, the final writes) is the engine's; this task brings the data (every row and
 image read and checked before anything is written), the model (build.py), the feed (feed.py) and the loss
-(loss.py). One process for now (launch.py refuses --nproc).
+(loss.py). Several processes train by DDP (each rank its round-robin share of a step's micro-batches).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources
 from rocktune.data.dataset import Pending
 from rocktune.data.vision import VisionExample, VisionTokens, encode
-from rocktune.data.vision_batch import collate
+from rocktune.data.vision_batch import collate, idle_batch
 from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, preflight
@@ -91,58 +91,73 @@ class VLMTask:
         except BaseException:  # a rejected source leaves no Arrow copy behind (parquet and hub sources)
             pending.discard()
             raise
+        # Several ranks (DDP): every rank reads and checks the data itself (there is no cache to share) and the
+        # group proves it holds the same rows before training.
+        dist, rel = ctx.dist, cfg.reliability
+        distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
+        ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
+        fingerprint = _fingerprint(train)
+        distributed.same_run(dist, fingerprint)
         model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device, ctx.platform)
         ctx.notes += notes
         loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
+        wrapped = distributed.wrap(loss, dist, device, distributed.strategy(dist, "ddp", "none"), ctx.notes)
         self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision)
-        fingerprint = _fingerprint(train)
         lengths = [len(e.input_ids) for e in train]
         n_images = sum(len(e.images) for e in train)
         info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(lengths), "max_example_tokens": max(lengths), "train_images": n_images,
                 "image_tokens": sum(e.pixel_rows // vision.merge_size**2 for e in train),
                 "n_truncated": sum(e.truncated for e in train), "fingerprint": fingerprint}
-        return Prepared(model, loss, fingerprint,
+        return Prepared(model, wrapped, fingerprint,
                         f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm)", info,
                         tokenizer=tokenizer)
 
     def new_feed(self, **position) -> VisionFeed:
         r, t = self.run, self.cfg.training
         # On a GPU the next step's images are processed while this one computes; on a CPU a thread would compete.
+        dist = r.ctx.dist
         return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed), self._batch, r.ctx.device == "cuda",
-                          **position)
+                          (dist.rank, dist.world, idle_batch(r.pad_id)), **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
         return collate(examples, self.run.pad_id, self.run.vision)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean token loss over the eval conversations."""
+        """Mean token loss over the eval conversations (several ranks: each its round-robin share, summed)."""
         r = self.run
         if not r.held:
             return None
+        dist = r.ctx.dist
+        mine = r.held[dist.rank :: dist.world]
         model = r.loss.model
         was_training = model.training
         model.eval()
         autocast = engine_build.autocast(r.ctx.device, r.ctx.precision)
         total, count = 0.0, 0
         size = self.cfg.training.micro_batch_size
-        for start in range(0, len(r.held), size):
-            batch = self._batch(r.held[start : start + size])
+        for start in range(0, len(mine), size):
+            batch = self._batch(mine[start : start + size])
             with autocast():
                 loss, n = r.loss.sum_and_count({k: v.to(r.ctx.device) for k, v in batch.items()})
             total, count = total + float(loss), count + n
         model.train(was_training)
-        return total / max(count, 1)
+        return distributed.mean_over_ranks(dist, total, count)
 
     def check_resume(self, restored, force: bool) -> None:
-        resume.check_world(restored, 1, force)
+        dist = self.run.ctx.dist
+        resume.check_world(restored, dist.world, force)
+        note = distributed.check_rng(dist, restored.extra.get("rank_rng"), force)
+        if note:
+            self.run.ctx.notes.append(note)
 
     def resumed(self, restored) -> None:
         distributed.restore_rng(self.run.ctx.dist, restored.extra.get("rank_rng"))
 
     def checkpoint_extra(self) -> dict:
-        return {"world_size": 1, "rank_rng": distributed.gather_rng(self.run.ctx.dist)}
+        dist = self.run.ctx.dist
+        return {"world_size": dist.world, "rank_rng": distributed.gather_rng(dist)}
 
     def start(self, redo_from: int, metrics, log) -> None:
         """Nothing to open: sample generations are an SFT feature (not yet for vlm)."""
