@@ -65,7 +65,12 @@ def test_the_loss_falls_with_lora_on_the_language_model_only(vlm_dirs, colours, 
     from safetensors import safe_open
 
     run = tmp_path / "run"
-    train(config_from_dict(vlm_config(vlm_dirs(family), colours, run, max_steps=30)), quiet=True)
+    train(config_from_dict(vlm_config(vlm_dirs(family), colours, run, max_steps=30, eval_every=10, sample_count=2)),
+          quiet=True)
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 0, 10, 10, 20, 20, 30, 30]
+    assert all("<|image_pad|>" in s["prompt"] and s["expected"].strip() in ("red", "green", "blue", "yellow")
+               for s in samples)
     rows = _metrics(run)
     losses = [r["loss"] for r in rows if "loss" in r]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
@@ -134,7 +139,10 @@ def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dirs, colours, tmp_pa
     """The issue's "done when": four colours, so chance is 25%; the answer is only in the image (the question never
     changes). 300 steps take 15-30 s on one CPU thread; Qwen3-VL's run (accuracy 1.0 measured) is in make test-long."""
     run = tmp_path / "run"
-    train(config_from_dict(vlm_config(vlm_dirs(family), colours, run, max_steps=300)), quiet=True)
+    train(config_from_dict(vlm_config(vlm_dirs(family), colours, run, max_steps=300, sample_count=8)), quiet=True)
+    final = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()][-8:]
+    assert [s["step"] for s in final] == [300] * 8  # the samples at the last eval answer from the image
+    assert sum(s["output"].strip() == s["expected"].strip() for s in final) >= 7
     from rocktune.export.source import resolve
     from rocktune.export.vision_generate import load
 

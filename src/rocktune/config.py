@@ -235,7 +235,8 @@ class TrainingConfig(_Section):
     sample_count: int = Field(
         0, ge=0, description="Eval examples whose prompts (every token before the first loss-bearing one) are "
         "completed greedily at each eval pass (start, every eval_every steps, end); kept in samples.jsonl, shown in "
-        "the progress output and the report. 0: none.", json_schema_extra=only("sft")
+        "the progress output and the report (task=vlm: with the example's images). 0: none.",
+        json_schema_extra=only("sft", "vlm")
     )
     sample_prompts: list[str] = Field(
         default_factory=list, description="Extra fixed prompts completed with the samples, rendered like the data's "
@@ -243,7 +244,7 @@ class TrainingConfig(_Section):
         json_schema_extra=only("sft")
     )
     sample_max_new_tokens: int = Field(48, gt=0, description="Longest sample completion, in tokens.",
-        json_schema_extra=only("sft"))
+        json_schema_extra=only("sft", "vlm"))
     loss_impl: Literal["chunked", "full"] = Field(
         "chunked", description="chunked: head + cross-entropy only at loss positions, in chunks; full: HF logits.",
         json_schema_extra=only("sft")

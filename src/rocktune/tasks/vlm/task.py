@@ -29,7 +29,9 @@ from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import build, launch
 from rocktune.vision_model import model_type, vision_tokens, with_processor_template
 from rocktune.tasks.vlm.feed import VisionFeed
+from rocktune.tasks.lm.samples import SampleSettings
 from rocktune.tasks.vlm.loss import VisionLoss
+from rocktune.tasks.vlm.samples import VisionSampler
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
@@ -47,11 +49,12 @@ class VisionRun:
     loss: VisionLoss
     pad_id: int
     vision: VisionTokens
+    tokenizer: object
 
 
 class VLMTask:
     kind = "vlm"
-    samples_what = ""
+    samples_what = " and sample generations"
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -102,7 +105,7 @@ class VLMTask:
         ctx.notes += notes
         loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
         wrapped = distributed.wrap(loss, dist, device, distributed.strategy(dist, "ddp", "none"), ctx.notes)
-        self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision)
+        self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision, tokenizer)
         lengths = [len(e.input_ids) for e in train]
         n_images = sum(len(e.images) for e in train)
         info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
@@ -160,7 +163,13 @@ class VLMTask:
         return {"world_size": dist.world, "rank_rng": distributed.gather_rng(dist)}
 
     def start(self, redo_from: int, metrics, log) -> None:
-        """Nothing to open: sample generations are an SFT feature (not yet for vlm)."""
+        """The sampler (training.sample_count eval conversations with their images), on rank 0 only."""
+        r = self.run
+        t, main = r.ctx.cfg.training, r.ctx.dist.main
+        settings = SampleSettings(t.sample_count if main else 0, [], t.sample_max_new_tokens, r.ctx.device,
+                                  engine_build.autocast(r.ctx.device, r.ctx.precision), "messages")
+        self.sampler = VisionSampler.for_examples(r.ctx.run_dir, r.tokenizer, r.held, r.vision, settings, redo_from,
+                                                  write=main)
 
     def record(self, fed) -> dict:
         return {"tokens": fed.loss_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),
@@ -168,7 +177,7 @@ class VLMTask:
                 "samples": _digest(fed.forwards)}
 
     def after_eval(self, step: int, metrics, log) -> None:
-        """No sample generations yet."""
+        self.sampler.at(step, self.run.loss.model, metrics, log)
 
     def final_files(self, run_dir: Path) -> list:
         return []
