@@ -225,7 +225,8 @@ def test_the_shipped_example_encodes_every_row(tok, vision):
     assert answers == ["red<|im_end|>\n", "blue<|im_end|>\nyes<|im_end|>\n", "green<|im_end|>\n", "green<|im_end|>\n"]
 
 
-@pytest.mark.parametrize(("processor", "patch"), [("Qwen2_5_VLProcessor", 14), ("Qwen3VLProcessor", 16)])
+@pytest.mark.parametrize(("processor", "patch"), [("Qwen2_5_VLProcessor", 14), ("Qwen3VLProcessor", 16),
+                                                   ("Qwen2VLProcessor", 14)])
 def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, tok, processor, patch, tmp_path):
     """Qwen2_5_VLProcessor widens the placeholders and makes the pixels for the same rendered text: the same ids and
     pixel values. (Its constructor's class check wants a torchvision video processor, absent here: patched out, the

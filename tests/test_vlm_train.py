@@ -19,7 +19,7 @@ from rocktune.train.request import RunOptions
 pytest.importorskip("PIL")
 
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen2_vl"]
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_pixel_limits_are_refused_for_text_tasks():
 
 
 def test_a_text_model_or_a_csv_file_is_refused_before_training(tiny_model_dir, vlm_dir, colours, tmp_path):
-    with pytest.raises(UserError, match=r"task=vlm supports qwen2_5_vl, qwen3_vl .* is a 'qwen2' model"):
+    with pytest.raises(UserError, match=r"task=vlm supports qwen2_5_vl, qwen3_vl, qwen2_vl .* is a 'qwen2' model"):
         train(config_from_dict(vlm_config(tiny_model_dir, colours, tmp_path / "a")), quiet=True)
     table = tmp_path / "rows.csv"
     table.write_text("messages\nx\n")

@@ -17,7 +17,8 @@ from rocktune.data.vision import VisionTokens
 from rocktune.errors import UserError, first_line
 from rocktune.model import DTYPES, check_model_source
 
-FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "qwen2_vl": "Qwen2VLForConditionalGeneration"}
 VISION_PREFIX = "visual"  # the vision tower and its projector (visual.merger) in Qwen2.5-VL's module tree
 
 
@@ -32,8 +33,8 @@ def model_type(name_or_path: str) -> str:
         raise UserError(f"could not read the config of model {name_or_path}: {first_line(exc)} (offline? pass a "
                         "local model directory)") from None
     if kind not in FAMILIES:
-        raise UserError(f"task=vlm supports {', '.join(FAMILIES)} (Qwen2.5-VL, Qwen3-VL) so far; {name_or_path} is "
-                        f"a {kind!r} model (docs/vision.md lists what is planned).")
+        raise UserError(f"task=vlm supports {', '.join(FAMILIES)} (Qwen2.5-VL, Qwen3-VL, Qwen2-VL) so far; "
+                        f"{name_or_path} is a {kind!r} model (docs/vision.md lists what is planned).")
     import transformers
 
     if not hasattr(transformers, FAMILIES[kind]):

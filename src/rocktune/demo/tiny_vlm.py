@@ -49,6 +49,7 @@ FAMILIES = {
                    {"window_size": 56, "fullatt_block_indexes": [0]}, {}, 14),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
                  {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, {"mrope_interleaved": True}, 16),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {"embed_dim": 32, "mlp_ratio": 2}, {}, 14),
 }
 
 
@@ -67,6 +68,8 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
     vision = {"depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 2,
               "num_heads": 2, "out_hidden_size": hidden, "patch_size": patch, "spatial_merge_size": 2,
               "temporal_patch_size": 2, **vision_keys}
+    if "embed_dim" in vision_keys:  # Qwen2-VL names the tower's width embed_dim, and hidden_size is its output's
+        vision["hidden_size"] = hidden
     return getattr(transformers, config_cls)(text_config=text, vision_config=vision, tie_word_embeddings=True,
                                              **_token_ids(tokenizer))
 
