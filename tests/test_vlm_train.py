@@ -247,8 +247,8 @@ def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dirs, colours
     ref_grads = grads(ref)
     assert count == int((batch["labels"][:, 1:] != -100).sum()) and len(ours_grads) == 28
     assert ours.item() == pytest.approx(ref.item(), rel=1e-5)
-    for name, g in ours_grads.items():
-        assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
+    for name, g in ours_grads.items():  # within 1e-5 of each tensor's largest entry (measured: 1e-6 at most)
+        assert float((g - ref_grads[name]).abs().max()) <= 1e-5 * float(ref_grads[name].abs().max()), name
 
 
 def test_data_preview_shows_each_image_its_tokens_and_where_they_sit(vlm_dir, capsys):
