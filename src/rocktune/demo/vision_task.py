@@ -16,7 +16,7 @@ def draw(colour: str, rng: random.Random, size: int = 56):
 
     image = Image.new("RGB", (size, size), (128, 128, 128))
     pen = ImageDraw.Draw(image)
-    w = rng.randint(size // 3, size * 2 // 3)
+    w = rng.randint(size // 2, size - 4)  # at least half the side: every merged token sees some of the colour
     x, y = rng.randint(0, size - w), rng.randint(0, size - w)
     box = (x, y, x + w, y + w)
     (pen.ellipse if rng.random() < 0.5 else pen.rectangle)(box, fill=COLOURS[colour])
