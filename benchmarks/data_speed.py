@@ -14,6 +14,8 @@ gives the same text, the worst case); ``bpe``, a byte-level BPE with 8,000 token
 words (about as many characters per token as real tokenizers). The reference tokenises the same text (the rendered
 Alpaca prompt + output, or the rendered conversation) as one string per record. Each measurement runs in a fresh
 process (peak RSS per process); times exclude imports and tokenizer loading, and include reading the JSONL file.
+``cpu_seconds``: user + system time of the process and its workers over the same span, which depends far less than
+the wall clock on what else the (shared) machine runs.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def _child(kind: str, data: str, shape: str, num_proc: int | None, work: str, to
                                                            for f in out_ds.cache_files)}
     seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     workers = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)  # datasets.map's processes
-    return {**out, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "peak_rss_mib_main": _peak_mib(), "peak_rss_mib_worker": workers}
+    return {**out, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "peak_rss_mib_main": _peak_mib(),
+            "peak_rss_mib_worker": workers}
 
 
 def _measure(kind: str, data: str, shape: str, num_proc: int | None, tok_dir: str) -> dict:
