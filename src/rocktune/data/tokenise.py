@@ -23,7 +23,7 @@ from rocktune.data import checks, fastencode, meaning, records, sources, textstr
 
 ROWS_PER_PROC = 4000  # below this a worker process costs more to start than it saves
 BATCH = 1000  # rows per tokenizer call
-PROGRESS_FROM = 20_000  # rows from which datasets.map's progress bar is shown
+PROGRESS_FROM = 20_000  # rows from which the progress bar is shown (on a terminal)
 
 
 def row(values: dict) -> dict:
@@ -47,8 +47,7 @@ def prepare_rows(pairs: list[tuple[object, dict]], settings: fastencode.EncodeSe
 
 
 class _Encode:
-    """The ``datasets.map`` function: validate each row, drop empty targets, tokenise the rest (picklable for the
-    worker processes)."""
+    """What a worker runs on a batch: validate each row, drop empty targets, tokenise the rest."""
 
     def __init__(self, tokenizer, settings: fastencode.EncodeSettings, src: sources.Source):
         self.tokenizer, self.settings = tokenizer, settings
