@@ -101,3 +101,13 @@ def test_pinned_sets_have_what_they_are_meant_to_cover(tok):
         assert len(rows) > 100
         assert shape == "text" or any(len(r.input_ids) == MAX_LENGTH for r in rows)
     assert json.dumps(_rows("alpaca")[0]).count('"extra"') == 1
+
+
+def test_where_processes_cannot_fork_one_process_writes_the_same_cache(tmp_path, tok, monkeypatch):
+    """Windows has no fork: the workers (which inherit the encoder and the mapped rows) give way to one process."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert tokenise.workers(8, 10**6) == 1
+    _, digest = _prepare(tmp_path, "alpaca", tok, num_proc=2)
+    assert digest == PINNED["alpaca"]

@@ -130,7 +130,12 @@ def features():
 
 
 def workers(num_proc: int | None, n_rows: int) -> int:
-    """Processes for ``n_rows``: ``data.num_proc`` (default: the cores this process may use), fewer for a small set."""
+    """Processes for ``n_rows``: ``data.num_proc`` (default: the cores this process may use), fewer for a small set;
+    one where processes cannot fork (the workers inherit the encoder and the mapped rows, never pickled)."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():  # Windows: one process, the tokenizer's own threads
+        return 1
     cores = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     return max(1, min(cores, math.ceil(n_rows / ROWS_PER_PROC)))
 
