@@ -292,3 +292,88 @@ def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prom
 
     with pytest.raises(OutOfMemoryAtMinimum, match="one completion at a time"):
         train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "b", max_steps=1)), quiet=True)
+
+
+def _adapted(tiny_model_dir):
+    """The tiny model with a LoRA adapter whose B is not zero (so the side path shows), rocktune's side paths on."""
+    from rocktune.lean_lora import lean_lora
+    from rocktune.model import apply_lora
+
+    model = apply_lora(_tiny(tiny_model_dir), 8, 16, 0.0, "all-linear", False)
+    lean_lora(model)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+def _rollout_prompts(tokenizer):
+    return [tuple(tokenizer(t)["input_ids"]) for t in ("upper abcd =", "add 3 4 =", "rev xyz =", "upper q =")] * 2
+
+
+def test_the_rollout_on_rocktunes_side_path_equals_pefts(tiny_model_dir, tokenizer):
+    """The rollout decodes through rocktune's LoRA side path (lean_lora: what training patches in); its greedy
+    completions, and those it samples from the same generator state, are PEFT's own forward's, token for token."""
+    from rocktune.lean_lora import peft_forward
+
+    model = _adapted(tiny_model_dir)
+    prompts, pad = _rollout_prompts(tokenizer), tokenizer.pad_token_id
+    assert any("_peft_forward" in vars(m) for m in model.modules())  # the side path is on
+    for s, seed in ((Sampling(12, 0.0), None), (Sampling(12, 1.0, top_k=40), 5)):
+        fast = sample(model, prompts, s, pad, seed and new_generator("cpu", seed))
+        with peft_forward(model):
+            ref = sample(model, prompts, s, pad, seed and new_generator("cpu", seed))
+        assert fast == ref
+
+
+@pytest.mark.long
+def test_the_compiled_static_rollout_equals_pefts_and_follows_the_adapter(tiny_model_dir, tokenizer):
+    """grpo.compile_rollout: the compiled decode step over a static cache gives PEFT's eager greedy completions
+    and log-probabilities (within lora_check's fp32 tolerance), for prompts of another width on a later call too,
+    and after the adapter's values change in place (an optimizer step): nothing stale is compiled in."""
+    from rocktune.lean_lora import peft_forward
+    from rocktune.tasks.grpo.rollout import StaticDecode
+
+    model = _adapted(tiny_model_dir)
+    prompts, pad = _rollout_prompts(tokenizer), tokenizer.pad_token_id
+    static = StaticDecode(model, 32 + 10)
+    for round_ in range(3):
+        batch = prompts if round_ != 1 else [p + p[-2:] for p in prompts]  # another width: the same graph
+        with peft_forward(model):
+            ref = sample(model, batch, Sampling(10, 0.0), pad, None)
+        got = sample(model, batch, Sampling(10, 0.0), pad, None, static=static)
+        assert got == ref and static.fallback is None
+        rows = [list(p) + c for p, c in zip(batch, got)]
+        _assert_logps_equal(model, static, batch, rows, pad)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+
+
+def _assert_logps_equal(model, static, prompts, rows, pad):
+    """The static path's decode-step log-probabilities against PEFT's full forward over each whole row, relative to
+    max(|log p|, 1) as lora_check compares losses."""
+    from rocktune.lean_lora import peft_forward
+    from rocktune.lora_check import TOLERANCE
+
+    logged = []
+    run = static.run
+
+    def keep(*args):
+        out = run(*args)
+        logged.append(torch.log_softmax(out.float(), -1))
+        return out
+    static.run = keep
+    try:
+        sample(model, prompts, Sampling(10, 0.0), pad, None, static=static)
+    finally:
+        static.run = run
+    with peft_forward(model), torch.no_grad():
+        for i, (p, row) in enumerate(zip(prompts, rows)):
+            full = torch.log_softmax(model(torch.tensor([row])).logits[0].float(), -1)
+            for t, step in enumerate(logged):  # step t predicts the token after prompt + t + 1 tokens
+                want = full[len(p) + t]
+                worst = float(((step[i] - want).abs() / want.abs().clamp(min=1.0)).max())
+                assert worst <= TOLERANCE["fp32"]["loss"], (i, t, worst)
