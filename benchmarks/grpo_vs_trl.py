@@ -2,7 +2,7 @@
 tiny model, prompts and settings, in one run. Prints one JSON object.
 
     PYTHONPATH=src python benchmarks/grpo_vs_trl.py [--steps 6] [--warmup 1] [--rounds 3] [--threads 1]
-        [--device cpu] [--eager-rollout]
+        [--device cpu] [--eager-rollout] [--generators N]
 
 Both sides: the demo's tiny Qwen2 (random weights, so every completion runs to max_completion_length and both
 generate the same number of tokens), LoRA r=16 on all linear layers, 4 prompts x 8 completions per optimizer step,
@@ -23,12 +23,18 @@ figures, ``cpu_*`` ones count the main thread's CPU seconds (``time.thread_time`
 from one rollout's start to the next, less the rollout): with one torch thread, time that other jobs take from the
 process is not in them, so they move much less with the machine's load. Each side runs one step more than it
 measures, left out: the last step's span would hold the run's end (rocktune's final checkpoint, TRL's teardown).
+``--generators N`` adds the generators alone, interleaved call by call N times over one step's 32 prompt rows on
+one model: rocktune's ``rollout.sample`` eager and compiled (``StaticDecode``) beside transformers' ``generate`` on
+the PEFT model with TRL's sampling settings (do_sample, temperature 1, top_p 1, top_k 0: what TRL's ``_generate``
+calls without vLLM), completion tokens per CPU second of each.
+
 TRL is the test extra's; nothing of it is imported by rocktune.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -141,6 +147,54 @@ def run_trl(model: Path, data: Path, out: Path, steps: int, device: str) -> list
     return [{**s, **c} for s, c in zip(steps_out, cpu.steps())]
 
 
+def generators(model_dir: Path, data: Path, calls: int) -> dict:
+    """Completion tokens per CPU second of each generator, the calls interleaved (see the module's docstring)."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from rocktune.lean_lora import lean_lora
+    from rocktune.model import apply_lora, load_model
+    from rocktune.tasks.grpo.rollout import Sampling, StaticDecode, new_generator, sample
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()[:PROMPTS]]
+    prompts = [tuple(tok(t)["input_ids"]) for t in texts for _ in range(G)]
+    model = apply_lora(load_model(str(model_dir), "fp32", "sdpa", False, "cpu"), R, 2 * R, 0.0, "all-linear", False)
+    lean_lora(model)  # what a run does (tasks/lm/build.py)
+    model.eval()
+    s, pad, eos = Sampling(NEW, 1.0, stop_ids=(tok.eos_token_id,)), tok.pad_token_id, tok.eos_token_id
+    static = StaticDecode(model, max(map(len, prompts)) + NEW)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                              pad_token_id=pad, eos_token_id=eos)
+
+    def hf() -> int:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
+        return sum(row.index(eos) + 1 if eos in row else len(row) for row in out)
+
+    sides = {"rocktune_eager": lambda: sum(map(len, sample(model, prompts, s, pad, new_generator("cpu", 0)))),
+             "rocktune_compiled": lambda: sum(map(len, sample(model, prompts, s, pad, new_generator("cpu", 0),
+                                                              static=static))),
+             "transformers_generate": hf}
+    from rocktune.lean_lora import peft_forward
+
+    totals = {k: [0, 0.0] for k in sides}
+    for i in range(calls + 1):
+        for name, fn in sides.items():
+            with peft_forward(model) if name == "transformers_generate" else contextlib.nullcontext():
+                t0 = time.thread_time()
+                n = fn()
+                if i:  # the first call of each compiles or warms up
+                    totals[name][0] += n
+                    totals[name][1] += time.thread_time() - t0
+    rates = {k: round(n / sec, 1) for k, (n, sec) in totals.items()}
+    return {"calls": calls, "cpu_tokens_per_s": rates,
+            "ratios": {k: round(v / rates["transformers_generate"], 2) for k, v in rates.items()}}
+
+
 def summary(kept: list[dict]) -> dict:
     tokens = sum(s["tokens"] for s in kept)
     out = {"steps_measured": len(kept), "completion_tokens": tokens}
@@ -161,6 +215,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads for both (default 1)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--eager-rollout", action="store_true", help="rocktune's rollout without grpo.compile_rollout")
+    p.add_argument("--generators", type=int, default=0, help="also the generators alone, N interleaved calls each")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     rounds, first_rollout_s = [], []
@@ -175,6 +230,7 @@ def main() -> None:
             done = {k: sides[k]() for k in (("rocktune", "trl") if i % 2 == 0 else ("trl", "rocktune"))}
             first_rollout_s.append(round(done["rocktune"][0]["rollout_s"], 2))
             rounds.append((done["rocktune"][a.warmup:-1], done["trl"][a.warmup:-1]))
+        alone = {"generators": generators(model, data, a.generators)} if a.generators else {}
     ours = summary([s for mine, _ in rounds for s in mine])
     trl = summary([s for _, theirs in rounds for s in theirs])
     keys = ("rollout", "update", "cpu_rollout", "cpu_update")
@@ -187,7 +243,7 @@ def main() -> None:
                                    "lora_r": R, "model": SHAPE, "compile_rollout": not a.eager_rollout},
                       "rocktune": {**ours, "first_rollout_s": first_rollout_s}, "trl_grpo_trainer": trl,
                       **{f"{k}_ratio": round(ours[f"{k}_tokens_per_s"] / trl[f"{k}_tokens_per_s"], 2) for k in keys},
-                      "ratios_per_round": per_round}))
+                      "ratios_per_round": per_round, **alone}))
 
 
 if __name__ == "__main__":
