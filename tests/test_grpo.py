@@ -377,3 +377,36 @@ def _assert_logps_equal(model, static, prompts, rows, pad):
                 want = full[len(p) + t]
                 worst = float(((step[i] - want).abs() / want.abs().clamp(min=1.0)).max())
                 assert worst <= TOLERANCE["fp32"]["loss"], (i, t, worst)
+
+
+@pytest.mark.long
+def test_a_run_with_the_compiled_rollout_samples_what_the_eager_one_does(tiny_model_dir, prompt_file, tmp_path,
+                                                                       monkeypatch):
+    """grpo.compile_rollout in a whole run: the same completions (the steps' sample digests) and losses as the
+    eager rollout, the held-out evaluation included, every decode step of its rollouts compiled (no fallback)."""
+    from rocktune.tasks import train
+    from rocktune.tasks.grpo.rollout import StaticDecode
+
+    calls = []
+    run = StaticDecode.run
+
+    def counted(self, *args):
+        out = run(self, *args)
+        calls.append(self.fallback)
+        return out
+    monkeypatch.setattr(StaticDecode, "run", counted)
+
+    runs = []
+    for compiled in (False, True):
+        cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / f"run{compiled}", max_steps=3, eval_every=2)
+        cfg["grpo"]["compile_rollout"] = compiled
+        train(config_from_dict(cfg), quiet=True)
+        rows = [json.loads(x) for x in (tmp_path / f"run{compiled}" / "metrics.jsonl").read_text().splitlines()]
+        runs.append([r for r in rows if "loss" in r or "eval_reward" in r])
+    eager, compiled = runs
+    assert calls and set(calls) == {None}  # the rollouts decoded through the compiled step, which never failed
+    assert [r.get("samples") for r in compiled] == [r.get("samples") for r in eager]
+    assert [r.get("eval_reward") for r in compiled] == [r.get("eval_reward") for r in eager]
+    for a, b in zip(eager, compiled):
+        if "loss" in a:
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
