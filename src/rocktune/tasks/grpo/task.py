@@ -10,6 +10,7 @@ KL is taken to is the same model with the adapter switched off. The sampler's RN
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,14 @@ class GRPOTask:
         sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k,
                             tuple(stop_ids(tokenizer, model)),
                             tuple(g.stop))
-        static = StaticDecode(model, cfg.data.max_length + g.max_completion_length) if g.compile_rollout else None
+        static = None
+        if g.compile_rollout and device == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
+            # torch 2.13's Inductor built a decode step that returned wrong tokens under avx2 on an AVX-512 CPU
+            # (and failed to build under default): the kernel set chosen by hand is not one it compiles for
+            ctx.notes.append(f"grpo.compile_rollout: off under ATEN_CPU_CAPABILITY="
+                             f"{os.environ['ATEN_CPU_CAPABILITY']} (Inductor's CPU code is not built for it); eager")
+        elif g.compile_rollout:
+            static = StaticDecode(model, cfg.data.max_length + g.max_completion_length)
         self.run = GRPORun(ctx, tokenizer, model, train, held, reward_list, loss, sampling,
                            new_generator(device, cfg.training.seed), engine_build.autocast(device, ctx.precision),
                            static)
