@@ -292,3 +292,141 @@ def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prom
 
     with pytest.raises(OutOfMemoryAtMinimum, match="one completion at a time"):
         train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "b", max_steps=1)), quiet=True)
+
+
+def _adapted(tiny_model_dir):
+    """The tiny model with a LoRA adapter whose B is not zero (so the side path shows), rocktune's side paths on."""
+    from rocktune.lean_lora import lean_lora
+    from rocktune.model import apply_lora
+
+    model = apply_lora(_tiny(tiny_model_dir), 8, 16, 0.0, "all-linear", False)
+    lean_lora(model)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+def _rollout_prompts(tokenizer):
+    return [tuple(tokenizer(t)["input_ids"]) for t in ("upper abcd =", "add 3 4 =", "rev xyz =", "upper q =")] * 2
+
+
+def test_the_rollout_on_rocktunes_side_path_equals_pefts(tiny_model_dir, tokenizer):
+    """The rollout decodes through rocktune's LoRA side path (lean_lora: what training patches in); its greedy
+    completions, and those it samples from the same generator state, are PEFT's own forward's, token for token."""
+    from rocktune.lean_lora import peft_forward
+
+    model = _adapted(tiny_model_dir)
+    prompts, pad = _rollout_prompts(tokenizer), tokenizer.pad_token_id
+    assert any("_peft_forward" in vars(m) for m in model.modules())  # the side path is on
+    for s, seed in ((Sampling(12, 0.0), None), (Sampling(12, 1.0, top_k=40), 5)):
+        fast = sample(model, prompts, s, pad, seed and new_generator("cpu", seed))
+        with peft_forward(model):
+            ref = sample(model, prompts, s, pad, seed and new_generator("cpu", seed))
+        assert fast == ref
+
+
+@pytest.mark.long
+def test_the_compiled_static_rollout_equals_pefts_and_follows_the_adapter(tiny_model_dir, tokenizer):
+    """grpo.compile_rollout: the compiled decode step over a static cache gives PEFT's eager greedy completions
+    and log-probabilities (within lora_check's fp32 tolerance), for prompts of another width on a later call too,
+    and after the adapter's values change in place (an optimizer step): nothing stale is compiled in."""
+    from rocktune.lean_lora import peft_forward
+    from rocktune.tasks.grpo.rollout import StaticDecode
+
+    _skip_under_a_chosen_kernel_set()
+    model = _adapted(tiny_model_dir)
+    prompts, pad = _rollout_prompts(tokenizer), tokenizer.pad_token_id
+    static = StaticDecode(model, 32 + 10)
+    for round_ in range(3):
+        batch = prompts if round_ != 1 else [p + p[-2:] for p in prompts]  # another width: the same graph
+        with peft_forward(model):
+            ref = sample(model, batch, Sampling(10, 0.0), pad, None)
+        got = sample(model, batch, Sampling(10, 0.0), pad, None, static=static)
+        assert got == ref
+        rows = [list(p) + c for p, c in zip(batch, got)]
+        _assert_logps_equal(model, static, batch, rows, pad)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+    _compiled_or_skip(static.fallback)
+
+
+def _compiled_or_skip(fallback: str | None) -> None:
+    """The values above held; if they came from the eager fallback, the compiled step itself was not checked: say
+    so."""
+    if fallback:
+        pytest.skip(f"Inductor could not compile here ({fallback}); only the eager fallback was checked")
+
+
+def _skip_under_a_chosen_kernel_set() -> None:
+    """torch 2.13's Inductor built a decode step that returned wrong tokens under ATEN_CPU_CAPABILITY=avx2 on an
+    AVX-512 CPU, and none under default: a run turns grpo.compile_rollout off there (GRPOTask.prepare)."""
+    import os
+
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        pytest.skip("grpo.compile_rollout is off under ATEN_CPU_CAPABILITY (Inductor's CPU code is not built for it)")
+
+
+def _assert_logps_equal(model, static, prompts, rows, pad):
+    """The static path's decode-step log-probabilities against PEFT's full forward over each whole row, relative to
+    max(|log p|, 1) as lora_check compares losses."""
+    from rocktune.lean_lora import peft_forward
+    from rocktune.lora_check import TOLERANCE
+
+    logged = []
+    run = static.run
+
+    def keep(*args):
+        out = run(*args)
+        logged.append(torch.log_softmax(out.float(), -1))
+        return out
+    static.run = keep
+    try:
+        sample(model, prompts, Sampling(10, 0.0), pad, None, static=static)
+    finally:
+        static.run = run
+    with peft_forward(model), torch.no_grad():
+        for i, (p, row) in enumerate(zip(prompts, rows)):
+            full = torch.log_softmax(model(torch.tensor([row])).logits[0].float(), -1)
+            for t, step in enumerate(logged):  # step t predicts the token after prompt + t + 1 tokens
+                want = full[len(p) + t]
+                worst = float(((step[i] - want).abs() / want.abs().clamp(min=1.0)).max())
+                assert worst <= TOLERANCE["fp32"]["loss"], (i, t, worst)
+
+
+@pytest.mark.long
+def test_a_run_with_the_compiled_rollout_samples_what_the_eager_one_does(tiny_model_dir, prompt_file, tmp_path,
+                                                                       monkeypatch):
+    """grpo.compile_rollout in a whole run: the same completions (the steps' sample digests) and losses as the
+    eager rollout, the held-out evaluation included, its rollouts decoded by the compiled step."""
+    from rocktune.tasks import train
+    from rocktune.tasks.grpo.rollout import StaticDecode
+
+    _skip_under_a_chosen_kernel_set()
+    calls = []
+    run = StaticDecode.run
+
+    def counted(self, *args):
+        out = run(self, *args)
+        calls.append(self.fallback)
+        return out
+    monkeypatch.setattr(StaticDecode, "run", counted)
+
+    runs = []
+    for compiled in (False, True):
+        cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / f"run{compiled}", max_steps=3, eval_every=2)
+        cfg["grpo"]["compile_rollout"] = compiled
+        train(config_from_dict(cfg), quiet=True)
+        rows = [json.loads(x) for x in (tmp_path / f"run{compiled}" / "metrics.jsonl").read_text().splitlines()]
+        runs.append([r for r in rows if "loss" in r or "eval_reward" in r])
+    eager, compiled = runs
+    assert [r.get("samples") for r in compiled] == [r.get("samples") for r in eager]
+    assert [r.get("eval_reward") for r in compiled] == [r.get("eval_reward") for r in eager]
+    for a, b in zip(eager, compiled):
+        if "loss" in a:
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
+    assert calls  # the rollouts decoded through the static path
+    _compiled_or_skip(next((f for f in calls if f), None))

@@ -10,6 +10,7 @@ KL is taken to is the same model with the adapter switched off. The sampler's RN
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from rocktune.tasks.grpo import rewards as rewardfns
 from rocktune.tasks.grpo.launch import refuse_grpo
 from rocktune.tasks.grpo.feed import Rollout, RolloutFeed, StepShape, digest
 from rocktune.tasks.grpo.loss import GRPOLoss, Objective
-from rocktune.tasks.grpo.rollout import Sampling, generator_state, new_generator, sample, set_generator_state
+from rocktune.tasks.grpo.rollout import (Sampling, StaticDecode, generator_state, new_generator, sample,
+                                         set_generator_state)
 from rocktune.tasks.lm import build, preflight
 from rocktune.tasks.lm.quant_gate import check_quantization
 from rocktune.train import build as engine_build
@@ -52,6 +54,7 @@ class GRPORun:
     sampling: Sampling
     generator: torch.Generator
     autocast: object
+    static: StaticDecode | None  # grpo.compile_rollout: the sampled rollouts' compiled decode step
 
 
 class GRPOTask:
@@ -63,6 +66,7 @@ class GRPOTask:
         self.run: GRPORun | None = None
         self.eval_stats: dict[str, float] = {}
         self.rollout_pieces = 1  # the rollout's OOM split: batches it samples in (kept by checkpoints)
+        self.fallback_told = False
         self.log = print
 
     def attn_setting(self) -> str:
@@ -96,8 +100,17 @@ class GRPOTask:
         sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k,
                             tuple(stop_ids(tokenizer, model)),
                             tuple(g.stop))
+        static = None
+        if g.compile_rollout and device == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
+            # torch 2.13's Inductor built a decode step that returned wrong tokens under avx2 on an AVX-512 CPU
+            # (and failed to build under default): the kernel set chosen by hand is not one it compiles for
+            ctx.notes.append(f"grpo.compile_rollout: off under ATEN_CPU_CAPABILITY="
+                             f"{os.environ['ATEN_CPU_CAPABILITY']} (Inductor's CPU code is not built for it); eager")
+        elif g.compile_rollout:
+            static = StaticDecode(model, cfg.data.max_length + g.max_completion_length)
         self.run = GRPORun(ctx, tokenizer, model, train, held, reward_list, loss, sampling,
-                           new_generator(device, cfg.training.seed), engine_build.autocast(device, ctx.precision))
+                           new_generator(device, cfg.training.seed), engine_build.autocast(device, ctx.precision),
+                           static)
         info = {"task": "grpo", "shape": "prompts", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(train.lengths()), "max_example_tokens": max(train.lengths(), default=0),
                 "n_truncated": sum(p.truncated for p in train.prompts), "fingerprint": train.fingerprint,
@@ -117,7 +130,7 @@ class GRPOTask:
         r, G = self.run, self.cfg.grpo.num_generations
         rows = [r.train.prompts[i] for i in idx for _ in range(G)]
         t0 = time.perf_counter()
-        completions = self._generate(rows, r.sampling, r.generator)
+        completions = self._generate(rows, r.sampling, r.generator, r.static)
         seconds = time.perf_counter() - t0
         total, stats = self._score(rows, completions)
         grouped = total.view(-1, G)
@@ -132,14 +145,15 @@ class GRPOTask:
                       "rollout_tokens_per_s": float(lengths.sum()) / max(seconds, 1e-9)})
         return Rollout([p.ids for p in rows], completions, total, stats)
 
-    def _generate(self, rows: list, sampling: Sampling, generator) -> list[list[int]]:
+    def _generate(self, rows: list, sampling: Sampling, generator, static: StaticDecode | None = None
+                  ) -> list[list[int]]:
         """Completions of ``rows``, sampled in ``rollout_pieces`` batches. Out of memory, the sampler's RNG is put
         back and the rows are cut in twice as many batches (kept for the rest of the run and by checkpoints, so a
         resumed run samples the same); with one row per batch there is nothing left to cut."""
         while True:
             state = generator.get_state() if generator is not None else None
             try:
-                return self._sample_in(rows, sampling, generator, self.rollout_pieces)
+                return self._sample_in(rows, sampling, generator, self.rollout_pieces, static)
             except Exception as exc:  # noqa: BLE001 -- only out-of-memory is handled; the rest re-raised
                 if not is_out_of_memory(exc):
                     raise
@@ -156,7 +170,7 @@ class GRPOTask:
             self.rollout_pieces *= 2
             self.log(f"[yellow]out of memory in the rollout: sampling in {self.rollout_pieces} batches[/]")
 
-    def _sample_in(self, rows: list, sampling: Sampling, generator, pieces: int) -> list[list[int]]:
+    def _sample_in(self, rows: list, sampling: Sampling, generator, pieces: int, static) -> list[list[int]]:
         r = self.run
         model, size = r.model, -(-len(rows) // pieces)
         was_training = model.training
@@ -166,7 +180,10 @@ class GRPOTask:
             for i in range(0, len(rows), size):
                 with r.autocast():
                     out += sample(model, [p.ids for p in rows[i : i + size]], sampling, r.tokenizer.pad_token_id,
-                                  generator, lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True))
+                                  generator, lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True), static)
+            if static is not None and static.fallback and not self.fallback_told:
+                self.fallback_told = True
+                self.log(f"[yellow]grpo.compile_rollout: the compile failed ({static.fallback}); decoding eagerly[/]")
             return out
         finally:
             model.train(was_training)
