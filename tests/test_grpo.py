@@ -13,7 +13,7 @@ from rocktune.data.prompts import encode_prompt, gsm8k_answer, read_prompt
 from rocktune.errors import UserError
 from rocktune.tasks.grpo import rewards as R
 from rocktune.tasks.grpo.feed import advantages, row_weights
-from rocktune.tasks.grpo.rollout import Sampling, generator_state, new_generator, sample, set_generator_state
+from rocktune.tasks.grpo.rollout import Sampling, new_generator, row_draws, sample
 from tests.conftest import write_jsonl
 
 
@@ -132,7 +132,8 @@ def _tiny(tiny_model_dir):
 
 def test_sampler_matches_a_full_forward_and_its_rng_resumes(tiny_model_dir, tokenizer):
     """Greedy completions from the KV cache equal argmax over full forwards of the growing text; a generator state
-    saved and restored samples the same completions again."""
+    saved and restored samples the same completions again; a row's keyed draws sample the same completion whatever
+    rows share its batch."""
     model = _tiny(tiny_model_dir)
     prompts = [tuple(tokenizer("upper abcd =")["input_ids"]), tuple(tokenizer("add 3 4 =")["input_ids"])]
     greedy = sample(model, prompts, Sampling(6, 0.0), tokenizer.pad_token_id, None)
@@ -142,11 +143,16 @@ def test_sampler_matches_a_full_forward_and_its_rng_resumes(tiny_model_dir, toke
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert got == ids[len(p):]
     gen = new_generator("cpu", 3)
-    state = generator_state(gen)
+    state = gen.get_state()
     s = Sampling(8, 1.0, top_k=20, top_p=0.9, stop_ids=(tokenizer.eos_token_id,))
     first = sample(model, prompts * 2, s, tokenizer.pad_token_id, gen)
-    set_generator_state(gen, state)
+    gen.set_state(state)
     assert sample(model, prompts * 2, s, tokenizer.pad_token_id, gen) == first
+    draws = row_draws([11, 12, 13, 14], 8)
+    whole = sample(model, prompts * 2, s, tokenizer.pad_token_id, draws)
+    assert len(set(map(tuple, whole))) > 2  # sampled, not one greedy answer per prompt
+    alone = [sample(model, [p], s, tokenizer.pad_token_id, draws[i : i + 1])[0] for i, p in enumerate(prompts * 2)]
+    assert alone == whole
     stopped = sample(model, prompts, Sampling(8, 0.0, stop_strings=(greedy[0] and tokenizer.decode(greedy[0][:2]),)),
                      tokenizer.pad_token_id, None, lambda ids: tokenizer.decode(ids))
     assert stopped[0] == greedy[0][:2]
@@ -238,7 +244,7 @@ def test_data_preview_shows_prompt_answer_and_generation_prompt(tiny_model_dir, 
 
 @pytest.mark.parametrize("change, options, words", [
     ({"training": {"micro_batch_size": 5}}, {}, "multiple of grpo.num_generations=4"),
-    ({}, {"processes": 2}, "one process for now"),
+    ({"training": {"parallel": "fsdp"}}, {"processes": 2}, "training.parallel=ddp"),
     ({}, {"auto_fit": True}, "--auto fits supervised"),
 ])
 def test_refused_before_launch(tiny_model_dir, prompt_file, tmp_path, change, options, words):

@@ -2,9 +2,10 @@
 
 One batch of left-padded prompts, one prefill, then one token per forward from the KV cache (transformers'
 ``DynamicCache``; or, with ``grpo.compile_rollout``, a compiled step over a ``StaticCache``), the head applied to the
-last position only. Sampling draws from a ``torch.Generator`` of its own,
-whose state a checkpoint keeps, so a resumed run samples the very completions an uninterrupted one would. A
-completion ends at its first stop token (EOS, the end-of-turn tokens) included, at a stop string, or at
+last position only. Each row samples with uniforms of its own (``draws``: one per token, inverse-CDF sampling), which
+the task derives from the seed, the step and the row's prompt and generation number: what a row samples does not
+depend on which rows share its batch, its OOM piece or its rank, so a resumed run and a run over several ranks sample
+the very completions one uninterrupted process would. A completion ends at its first stop token (EOS, the end-of-turn tokens) included, at a stop string, or at
 ``max_new_tokens``. vLLM is never needed.
 """
 
@@ -26,8 +27,10 @@ class Sampling:
     stop_strings: tuple[str, ...] = ()
 
 
-def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token of each row from its last-position logits."""
+def pick(logits: torch.Tensor, s: Sampling, draws: torch.Tensor | None) -> torch.Tensor:
+    """The next token of each row from its last-position logits; ``draws``: one uniform in [0, 1) per row, the point
+    of the row's cumulative distribution whose token it takes (float64, so the sum over a large vocabulary keeps
+    every token's share)."""
     if s.temperature <= 0:
         return logits.argmax(-1)
     logits = logits.float() / s.temperature
@@ -38,13 +41,29 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
         ordered, order = logits.sort(-1, descending=True)
         beyond = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) >= s.top_p  # keep the first past top_p
         logits = logits.masked_fill(beyond.scatter(-1, order, beyond), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(-1).double()
+    cdf = probs.cumsum(-1)
+    at = torch.searchsorted(cdf, (draws.to(cdf) * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    # a draw rounded onto the total would land past the last token that can be picked: it takes that one
+    width = probs.shape[-1]
+    last = width - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(at, last)
+
+
+def row_draws(keys: list[int], max_new_tokens: int) -> torch.Tensor:
+    """The uniforms each row samples with [rows, max_new_tokens], each row's from a CPU generator seeded by its own
+    key: the same numbers on every device and in every batch."""
+    return torch.stack([torch.rand(max_new_tokens, dtype=torch.float64,
+                                   generator=torch.Generator().manual_seed(k)) for k in keys]) if keys else \
+        torch.zeros(0, max_new_tokens, dtype=torch.float64)
 
 
 @torch.no_grad()
-def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, generator, decode=None,
+def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, draws, decode=None,
            static: StaticDecode | None = None) -> list[list[int]]:
-    """Completion token ids for each prompt (one row each: repeat a prompt G times for G completions). ``decode``
+    """Completion token ids for each prompt (one row each: repeat a prompt G times for G completions). ``draws``:
+    each row's uniforms [rows, max_new_tokens] (``row_draws``), a ``torch.Generator`` to draw them from, or None
+    (greedy only). ``decode``
     (ids -> text) is needed only with stop strings; ``static``: decode from its compiled step and static cache
     (where the rows fit it) instead of eagerly from a growing cache."""
     device = next(model.parameters()).device
@@ -55,13 +74,17 @@ def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, gene
     fits = static is not None and width + s.max_new_tokens <= static.max_len
     steps = static.begin(mask, positions) if fits else _Eager(model, mask, positions)
     rows = len(prompts)
+    if isinstance(draws, torch.Generator):
+        draws = torch.rand((rows, s.max_new_tokens), dtype=torch.float64, generator=draws, device=draws.device)
+    if draws is not None:
+        draws = draws.to(device)
     stops = torch.tensor(s.stop_ids or [-1], device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     logits = steps.first(ids)
     for t in range(s.max_new_tokens):
-        token = torch.where(done, pad_id, pick(logits, s, generator))
+        token = torch.where(done, pad_id, pick(logits, s, draws[:, t] if draws is not None else None))
         out[:, t] = token
         lengths += (~done).long()
         done = done | torch.isin(token, stops)
