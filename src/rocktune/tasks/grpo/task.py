@@ -137,6 +137,8 @@ class GRPOTask:
     def _rollout(self, idx: list[int], keys: list[int]) -> Rollout:
         r, G = self.run, self.cfg.grpo.num_generations
         rows = [r.train.prompts[i] for i in idx for _ in range(G)]
+        if not rows:  # this rank's share of an epoch's short last step
+            return Rollout([], [], [], {rw.name: [] for rw in r.rewards}, [])
         t0 = time.perf_counter()
         completions = self._generate(rows, r.sampling, row_draws(keys, r.sampling.max_new_tokens), r.static)
         seconds = time.perf_counter() - t0
