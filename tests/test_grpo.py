@@ -270,7 +270,8 @@ def test_generate_prompts_a_grpo_run_as_it_was_trained(tmp_path):
 
 def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     """More than 4 rows in one sampling batch "run out of memory": the step's 8 rows are sampled in 2 batches from
-    then on (logged, and kept by checkpoints), and the run trains on."""
+    then on (logged, and kept by checkpoints), and the run trains on, sampling the completions a run without the
+    split samples (each row's draws are its own)."""
     from rocktune.tasks import train
     from rocktune.tasks.grpo import task as grpo_task
 
@@ -281,11 +282,15 @@ def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prom
             raise MemoryError()
         return real(model, prompts, *args, **kwargs)
 
+    train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "whole", max_steps=2, eval_every=0)),
+          quiet=True)
     monkeypatch.setattr(grpo_task, "sample", small_only)
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "run", max_steps=2, eval_every=0)
     train(config_from_dict(cfg), quiet=True)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_pieces"] for r in rows if "loss" in r] == [2, 2]
+    whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in rows if "loss" in r] == [r["samples"] for r in whole if "loss" in r]
     assert all(r["completions"] == 8 for r in rows if "loss" in r)
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step-0000002" / "meta.json").read_text())
     assert meta["extra"]["rollout_pieces"] == 2

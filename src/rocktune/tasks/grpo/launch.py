@@ -1,5 +1,6 @@
 """What the launching process refuses for task: grpo before the supervisor or any worker starts (torch-free): the
-LM tasks' checks (the number of processes a resumed run was written with included), and what GRPO alone rules out. The worker decides the same again (``GRPOTask.refuse``)."""
+LM tasks' checks (the number of processes a resumed run was written with included), and what GRPO alone rules out.
+The worker decides the same again (``GRPOTask.refuse``)."""
 
 from __future__ import annotations
 

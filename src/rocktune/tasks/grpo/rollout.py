@@ -5,7 +5,8 @@ One batch of left-padded prompts, one prefill, then one token per forward from t
 last position only. Each row samples with uniforms of its own (``draws``: one per token, inverse-CDF sampling), which
 the task derives from the seed, the step and the row's prompt and generation number: what a row samples does not
 depend on which rows share its batch, its OOM piece or its rank, so a resumed run and a run over several ranks sample
-the very completions one uninterrupted process would. A completion ends at its first stop token (EOS, the end-of-turn tokens) included, at a stop string, or at
+the very completions one uninterrupted process would. A completion ends at its first stop token (EOS, the end-of-turn
+tokens) included, at a stop string, or at
 ``max_new_tokens``. vLLM is never needed.
 """
 

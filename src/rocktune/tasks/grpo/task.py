@@ -178,9 +178,10 @@ class GRPOTask:
         try:
             out = []
             for i in range(0, len(rows), size):
+                mine = None if draws is None else draws[i : i + size]
                 with r.autocast():
                     out += sample(model, [p.ids for p in rows[i : i + size]], sampling, r.tokenizer.pad_token_id,
-                                  None if draws is None else draws[i : i + size], lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True), static)
+                                  mine, lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True), static)
             if static is not None and static.fallback and not self.fallback_told:
                 self.fallback_told = True
                 self.log(f"[yellow]grpo.compile_rollout: the compile failed ({static.fallback}); decoding eagerly[/]")
