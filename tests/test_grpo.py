@@ -441,3 +441,24 @@ def test_a_run_with_the_compiled_rollout_samples_what_the_eager_one_does(tiny_mo
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
     assert calls  # the rollouts decoded through the static path
     _compiled_or_skip(next((f for f in calls if f), None))
+
+
+def test_a_checkpoint_of_the_older_sampler_is_refused_unless_forced(tiny_model_dir, prompt_file, tmp_path):
+    """A checkpoint written while rollouts drew from one generator (no ``sampler`` key) cannot continue as one exact
+    run with keyed draws: refused, and --resume-force goes on; one from another number of processes likewise."""
+    from types import SimpleNamespace
+
+    from rocktune.tasks.grpo.task import SAMPLER, GRPOTask
+    from rocktune.train.distributed import Dist
+
+    task = GRPOTask(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "run")))
+    task.run = SimpleNamespace(ctx=SimpleNamespace(dist=Dist(), notes=[]))
+
+    def restored(**extra):
+        return SimpleNamespace(extra={"world_size": 1, **extra}, path=tmp_path / "step-0000002")
+    with pytest.raises(UserError, match="another random stream"):
+        task.check_resume(restored(sampler_rng="AAAA"), False)
+    task.check_resume(restored(sampler_rng="AAAA"), True)
+    task.check_resume(restored(sampler=SAMPLER), False)
+    with pytest.raises(UserError, match="written by 2 process"):
+        task.check_resume(restored(sampler=SAMPLER, world_size=2), False)
