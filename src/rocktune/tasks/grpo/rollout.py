@@ -6,8 +6,7 @@ last position only. Each row samples with uniforms of its own (``draws``: one pe
 the task derives from the seed, the step and the row's prompt and generation number: what a row samples does not
 depend on which rows share its batch, its OOM piece or its rank, so a resumed run and a run over several ranks sample
 the very completions one uninterrupted process would. A completion ends at its first stop token (EOS, the end-of-turn
-tokens) included, at a stop string, or at
-``max_new_tokens``. vLLM is never needed.
+tokens) included, at a stop string, or at ``max_new_tokens``. vLLM is never needed.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, draw
            static: StaticDecode | None = None) -> list[list[int]]:
     """Completion token ids for each prompt (one row each: repeat a prompt G times for G completions). ``draws``:
     each row's uniforms [rows, max_new_tokens] (``row_draws``), a ``torch.Generator`` to draw them from, or None
-    (greedy only). ``decode``
-    (ids -> text) is needed only with stop strings; ``static``: decode from its compiled step and static cache
+    (greedy only). ``decode`` (ids -> text) is needed only with stop strings; ``static``: decode from its compiled step and static cache
     (where the rows fit it) instead of eagerly from a growing cache."""
     device = next(model.parameters()).device
     width = max(map(len, prompts))
