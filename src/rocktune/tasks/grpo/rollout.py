@@ -63,8 +63,8 @@ def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, draw
            static: StaticDecode | None = None) -> list[list[int]]:
     """Completion token ids for each prompt (one row each: repeat a prompt G times for G completions). ``draws``:
     each row's uniforms [rows, max_new_tokens] (``row_draws``), a ``torch.Generator`` to draw them from, or None
-    (greedy only). ``decode`` (ids -> text) is needed only with stop strings; ``static``: decode from its compiled step and static cache
-    (where the rows fit it) instead of eagerly from a growing cache."""
+    (greedy only). ``decode`` (ids -> text) is needed only with stop strings; ``static``: decode from its compiled
+    step and static cache (where the rows fit it) instead of eagerly from a growing cache."""
     device = next(model.parameters()).device
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
