@@ -190,7 +190,7 @@ def test_a_tiny_run_logs_trl_metrics(tiny_model_dir, prompt_file, tmp_path):
     assert all(0 < r["completions/mean_length"] <= 6 for r in steps)
     assert all(r["clip_ratio/region_mean"] == 0.0 for r in steps)  # one update per rollout: the ratio is 1
     assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0  # the adapter starts as the reference, then moves
-    assert any("eval_reward" in r for r in rows)
+    assert [r["step"] for r in rows if "eval_reward" in r] == [0, 2, 4]  # every eval_every, not only the ends
     assert (result.run_dir / "adapter" / "adapter_model.safetensors").is_file()
     pytest.importorskip("matplotlib")
     from rocktune.report.plots import all_plots
