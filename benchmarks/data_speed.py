@@ -14,6 +14,8 @@ gives the same text, the worst case); ``bpe``, a byte-level BPE with 8,000 token
 words (about as many characters per token as real tokenizers). The reference tokenises the same text (the rendered
 Alpaca prompt + output, or the rendered conversation) as one string per record. Each measurement runs in a fresh
 process (peak RSS per process); times exclude imports and tokenizer loading, and include reading the JSONL file.
+``cpu_seconds``: user + system time of the process and its workers over the same span, which depends far less than
+the wall clock on what else the (shared) machine runs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its waited-for children (``datasets.map``'s workers): on a shared
+    machine the wall-clock rate depends on the neighbours, the CPU seconds much less."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _peak_mib() -> float:
@@ -44,7 +53,7 @@ def _child(kind: str, data: str, shape: str, num_proc: int | None, work: str, to
     tok = AutoTokenizer.from_pretrained(tok_dir)
     import datasets  # noqa: F401 - imported before the clock starts, as in a run
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     if kind == "rocktune":
         # the Alpaca prompt, as the reference renders it (data.chat_template=auto would use the chat template)
         d = DataConfig(max_length=1024, num_proc=num_proc, chat_template="never")
@@ -70,9 +79,10 @@ def _child(kind: str, data: str, shape: str, num_proc: int | None, work: str, to
         out_ds = ds.map(tokenise, batched=True, num_proc=num_proc, remove_columns=ds.column_names)
         out = {"examples": len(out_ds), "cache_bytes": sum(Path(f["filename"]).stat().st_size
                                                            for f in out_ds.cache_files)}
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     workers = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)  # datasets.map's processes
-    return {**out, "seconds": round(seconds, 2), "peak_rss_mib_main": _peak_mib(), "peak_rss_mib_worker": workers}
+    return {**out, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "peak_rss_mib_main": _peak_mib(),
+            "peak_rss_mib_worker": workers}
 
 
 def _measure(kind: str, data: str, shape: str, num_proc: int | None, tok_dir: str) -> dict:

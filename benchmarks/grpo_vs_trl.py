@@ -2,12 +2,14 @@
 tiny model, prompts and settings, in one run. Prints one JSON object.
 
     PYTHONPATH=src python benchmarks/grpo_vs_trl.py [--steps 6] [--warmup 1] [--rounds 3] [--threads 1]
-        [--device cpu]
+        [--device cpu] [--eager-rollout] [--generators N]
 
 Both sides: the demo's tiny Qwen2 (random weights, so every completion runs to max_completion_length and both
 generate the same number of tokens), LoRA r=16 on all linear layers, 4 prompts x 8 completions per optimizer step,
-one micro-batch, temperature 1, beta 0, loss dapo, fp32, AdamW. Measured per optimizer step after ``--warmup``
-steps:
+one micro-batch, temperature 1, beta 0, loss dapo, fp32, AdamW. rocktune's rollout runs with
+``grpo.compile_rollout`` (its decode step compiled over a static KV cache; the compile happens in the first, warmup
+step, whose rollout seconds are printed as ``first_rollout_s``) unless ``--eager-rollout``; TRL's runs as it comes.
+Measured per optimizer step after ``--warmup`` steps:
 
 - rollout: the completions' generation alone (rocktune: tasks/grpo/rollout.sample, its ``rollout_s``; TRL: its
   ``_generate``, transformers' ``generate``), tokens/s = completion tokens / seconds;
@@ -15,13 +17,24 @@ steps:
   completion tokens / seconds (rocktune: ``step_s - rollout_s``; TRL: the callback-timed step minus ``_generate``).
 
 The ratio is rocktune's over TRL's, from the tokens and seconds of every round together. Each round trains both
-afresh, one after the other, so that a machine shared with other jobs slows both alike; the per-round ratios show
-how much the load moved the figures. TRL is the test extra's; nothing of it is imported by rocktune.
+afresh, one after the other (rocktune first in even rounds, TRL first in odd ones), so that a machine shared with
+other jobs slows both alike; the per-round ratios show how much the load moved the figures. Beside the wall-clock
+figures, ``cpu_*`` ones count the main thread's CPU seconds (``time.thread_time``) of the same spans (the update's:
+from one rollout's start to the next, less the rollout): with one torch thread, time that other jobs take from the
+process is not in them, so they move much less with the machine's load. Each side runs one step more than it
+measures, left out: the last step's span would hold the run's end (rocktune's final checkpoint, TRL's teardown).
+``--generators N`` adds the generators alone, interleaved call by call N times over one step's 32 prompt rows on
+one model: rocktune's ``rollout.sample`` eager and compiled (``StaticDecode``) beside transformers' ``generate`` on
+the PEFT model with TRL's sampling settings (do_sample, temperature 1, top_p 1, top_k 0: what TRL's ``_generate``
+calls without vLLM), completion tokens per CPU second of each.
+
+TRL is the test extra's; nothing of it is imported by rocktune.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -46,23 +59,52 @@ def _setup(work: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def run_rocktune(model: Path, data: Path, out: Path, steps: int, device: str) -> list[dict]:
+def run_rocktune(model: Path, data: Path, out: Path, steps: int, device: str, compile_rollout: bool = True
+                 ) -> list[dict]:
     from rocktune.config import config_from_dict
     from rocktune.tasks import train
+    from rocktune.tasks.grpo.task import GRPOTask
     from rocktune.train.request import RunOptions
 
     cfg = {"task": "grpo", "model": {"name_or_path": str(model)}, "lora": {"r": R, "alpha": 2 * R},
            "data": {"train_file": str(data), "eval_fraction": 0.0, "max_length": 32},
            "grpo": {"num_generations": G, "max_completion_length": NEW, "beta": 0.0, "loss_type": "dapo",
-                    "rewards": [{"function": "regex", "pattern": "A"}]},
+                    "rewards": [{"function": "regex", "pattern": "A"}], "compile_rollout": compile_rollout},
            "training": {"max_steps": steps, "micro_batch_size": PROMPTS * G, "grad_accum": 1, "lr": LR,
                         "warmup_steps": 0, "eval_every": 0, "log_every": 1, "precision": "fp32", "device": device,
                         "seed": 0},
            "reliability": {"save_every": 0}, "output": {"dir": str(out)}}
-    train(config_from_dict(cfg), RunOptions(overwrite=True), quiet=True)
+    cpu = CpuClock()
+    generate = GRPOTask._generate
+    GRPOTask._generate = lambda self, *a, **k: cpu.around(lambda: generate(self, *a, **k))
+    try:
+        train(config_from_dict(cfg), RunOptions(overwrite=True), quiet=True)
+    finally:
+        GRPOTask._generate = generate
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{"rollout_s": r["rollout_s"], "update_s": r["step_s"] - r["rollout_s"], "tokens": r["tokens"]}
-            for r in rows if "loss" in r]
+    return [{"rollout_s": r["rollout_s"], "update_s": r["step_s"] - r["rollout_s"], "tokens": r["tokens"], **c}
+            for r, c in zip([r for r in rows if "loss" in r], cpu.steps())]
+
+
+class CpuClock:
+    """The main thread's CPU seconds per step: each rollout's own, and from one rollout's start to the next (the
+    whole step); the last step ends at the last ``steps`` call."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.rollouts: list[float] = []
+
+    def around(self, fn):
+        t0 = time.thread_time()
+        self.starts.append(t0)
+        out = fn()
+        self.rollouts.append(time.thread_time() - t0)
+        return out
+
+    def steps(self) -> list[dict]:
+        ends = self.starts[1:] + [time.thread_time()]
+        return [{"cpu_rollout_s": r, "cpu_update_s": end - start - r}
+                for start, end, r in zip(self.starts, ends, self.rollouts)]
 
 
 def run_trl(model: Path, data: Path, out: Path, steps: int, device: str) -> list[dict]:
@@ -81,11 +123,11 @@ def run_trl(model: Path, data: Path, out: Path, steps: int, device: str) -> list
                           train_dataset=load_dataset("json", data_files=str(data), split="train"),
                           peft_config=LoraConfig(r=R, lora_alpha=2 * R, target_modules="all-linear"))
     steps_out: list[dict] = []
-    generate, current = trainer._generate, {}
+    generate, current, cpu = trainer._generate, {}, CpuClock()
 
     def timed_generate(prompts):
         t0 = time.perf_counter()
-        out = generate(prompts)
+        out = cpu.around(lambda: generate(prompts))
         current["rollout_s"] = current.get("rollout_s", 0.0) + time.perf_counter() - t0
         current["tokens"] = current.get("tokens", 0) + sum(len(c) for c in out[1])
         return out
@@ -102,15 +144,65 @@ def run_trl(model: Path, data: Path, out: Path, steps: int, device: str) -> list
                               "tokens": current["tokens"]})
     trainer.add_callback(StepClock())
     trainer.train()
-    return steps_out
+    return [{**s, **c} for s, c in zip(steps_out, cpu.steps())]
+
+
+def generators(model_dir: Path, data: Path, calls: int) -> dict:
+    """Completion tokens per CPU second of each generator, the calls interleaved (see the module's docstring)."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from rocktune.lean_lora import lean_lora
+    from rocktune.model import apply_lora, load_model
+    from rocktune.tasks.grpo.rollout import Sampling, StaticDecode, new_generator, sample
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()[:PROMPTS]]
+    prompts = [tuple(tok(t)["input_ids"]) for t in texts for _ in range(G)]
+    model = apply_lora(load_model(str(model_dir), "fp32", "sdpa", False, "cpu"), R, 2 * R, 0.0, "all-linear", False)
+    lean_lora(model)  # what a run does (tasks/lm/build.py)
+    model.eval()
+    s, pad, eos = Sampling(NEW, 1.0, stop_ids=(tok.eos_token_id,)), tok.pad_token_id, tok.eos_token_id
+    static = StaticDecode(model, max(map(len, prompts)) + NEW)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                              pad_token_id=pad, eos_token_id=eos)
+
+    def hf() -> int:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:].tolist()
+        return sum(row.index(eos) + 1 if eos in row else len(row) for row in out)
+
+    sides = {"rocktune_eager": lambda: sum(map(len, sample(model, prompts, s, pad, new_generator("cpu", 0)))),
+             "rocktune_compiled": lambda: sum(map(len, sample(model, prompts, s, pad, new_generator("cpu", 0),
+                                                              static=static))),
+             "transformers_generate": hf}
+    from rocktune.lean_lora import peft_forward
+
+    totals = {k: [0, 0.0] for k in sides}
+    for i in range(calls + 1):
+        for name, fn in sides.items():
+            with peft_forward(model) if name == "transformers_generate" else contextlib.nullcontext():
+                t0 = time.thread_time()
+                n = fn()
+                if i:  # the first call of each compiles or warms up
+                    totals[name][0] += n
+                    totals[name][1] += time.thread_time() - t0
+    rates = {k: round(n / sec, 1) for k, (n, sec) in totals.items()}
+    return {"calls": calls, "cpu_tokens_per_s": rates,
+            "ratios": {k: round(v / rates["transformers_generate"], 2) for k, v in rates.items()}}
 
 
 def summary(kept: list[dict]) -> dict:
     tokens = sum(s["tokens"] for s in kept)
-    rollout, update = sum(s["rollout_s"] for s in kept), sum(s["update_s"] for s in kept)
-    return {"steps_measured": len(kept), "completion_tokens": tokens,
-            "rollout_tokens_per_s": round(tokens / rollout, 1), "update_tokens_per_s": round(tokens / update, 1),
-            "step_s_median": round(statistics.median(s["rollout_s"] + s["update_s"] for s in kept), 4)}
+    out = {"steps_measured": len(kept), "completion_tokens": tokens}
+    for clock in ("", "cpu_"):
+        for part in ("rollout", "update"):
+            out[f"{clock}{part}_tokens_per_s"] = round(tokens / sum(s[f"{clock}{part}_s"] for s in kept), 1)
+    out["step_s_median"] = round(statistics.median(s["rollout_s"] + s["update_s"] for s in kept), 4)
+    return out
 
 
 def main() -> None:
@@ -122,29 +214,36 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="fresh runs of each side, alternating (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads for both (default 1)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--eager-rollout", action="store_true", help="rocktune's rollout without grpo.compile_rollout")
+    p.add_argument("--generators", type=int, default=0, help="also the generators alone, N interleaved calls each")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    rounds = []
+    rounds, first_rollout_s = [], []
     with tempfile.TemporaryDirectory(prefix="rocktune-grpo-bench-") as tmp:
         work = Path(tmp)
         model, data = _setup(work)
         for i in range(a.rounds):
-            mine = run_rocktune(model, data, work / f"rocktune{i}", a.steps + a.warmup, a.device)[a.warmup:]
-            theirs = run_trl(model, data, work / f"trl{i}", a.steps + a.warmup, a.device)[a.warmup:]
-            rounds.append((mine, theirs))
+            n = a.steps + a.warmup + 1
+            sides = {"rocktune": lambda: run_rocktune(model, data, work / f"rocktune{i}", n, a.device,  # noqa: B023
+                                                      not a.eager_rollout),
+                     "trl": lambda: run_trl(model, data, work / f"trl{i}", n, a.device)}  # noqa: B023
+            done = {k: sides[k]() for k in (("rocktune", "trl") if i % 2 == 0 else ("trl", "rocktune"))}
+            first_rollout_s.append(round(done["rocktune"][0]["rollout_s"], 2))
+            rounds.append((done["rocktune"][a.warmup:-1], done["trl"][a.warmup:-1]))
+        alone = {"generators": generators(model, data, a.generators)} if a.generators else {}
     ours = summary([s for mine, _ in rounds for s in mine])
     trl = summary([s for _, theirs in rounds for s in theirs])
-    per_round = [{k: round(summary(m)[f"{k}_tokens_per_s"] / summary(t)[f"{k}_tokens_per_s"], 2)
-                  for k in ("rollout", "update")} for m, t in rounds]
+    keys = ("rollout", "update", "cpu_rollout", "cpu_update")
+    per_round = [{k: round(summary(m)[f"{k}_tokens_per_s"] / summary(t)[f"{k}_tokens_per_s"], 2) for k in keys}
+                 for m, t in rounds]
     import trl as trl_pkg
 
     print(json.dumps({"device": a.device, "threads": a.threads, "trl": trl_pkg.__version__, "torch": torch.__version__,
                       "settings": {"prompts_per_step": PROMPTS, "num_generations": G, "max_completion_length": NEW,
-                                   "lora_r": R, "model": SHAPE},
-                      "rocktune": ours, "trl_grpo_trainer": trl,
-                      "rollout_ratio": round(ours["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"], 2),
-                      "update_ratio": round(ours["update_tokens_per_s"] / trl["update_tokens_per_s"], 2),
-                      "ratios_per_round": per_round}))
+                                   "lora_r": R, "model": SHAPE, "compile_rollout": not a.eager_rollout},
+                      "rocktune": {**ours, "first_rollout_s": first_rollout_s}, "trl_grpo_trainer": trl,
+                      **{f"{k}_ratio": round(ours[f"{k}_tokens_per_s"] / trl[f"{k}_tokens_per_s"], 2) for k in keys},
+                      "ratios_per_round": per_round, **alone}))
 
 
 if __name__ == "__main__":

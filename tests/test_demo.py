@@ -52,6 +52,7 @@ def test_demo_learns_and_prints_json(demo):
     assert (out / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_demo_figures_hold_under_avx2_kernels_and_one_thread(tmp_path):
     """Issue 35: the same bounds with other matmul and vector kernels (and another thread count) than this CPU picks

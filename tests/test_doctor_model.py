@@ -39,6 +39,7 @@ def test_the_model_s_path_against_the_reference(tiny_model_dir, inject, cause):
         assert result.status == "fail" and result.detail.startswith(f"{cause}:"), result.detail
 
 
+@pytest.mark.long
 def test_doctor_model_on_the_cli(tiny_model_dir, monkeypatch, capsys):
     """The device's own checks stubbed (test_doctor_cli runs them); --model adds the path's, and a fail is exit 1."""
     monkeypatch.setattr("rocktune.doctor.main._checks", lambda *a: [CheckResult("matmul[float32]", "pass")])

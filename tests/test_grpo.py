@@ -13,7 +13,7 @@ from rocktune.data.prompts import encode_prompt, gsm8k_answer, read_prompt
 from rocktune.errors import UserError
 from rocktune.tasks.grpo import rewards as R
 from rocktune.tasks.grpo.feed import advantages, row_weights
-from rocktune.tasks.grpo.rollout import Sampling, generator_state, new_generator, sample, set_generator_state
+from rocktune.tasks.grpo.rollout import Sampling, new_generator, row_draws, sample
 from tests.conftest import write_jsonl
 
 
@@ -132,7 +132,8 @@ def _tiny(tiny_model_dir):
 
 def test_sampler_matches_a_full_forward_and_its_rng_resumes(tiny_model_dir, tokenizer):
     """Greedy completions from the KV cache equal argmax over full forwards of the growing text; a generator state
-    saved and restored samples the same completions again."""
+    saved and restored samples the same completions again; a row's keyed draws sample the same completion whatever
+    rows share its batch."""
     model = _tiny(tiny_model_dir)
     prompts = [tuple(tokenizer("upper abcd =")["input_ids"]), tuple(tokenizer("add 3 4 =")["input_ids"])]
     greedy = sample(model, prompts, Sampling(6, 0.0), tokenizer.pad_token_id, None)
@@ -142,11 +143,16 @@ def test_sampler_matches_a_full_forward_and_its_rng_resumes(tiny_model_dir, toke
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert got == ids[len(p):]
     gen = new_generator("cpu", 3)
-    state = generator_state(gen)
+    state = gen.get_state()
     s = Sampling(8, 1.0, top_k=20, top_p=0.9, stop_ids=(tokenizer.eos_token_id,))
     first = sample(model, prompts * 2, s, tokenizer.pad_token_id, gen)
-    set_generator_state(gen, state)
+    gen.set_state(state)
     assert sample(model, prompts * 2, s, tokenizer.pad_token_id, gen) == first
+    draws = row_draws([11, 12, 13, 14], 8)
+    whole = sample(model, prompts * 2, s, tokenizer.pad_token_id, draws)
+    assert len(set(map(tuple, whole))) > 2  # sampled, not one greedy answer per prompt
+    alone = [sample(model, [p], s, tokenizer.pad_token_id, draws[i : i + 1])[0] for i, p in enumerate(prompts * 2)]
+    assert alone == whole
     stopped = sample(model, prompts, Sampling(8, 0.0, stop_strings=(greedy[0] and tokenizer.decode(greedy[0][:2]),)),
                      tokenizer.pad_token_id, None, lambda ids: tokenizer.decode(ids))
     assert stopped[0] == greedy[0][:2]
@@ -184,7 +190,7 @@ def test_a_tiny_run_logs_trl_metrics(tiny_model_dir, prompt_file, tmp_path):
     assert all(0 < r["completions/mean_length"] <= 6 for r in steps)
     assert all(r["clip_ratio/region_mean"] == 0.0 for r in steps)  # one update per rollout: the ratio is 1
     assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0  # the adapter starts as the reference, then moves
-    assert any("eval_reward" in r for r in rows)
+    assert [r["step"] for r in rows if "eval_reward" in r] == [0, 2, 4]  # every eval_every, not only the ends
     assert (result.run_dir / "adapter" / "adapter_model.safetensors").is_file()
     pytest.importorskip("matplotlib")
     from rocktune.report.plots import all_plots
@@ -238,7 +244,7 @@ def test_data_preview_shows_prompt_answer_and_generation_prompt(tiny_model_dir, 
 
 @pytest.mark.parametrize("change, options, words", [
     ({"training": {"micro_batch_size": 5}}, {}, "multiple of grpo.num_generations=4"),
-    ({}, {"processes": 2}, "one process for now"),
+    ({"training": {"parallel": "fsdp"}}, {"processes": 2}, "training.parallel=ddp"),
     ({}, {"auto_fit": True}, "--auto fits supervised"),
 ])
 def test_refused_before_launch(tiny_model_dir, prompt_file, tmp_path, change, options, words):
@@ -264,7 +270,8 @@ def test_generate_prompts_a_grpo_run_as_it_was_trained(tmp_path):
 
 def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     """More than 4 rows in one sampling batch "run out of memory": the step's 8 rows are sampled in 2 batches from
-    then on (logged, and kept by checkpoints), and the run trains on."""
+    then on (logged, and kept by checkpoints), and the run trains on, sampling the completions a run without the
+    split samples (each row's draws are its own)."""
     from rocktune.tasks import train
     from rocktune.tasks.grpo import task as grpo_task
 
@@ -275,11 +282,15 @@ def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prom
             raise MemoryError()
         return real(model, prompts, *args, **kwargs)
 
+    train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "whole", max_steps=2, eval_every=0)),
+          quiet=True)
     monkeypatch.setattr(grpo_task, "sample", small_only)
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "run", max_steps=2, eval_every=0)
     train(config_from_dict(cfg), quiet=True)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_pieces"] for r in rows if "loss" in r] == [2, 2]
+    whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in rows if "loss" in r] == [r["samples"] for r in whole if "loss" in r]
     assert all(r["completions"] == 8 for r in rows if "loss" in r)
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step-0000002" / "meta.json").read_text())
     assert meta["extra"]["rollout_pieces"] == 2
@@ -292,3 +303,162 @@ def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prom
 
     with pytest.raises(OutOfMemoryAtMinimum, match="one completion at a time"):
         train(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "b", max_steps=1)), quiet=True)
+
+
+def _adapted(tiny_model_dir):
+    """The tiny model with a LoRA adapter whose B is not zero (so the side path shows), rocktune's side paths on."""
+    from rocktune.lean_lora import lean_lora
+    from rocktune.model import apply_lora
+
+    model = apply_lora(_tiny(tiny_model_dir), 8, 16, 0.0, "all-linear", False)
+    lean_lora(model)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+def _rollout_prompts(tokenizer):
+    return [tuple(tokenizer(t)["input_ids"]) for t in ("upper abcd =", "add 3 4 =", "rev xyz =", "upper q =")] * 2
+
+
+def test_the_rollout_on_rocktunes_side_path_equals_pefts(tiny_model_dir, tokenizer):
+    """The rollout decodes through rocktune's LoRA side path (lean_lora: what training patches in); its greedy
+    completions, and those it samples from the same generator state, are PEFT's own forward's, token for token."""
+    from rocktune.lean_lora import peft_forward
+
+    model = _adapted(tiny_model_dir)
+    prompts, pad = _rollout_prompts(tokenizer), tokenizer.pad_token_id
+    assert any("_peft_forward" in vars(m) for m in model.modules())  # the side path is on
+    for s, seed in ((Sampling(12, 0.0), None), (Sampling(12, 1.0, top_k=40), 5)):
+        fast = sample(model, prompts, s, pad, seed and new_generator("cpu", seed))
+        with peft_forward(model):
+            ref = sample(model, prompts, s, pad, seed and new_generator("cpu", seed))
+        assert fast == ref
+
+
+@pytest.mark.long
+def test_the_compiled_static_rollout_equals_pefts_and_follows_the_adapter(tiny_model_dir, tokenizer):
+    """grpo.compile_rollout: the compiled decode step over a static cache gives PEFT's eager greedy completions
+    and log-probabilities (within lora_check's fp32 tolerance), for prompts of another width on a later call too,
+    and after the adapter's values change in place (an optimizer step): nothing stale is compiled in."""
+    from rocktune.lean_lora import peft_forward
+    from rocktune.tasks.grpo.rollout import StaticDecode
+
+    _skip_under_a_chosen_kernel_set()
+    model = _adapted(tiny_model_dir)
+    prompts, pad = _rollout_prompts(tokenizer), tokenizer.pad_token_id
+    static = StaticDecode(model, 32 + 10)
+    for round_ in range(3):
+        batch = prompts if round_ != 1 else [p + p[-2:] for p in prompts]  # another width: the same graph
+        with peft_forward(model):
+            ref = sample(model, batch, Sampling(10, 0.0), pad, None)
+        got = sample(model, batch, Sampling(10, 0.0), pad, None, static=static)
+        assert got == ref
+        rows = [list(p) + c for p, c in zip(batch, got)]
+        _assert_logps_equal(model, static, batch, rows, pad)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+    _compiled_or_skip(static.fallback)
+
+
+def _compiled_or_skip(fallback: str | None) -> None:
+    """The values above held; if they came from the eager fallback, the compiled step itself was not checked: say
+    so."""
+    if fallback:
+        pytest.skip(f"Inductor could not compile here ({fallback}); only the eager fallback was checked")
+
+
+def _skip_under_a_chosen_kernel_set() -> None:
+    """torch 2.13's Inductor built a decode step that returned wrong tokens under ATEN_CPU_CAPABILITY=avx2 on an
+    AVX-512 CPU, and none under default: a run turns grpo.compile_rollout off there (GRPOTask.prepare)."""
+    import os
+
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        pytest.skip("grpo.compile_rollout is off under ATEN_CPU_CAPABILITY (Inductor's CPU code is not built for it)")
+
+
+def _assert_logps_equal(model, static, prompts, rows, pad):
+    """The static path's decode-step log-probabilities against PEFT's full forward over each whole row, relative to
+    max(|log p|, 1) as lora_check compares losses."""
+    from rocktune.lean_lora import peft_forward
+    from rocktune.lora_check import TOLERANCE
+
+    logged = []
+    run = static.run
+
+    def keep(*args):
+        out = run(*args)
+        logged.append(torch.log_softmax(out.float(), -1))
+        return out
+    static.run = keep
+    try:
+        sample(model, prompts, Sampling(10, 0.0), pad, None, static=static)
+    finally:
+        static.run = run
+    with peft_forward(model), torch.no_grad():
+        for i, (p, row) in enumerate(zip(prompts, rows)):
+            full = torch.log_softmax(model(torch.tensor([row])).logits[0].float(), -1)
+            for t, step in enumerate(logged):  # step t predicts the token after prompt + t + 1 tokens
+                want = full[len(p) + t]
+                worst = float(((step[i] - want).abs() / want.abs().clamp(min=1.0)).max())
+                assert worst <= TOLERANCE["fp32"]["loss"], (i, t, worst)
+
+
+@pytest.mark.long
+def test_a_run_with_the_compiled_rollout_samples_what_the_eager_one_does(tiny_model_dir, prompt_file, tmp_path,
+                                                                       monkeypatch):
+    """grpo.compile_rollout in a whole run: the same completions (the steps' sample digests) and losses as the
+    eager rollout, the held-out evaluation included, its rollouts decoded by the compiled step."""
+    from rocktune.tasks import train
+    from rocktune.tasks.grpo.rollout import StaticDecode
+
+    _skip_under_a_chosen_kernel_set()
+    calls = []
+    run = StaticDecode.run
+
+    def counted(self, *args):
+        out = run(self, *args)
+        calls.append(self.fallback)
+        return out
+    monkeypatch.setattr(StaticDecode, "run", counted)
+
+    runs = []
+    for compiled in (False, True):
+        cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / f"run{compiled}", max_steps=3, eval_every=2)
+        cfg["grpo"]["compile_rollout"] = compiled
+        train(config_from_dict(cfg), quiet=True)
+        rows = [json.loads(x) for x in (tmp_path / f"run{compiled}" / "metrics.jsonl").read_text().splitlines()]
+        runs.append([r for r in rows if "loss" in r or "eval_reward" in r])
+    eager, compiled = runs
+    assert [r.get("samples") for r in compiled] == [r.get("samples") for r in eager]
+    assert [r.get("eval_reward") for r in compiled] == [r.get("eval_reward") for r in eager]
+    for a, b in zip(eager, compiled):
+        if "loss" in a:
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
+    assert calls  # the rollouts decoded through the static path
+    _compiled_or_skip(next((f for f in calls if f), None))
+
+
+def test_a_checkpoint_of_the_older_sampler_is_refused_unless_forced(tiny_model_dir, prompt_file, tmp_path):
+    """A checkpoint written while rollouts drew from one generator (no ``sampler`` key) cannot continue as one exact
+    run with keyed draws: refused, and --resume-force goes on; one from another number of processes likewise."""
+    from types import SimpleNamespace
+
+    from rocktune.tasks.grpo.task import SAMPLER, GRPOTask
+    from rocktune.train.distributed import Dist
+
+    task = GRPOTask(config_from_dict(grpo_config(tiny_model_dir, prompt_file, tmp_path / "run")))
+    task.run = SimpleNamespace(ctx=SimpleNamespace(dist=Dist(), notes=[]))
+
+    def restored(**extra):
+        return SimpleNamespace(extra={"world_size": 1, **extra}, path=tmp_path / "step-0000002")
+    with pytest.raises(UserError, match="another random stream"):
+        task.check_resume(restored(sampler_rng="AAAA"), False)
+    task.check_resume(restored(sampler_rng="AAAA"), True)
+    task.check_resume(restored(sampler=SAMPLER), False)
+    with pytest.raises(UserError, match="written by 2 process"):
+        task.check_resume(restored(sampler=SAMPLER, world_size=2), False)

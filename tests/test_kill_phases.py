@@ -57,7 +57,7 @@ WAN_ONLY = [("lora_file.written", 1)]
 # TensorBoard on); the rest is long
 FAST = {("lm", "checkpoint.pruning"), ("lm", "metrics.appended"), ("lm", "metrics.truncating"),
         ("grpo", "checkpoint.state_written")}
-TASKS_KILLED = ("lm", "dpo", "orpo", "wan", "grpo")
+TASKS_KILLED = ("lm", "dpo", "orpo", "wan", "grpo", "vlm")
 # The steps inside one atomic write (write, fsync, manifest, rename, prune) are one code path whatever the task saves:
 # `make test-long` kills them in the LM run only, and kills every task where what is on disk depends on the task —
 # its state written, a complete checkpoint, its adapter, its log lines, its final phase (and the resume's cut, below).
@@ -81,7 +81,7 @@ def test_every_phase_is_in_a_matrix():
     covered = {p for p, _ in RUN_KILLS + WAN_ONLY} | set(EXPORT_PHASES) | set(TRUNCATION_KILLS) | {"adapter.old_moved"}
     assert covered == set(PHASES)
     # every task object of the registry is killed (image-lora is the WanTask of video-lora, tested as "wan")
-    kinds = {"lm": "lm", "dpo": "dpo", "orpo": "orpo", "wan": "video-lora", "grpo": "grpo"}
+    kinds = {"lm": "lm", "dpo": "dpo", "orpo": "orpo", "wan": "video-lora", "grpo": "grpo", "vlm": "vlm"}
     assert {TASKS[kinds[k]].builder for k in TASKS_KILLED} == {spec.builder for spec in TASKS.values()}
 
 

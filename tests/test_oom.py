@@ -88,6 +88,7 @@ def test_oom_watch_reads_the_cgroup_counter_and_the_limit(tmp_path):
     assert "at the limit" in oomkill.OomWatch(root, proc).verdict(-signal.SIGKILL, peak_rss=3900 * 1024)
 
 
+@pytest.mark.long
 @pytest.mark.slow  # two real worker start-ups (~20 s each on 2 busy cores)
 def test_oom_killed_worker_restarts_smaller_once_then_stops_with_exit_7(tiny_model_dir, data, tmp_path, monkeypatch):
     """The real supervisor and worker; the worker dies by SIGKILL at step 5 every time, and the kernel's verdict is

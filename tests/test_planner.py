@@ -161,6 +161,16 @@ def test_cli_plans_rocktunes_gpu_path(capsys):
     assert "attention_scores" not in doc["terms"]  # no mask is built for varlen
 
 
+def test_a_grpo_plan_suggests_the_two_length_keys_apart(capsys):
+    """The update's row is prompt + completion; the suggestion names each key, never their sum as max_length."""
+    assert main(["plan", "Qwen2.5-0.5B", "--task", "grpo", "--vram", "24GiB", "--max-length", "256",
+                 "--completion-length", "512"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "max_length=256 grpo.max_completion_length=512" in out and "max_length=768" not in out
+    assert main(["plan", "Qwen2.5-0.5B", "--vram", "24GiB", "--max-length", "256"]) == 0
+    assert "max_length=256" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "NoSuchModel"], "Known presets"),
     (["plan", "Qwen2.5-3B", "--vram", "lots"], "memory budget"),

@@ -56,6 +56,7 @@ def _compiled_run(tiny_model_dir, data, out, **training) -> dict:
     return cfg
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_compile_on_the_cpu_with_static_width_rows_and_a_real_compiler_failure_falling_back(
         tiny_model_dir, data, tmp_path, capsys):

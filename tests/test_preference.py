@@ -258,6 +258,7 @@ def test_qlora_dpo_trains_on_a_4bit_base(tiny_model_dir, pair_files, tmp_path):
     assert result.eval_loss_after < result.eval_loss_before - 0.05  # measured 0.693 -> 0.519
 
 
+@pytest.mark.long
 def test_a_preference_run_exports_and_generates_like_any_lm_run(tiny_model_dir, pair_files, tmp_path):
     import subprocess
     import sys

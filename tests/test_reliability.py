@@ -72,6 +72,7 @@ def test_full_disk_detected_before_writing(tiny_model_dir, data, tmp_path):
     assert not list((tmp_path / "run" / "checkpoints").glob("*step-*"))
 
 
+@pytest.mark.long
 def test_supervisor_restarts_killed_child(tiny_model_dir, data, reference, tmp_path):
     cfg = config(tiny_model_dir, data, tmp_path / "run")
     env = dict(os.environ, ROCKTUNE_FAULTS=json.dumps({"kill_at_step": 5, "marker": str(tmp_path / "m")}))
@@ -116,6 +117,7 @@ def test_oom_at_one_example_stops_with_planner_suggestion(tiny_model_dir, data, 
         train(config_from_dict(cfg), quiet=True, faults=Faults({"oom_at_step": 2, "oom_repeat": True}))
 
 
+@pytest.mark.long
 def test_repeated_fault_at_one_step_steps_down_then_gives_up(tiny_model_dir, data, tmp_path):
     import yaml
 

@@ -38,6 +38,7 @@ def _state(run: Path) -> tuple:
     return (run / "metrics.jsonl").read_text(), sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
+@pytest.mark.long
 def test_a_resume_waits_while_another_process_trains_the_run(reference, tiny_model_dir, data, tmp_path):
     """The run killed after a line its newest checkpoint does not count; while another process holds the run (here:
     this one, as an orphaned worker would), a resume says it waits and touches nothing; once free, it resumes and

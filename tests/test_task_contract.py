@@ -111,7 +111,8 @@ def _pair_kind(request, task: str, tmp: Path) -> Kind:
 
 def _grpo_kind(request, tmp: Path) -> Kind:
     """GRPO on the tiny Qwen2 over the LM tests' prompts (their completions are the reference answers), sampled at
-    temperature 1 with the KL on and dropout in the update (resume restores the sampler's RNG and the global one).
+    temperature 1 with the KL on and dropout in the update (the draws are keyed by step, resume restores the global
+    RNG).
     The tiny model's answers are never exact, so a format reward that its random completions sometimes meet gives
     the groups different rewards."""
     from tests.conftest import tiny_run_config

@@ -440,6 +440,10 @@ class GRPOConfig(_Section):
         "(none: Dr. GRPO's fix).")
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(function="exact")],
                                       description="The reward functions, summed with their weights.")
+    compile_rollout: bool = Field(False, description="torch.compile the rollout's decode step over a static KV cache "
+                                  "(data.max_length + max_completion_length positions): compiled once per batch size "
+                                  "(tens of seconds on a CPU, in the first step), then fewer, generated kernels per "
+                                  "token (docs/rl.md measures it). A compile failure falls back to eager.")
 
 
 class RunConfig(_Section):

@@ -1,7 +1,7 @@
 """Prepare the train and eval examples: open the source, validate and tokenise (through the cache), split.
 
 The rows come from a memory-mapped ``datasets.Dataset`` (``data/sources.py``); validation and tokenisation run in
-batches in ``datasets.map`` over ``data.num_proc`` processes (``data/fastencode.py``, tokens equal to
+batches over ``data.num_proc`` forked processes (``data/tokenise.py``, ``data/fastencode.py``, tokens equal to
 ``data/encode.py``'s record by record), and the tokens land in the cache as flat memory-mapped arrays
 (``data/cache.py``) that ``Examples`` reads row by row.
 
@@ -245,7 +245,7 @@ def _values(out, name: str):
     the dataset's memory map, every page of the files would stay in this process's RSS (1.3 GB more at 1M records)."""
     import pyarrow as pa
 
-    for f in out.cache_files:  # in the dataset's order (datasets.map's shards, or the one streamed file)
+    for f in out.cache_files:  # the one Arrow file tokenise.run wrote, in the dataset's order
         with pa.OSFile(f["filename"]) as source:
             for batch in pa.ipc.open_stream(source):
                 yield batch.column(name).flatten().to_numpy()

@@ -1,24 +1,29 @@
 """Validate and tokenise every row of a source into an Arrow file of token lists, over several processes.
 
-A memory-mapped ``datasets.Dataset`` goes through ``datasets.map`` (batched, ``num_proc`` worker processes, its
-progress bar); a streamed source (``data.streaming``: an ``IterableDataset``, no Arrow copy of the source is made) is
-read batch by batch and the batches are spread over a process pool, in order. Either way the result is an Arrow file
-in a scratch folder (``out.scratch``) that ``dataset`` turns into the token cache and then removes.
+Batches of ``BATCH`` rows are spread over ``num_proc`` forked worker processes, one batch per task, the results
+taken in order: a worker reads its rows from the memory-mapped ``datasets.Dataset`` it inherited (only row numbers
+travel), or, for a streamed source (``data.streaming``: an ``IterableDataset``, no Arrow copy of the source is made),
+gets the batch read here. The results go into one Arrow file in a scratch folder (``out.scratch``) that ``dataset``
+turns into the token cache and then removes. (``datasets.map`` did this before, over contiguous shards: a worker the
+shared machine slowed down held the other up, and its progress went through a manager process.)
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.data import checks, fastencode, meaning, records, sources, textstream
 
 ROWS_PER_PROC = 4000  # below this a worker process costs more to start than it saves
 BATCH = 1000  # rows per tokenizer call
-PROGRESS_FROM = 20_000  # rows from which datasets.map's progress bar is shown
+PROGRESS_FROM = 20_000  # rows from which the progress bar is shown (on a terminal)
 
 
 def row(values: dict) -> dict:
@@ -42,8 +47,7 @@ def prepare_rows(pairs: list[tuple[object, dict]], settings: fastencode.EncodeSe
 
 
 class _Encode:
-    """The ``datasets.map`` function: validate each row, drop empty targets, tokenise the rest (picklable for the
-    worker processes)."""
+    """What a worker runs on a batch: validate each row, drop empty targets, tokenise the rest."""
 
     def __init__(self, tokenizer, settings: fastencode.EncodeSettings, src: sources.Source):
         self.tokenizer, self.settings = tokenizer, settings
@@ -126,7 +130,12 @@ def features():
 
 
 def workers(num_proc: int | None, n_rows: int) -> int:
-    """Processes for ``n_rows``: ``data.num_proc`` (default: the cores this process may use), fewer for a small set."""
+    """Processes for ``n_rows``: ``data.num_proc`` (default: the cores this process may use), fewer for a small set;
+    one where processes cannot fork (the workers inherit the encoder and the mapped rows, never pickled)."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():  # Windows: one process, the tokenizer's own threads
+        return 1
     cores = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     return max(1, min(cores, math.ceil(n_rows / ROWS_PER_PROC)))
 
@@ -136,76 +145,66 @@ def run(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num
     under ``where`` (the cache folder: the same disk as the cache, not a possibly small /tmp), holds its file."""
     where.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=where, prefix=".tokens-"))
-    if src.streamed:
-        return _stream(src, tokenizer, settings, num_proc, scratch)
-    return _map(src, tokenizer, settings, num_proc, scratch)
-
-
-def _map(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None, scratch: Path):
-    import datasets
-
-    n = len(src.dataset)
-    procs = workers(num_proc, n)
-    quiet = n < PROGRESS_FROM
-    if quiet:
-        datasets.disable_progress_bars()
+    encoder = _Encode(tokenizer, settings, src)
+    if src.streamed:  # batches read here, as they arrive, and sent to the workers
+        work = Work(_numbered(src), _encode_batch, workers(num_proc, 1 << 62), None)
+    else:  # a worker reads its rows from the memory-mapped dataset it inherited: only row numbers are sent
+        n = len(src.dataset)
+        work = Work(((i, min(i + BATCH, n)) for i in range(0, n, BATCH)), _encode_slice, workers(num_proc, n), n)
     try:
-        if procs > 1:  # tokenizers' threads would fight the workers for the cores, and must not cross a fork
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        out = src.dataset.map(_Encode(tokenizer, settings, src), batched=True, batch_size=BATCH, with_indices=True,
-                              remove_columns=src.dataset.column_names, features=features(),
-                              num_proc=procs if procs > 1 else None, cache_file_name=str(scratch / "tokens.arrow"),
-                              load_from_cache_file=False, desc=f"tokenising {src.name}",
-                              # rocktune's cache key already names the result: datasets need not hash the
-                              # tokenizer (pickled) to name it
-                              new_fingerprint=f"rocktune-{os.getpid()}-{id(src)}")
+        out = _pooled(src, encoder, work, scratch / "tokens.arrow")
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    finally:
-        if quiet:
-            datasets.enable_progress_bars()
     out.scratch = scratch
     return out
 
 
-def _stream(src: sources.Source, tokenizer, settings: fastencode.EncodeSettings, num_proc: int | None,
-            scratch: Path):
-    """Batches as they arrive, encoded by a pool of forked workers in order (``imap``), written to one Arrow file."""
+@dataclass
+class Work:
+    items: Iterator  # what one call of ``task`` encodes: a streamed batch, or a slice of the mapped rows
+    task: Callable
+    procs: int
+    rows: int | None  # for the progress bar: None when streamed (the size is unknown)
+
+
+def _pooled(src: sources.Source, encoder: _Encode, work: Work, path: Path):
+    """Every item encoded, in order, into one Arrow file: by a pool of forked workers (``imap``, one batch per task,
+    so a worker the machine slows down takes fewer) or, with one process, here (the tokenizer then uses its own
+    threads). The objects alive now are frozen out of the garbage collector first: its full passes would otherwise
+    walk every object of torch and transformers, in each worker, a few times per set."""
     import multiprocessing
 
     import datasets
     import pyarrow as pa
     from tqdm.auto import tqdm
 
-    path = scratch / "tokens.arrow"
-    encoder = _Encode(tokenizer, settings, src)
-    procs = workers(num_proc, 1 << 62)  # the size is unknown: all the cores data.num_proc allows
     pool = None
+    gc.freeze()
     try:
-        if procs > 1:
+        _WORKER.update(encode=encoder, source=src)
+        if work.procs > 1:  # tokenizers' threads would fight the workers for the cores, and must not cross a fork
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            pool = multiprocessing.get_context("fork").Pool(procs, initializer=_adopt, initargs=(encoder,))
-            results = pool.imap(_encode_in_worker, _numbered(src), chunksize=1)
+            pool = multiprocessing.get_context("fork").Pool(work.procs)
+            results = pool.imap(work.task, work.items, chunksize=1)
         else:
-            results = (encoder(batch, idx) for batch, idx in _numbered(src))
-        bar = tqdm(desc=f"tokenising {src.name} (streamed)", unit=" records", disable=None)
+            results = map(work.task, work.items)
+        shown = None if work.rows is None or work.rows >= PROGRESS_FROM else True  # None: shown on a terminal
+        suffix = "" if work.rows is not None else " (streamed)"
+        bar = tqdm(desc=f"tokenising {src.name}{suffix}", unit=" records", total=work.rows, disable=shown)
         with sources.quiet(), pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema()) as writer:
             for out in results:
                 writer.write_table(out)
                 bar.update(sum(out.column("first").to_pylist()))  # records, not the windows of a text
         bar.close()
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     finally:
         if pool is not None:
             pool.terminate()
+        _WORKER.clear()
+        gc.unfreeze()
     out = datasets.Dataset.from_file(str(path))
     if len(out) == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
         raise records_empty(src)
-    out.scratch = scratch
     return out
 
 
@@ -236,13 +235,13 @@ def _numbered(src: sources.Source):
         start += n
 
 
-_WORKER: dict = {}
+_WORKER: dict = {}  # the encoder and the source, set before the workers fork (inherited, never pickled)
 
 
-def _adopt(encoder) -> None:
-    """Pool initializer: the encoder arrives once per worker (inherited through fork, not pickled per batch)."""
-    _WORKER["encode"] = encoder
+def _encode_slice(span: tuple[int, int]):
+    start, stop = span
+    return _WORKER["encode"](_WORKER["source"].dataset[start:stop], list(range(start, stop)))
 
 
-def _encode_in_worker(item):
+def _encode_batch(item):
     return _WORKER["encode"](*item)

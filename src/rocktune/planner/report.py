@@ -101,9 +101,17 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     console.print(f"[bold]suggested[/] for global batch {fit['micro_batch_size'] * fit['grad_accum']}: "
                   f"micro_batch_size={fit['micro_batch_size']} grad_accum={fit['grad_accum']} "
                   f"gradient_checkpointing={fit['gradient_checkpointing']} precision={fit['precision']} "
-                  f"max_length={fit['max_length']}")
+                  f"{_length(fit['max_length'], s.rollout_new if s.rollout_rows else 0)}")
     for reason in fit["reasons"]:
         console.print(f"  - {reason}", highlight=False)
+
+
+def _length(row_tokens: int, completion: int) -> str:
+    """The length setting a user copies: for GRPO the update's row is the prompt (data.max_length) plus the
+    completion (grpo.max_new_tokens), and each is its own key."""
+    if not completion:
+        return f"max_length={row_tokens}"
+    return f"max_length={row_tokens - completion} grpo.max_completion_length={completion}"
 
 
 def fmt_bytes(n) -> str:

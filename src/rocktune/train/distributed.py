@@ -103,6 +103,29 @@ def mean_over_ranks(dist: Dist, total: float, tokens: int) -> float | None:
     return total / tokens if tokens else None
 
 
+def sum_over_ranks(dist: Dist, values: torch.Tensor) -> torch.Tensor:
+    """Host values summed over every rank (a task's per-step statistics), on the control group; as given with one
+    process."""
+    values = values.detach().cpu()
+    if dist.enabled:
+        import torch.distributed as td
+
+        values = values.clone()
+        td.all_reduce(values, group=dist.control)
+    return values
+
+
+def gather_objects(dist: Dist, obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank: e.g. the scored rollouts each rank sampled."""
+    if not dist.enabled:
+        return [obj]
+    import torch.distributed as td
+
+    out = [None] * dist.world
+    td.all_gather_object(out, obj, group=dist.control)
+    return out
+
+
 def from_env() -> Dist:
     """The launch's rank layout (torchrun's variables); one process when they are absent."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -246,7 +246,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
             if ev is not None:
                 r.metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
-                task.after_eval(step, r.metrics, bar.log)
+            task.after_eval(step, r.metrics, bar.log)  # a task without an eval loss (GRPO's held-out reward) too
         due = (rel.save_every and step % rel.save_every == 0) or step == r.total_steps or stop.requested
         saved = due and r.guard.nonfinite_in_row == 0 and checkpoint.save_or_warn(
             lambda at: _save_checkpoint(r, at), step, bar.log)

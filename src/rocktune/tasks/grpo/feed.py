@@ -4,12 +4,19 @@ A step takes ``micro_batch_size x grad_accum / num_generations`` prompts from th
 the seed), samples ``num_generations`` completions of each with the adapter on (rollout.py), scores them (rewards.py)
 and turns the rewards into group-relative advantages. Every tensor of a forward has one entry per completion, so
 whatever cuts the work — micro-batches, the OOM split — cuts between completions and leaves the step's loss as it is.
+
+With several ranks (``--nproc``) each rank samples and scores a contiguous share of the step's prompts, all G
+completions of a prompt on one rank; the scored shares are gathered (``Share.gather``) so that every rank computes
+the whole step's advantages, normaliser and statistics exactly as one process would, and keeps its own rows for the
+update. Each row samples from uniforms keyed by (seed, step, prompt, generation) (``row_keys``), so the completions
+are one process's whatever the split.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -54,14 +61,77 @@ def collate(prompts: list[tuple[int, ...]], completions: list[list[int]], adv: l
             "advantage": torch.tensor(adv, dtype=torch.float32), "weight": torch.tensor(weights, dtype=torch.float32)}
 
 
+def idle(pad_id: int) -> dict:
+    """One pad token scoring nothing: a rank whose share of a short step is empty still runs a forward and a
+    backward (DDP's all-reduce), adding exactly zero."""
+    batch = collate([(pad_id,)], [[pad_id]], [0.0], [0.0], pad_id)
+    batch["completion_mask"].zero_()
+    return batch
+
+
 @dataclass
 class Rollout:
-    """One step's completions, scored (what ``rollout(idx)`` returns): per completion in prompt-group order."""
+    """Completions, scored (what ``rollout(idx, keys)`` returns for a share of a step): per completion in prompt-group
+    order, plain lists so that a share travels between ranks as it is."""
 
     prompts: list[tuple[int, ...]]
     completions: list[list[int]]
-    rewards: torch.Tensor  # the weighted sum
-    stats: dict = field(default_factory=dict)  # TRL's metric names: reward, reward_std, rewards/<name>/mean, ...
+    rewards: list[float]  # the weighted sum
+    columns: dict[str, list[float]]  # each reward function's values
+    ended: list[bool]  # stopped at a stop token (else clipped at max_completion_length or a stop string)
+    seconds: float = 0.0  # the sampling's wall time
+
+
+def merged(shares: list[Rollout]) -> Rollout:
+    """The whole step from every rank's share, in rank order (which is the step's prompt order)."""
+    first = shares[0]
+    return Rollout([p for s in shares for p in s.prompts], [c for s in shares for c in s.completions],
+                   [x for s in shares for x in s.rewards],
+                   {k: [x for s in shares for x in s.columns[k]] for k in first.columns},
+                   [e for s in shares for e in s.ended], max(s.seconds for s in shares))
+
+
+def rollout_stats(out: Rollout, group: int) -> dict[str, float]:
+    """TRL's metric names, over the whole step."""
+    total = torch.tensor(out.rewards, dtype=torch.float32)
+    lengths = torch.tensor([len(c) for c in out.completions], dtype=torch.float32)
+    stats = {}
+    for name, col in out.columns.items():
+        values = torch.tensor(col)
+        stats[f"rewards/{name}/mean"] = float(values.mean())
+        stats[f"rewards/{name}/std"] = float(values.std()) if len(col) > 1 else 0.0
+    stats.update({"reward": float(total.mean()), "reward_std": float(total.std()),
+                  "frac_reward_zero_std": float((total.view(-1, group).std(1) < 1e-6).float().mean()),
+                  "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                  "completions/max_length": float(lengths.max()),
+                  "completions/clipped_ratio": 1.0 - sum(out.ended) / len(out.ended), "rollout_s": out.seconds,
+                  "rollout_tokens_per_s": float(lengths.sum()) / max(out.seconds, 1e-9)})
+    return stats
+
+
+def row_keys(seed: int, step: tuple[int, int], idx: list[int], group: int) -> list[int]:
+    """The sampler's seed of each completion: a hash of (seed, the step's stream position, prompt, generation)."""
+    def key(i: int, g: int) -> int:
+        text = f"{seed}:{step[0]}:{step[1]}:{i}:{g}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+    return [key(i, g) for i in idx for g in range(group)]
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of every step: ``gather(share) -> every rank's, in rank order`` (one process: itself)."""
+
+    rank: int = 0
+    world: int = 1
+    gather: Callable | None = None
+
+    def mine(self, idx: list) -> list:
+        """A contiguous share, the sizes differing by one at most (an epoch's last step may hold fewer prompts)."""
+        n = len(idx)
+        return idx[self.rank * n // self.world : (self.rank + 1) * n // self.world]
+
+    def all(self, share: Rollout) -> list[Rollout]:
+        return self.gather(share) if self.world > 1 else [share]
 
 
 @dataclass
@@ -71,8 +141,10 @@ class RolloutStep:
     picked: list
     forwards: list[dict]
     loss_tokens: int  # the step's normaliser: completions (grpo, dr_grpo) or completion tokens (dapo)
-    real_tokens: int
+    real_tokens: int  # the whole step's (every rank's), as the figures below
     completion_tokens: int
+    completions: int
+    samples: str  # digest of the step's prompts and completions
     stats: dict
     # the loss value may be exactly zero on-policy (advantages cancel); the gradient too when every advantage is zero
     zero_expected: tuple[str, ...] = ("loss",)
@@ -95,8 +167,9 @@ class RolloutFeed(StreamPosition):
 
     split = staticmethod(split_by_rows)
 
-    def __init__(self, n_prompts: int, shape: StepShape, rollout, epoch: int = 0, index: int = 0):
-        self.shape, self.rollout = shape, rollout
+    def __init__(self, n_prompts: int, shape: StepShape, rollout, share: Share = Share(), epoch: int = 0,
+                 index: int = 0):
+        self.shape, self.rollout, self.share = shape, rollout, share
 
         def make(e: int) -> list[list[int]]:
             order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(shape.seed * 1000 + e)).tolist()
@@ -108,16 +181,22 @@ class RolloutFeed(StreamPosition):
     def next(self) -> RolloutStep:
         idx = self.stream.next()
         self._position, self._epoch = self.stream.position(), self.stream.epoch
-        s = self.shape
-        out = self.rollout(idx)
-        adv = advantages(out.rewards, s.generations, s.scale_rewards)
+        s, share = self.shape, self.share
+        mine = share.mine(idx)
+        shares = share.all(self.rollout(mine, row_keys(s.seed, (self._epoch, self._position["index"]), mine,
+                                                       s.generations)))
+        out = merged(shares)
+        adv = advantages(torch.tensor(out.rewards, dtype=torch.float32), s.generations, s.scale_rewards)
         lengths = [len(c) for c in out.completions]
         weights, normaliser = row_weights(lengths, s.loss_type, s.max_completion_length)
-        n, size = len(out.completions), s.rows_per_forward
-        forwards = [collate(out.prompts[i : i + size], out.completions[i : i + size], adv[i : i + size].tolist(),
-                            weights[i : i + size], s.pad_id) for i in range(0, n, size)]
+        start = sum(len(x.completions) for x in shares[: share.rank])
+        stop, size = start + len(shares[share.rank].completions), s.rows_per_forward
+        cuts = [(i, min(i + size, stop)) for i in range(start, stop, size)]
+        forwards = [collate(out.prompts[a:b], out.completions[a:b], adv[a:b].tolist(), weights[a:b], s.pad_id)
+                    for a, b in cuts] or [idle(s.pad_id)]
         real = sum(len(p) + c for p, c in zip(out.prompts, lengths))
-        return RolloutStep(idx, forwards, normaliser, real, sum(lengths), out.stats,
+        return RolloutStep(idx, forwards, normaliser, real, sum(lengths), len(lengths),
+                           digest(out.prompts, out.completions), rollout_stats(out, s.generations),
                            ("loss", "grad") if bool((adv == 0).all()) else ("loss",))
 
     def max_pieces(self, batch: dict) -> int:
@@ -127,9 +206,10 @@ class RolloutFeed(StreamPosition):
         """Nothing to release: a rollout is made in the step that uses it."""
 
 
-def digest(forwards: list[dict]) -> str:
-    """Short hash of the step's token ids (completions included): equal runs sampled the same completions."""
+def digest(prompts: list, completions: list[list[int]]) -> str:
+    """Short hash of the step's prompts and completions, row by row: equal runs sampled the same completions,
+    however their rows were cut into forwards or dealt to ranks."""
     h = hashlib.blake2b(digest_size=6)
-    for batch in forwards:
-        h.update(batch["input_ids"].numpy().tobytes())
+    for p, c in zip(prompts, completions):
+        h.update(repr((tuple(p), tuple(c))).encode())
     return h.hexdigest()

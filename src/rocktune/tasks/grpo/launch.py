@@ -1,5 +1,6 @@
 """What the launching process refuses for task: grpo before the supervisor or any worker starts (torch-free): the
-LM tasks' checks, and what GRPO alone rules out. The worker decides the same again (``GRPOTask.refuse``)."""
+LM tasks' checks (the number of processes a resumed run was written with included), and what GRPO alone rules out.
+The worker decides the same again (``GRPOTask.refuse``)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ def refuse_grpo(cfg: RunConfig, options: RunOptions) -> None:
     if options.auto_fit:
         raise UserError("--auto fits supervised LM runs; for task=grpo set training.micro_batch_size (completions "
                         "per forward) yourself: `rocktune plan MODEL --task grpo` shows what fits.")
-    if options.processes > 1 or t.parallel == "fsdp":
-        raise UserError("task=grpo runs in one process for now (rollouts are not yet split across ranks); drop "
-                        "--nproc and training.parallel.")
+    if t.parallel == "fsdp":
+        raise UserError("task=grpo trains with training.parallel=ddp (or one process): every rank samples from the "
+                        "whole model, so its layers are not sharded; set training.parallel=ddp.")
     if (t.micro_batch_size * t.grad_accum) % g.num_generations:
         raise UserError(f"task=grpo: training.micro_batch_size x grad_accum = {t.micro_batch_size * t.grad_accum} "
                         f"completions per step must be a multiple of grpo.num_generations={g.num_generations} "

@@ -103,15 +103,16 @@ class GRPOLoss(KeepsStats):
         self.add_stats({**{k: v.sum() for k, v in stats.items()}, "tokens": mask.sum()})
         return ((losses * mask).sum(-1) * batch["weight"]).sum()
 
-    def take_stats(self) -> dict[str, float]:
-        """Token means over the completions seen since the last call (one synchronisation), and reset."""
+    def take_stats(self, reduce=None) -> dict[str, float]:
+        """Token means over the completions seen since the last call (one synchronisation), and reset; ``reduce``
+        (sums -> sums over every rank) makes them the whole step's."""
         stats, self._stats = self._stats, {}
         tokens = stats.pop("tokens", None)
         if tokens is None:
             return {}
         keys = list(stats)
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32) for k in keys] + [tokens.float()])
-        *sums, count = values.tolist()
+        *sums, count = (reduce(values) if reduce is not None else values).tolist()
         return {k: v / max(count, 1.0) for k, v in zip(keys, sums)}
 
 

@@ -1,10 +1,12 @@
 """Rollouts on rocktune's own generation path: G sampled completions per prompt, batched, with the adapter on.
 
 One batch of left-padded prompts, one prefill, then one token per forward from the KV cache (transformers'
-``DynamicCache``), the head applied to the last position only. Sampling draws from a ``torch.Generator`` of its own,
-whose state a checkpoint keeps, so a resumed run samples the very completions an uninterrupted one would. A
-completion ends at its first stop token (EOS, the end-of-turn tokens) included, at a stop string, or at
-``max_new_tokens``. vLLM is never needed.
+``DynamicCache``; or, with ``grpo.compile_rollout``, a compiled step over a ``StaticCache``), the head applied to the
+last position only. Each row samples with uniforms of its own (``draws``: one per token, inverse-CDF sampling), which
+the task derives from the seed, the step and the row's prompt and generation number: what a row samples does not
+depend on which rows share its batch, its OOM piece or its rank, so a resumed run and a run over several ranks sample
+the very completions one uninterrupted process would. A completion ends at its first stop token (EOS, the end-of-turn
+tokens) included, at a stop string, or at ``max_new_tokens``. vLLM is never needed.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ class Sampling:
     stop_strings: tuple[str, ...] = ()
 
 
-def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token of each row from its last-position logits."""
+def pick(logits: torch.Tensor, s: Sampling, draws: torch.Tensor | None) -> torch.Tensor:
+    """The next token of each row from its last-position logits; ``draws``: one uniform in [0, 1) per row, the point
+    of the row's cumulative distribution whose token it takes (float64, so the sum over a large vocabulary keeps
+    every token's share)."""
     if s.temperature <= 0:
         return logits.argmax(-1)
     logits = logits.float() / s.temperature
@@ -37,40 +41,146 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
         ordered, order = logits.sort(-1, descending=True)
         beyond = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) >= s.top_p  # keep the first past top_p
         logits = logits.masked_fill(beyond.scatter(-1, order, beyond), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(-1).double()
+    cdf = probs.cumsum(-1)
+    at = torch.searchsorted(cdf, (draws.to(cdf) * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    # a draw rounded onto the total would land past the last token that can be picked: it takes that one
+    width = probs.shape[-1]
+    last = width - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(at, last)
+
+
+def row_draws(keys: list[int], max_new_tokens: int) -> torch.Tensor:
+    """The uniforms each row samples with [rows, max_new_tokens], each row's from a CPU generator seeded by its own
+    key: the same numbers on every device and in every batch."""
+    return torch.stack([torch.rand(max_new_tokens, dtype=torch.float64,
+                                   generator=torch.Generator().manual_seed(k)) for k in keys]) if keys else \
+        torch.zeros(0, max_new_tokens, dtype=torch.float64)
 
 
 @torch.no_grad()
-def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, generator, decode=None) -> list[list[int]]:
-    """Completion token ids for each prompt (one row each: repeat a prompt G times for G completions). ``decode``
-    (ids -> text) is needed only with stop strings."""
-    from transformers import DynamicCache
-
+def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, draws, decode=None,
+           static: StaticDecode | None = None) -> list[list[int]]:
+    """Completion token ids for each prompt (one row each: repeat a prompt G times for G completions). ``draws``:
+    each row's uniforms [rows, max_new_tokens] (``row_draws``), a ``torch.Generator`` to draw them from, or None
+    (greedy only). ``decode`` (ids -> text) is needed only with stop strings; ``static``: decode from its compiled
+    step and static cache (where the rows fit it) instead of eagerly from a growing cache."""
     device = next(model.parameters()).device
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache, rows, cache_key = DynamicCache(), len(prompts), _cache_argument(model)
+    fits = static is not None and width + s.max_new_tokens <= static.max_len
+    steps = static.begin(mask, positions) if fits else _Eager(model, mask, positions)
+    rows = len(prompts)
+    if isinstance(draws, torch.Generator):
+        draws = torch.rand((rows, s.max_new_tokens), dtype=torch.float64, generator=draws, device=draws.device)
+    if draws is not None:
+        draws = draws.to(device)
     stops = torch.tensor(s.stop_ids or [-1], device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    step_ids = ids
+    logits = steps.first(ids)
     for t in range(s.max_new_tokens):
-        logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, **{cache_key: cache},
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
-        token = torch.where(done, pad_id, pick(logits, s, generator))
+        token = torch.where(done, pad_id, pick(logits, s, draws[:, t] if draws is not None else None))
         out[:, t] = token
         lengths += (~done).long()
         done = done | torch.isin(token, stops)
         if s.stop_strings:
             done = done | _stopped(out[:, : t + 1], lengths, s.stop_strings, decode, done)
-        if bool(done.all()):  # one host sync per token: generation cannot run ahead of its own stop test
-            break
-        step_ids, positions = token[:, None], positions[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+        if t + 1 == s.max_new_tokens or bool(done.all()):  # one host sync per token: generation cannot run ahead
+            break                                           # of its own stop test
+        logits = steps.next(token)
     return [row[:n] for row, n in zip(out.tolist(), lengths.tolist())]
+
+
+class _Eager:
+    """Decoding from transformers' ``DynamicCache``, which grows by a position per token, as does the mask."""
+
+    def __init__(self, model, mask: torch.Tensor, positions: torch.Tensor):
+        from transformers import DynamicCache
+
+        self.model, self.mask, self.positions = model, mask, positions
+        self.cache, self.key = DynamicCache(), _cache_argument(model)
+
+    def first(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._run(ids)
+
+    def next(self, token: torch.Tensor) -> torch.Tensor:
+        self.positions = self.positions[:, -1:] + 1
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], -1)
+        return self._run(token[:, None])
+
+    def _run(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=self.mask, position_ids=self.positions,
+                          **{self.key: self.cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+class StaticDecode:
+    """The rollout's decode step (one token per row) under ``torch.compile`` with static shapes, over transformers'
+    ``StaticCache`` of ``max_len`` positions (the longest prompt plus max_new_tokens): the step's tensors never
+    change shape, so it compiles once per batch size and then runs as a few generated kernels instead of hundreds
+    of eager ops and module calls. The prompt's prefill runs eagerly (its width changes from step to step). The
+    mask covers all ``max_len`` positions from the start; the causal mask hides those not yet written. A compile
+    that fails falls back to the same step run eagerly, with a note (``fallback``)."""
+
+    def __init__(self, model, max_len: int):
+        self.model, self.max_len, self.key = model, max_len, _cache_argument(model)
+        self.caches: dict[int, object] = {}
+        self.compiled = torch.compile(self._step, dynamic=False)
+        self.fallback: str | None = None
+
+    def _step(self, ids, mask, positions, where, cache) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache_position=where,
+                          **{self.key: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    def _cache(self, rows: int):
+        from transformers import StaticCache
+
+        cache = self.caches.get(rows)
+        if cache is None:
+            cache = self.caches[rows] = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        else:
+            cache.reset()
+        return cache
+
+    def begin(self, mask: torch.Tensor, positions: torch.Tensor) -> _Static:
+        full = torch.cat([mask, mask.new_ones(mask.shape[0], self.max_len - mask.shape[1])], -1)
+        return _Static(self, full, positions, self._cache(mask.shape[0]))
+
+    def run(self, *args) -> torch.Tensor:
+        if self.fallback is None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # noqa: BLE001 -- any compiler failure: the eager step computes the same
+                from rocktune.train.oom import is_out_of_memory
+
+                if is_out_of_memory(exc):
+                    raise
+                self.fallback = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return self._step(*args)
+
+
+class _Static:
+    """One ``sample`` call's decoding through a ``StaticDecode``."""
+
+    def __init__(self, owner: StaticDecode, mask: torch.Tensor, positions: torch.Tensor, cache):
+        self.owner, self.mask, self.cache = owner, mask, cache
+        self.positions, self.at = positions, positions.shape[1]
+
+    def first(self, ids: torch.Tensor) -> torch.Tensor:
+        """The prompts' prefill, eager: its width is the step's longest prompt."""
+        logits = self.owner._step(ids, self.mask, self.positions, torch.arange(self.at, device=ids.device),
+                                  self.cache)
+        self.positions = self.positions[:, -1:]
+        return logits
+
+    def next(self, token: torch.Tensor) -> torch.Tensor:
+        self.positions = self.positions + 1
+        where = torch.tensor([self.at], device=token.device)
+        self.at += 1
+        return self.owner.run(token[:, None], self.mask, self.positions, where, self.cache)
 
 
 def _cache_argument(model) -> str:

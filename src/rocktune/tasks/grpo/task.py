@@ -4,12 +4,16 @@ It reuses the LM task's model building (tokenizer, kernels, QLoRA, LoRA, attenti
 else (steps, OOM split of the update, guards, checkpoints, resume); what is its own is the data (prompts with their
 reference answers, data/prompts.py), the rollouts (rollout.py: sampled on rocktune's own generation path, inside
 the feed, so the engine sees an ordinary step), the rewards (rewards.py) and the loss (loss.py). The reference the
-KL is taken to is the same model with the adapter switched off. The sampler's RNG is part of every checkpoint.
+KL is taken to is the same model with the adapter switched off. Each completion samples from uniforms keyed by the
+seed, the step, its prompt and its number (feed.row_keys), so a resumed run, the rollout's OOM split and a run over
+several ranks (``--nproc``: each rank samples a share of the prompts, feed.py gathers the scores) sample the very
+completions one uninterrupted process does.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +27,13 @@ from rocktune.errors import UserError
 from rocktune.model import stop_ids
 from rocktune.tasks.grpo import rewards as rewardfns
 from rocktune.tasks.grpo.launch import refuse_grpo
-from rocktune.tasks.grpo.feed import Rollout, RolloutFeed, StepShape, digest
+from rocktune.tasks.grpo.feed import Rollout, RolloutFeed, Share, StepShape
 from rocktune.tasks.grpo.loss import GRPOLoss, Objective
-from rocktune.tasks.grpo.rollout import Sampling, generator_state, new_generator, sample, set_generator_state
+from rocktune.tasks.grpo.rollout import Sampling, StaticDecode, row_draws, sample
 from rocktune.tasks.lm import build, preflight
 from rocktune.tasks.lm.quant_gate import check_quantization
 from rocktune.train import build as engine_build
+from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
 from rocktune.train.oom import describe, is_out_of_memory
 from rocktune.train.request import RunOptions
@@ -36,11 +41,12 @@ from rocktune.train.step import OutOfMemoryAtMinimum
 from rocktune.train.task import Prepared
 
 EVAL_ROWS = 64  # held-out prompts generated per forward (greedy, no gradients)
+SAMPLER = "row-keyed"  # how rollouts draw (checkpoints say it: an older run's stream cannot be continued exactly)
 
 
 @dataclass(frozen=True)
 class GRPORun:
-    """What ``prepare`` built and the later hooks use: set once, never changed (the generator's state advances)."""
+    """What ``prepare`` built and the later hooks use: set once, never changed."""
 
     ctx: RunContext
     tokenizer: object
@@ -50,8 +56,8 @@ class GRPORun:
     rewards: list
     loss: GRPOLoss
     sampling: Sampling
-    generator: torch.Generator
     autocast: object
+    static: StaticDecode | None  # grpo.compile_rollout: the sampled rollouts' compiled decode step
 
 
 class GRPOTask:
@@ -63,6 +69,7 @@ class GRPOTask:
         self.run: GRPORun | None = None
         self.eval_stats: dict[str, float] = {}
         self.rollout_pieces = 1  # the rollout's OOM split: batches it samples in (kept by checkpoints)
+        self.fallback_told = False
         self.log = print
 
     def attn_setting(self) -> str:
@@ -84,7 +91,12 @@ class GRPOTask:
         cfg, device, g = ctx.cfg, ctx.device, ctx.cfg.grpo
         m = cfg.model
         tokenizer = preflight.load_tokenizer(m.name_or_path, m.trust_remote_code)
+        rel, dist = cfg.reliability, ctx.dist
+        distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
+        ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
         train, held = read_prompts(cfg, tokenizer, ctx.cache_root)
+        distributed.same_run(dist, train.fingerprint)
+        strategy = distributed.strategy(dist, "ddp", m.quantization)  # fsdp is refused (launch.refuse_grpo)
         # Rollouts decode from a KV cache over padded rows: attention that needs packed rows does not apply.
         attn = "sdpa" if m.attn_implementation in ("auto", "varlen", "flash_attention_2", "flex_attention") \
             else m.attn_implementation
@@ -96,57 +108,59 @@ class GRPOTask:
         sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k,
                             tuple(stop_ids(tokenizer, model)),
                             tuple(g.stop))
+        static = None
+        if g.compile_rollout and device == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
+            # torch 2.13's Inductor built a decode step that returned wrong tokens under avx2 on an AVX-512 CPU
+            # (and failed to build under default): the kernel set chosen by hand is not one it compiles for
+            ctx.notes.append(f"grpo.compile_rollout: off under ATEN_CPU_CAPABILITY="
+                             f"{os.environ['ATEN_CPU_CAPABILITY']} (Inductor's CPU code is not built for it); eager")
+        elif g.compile_rollout:
+            static = StaticDecode(model, cfg.data.max_length + g.max_completion_length)
         self.run = GRPORun(ctx, tokenizer, model, train, held, reward_list, loss, sampling,
-                           new_generator(device, cfg.training.seed), engine_build.autocast(device, ctx.precision))
+                           engine_build.autocast(device, ctx.precision), static)
         info = {"task": "grpo", "shape": "prompts", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(train.lengths()), "max_example_tokens": max(train.lengths(), default=0),
                 "n_truncated": sum(p.truncated for p in train.prompts), "fingerprint": train.fingerprint,
                 "rewards": [r.name for r in reward_list]}
-        return Prepared(model, loss, train.fingerprint,
+        return Prepared(model, distributed.wrap(loss, dist, device, strategy, ctx.notes), train.fingerprint,
                         f"{len(train)} train / {len(held)} eval prompts (grpo, {g.num_generations} completions each, "
                         f"rewards {', '.join(r.name for r in reward_list)})", info, tokenizer=tokenizer)
 
     def new_feed(self, **position) -> RolloutFeed:
-        t, g = self.cfg.training, self.cfg.grpo
+        t, g, dist = self.cfg.training, self.cfg.grpo, self.run.ctx.dist
         shape = StepShape(t.micro_batch_size * t.grad_accum // g.num_generations, g.num_generations,
                           t.micro_batch_size, g.loss_type, g.max_completion_length, g.scale_rewards,
                           self.run.tokenizer.pad_token_id, t.seed)
-        return RolloutFeed(len(self.run.train), shape, self._rollout, **position)
+        share = Share(dist.rank, dist.world, lambda mine: distributed.gather_objects(dist, mine))
+        return RolloutFeed(len(self.run.train), shape, self._rollout, share, **position)
 
-    def _rollout(self, idx: list[int]) -> Rollout:
+    def _rollout(self, idx: list[int], keys: list[int]) -> Rollout:
         r, G = self.run, self.cfg.grpo.num_generations
         rows = [r.train.prompts[i] for i in idx for _ in range(G)]
+        if not rows:  # this rank's share of an epoch's short last step
+            return Rollout([], [], [], {rw.name: [] for rw in r.rewards}, [])
         t0 = time.perf_counter()
-        completions = self._generate(rows, r.sampling, r.generator)
+        completions = self._generate(rows, r.sampling, row_draws(keys, r.sampling.max_new_tokens), r.static)
         seconds = time.perf_counter() - t0
-        total, stats = self._score(rows, completions)
-        grouped = total.view(-1, G)
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
-        eos = torch.tensor([bool(c) and c[-1] in r.sampling.stop_ids for c in completions])
-        stats.update({"reward": float(total.mean()), "reward_std": float(total.std()),
-                      "frac_reward_zero_std": float((grouped.std(1) < 1e-6).float().mean()),
-                      "completions/mean_length": float(lengths.mean()),
-                      "completions/min_length": float(lengths.min()),
-                      "completions/max_length": float(lengths.max()),
-                      "completions/clipped_ratio": float((~eos).float().mean()), "rollout_s": seconds,
-                      "rollout_tokens_per_s": float(lengths.sum()) / max(seconds, 1e-9)})
-        return Rollout([p.ids for p in rows], completions, total, stats)
+        total, table = self._score(rows, completions)
+        ended = [bool(c) and c[-1] in r.sampling.stop_ids for c in completions]
+        return Rollout([p.ids for p in rows], completions, total, {rw.name: col for rw, col in zip(r.rewards, table)},
+                       ended, seconds)
 
-    def _generate(self, rows: list, sampling: Sampling, generator) -> list[list[int]]:
-        """Completions of ``rows``, sampled in ``rollout_pieces`` batches. Out of memory, the sampler's RNG is put
-        back and the rows are cut in twice as many batches (kept for the rest of the run and by checkpoints, so a
-        resumed run samples the same); with one row per batch there is nothing left to cut."""
+    def _generate(self, rows: list, sampling: Sampling, draws: torch.Tensor | None,
+                  static: StaticDecode | None = None) -> list[list[int]]:
+        """Completions of ``rows`` (``draws``: their uniforms, None for greedy), sampled in ``rollout_pieces``
+        batches. Out of memory, the rows are cut in twice as many batches (kept for the rest of the run and by
+        checkpoints); each row's draws are its own, so the cut changes no completion. With one row per batch there
+        is nothing left to cut."""
         while True:
-            state = generator.get_state() if generator is not None else None
             try:
-                return self._sample_in(rows, sampling, generator, self.rollout_pieces)
+                return self._sample_in(rows, sampling, draws, self.rollout_pieces, static)
             except Exception as exc:  # noqa: BLE001 -- only out-of-memory is handled; the rest re-raised
                 if not is_out_of_memory(exc):
                     raise
                 message = describe(exc)
             # outside the except block: the failed batch's tensors are no longer pinned by the traceback
-            if state is not None:
-                generator.set_state(state)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -156,7 +170,7 @@ class GRPOTask:
             self.rollout_pieces *= 2
             self.log(f"[yellow]out of memory in the rollout: sampling in {self.rollout_pieces} batches[/]")
 
-    def _sample_in(self, rows: list, sampling: Sampling, generator, pieces: int) -> list[list[int]]:
+    def _sample_in(self, rows: list, sampling: Sampling, draws, pieces: int, static) -> list[list[int]]:
         r = self.run
         model, size = r.model, -(-len(rows) // pieces)
         was_training = model.training
@@ -164,57 +178,66 @@ class GRPOTask:
         try:
             out = []
             for i in range(0, len(rows), size):
+                mine = None if draws is None else draws[i : i + size]
                 with r.autocast():
                     out += sample(model, [p.ids for p in rows[i : i + size]], sampling, r.tokenizer.pad_token_id,
-                                  generator, lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True))
+                                  mine, lambda ids: r.tokenizer.decode(ids, skip_special_tokens=True), static)
+            if static is not None and static.fallback and not self.fallback_told:
+                self.fallback_told = True
+                self.log(f"[yellow]grpo.compile_rollout: the compile failed ({static.fallback}); decoding eagerly[/]")
             return out
         finally:
             model.train(was_training)
 
-    def _score(self, rows: list, completions: list[list[int]]) -> tuple[torch.Tensor, dict]:
+    def _score(self, rows: list, completions: list[list[int]]) -> tuple[list[float], list[list[float]]]:
+        """(each completion's weighted reward, each reward function's column)."""
         r = self.run
         texts = r.tokenizer.batch_decode(completions, skip_special_tokens=True)
         batch = rewardfns.Batch([p.row.prompt for p in rows], texts, completions, [p.row.fields for p in rows],
                                 [p.where for p in rows])
         table = rewardfns.score(r.rewards, batch)
-        stats = {}
-        for reward, col in zip(r.rewards, table):
-            values = torch.tensor(col)
-            stats[f"rewards/{reward.name}/mean"] = float(values.mean())
-            stats[f"rewards/{reward.name}/std"] = float(values.std()) if len(col) > 1 else 0.0
-        return torch.tensor(rewardfns.weighted(r.rewards, table), dtype=torch.float32), stats
+        return [float(x) for x in rewardfns.weighted(r.rewards, table)], table
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Greedy completions of the held-out prompts, scored: the mean reward (and each reward's) is kept for
-        ``after_eval``; there is no eval loss (None)."""
-        r = self.run
+        """Greedy completions of the held-out prompts (each rank a share), scored: the mean reward (and each
+        reward's) is kept for ``after_eval``; there is no eval loss (None)."""
+        r, dist = self.run, self.run.ctx.dist
         if not len(r.held):
             return None
         greedy = Sampling(r.sampling.max_new_tokens, 0.0, stop_ids=r.sampling.stop_ids,
                           stop_strings=r.sampling.stop_strings)
-        rows = list(r.held.prompts)
+        rows = Share(dist.rank, dist.world).mine(list(r.held.prompts))
         completions = []
         for i in range(0, len(rows), EVAL_ROWS):
             completions += self._generate(rows[i : i + EVAL_ROWS], greedy, None)  # greedy: the split changes nothing
-        total, stats = self._score(rows, completions)
-        self.eval_stats = {"eval_reward": float(total.mean()),
-                           **{f"eval_{k}": v for k, v in stats.items() if k.endswith("/mean")}}
+        total, table = self._score(rows, completions) if rows else ([], [[] for _ in r.rewards])
+        shares = distributed.gather_objects(dist, (total, table)) if dist.enabled else [(total, table)]
+        every = [x for t, _ in shares for x in t]
+        self.eval_stats = {"eval_reward": sum(every) / len(every)}
+        for k, rw in enumerate(r.rewards):
+            col = [x for _, tab in shares for x in tab[k]]
+            self.eval_stats[f"eval_rewards/{rw.name}/mean"] = sum(col) / len(col)
         return None
 
     def check_resume(self, restored, force: bool) -> None:
-        if "sampler_rng" not in restored.extra and not force:
-            raise UserError("--resume: the checkpoint holds no sampler state, so the rollouts could not continue "
-                            "the same random stream; pass --resume-force to continue with fresh samples.")
+        dist = self.run.ctx.dist
+        resume.check_world(restored, dist.world, force)
+        if restored.extra.get("sampler") != SAMPLER and not force:
+            raise UserError("--resume: the checkpoint was written by a rocktune whose rollouts drew from another "
+                            "random stream, so the run could not continue as one exact run; pass --resume-force to "
+                            "continue with this version's samples.")
+        note = distributed.check_rng(dist, restored.extra.get("rank_rng"), force)
+        if note:
+            self.run.ctx.notes.append(note)
 
     def resumed(self, restored) -> None:
         self.rollout_pieces = max(self.rollout_pieces, restored.extra.get("rollout_pieces", 1))
-        state = restored.extra.get("sampler_rng")
-        if state is not None:
-            set_generator_state(self.run.generator, state)
+        distributed.restore_rng(self.run.ctx.dist, restored.extra.get("rank_rng"))
 
     def checkpoint_extra(self) -> dict:
-        return {"world_size": 1, "sampler_rng": generator_state(self.run.generator),
+        dist = self.run.ctx.dist
+        return {"world_size": dist.world, "sampler": SAMPLER, "rank_rng": distributed.gather_rng(dist),
                 "rollout_pieces": self.rollout_pieces}
 
     def start(self, start_step: int, metrics, log) -> None:
@@ -223,11 +246,14 @@ class GRPOTask:
         self.log = log
 
     def record(self, fed) -> dict:
-        """The step's rollout statistics and the update's (TRL's names); tokens: the completion tokens scored."""
-        return {"tokens": fed.completion_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),
-                "real_tokens": fed.real_tokens, "completions": sum(b["input_ids"].shape[0] for b in fed.forwards),
-                "rollout_pieces": self.rollout_pieces,
-                "samples": digest(fed.forwards), **fed.stats, **self.run.loss.take_stats()}
+        """The step's rollout statistics and the update's (TRL's names), the whole step's over every rank; tokens:
+        the completion tokens scored."""
+        dist = self.run.ctx.dist
+        padded = float(sum(b["input_ids"].numel() for b in fed.forwards))
+        return {"tokens": fed.completion_tokens, "real_tokens": fed.real_tokens, "completions": fed.completions,
+                "rollout_pieces": self.rollout_pieces, "samples": fed.samples, **fed.stats,
+                **self.run.loss.take_stats(lambda v: distributed.sum_over_ranks(dist, v)),
+                "batch_tokens": int(distributed.sum_over_ranks(dist, torch.tensor([padded]))[0])}
 
     def after_eval(self, step: int, metrics, log) -> None:
         if self.eval_stats:
