@@ -171,8 +171,8 @@ def test_keys_of_other_tasks_are_refused_from_the_field_tags(tiny_model_dir, pai
     cfg = tiny_run_config(tiny_model_dir, *pair_files, tmp_path / "run")
     cfg["task"] = "orpo"
     cfg["training"]["sample_count"], cfg["preference"] = 2, {"loss_type": "ipo"}
-    with pytest.raises(UserError, match=r"training.sample_count=2: only for task=lm; preference.loss_type=ipo: only "
-                                        r"for task=dpo\. Not supported for task=orpo"):
+    with pytest.raises(UserError, match=r"training.sample_count=2: only for task=lm, vlm; preference.loss_type=ipo: "
+                                        r"only for task=dpo\. Not supported for task=orpo"):
         train(config_from_dict(cfg), quiet=True)
     lm = tiny_run_config(tiny_model_dir, *pair_files, tmp_path / "run")
     lm["preference"] = {"beta": 0.5}
