@@ -22,6 +22,7 @@ FORBIDDEN = {
     "data": {"train", "model", "doctor", "planner", "diffusion", *ABOVE_ENGINE},
     "model.py": {"train", "doctor", *ABOVE_ENGINE},
     "vision_model.py": {"train", "doctor", *ABOVE_ENGINE},  # vision-language models: task=vlm, generate --image
+    "vision_families.py": {"train", "model", "doctor", *ABOVE_ENGINE},  # their table: below vision_model.py
     # varlen attention glue: used by the doctor's self-test and by the LM task's model building
     "attention.py": {"train", "model", "doctor", "planner", *ABOVE_ENGINE},
     # the varlen kernel's opaque CPU stand-in (tests, benchmarks/compiled_layer.py): the attention glue only

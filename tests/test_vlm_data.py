@@ -42,12 +42,12 @@ def model_dir(tmp_path_factory, tok) -> Path:
 def _config(tok):
     ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    return SimpleNamespace(**ids)
+    return SimpleNamespace(model_type="qwen2_5_vl", **ids)
 
 
 @pytest.fixture(scope="module")
 def vision(model_dir, tok):
-    return vision_tokens(str(model_dir), _config(tok), None, None)
+    return vision_tokens(str(model_dir), _config(tok), tok, None, None)
 
 
 @pytest.fixture()
@@ -131,11 +131,11 @@ def test_max_and_min_pixels_reach_the_image_processor(folder, model_dir, tok):
     row = {"messages": _user([{"type": "image", "image": "images/big.png"}, {"type": "text", "text": "?"}])}
     grids = {}
     for limit in (28 * 28 * 4, 28 * 28 * 16, 28 * 28 * 64):
-        v = vision_tokens(str(model_dir), _config(tok), None, limit)
+        v = vision_tokens(str(model_dir), _config(tok), tok, None, limit)
         (e,) = _encode_rows(folder, [row], tok, v)
         grids[limit] = e.grids[0]
     assert grids == {3136: (1, 4, 4), 12544: (1, 8, 8), 50176: (1, 14, 14)}
-    v = vision_tokens(str(model_dir), _config(tok), 28 * 28 * 36, 28 * 28 * 64)  # a small image is enlarged
+    v = vision_tokens(str(model_dir), _config(tok), tok, 28 * 28 * 36, 28 * 28 * 64)  # a small image is enlarged
     (e,) = _encode_rows(folder, [{"messages": _user([{"type": "image", "image": "images/red.png"}])}], tok, v)
     assert e.grids == ((1, 12, 12),)
 
@@ -243,7 +243,7 @@ def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, t
 
     build_image_processor(patch).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    vision = vision_tokens(str(tmp_path), _config(tok), None, None)
+    vision = vision_tokens(str(tmp_path), _config(tok), tok, None, None)
     draw("blue", random.Random(2), size=200).save(folder / "images" / "wide.png")
     row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/red.png"},
                                                      {"type": "text", "text": "and"},

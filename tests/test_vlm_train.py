@@ -184,7 +184,8 @@ def test_pixel_limits_are_refused_for_text_tasks():
 
 
 def test_a_text_model_or_a_csv_file_is_refused_before_training(tiny_model_dir, vlm_dir, colours, tmp_path):
-    with pytest.raises(UserError, match=r"task=vlm supports qwen2_5_vl, qwen3_vl, qwen2_vl .* is a 'qwen2' model"):
+    supported = "qwen2_5_vl, qwen3_vl, qwen2_vl, gemma3, smolvlm, idefics3"
+    with pytest.raises(UserError, match=rf"task=vlm supports {supported} .* is a 'qwen2' model"):
         train(config_from_dict(vlm_config(tiny_model_dir, colours, tmp_path / "a")), quiet=True)
     table = tmp_path / "rows.csv"
     table.write_text("messages\nx\n")
@@ -225,7 +226,7 @@ def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dirs, colours
 
     vlm_dir = vlm_dirs(family)
     tok = load_tokenizer(str(vlm_dir), False)
-    vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), None, None)
+    vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
     rows = read_records(colours[1])[:3]
     batch = collate([encode(r, colours[1].parent, tok, vision, 64, loc) for loc, r in rows], tok.pad_token_id, vision)
     base = load_vlm(str(vlm_dir), "fp32", "sdpa", "cpu")
@@ -314,7 +315,7 @@ def test_the_prefetching_feed_hands_out_the_same_steps_and_positions(vlm_dir, co
     from rocktune.vision_model import vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
-    vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), None, None)
+    vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
     examples = [encode(r, colours[1].parent, tok, vision, 64, loc) for loc, r in read_records(colours[1])]
 
     def batch(exs):

@@ -182,7 +182,8 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
 
 
 # End-of-turn markers that end a reply even where the tokenizer's eos is another token (base models' <|endoftext|>)
-TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
+             "<end_of_utterance>")  # ... Gemma's, SmolVLM's
 
 
 def stop_ids(tokenizer, model) -> list[int]:

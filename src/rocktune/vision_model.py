@@ -1,10 +1,11 @@
 """Vision-language models: the supported families, their processor parts and LoRA targets, loaded from a model
 directory the way a hub checkpoint is (used by task=vlm and by ``rocktune generate --image``).
 
-Supported families are listed in ``FAMILIES`` (transformers' model_type -> class name); another model_type is refused
-with the list, never trained half-understood. The processor is taken as its parts: the tokenizer (with its chat
-template) and the image processor, with ``data.min_pixels``/``data.max_pixels`` applied. (transformers' combined
-processor class also builds a video processor, which needs torchvision; images need only the image processor.)
+Supported families are listed in ``vision_families.FAMILIES`` (transformers' model_type -> a typed ``Family``);
+another model_type is refused with the list, never trained half-understood. The processor is taken as its parts:
+the tokenizer (with its chat template) and the image processor, with ``data.min_pixels``/``data.max_pixels`` applied
+(Qwen's). (transformers' combined processor class also builds a video processor, which needs torchvision; images need
+only the image processor.)
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ import torch
 from rocktune.data.vision import VisionTokens
 from rocktune.errors import UserError, first_line
 from rocktune.model import DTYPES, check_model_source
-
-FAMILIES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
-            "qwen2_vl": "Qwen2VLForConditionalGeneration"}
-VISION_PREFIX = "visual"  # the vision tower and its projector (visual.merger) in Qwen2.5-VL's module tree
+from rocktune.vision_families import FAMILIES, Family
 
 
 def model_type(name_or_path: str) -> str:
@@ -33,35 +31,53 @@ def model_type(name_or_path: str) -> str:
         raise UserError(f"could not read the config of model {name_or_path}: {first_line(exc)} (offline? pass a "
                         "local model directory)") from None
     if kind not in FAMILIES:
-        raise UserError(f"task=vlm supports {', '.join(FAMILIES)} (Qwen2.5-VL, Qwen3-VL, Qwen2-VL) so far; "
-                        f"{name_or_path} is a {kind!r} model (docs/vision.md lists what is planned).")
+        names = ", ".join(f.name for f in FAMILIES.values())
+        raise UserError(f"task=vlm supports {', '.join(FAMILIES)} ({names}) so far; {name_or_path} is a {kind!r} "
+                        "model (docs/vision.md lists what is planned).")
     import transformers
 
-    if not hasattr(transformers, FAMILIES[kind]):
+    if not hasattr(transformers, FAMILIES[kind].model_class):
         raise UserError(f"{name_or_path} is a {kind} model, which transformers {transformers.__version__} does not "
-                        f"know ({FAMILIES[kind]}); upgrade transformers.")
+                        f"know ({FAMILIES[kind].model_class}); upgrade transformers.")
     return kind
+
+
+def family(config) -> Family | None:
+    """The supported family of a model config, None for any other model."""
+    return FAMILIES.get(getattr(config, "model_type", None))
 
 
 def model_class(config):
     """transformers' class for a supported vision-language config, None for any other model."""
     import transformers
 
-    name = FAMILIES.get(getattr(config, "model_type", None))
-    return getattr(transformers, name, None) if name else None
+    fam = family(config)
+    return getattr(transformers, fam.model_class, None) if fam else None
 
 
-def vision_tokens(name_or_path: str, config, min_pixels: int | None, max_pixels: int | None) -> VisionTokens:
+def check_pixel_limits(kind: str, min_pixels: int | None, max_pixels: int | None) -> None:
+    fam = FAMILIES[kind]
+    if not fam.pixel_limits and (min_pixels is not None or max_pixels is not None):
+        raise UserError(f"data.min_pixels/max_pixels set the resolution of Qwen's image processors; {fam.name}'s "
+                        "sets it in the model's preprocessor_config.json (Gemma 3: one fixed size; Idefics3/SmolVLM: "
+                        "size.longest_edge, in tiles of max_image_size). Remove them from the config.")
+
+
+def vision_tokens(name_or_path: str, config, tokenizer, min_pixels: int | None,
+                  max_pixels: int | None) -> VisionTokens:
+    """The image processor of ``name_or_path`` (pixel limits applied) and its family's vision tokens, named in
+    ``tokenizer``."""
     from transformers import AutoImageProcessor
 
+    fam = FAMILIES[config.model_type]
+    check_pixel_limits(config.model_type, min_pixels, max_pixels)
     limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
     try:
         images = AutoImageProcessor.from_pretrained(name_or_path, **limits)
     except (OSError, ValueError) as exc:
         raise UserError(f"the image processor of {name_or_path} does not load ({first_line(exc)}); the model "
                         "directory needs its preprocessor_config.json.") from None
-    masked = frozenset(getattr(config, k) for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
-    return VisionTokens(images, config.image_token_id, masked, images.merge_size)
+    return fam.tokens(config, tokenizer, images)
 
 
 def with_processor_template(tokenizer, name_or_path: str):
@@ -99,34 +115,31 @@ def load_vlm(name_or_path: str, precision: str, attn_implementation: str, device
 def language_targets(model, vision: str = "none") -> str:
     """PEFT's target_modules for LoRA on the language model's linear layers (never the head), plus, when asked
     (``lora.vision``), the projector's (``projector``) or every linear layer of the vision side (``all``)."""
+    fam = family(model.config)
     head = model.get_output_embeddings()
     names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                    if isinstance(m, torch.nn.Linear) and m is not head and not in_vision(name)})
-    language = rf"(?!{VISION_PREFIX}\.|.*\.{VISION_PREFIX}\.).*\.({'|'.join(names)})"
+                    if isinstance(m, torch.nn.Linear) and m is not head and not fam.in_vision(name)})
+    roots = "|".join(fam.roots)
+    language = rf"(?!(?:{roots})\.|.*\.(?:{roots})\.).*\.({'|'.join(names)})"
     if vision == "none":
         return f"^{language}$"
     extra = [re.escape(name) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-             and in_vision(name) and (vision == "all" or vision_part(name) == "projector")]
+             and fam.in_vision(name) and (vision == "all" or fam.part(name) == "projector")]
+    if not extra:
+        raise UserError(f"lora.vision={vision}: {fam.name}'s {'projector' if vision == 'projector' else 'vision side'} "
+                        "has no linear layer for LoRA (Gemma 3's projector is a bare weight matrix); use lora.vision: "
+                        "all (the vision tower's linear layers) or none.")
     return f"^(?:{language}|{'|'.join(extra)})$"
 
 
-def in_vision(name: str) -> bool:
-    return name.startswith(VISION_PREFIX + ".") or f".{VISION_PREFIX}." in name
-
-
-def vision_part(name: str) -> str:
-    """language | projector (the mergers that map vision features into the language model's width) | tower."""
-    if not in_vision(name):
-        return "language"
-    return "projector" if "merger" in name else "tower"
-
-
-INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids",
+          "pixel_attention_mask")
 
 
 def model_inputs(module, batch: dict) -> dict:
-    """The batch's model inputs that ``module``'s forward takes (Qwen3-VL needs ``mm_token_type_ids``; a transformers
-    release whose Qwen2.5-VL forward does not know it computes the same from the ids)."""
+    """The batch's model inputs that ``module``'s forward takes (Qwen3-VL needs ``mm_token_type_ids``, Gemma 3
+    ``token_type_ids``, Idefics3 ``pixel_attention_mask``; a transformers release whose Qwen2.5-VL forward does not
+    know ``mm_token_type_ids`` computes the same from the ids)."""
     import inspect
 
     params = inspect.signature(module.forward).parameters
@@ -142,7 +155,8 @@ def patch_embed_as_linear(model) -> int:
 
     count = 0
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Conv3d) and in_vision(name) and _whole_patches(module):
+        vision = any(fam.in_vision(name) for fam in FAMILIES.values())
+        if isinstance(module, torch.nn.Conv3d) and vision and _whole_patches(module):
             module.forward = types.MethodType(_conv3d_as_linear, module)
             count += 1
     return count

@@ -13,17 +13,19 @@ the order the images come) plus the list of images:
 
 The conversation is rendered by the tokenizer's chat template and cut at the assistant turns as text conversations
 are (``encode.chat_segments``): loss is on the assistant's tokens only. The template writes one image placeholder
-token per image; it is widened to the image's token count as the model's processor does (patches / merge_size^2,
-from the image processor's own grid), and image tokens never carry loss.
+token per image; it is widened to the image's tokens as the model's processor does, by its family's rule
+(data/vision_rules.py: Qwen's patches / merge_size^2 from the image processor's own grid, Gemma 3's fixed soft
+tokens, Idefics3's tiles), and image tokens never carry loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rocktune.data.encode import IGNORE, chat_segments
 from rocktune.data.images import ImageRef, load, resolve
+from rocktune.data.vision_rules import ImageRule
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
@@ -34,12 +36,14 @@ MARKER = "<image>"
 
 @dataclass(frozen=True)
 class VisionTokens:
-    """What the encoder needs of the model's processor: its image processor and the ids of its vision tokens."""
+    """What the encoder needs of the model's processor: its image processor, its vision tokens and its family's
+    rule for widening a placeholder (data/vision_rules.py)."""
 
-    image_processor: object  # transformers' image processor (Qwen2VLImageProcessor), pixel limits applied
-    image_token_id: int  # the placeholder the template writes once per image, widened to the image's tokens
-    masked_ids: frozenset[int]  # vision start/end and image tokens: never trained
-    merge_size: int  # patches merged into one token per side
+    image_processor: object  # transformers' image processor, pixel limits applied
+    image_token_id: int  # the token whose embeddings the image features replace
+    placeholder: str  # what the chat template writes once per image, widened to the image's tokens by ``rule``
+    masked_ids: frozenset[int]  # image tokens and their markers: never trained
+    rule: ImageRule
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,9 @@ class VisionExample:
     input_ids: list[int]
     labels: list[int]
     images: tuple[ImageRef, ...]
-    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) patches per image: the image processor's image_grid_thw
+    grids: tuple[tuple[int, ...], ...]  # per image, what its rule sizes it by (Qwen: the image_grid_thw)
     truncated: bool = False
-
-    @property
-    def pixel_rows(self) -> int:
-        return sum(t * h * w for t, h, w in self.grids)
+    image_tokens: int = 0  # of all its images
 
 
 def to_conversation(rec: dict, base: Path, loc: str) -> tuple[list[dict], list[ImageRef]]:
@@ -121,19 +122,22 @@ def encode(rec: dict, base: Path, tokenizer, vision: VisionTokens, max_length: i
     grids = tuple(_grid(vision, ref, f"{loc}, image {i + 1}") for i, ref in enumerate(refs))
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would be trained.")
-    ids, labels = [], []
-    for text, bears_loss in chat_segments(messages, tokenizer, loc):
+    segments = chat_segments(messages, tokenizer, loc)
+    _check_placeholders(sum(text.count(vision.placeholder) for text, _ in segments), grids, loc)
+    ids, labels, k = [], [], 0
+    for text, bears_loss in segments:
+        text, k = _widen(text, vision, grids, k)
         seg = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         ids += seg
-        labels += seg if bears_loss else [IGNORE] * len(seg)
-    ids, labels = _widen(ids, labels, vision, grids, loc)
+        labels += [IGNORE if not bears_loss or t in vision.masked_ids else t for t in seg]
+    example = _checked(ids, labels, refs, grids, vision, loc)
     truncated = len(ids) > max_length
     if truncated:
         _check_cut(ids, max_length, vision, loc)
         ids, labels = ids[:max_length], labels[:max_length]
     if all(label == IGNORE for label in labels[1:]):
         raise UserError(f"{loc}: no assistant token is left to train on within data.max_length={max_length}.")
-    return VisionExample(ids, labels, tuple(refs), grids, truncated)
+    return replace(example, input_ids=ids, labels=labels, truncated=truncated)
 
 
 def encode_prompt(messages: list[dict], refs: list[ImageRef], tokenizer, vision: VisionTokens,
@@ -142,35 +146,43 @@ def encode_prompt(messages: list[dict], refs: list[ImageRef], tokenizer, vision:
     template's generation prompt and widened as in training: the input of ``rocktune generate --image``."""
     grids = tuple(_grid(vision, ref, f"{loc}, image {i + 1}") for i, ref in enumerate(refs))
     text = render_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    ids, labels = _widen(ids, [IGNORE] * len(ids), vision, grids, loc)
-    return VisionExample(ids, labels, tuple(refs), grids)
+    _check_placeholders(text.count(vision.placeholder), grids, loc)
+    ids = tokenizer(_widen(text, vision, grids, 0)[0], add_special_tokens=False)["input_ids"]
+    return _checked(ids, [IGNORE] * len(ids), refs, grids, vision, loc)
 
 
-def _grid(vision: VisionTokens, ref: ImageRef, loc: str) -> tuple[int, int, int]:
-    out = vision.image_processor(images=[load(ref, loc, verify=True)], return_tensors="pt")
-    t, h, w = (int(x) for x in out["image_grid_thw"][0])
-    return t, h, w
+def _grid(vision: VisionTokens, ref: ImageRef, loc: str) -> tuple[int, ...]:
+    out = vision.image_processor(images=[load(ref, loc, verify=True)], return_tensors="pt",
+                                 **vision.rule.process_kwargs())
+    return vision.rule.grid(out, 0)
 
 
-def _widen(ids: list[int], labels: list[int], vision: VisionTokens, grids, loc: str):
-    """Each image placeholder -> as many image tokens as its image has merged patches; vision tokens lose loss."""
-    found = ids.count(vision.image_token_id)
+def _check_placeholders(found: int, grids, loc: str) -> None:
     if found != len(grids):
         raise UserError(f"{loc}: the chat template rendered {found} image placeholders for {len(grids)} images; "
                         "use the model's own chat template (it must render {'type': 'image'} parts).")
-    out_ids, out_labels, k = [], [], 0
-    for tok, label in zip(ids, labels):
-        if tok == vision.image_token_id:
-            t, h, w = grids[k]
-            n = t * h * w // vision.merge_size**2
-            out_ids += [tok] * n
-            out_labels += [IGNORE] * n
-            k += 1
-        else:
-            out_ids.append(tok)
-            out_labels.append(IGNORE if tok in vision.masked_ids else label)
-    return out_ids, out_labels
+
+
+def _widen(text: str, vision: VisionTokens, grids, k: int) -> tuple[str, int]:
+    """Each placeholder in ``text`` -> its image's text (the ``k``-th image's first), as the model's processor
+    replaces it before tokenising: the tokens then merge with their neighbours exactly as the processor's do."""
+    pieces = text.split(vision.placeholder)
+    out = [pieces[0]]
+    for piece in pieces[1:]:
+        out += [vision.rule.text(grids[k]), piece]
+        k += 1
+    return "".join(out), k
+
+
+def _checked(ids, labels, refs, grids, vision: VisionTokens, loc: str) -> VisionExample:
+    """The example, once its image tokens are as many as its images' features (a tokenizer that splits the image
+    token would misplace every image)."""
+    want = sum(vision.rule.tokens(g) for g in grids)
+    if ids.count(vision.image_token_id) != want:
+        raise UserError(f"{loc}: {ids.count(vision.image_token_id)} image tokens for {len(grids)} images that make "
+                        f"{want}; the tokenizer must keep {vision.rule.image_token!r} as one special token (use the "
+                        "model's own tokenizer).")
+    return VisionExample(ids, labels, tuple(refs), grids, image_tokens=want)
 
 
 def _check_cut(ids: list[int], max_length: int, vision: VisionTokens, loc: str) -> None:

@@ -1,4 +1,5 @@
-"""Build a tiny random-init Qwen2.5-VL (or Qwen3-VL) and its processor offline, saved as an HF model directory.
+"""Build a tiny random-init Qwen2.5-VL (or Qwen3-VL, Qwen2-VL; Gemma 3, SmolVLM and Idefics3 through
+demo/tiny_vlm_families.py) and its processor offline, saved as an HF model directory.
 
 The language model is a few layers wide and deep, the vision tower one block; the tokenizer is the demo's byte-level
 one (``demo/tiny.py``) with Qwen's vision special tokens added, and the processor is transformers' own
@@ -85,8 +86,8 @@ def build_image_processor(patch: int = 14, min_tokens: int = 4, max_tokens: int 
 
 
 def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl", **shape) -> Path:
-    """Write a random-init tiny vision-language model of ``family`` (Qwen2.5-VL, Qwen3-VL), its tokenizer and its
-    image processor to ``out_dir`` and return the path."""
+    """Write a random-init tiny vision-language model of ``family`` (a model_type of vision_families.FAMILIES), its
+    tokenizer and its image processor to ``out_dir`` and return the path."""
     import torch
     import transformers
 
@@ -94,6 +95,10 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl
 
     quiet_transformers()
     out = Path(out_dir)
+    if family not in FAMILIES:
+        from rocktune.demo.tiny_vlm_families import build_family_vlm
+
+        return build_family_vlm(out, seed, family, **shape)
     tokenizer = build_vl_tokenizer()
     torch.manual_seed(seed)
     model_cls = getattr(transformers, FAMILIES[family][1])

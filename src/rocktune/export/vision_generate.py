@@ -53,7 +53,8 @@ def load(src: Source, device: str):
 
     quiet_transformers()
     data = src.run_config.get("data") or {}
-    vision = vision_tokens(src.base, AutoConfig.from_pretrained(src.base), data.get("min_pixels"),
+    tokenizer = with_processor_template(load_tokenizer(src), src.base)
+    vision = vision_tokens(src.base, AutoConfig.from_pretrained(src.base), tokenizer, data.get("min_pixels"),
                            data.get("max_pixels"))
     model = load_vlm(src.base, device_precision(device), "sdpa", device)  # the platform's precision policy
     if (src.run_config.get("model") or {}).get("vision_patch_embed") == "linear":  # as the run trained
@@ -62,7 +63,7 @@ def load(src: Source, device: str):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(src.adapter))
-    return model.to(device).eval(), with_processor_template(load_tokenizer(src), src.base), vision
+    return model.to(device).eval(), tokenizer, vision
 
 
 def reply(model, tokenizer, vision: VisionTokens, prompt: str, images: list[str], settings: tuple[int, float]) -> str:

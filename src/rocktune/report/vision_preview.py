@@ -20,10 +20,9 @@ def build_vision_preview(data, tokenizer, vision: VisionTokens, n_show: int) -> 
         rows, base = read_rows(data.train_file, data, Path(tmp) / "cache", "data.train_file")
         examples = [(str(loc), encode(rec, base, tokenizer, vision, data.max_length, str(loc))) for loc, rec in rows]
     lengths = [len(e.input_ids) for _, e in examples]
-    per_image = vision.merge_size**2
     return {"data_file": data.train_file, "n_examples": len(examples),
             "n_images": sum(len(e.images) for _, e in examples),
-            "image_tokens": sum(e.pixel_rows // per_image for _, e in examples),
+            "image_tokens": sum(e.image_tokens for _, e in examples),
             "trained_tokens": sum(sum(label != IGNORE for label in e.labels[1:]) for _, e in examples),
             "n_truncated": sum(e.truncated for _, e in examples), "max_length": data.max_length,
             "tokens_per_example": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
@@ -31,25 +30,25 @@ def build_vision_preview(data, tokenizer, vision: VisionTokens, n_show: int) -> 
 
 
 def _shown(loc: str, e: VisionExample, tokenizer, vision: VisionTokens) -> dict:
-    spans = _image_spans(e.input_ids, vision.image_token_id)
+    spans = _image_spans(e.input_ids, vision.image_token_id, [vision.rule.tokens(g) for g in e.grids])
     images = []
     for i, (ref, grid, (start, end)) in enumerate(zip(e.images, e.grids, spans)):
         width, height = check(ref, f"{loc}, image {i + 1}")
         images.append({"source": ref.describe(), "size": [width, height], "grid_thw": list(grid),
-                       "tokens": end - start, "positions": [start, end]})
+                       "tokens": vision.rule.tokens(grid), "positions": [start, end]})
     return {"loc": loc, "tokens": len(e.input_ids), "truncated": e.truncated, "images": images,
             "text": _text(e, tokenizer, spans)}
 
 
-def _image_spans(ids: list[int], image_id: int) -> list[tuple[int, int]]:
-    """[start, end) of each run of image tokens, in order."""
-    spans, start = [], None
-    for i, tok in enumerate(ids + [None]):
-        if tok == image_id and start is None:
-            start = i
-        elif tok != image_id and start is not None:
-            spans.append((start, i))
-            start = None
+def _image_spans(ids: list[int], image_id: int, counts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each image's tokens, in order: from its first image token to its last (Idefics3's tiles have
+    their tags between)."""
+    at = [i for i, tok in enumerate(ids) if tok == image_id]
+    spans, k = [], 0
+    for n in counts:
+        if k + n <= len(at):
+            spans.append((at[k], at[k + n - 1] + 1))
+        k += n
     return spans
 
 
@@ -81,7 +80,8 @@ def run_vision_preview(cfg, n_show: int, as_json: bool) -> int:
     m, d = cfg.model, cfg.data
     model_type(m.name_or_path)
     tokenizer = with_processor_template(load_tokenizer(m.name_or_path, False), m.name_or_path)
-    vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels, d.max_pixels)
+    vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), tokenizer, d.min_pixels,
+                           d.max_pixels)
     pv = build_vision_preview(d, tokenizer, vision, n_show)
     if as_json:
         print(json.dumps(pv, indent=1))

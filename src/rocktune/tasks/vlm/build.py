@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from rocktune.model import apply_lora
-from rocktune.vision_model import VISION_PREFIX, language_targets, load_vlm, patch_embed_as_linear, vision_part
+from rocktune.errors import UserError
+from rocktune.vision_model import family, language_targets, load_vlm, patch_embed_as_linear
 
 
 PATCH_RULE = "rocm-conv3d-patch-embed"  # platform/knowledge.yaml
@@ -15,8 +16,11 @@ def patch_embed(model, setting: str, platform) -> list[str]:
     """``model.vision_patch_embed``: linear runs the patch embedding's Conv3d as its matmul; auto leaves it and says
     what the platform knowledge reports for this machine (a reported rule is shown, never applied silently)."""
     if setting == "linear":
-        return [f"vision patch embedding: {patch_embed_as_linear(model)} Conv3d run as one matmul each "
-                "(model.vision_patch_embed=linear)"]
+        count = patch_embed_as_linear(model)
+        if not count:
+            raise UserError(f"model.vision_patch_embed=linear runs a Conv3d patch embedding as a matmul; "
+                            f"{family(model.config).name}'s vision tower has none (a Conv2d); set it to auto.")
+        return [f"vision patch embedding: {count} Conv3d run as one matmul each (model.vision_patch_embed=linear)"]
     if setting == "auto" and platform is not None:
         from rocktune.platform.advise import advise
 
@@ -38,13 +42,15 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
 
 def adapted_note(model) -> str:
     """Which parts carry adapters, counted, and which stay frozen: the run log's statement of what trains."""
+    fam = family(model.get_base_model().config)
     parts = {"language": 0, "projector": 0, "tower": 0}
     for name, module in model.named_modules():
         if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and len(module.lora_A):
-            parts[vision_part(name.removeprefix("base_model.model."))] += 1
+            parts[fam.part(name.removeprefix("base_model.model."))] += 1
     words = {"language": "language-model", "projector": "projector", "tower": "vision-tower"}
     trained = " and ".join(f"{n} {words[p]}" for p, n in parts.items() if n)
-    frozen = {(True, True): "; the vision tower and projector ({}.*) are frozen",
-              (True, False): "; the vision tower ({}.*) is frozen", (False, True): "; the projector is frozen",
+    every, tower = ", ".join(f"{root}.*" for root in fam.roots), f"{fam.roots[0]}.*"
+    frozen = {(True, True): f"; the vision tower and projector ({every}) are frozen",
+              (True, False): f"; the vision tower ({tower}) is frozen", (False, True): "; the projector is frozen",
               (False, False): ""}[(not parts["tower"], not parts["projector"])]
-    return f"LoRA on {trained} modules" + frozen.format(VISION_PREFIX)
+    return f"LoRA on {trained} modules" + frozen

@@ -13,7 +13,10 @@ from rocktune.data.vision import VisionExample
 from rocktune.data.vision_batch import loss_count
 from rocktune.tasks.lm.feed import Step, StreamPosition
 
-ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "pixel_rows", "image_counts")
+ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids", "pixel_rows",
+            "image_counts")
+PIXEL_KEYS = ("pixel_values", "pixel_attention_mask")  # cut by pixel_rows
+IMAGE_KEYS = ("image_grid_thw",)  # one entry per image
 
 
 def split_rows(batch: dict, pieces: int) -> list[dict]:
@@ -27,10 +30,10 @@ def split_rows(batch: dict, pieces: int) -> list[dict]:
     parts = []
     for i in range(0, rows, size):
         j = min(i + size, rows)
-        part = {k: batch[k][i:j] for k in ROW_KEYS}
+        part = {k: batch[k][i:j] for k in ROW_KEYS if k in batch}
         if img[j] > img[i]:
-            part["pixel_values"] = batch["pixel_values"][pix[i] : pix[j]]
-            part["image_grid_thw"] = batch["image_grid_thw"][img[i] : img[j]]
+            part.update({k: batch[k][pix[i] : pix[j]] for k in PIXEL_KEYS if k in batch})
+            part.update({k: batch[k][img[i] : img[j]] for k in IMAGE_KEYS if k in batch})
         parts.append(part)
     return parts
 

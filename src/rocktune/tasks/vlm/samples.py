@@ -7,6 +7,7 @@ their prompt would show the model placeholders without pixels."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from rocktune.data import checks
@@ -33,12 +34,12 @@ class VisionSampler(Sampler):
             if len(prompts) == settings.count:
                 break
             found = prompts_from_examples([e.input_ids], [e.labels], 1)
-            if not found or found[0][0].count(vision.image_token_id) * vision.merge_size**2 != e.pixel_rows:
+            if not found or found[0][0].count(vision.image_token_id) != e.image_tokens:
                 continue
             ids, expected = found[0]
             prompt = PromptIds(ids)
-            prompt.inputs = collate([VisionExample(ids, [IGNORE] * len(ids), e.images, e.grids)],
-                                    tokenizer.pad_token_id, vision)
+            prompt.inputs = collate([replace(e, input_ids=ids, labels=[IGNORE] * len(ids))], tokenizer.pad_token_id,
+                                    vision)
             prompts.append((prompt, expected))
         stops = sorted({*checks.stop_token_ids(tokenizer, "messages"), tokenizer.eos_token_id} - {None})
         return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings, redo_from, write)

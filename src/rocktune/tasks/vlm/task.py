@@ -27,7 +27,7 @@ from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import build, launch
-from rocktune.vision_model import model_type, vision_tokens, with_processor_template
+from rocktune.vision_model import check_pixel_limits, model_type, vision_tokens, with_processor_template
 from rocktune.tasks.vlm.feed import VisionFeed
 from rocktune.tasks.lm.samples import SampleSettings
 from rocktune.tasks.vlm.loss import VisionLoss
@@ -79,7 +79,7 @@ class VLMTask:
                                                                                ".arrow"):
                     raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL, parquet and Arrow files, save_to_disk "
                                     "folders and hub ids (docs/vision.md).")
-        model_type(ctx.cfg.model.name_or_path)
+        check_pixel_limits(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels)
 
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, device = ctx.cfg, ctx.device
@@ -87,7 +87,8 @@ class VLMTask:
         from transformers import AutoConfig
 
         tokenizer = with_processor_template(preflight.load_tokenizer(m.name_or_path, False), m.name_or_path)
-        vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels, d.max_pixels)
+        vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), tokenizer, d.min_pixels,
+                               d.max_pixels)
         pending = Pending.start(ctx.cache_root)
         try:
             train, held = _read(cfg, tokenizer, vision, ctx.cache_root)
@@ -110,7 +111,7 @@ class VLMTask:
         n_images = sum(len(e.images) for e in train)
         info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(lengths), "max_example_tokens": max(lengths), "train_images": n_images,
-                "image_tokens": sum(e.pixel_rows // vision.merge_size**2 for e in train),
+                "image_tokens": sum(e.image_tokens for e in train),
                 "n_truncated": sum(e.truncated for e in train), "fingerprint": fingerprint}
         return Prepared(model, wrapped, fingerprint,
                         f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm)", info,
@@ -121,7 +122,7 @@ class VLMTask:
         # On a GPU the next step's images are processed while this one computes; on a CPU a thread would compete.
         dist = r.ctx.dist
         return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed), self._batch, r.ctx.device == "cuda",
-                          (dist.rank, dist.world, idle_batch(r.pad_id)), **position)
+                          (dist.rank, dist.world, idle_batch(r.pad_id, r.vision)), **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
         return collate(examples, self.run.pad_id, self.run.vision)
