@@ -70,6 +70,7 @@ def tiny_family_config(tokenizer, family: str, hidden: int = 128, layers: int = 
               "num_attention_heads": 2, "image_size": 32, "patch_size": 8}
     text = _text_config(hidden, layers)
     if family == "gemma3":
+        vision["vision_use_head"] = False  # as Gemma 3's checkpoints: the projector pools the patches itself
         text.update({"sliding_window": 512, "query_pre_attn_scalar": 16,
                      "layer_types": (["sliding_attention", "full_attention"] * layers)[:layers]})
         return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
@@ -101,6 +102,10 @@ def build_family_vlm(out: Path, seed: int, family: str, **shape) -> Path:
     name = {"gemma3": "Gemma3", "smolvlm": "SmolVLM", "idefics3": "Idefics3"}[family]
     model_cls = getattr(transformers, f"{name}ForConditionalGeneration")
     model = model_cls._from_config(tiny_family_config(tokenizer, family, **shape), dtype=torch.float32)
+    if family == "gemma3":  # its init zeroes the projection (a blind model); a checkpoint's is trained
+        weight = model.model.multi_modal_projector.mm_input_projection_weight
+        with torch.no_grad():
+            weight.normal_(0.0, weight.shape[0] ** -0.5)  # unit-scale features from the normed vision outputs
     model.save_pretrained(out, safe_serialization=True)
     build_family_image_processor(family).save_pretrained(out)
     tokenizer.save_pretrained(out)

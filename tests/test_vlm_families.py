@@ -1,0 +1,291 @@
+"""task=vlm on the families beyond Qwen: Gemma 3 (fixed soft tokens per image, token_type_ids for its bidirectional
+image attention) and SmolVLM / Idefics3 (images split into tiles, pixels batched per conversation). Tiny random-init
+models built offline (demo/tiny_vlm_families.py) with the families' real image processors: the tokens and pixels
+equal transformers' own combined processors', every data shape encodes, the OOM split cuts the per-conversation
+pixels right, a run trains, exports merged (the same logits) and answers with ``generate --image``, and what is not
+supported is refused with its reason. (The chunked loss against PEFT's forward is test_vlm_train.py's, for every
+family.)"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from rocktune.config import config_from_dict
+from rocktune.data.encode import IGNORE
+from rocktune.data.records import read_records
+from rocktune.data.vision import encode
+from rocktune.data.vision_batch import collate
+from rocktune.demo.tiny_vlm_families import build_family_image_processor, build_family_tokenizer, tiny_family_config
+from rocktune.demo.vision_task import draw
+from rocktune.errors import UserError
+from rocktune.tasks import train
+from rocktune.vision_model import vision_tokens
+from tests.test_vlm_train import _metrics, vlm_config
+
+pytest.importorskip("PIL")
+
+NEW = ["gemma3", "smolvlm", "idefics3"]
+ANSWER_END = {"gemma3": "<end_of_turn>\n", "smolvlm": "<end_of_utterance>\n", "idefics3": "<end_of_utterance>\n"}
+
+
+def _vision(family: str, folder: Path):
+    """(tokenizer, vision tokens, config) of a tiny ``family`` without weights: its tokenizer and image processor
+    saved in ``folder`` as a model directory holds them."""
+    tok = build_family_tokenizer(family)
+    build_family_image_processor(family).save_pretrained(folder)
+    config = tiny_family_config(tok, family)
+    return tok, vision_tokens(str(folder), config, tok, None, None), config
+
+
+@pytest.fixture()
+def folder(tmp_path) -> Path:
+    (tmp_path / "images").mkdir()
+    draw("red", random.Random(0), size=56).save(tmp_path / "images" / "red.png")
+    draw("blue", random.Random(2), size=200).resize((200, 90)).save(tmp_path / "images" / "wide.png")
+    return tmp_path
+
+
+def _rows() -> list[dict]:
+    two = {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/red.png"},
+                                                     {"type": "text", "text": "and"},
+                                                     {"type": "image", "image": "images/wide.png"}]},
+                        {"role": "assistant", "content": "red, blue"}]}
+    one = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Colour?"},
+                                                     {"type": "image", "image": "images/wide.png"}]},
+                        {"role": "assistant", "content": "blue"}]}
+    return [two, one]
+
+
+def _processor(family: str, tok, vision, config):
+    """transformers' own combined processor around the same tokenizer and image processor (the class check of
+    SmolVLM's video processor, which needs torchvision, patched out; num2words is only for videos)."""
+    from unittest import mock
+
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    images = vision.image_processor
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: type(arg)):
+        if family == "gemma3":
+            return transformers.Gemma3Processor(images, tok, image_seq_length=config.mm_tokens_per_image)
+        if family == "idefics3":
+            return transformers.Idefics3Processor(images, tok, image_seq_len=vision.rule.count)
+        with mock.patch("transformers.models.smolvlm.processing_smolvlm.num2words", str):
+            return transformers.SmolVLMProcessor(images, tok, None, image_seq_len=vision.rule.count)
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, tmp_path, family):
+    """Two conversations (a square and a wide image, then the wide one alone): each row's ids equal the processor's
+    for the same rendered text, and the batch's pixel values (Idefics3/SmolVLM: per conversation, with the pixel
+    attention mask) and Gemma 3's token_type_ids equal the processor's for the batch."""
+    import torch
+
+    from rocktune.data.images import load
+
+    tok, vision, config = _vision(family, tmp_path / "model")
+    data = folder / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    examples = [encode(rec, folder, tok, vision, 512, loc) for loc, rec in read_records(data)]
+    proc = _processor(family, tok, vision, config)
+    texts = [tok.apply_chat_template(_plain(r["messages"]), tokenize=False) for r in _rows()]
+    images = [[load(ref, "x") for ref in e.images] for e in examples]
+    for e, text, ims in zip(examples, texts, images):
+        ref = proc(text=[text], images=[ims], return_tensors="pt")
+        assert ref["input_ids"][0].tolist() == e.input_ids
+    assert examples[0].image_tokens == sum(vision.rule.tokens(g) for g in examples[0].grids)
+    if family != "gemma3":  # the wide image is split into more tiles than the square one
+        assert examples[0].grids == ((2, 2), (1, 2)) and examples[0].image_tokens == (5 + 3) * vision.rule.count
+    batch = collate(examples, tok.pad_token_id, vision)
+    ref = proc(text=texts, images=images, return_tensors="pt", padding=True)
+    assert torch.equal(batch["pixel_values"], ref["pixel_values"])
+    if family == "gemma3":
+        assert torch.equal(batch["token_type_ids"] * batch["attention_mask"], ref["token_type_ids"])
+    else:
+        assert torch.equal(batch["pixel_attention_mask"], ref["pixel_attention_mask"])
+
+
+def _plain(messages: list[dict]) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+             [{"type": p["type"], **({"text": p["text"]} if p["type"] == "text" else {})} for p in m["content"]]}
+            for m in messages]
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_every_shape_of_the_shipped_example_encodes_with_loss_on_the_answers_only(tmp_path, family):
+    tok, vision, _ = _vision(family, tmp_path / "model")
+    data = Path(__file__).parents[1] / "examples" / "vision" / "chat.jsonl"
+    out = [encode(rec, data.parent, tok, vision, 512, loc) for loc, rec in read_records(data)]
+    end = ANSWER_END[family]
+    answers = [tok.decode([t for t, label in zip(e.input_ids, e.labels) if label != IGNORE]) for e in out]
+    lead = " " if family != "gemma3" else ""  # SmolVLM's style writes "Assistant: answer"
+    assert answers == [f"{lead}red{end}", f"{lead}blue{end}{lead}yes{end}", f"{lead}green{end}", f"{lead}green{end}"]
+    for e in out:  # image tokens and their markers never carry loss
+        assert all(label == IGNORE for t, label in zip(e.input_ids, e.labels) if t in vision.masked_ids)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+def test_the_oom_split_gives_the_whole_batch_loss(tmp_path, folder, family):
+    """Cut between conversations: Gemma 3's pixels one image per row of pixel_values, SmolVLM's per conversation
+    (zero images padding the shorter rows); the pieces' summed loss is the batch's."""
+    import torch
+
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.model import apply_lora, load_tokenizer
+    from rocktune.tasks.vlm.feed import split_rows
+    from rocktune.tasks.vlm.loss import VisionLoss
+    from rocktune.vision_model import language_targets, load_vlm
+
+    model_dir = build_tiny_vlm(tmp_path / "m", family=family)
+    tok = load_tokenizer(str(model_dir), False)
+    from transformers import AutoConfig
+
+    vision = vision_tokens(str(model_dir), AutoConfig.from_pretrained(model_dir), tok, None, None)
+    data = folder / "rows.jsonl"
+    rows = _rows() + [{"messages": [{"role": "user", "content": "no image"}, {"role": "assistant", "content": "ok"}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batch = collate([encode(rec, folder, tok, vision, 512, loc) for loc, rec in read_records(data)],
+                    tok.pad_token_id, vision)
+    base = load_vlm(str(model_dir), "fp32", "sdpa", "cpu")
+    loss = VisionLoss(apply_lora(base, 8, 16, 0.0, language_targets(base), False), chunk_size=16)
+    with torch.no_grad():
+        whole, n = loss.sum_and_count(batch)
+        parts = [loss.sum_and_count(p) for p in split_rows(batch, 3)]
+    assert [int(p["input_ids"].shape[0]) for p in split_rows(batch, 3)] == [1, 1, 1]
+    assert "pixel_values" not in split_rows(batch, 3)[2]
+    assert sum(c for _, c in parts) == n
+    assert float(sum(v for v, _ in parts)) == pytest.approx(float(whole), rel=1e-5)
+
+
+def _config(model: Path, data, out: Path, **training) -> dict:
+    cfg = vlm_config(model, data, out, **training)
+    cfg["data"]["max_length"] = 128  # SmolVLM's 56-pixel image: 4 tiles and the global view, 20 image tokens
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> tuple[Path, Path]:
+    from rocktune.demo.vision_task import write_colour_task
+
+    return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=64, n_eval=8, seed=0)
+
+
+@pytest.mark.parametrize(("family", "note"), [
+    ("gemma3", "LoRA on 14 language-model modules; the vision tower and projector (vision_tower.*, "
+     "multi_modal_projector.*) are frozen"),
+    ("smolvlm", "LoRA on 14 language-model modules; the vision tower and projector (vision_model.*, connector.*) are "
+     "frozen"),
+    ("idefics3", "LoRA on 14 language-model modules; the vision tower and projector (vision_model.*, connector.*) "
+     "are frozen")])
+def test_a_run_trains_exports_merged_and_answers_about_an_image(tmp_path, colours, capsys, family, note):
+    import torch
+    from safetensors import safe_open
+
+    from rocktune.cli import main
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.export.source import resolve
+    from rocktune.export.vision_generate import is_vision_dir, load
+    from rocktune.vision_model import model_inputs
+
+    run = tmp_path / "run"
+    model_dir = build_tiny_vlm(tmp_path / "m", family=family)
+    train(config_from_dict(_config(model_dir, colours, run, max_steps=16, eval_every=8, sample_count=1)), quiet=True)
+    rows = _metrics(run)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 1.0 and evals[-1] < evals[0] - 1.0
+    info = json.loads((run / "run_info.json").read_text())
+    assert note in info["notes"] and info["data"]["train_images"] == 64
+    with safe_open(str(run / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert len(keys) == 28 and all(".language_model." in k for k in keys)
+    assert main(["export", str(run), "--to", "merged"]) == 0
+    merged = run / "export" / "merged"
+    assert is_vision_dir(str(merged)) and (merged / "preprocessor_config.json").is_file()
+    logits = []
+    for where in (run, merged):
+        model, tok, vision = load(resolve(str(where)), "cpu")
+        batch = collate([encode(r, colours[1].parent, tok, vision, 128, loc) for loc, r in
+                         read_records(colours[1])[:2]], tok.pad_token_id, vision)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with torch.no_grad():
+            logits.append(model(**model_inputs(base, batch)).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
+    capsys.readouterr()
+    image = colours[1].parent / "images" / "eval_0.png"
+    for where in (run, merged):
+        assert main(["generate", str(where), "--image", str(image), "--prompt", "What colour is the shape?",
+                     "--max-new-tokens", "4"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and said[0] == said[1]  # the merged model answers as the adapter did
+
+
+def test_gemma3_lora_on_the_vision_side(tmp_path, colours):
+    """Gemma 3's projector is a bare weight matrix: lora.vision=projector is refused with the reason; ``all`` adapts
+    the vision tower's linear layers and says the projector stays frozen."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    model_dir = build_tiny_vlm(tmp_path / "m", family="gemma3")
+    cfg = _config(model_dir, colours, tmp_path / "a", max_steps=2)
+    cfg["lora"]["vision"] = "projector"
+    with pytest.raises(UserError, match=r"lora.vision=projector: Gemma 3's projector has no linear layer for LoRA"):
+        train(config_from_dict(cfg), quiet=True)
+    cfg = _config(model_dir, colours, tmp_path / "b", max_steps=2)
+    cfg["lora"]["vision"] = "all"
+    train(config_from_dict(cfg), quiet=True)
+    notes = json.loads((tmp_path / "b" / "run_info.json").read_text())["notes"]
+    assert "LoRA on 14 language-model and 6 vision-tower modules; the projector is frozen" in notes
+
+
+def test_smolvlm_lora_on_its_connector(tmp_path, colours):
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    model_dir = build_tiny_vlm(tmp_path / "m", family="smolvlm")
+    cfg = _config(model_dir, colours, tmp_path / "run", max_steps=2)
+    cfg["lora"]["vision"] = "projector"
+    train(config_from_dict(cfg), quiet=True)
+    notes = json.loads((tmp_path / "run" / "run_info.json").read_text())["notes"]
+    assert "LoRA on 14 language-model and 1 projector modules; the vision tower (vision_model.*) is frozen" in notes
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"data": {"max_pixels": 50176}}, r"data.min_pixels/max_pixels set the resolution of Qwen's image processors; "
+                                      r"Gemma 3's sets it in the model's preprocessor_config.json"),
+    ({"model": {"vision_patch_embed": "linear"}}, r"model.vision_patch_embed=linear .* Gemma 3's vision tower has "
+                                                  r"none"),
+])
+def test_what_gemma3_cannot_do_is_refused(tmp_path, colours, change, message):
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    model_dir = build_tiny_vlm(tmp_path / "m", family="gemma3")
+    cfg = _config(model_dir, colours, tmp_path / "run", max_steps=2)
+    for section, values in change.items():
+        cfg[section].update(values)
+    with pytest.raises(UserError, match=message):
+        train(config_from_dict(cfg), quiet=True)
+
+
+def test_data_preview_shows_each_split_image_and_its_tokens(tmp_path, capsys):
+    from rocktune.cli import main
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    model_dir = build_tiny_vlm(tmp_path / "m", family="smolvlm")
+    data = Path(__file__).parents[1] / "examples" / "vision" / "chat.jsonl"
+    capsys.readouterr()
+    assert main(["data", "preview", "--data", str(data), "--model", str(model_dir), "task=vlm", "data.max_length=256",
+                 "--json", "-n", "1"]) == 0
+    pv = json.loads(capsys.readouterr().out)
+    assert (pv["n_examples"], pv["n_images"], pv["image_tokens"]) == (4, 4, 4 * 20)
+    (image,) = pv["examples"][0]["images"]
+    assert image["grid_thw"] == [2, 2] and image["tokens"] == 20
+    start, end = image["positions"]
+    # from its first image token to its last: 20 image tokens, 3 more tiles' <fake_token_around_image><row_r_col_c>,
+    # the line breaks after each row of tiles and before the global view, and the global view's two tags
+    assert end - start == 20 + 3 * 2 + 3 + 2
+    text = pv["examples"][0]["text"]
+    assert text.startswith("User:<fake_token_around_image><row_1_col_1><image 1: 31 tokens><fake_token_around_image>"
+                           " What colour is the shape?")
