@@ -134,10 +134,12 @@ def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:
     return right / len(rows)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.long)])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.long),
+                                    pytest.param("gemma3", marks=pytest.mark.long)])
 def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dirs, colours, tmp_path, capsys, family):
     """The issue's "done when": four colours, so chance is 25%; the answer is only in the image (the question never
-    changes). 300 steps take 15-30 s on one CPU thread; Qwen3-VL's run (accuracy 1.0 measured) is in make test-long."""
+    changes). 300 steps take 15-30 s on one CPU thread; Qwen3-VL's and Gemma 3's runs (accuracy 1.0 measured) are in
+    make test-long."""
     run = tmp_path / "run"
     train(config_from_dict(vlm_config(vlm_dirs(family), colours, run, max_steps=300, sample_count=8)), quiet=True)
     final = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()][-8:]
@@ -208,11 +210,12 @@ def test_checkpointing_and_a_held_out_share_train_the_same_losses(vlm_dir, colou
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma3", "smolvlm", "idefics3"])
 def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dirs, colours, family):
     """VisionLoss (the backbone, then head + cross-entropy at loss positions in chunks) against the PEFT model's own
     forward and torch's cross-entropy on its full logits: the same summed loss and the same adapter gradients, on a
-    padded batch of three conversations with their images."""
+    padded batch of three conversations with their images (Gemma 3 with its token_type_ids, SmolVLM/Idefics3 with
+    their tiles' pixels batched per conversation)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoConfig
@@ -228,7 +231,8 @@ def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dirs, colours
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
     rows = read_records(colours[1])[:3]
-    batch = collate([encode(r, colours[1].parent, tok, vision, 64, loc) for loc, r in rows], tok.pad_token_id, vision)
+    batch = collate([encode(r, colours[1].parent, tok, vision, 128, loc) for loc, r in rows], tok.pad_token_id,
+                    vision)
     base = load_vlm(str(vlm_dir), "fp32", "sdpa", "cpu")
     model = apply_lora(base, 8, 16, 0.0, language_targets(base), False)
     torch.manual_seed(0)

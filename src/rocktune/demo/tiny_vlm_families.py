@@ -45,10 +45,12 @@ def build_family_tokenizer(family: str):
     gemma = family == "gemma3"
     added = ["<start_of_turn>", "<end_of_turn>", *GEMMA_TOKENS.values()] if gemma else TILE_TOKENS
     base.add_special_tokens({"additional_special_tokens": SPECIALS[1:] + added})
-    return PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token=SPECIALS[0],
-                                   pad_token=SPECIALS[0], additional_special_tokens=SPECIALS[1:] + added,
-                                   extra_special_tokens=GEMMA_TOKENS if gemma else None,
-                                   chat_template=GEMMA_TEMPLATE if gemma else TILE_TEMPLATE)
+    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token=SPECIALS[0],
+                                  pad_token=SPECIALS[0], extra_special_tokens=GEMMA_TOKENS if gemma else None,
+                                  chat_template=GEMMA_TEMPLATE if gemma else TILE_TEMPLATE)
+    # after the named ones: a list given with them at construction would be replaced by them
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS[1:] + added}, replace_extra_special_tokens=False)
+    return tok
 
 
 def _text_config(hidden: int, layers: int) -> dict:
