@@ -115,6 +115,16 @@ def _plain(messages: list[dict]) -> list[dict]:
             for m in messages]
 
 
+def test_an_image_processor_of_another_family_is_refused(tmp_path):
+    from rocktune.demo.tiny_vlm import build_image_processor
+
+    tok = build_family_tokenizer("gemma3")
+    build_image_processor().save_pretrained(tmp_path)  # Qwen's
+    with pytest.raises(UserError, match=r"a Gemma 3 model, whose images need Gemma3ImageProcessor; its "
+                                        r"preprocessor_config.json gives Qwen2VLImageProcessor"):
+        vision_tokens(str(tmp_path), tiny_family_config(tok, "gemma3"), tok, None, None)
+
+
 @pytest.mark.parametrize("family", NEW)
 def test_every_shape_of_the_shipped_example_encodes_with_loss_on_the_answers_only(tmp_path, family):
     tok, vision, _ = _vision(family, tmp_path / "model")

@@ -20,6 +20,7 @@ from rocktune.errors import UserError
 class Family:
     name: str  # as people call it
     model_class: str  # transformers' class
+    image_processors: tuple[str, ...]  # the image processor classes it takes (their Pillow/fast variants too)
     roots: tuple[str, ...]  # the module names under which the vision side lives, the tower's first
     projector: str  # the part of a vision-side module's name that makes it the projector (Qwen's inside the tower)
     tokens: Callable[[object, object, object], VisionTokens]  # (config, tokenizer, image processor) -> tokens
@@ -76,15 +77,18 @@ def _tiles(config, tokenizer, images) -> VisionTokens:
                         SplitTiles(image, around, whole, count))
 
 
+QWEN = ("Qwen2VLImageProcessor",)
+TILES = ("SmolVLMImageProcessor", "Idefics3ImageProcessor")  # SmolVLM's first release is an idefics3 model
 FAMILIES: dict[str, Family] = {
     # Qwen's mergers (Qwen3-VL's deepstack mergers too) sit inside visual.*
-    "qwen2_5_vl": Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", ("visual",), "merger", _qwen, True),
-    "qwen3_vl": Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", ("visual",), "merger", _qwen, True),
-    "qwen2_vl": Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", ("visual",), "merger", _qwen, True),
-    "gemma3": Family("Gemma 3", "Gemma3ForConditionalGeneration", ("vision_tower", "multi_modal_projector"),
-                     "multi_modal_projector", _gemma3),
-    "smolvlm": Family("SmolVLM", "SmolVLMForConditionalGeneration", ("vision_model", "connector"), "connector",
-                      _tiles),
-    "idefics3": Family("Idefics3", "Idefics3ForConditionalGeneration", ("vision_model", "connector"), "connector",
-                       _tiles),
+    "qwen2_5_vl": Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen,
+                         True),
+    "qwen3_vl": Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True),
+    "qwen2_vl": Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True),
+    "gemma3": Family("Gemma 3", "Gemma3ForConditionalGeneration", ("Gemma3ImageProcessor",),
+                     ("vision_tower", "multi_modal_projector"), "multi_modal_projector", _gemma3),
+    "smolvlm": Family("SmolVLM", "SmolVLMForConditionalGeneration", TILES, ("vision_model", "connector"),
+                      "connector", _tiles),
+    "idefics3": Family("Idefics3", "Idefics3ForConditionalGeneration", TILES, ("vision_model", "connector"),
+                       "connector", _tiles),
 }

@@ -77,6 +77,9 @@ def vision_tokens(name_or_path: str, config, tokenizer, min_pixels: int | None,
     except (OSError, ValueError) as exc:
         raise UserError(f"the image processor of {name_or_path} does not load ({first_line(exc)}); the model "
                         "directory needs its preprocessor_config.json.") from None
+    if not type(images).__name__.startswith(fam.image_processors):
+        raise UserError(f"{name_or_path} is a {fam.name} model, whose images need {' or '.join(fam.image_processors)}"
+                        f"; its preprocessor_config.json gives {type(images).__name__}. Restore the model's own file.")
     return fam.tokens(config, tokenizer, images)
 
 
