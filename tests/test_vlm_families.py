@@ -277,6 +277,8 @@ def test_what_gemma3_cannot_do_is_refused(tmp_path, colours, change, message):
         cfg[section].update(values)
     with pytest.raises(UserError, match=message):
         train(config_from_dict(cfg), quiet=True)
+    if "data" in change:  # refused before anything is written
+        assert not (tmp_path / "run").exists()
 
 
 def test_data_preview_shows_each_split_image_and_its_tokens(tmp_path, capsys):
