@@ -134,6 +134,7 @@ def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:
     return right / len(rows)
 
 
+@pytest.mark.torches  # also on the torch 2.4/2.5 stacks (transformers 4.57)
 @pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.long)])
 def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dirs, colours, tmp_path, capsys, family):
     """The issue's "done when": four colours, so chance is 25%; the answer is only in the image (the question never
@@ -207,6 +208,7 @@ def test_checkpointing_and_a_held_out_share_train_the_same_losses(vlm_dir, colou
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
+@pytest.mark.torches  # also on the torch 2.4/2.5 stacks (transformers 4.57)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(vlm_dirs, colours, family):
     """VisionLoss (the backbone, then head + cross-entropy at loss positions in chunks) against the PEFT model's own
