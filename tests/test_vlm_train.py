@@ -165,7 +165,7 @@ def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dirs, colours, tmp_pa
 
 
 @pytest.mark.parametrize(("change", "options", "message"), [
-    ({"data": {"packing": True}}, RunOptions(), r"data.packing=True: only for task=lm"),
+    ({"data": {"train_on_prompt": True}}, RunOptions(), r"data.train_on_prompt=True: only for task=lm"),
     ({"model": {"quantization": "nf4"}}, RunOptions(), r"model.quantization=nf4: only for task=lm"),
     ({"lora": {"vision": "projector"}}, RunOptions(processes=2), r"lora.vision=projector trains in one process"),
     ({}, RunOptions(auto_fit=True), r"--auto fits supervised text runs"),

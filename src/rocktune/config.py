@@ -168,8 +168,9 @@ class DataConfig(_Section):
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.",
         json_schema_extra=only("sft"))
     packing: bool = Field(
-        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing.",
-        json_schema_extra=only("sft")
+        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing; "
+        "task=vlm: conversations with their images, rows of data.max_length tokens.",
+        json_schema_extra=only("sft", "vlm")
     )
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
     min_pixels: PositiveInt | None = Field(

@@ -23,6 +23,7 @@ from rocktune.data import sources
 from rocktune.data.dataset import Pending
 from rocktune.data.vision import VisionExample, VisionTokens, encode
 from rocktune.data.vision_batch import collate, idle_batch
+from rocktune.data.vision_pack import collate_packed
 from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, preflight
@@ -111,7 +112,7 @@ class VLMTask:
         info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(lengths), "max_example_tokens": max(lengths), "train_images": n_images,
                 "image_tokens": sum(e.pixel_rows // vision.merge_size**2 for e in train),
-                "n_truncated": sum(e.truncated for e in train), "fingerprint": fingerprint}
+                "n_truncated": sum(e.truncated for e in train), "packing": cfg.data.packing, "fingerprint": fingerprint}
         return Prepared(model, wrapped, fingerprint,
                         f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm)", info,
                         tokenizer=tokenizer)
@@ -120,11 +121,17 @@ class VLMTask:
         r, t = self.run, self.cfg.training
         # On a GPU the next step's images are processed while this one computes; on a CPU a thread would compete.
         dist = r.ctx.dist
-        return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed), self._batch, r.ctx.device == "cuda",
-                          (dist.rank, dist.world, idle_batch(r.pad_id)), **position)
+        packing = self.cfg.data.packing
+        return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed),
+                          self._packed_batch if packing else self._batch, r.ctx.device == "cuda",
+                          (dist.rank, dist.world, idle_batch(r.pad_id)), self.cfg.data.max_length if packing else 0,
+                          **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
         return collate(examples, self.run.pad_id, self.run.vision)
+
+    def _packed_batch(self, rows: list[list[VisionExample]]) -> dict:
+        return collate_packed(rows, self.run.pad_id, self.run.vision)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
