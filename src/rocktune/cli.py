@@ -484,10 +484,7 @@ def _run_data_preview(args) -> int:
         if cfg.spec.vision:
             from rocktune.report.vision_preview import run_vision_preview
 
-            if args.html:
-                raise UserError("--html is not available for task=vlm yet (docs/vision.md); the terminal and --json "
-                                "previews are.")
-            return run_vision_preview(cfg, args.examples, args.json)
+            return run_vision_preview(cfg, args.examples, args.json, args.html)
         if cfg.spec.pairs:
             from rocktune.report.pair_preview import run_pair_preview
 
