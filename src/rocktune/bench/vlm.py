@@ -38,17 +38,21 @@ def run_vlm_bench(req: BenchRequest, log=print) -> dict:
     base = {"model_dir": str(model_dir), "data_file": str(data_file), "cache_dir": str(cache / "tokens"),
             "device": device, "threads": req.threads or _threads(), "common": common,
             "steps": req.warmup + req.steps, "warmup": req.warmup}
-    results = []
-    for cfg in VLM_CONFIGS.values():
-        log(f"bench vlm: {cfg.name} ({req.warmup} warm-up + {req.steps} measured steps)")
-        results.append(merge_rounds([run_one(cfg, base, out, req.timeout)], req.warmup))
+    runs: dict[str, list[dict]] = {name: [] for name in VLM_CONFIGS}
+    for rnd in range(req.rounds):  # the order alternates, as for the text rows: a drift in load favours neither
+        for cfg in list(VLM_CONFIGS.values())[:: 1 if rnd % 2 == 0 else -1]:
+            log(f"bench vlm: {cfg.name} ({req.warmup} warm-up + {req.steps} measured steps, round {rnd + 1}/"
+                f"{req.rounds})")
+            runs[cfg.name].append(run_one(cfg, base, out, req.timeout))
+    results = [merge_rounds(r, req.warmup) for r in runs.values()]
     report = summarise(results, 0, lengths, device, common)
     report["workload"] = {"model": "tiny Qwen2.5-VL (demo/tiny_vlm.py)", "model_dir": str(model_dir),
                           "data_file": str(data_file), "examples": len(examples),
                           "mean_tokens": sum(lengths) / len(lengths),
                           "images_per_example": sum(len(e.images) for e in examples) / len(examples),
                           "loss_token_share": sum(sum(t != -100 for t in e.labels[1:]) for e in examples) /
-                          sum(lengths), "warmup_steps_excluded": req.warmup, "measured_steps": req.steps,
+                          sum(lengths), "warmup_steps_excluded": req.warmup, "measured_steps": req.steps * req.rounds,
+                          "rounds": req.rounds,
                           "threads": base["threads"], "samples_per_step": per_step, **common}
     rt = next(r for r in report["configs"] if r["name"] == "vlm-rocktune")
     against = rt.get("ratios", {}).get(BEST_HF, {})  # the HF row, when it gave a valid speed
