@@ -264,7 +264,8 @@ def test_data_preview_shows_each_image_its_tokens_and_where_they_sit(vlm_dir, ca
     assert pv["trained_tokens"] == sum(len(a) + 2 for a in ("red", "blue", "yes", "green", "green"))
     first = pv["examples"][0]
     assert first["images"] == [{"source": str(data.parent / "images" / "red_square.png"), "size": [56, 56],
-                                "grid_thw": [1, 4, 4], "tokens": 4, "positions": [7, 11]}]
+                                "grid_thw": [1, 4, 4], "tokens": 4, "positions": [7, 11],
+                                "processed_size": [56, 56]}]
     assert "<|vision_start|><image 1: 4 tokens><|vision_end|>What colour is the shape?" in first["text"]
     assert first["text"].endswith("[red<|im_end|>\n]")
 

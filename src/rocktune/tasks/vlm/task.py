@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from rocktune.config import RunConfig, refuse_inapplicable
-from rocktune.data import sources
+from rocktune.data import sources, vision_cache
 from rocktune.data.dataset import Pending
-from rocktune.data.vision import VisionExample, VisionTokens, encode
+from rocktune.data.vision import VisionExample, VisionTokens, encode, to_conversation
 from rocktune.data.vision_batch import collate, idle_batch
 from rocktune.data.vision_pack import collate_packed
 from rocktune.data.vision_source import read_rows
@@ -91,12 +91,15 @@ class VLMTask:
         vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), d.min_pixels, d.max_pixels)
         pending = Pending.start(ctx.cache_root)
         try:
-            train, held = _read(cfg, tokenizer, vision, ctx.cache_root)
-        except BaseException:  # a rejected source leaves no Arrow copy behind (parquet and hub sources)
+            train, held = _read(cfg, tokenizer, vision, ctx.cache_root, pending)
+        except BaseException:  # a rejected source leaves no Arrow copy and no token cache entry behind
             pending.discard()
             raise
-        # Several ranks (DDP): every rank reads and checks the data itself (there is no cache to share) and the
-        # group proves it holds the same rows before training.
+        cached = "hit" if not pending.entries else "written"
+        pending.commit()
+        # Several ranks (DDP): every rank reads the token cache, or encodes and checks the data itself when there is
+        # none yet (a lost race to commit the same entry is harmless), and the group proves it holds the same rows
+        # before training.
         dist, rel = ctx.dist, cfg.reliability
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
@@ -112,9 +115,11 @@ class VLMTask:
         info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(lengths), "max_example_tokens": max(lengths), "train_images": n_images,
                 "image_tokens": sum(e.pixel_rows // vision.merge_size**2 for e in train),
-                "n_truncated": sum(e.truncated for e in train), "packing": cfg.data.packing, "fingerprint": fingerprint}
+                "n_truncated": sum(e.truncated for e in train), "packing": cfg.data.packing, "fingerprint": fingerprint,
+                "cache_hit": cached == "hit"}
         return Prepared(model, wrapped, fingerprint,
-                        f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm)", info,
+                        f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm, cache "
+                        f"{cached})", info,
                         tokenizer=tokenizer)
 
     def new_feed(self, **position) -> VisionFeed:
@@ -203,12 +208,14 @@ class VLMTask:
         """Never compiled (training.compile is an SFT setting)."""
 
 
-def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path):
-    """(train, eval) examples: every row of every source encoded, every image opened, before anything is written."""
+def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path, pending: Pending):
+    """(train, eval) examples: every row of every source encoded, every image opened, before anything is written;
+    or the token cache's, when nothing that determines them changed (data/vision_cache.py)."""
     d = cfg.data
-    train = _encode_source(d.train_file, d, (tokenizer, vision), cache_root, "data.train_file")
+    read = (cache_root, pending)
+    train = _encode_source(d.train_file, d, (tokenizer, vision), read, "data.train_file")
     if d.eval_file:
-        return train, _encode_source(d.eval_file, d, (tokenizer, vision), cache_root, "data.eval_file")
+        return train, _encode_source(d.eval_file, d, (tokenizer, vision), read, "data.eval_file")
     order = list(range(len(train)))
     random.Random(cfg.training.seed).shuffle(order)
     n_eval = int(len(train) * d.eval_fraction) or (1 if d.eval_fraction and len(train) > 1 else 0)
@@ -216,10 +223,18 @@ def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path):
     return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
 
 
-def _encode_source(spec: str, d, parts: tuple, cache_root: Path, key: str) -> list[VisionExample]:
-    tokenizer, vision = parts
+def _encode_source(spec: str, d, parts: tuple, read: tuple, key: str) -> list[VisionExample]:
+    """``read``: (the cache folder, the ``Pending`` that a new cache entry joins)."""
+    (tokenizer, vision), (cache_root, pending) = parts, read
     rows, base = read_rows(spec, d, cache_root, key)
-    return [encode(rec, base, tokenizer, vision, d.max_length, str(loc)) for loc, rec in rows]
+    refs = [to_conversation(rec, base, str(loc))[1] for loc, rec in rows]  # no image opened: their references
+    entry_key = vision_cache.key(spec, rows, refs, tokenizer, vision, d)
+    cached = vision_cache.load(cache_root, entry_key, refs)
+    if cached is not None:
+        return cached
+    examples = [encode(rec, base, tokenizer, vision, d.max_length, str(loc)) for loc, rec in rows]
+    pending.entries.append(vision_cache.stage(cache_root, entry_key, examples))
+    return examples
 
 
 def _fingerprint(examples: list[VisionExample]) -> str:
