@@ -15,6 +15,8 @@
 #     bash benchmarks/gpu_check.sh 2   # <= 4.5 min: the 1.5B shape, rocktune (MFU target 40%); 30 s of the soak
 #     bash benchmarks/gpu_check.sh extra   # not in the 15-minute plan: what explains the gap (rt-no-compile,
 #                                      # rt-liger), the loss chunk alone, one compiled LoRA layer's kernels
+#     bash benchmarks/gpu_check.sh tasks   # not in the plan: GRPO beside TRL (issue 44's GPU rows; TRL's wheels via
+#                                      # prepare.sh), the tiny VL model learning its colour task in bf16
 #     bash benchmarks/gpu_check.sh tests   # not in the plan: the slow gpu-marked tests command 1 leaves out (the
 #                                      # real loop's OOM split and exact resume; the planner's peaks)
 #
@@ -28,9 +30,9 @@
 # Dry run on a CPU (tiny model, the same stages; pytest only collects): add --dry-run (or DRY=1).
 set -u
 PART=${1:-}
-USAGE="usage: gpu_check.sh {1|2|extra|tests} [--dry-run]"
+USAGE="usage: gpu_check.sh {1|2|extra|tasks|tests} [--dry-run]"
 case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "$USAGE" >&2; exit 2 ;; esac
-case "$PART" in 1|2|extra|tests) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
+case "$PART" in 1|2|extra|tasks|tests) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/rocktune-gpu-check}
 WORK=${GPU_CHECK_WORK:-}  # archived into $OUT, never left there; a temporary folder unless given
 [ -n "$WORK" ] || { WORK=$(mktemp -d /tmp/rocktune-gpu-check-work.XXXXXX); MADE_WORK=1; }
@@ -137,6 +139,7 @@ if [ -n "${DRY:-}" ]; then
   # compiles a layer in about 2 minutes)
   PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; COLLECT="--collect-only"; SLACK=3
   LOSS="--dtype fp32 --rows 300 --chunk 128 --vocab 512 --hidden 64 --repeat 1"
+  GRPO="--steps 1 --warmup 0 --rounds 1"; VLM="--precision fp32 --steps 40"
 else
   if [ -d .whl ]; then
     note "install begins (timeout 30s)"
@@ -146,6 +149,7 @@ else
   fi
   PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; COLLECT=""; SLACK=1
   LOSS="--dtype bf16 --chunk 2048 --rows 8192 --repeat 5"
+  GRPO="--steps 6 --warmup 1 --rounds 2"; VLM="--precision bf16 --steps 300"
 fi
 : > "$OUT/summary.txt"
 note "gpu_check.sh $PART${DRY:+ --dry-run} in $PWD, work folder $WORK"
@@ -175,6 +179,16 @@ case "$PART" in
     plain profile-loss 100 profile-loss.json $PY benchmarks/profile_loss.py --device $DEVICE $LOSS
     # one LoRA decoder layer under Inductor: graph breaks, graphs, Triton kernels generated, matmul calls
     plain compiled-layer 120 compiled-layer.json $PY benchmarks/compiled_layer.py --device $DEVICE
+    ;;
+  tasks)
+    # the tasks beyond the LM's SFT on the device (issue 44's GPU rows, issue 45's first GPU run). GRPO beside TRL's
+    # GRPOTrainer without vLLM, same tiny model and settings: TRL comes as a wheel (prepare.sh
+    # trl==1.16.0); where it or datasets does not import, the stage says so. The VL task: the tiny
+    # Qwen2.5-VL's colour task in bf16, eval loss and held-out accuracy beside the speed.
+    if $PY -c "import trl, datasets" > /dev/null 2>&1; then
+      plain grpo-vs-trl 300 grpo-vs-trl.json $PY benchmarks/grpo_vs_trl.py --device $DEVICE $GRPO
+    else say "grpo-vs-trl: skipped (trl or datasets does not import: bring their wheels, prepare.sh)"; fi
+    plain vlm-learns 150 vlm-learns.json $PY benchmarks/vlm_learns.py --device $DEVICE $VLM
     ;;
   tests)
     tests gpu-slow 450 $PY -m pytest -q -p no:cacheprovider $COLLECT -m gpu tests/test_gpu_train.py \

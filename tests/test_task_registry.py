@@ -59,7 +59,7 @@ def test_keys_the_old_wan_hand_list_missed_are_refused():
 def test_each_task_refuses_the_others_keys():
     assert inapplicable(_cfg("lm", diffusion={"frames": [5]}, preference={"beta": 0.3})) == {
         "video-lora, image-lora": ["diffusion.frames=[5]"], "dpo, orpo": ["preference.beta=0.3"]}
-    assert inapplicable(_cfg("dpo", data={"train_file": "t", "packing": True})) == {"lm": ["data.packing=True"]}
+    assert inapplicable(_cfg("dpo", data={"train_file": "t", "packing": True})) == {"lm, vlm": ["data.packing=True"]}
     assert inapplicable(_cfg("orpo", preference={"label_smoothing": 0.1})) == {
         "dpo": ["preference.label_smoothing=0.1"]}
     assert inapplicable(_cfg("dpo", preference={"loss_type": "ipo", "beta": 0.5})) == {}

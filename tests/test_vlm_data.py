@@ -308,3 +308,44 @@ def test_parquet_and_save_to_disk_image_columns_give_the_same_tokens(folder, tok
         got = encode(rec, base, tok, vision, 128, str(loc))
         assert (got.input_ids, got.labels, got.grids) == (want.input_ids, want.labels, want.grids)
         assert got.images[0].data == png
+
+
+def test_data_columns_split_and_eval_split_reach_vision_sources(folder, tok, vision, tmp_path):
+    """A source whose columns have other names (data.columns) and a DatasetDict folder whose splits are named
+    (data.split for training, data.eval_split for the eval side); a JSONL file is renamed the same way."""
+    from datasets import Dataset, DatasetDict, Features, Image, Sequence, Value
+
+    from rocktune.config import DataConfig
+    from rocktune.data.vision_source import read_rows
+
+    import random
+
+    draw("blue", random.Random(1), size=64).save(folder / "images" / "blue.png")
+    png = {c: (folder / "images" / f"{c}.png").read_bytes() for c in ("red", "blue")}
+    part = {"type": Value("string"), "text": Value("string")}
+    features = Features({"dialog": [{"role": Value("string"), "content": [part]}], "pictures": Sequence(Image())})
+
+    def rows(colour):
+        dialog = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": QUESTION}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": colour}]}]
+        return Dataset.from_dict({"dialog": [dialog], "pictures": [[{"bytes": png[colour], "path": None}]]},
+                                 features=features)
+
+    DatasetDict({"fit": rows("red"), "check": rows("blue")}).save_to_disk(str(tmp_path / "saved"))
+    d = DataConfig(train_file=str(tmp_path / "saved"), eval_file=str(tmp_path / "saved"), split="fit",
+                   eval_split="check", columns={"messages": "dialog", "images": "pictures"})
+    for key, colour in (("data.train_file", "red"), ("data.eval_file", "blue")):
+        ((loc, rec),) = read_rows(str(tmp_path / "saved"), d, tmp_path / "cache", key)[0]
+        assert rec["images"][0]["bytes"] == png[colour] and rec["messages"][1]["content"][0]["text"] == colour
+    jsonl = folder / "renamed.jsonl"
+    parts = [{"type": "image", "image": "images/red.png"}, {"type": "text", "text": QUESTION}]
+    jsonl.write_text(json.dumps({"dialog": _user(parts)}) + "\n")
+    (want,) = _encode_rows(folder, [{"messages": _user(parts)}], tok, vision)
+    ((loc, rec),), base = read_rows(str(jsonl), DataConfig(train_file=str(jsonl), columns={"messages": "dialog"}),
+                                    tmp_path / "cache", "data.train_file")
+    got = encode(rec, base, tok, vision, 128, str(loc))
+    assert (got.input_ids, got.labels, got.grids) == (want.input_ids, want.labels, want.grids)
+    with pytest.raises(UserError, match=r"renamed.jsonl:1: data.columns maps to \['talk'\], which this row does not"):
+        read_rows(str(jsonl), DataConfig(train_file=str(jsonl), columns={"messages": "talk"}), tmp_path / "c", "k")
+    with pytest.raises(UserError, match=r"data.columns has \['prompt'\], which a vision-language row does not use"):
+        read_rows(str(jsonl), DataConfig(train_file=str(jsonl), columns={"prompt": "dialog"}), tmp_path / "c", "k")

@@ -413,10 +413,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--out", default="runs/bench", help="scratch runs, cache and report.json (default runs/bench)")
     p.add_argument("--nproc", type=int, default=1,
                    help="also run rocktune's defaults on N processes (rocktune train --nproc N, same global batch)")
-    p.add_argument("--suite", choices=("gpu",),
+    p.add_argument("--suite", choices=("gpu", "vlm"),
                    help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
                         "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry "
-                        "run)")
+                        "run); vlm = task=vlm vs the HF Trainer + PEFT on a tiny Qwen2.5-VL (docs/vision.md)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before one configuration is killed")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole set this many times, alternating the order; medians pool all rounds")
@@ -484,10 +484,7 @@ def _run_data_preview(args) -> int:
         if cfg.spec.vision:
             from rocktune.report.vision_preview import run_vision_preview
 
-            if args.html:
-                raise UserError("--html is not available for task=vlm yet (docs/vision.md); the terminal and --json "
-                                "previews are.")
-            return run_vision_preview(cfg, args.examples, args.json)
+            return run_vision_preview(cfg, args.examples, args.json, args.html)
         if cfg.spec.pairs:
             from rocktune.report.pair_preview import run_pair_preview
 

@@ -100,8 +100,9 @@ class DataConfig(_Section):
     columns: dict[str, str] = Field(
         default_factory=dict, description="Source column for each record key the shape needs, e.g. {prompt: "
         "question, completion: answer} (keys: text, prompt, completion, instruction, input, output, messages, "
-        "conversations, system, tools, history; dpo/orpo also chosen, rejected).",
-        json_schema_extra=only("lm"),
+        "conversations, system, tools, history; dpo/orpo also chosen, rejected; vlm: messages, conversations, "
+        "images, image).",
+        json_schema_extra=only("lm", "vlm"),
     )
     roles: dict[str, Literal["system", "user", "assistant", "tool", "function_call"]] = Field(
         default_factory=dict, description="Role tags of a conversation mapped to roles, on top of the known ones "
@@ -135,13 +136,13 @@ class DataConfig(_Section):
         "trained once); smaller: more context per window, more windows.", json_schema_extra=only("sft")
     )
     split: str = Field("train", description="Split of a hub dataset or save_to_disk DatasetDict for train_file.",
-        json_schema_extra=only("lm"))
+        json_schema_extra=only("lm", "vlm"))
     eval_split: str = Field("validation", description="Split of eval_file when it is a hub id or DatasetDict folder.",
-        json_schema_extra=only("lm"))
+        json_schema_extra=only("lm", "vlm"))
     subset: str | None = Field(None, description="Subset (configuration) of a hub dataset.",
-        json_schema_extra=only("lm"))
+        json_schema_extra=only("lm", "vlm"))
     revision: str | None = Field(None, description="Revision (branch, tag or commit) of a hub dataset.",
-        json_schema_extra=only("lm"))
+        json_schema_extra=only("lm", "vlm"))
     streaming: bool = Field(
         False, description="Read the source as a stream (datasets' IterableDataset): no Arrow copy of it is made "
         "first; batches are tokenised over num_proc processes as they arrive. For sets larger than the room for a "
@@ -168,8 +169,9 @@ class DataConfig(_Section):
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.",
         json_schema_extra=only("sft"))
     packing: bool = Field(
-        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing.",
-        json_schema_extra=only("sft")
+        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing; "
+        "task=vlm: conversations with their images, rows of data.max_length tokens.",
+        json_schema_extra=only("sft", "vlm")
     )
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
     min_pixels: PositiveInt | None = Field(

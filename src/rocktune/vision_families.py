@@ -25,6 +25,8 @@ class Family:
     projector: str  # the part of a vision-side module's name that makes it the projector (Qwen's inside the tower)
     tokens: Callable[[object, object, object], VisionTokens]  # (config, tokenizer, image processor) -> tokens
     pixel_limits: bool = False  # the image processor takes min_pixels / max_pixels
+    transformers: int = 4  # the lowest transformers major it is tested with (the torch 2.4/2.5 stacks have 4.57)
+    packing: bool = False  # data.packing: conversations packed in a row (Qwen: 3-D positions per conversation)
 
     def in_vision(self, name: str) -> bool:
         return any(root in name.split(".") for root in self.roots)
@@ -82,13 +84,15 @@ TILES = ("SmolVLMImageProcessor", "Idefics3ImageProcessor")  # SmolVLM's first r
 FAMILIES: dict[str, Family] = {
     # Qwen's mergers (Qwen3-VL's deepstack mergers too) sit inside visual.*
     "qwen2_5_vl": Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen,
-                         True),
-    "qwen3_vl": Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True),
-    "qwen2_vl": Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True),
+                         True, packing=True),
+    "qwen3_vl": Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True,
+                       packing=True),
+    "qwen2_vl": Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True,
+                       packing=True),
     "gemma3": Family("Gemma 3", "Gemma3ForConditionalGeneration", ("Gemma3ImageProcessor",),
-                     ("vision_tower", "multi_modal_projector"), "multi_modal_projector", _gemma3),
+                     ("vision_tower", "multi_modal_projector"), "multi_modal_projector", _gemma3, transformers=5),
     "smolvlm": Family("SmolVLM", "SmolVLMForConditionalGeneration", TILES, ("vision_model", "connector"),
-                      "connector", _tiles),
+                      "connector", _tiles, transformers=5),
     "idefics3": Family("Idefics3", "Idefics3ForConditionalGeneration", TILES, ("vision_model", "connector"),
-                       "connector", _tiles),
+                       "connector", _tiles, transformers=5),
 }

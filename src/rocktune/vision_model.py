@@ -36,9 +36,14 @@ def model_type(name_or_path: str) -> str:
                         "model (docs/vision.md lists what is planned).")
     import transformers
 
-    if not hasattr(transformers, FAMILIES[kind].model_class):
+    fam = FAMILIES[kind]
+    if not hasattr(transformers, fam.model_class):
         raise UserError(f"{name_or_path} is a {kind} model, which transformers {transformers.__version__} does not "
-                        f"know ({FAMILIES[kind].model_class}); upgrade transformers.")
+                        f"know ({fam.model_class}); upgrade transformers.")
+    if int(transformers.__version__.split(".")[0]) < fam.transformers:
+        raise UserError(f"{name_or_path} is a {fam.name} model, which task=vlm is tested with on transformers "
+                        f"{fam.transformers} only (this is {transformers.__version__}); upgrade transformers (torch 2.6"
+                        " or later), or train a Qwen-VL model.")
     return kind
 
 
@@ -55,8 +60,12 @@ def model_class(config):
     return getattr(transformers, fam.model_class, None) if fam else None
 
 
-def check_pixel_limits(kind: str, min_pixels: int | None, max_pixels: int | None) -> None:
+def check_data_settings(kind: str, min_pixels: int | None, max_pixels: int | None, packing: bool = False) -> None:
+    """The data settings a family does not take, refused with the reason before anything is read."""
     fam = FAMILIES[kind]
+    if packing and not fam.packing:
+        raise UserError(f"data.packing with task=vlm packs Qwen-VL conversations (their 3-D positions are made per "
+                        f"conversation); {fam.name} would need its own, so set data.packing: false.")
     if not fam.pixel_limits and (min_pixels is not None or max_pixels is not None):
         raise UserError(f"data.min_pixels/max_pixels set the resolution of Qwen's image processors; {fam.name}'s "
                         "sets it in the model's preprocessor_config.json (Gemma 3: one fixed size; Idefics3/SmolVLM: "
@@ -70,7 +79,7 @@ def vision_tokens(name_or_path: str, config, tokenizer, min_pixels: int | None,
     from transformers import AutoImageProcessor
 
     fam = FAMILIES[config.model_type]
-    check_pixel_limits(config.model_type, min_pixels, max_pixels)
+    check_data_settings(config.model_type, min_pixels, max_pixels)
     limits = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
     try:
         images = AutoImageProcessor.from_pretrained(name_or_path, **limits)

@@ -165,6 +165,10 @@ def _run(spec: dict) -> dict:
     compiler = CompilerRecord().start()
     if spec["kind"] == "rocktune":
         steps, resolved = run_rocktune(spec, probe)
+    elif spec["settings"].get("task") == "vlm":
+        from rocktune.bench.hf_vlm import run_hf_vlm
+
+        steps, resolved = run_hf_vlm(spec, probe)
     else:
         steps, resolved = _run_hf(spec, probe)
     return {"steps": steps, "resolved": resolved, "memory": probe.report(), "shape": probe.shape,

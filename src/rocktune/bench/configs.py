@@ -87,6 +87,15 @@ PARITY = {
                              "micro-batches in rocktune's order", {**HF_TUNED, "precision": "fp32",
                                                                     "sampler": "rocktune-order"}),
 }
+# ``rocktune bench --suite vlm`` (bench/vlm.py): task=vlm against the HF Trainer on a vision-language model. Apart
+# from the text rows: they need that model and data, so neither --configs all nor a default set includes them.
+VLM_CONFIGS = {c.name: c for c in [
+    BenchConfig("vlm-hf", "hf", "HF Trainer + PEFT on the vision-language model: fp32, sdpa, LoRA on the language "
+                "model, a collator that pads and runs the image processor, random sampler", {"task": "vlm"},
+                baseline=True),
+    BenchConfig("vlm-rocktune", "rocktune", "rocktune task=vlm defaults in fp32 (chunked loss at loss positions, "
+                "foreach AdamW, the vision side frozen)", {"task": "vlm", "training.precision": "fp32"}),
+]}
 BASELINES = [n for n, c in CONFIGS.items() if c.baseline]
 
 

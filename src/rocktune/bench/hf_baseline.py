@@ -40,7 +40,7 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
         raise SkipBaseline("the HF Trainer needs the accelerate package, which is not installed "
                            "(pip install 'rocktune[bench]')")
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
 
     precision = _precision(recipe["precision"], device)
     set_seed(common["seed"])
@@ -76,6 +76,21 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
         use_liger_kernel=_liger(recipe.get("liger", False), device), **expert_arguments(recipe, device),
     )
 
+    trainer = measured_training(model, args, _Rows(ids, labels), collator, tokenizer, (probe, device, records))
+    resolved = {"precision": precision, "attn_implementation": model.get_base_model().config._attn_implementation,
+                "micro_batch_size": micro, "grad_accum": accum, "collator": type(collator).__name__,
+                "liger": bool(args.use_liger_kernel), "torch_compile": bool(args.torch_compile),
+                "optimizer": str(args.optim), "loss_scaled_by_step_tokens": bool(trainer.model_accepts_loss_kwargs)}
+    return records, resolved
+
+
+def measured_training(model, args, dataset, collator, tokenizer, measure: tuple):
+    """The Trainer run as configured, measured: ``measure`` is (the probe, the device, the list each optimizer
+    step's record is appended to: tokens counted from the host batches, the loss, the step's time)."""
+    from transformers import Trainer, TrainerCallback
+
+    probe, device, records = measure
+
     class Timer(TrainerCallback):
         def on_train_begin(self, *a, **k):
             self.t = time.perf_counter()
@@ -103,14 +118,10 @@ def run_hf(model_dir: str, examples, recipe: dict, steps: int, common: dict, dev
             self.acc["loss"] = self.acc["loss"] + loss.detach().float()  # on the device: no sync per micro-batch
             return loss
 
-    trainer = MeasuredTrainer(model=model, args=args, train_dataset=_Rows(ids, labels), data_collator=collator,
+    trainer = MeasuredTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                               processing_class=tokenizer, callbacks=[Timer()])
     trainer.train()
-    resolved = {"precision": precision, "attn_implementation": model.get_base_model().config._attn_implementation,
-                "micro_batch_size": micro, "grad_accum": accum, "collator": type(collator).__name__,
-                "liger": bool(args.use_liger_kernel), "torch_compile": bool(args.torch_compile),
-                "optimizer": str(args.optim), "loss_scaled_by_step_tokens": bool(trainer.model_accepts_loss_kwargs)}
-    return records, resolved
+    return trainer
 
 
 def _zero() -> dict:

@@ -25,6 +25,10 @@ def run_bench_command(req: BenchRequest, as_json: bool, pick: bool, write_config
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if suite == "vlm":
+        from rocktune.bench.vlm import run_vlm_bench
+
+        return _reported(run_vlm_bench(req, log), req.out, as_json)
     if suite is not None:
         from rocktune.bench.suites import run_suite
 
@@ -52,6 +56,18 @@ def run_bench_command(req: BenchRequest, as_json: bool, pick: bool, write_config
         path = write_config or str(Path(out) / "best.yaml")
         picker.write_config(best, report, path, req.data)
         report["pick"] = {"name": best["name"], "config_file": path}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "report.json").write_text(json.dumps(report, indent=1))
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        from rocktune.bench.render import render
+
+        render(report)
+    return 0
+
+
+def _reported(report: dict, out: str, as_json: bool) -> int:
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "report.json").write_text(json.dumps(report, indent=1))
     if as_json:

@@ -114,7 +114,7 @@ def model_shape(model) -> dict:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     n = sum(m.weight.numel() for name, m in base.named_modules()
             if isinstance(m, torch.nn.Linear) and "lora_" not in name)
-    cfg = base.config
+    cfg = base.config.get_text_config()  # a vision-language model's language model (a text model: its own config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return {"matmul_params": n, "layers": cfg.num_hidden_layers, "attn_dim": cfg.num_attention_heads * head_dim,
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,

@@ -302,9 +302,9 @@ def _parity(rt: dict, hf: dict) -> dict:
 
 
 def _config(name: str) -> BenchConfig:
-    from rocktune.bench.configs import CONFIGS
+    from rocktune.bench.configs import CONFIGS, VLM_CONFIGS
 
-    return CONFIGS.get(name) or PARITY[name]
+    return CONFIGS.get(name) or PARITY.get(name) or VLM_CONFIGS[name]
 
 
 def _default_threads() -> int:

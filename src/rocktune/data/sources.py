@@ -239,6 +239,7 @@ def _from_hub(repo_id: str, settings: SourceSettings, key: str):
 KEYS = ("text", "prompt", "completion", "instruction", "input", "output", "messages", "conversations", "system",
         "tools", "history")
 KEYS += ("chosen", "rejected")  # preference pairs (data/preference.py)
+KEYS += ("images", "image")  # a vision-language row's images (data/vision.py)
 
 
 def _rename(ds, columns: dict[str, str], spec: str):

@@ -66,6 +66,9 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                 **rope_keys},
             "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
+    if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4.x (torch 2.4/2.5 stacks) reads rope_scaling
+        text["rope_scaling"] = {"type": "mrope", **text["rope_parameters"]}
+        text["rope_theta"] = text["rope_parameters"]["rope_theta"]
     vision = {"depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 2,
               "num_heads": 2, "out_hidden_size": hidden, "patch_size": patch, "spatial_merge_size": 2,
               "temporal_patch_size": 2, **vision_keys}

@@ -103,14 +103,15 @@ def _shown(shown: list[tuple[str, dict]], stats, tokenizer, d, n_show: int) -> l
     return named[:n_show]
 
 
-def runs(input_ids: list[int], labels: list[int], tokenizer, special: set[int]) -> list[list]:
+def runs(input_ids: list[int], labels: list[int], tokenizer, special: set[int], start: int = 0) -> list[list]:
     """The example as ``[text, trained, is_special]`` runs: neighbouring tokens of one kind decode together (one
-    token alone can be half a UTF-8 character); each special token is its own run so it can be shown as such."""
+    token alone can be half a UTF-8 character); each special token is its own run so it can be shown as such.
+    ``start``: where the tokens begin in their sequence (its first token is never trained: nothing predicts it)."""
     out: list[list] = []
     group: list[int] = []
     kind = None
     for i, tok in enumerate(input_ids):
-        this = (i > 0 and labels[i] != encode.IGNORE, tok in special)
+        this = (start + i > 0 and labels[i] != encode.IGNORE, tok in special)
         if group and (this != kind or this[1]):
             out.append([tokenizer.decode(group), *kind])
             group = []

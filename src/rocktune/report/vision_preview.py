@@ -1,6 +1,7 @@
 """``rocktune data preview -c CONFIG`` for task: vlm: every row read, every image opened and encoded as training
 does (data/vision.py), then the first examples shown with each image's size, its token count and where its tokens
-sit, the trained tokens in [brackets]. A bad row or image stops the preview with the error training would give."""
+sit, the trained tokens in [brackets] (``--html``: the same as one page with thumbnails, report/vision_page.py). A bad
+row or image stops the preview with the error training would give, before the page is written."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import json
 import tempfile
 from pathlib import Path
 
+from rocktune.atomic import write_atomic
 from rocktune.data.encode import IGNORE
-from rocktune.data.images import check
+from rocktune.data.images import load
 from rocktune.data.vision import VisionExample, VisionTokens, encode
 from rocktune.data.vision_source import read_rows
+from rocktune.report.preview import runs
+from rocktune.report.vision_page import thumbnail_png, vision_preview_html
 
 
-def build_vision_preview(data, tokenizer, vision: VisionTokens, n_show: int) -> dict:
-    """``data``: the config's data section."""
+def build_vision_preview(data, tokenizer, vision: VisionTokens, n_show: int, thumbnails: bool = False) -> dict:
+    """``data``: the config's data section. ``thumbnails``: each shown image also as a small PNG
+    (``thumbnail_png``, bytes: for the HTML page, left out of the JSON)."""
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         rows, base = read_rows(data.train_file, data, Path(tmp) / "cache", "data.train_file")
         examples = [(str(loc), encode(rec, base, tokenizer, vision, data.max_length, str(loc))) for loc, rec in rows]
@@ -26,18 +31,25 @@ def build_vision_preview(data, tokenizer, vision: VisionTokens, n_show: int) -> 
             "trained_tokens": sum(sum(label != IGNORE for label in e.labels[1:]) for _, e in examples),
             "n_truncated": sum(e.truncated for _, e in examples), "max_length": data.max_length,
             "tokens_per_example": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
-            "examples": [_shown(loc, e, tokenizer, vision) for loc, e in examples[:n_show]]}
+            "examples": [_shown(loc, e, tokenizer, vision, thumbnails) for loc, e in examples[:n_show]]}
 
 
-def _shown(loc: str, e: VisionExample, tokenizer, vision: VisionTokens) -> dict:
+def _shown(loc: str, e: VisionExample, tokenizer, vision: VisionTokens, thumbnails: bool) -> dict:
     spans = _image_spans(e.input_ids, vision.image_token_id, [vision.rule.tokens(g) for g in e.grids])
+    patch = getattr(vision.image_processor, "patch_size", None)
     images = []
     for i, (ref, grid, (start, end)) in enumerate(zip(e.images, e.grids, spans)):
-        width, height = check(ref, f"{loc}, image {i + 1}")
-        images.append({"source": ref.describe(), "size": [width, height], "grid_thw": list(grid),
-                       "tokens": vision.rule.tokens(grid), "positions": [start, end]})
+        image = load(ref, f"{loc}, image {i + 1}", verify=True)
+        im = {"source": ref.describe(), "size": list(image.size), "grid_thw": list(grid),
+              "tokens": vision.rule.tokens(grid), "positions": [start, end]}
+        if patch and len(grid) == 3:  # Qwen: the pixels the image processor resized it to, whole patches a side
+            im["processed_size"] = [grid[2] * patch, grid[1] * patch]
+        if thumbnails:
+            im["thumbnail_png"] = thumbnail_png(image)
+        images.append(im)
+    runs = _runs(e, tokenizer, spans)
     return {"loc": loc, "tokens": len(e.input_ids), "truncated": e.truncated, "images": images,
-            "text": _text(e, tokenizer, spans)}
+            "text": _text(runs), "runs": runs}
 
 
 def _image_spans(ids: list[int], image_id: int, counts: list[int]) -> list[tuple[int, int]]:
@@ -52,26 +64,40 @@ def _image_spans(ids: list[int], image_id: int, counts: list[int]) -> list[tuple
     return spans
 
 
-def _text(e: VisionExample, tokenizer, spans) -> str:
-    """The sequence as text: each image's tokens as one <image N: T tokens> mark, trained tokens in [brackets]."""
-    out, i, k = [], 0, 0
-    while i < len(e.input_ids):
-        if k < len(spans) and i == spans[k][0]:
-            out.append(f"<image {k + 1}: {spans[k][1] - spans[k][0]} tokens>")
-            i, k = spans[k][1], k + 1
-            continue
-        trained = i > 0 and e.labels[i] != IGNORE
-        j = i
-        while j < len(e.input_ids) and (j == 0 or (e.labels[j] != IGNORE) == trained) and \
-                not (k < len(spans) and j == spans[k][0]):
-            j += 1
-        text = tokenizer.decode(e.input_ids[i:j])
-        out.append(f"[{text}]" if trained else text)
-        i = j
-    return "".join(out)
+def _runs(e: VisionExample, tokenizer, spans) -> list[list]:
+    """The sequence as the text preview's ``[text, trained, is_special]`` runs, each image's tokens one special run
+    ``<image N: T tokens>`` (never trained) instead of T placeholders."""
+    special = set(tokenizer.all_special_ids)
+    out, i = [], 0
+    for k, (start, end) in enumerate(spans + [(len(e.input_ids), len(e.input_ids))]):
+        if start > i:
+            out += runs(e.input_ids[i:start], e.labels[i:start], tokenizer, special, start=i)
+        if end > start:
+            out.append([f"<image {k + 1}: {end - start} tokens>", False, True])
+        i = end
+    return out
 
 
-def run_vision_preview(cfg, n_show: int, as_json: bool) -> int:
+def _text(shown: list[list]) -> str:
+    """The runs as one line of text, each stretch of trained tokens in [brackets]."""
+    out, inside = [], False
+    for chunk, trained, _ in shown:
+        if trained != inside:
+            out.append("[" if trained else "]")
+            inside = trained
+        out.append(chunk)
+    return "".join(out) + ("]" if inside else "")
+
+
+def public(pv: dict) -> dict:
+    """The preview without its thumbnails' bytes (the JSON output)."""
+    examples = [{**ex, "images": [{k: v for k, v in im.items() if k != "thumbnail_png"} for im in ex["images"]]}
+                for ex in pv["examples"]]
+    return {**pv, "examples": examples}
+
+
+def run_vision_preview(cfg, n_show: int, as_json: bool, html: str | None = None) -> int:
+    """Print the preview (or ``as_json``); ``html``: also write it as one self-contained page there."""
     from transformers import AutoConfig
 
     from rocktune.model import load_tokenizer
@@ -82,9 +108,11 @@ def run_vision_preview(cfg, n_show: int, as_json: bool) -> int:
     tokenizer = with_processor_template(load_tokenizer(m.name_or_path, False), m.name_or_path)
     vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), tokenizer, d.min_pixels,
                            d.max_pixels)
-    pv = build_vision_preview(d, tokenizer, vision, n_show)
+    pv = build_vision_preview(d, tokenizer, vision, n_show, thumbnails=bool(html))
+    if html:
+        write_atomic(Path(html), vision_preview_html(pv))
     if as_json:
-        print(json.dumps(pv, indent=1))
+        print(json.dumps(public(pv), indent=1))
         return 0
     lengths = pv["tokens_per_example"]
     print(f"{pv['data_file']}: {pv['n_examples']} conversations with {pv['n_images']} images ({pv['image_tokens']} "
@@ -94,8 +122,18 @@ def run_vision_preview(cfg, n_show: int, as_json: bool) -> int:
     for ex in pv["examples"]:
         print(f"\n{ex['loc']}: {ex['tokens']} tokens{' (cut)' if ex['truncated'] else ''}")
         for n, im in enumerate(ex["images"], 1):
-            print(f"  image {n}: {im['source']}, {im['size'][0]}x{im['size'][1]} pixels -> grid {im['grid_thw']}, "
+            print(f"  image {n}: {im['source']}, {_size(im['size'])} pixels{_resized(im)} -> grid {im['grid_thw']}, "
                   f"{im['tokens']} tokens at positions {im['positions'][0]}-{im['positions'][1] - 1}")
         print(ex["text"])
     print("\nchecks passed: every row and image read as training reads them.")
+    if html:
+        print(f"preview page: {html}")
     return 0
+
+
+def _size(wh: list[int]) -> str:
+    return f"{wh[0]}x{wh[1]}"
+
+
+def _resized(im: dict) -> str:
+    return f" (resized to {_size(im['processed_size'])})" if im.get("processed_size") else ""

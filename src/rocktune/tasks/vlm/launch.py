@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 
 from rocktune.config import RunConfig, refuse_inapplicable
@@ -23,6 +24,15 @@ def refuse(cfg: RunConfig, options: RunOptions) -> None:
     if cfg.lora.vision != "none" and cfg.lora.target_modules != "all-linear":
         raise UserError(f"lora.vision={cfg.lora.vision} chooses the vision side with lora.target_modules: all-linear; "
                         "with a list of target modules, name the vision modules in the list instead.")
+    if cfg.data.packing and transformers_major() < 5:
+        raise UserError("data.packing with task=vlm needs transformers 5 (this is transformers "
+                        f"{version('transformers')}): the Qwen-VL models of transformers 4 do not read packed "
+                        "positions as packed, so each conversation would attend to those before it in its row "
+                        "(measured with 4.57). Drop data.packing, or use torch >= 2.6 with transformers 5.")
     if options.auto_fit:
         raise UserError("--auto fits supervised text runs; for task=vlm set training.micro_batch_size and "
                         "data.max_pixels yourself (docs/vision.md).")
+
+
+def transformers_major() -> int:
+    return int(version("transformers").split(".")[0])

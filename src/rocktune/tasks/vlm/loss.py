@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
 from rocktune.tasks.lm.loss import LinearCrossEntropy
+from rocktune.tasks.vlm.positions import packed_positions
 from rocktune.vision_model import model_inputs
+
 
 class VisionLoss(torch.nn.Module):
     def __init__(self, model, chunk_size: int):
@@ -25,7 +27,11 @@ class VisionLoss(torch.nn.Module):
 
     def sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         base = self.model.get_base_model()
-        hidden = base.model(**model_inputs(base.model, batch)).last_hidden_state[:, :-1]
+        inputs = model_inputs(base.model, batch)
+        if "text_position_ids" in batch:  # packed rows (data/vision_pack.py): no mask, positions that restart
+            inputs["position_ids"] = packed_positions(base.model, batch)
+        # no KV cache: training reads none, and with one transformers would not read packed positions as packed
+        hidden = base.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]

@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 
 from rocktune.config import RunConfig, refuse_inapplicable
-from rocktune.data import sources
+from rocktune.data import sources, vision_cache
 from rocktune.data.dataset import Pending
-from rocktune.data.vision import VisionExample, VisionTokens, encode
+from rocktune.data.vision import VisionExample, VisionTokens, encode, to_conversation
 from rocktune.data.vision_batch import collate, idle_batch
+from rocktune.data.vision_pack import collate_packed
 from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
 from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import build, launch
-from rocktune.vision_model import check_pixel_limits, model_type, vision_tokens, with_processor_template
+from rocktune.vision_model import check_data_settings, model_type, vision_tokens, with_processor_template
 from rocktune.tasks.vlm.feed import VisionFeed
 from rocktune.tasks.lm.samples import SampleSettings
 from rocktune.tasks.vlm.loss import VisionLoss
@@ -79,7 +80,7 @@ class VLMTask:
                                                                                ".arrow"):
                     raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL, parquet and Arrow files, save_to_disk "
                                     "folders and hub ids (docs/vision.md).")
-        check_pixel_limits(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels)
+        check_data_settings(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels, d.packing)
 
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, device = ctx.cfg, ctx.device
@@ -91,12 +92,15 @@ class VLMTask:
                                d.max_pixels)
         pending = Pending.start(ctx.cache_root)
         try:
-            train, held = _read(cfg, tokenizer, vision, ctx.cache_root)
-        except BaseException:  # a rejected source leaves no Arrow copy behind (parquet and hub sources)
+            train, held = _read(cfg, tokenizer, vision, ctx.cache_root, pending)
+        except BaseException:  # a rejected source leaves no Arrow copy and no token cache entry behind
             pending.discard()
             raise
-        # Several ranks (DDP): every rank reads and checks the data itself (there is no cache to share) and the
-        # group proves it holds the same rows before training.
+        cached = "hit" if not pending.entries else "written"
+        pending.commit()
+        # Several ranks (DDP): every rank reads the token cache, or encodes and checks the data itself when there is
+        # none yet (a lost race to commit the same entry is harmless), and the group proves it holds the same rows
+        # before training.
         dist, rel = ctx.dist, cfg.reliability
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
@@ -112,20 +116,28 @@ class VLMTask:
         info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(lengths), "max_example_tokens": max(lengths), "train_images": n_images,
                 "image_tokens": sum(e.image_tokens for e in train),
-                "n_truncated": sum(e.truncated for e in train), "fingerprint": fingerprint}
+                "n_truncated": sum(e.truncated for e in train), "packing": cfg.data.packing, "fingerprint": fingerprint,
+                "cache_hit": cached == "hit"}
         return Prepared(model, wrapped, fingerprint,
-                        f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm)", info,
+                        f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm, cache "
+                        f"{cached})", info,
                         tokenizer=tokenizer)
 
     def new_feed(self, **position) -> VisionFeed:
         r, t = self.run, self.cfg.training
         # On a GPU the next step's images are processed while this one computes; on a CPU a thread would compete.
         dist = r.ctx.dist
-        return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed), self._batch, r.ctx.device == "cuda",
-                          (dist.rank, dist.world, idle_batch(r.pad_id, r.vision)), **position)
+        packing = self.cfg.data.packing
+        return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed),
+                          self._packed_batch if packing else self._batch, r.ctx.device == "cuda",
+                          (dist.rank, dist.world, idle_batch(r.pad_id, r.vision)),
+                          self.cfg.data.max_length if packing else 0, **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
         return collate(examples, self.run.pad_id, self.run.vision)
+
+    def _packed_batch(self, rows: list[list[VisionExample]]) -> dict:
+        return collate_packed(rows, self.run.pad_id, self.run.vision)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -197,12 +209,14 @@ class VLMTask:
         """Never compiled (training.compile is an SFT setting)."""
 
 
-def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path):
-    """(train, eval) examples: every row of every source encoded, every image opened, before anything is written."""
+def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path, pending: Pending):
+    """(train, eval) examples: every row of every source encoded, every image opened, before anything is written;
+    or the token cache's, when nothing that determines them changed (data/vision_cache.py)."""
     d = cfg.data
-    train = _encode_source(d.train_file, d, (tokenizer, vision), cache_root, "data.train_file")
+    read = (cache_root, pending)
+    train = _encode_source(d.train_file, d, (tokenizer, vision), read, "data.train_file")
     if d.eval_file:
-        return train, _encode_source(d.eval_file, d, (tokenizer, vision), cache_root, "data.eval_file")
+        return train, _encode_source(d.eval_file, d, (tokenizer, vision), read, "data.eval_file")
     order = list(range(len(train)))
     random.Random(cfg.training.seed).shuffle(order)
     n_eval = int(len(train) * d.eval_fraction) or (1 if d.eval_fraction and len(train) > 1 else 0)
@@ -210,10 +224,18 @@ def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path):
     return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
 
 
-def _encode_source(spec: str, d, parts: tuple, cache_root: Path, key: str) -> list[VisionExample]:
-    tokenizer, vision = parts
+def _encode_source(spec: str, d, parts: tuple, read: tuple, key: str) -> list[VisionExample]:
+    """``read``: (the cache folder, the ``Pending`` that a new cache entry joins)."""
+    (tokenizer, vision), (cache_root, pending) = parts, read
     rows, base = read_rows(spec, d, cache_root, key)
-    return [encode(rec, base, tokenizer, vision, d.max_length, str(loc)) for loc, rec in rows]
+    refs = [to_conversation(rec, base, str(loc))[1] for loc, rec in rows]  # no image opened: their references
+    entry_key = vision_cache.key(spec, rows, refs, tokenizer, vision, d)
+    cached = vision_cache.load(cache_root, entry_key, refs)
+    if cached is not None:
+        return cached
+    examples = [encode(rec, base, tokenizer, vision, d.max_length, str(loc)) for loc, rec in rows]
+    pending.entries.append(vision_cache.stage(cache_root, entry_key, examples))
+    return examples
 
 
 def _fingerprint(examples: list[VisionExample]) -> str:
