@@ -20,6 +20,7 @@ The pixels (fp32, P x channels x temporal x patch x patch) are part of the batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache
 
@@ -183,7 +184,7 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
 def _batch(vision: VisionShape, spec: VLMSpec, add) -> None:
     p, rows = spec.image_tokens, spec.micro_batch * spec.seq_len
     add("pixel_values", p * vision.patch_values * 4, "batch",
-        f"{len(spec.patches)} images, {p:,} patches x {vision.patch_values} values x 4 B (fp32, the processor's)")
+        f"{len(spec.patches)} image(s), {p:,} patches x {vision.patch_values} values x 4 B (fp32, the processor's)")
     add("token_rows", 4 * rows * 8, "batch", f"ids, mask, labels, token types: {spec.micro_batch} x {spec.seq_len} x "
         "8 B each")
 
@@ -204,3 +205,104 @@ def _vision_forward(vision: VisionShape, spec: VLMSpec, dt: int, add) -> None:
         f"frozen tower, one block at a time: {p:,} patches x {h} wide, residual + rotary; max(attention "
         f"{(attention + scores) / MIB:.1f} MiB ({kind} attention, largest chunk {chunk} patches), MLP "
         f"{mlp / MIB:.1f} MiB); merged output {p // vision.merge**2:,} tokens x {vision.out_hidden}")
+
+
+# --- the fit: the largest resolution, then the fastest micro-batch and checkpointing --------------------------------
+
+# What a resolution gives one micro-batch: (max_pixels, micro_batch) -> (tokens of its longest conversation, the
+# patches of each of its images, the most loss-bearing tokens of a conversation). The caller derives it from the data
+# (or an assumed image) and the processor.
+Sizes = Callable[[int, int], tuple[int, tuple[int, ...], int]]
+
+
+def sized(base: VLMSpec, sizes: Sizes, max_pixels: int, micro_batch: int, checkpointing: bool) -> VLMSpec:
+    seq, patches, loss = sizes(max_pixels, micro_batch)
+    return replace(base, micro_batch=micro_batch, seq_len=seq, patches=patches, checkpointing=checkpointing,
+                   loss_fraction=min(1.0, loss / max(1, seq - 1)))
+
+
+@dataclass
+class VLMFit:
+    max_pixels: int
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    seq_len: int  # tokens of the longest conversation at max_pixels
+    image_tokens: int  # of the micro-batch's images at max_pixels
+    predicted_peak_bytes: int
+    total_bytes: int
+    budget_bytes: int
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The pixel limits a fit may choose from: ``max_pixels`` is the most asked for (the config's, or the processor's
+    own), lowered in steps of one token's pixels (``VisionShape.factor`` squared), never below ``min_pixels``."""
+
+    max_pixels: int
+    min_pixels: int
+
+
+def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, limits: Resolution,
+            budget: tuple[int, str], global_batch: int) -> VLMFit:
+    """The largest max_pixels at which some micro-batch (a divisor of ``global_batch``) with or without
+    checkpointing fits ``budget`` (bytes, where the figure came from; ``MARGIN`` kept free), then the fastest
+    setting at it. A resolution is worth more than speed: the micro-batch is chosen second."""
+    from rocktune.planner.fit import MARGIN
+
+    usable = int(budget[0] * (1 - MARGIN))
+    unit = vision.factor**2
+    micro = [d for d in range(1, max(1, global_batch) + 1) if global_batch % d == 0]
+
+    def candidates(n: int) -> list[Estimate]:
+        out = []
+        for m in micro:
+            for ckpt in (False, True):
+                out.append(estimate_vlm(text, vision, sized(base, sizes, n * unit, m, ckpt)))
+        return out
+
+    def fits(n: int) -> list[Estimate]:
+        return [e for e in candidates(n) if e.total_bytes <= usable]
+
+    hi, lo = limits.max_pixels // unit, max(1, -(-limits.min_pixels // unit))
+    if hi < lo:
+        raise UserError(f"data.max_pixels={limits.max_pixels} is below min_pixels={limits.min_pixels} (one token is "
+                        f"{vision.factor}x{vision.factor} pixels); raise data.max_pixels.")
+    if not fits(lo):
+        smallest = min(candidates(lo), key=lambda e: e.total_bytes)
+        raise UserError(f"{text.name} does not fit in {_gib(budget[0])} ({budget[1]}) even at max_pixels={lo * unit} "
+                        f"(the lowest above min_pixels={limits.min_pixels}) with micro-batch 1 and checkpointing: it "
+                        f"needs {_gib(smallest.total_bytes)}, so a budget of at least "
+                        f"{_gib(smallest.total_bytes / (1 - MARGIN))} would work. Lower data.min_pixels or "
+                        "data.max_length, or use a smaller model.")
+    best = hi if fits(hi) else _largest(lo, hi, lambda n: bool(fits(n)))
+    from rocktune.planner.fit import throughput
+
+    chosen = max(fits(best), key=throughput)
+    s, vs = chosen.spec, chosen.vspec
+    why = (f"data.max_pixels={best * unit} (at most {best} tokens per image, {best} x {vision.factor}x{vision.factor} "
+           f"pixels), micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}: the longest "
+           f"conversation {s.seq_len} tokens, {vs.image_tokens // vision.merge**2} image tokens in the micro-batch; "
+           f"needs {_gib(chosen.total_bytes)} of {_gib(budget[0])} ({budget[1]}, {MARGIN:.0%} kept free)")
+    reasons = [f"chosen: {why}"]
+    if best < hi:
+        over = min(candidates(best + 1), key=lambda e: e.total_bytes)
+        reasons.append(f"max_pixels={(best + 1) * unit} (one token more per image) does not fit with any micro-batch "
+                       f"or checkpointing: the smallest needs {over.total_bytes / 2**20:,.1f} MiB > {usable / 2**20:,.1f} MiB usable")
+    else:
+        reasons.append(f"the asked max_pixels={limits.max_pixels} fits: the resolution is kept")
+    return VLMFit(best * unit, s.micro_batch, global_batch // s.micro_batch, s.checkpointing, s.seq_len,
+                  vs.image_tokens // vision.merge**2, chosen.peak_allocated, chosen.total_bytes, budget[0], reasons)
+
+
+def _largest(lo: int, hi: int, ok) -> int:
+    """The largest n in [lo, hi] with ok(n), given ok(lo) and that ok holds below any n where it holds."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
