@@ -23,6 +23,6 @@ def refuse(cfg: RunConfig, options: RunOptions) -> None:
     if cfg.lora.vision != "none" and cfg.lora.target_modules != "all-linear":
         raise UserError(f"lora.vision={cfg.lora.vision} chooses the vision side with lora.target_modules: all-linear; "
                         "with a list of target modules, name the vision modules in the list instead.")
-    if options.auto_fit:
-        raise UserError("--auto fits supervised text runs; for task=vlm set training.micro_batch_size and "
-                        "data.max_pixels yourself (docs/vision.md).")
+    if options.auto_fit and cfg.lora.vision != "none":
+        raise UserError(f"--auto plans the vision tower frozen; with lora.vision={cfg.lora.vision} set data.max_pixels "
+                        "and training.micro_batch_size yourself, or drop --auto.")
