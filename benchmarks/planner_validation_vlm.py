@@ -4,9 +4,10 @@
     python benchmarks/planner_validation_vlm.py --markdown # the same as a table
 
 One real step of a random-init tiny Qwen2.5-VL (``rocktune.demo.tiny_vlm``: 2 text layers, 2 vision blocks, the
-first with full attention, the second with window attention; a narrow and a wide tower) per grid point, built and trained as task=vlm builds
-and trains it (``tasks/vlm/build.py``'s LoRA on the language model, the vision side frozen; ``VisionLoss``; AdamW),
-on conversations encoded by the data code (``data/vision.py``) from PNG images of the given size. Three figures:
+first with full attention, the second with window attention; a narrow and a wide tower) per grid point, built and
+trained as task=vlm builds and trains it (``tasks/vlm/build.py``'s LoRA on the language model, the vision side
+frozen; ``VisionLoss``; AdamW), on conversations encoded by the data code (``data/vision.py``) from PNG images of the
+given size. Three figures:
 
 - saved for backward: ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded
   (as ``planner_validation.py``), against the plan's saved terms;
@@ -200,10 +201,11 @@ def run_grid(points=GRID) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | image | b | precision | ckpt | patches | tokens | saved measured | predicted | error "
-             "| peak measured | predicted | error | peak set by |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak measured | predicted | error | peak set by |", "|---" * 14 + "|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['size']} | {r['batch']} | {r['precision']} | {'on' if r['checkpointing'] else 'off'} "
-                     f"| {r['patches']} | {r['seq']} | {r['saved_measured']:,} | {r['saved_predicted']:,} "
+        lines.append(f"| {r['model']} | {r['size']} | {r['batch']} | {r['precision']} "
+                     f"| {'on' if r['checkpointing'] else 'off'} | {r['patches']} | {r['seq']} "
+                     f"| {r['saved_measured']:,} | {r['saved_predicted']:,} "
                      f"| {r['saved_error']:+.1%} | {r['peak_measured']:,} | {r['peak_predicted']:,} "
                      f"| {r['peak_error']:+.1%} | {r['peak_phase']} |")
     return "\n".join(lines)

@@ -167,7 +167,7 @@ def test_a_tiny_qwen25_vl_learns_the_colour_of_a_shape(vlm_dirs, colours, tmp_pa
     ({"data": {"packing": True}}, RunOptions(), r"data.packing=True: only for task=lm"),
     ({"model": {"quantization": "nf4"}}, RunOptions(), r"model.quantization=nf4: only for task=lm"),
     ({"lora": {"vision": "projector"}}, RunOptions(processes=2), r"lora.vision=projector trains in one process"),
-    ({"lora": {"vision": "all"}}, RunOptions(auto_fit=True), r"--auto plans the vision tower frozen; with lora.vision=all"),
+    ({"lora": {"vision": "all"}}, RunOptions(auto_fit=True), r"--auto plans the vision tower frozen; with lora.vision"),
 ])
 def test_what_vlm_cannot_do_is_refused_before_launch(tmp_path, change, options, message):
     cfg = vlm_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")

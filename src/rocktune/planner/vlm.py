@@ -163,7 +163,7 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
             continue
         if t.name == "final_norm_rope" and spec.micro_batch > 1:  # 3-D positions: cos/sin per row, not shared
             extra = (spec.micro_batch - 1) * 2 * spec.seq_len * text.head_dim * dt
-            t = Term(t.name, t.bytes + extra, t.phase, t.inputs + f" (one per row: Qwen's 3-D positions)")
+            t = Term(t.name, t.bytes + extra, t.phase, t.inputs + " (one per row: Qwen's 3-D positions)")
         if t.name == "base_weights":
             t = Term(t.name, vision.n_params * dt, "static", f"{vision.n_params:,} params (language model "
                      f"{text.n_params:,}, vision tower and projector {vision.n_params - text.n_params:,}) x {dt} B")
@@ -289,7 +289,8 @@ def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, 
     if best < hi:
         over = min(candidates(best + 1), key=lambda e: e.total_bytes)
         reasons.append(f"max_pixels={(best + 1) * unit} (one token more per image) does not fit with any micro-batch "
-                       f"or checkpointing: the smallest needs {over.total_bytes / 2**20:,.1f} MiB > {usable / 2**20:,.1f} MiB usable")
+                       f"or checkpointing: the smallest needs {over.total_bytes / 2**20:,.1f} MiB > "
+                       f"{usable / 2**20:,.1f} MiB usable")
     else:
         reasons.append(f"the asked max_pixels={limits.max_pixels} fits: the resolution is kept")
     return VLMFit(best * unit, s.micro_batch, global_batch // s.micro_batch, s.checkpointing, s.seq_len,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from rocktune.model import apply_lora
-from rocktune.vision_model import VISION_PREFIX, in_vision, language_targets, load_vlm, patch_embed_as_linear, vision_part
+from rocktune.vision_model import (VISION_PREFIX, in_vision, language_targets, load_vlm, patch_embed_as_linear,
+                                   vision_part)
 
 
 PATCH_RULE = "rocm-conv3d-patch-embed"  # platform/knowledge.yaml

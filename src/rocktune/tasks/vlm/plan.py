@@ -44,8 +44,9 @@ def assumed(text_tokens: int, image: tuple[int, int], images: int) -> list[Conve
 
 class DataSizes:
     """``(max_pixels, micro_batch) -> (tokens of the longest conversation, patches of each image of the heaviest
-    micro-batch, the most loss-bearing tokens of a conversation)``: the ``Sizes`` the planner's fit asks for. The heaviest micro-batch is taken whole: the
-    ``micro_batch`` conversations with the most patches, at the longest conversation's length (rows are padded)."""
+    micro-batch, the most loss-bearing tokens of a conversation)``: the ``Sizes`` the planner's fit asks for. The
+    heaviest micro-batch is taken whole: the ``micro_batch`` conversations with the most patches, at the longest
+    conversation's length (rows are padded)."""
 
     def __init__(self, conversations: list[Conversation], vision: VisionTokens, max_length: int, min_pixels: int):
         if not conversations:
