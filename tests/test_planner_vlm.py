@@ -3,7 +3,8 @@ forward, the fit of data.max_pixels (plan and train --auto), and the plan agains
 three image sizes: saved-for-backward bytes within 5% (the planner's CPU tolerance), the training state exact and the
 step's CPU peak (the allocator's own events) within 10% (its tolerance for a measured peak).
 
-The grid (10 points: two vision-tower widths, checkpointing, bf16) is ``benchmarks/planner_validation_vlm.py``;
+The grid (16 points: two Qwen2.5-VL tower widths, checkpointing, bf16, Qwen3-VL, Qwen2-VL) is
+``benchmarks/planner_validation_vlm.py``;
 the default suite runs the three image sizes on the wide tower, whose forward sets the peak at the larger two.
 """
 
@@ -44,8 +45,10 @@ def _plan(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("point", [("wide-vision", w, h, 2, "fp32", False) for w, h in pvv.SIZES],
-                         ids=lambda p: f"{p[1]}x{p[2]}")
+DEFAULT = [("wide-vision", w, h, 2, "fp32", False) for w, h in pvv.SIZES]
+
+
+@pytest.mark.parametrize("point", DEFAULT, ids=lambda p: f"{p[1]}x{p[2]}")
 def test_the_plan_holds_against_a_real_step_at_three_image_sizes(models, point):
     row = pvv.run_point(models, *point)
     assert abs(row["saved_error"]) < 0.05, row
@@ -54,10 +57,9 @@ def test_the_plan_holds_against_a_real_step_at_three_image_sizes(models, point):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("point", [p for p in pvv.GRID if p[0] == "tiny" or p[4] != "fp32" or p[5]],
-                         ids=lambda p: "-".join(map(str, p)))
+@pytest.mark.parametrize("point", [p for p in pvv.GRID if p not in DEFAULT], ids=lambda p: "-".join(map(str, p)))
 def test_the_plan_holds_on_the_rest_of_the_grid(models, point):
-    """The narrow tower (the language model's backward sets the peak), checkpointing and bf16."""
+    """The narrow tower (the language model's backward sets the peak), checkpointing, bf16, Qwen3-VL and Qwen2-VL."""
     row = pvv.run_point(models, *point)
     assert abs(row["saved_error"]) < 0.05, row
     assert row["state_exact"], row
