@@ -151,3 +151,21 @@ def test_train_auto_lowers_max_pixels_to_the_budget(tiny, tmp_path):
     assert picked < 448 * 448 and picked % 784 == 0
     assert f"max_pixels: {picked}" in (tmp_path / "run" / "config.yaml").read_text()
     assert info["predicted_peak_bytes"] > 0
+
+
+def test_checkpointing_leaves_the_frozen_tower_out_of_backward(tiny):
+    """transformers hooks every input embedding to require a gradient under checkpointing; the vision tower's hook is
+    removed (its backward would serve nothing), the language model's stays."""
+    import torch
+
+    from rocktune.config import LoraConfig, ModelConfig
+    from rocktune.tasks.vlm.build import model_with_adapter
+
+    model, _ = model_with_adapter(ModelConfig(name_or_path=str(tiny), gradient_checkpointing=True),
+                                  LoraConfig(r=8, alpha=16), "fp32", "sdpa", "cpu")
+    inner = model.get_base_model().model
+    assert not inner.visual.patch_embed._forward_hooks
+    assert inner.language_model.embed_tokens._forward_hooks
+    pixels = torch.randn(16, 3 * 2 * 14 * 14)
+    out = inner.visual(pixels, grid_thw=torch.tensor([[1, 4, 4]])).pooler_output
+    assert not out.requires_grad

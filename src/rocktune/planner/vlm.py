@@ -137,7 +137,7 @@ class VLMSpec:
     loss_chunk: int = 256
 
     @property
-    def image_tokens(self) -> int:
+    def total_patches(self) -> int:
         return sum(self.patches)
 
 
@@ -182,7 +182,7 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
 
 
 def _batch(vision: VisionShape, spec: VLMSpec, add) -> None:
-    p, rows = spec.image_tokens, spec.micro_batch * spec.seq_len
+    p, rows = spec.total_patches, spec.micro_batch * spec.seq_len
     add("pixel_values", p * vision.patch_values * 4, "batch",
         f"{len(spec.patches)} image(s), {p:,} patches x {vision.patch_values} values x 4 B (fp32, the processor's)")
     add("token_rows", 4 * rows * 8, "batch", f"ids, mask, labels, token types: {spec.micro_batch} x {spec.seq_len} x "
@@ -190,7 +190,7 @@ def _batch(vision: VisionShape, spec: VLMSpec, add) -> None:
 
 
 def _vision_forward(vision: VisionShape, spec: VLMSpec, dt: int, add) -> None:
-    p, h, i, hd = spec.image_tokens, vision.hidden, vision.intermediate, vision.head_dim
+    p, h, i, hd = spec.total_patches, vision.hidden, vision.intermediate, vision.head_dim
     if not p:
         return
     cast = p * vision.patch_values * dt if dt != 4 else 0  # the pixels cast to the tower's dtype
@@ -283,7 +283,7 @@ def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, 
     s, vs = chosen.spec, chosen.vspec
     why = (f"data.max_pixels={best * unit} (at most {best} tokens per image, {best} x {vision.factor}x{vision.factor} "
            f"pixels), micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}: the longest "
-           f"conversation {s.seq_len} tokens, {vs.image_tokens // vision.merge**2} image tokens in the micro-batch; "
+           f"conversation {s.seq_len} tokens, {vs.total_patches // vision.merge**2} image tokens in the micro-batch; "
            f"needs {_gib(chosen.total_bytes)} of {_gib(budget[0])} ({budget[1]}, {MARGIN:.0%} kept free)")
     reasons = [f"chosen: {why}"]
     if best < hi:
@@ -294,7 +294,7 @@ def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, 
     else:
         reasons.append(f"the asked max_pixels={limits.max_pixels} fits: the resolution is kept")
     return VLMFit(best * unit, s.micro_batch, global_batch // s.micro_batch, s.checkpointing, s.seq_len,
-                  vs.image_tokens // vision.merge**2, chosen.peak_allocated, chosen.total_bytes, budget[0], reasons)
+                  vs.total_patches // vision.merge**2, chosen.peak_allocated, chosen.total_bytes, budget[0], reasons)
 
 
 def _largest(lo: int, hi: int, ok) -> int:
