@@ -169,3 +169,8 @@ def test_checkpointing_leaves_the_frozen_tower_out_of_backward(tiny):
     pixels = torch.randn(16, 3 * 2 * 14 * 14)
     out = inner.visual(pixels, grid_thw=torch.tensor([[1, 4, 4]])).pooler_output
     assert not out.requires_grad
+
+
+def test_a_vision_language_model_is_planned_as_one(tiny, capsys):
+    assert main(["plan", str(tiny), "--vram", "4GiB"]) == 2
+    assert "is a vision-language model (qwen2_5_vl_text); plan it with --task vlm" in capsys.readouterr().err

@@ -345,7 +345,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--task", choices=NAMES, default="lm",
-                   help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); or a Wan LoRA "
+                   help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); vlm: a vision-language "
+                        "model directory (its images: see the vlm options); or a Wan LoRA "
                         "(video-lora, image-lora): MODEL is then a diffusers Wan directory or hub id")
     p.add_argument("--completion-length", type=int, default=512,
                    help="grpo: most tokens a completion may have (grpo.max_completion_length; default 512); "
