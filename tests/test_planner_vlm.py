@@ -174,3 +174,9 @@ def test_checkpointing_leaves_the_frozen_tower_out_of_backward(tiny):
 def test_a_vision_language_model_is_planned_as_one(tiny, capsys):
     assert main(["plan", str(tiny), "--vram", "4GiB"]) == 2
     assert "is a vision-language model (qwen2_5_vl_text); plan it with --task vlm" in capsys.readouterr().err
+
+
+def test_images_longer_than_max_length_are_refused_as_training_refuses_them(tiny, capsys):
+    assert main(["plan", str(tiny), "--task", "vlm", "--image-size", "1024x768", "--max-pixels", "1003520",
+                 "--max-length", "512"]) == 2
+    assert "make 999 tokens at max_pixels=1003520, not fewer than --max-length=512" in capsys.readouterr().err

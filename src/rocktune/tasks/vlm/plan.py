@@ -76,6 +76,18 @@ class DataSizes:
             patches = rows[0][1] * micro_batch
         return max(n for n, _ in rows), patches, max(c.loss_tokens for c in self.conversations)
 
+    def check_length(self, max_pixels: int) -> None:
+        """An assumed conversation whose images alone reach max_length: training would refuse it (a cut through an
+        image's tokens), so the plan does too. (A data file's rows were encoded, and so checked, already.)"""
+        merge = self.vision.merge_size**2
+        for c in self.conversations:
+            image_tokens = sum(self._patches(w, h, max_pixels) for w, h in c.images) // merge
+            if image_tokens >= self.max_length:
+                raise UserError(f"{len(c.images)} image(s) of {c.images[0][0]}x{c.images[0][1]} make {image_tokens} "
+                                f"tokens at max_pixels={max_pixels}, not fewer than --max-length={self.max_length}: "
+                                "training would refuse the conversation (a cut through an image); raise --max-length "
+                                "or lower --max-pixels.")
+
     def describe(self, max_pixels: int) -> dict:
         rows = self.per_conversation(max_pixels)
         merge = self.vision.merge_size**2
@@ -149,6 +161,7 @@ def run_vlm_plan(req: PlanRequest, spec, global_batch: int) -> int:
     vision = vision_tokens(req.model, AutoConfig.from_pretrained(req.model), req.min_pixels, req.max_pixels)
     limits = Resolution(vision.image_processor.size["longest_edge"], vision.image_processor.size["shortest_edge"])
     sizes = DataSizes(conversations(req, vision), vision, req.max_length, limits.min_pixels)
+    sizes.check_length(limits.max_pixels)
     budget, kind, source = (parse_budget(req.vram), "gpu", "given") if req.vram else detect_budget()
     base = replace(spec, device=req.device or kind)
     asked = sized(base, sizes, limits.max_pixels, spec.micro_batch, spec.checkpointing)
