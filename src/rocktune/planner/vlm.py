@@ -46,7 +46,7 @@ class VisionShape:
     full_blocks: tuple[int, ...]  # blocks with full attention (Qwen2.5-VL); every block when window == 0
     in_channels: int = 3
     gated: bool = True  # Qwen2.5-VL's SwiGLU MLP (gate, up, down); Qwen2-VL's and Qwen3-VL's fc1 -> GELU -> fc2
-    n_params: int = 0  # the whole model's parameters (language model, vision tower, projector), counted
+    model_params: int = 0  # the whole model's parameters (language model, vision tower, projector), counted
 
     @property
     def head_dim(self) -> int:
@@ -102,7 +102,7 @@ def load_vlm_shape(model: str) -> tuple[ModelShape, VisionShape]:
         raise UserError(f"{model}: task=vlm plans from a model directory (or its config.json); no file {path}.")
     config = read_config(path)
     vision = vision_shape(config, str(path))
-    return shape_from_config(config, str(path)), replace(vision, n_params=_count_params(str(path.parent)))
+    return shape_from_config(config, str(path)), replace(vision, model_params=_count_params(str(path.parent)))
 
 
 @cache
@@ -112,6 +112,7 @@ def _count_params(model_dir: str) -> int:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
+    # (vision_model.FAMILIES says the same; the planner does not import the model layer, which imports the data's)
     cls = getattr(transformers, {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                  "qwen3_vl": "Qwen3VLForConditionalGeneration",
                                  "qwen2_vl": "Qwen2VLForConditionalGeneration"}[config.model_type])
@@ -165,8 +166,8 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
             extra = (spec.micro_batch - 1) * 2 * spec.seq_len * text.head_dim * dt
             t = Term(t.name, t.bytes + extra, t.phase, t.inputs + " (one per row: Qwen's 3-D positions)")
         if t.name == "base_weights":
-            t = Term(t.name, vision.n_params * dt, "static", f"{vision.n_params:,} params (language model "
-                     f"{text.n_params:,}, vision tower and projector {vision.n_params - text.n_params:,}) x {dt} B")
+            t = Term(t.name, vision.model_params * dt, "static", f"{vision.model_params:,} params (language model "
+                     f"{text.n_params:,}, vision tower and projector {vision.model_params - text.n_params:,}) x {dt} B")
         est.terms.append(t)
 
     def add(name, n, phase, inputs):

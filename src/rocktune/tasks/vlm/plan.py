@@ -172,7 +172,7 @@ def run_vlm_plan(req: PlanRequest, spec, global_batch: int) -> int:
     except UserError as exc:
         fit = {"error": str(exc)}
     usable = int(budget * (1 - MARGIN))
-    doc = {"task": "vlm", "model": text.name, "n_params": vshape.n_params, "active_params": vshape.n_params,
+    doc = {"task": "vlm", "model": text.name, "n_params": vshape.model_params, "active_params": vshape.model_params,
            "images": sizes.describe(limits.max_pixels), "settings": asdict(asked), "terms": est.by_name(),
            "total_bytes": est.total_bytes, "peak_allocated_bytes": est.peak_allocated,
            "saved_activation_bytes": est.saved_bytes, "budget_bytes": budget, "budget_source": source,
