@@ -165,3 +165,9 @@ def test_packing_is_refused_with_transformers_4(monkeypatch, tmp_path):
     cfg = _packed_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
     with pytest.raises(UserError, match=r"data.packing with task=vlm needs transformers 5 .* Drop data.packing"):
         refuse_before_launch(config_from_dict(cfg), RunOptions())
+
+
+def test_auto_with_packing_is_refused(tmp_path):
+    cfg = _packed_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
+    with pytest.raises(UserError, match=r"--auto plans task=vlm's rows one conversation each; with data.packing"):
+        refuse_before_launch(config_from_dict(cfg), RunOptions(auto_fit=True))
