@@ -19,7 +19,7 @@ from tests.test_vlm_packing import _examples, _loss_and_grads, _model
 from tests.test_vlm_train import FAMILIES
 
 pytestmark = pytest.mark.skipif(transformers_major() < 5, reason="one attention per model part needs transformers 5")
-vlm_dirs = packing.vlm_dirs  # the tiny models, built once per family for this module
+vlm_dirs, colours = packing.vlm_dirs, packing.colours  # fixtures: the tiny models (once per family), the colour task
 ROWS = [[0, 4, 1], [3, 2]]  # examples/vision/chat.jsonl's conversations and one without an image, in two rows
 
 
@@ -105,6 +105,39 @@ def test_padded_rows_on_the_varlen_model_take_causal_sdpa(vlm_dirs):
     spy, calls = _spy()
     _assert_same(_loss_and_grads(_varlen_twin(sdpa, vlm_dirs(), spy), one_per_row, varlen=True), want)
     assert calls == []
+
+
+def test_a_packed_run_picks_varlen_on_a_gpu_and_trains_as_sdpa_does(vlm_dirs, colours, tmp_path, monkeypatch):
+    """The real train(): auto's choice made as on a GPU (device name fed in, the stand-in kernel for torch's, its
+    self-test run on the CPU), the packed feed, the loss on varlen; evaluation and the samples on the same model
+    (unpacked: causal SDPA). The same losses, eval losses and samples as a packed run on SDPA."""
+    import json
+
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from rocktune.tasks.vlm import task as vlm_task
+    from tests.test_vlm_train import _metrics
+
+    def as_on_a_gpu(setting, advised, device, feeding, dtype):
+        monkeypatch.setattr(A, "varlen_kernel", lambda: A.reference_varlen)
+        return A.choose(setting, advised, "cuda", feeding, dtype, test=lambda d, dt: A.self_test("cpu", dt))
+
+    runs = {}
+    for attn in ("sdpa", "auto"):
+        if attn == "auto":
+            monkeypatch.setattr(vlm_task, "choose", as_on_a_gpu)
+        cfg = packing._packed_config(vlm_dirs(), colours, tmp_path / attn, max_steps=4, eval_every=2, sample_count=1)
+        cfg["model"]["attn_implementation"] = attn
+        train(config_from_dict(cfg), quiet=True)
+        keys = ("step", "loss", "eval_loss", "images")
+        runs[attn] = [{k: r[k] for k in keys if k in r} for r in _metrics(tmp_path / attn)]
+    assert len([r for r in runs["auto"] if "loss" in r]) == 4 and any("eval_loss" in r for r in runs["auto"])
+    for got, want in zip(runs["auto"], runs["sdpa"], strict=True):
+        assert got == {k: pytest.approx(v, rel=1e-5) for k, v in want.items()}
+    samples = [(tmp_path / a / "samples.jsonl").read_text() for a in ("auto", "sdpa")]
+    assert samples[0] == samples[1]
+    notes = json.loads((tmp_path / "auto" / "run_info.json").read_text())["notes"]
+    assert any(n.startswith("attention: varlen_attn over the collate's document bounds (self-test: ") for n in notes)
 
 
 def test_document_bounds_restart_at_every_zero():
