@@ -46,7 +46,7 @@ class ModelConfig(_Section):
         "auto", description="Attention kernel; auto: varlen on a GPU over packed rows when its self-test passes, "
         "else flex attention (compile on), else the platform advice (sdpa). task=vlm: auto, varlen or sdpa, for the "
         "language model (the vision tower keeps sdpa).",
-        json_schema_extra=only("lm", "vlm")
+        json_schema_extra=only("lm", "vlm", harmless=("sdpa",))
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     liger: Literal["auto", "on", "off"] = Field(
