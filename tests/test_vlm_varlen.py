@@ -34,10 +34,10 @@ def _spy():
     return spy, calls
 
 
-def _varlen_twin(sdpa_model, vlm_dir, kernel=A.reference_varlen):
+def _varlen_twin(sdpa_model, vlm_dir, kernel=A.reference_varlen, checkpointing: bool = False):
     """The same weights and adapter, the language model loaded with the varlen attention (``kernel`` registered)."""
     A.register(kernel)
-    varlen = _model(vlm_dir, attn=A.VARLEN)
+    varlen = _model(vlm_dir, attn=A.VARLEN, checkpointing=checkpointing)
     varlen.load_state_dict(sdpa_model.state_dict())
     return varlen
 
@@ -77,6 +77,17 @@ def test_packed_rows_on_varlen_equal_sdpa_and_one_per_row(vlm_dirs, family):
     lengths = [[len(examples[i].input_ids) for i in row] for row in ROWS]
     assert len(calls) == varlen.config.text_config.num_hidden_layers
     assert all(c == (cu_seq_lens(lengths, width).tolist(), max(max(n) for n in lengths)) for c in calls)
+
+
+def test_the_bounds_reach_layers_recomputed_by_gradient_checkpointing(vlm_dirs):
+    """model.gradient_checkpointing: every layer runs again in backward, with the same bounds."""
+    _, _, packed = _batches(vlm_dirs())
+    sdpa = _model(vlm_dirs())
+    want = _loss_and_grads(sdpa, packed)
+    spy, calls = _spy()
+    varlen = _varlen_twin(sdpa, vlm_dirs(), spy, checkpointing=True)
+    _assert_same(_loss_and_grads(varlen, packed, varlen=True), want)
+    assert len(calls) == 2 * varlen.config.text_config.num_hidden_layers and len({str(c) for c in calls}) == 1
 
 
 def test_bounds_of_whole_rows_let_conversations_see_each_other(vlm_dirs, monkeypatch):
