@@ -173,3 +173,22 @@ def test_other_attention_settings_are_refused_for_vlm(attn, tmp_path):
     cfg["model"]["attn_implementation"] = attn
     with pytest.raises(UserError, match=rf"model.attn_implementation={attn} is not supported for task=vlm: use auto"):
         refuse_before_launch(config_from_dict(cfg), RunOptions())
+
+
+def test_varlen_is_refused_with_transformers_4(monkeypatch, tmp_path):
+    """One attention per model part (the vision tower's SDPA kept) needs transformers 5."""
+    from pathlib import Path
+
+    from rocktune.config import config_from_dict
+    from rocktune.errors import UserError
+    from rocktune.tasks import refuse_before_launch
+    from rocktune.tasks.vlm import launch
+    from rocktune.train.request import RunOptions
+    from tests.test_vlm_train import vlm_config
+
+    monkeypatch.setattr(launch, "transformers_major", lambda: 4)
+    cfg = vlm_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
+    cfg["model"]["attn_implementation"] = "varlen"
+    with pytest.raises(UserError, match=r"model.attn_implementation=varlen with task=vlm needs transformers 5 .* "
+                                        r"use auto or sdpa"):
+        refuse_before_launch(config_from_dict(cfg), RunOptions())
