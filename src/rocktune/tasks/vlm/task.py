@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rocktune.attention import VARLEN, choose
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources, vision_cache
 from rocktune.data.dataset import Pending
@@ -26,6 +27,7 @@ from rocktune.data.vision_batch import collate, idle_batch
 from rocktune.data.vision_pack import collate_packed
 from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
+from rocktune.model import DTYPES
 from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import autofit as vlm_autofit
 from rocktune.tasks.vlm import build, launch
@@ -64,7 +66,7 @@ class VLMTask:
         self.predicted_peak: int | None = None  # --auto: the planner's figure
 
     def attn_setting(self) -> str:
-        return "sdpa"  # model.attn_implementation is an LM setting (refused unless sdpa)
+        return self.cfg.model.attn_implementation  # auto, varlen or sdpa (launch.refuse): the language model's
 
     def refuse(self, options: RunOptions) -> None:
         refuse_inapplicable(self.cfg)
@@ -130,9 +132,10 @@ class VLMTask:
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
         fingerprint = _fingerprint(train)
         distributed.same_run(dist, fingerprint)
-        model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device, ctx.platform)
-        ctx.notes += notes
-        loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
+        attn, attn_note = choose(m.attn_implementation, ctx.attn, device, (d.packing, False), DTYPES[ctx.precision])
+        model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn, device, ctx.platform)
+        ctx.notes += [n for n in (attn_note,) if n] + notes
+        loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device), attn == VARLEN)
         wrapped = distributed.wrap(loss, dist, device, distributed.strategy(dist, "ddp", "none"), ctx.notes)
         self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision, tokenizer)
         lengths = [len(e.input_ids) for e in train]
