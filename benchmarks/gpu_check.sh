@@ -184,11 +184,13 @@ case "$PART" in
     # the tasks beyond the LM's SFT on the device (issue 44's GPU rows, issue 45's first GPU run). GRPO beside TRL's
     # GRPOTrainer without vLLM, same tiny model and settings: TRL comes as a wheel (prepare.sh
     # trl==1.16.0); where it or datasets does not import, the stage says so. The VL task: the tiny
-    # Qwen2.5-VL's colour task in bf16, eval loss and held-out accuracy beside the speed.
+    # Qwen2.5-VL's colour task in bf16, eval loss and held-out accuracy beside the speed, padded and packed.
     if $PY -c "import trl, datasets" > /dev/null 2>&1; then
       plain grpo-vs-trl 300 grpo-vs-trl.json $PY benchmarks/grpo_vs_trl.py --device $DEVICE $GRPO
     else say "grpo-vs-trl: skipped (trl or datasets does not import: bring their wheels, prepare.sh)"; fi
-    plain vlm-learns 150 vlm-learns.json $PY benchmarks/vlm_learns.py --device $DEVICE $VLM
+    plain vlm-learns 120 vlm-learns.json $PY benchmarks/vlm_learns.py --device $DEVICE $VLM
+    # packed rows: on the GPU, auto takes the varlen kernel for the language model where its self-test passes
+    plain vlm-packed 120 vlm-packed.json $PY benchmarks/vlm_learns.py --device $DEVICE $VLM --packing
     ;;
   tests)
     tests gpu-slow 450 $PY -m pytest -q -p no:cacheprovider $COLLECT -m gpu tests/test_gpu_train.py \

@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--family", default="qwen2_5_vl", choices=("qwen2_5_vl", "qwen3_vl", "qwen2_vl"))
+    p.add_argument("--packing", action="store_true", help="data.packing: 2 rows of 240 tokens a step (on a GPU, "
+                   "model.attn_implementation auto takes the varlen kernel where its self-test passes)")
     a = p.parse_args()
 
     from rocktune.config import config_from_dict
@@ -55,9 +57,11 @@ def main() -> None:
         model = build_tiny_vlm(work / "model", family=a.family)
         train_file, eval_file = write_colour_task(work / "data", n_train=256, n_eval=32, seed=0)
         run = work / "run"
+        batch = {"micro_batch_size": 2} if a.packing else {"micro_batch_size": 8}
         cfg = {"task": "vlm", "model": {"name_or_path": str(model)}, "lora": {"r": 16, "alpha": 32},
-               "data": {"train_file": str(train_file), "eval_file": str(eval_file), "max_length": 64},
-               "training": {"max_steps": a.steps, "micro_batch_size": 8, "grad_accum": 1, "lr": 5e-3,
+               "data": {"train_file": str(train_file), "eval_file": str(eval_file),
+                        **({"packing": True, "max_length": 240} if a.packing else {"max_length": 64})},
+               "training": {"max_steps": a.steps, **batch, "grad_accum": 1, "lr": 5e-3,
                             "warmup_steps": 5, "eval_every": 0, "precision": a.precision, "device": a.device,
                             "seed": 0},
                "reliability": {"save_every": 0, "min_free_disk_mb": 0}, "output": {"dir": str(run)}}
@@ -70,7 +74,9 @@ def main() -> None:
         steps = [r for r in rows if "loss" in r and "step" in r]
         tps = [r["useful_tokens_per_s"] for r in steps[len(steps) // 2:] if r.get("useful_tokens_per_s")]
         acc = accuracy(run, eval_file, a.device)
+        notes = json.loads((run / "run_info.json").read_text()).get("notes", [])
     print(json.dumps({"device": a.device, "precision": a.precision, "family": a.family, "steps": a.steps,
+                      "packing": a.packing, "attention_notes": [n for n in notes if "attention" in n.lower()],
                       "eval_loss_first": evals[0] if evals else None, "eval_loss_last": evals[-1] if evals else None,
                       "held_out_accuracy": acc, "chance": 0.25, "train_s": round(seconds, 1),
                       "useful_tokens_per_s_median_second_half": sorted(tps)[len(tps) // 2] if tps else None,

@@ -300,14 +300,15 @@ def test_tasks_dry_runs_grpo_beside_trl_and_the_vision_language_task(tmp_path):
     proc = _dry_run("tasks", tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
-    assert [x.split(":", 1)[0] for x in lines] == ["grpo-vs-trl", "vlm-learns"], lines
+    assert [x.split(":", 1)[0] for x in lines] == ["grpo-vs-trl", "vlm-learns", "vlm-packed"], lines
     assert all(x.split(": ", 1)[1].startswith("ok") for x in lines), lines
     with tarfile.open(tmp_path / "out" / "gpu-check.tar.gz") as tar:
         # TRL's trainer prints its logs to stdout: the benchmarks' JSON is the last line
-        grpo, vlm = (json.loads(tar.extractfile(f"./{n}.json").read().splitlines()[-1]) for n in ("grpo-vs-trl",
-                                                                                                  "vlm-learns"))
+        grpo, vlm, packed = (json.loads(tar.extractfile(f"./{n}.json").read().splitlines()[-1])
+                             for n in ("grpo-vs-trl", "vlm-learns", "vlm-packed"))
     assert grpo["update_ratio"] > 0 and grpo["rollout_ratio"] > 0, grpo
     assert vlm["valid"] and vlm["eval_loss_last"] < vlm["eval_loss_first"], vlm
+    assert packed["valid"] and packed["packing"], packed
 
 
 def test_a_suite_shape_runs_alone_at_the_suites_workload_and_configs_can_be_cut(tmp_path):

@@ -60,6 +60,11 @@ def test_each_task_refuses_the_others_keys():
     assert inapplicable(_cfg("lm", diffusion={"frames": [5]}, preference={"beta": 0.3})) == {
         "video-lora, image-lora": ["diffusion.frames=[5]"], "dpo, orpo": ["preference.beta=0.3"]}
     assert inapplicable(_cfg("dpo", data={"train_file": "t", "packing": True})) == {"lm, vlm": ["data.packing=True"]}
+    # the attention is the language model's for vlm too (auto, varlen, sdpa); sdpa stays harmless for Wan
+    assert inapplicable(_cfg("vlm", model={"attn_implementation": "varlen"})) == {}
+    assert inapplicable(_cfg("image-lora", model={"name_or_path": "w", "attn_implementation": "sdpa"})) == {}
+    assert inapplicable(_cfg("image-lora", model={"name_or_path": "w", "attn_implementation": "varlen"})) == {
+        "lm, dpo, orpo, grpo, vlm": ["model.attn_implementation=varlen"]}
     assert inapplicable(_cfg("orpo", preference={"label_smoothing": 0.1})) == {
         "dpo": ["preference.label_smoothing=0.1"]}
     assert inapplicable(_cfg("dpo", preference={"loss_type": "ipo", "beta": 0.5})) == {}

@@ -63,14 +63,16 @@ def _examples(vlm_dir: Path):
     return examples, tok, vision
 
 
-def _model(vlm_dir: Path):
+def _model(vlm_dir: Path, attn: str = "sdpa", checkpointing: bool = False):
     import torch
 
     from rocktune.model import apply_lora
     from rocktune.vision_model import language_targets, load_vlm
 
-    base = load_vlm(str(vlm_dir), "fp32", "sdpa", "cpu")
-    model = apply_lora(base, 8, 16, 0.0, language_targets(base), False)
+    base = load_vlm(str(vlm_dir), "fp32", attn, "cpu")
+    model = apply_lora(base, 8, 16, 0.0, language_targets(base), checkpointing)
+    if checkpointing:
+        model.train()  # transformers recomputes layers in training mode only
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -78,11 +80,11 @@ def _model(vlm_dir: Path):
     return model
 
 
-def _loss_and_grads(model, batch):
+def _loss_and_grads(model, batch, varlen: bool = False):
     from rocktune.tasks.vlm.loss import VisionLoss
 
     model.zero_grad()
-    loss, count = VisionLoss(model, chunk_size=7).sum_and_count(batch)
+    loss, count = VisionLoss(model, chunk_size=7, varlen=varlen).sum_and_count(batch)
     loss.backward()
     return loss.item(), count, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -165,3 +167,9 @@ def test_packing_is_refused_with_transformers_4(monkeypatch, tmp_path):
     cfg = _packed_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
     with pytest.raises(UserError, match=r"data.packing with task=vlm needs transformers 5 .* Drop data.packing"):
         refuse_before_launch(config_from_dict(cfg), RunOptions())
+
+
+def test_auto_with_packing_is_refused(tmp_path):
+    cfg = _packed_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
+    with pytest.raises(UserError, match=r"--auto plans task=vlm's rows one conversation each; with data.packing"):
+        refuse_before_launch(config_from_dict(cfg), RunOptions(auto_fit=True))

@@ -176,7 +176,7 @@ def learns_the_colour(vlm_dir: Path, colours, tmp_path: Path, capsys, max_length
     ({"data": {"train_on_prompt": True}}, RunOptions(), r"data.train_on_prompt=True: only for task=lm"),
     ({"model": {"quantization": "nf4"}}, RunOptions(), r"model.quantization=nf4: only for task=lm"),
     ({"lora": {"vision": "projector"}}, RunOptions(processes=2), r"lora.vision=projector trains in one process"),
-    ({}, RunOptions(auto_fit=True), r"--auto fits supervised text runs"),
+    ({"lora": {"vision": "all"}}, RunOptions(auto_fit=True), r"--auto plans the vision tower frozen; with lora.vision"),
 ])
 def test_what_vlm_cannot_do_is_refused_before_launch(tmp_path, change, options, message):
     cfg = vlm_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run")
@@ -282,12 +282,6 @@ def test_data_preview_shows_each_image_its_tokens_and_where_they_sit(vlm_dir, ca
                                 "processed_size": [56, 56]}]
     assert "<|vision_start|><image 1: 4 tokens><|vision_end|>What colour is the shape?" in first["text"]
     assert first["text"].endswith("[red<|im_end|>\n]")
-
-
-def test_plan_says_it_cannot_plan_a_vision_run_yet(vlm_dir):
-    from rocktune.cli import main
-
-    assert main(["plan", str(vlm_dir), "--task", "vlm"]) == 2
 
 
 @pytest.mark.parametrize(("family", "vision", "note", "keys"), [

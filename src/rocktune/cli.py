@@ -345,7 +345,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--task", choices=NAMES, default="lm",
-                   help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); or a Wan LoRA "
+                   help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); vlm: a vision-language "
+                        "model directory (its images: see the vlm options); or a Wan LoRA "
                         "(video-lora, image-lora): MODEL is then a diffusers Wan directory or hub id")
     p.add_argument("--completion-length", type=int, default=512,
                    help="grpo: most tokens a completion may have (grpo.max_completion_length; default 512); "
@@ -356,15 +357,26 @@ def _add_plan(sub) -> None:
     p.add_argument("--frames", type=int, default=81, help="video-lora: frames per clip, 4k+1 (default 81)")
     p.add_argument("--text-tokens", type=int, default=512,
                    help="video-lora/image-lora: text positions per sample (default 512: what training and WanPipeline "
-                        "use; change it only to plan for another pipeline)")
+                        "use; change it only to plan for another pipeline); vlm without --data: tokens per "
+                        "conversation besides its images (default 512)")
+    g = p.add_argument_group("vlm (docs/vision.md): MODEL is a vision-language model directory")
+    g.add_argument("--data", help="the training data: each image's size and each conversation's tokens, read as "
+                   "training reads them (default: one assumed conversation, see --image-size)")
+    g.add_argument("--max-pixels", type=int, help="data.max_pixels (default: the model's preprocessor_config.json)")
+    g.add_argument("--min-pixels", type=int, help="data.min_pixels (default: the model's preprocessor_config.json)")
+    g.add_argument("--image-size", help="without --data: WIDTHxHEIGHT of each image as stored (default: a square of "
+                   "max_pixels)")
+    g.add_argument("--images", type=int, default=1, help="without --data: images per conversation (default 1)")
     p.set_defaults(func=_run_plan)
 
 
 def _run_plan(args) -> int:
+    vlm_only = [f"--{k.replace('_', '-')}" for k in ("data", "max_pixels", "min_pixels", "image_size")
+                if getattr(args, k) is not None]
+    if vlm_only and not TASKS[args.task].vision:
+        raise UserError(f"{', '.join(vlm_only)}: only for --task vlm (a vision-language model's images).")
     if TASKS[args.task].vision:
-        raise UserError(f"rocktune plan does not count image tokens or the vision tower's memory yet, so it cannot "
-                        f"plan task={args.task} (docs/vision.md); lower data.max_pixels and training.micro_batch_size "
-                        "if a run runs out of memory.")
+        return _run_vlm_plan(args)
     if TASKS[args.task].diffusion:
         from rocktune.planner.wan import WanSpec, parse_resolution, run_wan_plan
 
@@ -390,6 +402,24 @@ def _run_plan(args) -> int:
                    lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
                    parallel=args.parallel, compiled=args.compiled)
     return run_plan(args.model, args.vram, spec, args.global_batch, args.json, args.device)
+
+
+def _run_vlm_plan(args) -> int:
+    from rocktune.planner.estimate import DTYPE_BYTES as DTYPES
+    from rocktune.planner.vlm import VLMSpec
+    from rocktune.planner.wan import parse_resolution
+    from rocktune.tasks.vlm.plan import PlanRequest, run_vlm_plan
+
+    if args.precision not in DTYPES or min(args.batch, args.global_batch, args.lora_r, args.max_length - 1) < 1:
+        raise UserError(f"precision must be one of {', '.join(DTYPES)}; batch, global-batch and lora-r positive, "
+                        "max-length at least 2.")
+    size = parse_resolution(args.image_size) if args.image_size else None
+    req = PlanRequest(args.model, args.data, args.max_pixels, args.min_pixels, size, args.images, args.text_tokens,
+                      args.max_length, args.vram, args.device, args.json)
+    spec = VLMSpec(micro_batch=args.batch, lora_r=args.lora_r, precision=args.precision,
+                   checkpointing=args.checkpointing, attn="eager" if args.attn == "eager" else "sdpa",
+                   loss_chunk=args.loss_chunk)
+    return run_vlm_plan(req, spec, args.global_batch)
 
 
 # --- bench -----------------------------------------------------------------------------------------------------

@@ -44,8 +44,9 @@ class ModelConfig(_Section):
         json_schema_extra=only("lm"))
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "varlen", "flex_attention"] = Field(
         "auto", description="Attention kernel; auto: varlen on a GPU over packed rows when its self-test passes, "
-        "else flex attention (compile on), else the platform advice (sdpa).",
-        json_schema_extra=only("lm", harmless=("sdpa",))
+        "else flex attention (compile on), else the platform advice (sdpa). task=vlm: auto, varlen or sdpa, for the "
+        "language model (the vision tower keeps sdpa).",
+        json_schema_extra=only("lm", "vlm", harmless=("sdpa",))
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     liger: Literal["auto", "on", "off"] = Field(

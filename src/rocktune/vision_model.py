@@ -114,14 +114,25 @@ def load_vlm(name_or_path: str, precision: str, attn_implementation: str, device
     from transformers import AutoConfig
 
     model_type(name_or_path)
-    cls = model_class(AutoConfig.from_pretrained(name_or_path))
+    config = AutoConfig.from_pretrained(name_or_path)
+    cls = model_class(config)
     try:
-        model = cls.from_pretrained(name_or_path, dtype=DTYPES[precision], attn_implementation=attn_implementation)
+        model = cls.from_pretrained(name_or_path, dtype=DTYPES[precision],
+                                    attn_implementation=language_attention(config, attn_implementation))
     except (OSError, ValueError) as exc:
         raise UserError(f"could not load model {name_or_path}: {first_line(exc)} (offline? pass a local model "
                         "directory)") from None
     model.config.use_cache = False
     return model.to(device)
+
+
+def language_attention(config, attn_implementation: str) -> str | dict[str, str]:
+    """``attn_implementation`` for the language model only, SDPA for every other part (the vision tower: varlen
+    attention is rocktune's for packed text rows, and the tower's attention has its own per-image bounds).
+    transformers 5 takes one implementation per sub-config."""
+    if attn_implementation == "sdpa":
+        return attn_implementation
+    return {name: attn_implementation if name == "text_config" else "sdpa" for name in config.sub_configs}
 
 
 def language_targets(model, vision: str = "none") -> str:

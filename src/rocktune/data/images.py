@@ -72,6 +72,17 @@ def check(ref: ImageRef, loc: str) -> tuple[int, int]:
     return image.size
 
 
+def size(ref: ImageRef, loc: str) -> tuple[int, int]:
+    """(width, height) from the image's header, nothing decoded (the planner's question; training reads it whole)."""
+    from PIL import UnidentifiedImageError
+
+    try:
+        with _open(ref) as image:
+            return image.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise UserError(f"{loc}: the image {ref.describe()} cannot be read ({type(exc).__name__}: {exc}).") from None
+
+
 def load(ref: ImageRef, loc: str, verify: bool = False):
     """The image as an RGB Pillow image. ``verify``: Pillow's structural check first (a truncated or corrupt file
     that would otherwise decode into garbage)."""

@@ -96,9 +96,11 @@ class Estimate(TermSums):
 
     @property
     def peak_allocated(self) -> int:
-        """The update's peak, or the rollout's (GRPO), whichever is larger: the KV cache is freed before the
-        update's forward starts."""
-        return self.phase("static") + max(self.saved_bytes + self.peak_transient_bytes, self.phase("rollout"))
+        """The update's peak, or the rollout's (GRPO), or the frozen vision tower's forward (task=vlm), whichever is
+        larger: the KV cache is freed before the update's forward starts, and the vision tower runs (saving nothing)
+        before the language model does. The batch (task=vlm: the pixels) lives through all of them."""
+        return self.phase("static") + self.phase("batch") + max(self.saved_bytes + self.peak_transient_bytes,
+                                                                self.phase("rollout"), self.phase("vision"))
 
     @property
     def total_bytes(self) -> int:

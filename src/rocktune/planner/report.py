@@ -10,6 +10,7 @@ from rocktune.planner.budget import detect_budget, parse_budget
 from rocktune.planner.estimate import ATTN, DTYPE_BYTES, GIB, QUANT, Estimate, RunSpec, estimate
 from rocktune.planner.fit import MARGIN, fit
 from rocktune.planner.shapes import load_shape
+from rocktune.planner.vlm import FAMILIES as VLM_FAMILIES
 
 WIDE_COLUMNS = 120  # a terminal this wide shows each term's inputs in the table; a narrower one, below it
 
@@ -18,6 +19,9 @@ def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_
              device: str | None = None) -> int:
     """``spec``: the run as given on the command line; ``device``: what the budget is (default: detected)."""
     shape = load_shape(model)
+    if shape.model_type.removesuffix("_text") in VLM_FAMILIES:
+        raise UserError(f"{model} is a vision-language model ({shape.model_type}); plan it with --task vlm, which "
+                        "counts its images and its vision tower too.")
     if spec.precision not in DTYPE_BYTES or spec.attn not in ATTN or spec.quant not in ("none", *QUANT):
         raise UserError(f"precision must be one of {', '.join(DTYPE_BYTES)}, attn one of {', '.join(ATTN)}, "
                         f"quant one of none, {', '.join(QUANT)}.")
@@ -52,16 +56,31 @@ def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_
 
 
 def _render(est: Estimate, other: Estimate, doc: dict) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    on, off = (est, other) if est.spec.checkpointing else (other, est)
     s = est.spec
     active = f" ({doc['active_params'] / 1e9:.2f}B active)" if doc["active_params"] != doc["n_params"] else ""
     title = (f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params{active}, LoRA r={s.lora_r}, {s.precision}"
              f"{'' if s.quant == 'none' else ' ' + s.quant}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
              f"{s.attn}, loss {s.loss_mode}")
+    console = render_table(est, other, doc, title)
+    fit = doc["fit"]
+    if "error" in fit:
+        console.print(f"[bold red]no fit:[/] {fit['error']}")
+        return
+    console.print(f"[bold]suggested[/] for global batch {fit['micro_batch_size'] * fit['grad_accum']}: "
+                  f"micro_batch_size={fit['micro_batch_size']} grad_accum={fit['grad_accum']} "
+                  f"gradient_checkpointing={fit['gradient_checkpointing']} precision={fit['precision']} "
+                  f"{_length(fit['max_length'], s.rollout_new if s.rollout_rows else 0)}")
+    for reason in fit["reasons"]:
+        console.print(f"  - {reason}", highlight=False)
+
+
+def render_table(est: Estimate, other: Estimate, doc: dict, title: str):
+    """The breakdown with and without checkpointing (``doc``: budget_bytes, budget_source); returns the console."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    on, off = (est, other) if est.spec.checkpointing else (other, est)
     console = Console()
     # The inputs column needs room: on a narrow terminal each term's inputs follow the table, one line each,
     # instead of folding every row into a column a few words wide.
@@ -77,8 +96,8 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     details = {t.name: t.inputs for t in off.terms} | {t.name: t.inputs for t in on.terms if t.name not in a}
     budget = doc["budget_bytes"]
     usable = budget * (1 - MARGIN)
-    notes = {"peak allocated": "static + saved + largest transient, or static + the rollout's terms (grpo) when "
-             "larger (compare with torch.cuda.max_memory_allocated)",
+    notes = {"peak allocated": "static + saved + largest transient, or static + the rollout's terms (grpo) or the "
+             "vision forward (vlm) when larger (compare with torch.cuda.max_memory_allocated)",
              "total": "peak + allocator overhead + device context",
              "fits?": f"budget {fmt_bytes(budget)} ({doc['budget_source']}), {MARGIN:.0%} kept free"}
     for name in names:
@@ -94,16 +113,7 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     if not wide:
         for name, inputs in [*details.items(), *notes.items()]:
             console.print(f"  [bold]{name}[/]: {escape(inputs)}", highlight=False)
-    fit = doc["fit"]
-    if "error" in fit:
-        console.print(f"[bold red]no fit:[/] {fit['error']}")
-        return
-    console.print(f"[bold]suggested[/] for global batch {fit['micro_batch_size'] * fit['grad_accum']}: "
-                  f"micro_batch_size={fit['micro_batch_size']} grad_accum={fit['grad_accum']} "
-                  f"gradient_checkpointing={fit['gradient_checkpointing']} precision={fit['precision']} "
-                  f"{_length(fit['max_length'], s.rollout_new if s.rollout_rows else 0)}")
-    for reason in fit["reasons"]:
-        console.print(f"  - {reason}", highlight=False)
+    return console
 
 
 def _length(row_tokens: int, completion: int) -> str:

@@ -32,6 +32,14 @@ ARCH_TRAITS: dict[str, dict] = {
     "phi3": {**_DENSE, "fused_qkv": True, "fused_gate_up": True},
     "gemma2": {**_DENSE, "norms": 4, "tie": True},
     "gemma3_text": {**_DENSE, "norms": 4, "tie": True, "qk_norm": "head"},
+    # vision-language models' language models (task=vlm; planner/vlm.py sizes the vision side): a hub config.json
+    # is flat (Qwen2-VL, Qwen2.5-VL) or nests a text_config (Qwen3-VL, transformers 5's own saves)
+    "qwen2_vl": {**_DENSE, "qkv_bias": True},
+    "qwen2_vl_text": {**_DENSE, "qkv_bias": True},
+    "qwen2_5_vl": {**_DENSE, "qkv_bias": True},
+    "qwen2_5_vl_text": {**_DENSE, "qkv_bias": True},
+    "qwen3_vl": {**_DENSE, "qk_norm": "head"},
+    "qwen3_vl_text": {**_DENSE, "qk_norm": "head"},
 }
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 

@@ -37,7 +37,29 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
         lora_cfg.target_modules
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, targets,
                        model_cfg.gradient_checkpointing)
+    frozen_tower_input(model)
     return model, [adapted_note(model)] + patch_notes
+
+
+def frozen_tower_input(model) -> int:
+    """Gradient checkpointing makes every input embedding's output require a gradient (transformers'
+    ``enable_input_require_grads``), the vision tower's patch embedding included: the frozen tower would then keep
+    its blocks' inputs and run its whole backward for a gradient nothing uses (the pixels are not trained; an adapter
+    on the vision side needs no gradient of its input). The hook is removed from the vision side only; the language
+    model's stays. Returns how many were removed."""
+    removed, fam = 0, family(model.get_base_model().config)
+    for name, module in model.named_modules():
+        if not fam.in_vision(name.removeprefix("base_model.model.")) or not hasattr(module, "get_input_embeddings"):
+            continue
+        try:
+            embed = module.get_input_embeddings()
+        except NotImplementedError:
+            continue
+        for key, hook in list(getattr(embed, "_forward_hooks", {}).items()):
+            if getattr(hook, "__name__", "") == "make_inputs_require_grads":  # transformers' hook, by its name
+                del embed._forward_hooks[key]
+                removed += 1
+    return removed
 
 
 def adapted_note(model) -> str:

@@ -29,9 +29,20 @@ def refuse(cfg: RunConfig, options: RunOptions) -> None:
                         f"{version('transformers')}): the Qwen-VL models of transformers 4 do not read packed "
                         "positions as packed, so each conversation would attend to those before it in its row "
                         "(measured with 4.57). Drop data.packing, or use torch >= 2.6 with transformers 5.")
-    if options.auto_fit:
-        raise UserError("--auto fits supervised text runs; for task=vlm set training.micro_batch_size and "
-                        "data.max_pixels yourself (docs/vision.md).")
+    attn = cfg.model.attn_implementation
+    if attn not in ("auto", "varlen", "sdpa"):
+        raise UserError(f"model.attn_implementation={attn} is not supported for task=vlm: use auto, varlen or sdpa "
+                        "(the language model's attention; the vision tower keeps sdpa).")
+    if attn == "varlen" and transformers_major() < 5:
+        raise UserError("model.attn_implementation=varlen with task=vlm needs transformers 5 (one attention per "
+                        f"model part; this is transformers {version('transformers')}): use auto or sdpa.")
+    if options.auto_fit and cfg.data.packing:  # the vlm planner sizes padded rows of whole conversations
+        raise UserError("--auto plans task=vlm's rows one conversation each; with data.packing (rows of "
+                        "data.max_length tokens) set data.max_pixels and training.micro_batch_size yourself, or drop "
+                        "--auto.")
+    if options.auto_fit and cfg.lora.vision != "none":
+        raise UserError(f"--auto plans the vision tower frozen; with lora.vision={cfg.lora.vision} set data.max_pixels "
+                        "and training.micro_batch_size yourself, or drop --auto.")
 
 
 def transformers_major() -> int:

@@ -4,23 +4,31 @@ The model's own multimodal backbone (vision tower, projector, the image features
 embeddings, Qwen's 3-D rotary positions) runs as transformers wrote it; only the head and cross-entropy are
 rocktune's: at the loss-bearing positions only, in chunks (``tasks/lm/loss.LinearCrossEntropy``), so the full
 logits never exist. A head that trains (LoRA on it) takes the plain logits path instead.
+
+Packed rows on varlen attention (``varlen``: the language model was loaded with ``rocktune.attention.VARLEN``): the
+conversations' bounds, read from the restarting text positions, reach the language model's attention as the
+``cu_seq_lens_q``/``max_length_q`` keyword arguments transformers threads to every layer. They are handed to the
+language model alone (a forward pre-hook), not to the whole model's forward, which would pass them to the vision
+tower too, whose attention has bounds of its own (the patches of each image).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
 from rocktune.tasks.lm.loss import LinearCrossEntropy
-from rocktune.tasks.vlm.positions import packed_positions
+from rocktune.tasks.vlm.positions import document_bounds, packed_positions
 from rocktune.vision_model import model_inputs
 
 
 class VisionLoss(torch.nn.Module):
-    def __init__(self, model, chunk_size: int):
+    def __init__(self, model, chunk_size: int, varlen: bool = False):
         super().__init__()
-        self.model, self.chunk_size = model, chunk_size
+        self.model, self.chunk_size, self.varlen = model, chunk_size, varlen
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.sum_and_count(batch)[0]
@@ -31,7 +39,8 @@ class VisionLoss(torch.nn.Module):
         if "text_position_ids" in batch:  # packed rows (data/vision_pack.py): no mask, positions that restart
             inputs["position_ids"] = packed_positions(base.model, batch)
         # no KV cache: training reads none, and with one transformers would not read packed positions as packed
-        hidden = base.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
+        with self._bounds(base.model, batch):
+            hidden = base.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]
@@ -41,3 +50,21 @@ class VisionLoss(torch.nn.Module):
         else:
             loss = F.cross_entropy(head(hidden).float(), targets, reduction="sum")
         return loss, int(targets.numel())
+
+    @contextmanager
+    def _bounds(self, backbone, batch: dict[str, torch.Tensor]):
+        """While the backbone runs: its language model called with the packed rows' bounds (varlen only)."""
+        if not (self.varlen and "text_position_ids" in batch):
+            yield
+            return
+        cu, longest = document_bounds(batch["text_position_ids"])
+        bounds = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+        def with_bounds(_module, args, kwargs):
+            return args, {**kwargs, **bounds}
+
+        hook = backbone.language_model.register_forward_pre_hook(with_bounds, with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()

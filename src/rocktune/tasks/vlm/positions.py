@@ -4,7 +4,8 @@
 Each conversation's 3-D rotary positions come from the model's own ``get_rope_index`` on that conversation alone,
 so they are exactly those of an unpacked forward; text-only stretches (and the padding) keep 1-D positions on all
 three axes, which is what ``get_rope_index`` gives text. The text row restarts at every conversation: transformers
-builds the block-diagonal mask from it.
+builds the block-diagonal mask from it (SDPA), or the conversations' bounds for varlen attention are read from it
+(``document_bounds``).
 """
 
 from __future__ import annotations
@@ -43,3 +44,13 @@ def _rope_index(backbone, ids: torch.Tensor, kinds: torch.Tensor, grids: torch.T
     given = {"input_ids": ids, "image_grid_thw": grids, "attention_mask": torch.ones_like(ids),
              "mm_token_type_ids": kinds}
     return backbone.get_rope_index(**{k: v for k, v in given.items() if k in accepts})[0]
+
+
+def document_bounds(text: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(``cu_seq_lens``, the longest segment) of packed rows for varlen attention (rocktune/attention.py): int32
+    offsets into the flattened ``rows x tokens``, a bound wherever the text position restarts at 0 (a conversation,
+    or a row's padding: one trailing segment of its own) and at the end. Read on the host: the positions above are
+    too, and the kernel takes the longest segment as a number."""
+    starts = (text.flatten() == 0).nonzero().flatten().tolist() + [text.numel()]
+    longest = max(b - a for a, b in zip(starts, starts[1:]))
+    return torch.tensor(starts, dtype=torch.int32, device=text.device), longest

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rocktune.attention import VARLEN, choose
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources, vision_cache
 from rocktune.data.dataset import Pending
@@ -26,7 +27,9 @@ from rocktune.data.vision_batch import collate, idle_batch
 from rocktune.data.vision_pack import collate_packed
 from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
+from rocktune.model import DTYPES
 from rocktune.tasks.lm import autofit, preflight
+from rocktune.tasks.vlm import autofit as vlm_autofit
 from rocktune.tasks.vlm import build, launch
 from rocktune.vision_model import check_data_settings, model_type, vision_tokens, with_processor_template
 from rocktune.tasks.vlm.feed import VisionFeed
@@ -60,9 +63,10 @@ class VLMTask:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.run: VisionRun | None = None
+        self.predicted_peak: int | None = None  # --auto: the planner's figure
 
     def attn_setting(self) -> str:
-        return "sdpa"  # model.attn_implementation is an LM setting (refused unless sdpa)
+        return self.cfg.model.attn_implementation  # auto, varlen or sdpa (launch.refuse): the language model's
 
     def refuse(self, options: RunOptions) -> None:
         refuse_inapplicable(self.cfg)
@@ -81,6 +85,30 @@ class VLMTask:
                     raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL, parquet and Arrow files, save_to_disk "
                                     "folders and hub ids (docs/vision.md).")
         check_data_settings(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels, d.packing)
+        if ctx.options.auto_fit:
+            self._fit(ctx)
+
+    def _fit(self, ctx: RunContext) -> None:
+        """--auto: every row and image read as training reads them (into a temporary folder: check writes nothing),
+        then the planner's max_pixels, micro-batch and checkpointing for the budget; prepare reads the data again at
+        the chosen resolution."""
+        import tempfile
+
+        cfg = ctx.cfg
+        m, d = cfg.model, cfg.data
+        from transformers import AutoConfig
+
+        tokenizer = with_processor_template(preflight.load_tokenizer(m.name_or_path, False), m.name_or_path)
+        vision = vision_tokens(m.name_or_path, AutoConfig.from_pretrained(m.name_or_path), tokenizer, d.min_pixels,
+                               d.max_pixels)
+        with tempfile.TemporaryDirectory(prefix="rocktune-auto-") as tmp:
+            pending = Pending.start(Path(tmp))  # nothing of it is committed: the folder goes with its entries
+            train, held = _read(cfg, tokenizer, vision, Path(tmp), pending)
+            pending.discard()
+        ctx.cfg, notes, self.predicted_peak = vlm_autofit.apply_fit(cfg, ctx.precision, ctx.options.vram_bytes,
+                                                                    (train + held, vision), ctx.device)
+        ctx.notes += notes
+        self.cfg = ctx.cfg
 
     def prepare(self, ctx: RunContext) -> Prepared:
         cfg, device = ctx.cfg, ctx.device
@@ -106,9 +134,10 @@ class VLMTask:
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
         fingerprint = _fingerprint(train)
         distributed.same_run(dist, fingerprint)
-        model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, "sdpa", device, ctx.platform)
-        ctx.notes += notes
-        loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device))
+        attn, attn_note = choose(m.attn_implementation, ctx.attn, device, (d.packing, False), DTYPES[ctx.precision])
+        model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn, device, ctx.platform)
+        ctx.notes += [n for n in (attn_note,) if n] + notes
+        loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device), attn == VARLEN)
         wrapped = distributed.wrap(loss, dist, device, distributed.strategy(dist, "ddp", "none"), ctx.notes)
         self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision, tokenizer)
         lengths = [len(e.input_ids) for e in train]
@@ -120,8 +149,7 @@ class VLMTask:
                 "cache_hit": cached == "hit"}
         return Prepared(model, wrapped, fingerprint,
                         f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm, cache "
-                        f"{cached})", info,
-                        tokenizer=tokenizer)
+                        f"{cached})", info, predicted_peak=self.predicted_peak, tokenizer=tokenizer)
 
     def new_feed(self, **position) -> VisionFeed:
         r, t = self.run, self.cfg.training

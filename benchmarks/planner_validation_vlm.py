@@ -1,0 +1,231 @@
+"""Validate the vision-language planner (``rocktune.planner.vlm``) against real training steps; prints one JSON object.
+
+    python benchmarks/planner_validation_vlm.py            # CPU grid: two tiny Qwen2.5-VLs, three image sizes
+    python benchmarks/planner_validation_vlm.py --markdown # the same as a table
+
+One real step of a random-init tiny Qwen2.5-VL (``rocktune.demo.tiny_vlm``: 2 text layers, 2 vision blocks, the
+first with full attention, the second with window attention; a narrow and a wide tower) per grid point, built and
+trained as task=vlm builds and trains it (``tasks/vlm/build.py``'s LoRA on the language model, the vision side
+frozen; ``VisionLoss``; AdamW), on conversations encoded by the data code (``data/vision.py``) from PNG images of the
+given size. Three figures:
+
+- saved for backward: ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded
+  (as ``planner_validation.py``), against the plan's saved terms;
+- the training state (base weights, LoRA parameters, gradients, AdamW states), counted from the tensors: exact;
+- the peak: the second step is run under torch's profiler with ``profile_memory`` (every CPU allocation and free,
+  from the allocator), and its highest point plus the tensors that existed before it (weights, adapters, their
+  gradients and AdamW states, the batch) is compared with the plan's ``peak_allocated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import weakref
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_PIXELS = 448 * 448  # the processor's limit for the runs: every size below is kept as it is
+# Qwen2.5-VL with 2 text layers (hidden 128) and 2 vision blocks (the first full attention, the second windows of 56
+# pixels): a narrow tower (hidden 64), whose step peaks in the language model's backward, and a wide one (hidden 256),
+# whose forward sets the peak at the larger images; a wide Qwen3-VL (16-pixel patches, deepstack) and the demo's
+# Qwen2-VL (its tower 32 wide) as well
+MODELS = {"tiny": {"vision_hidden": 64, "vision_depth": 2}, "wide-vision": {"vision_hidden": 256, "vision_depth": 2},
+          "qwen3-vl-wide": {"family": "qwen3_vl", "vision_hidden": 256, "vision_depth": 2},
+          "qwen2-vl": {"family": "qwen2_vl", "vision_depth": 2}}
+SIZES = ((112, 112), (224, 168), (448, 336))
+# (model, width, height, micro-batch, precision, checkpointing): three image sizes on each model, the largest also
+# with checkpointing and in bf16 on the Qwen2.5-VLs
+GRID = [(m, w, h, 2, "fp32", False) for m in MODELS for w, h in SIZES]
+GRID += [(m, 448, 336, 2, "fp32", True) for m in ("tiny", "wide-vision")]
+GRID += [(m, 448, 336, 1, "bf16", False) for m in ("tiny", "wide-vision")]
+
+
+def build_model_dir(folder: Path, name: str) -> Path:
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(folder / name, **MODELS[name])
+
+
+def write_data(folder: Path, width: int, height: int, rows: int) -> Path:
+    """``rows`` conversations, each one image of ``width`` x ``height`` and the same question and answer."""
+    from PIL import Image
+
+    from rocktune.demo.vision_task import row
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(rows):
+        name = f"img{i}_{width}x{height}.png"
+        Image.new("RGB", (width, height), (40 * i % 255, 90, 160)).save(folder / name)
+        lines.append(json.dumps(row(name, "blue")))
+    path = folder / f"data_{width}x{height}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _counting(fn, keep):
+    def wrapped(func, *args, **kwargs):
+        for a in [*args, *getattr(func, "keywords", {}).values()]:
+            for t in (a if isinstance(a, tuple) else (a,)):
+                keep(t)
+        return fn(func, *args, **kwargs)
+
+    return wrapped
+
+
+def _step(loss_module, batch, opt, precision: str, hooks=None, after_forward=None):
+    ctx = torch.autocast("cpu", dtype=DTYPES[precision]) if precision != "fp32" else nullcontext()
+    with (hooks or nullcontext()), ctx:
+        loss, n = loss_module.sum_and_count(batch)
+    if after_forward is not None:
+        after_forward()
+    (loss / n).backward()
+    opt.step()
+    return n
+
+
+def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> dict:
+    from transformers import AutoConfig
+
+    from rocktune.config import LoraConfig, ModelConfig
+    from rocktune.data.records import read_records
+    from rocktune.data.vision import encode
+    from rocktune.data.vision_batch import collate
+    from rocktune.model import load_tokenizer
+    from rocktune.tasks.vlm.build import model_with_adapter
+    from rocktune.tasks.vlm.loss import VisionLoss
+    from rocktune.vision_model import vision_tokens
+
+    tok = load_tokenizer(str(model_dir), False)
+    vision = vision_tokens(str(model_dir), AutoConfig.from_pretrained(model_dir), tok, None, MAX_PIXELS)
+    examples = [encode(r, data.parent, tok, vision, 4096, str(loc)) for loc, r in read_records(data)[:b]]
+    batch = collate(examples, tok.pad_token_id, vision)
+    torch.manual_seed(0)
+    model, _ = model_with_adapter(ModelConfig(name_or_path=str(model_dir), gradient_checkpointing=ckpt),
+                                  LoraConfig(r=8, alpha=16), precision, "sdpa", "cpu")
+    model.train()
+    loss_module = VisionLoss(model, 256)
+    params = {_storage_key(p)[0] for p in model.parameters()} | {_storage_key(x)[0] for x in model.buffers()}
+    saved: dict[int, tuple[int, list]] = {}
+
+    def keep(t):
+        # A checkpointed block whose input needs no gradient (the frozen vision tower's) still packs its input, but
+        # no graph keeps it: only what is alive when the forward ends is counted (weak references).
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            ptr, n = _storage_key(t)
+            if ptr not in params and n:
+                saved.setdefault(ptr, (n, []))[1].append(weakref.ref(t))
+
+    def pack(t):
+        keep(t)
+        return t
+
+    if ckpt:  # checkpoint inputs are kept alive outside the hooks
+        for layer in model.get_base_model().model.language_model.layers:
+            layer._gradient_checkpointing_func = _counting(layer._gradient_checkpointing_func, keep)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3, foreach=True)
+    held = []
+    n = _step(loss_module, batch, opt, precision, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              lambda: held.append(sum(b for b, refs in saved.values() if any(r() is not None for r in refs))))
+    state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
+    counted = {"lora_params": sum(p.numel() * p.element_size() for p in trainable),
+               "lora_grads": sum(p.grad.numel() * p.grad.element_size() for p in trainable),
+               "adamw_states": sum(t.numel() * t.element_size() for t in state),
+               "base_weights": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)}
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch.values())
+    peak = _profiled_peak(lambda: _step(loss_module, batch, opt, precision))
+    return {"saved_bytes": held[0], "state": counted, "batch_bytes": batch_bytes,
+            "step_peak": peak, "peak_bytes": sum(counted.values()) + batch_bytes + peak, "loss_tokens": n,
+            "grids": [list(g) for e in examples for g in e.grids], "seq": max(len(e.input_ids) for e in examples),
+            "lengths": [len(e.input_ids) for e in examples]}
+
+
+def _profiled_peak(step) -> int:
+    """The highest count of bytes allocated (and not yet freed) during ``step`` on the CPU, from the allocator's own
+    events as torch's profiler records them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def predict(model_dir: Path, got: dict, b: int, precision: str, ckpt: bool):
+    from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
+
+    text, vision = load_vlm_shape(str(model_dir))
+    tokens = [t * h * w for t, h, w in (tuple(g) for g in got["grids"])]
+    spec = VLMSpec(micro_batch=b, seq_len=got["seq"], patches=tuple(tokens), lora_r=8, precision=precision,
+                   checkpointing=ckpt, device="cpu",
+                   loss_fraction=got["loss_tokens"] / (b * (got["seq"] - 1)), padded=len(set(got["lengths"])) > 1)
+    return estimate_vlm(text, vision, spec)
+
+
+def run_point(folder: Path, name: str, width: int, height: int, b: int, precision: str, ckpt: bool) -> dict:
+    """One grid point; the model directory is built once in ``folder``."""
+    model_dir = folder / name if (folder / name / "config.json").is_file() else build_model_dir(folder, name)
+    data = write_data(folder / f"{width}x{height}", width, height, b)
+    got = measure(model_dir, data, b, precision, ckpt)
+    est = predict(model_dir, got, b, precision, ckpt)
+    terms = est.by_name()
+    vision_sets_peak = terms["vision_forward"] > est.saved_bytes + est.peak_transient_bytes
+    row = {"model": name, "size": f"{width}x{height}", "batch": b, "precision": precision, "checkpointing": ckpt,
+           "peak_phase": "vision forward" if vision_sets_peak else "language model",
+           "patches": sum(t * h * w for t, h, w in got["grids"]), "seq": got["seq"],
+           "saved_measured": got["saved_bytes"], "saved_predicted": est.saved_bytes,
+           "peak_measured": got["peak_bytes"], "peak_predicted": est.peak_allocated}
+    row["saved_error"] = (est.saved_bytes - got["saved_bytes"]) / got["saved_bytes"]
+    row["peak_error"] = (est.peak_allocated - got["peak_bytes"]) / got["peak_bytes"]
+    row["state_exact"] = all(terms[k] == v for k, v in got["state"].items())
+    row["terms"] = terms
+    return row
+
+
+def run_grid(points=GRID) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="rocktune-vlm-plan-") as tmp:
+        return [run_point(Path(tmp), *p) for p in points]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | image | b | precision | ckpt | patches | tokens | saved measured | predicted | error "
+             "| peak measured | predicted | error | peak set by |", "|---" * 14 + "|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['size']} | {r['batch']} | {r['precision']} "
+                     f"| {'on' if r['checkpointing'] else 'off'} | {r['patches']} | {r['seq']} "
+                     f"| {r['saved_measured']:,} | {r['saved_predicted']:,} "
+                     f"| {r['saved_error']:+.1%} | {r['peak_measured']:,} | {r['peak_predicted']:,} "
+                     f"| {r['peak_error']:+.1%} | {r['peak_phase']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown instead of JSON")
+    args = ap.parse_args(argv)
+    rows = run_grid()
+    out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
+           "max_abs_peak_error": max(abs(r["peak_error"]) for r in rows),
+           "state_exact": all(r["state_exact"] for r in rows)}
+    print(markdown(rows) if args.markdown else json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
