@@ -327,3 +327,14 @@ def test_a_tiny_model_learns_the_colour_of_a_shape(tmp_path, colour_task, capsys
     from rocktune.demo.tiny_vlm import build_tiny_vlm
 
     learns_the_colour(build_tiny_vlm(tmp_path / "m", family=family), colour_task, tmp_path, capsys, max_length=128)
+
+
+def test_plan_refuses_the_families_it_does_not_model(tmp_path, capsys):
+    """The vlm planner models Qwen's vision towers only: a Gemma 3 is refused with the list, exit 2."""
+    from rocktune.cli import main
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    model_dir = build_tiny_vlm(tmp_path / "m", family="gemma3")
+    capsys.readouterr()
+    assert main(["plan", str(model_dir), "--task", "vlm"]) == 2
+    assert "task=vlm plans qwen2_5_vl, qwen3_vl, qwen2_vl models" in capsys.readouterr().err
