@@ -90,6 +90,16 @@ def _gemma_hparams(writer, cfg) -> None:
         writer.add_rope_freq_base_swa(float(rope_params(cfg, "sliding_attention")["rope_theta"]))
 
 
+def _mrope_hparams(writer, cfg) -> None:
+    # Qwen2-VL's 3-D rotary positions: how many of each head's rotary pairs follow time, height and width (llama.cpp
+    # reads four sections, the fourth unused by this family)
+    sections = [int(s) for s in rope_params(cfg).get("mrope_section") or []]
+    if len(sections) not in (3, 4):
+        raise UserError(f"GGUF export: this {cfg.model_type} model's rope has no mrope_section of 3 numbers "
+                        f"({sections}); use --to merged.")
+    writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+
+
 def _check_qwen3_moe(cfg) -> None:
     # llama.cpp's qwen3moe graph renormalises the chosen experts' weights and has an MoE block in every layer
     _refuse_if(not getattr(cfg, "norm_topk_prob", False), cfg, "norm_topk_prob is off (the chosen experts' "
@@ -139,6 +149,9 @@ ARCHS = {
     "gemma3_text": Arch("gemma3", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
+    # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (export/gguf_vision.py writes their eyes beside)
+    "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
+    "qwen2_5_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
 }
 
 
@@ -171,6 +184,8 @@ def rope_params(cfg, layer_type: str = "full_attention") -> dict:
 
 def _check_rope(cfg) -> None:
     kind = rope_params(cfg)["rope_type"]
+    if kind == "mrope" and "mrope_section" in rope_params(cfg):
+        return  # transformers 4's name for Qwen2-VL's sectioned rope (written by _mrope_hparams)
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise UserError(f"GGUF export does not support rope scaling {kind!r} of this {cfg.model_type} model yet "
                         "(supported: none, linear, llama3, yarn); use --to merged.")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style, vocab
+from rocktune.export import gguf_lora, gguf_model, gguf_vision, merge, ollama, output, quant, style, vocab
 from rocktune.export.source import Origin, Source, load_config, load_tokenizer, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
@@ -36,7 +36,9 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
         written = _gguf_lora(src, root, quant_name or "f32", overwrite, with_base, name, bool(out))
     else:
         q = quant_name or "f16"
-        if to == "ollama":
+        if gguf_vision.is_vision(load_config(src.base, src.trust_remote_code)):
+            written = _gguf_vision(src, to, root if out else root / f"model-{q}.gguf", q, overwrite, name, bool(out))
+        elif to == "ollama":
             written = [_gguf(src, Path("model.gguf"), q, overwrite, name, root if out else root / "ollama", template)]
         else:
             written = [_gguf(src, root if out else root / f"model-{q}.gguf", q, overwrite, name)]
@@ -95,6 +97,45 @@ def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_di
     return ollama_dir
 
 
+def _gguf_vision(src: Source, to: str, path: Path, q: str, overwrite: bool, name: str, explicit: bool) -> list[Path]:
+    """task=vlm: the language model at ``path`` and its vision projector (mmproj) beside it, as llama.cpp loads them
+    (llama-mtmd-cli / llama-server -m MODEL --mmproj MMPROJ)."""
+    if to == "ollama":
+        raise UserError(ollama.VISION_REFUSAL)
+    _need_gguf()
+    cfg = load_config(src.base, src.trust_remote_code)
+    gguf_vision.check(cfg)
+    text = gguf_vision.text_config(cfg)
+    arch = archs.arch_for(text)
+    quant.check_quant(q, gguf_model.row_lengths(text))
+    mq = gguf_vision.mmproj_type(q)
+    mmproj = path.with_name(f"mmproj-{path.name}" if explicit else f"mmproj-{mq}.gguf")
+    for target in (path, mmproj):
+        output.check_target(target, overwrite, is_dir=False)
+    model, notes = _fp32_model(src)
+    text_state, vision_state = gguf_vision.split_state(model.state_dict())
+    text = gguf_vision.text_config(model.config)  # the merge may have untied the head
+    tensors = gguf_model.gguf_tensors(text_state, text, arch)
+    projector = gguf_vision.mmproj_tensors(vision_state, model.config)
+    sys.stderr.write(f"writing GGUF ({q}) and its vision projector ({mq})\n")
+    with output.scratch(path) as tok_dir:
+        _tokenizer(src, model.config, tok_dir)
+        with output.staged(path, overwrite, is_dir=False) as tmp, output.staged(mmproj, overwrite, False) as mtmp:
+            gguf_model.write_model_gguf(tensors, text, arch, tok_dir, tmp, q, name)
+            gguf_vision.write_mmproj(projector, model.config, _preprocessor(src.base), mtmp, mq, name + "-mmproj")
+    _notes([n for n in notes if "tied" in n] + [f"then: llama-mtmd-cli -m {path} --mmproj {mmproj} --image PHOTO.png "
+                                                "-p '...' (or llama-server with --mmproj)"])
+    return [path, mmproj]
+
+
+def _preprocessor(base: str) -> dict:
+    """The base's image normalisation, which the mmproj carries for llama.cpp's own preprocessing."""
+    from transformers import AutoImageProcessor
+
+    proc = AutoImageProcessor.from_pretrained(base)
+    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std)}
+
+
 def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: bool, name: str,
                explicit: bool) -> list[Path]:
     if src.adapter is None:
@@ -119,6 +160,10 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
 def _tokenizer(src: Source, model_config, tok_dir: Path):
     """Save the base's tokenizer and the model config where gguf-py's vocabulary helpers read them."""
     tok = load_tokenizer(src)
+    if gguf_vision.is_vision(model_config):  # task=vlm: the processor's chat template (image parts) goes in the GGUF
+        from rocktune.vision_model import with_processor_template
+
+        tok = with_processor_template(tok, src.base)
     tok.save_pretrained(tok_dir)
     model_config.save_pretrained(tok_dir)
     _copy_sentencepiece_model(src.base, tok_dir)

@@ -117,3 +117,6 @@ def _quote(text: str) -> str:
         raise UserError(f"the Modelfile value {text[:60]!r} cannot be written so that Ollama reads it back as "
                         "written (a line of it ends in three quotes); edit the Modelfile by hand.")
     return f'"""{text}"""'
+
+
+VISION_REFUSAL = "--to ollama is not available for task=vlm yet."

@@ -1,0 +1,208 @@
+"""export --to gguf of a task=vlm run: the language model (llama.cpp's qwen2vl) and the vision projector (llama.cpp's
+mmproj: clip arch, v.*/mm.* tensors) are read back with gguf-py's own reader and compared with the merged weights in
+llama.cpp's layout, tensor by tensor, and with the metadata keys llama.cpp's loaders read. Tiny random-init
+Qwen2.5-VL and Qwen2-VL built offline, with random non-zero LoRA weights on the language model and on two vision
+modules (opt-in LoRA on the tower and projector), so the mmproj must carry merged weights too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from rocktune.cli import main
+
+gguf = pytest.importorskip("gguf")
+
+TARGETS = (r".*(language_model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)|visual\.blocks\.0\.attn\.qkv"
+           r"|visual\.merger\.mlp\.0)")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """family -> (run directory, merged model (fp32), its state dict)."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            root = tmp_path_factory.mktemp(family)
+            base = build_tiny_vlm(root / "base", family=family)
+            built[family] = (root / "run", base, _make_vlm_run(root / "run", base))
+        return built[family]
+    return get
+
+
+def _make_vlm_run(run: Path, base: Path):
+    """A vlm run directory as training leaves it (random non-zero LoRA); returns the merged fp32 model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rocktune.vision_model import model_class
+    from transformers import AutoConfig
+
+    model = model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    peft_model.save_pretrained(run / "adapter", safe_serialization=True)
+    cfg = {"task": "vlm", "model": {"name_or_path": str(base)}}
+    for where in (run / "adapter" / "rocktune_config.yaml", run / "config.yaml"):
+        where.write_text(yaml.safe_dump(cfg))
+    return peft_model.merge_and_unload().eval()
+
+
+def _fields(reader) -> dict:
+    out = {}
+    for name, field in reader.fields.items():
+        out[name] = field.contents()
+    return out
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: (t.tensor_type.name, np.array(t.data)) for t in reader.tensors}
+    return _fields(reader), tensors
+
+
+def _expected_mmproj(state: dict) -> dict[str, np.ndarray]:
+    """The merged vision tower in llama.cpp's layout, spelt out here (not from the exporter's code)."""
+    want = {}
+    for key, t in state.items():
+        if ".visual." not in "." + key:
+            continue
+        a = t.float().numpy()
+        k = key.removeprefix("model.")
+        if k == "visual.patch_embed.proj.weight":
+            want["v.patch_embd.weight"], want["v.patch_embd.weight.1"] = a[:, :, 0], a[:, :, 1]
+            continue
+        if ".attn.qkv." in k:
+            i, kind = k.split(".")[2], k.rsplit(".", 1)[1]
+            for j, p in enumerate("qkv"):
+                want[f"v.blk.{i}.attn_{p}.{kind}"] = np.split(a, 3)[j]
+            continue
+        want[_VISION_NAMES(k)] = a
+    return want
+
+
+def _VISION_NAMES(k: str) -> str:  # noqa: N802 - a table written out for the test
+    table = {"visual.merger.ln_q": "v.post_ln", "visual.merger.mlp.0": "mm.0", "visual.merger.mlp.2": "mm.2"}
+    stem, kind = k.rsplit(".", 1)
+    if stem in table:
+        return f"{table[stem]}.{kind}"
+    _, _, i, *rest = stem.split(".")
+    part = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}[".".join(rest)]
+    return f"v.blk.{i}.{part}.{kind}"
+
+
+def _expected_text(state: dict) -> dict[str, np.ndarray]:
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    want = {}
+    for key, t in state.items():
+        a = t.float().numpy()
+        if key == "model.language_model.embed_tokens.weight":
+            want["token_embd.weight"] = a
+        elif key == "model.language_model.norm.weight":
+            want["output_norm.weight"] = a
+        elif key.startswith("model.language_model.layers."):
+            i, rest = key.split(".")[3], key.split(".", 4)[4]
+            stem, kind = rest.rsplit(".", 1)
+            want[f"blk.{i}.{parts[stem]}.{kind}"] = a
+    return want
+
+
+def _close(got: np.ndarray, want: np.ndarray, ggml_type: str) -> bool:
+    # gguf-py stores ne in reverse; numpy shapes come back in the original row-major order
+    if ggml_type == "F16":
+        return got.shape == want.shape and np.array_equal(got, want.astype(np.float16))
+    return got.shape == want.shape and np.array_equal(got.astype(np.float32), want)
+
+
+@pytest.mark.parametrize("family,projector", [("qwen2_5_vl", "qwen2.5vl_merger"), ("qwen2_vl", "qwen2vl_merger")])
+@pytest.mark.parametrize("quant", ["f32", "f16"])
+def test_gguf_and_mmproj_hold_the_merged_weights(runs, family, projector, quant):
+    run, base, merged = runs(family)
+    out = run / "export" / f"model-{quant}.gguf"
+    assert main(["export", str(run), "--to", "gguf", "--quant", quant]) == 0
+    state = merged.state_dict()
+    meta, tensors = _read(out)
+    want = _expected_text(state)
+    assert set(tensors) == set(want)  # tied head: no output.weight, as for the text families
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or quant == "f32" else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    assert meta["general.architecture"] == "qwen2vl" and meta["general.type"] == "model"
+    assert meta["qwen2vl.rope.dimension_sections"] == [2, 3, 3, 0]
+    assert meta["qwen2vl.block_count"] == 2 and meta["qwen2vl.embedding_length"] == 128
+    assert meta["qwen2vl.attention.head_count_kv"] == 4 and meta["tokenizer.ggml.eos_token_id"] == 256
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in meta["tokenizer.chat_template"]
+    assert meta["tokenizer.ggml.tokens"][261] == "<|image_pad|>"
+
+    mmproj = out.with_name(f"mmproj-{quant}.gguf")
+    meta, tensors = _read(mmproj)
+    want = _expected_mmproj(state)
+    assert set(tensors) == set(want)
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or quant == "f32" else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    vision = merged.config.vision_config
+    assert meta["general.architecture"] == "clip" and meta["general.type"] == "mmproj"
+    assert meta["clip.projector_type"] == projector and meta["clip.has_vision_encoder"] is True
+    assert meta["clip.vision.projection_dim"] == 128 and meta["clip.vision.patch_size"] == 14
+    assert meta["clip.vision.block_count"] == 1 and meta["clip.vision.attention.head_count"] == 2
+    assert meta["clip.vision.embedding_length"] == (vision.embed_dim if family == "qwen2_vl" else vision.hidden_size)
+    assert meta["clip.vision.image_size"] == 560 and meta["clip.vision.attention.layer_norm_epsilon"] == \
+        pytest.approx(1e-6)
+    assert meta["clip.vision.image_mean"] == pytest.approx([0.48145466, 0.4578275, 0.40821073])
+    assert meta["clip.vision.image_std"] == pytest.approx([0.26862954, 0.26130258, 0.27577711])
+    if family == "qwen2_5_vl":
+        assert meta["clip.use_silu"] is True and meta["clip.vision.n_wa_pattern"] == 1
+
+
+def test_out_names_both_files_and_nothing_is_left_when_refused(runs, tmp_path):
+    run, _, _ = runs("qwen2_5_vl")
+    out = tmp_path / "eyes.gguf"
+    assert main(["export", str(run), "--to", "gguf", "--quant", "q8_0", "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eyes.gguf", "mmproj-eyes.gguf"]
+    _, tensors = _read(tmp_path / "mmproj-eyes.gguf")
+    assert {kind for kind, _ in tensors.values()} == {"F16", "F32"}  # the projector stays f16 beside a q8_0 model
+    assert main(["export", str(run), "--to", "gguf", "--out", str(out)]) == 2  # both exist: refused, untouched
+
+
+def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
+    """Qwen3-VL (deepstack; not written yet), a family llama.cpp's mmproj does not know, and Qwen2.5-VL towers whose
+    windows llama.cpp would draw otherwise: refused with the reason, before any weight is loaded."""
+    from transformers import AutoConfig
+
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.errors import UserError
+    from rocktune.export import gguf_vision
+
+    qwen3 = build_tiny_vlm(tmp_path / "qwen3", family="qwen3_vl")
+    with pytest.raises(UserError, match="deepstack"):
+        gguf_vision.check(AutoConfig.from_pretrained(qwen3))
+    _, base, _ = runs("qwen2_5_vl")
+    cfg = AutoConfig.from_pretrained(base)
+    assert gguf_vision.wa_pattern(cfg.vision_config) == 1
+    cfg.vision_config.depth, cfg.vision_config.fullatt_block_indexes = 4, [1, 3]
+    with pytest.raises(UserError, match="windows of 56 pixels; llama.cpp's are fixed at 112"):
+        gguf_vision.check(cfg)
+    cfg.vision_config.window_size, cfg.vision_config.fullatt_block_indexes = 112, [0, 3]
+    with pytest.raises(UserError, match=r"full-attention blocks \[0, 3\] are not every n-th block"):
+        gguf_vision.check(cfg)
+    cfg.vision_config.fullatt_block_indexes = [1, 3]
+    assert gguf_vision.check(cfg).projector == "QWEN25VL"
+    cfg.model_type = "gemma3"
+    with pytest.raises(UserError, match="cannot see"):
+        gguf_vision.check(cfg)
