@@ -10,15 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from rocktune.cli import main
+from tests.export_fixtures import make_vlm_run
 
 gguf = pytest.importorskip("gguf")
-
-TARGETS = (r".*(language_model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)|visual\.blocks\.0\.attn\.qkv"
-           r"|visual\.merger\.mlp\.0)")
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -31,31 +27,9 @@ def runs(tmp_path_factory):
         if family not in built:
             root = tmp_path_factory.mktemp(family)
             base = build_tiny_vlm(root / "base", family=family)
-            built[family] = (root / "run", base, _make_vlm_run(root / "run", base))
+            built[family] = (root / "run", base, make_vlm_run(root / "run", base))
         return built[family]
     return get
-
-
-def _make_vlm_run(run: Path, base: Path):
-    """A vlm run directory as training leaves it (random non-zero LoRA); returns the merged fp32 model."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    from rocktune.vision_model import model_class
-    from transformers import AutoConfig
-
-    model = model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(1)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
-    peft_model.save_pretrained(run / "adapter", safe_serialization=True)
-    cfg = {"task": "vlm", "model": {"name_or_path": str(base)}}
-    for where in (run / "adapter" / "rocktune_config.yaml", run / "config.yaml"):
-        where.write_text(yaml.safe_dump(cfg))
-    return peft_model.merge_and_unload().eval()
 
 
 def _fields(reader) -> dict:
@@ -167,7 +141,7 @@ def test_gguf_and_mmproj_hold_the_merged_weights(runs, family, projector, quant)
     assert meta["clip.vision.image_mean"] == pytest.approx([0.48145466, 0.4578275, 0.40821073])
     assert meta["clip.vision.image_std"] == pytest.approx([0.26862954, 0.26130258, 0.27577711])
     if family == "qwen2_5_vl":
-        assert meta["clip.use_silu"] is True and meta["clip.vision.n_wa_pattern"] == 1
+        assert meta["clip.use_silu"] is True and meta["clip.vision.n_wa_pattern"] == 0
 
 
 def test_out_names_both_files_and_nothing_is_left_when_refused(runs, tmp_path):
@@ -194,7 +168,7 @@ def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
         gguf_vision.check(AutoConfig.from_pretrained(qwen3))
     _, base, _ = runs("qwen2_5_vl")
     cfg = AutoConfig.from_pretrained(base)
-    assert gguf_vision.wa_pattern(cfg.vision_config) == 1
+    assert gguf_vision.wa_pattern(cfg.vision_config) == 0  # all blocks full
     cfg.vision_config.depth, cfg.vision_config.fullatt_block_indexes = 4, [1, 3]
     with pytest.raises(UserError, match="windows of 56 pixels; llama.cpp's are fixed at 112"):
         gguf_vision.check(cfg)

@@ -60,7 +60,8 @@ def check(cfg) -> VisionFamily:
 
 
 def wa_pattern(vision) -> int:
-    """Qwen2.5-VL's full-attention blocks as llama.cpp's period (block i is full when (i + 1) % period == 0)."""
+    """Qwen2.5-VL's full-attention blocks as llama.cpp's period (block i is full when (i + 1) % period == 0; 0: no
+    block attends in windows)."""
     full = list(getattr(vision, "fullatt_block_indexes", None) or [])
     depth = int(vision.depth)
     period = full[0] + 1 if full else 0
@@ -68,7 +69,9 @@ def wa_pattern(vision) -> int:
         raise UserError(f"GGUF export: this Qwen2.5-VL vision tower's full-attention blocks {full} are not every "
                         "n-th block, which is all llama.cpp's mmproj can say (n_wa_pattern). Use --to merged.")
     windowed = len(full) < depth
-    if windowed and int(getattr(vision, "window_size", LLAMA_CPP_WINDOW)) != LLAMA_CPP_WINDOW:
+    if not windowed:  # every block attends fully: llama.cpp's converter would write period 1, with which mtmd aborts
+        return 0      # ("Failed to get tensor window_mask"); 0 is mtmd's "no window attention", the same result
+    if int(getattr(vision, "window_size", LLAMA_CPP_WINDOW)) != LLAMA_CPP_WINDOW:
         raise UserError(f"GGUF export: this Qwen2.5-VL vision tower attends in windows of {vision.window_size} "
                         f"pixels; llama.cpp's are fixed at {LLAMA_CPP_WINDOW}. Use --to merged.")
     return period
