@@ -151,11 +151,11 @@ def build_spm_llama(out: Path, seed: int = 0, added: tuple[str, ...] = (), space
 
 
 # task=vlm: LoRA on the language model and, opt-in, on a vision block and the projector (the mmproj carries them)
-VLM_TARGETS = (r".*(language_model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)|visual\.blocks\.0\.attn\.qkv"
-               r"|visual\.merger\.mlp\.0)")
+VLM_LM_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)"
+VLM_TARGETS = rf"({VLM_LM_TARGETS}|.*visual\.blocks\.0\.attn\.qkv|.*visual\.merger\.mlp\.0)"
 
 
-def make_vlm_run(run: Path, base: Path):
+def make_vlm_run(run: Path, base: Path, targets: str = VLM_TARGETS):
     """A vlm run directory as training leaves it (random non-zero LoRA); returns the merged fp32 model."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -166,7 +166,7 @@ def make_vlm_run(run: Path, base: Path):
 
     model = model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(1)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=VLM_TARGETS, init_lora_weights=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     peft_model = get_peft_model(model, lora)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

@@ -180,3 +180,38 @@ def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
     cfg.model_type = "gemma3"
     with pytest.raises(UserError, match="cannot see"):
         gguf_vision.check(cfg)
+
+
+def test_ollama_gets_both_files_and_a_modelfile_naming_both(runs):
+    """Ollama (server/create.go at fb30760) files a GGUF whose general.type is mmproj as the model's projector layer
+    and runs it with llama.cpp's --mmproj; several FROM lines add files to one model."""
+    run, _, _ = runs("qwen2_5_vl")
+    assert main(["export", str(run), "--to", "ollama"]) == 0
+    folder = run / "export" / "ollama"
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "mmproj.gguf", "model.gguf"]
+    text = (folder / "Modelfile").read_text()
+    assert text.startswith("FROM ./model.gguf\nFROM ./mmproj.gguf\nTEMPLATE \"\"\"")
+    assert "<|im_start|>" in text and 'PARAMETER stop "<|im_end|>"' in text
+    meta, tensors = _read(folder / "mmproj.gguf")
+    assert meta["general.type"] == "mmproj" and meta["general.architecture"] == "clip"
+    assert "v.patch_embd.weight.1" in tensors
+
+
+def test_gguf_lora_is_the_language_model_s_and_the_base_keeps_its_eyes(tmp_path):
+    """--to gguf-lora: the language model's LoRA (llama.cpp's names), --with-base the base model and its mmproj; an
+    adapter with LoRA on the vision tower is refused (llama.cpp applies a LoRA to the language model only)."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from tests.export_fixtures import VLM_LM_TARGETS
+
+    base = build_tiny_vlm(tmp_path / "base", family="qwen2_vl")
+    make_vlm_run(tmp_path / "run", base, VLM_LM_TARGETS)
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora", "--with-base"]) == 0
+    out = tmp_path / "run" / "export"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter-f32.gguf", "base-f16.gguf", "mmproj-base-f16.gguf"]
+    meta, tensors = _read(out / "adapter-f32.gguf")
+    assert meta["general.architecture"] == "qwen2vl" and meta["general.type"] == "adapter"
+    assert sorted(tensors) == sorted(f"blk.{i}.{t}.weight.lora_{ab}" for i in range(2)
+                                     for t in ("attn_q", "attn_v", "ffn_down") for ab in "ab")
+    make_vlm_run(tmp_path / "eyes", base)
+    assert main(["export", str(tmp_path / "eyes"), "--to", "gguf-lora"]) == 2
+    assert not (tmp_path / "eyes" / "export").exists()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from rocktune.cli import main
 from tests.export_fixtures import make_vlm_run
@@ -30,7 +31,8 @@ EPS_READ_AS = (None, 0.0)
 F32 = 0  # ggml's type id
 
 
-def mtmd_logits(model_path: Path, mmproj: Path, text: str, image: Path, tokens: list[int]) -> tuple[np.ndarray, int]:
+def mtmd_logits(model_path: Path, mmproj: Path, text: str, image: Path, tokens: list[int],
+                lora: Path | None = None) -> tuple[np.ndarray, int]:
     """``text`` (with mtmd's media marker where the image goes), evaluated by llama.cpp with the image, then
     ``tokens`` one by one; returns the logits before each token (len(tokens), vocab) and the number of image tokens
     mtmd made."""
@@ -38,7 +40,7 @@ def mtmd_logits(model_path: Path, mmproj: Path, text: str, image: Path, tokens: 
 
     # f32 KV cache and no flash attention (f16 inside, on the CPU): an f32 export is then computed in f32 throughout
     llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=512, n_batch=512, verbose=False, flash_attn=False,
-                          type_k=F32, type_v=F32)
+                          type_k=F32, type_v=F32, lora_path=str(lora) if lora else None)
     params = mtmd.mtmd_context_params_default()
     params.use_gpu, params.n_threads, params.print_timings = False, 1, False
     params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -138,22 +140,44 @@ def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case):
     merged = make_vlm_run(tmp_path / "run", base)
     assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
     out = tmp_path / "run" / "export"
-    seen = []
-    for image in _images(tmp_path, width):
-        diffs = {}
-        for eps in EPS_READ_AS:
-            with_text_norm_eps(merged, eps)
-            want, text = hf_greedy(merged, tmp_path / "run", image, N)
-            tokens = [int(t) for t in want.argmax(1)]  # transformers' greedy path, fed to llama.cpp step by step
-            got, n_image = mtmd_logits(out / "model-f32.gguf", out / "mmproj-f32.gguf", text, image, tokens)
-            assert n_image == 112 * width // 28**2
-            diffs[eps] = float(np.abs(got - want).max())
-            if diffs[eps] < TOL:
-                clear = [i for i, w in enumerate(want) if np.diff(np.sort(w)[-2:])[0] > 2 * TOL]  # no near-tie
-                assert len(clear) >= N // 2 and [int(np.argmax(got[i])) for i in clear] == [tokens[i] for i in clear]
-                seen.append(want[0])
-        print(f"{case} {image.name}: max |llama.cpp - transformers| by text norm epsilon {diffs}")
-        assert min(diffs.values()) < TOL, (case, image.name)
+    seen = [_compare(merged, tmp_path / "run", (out / "model-f32.gguf", out / "mmproj-f32.gguf", None), image, case)
+            for image in _images(tmp_path, width)]
     with_text_norm_eps(merged, None)
     print(f"{case}: max |image 0 - image 1| = {np.abs(seen[0] - seen[1]).max():.3f}")
     assert np.abs(seen[0] - seen[1]).max() > 1.0  # the image decides the logits, far beyond the tolerance
+
+
+def _compare(merged, run: Path, files: tuple, image: Path, case: str) -> np.ndarray:
+    """llama.cpp's logits (model, mmproj, LoRA or None) against the merged model's along its greedy path; returns
+    transformers' first logits."""
+    diffs, first = {}, None
+    for eps in EPS_READ_AS:
+        with_text_norm_eps(merged, eps)
+        want, text = hf_greedy(merged, run, image, N)
+        tokens = [int(t) for t in want.argmax(1)]  # transformers' greedy path, fed to llama.cpp step by step
+        got, n_image = mtmd_logits(files[0], files[1], text, image, tokens, files[2])
+        assert n_image == Image.open(image).width * 112 // 28**2
+        diffs[eps] = float(np.abs(got - want).max())
+        if diffs[eps] < TOL:
+            clear = [i for i, w in enumerate(want) if np.diff(np.sort(w)[-2:])[0] > 2 * TOL]  # no near-tie
+            assert len(clear) >= N // 2 and [int(np.argmax(got[i])) for i in clear] == [tokens[i] for i in clear]
+            first = want[0]
+    print(f"{case} {image.name}: max |llama.cpp - transformers| by text norm epsilon {diffs}")
+    assert min(diffs.values()) < TOL, (case, image.name)
+    return first
+
+
+def test_llama_cpp_base_with_the_gguf_lora_and_the_base_mmproj_sees_as_the_merged_model(tmp_path):
+    """--to gguf-lora on a language-model LoRA: llama.cpp's base + --lora + the base's mmproj computes the merged
+    model's logits on an image prompt."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from tests.export_fixtures import VLM_LM_TARGETS
+
+    base = build_tiny_vlm(tmp_path / "base", family="qwen2_5_vl")
+    merged = make_vlm_run(tmp_path / "run", base, VLM_LM_TARGETS)
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora"]) == 0
+    assert main(["export", str(base), "--to", "gguf", "--quant", "f32", "--out", str(tmp_path / "base.gguf")]) == 0
+    files = (tmp_path / "base.gguf", tmp_path / "mmproj-base.gguf", tmp_path / "run" / "export" / "adapter-f32.gguf")
+    for image in _images(tmp_path, 112):
+        _compare(merged, tmp_path / "run", files, image, "base + LoRA")
+    with_text_norm_eps(merged, None)

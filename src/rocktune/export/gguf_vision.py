@@ -141,6 +141,7 @@ def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: 
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_name(name)
     writer.add_file_type(quants.file_type(quant))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_clip_has_vision_encoder(True)
     writer.add_clip_projector_type(getattr(gguf.VisionProjectorType, family.projector))
     writer.add_vision_projection_dim(int(cfg.text_config.hidden_size))
