@@ -16,6 +16,12 @@ from tests.export_fixtures import make_vlm_run
 
 gguf = pytest.importorskip("gguf")
 
+# Qwen3-VL: two deepstack mergers (after blocks 0 and 2) into a 3-layer language model, and rotary sections that
+# interleave as llama.cpp's do (the tiny default [2, 3, 3] is refused: test_what_llama_cpp_would_compute_...)
+SHAPES = {"qwen3_vl": {"layers": 3, "vision_depth": 3, "vision": {"deepstack_visual_indexes": [0, 2]},
+                       "rope": {"mrope_section": [3, 3, 2]}}}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """family -> (run directory, merged model (fp32), its state dict)."""
@@ -26,7 +32,7 @@ def runs(tmp_path_factory):
     def get(family: str):
         if family not in built:
             root = tmp_path_factory.mktemp(family)
-            base = build_tiny_vlm(root / "base", family=family)
+            base = build_tiny_vlm(root / "base", family=family, **SHAPES.get(family, {}))
             built[family] = (root / "run", base, make_vlm_run(root / "run", base))
         return built[family]
     return get
@@ -47,8 +53,9 @@ def _read(path: Path) -> tuple[dict, dict]:
     return _fields(reader), tensors
 
 
-def _expected_mmproj(state: dict) -> dict[str, np.ndarray]:
-    """The merged vision tower in llama.cpp's layout, spelt out here (not from the exporter's code)."""
+def _expected_mmproj(state: dict, deepstack: list[int] | None = None) -> dict[str, np.ndarray]:
+    """The merged vision tower in llama.cpp's layout, spelt out here (not from the exporter's code); Qwen3-VL
+    (``deepstack`` given) keeps each block's fused qkv."""
     want = {}
     for key, t in state.items():
         if ".visual." not in "." + key:
@@ -58,7 +65,12 @@ def _expected_mmproj(state: dict) -> dict[str, np.ndarray]:
         if k == "visual.patch_embed.proj.weight":
             want["v.patch_embd.weight"], want["v.patch_embd.weight.1"] = a[:, :, 0], a[:, :, 1]
             continue
-        if ".attn.qkv." in k:
+        if k.startswith("visual.deepstack_merger_list."):
+            _, _, j, layer, kind = k.split(".")
+            part = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}[layer]
+            want[f"v.deepstack.{deepstack[int(j)]}.{part}.{kind}"] = a
+            continue
+        if ".attn.qkv." in k and deepstack is None:
             i, kind = k.split(".")[2], k.rsplit(".", 1)[1]
             for j, p in enumerate("qkv"):
                 want[f"v.blk.{i}.attn_{p}.{kind}"] = np.split(a, 3)[j]
@@ -68,20 +80,24 @@ def _expected_mmproj(state: dict) -> dict[str, np.ndarray]:
 
 
 def _VISION_NAMES(k: str) -> str:  # noqa: N802 - a table written out for the test
-    table = {"visual.merger.ln_q": "v.post_ln", "visual.merger.mlp.0": "mm.0", "visual.merger.mlp.2": "mm.2"}
+    table = {"visual.merger.ln_q": "v.post_ln", "visual.merger.mlp.0": "mm.0", "visual.merger.mlp.2": "mm.2",
+             "visual.merger.norm": "v.post_ln", "visual.merger.linear_fc1": "mm.0", "visual.merger.linear_fc2": "mm.2",
+             "visual.pos_embed": "v.position_embd", "visual.patch_embed.proj": "v.patch_embd"}
     stem, kind = k.rsplit(".", 1)
     if stem in table:
         return f"{table[stem]}.{kind}"
     _, _, i, *rest = stem.split(".")
     part = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}[".".join(rest)]
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "attn.qkv": "attn_qkv",
+            "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}[".".join(rest)]
     return f"v.blk.{i}.{part}.{kind}"
 
 
 def _expected_text(state: dict) -> dict[str, np.ndarray]:
     parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     want = {}
     for key, t in state.items():
         a = t.float().numpy()
@@ -144,6 +160,31 @@ def test_gguf_and_mmproj_hold_the_merged_weights(runs, family, projector, quant)
         assert meta["clip.use_silu"] is True and meta["clip.vision.n_wa_pattern"] == 0
 
 
+def test_qwen3_vl_gguf_and_mmproj_hold_the_merged_weights(runs):
+    """Qwen3-VL: llama.cpp's qwen3vl language model (deepstack count, interleaved sections) and qwen3vl_merger mmproj
+    (fused qkv, patch bias, learned position embeddings kept f32, deepstack mergers named by their block)."""
+    run, _, merged = runs("qwen3_vl")
+    assert main(["export", str(run), "--to", "gguf"]) == 0
+    state = merged.state_dict()
+    meta, tensors = _read(run / "export" / "model-f16.gguf")
+    want = _expected_text(state)
+    assert set(tensors) == set(want)
+    assert all(_close(data, want[name], kind) for name, (kind, data) in tensors.items())
+    assert meta["general.architecture"] == "qwen3vl" and meta["qwen3vl.n_deepstack_layers"] == 2
+    assert meta["qwen3vl.rope.dimension_sections"] == [3, 3, 2, 0]
+    meta, tensors = _read(run / "export" / "mmproj-f16.gguf")
+    want = _expected_mmproj(state, deepstack=[0, 2])
+    assert set(tensors) == set(want)
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or name.startswith("v.position_embd") else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    assert meta["clip.projector_type"] == "qwen3vl_merger" and meta["clip.use_gelu"] is True
+    assert meta["clip.vision.image_size"] == 128 and meta["clip.vision.spatial_merge_size"] == 2  # sqrt(64) x 16
+    assert meta["clip.vision.is_deepstack_layers"] == [True, False, True]
+    eps = merged.config.text_config.rms_norm_eps  # the language model's, as llama.cpp's converter writes it
+    assert meta["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(eps)
+
+
 def test_out_names_both_files_and_nothing_is_left_when_refused(runs, tmp_path):
     run, _, _ = runs("qwen2_5_vl")
     out = tmp_path / "eyes.gguf"
@@ -155,17 +196,22 @@ def test_out_names_both_files_and_nothing_is_left_when_refused(runs, tmp_path):
 
 
 def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
-    """Qwen3-VL (deepstack; not written yet), a family llama.cpp's mmproj does not know, and Qwen2.5-VL towers whose
-    windows llama.cpp would draw otherwise: refused with the reason, before any weight is loaded."""
+    """Qwen3-VL shapes llama.cpp computes otherwise (rotary pairs it leaves unrotated, deepstack into the last layer),
+    a family llama.cpp's mmproj does not know, and Qwen2.5-VL towers whose windows llama.cpp would draw otherwise:
+    refused with the reason, before any weight is loaded."""
     from transformers import AutoConfig
 
     from rocktune.demo.tiny_vlm import build_tiny_vlm
     from rocktune.errors import UserError
     from rocktune.export import gguf_vision
 
-    qwen3 = build_tiny_vlm(tmp_path / "qwen3", family="qwen3_vl")
-    with pytest.raises(UserError, match="deepstack"):
+    qwen3 = build_tiny_vlm(tmp_path / "qwen3", family="qwen3_vl")  # mrope_section [2, 3, 3] over 8 pairs
+    with pytest.raises(UserError, match=r"sections \[2, 3, 3\] leave pairs \[6\] to a position llama.cpp"):
         gguf_vision.check(AutoConfig.from_pretrained(qwen3))
+    cfg = AutoConfig.from_pretrained(qwen3)
+    cfg.vision_config.deepstack_visual_indexes = [0, 0]
+    with pytest.raises(UserError, match="feeds 2 deepstack layers into a language model of 2"):
+        gguf_vision.check(cfg)
     _, base, _ = runs("qwen2_5_vl")
     cfg = AutoConfig.from_pretrained(base)
     assert gguf_vision.wa_pattern(cfg.vision_config) == 0  # all blocks full

@@ -114,12 +114,10 @@ def hf_greedy(model, run: Path, image: Path, n: int) -> tuple[np.ndarray, str]:
     return logits, text.replace("<|vision_start|><|vision_end|>", "<IMAGE>")
 
 
-def _images(folder: Path, width: int) -> list[Path]:
-    from PIL import Image
-
+def _images(folder: Path, size: tuple[int, int]) -> list[Path]:
     paths = []
     for seed in (0, 1):
-        pixels = np.random.default_rng(seed).integers(0, 256, (112, width, 3), dtype=np.uint8)
+        pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
         paths.append(folder / f"noise-{seed}.png")
         Image.fromarray(pixels).save(paths[-1])
     return paths
@@ -127,21 +125,27 @@ def _images(folder: Path, width: int) -> list[Path]:
 
 # Qwen2.5-VL twice: all blocks full (mtmd's n_wa_pattern 0) and one 112-pixel-window block before a full one, on an
 # image two windows wide (llama.cpp's windows must be transformers')
-CASES = {"qwen2_5_vl": ({}, 112), "qwen2_5_vl-windows": ({"vision_depth": 2, "vision": {
-    "fullatt_block_indexes": [1], "window_size": 112}, "max_image_tokens": 32}, 224), "qwen2_vl": ({}, 112)}
+# (the tiny model's shape, the image's (width, height)); Qwen3-VL: two deepstack mergers into three layers, rotary
+# sections that interleave as llama.cpp's do (export/arch.py), one token per 32 x 32 pixels
+CASES = {"qwen2_5_vl": ({}, (112, 112)),
+         "qwen2_5_vl-windows": ({"vision_depth": 2, "vision": {"fullatt_block_indexes": [1], "window_size": 112},
+                                 "max_image_tokens": 32}, (224, 112)),
+         "qwen2_vl": ({}, (112, 112)),
+         "qwen3_vl": ({"layers": 3, "vision_depth": 3, "vision": {"deepstack_visual_indexes": [0, 2]},
+                       "rope": {"mrope_section": [3, 3, 2]}}, (128, 128))}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case):
     from rocktune.demo.tiny_vlm import build_tiny_vlm
 
-    shape, width = CASES[case]
+    shape, size = CASES[case]
     base = build_tiny_vlm(tmp_path / "base", family=case.split("-")[0], **shape)
     merged = make_vlm_run(tmp_path / "run", base)
     assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
     out = tmp_path / "run" / "export"
     seen = [_compare(merged, tmp_path / "run", (out / "model-f32.gguf", out / "mmproj-f32.gguf", None), image, case)
-            for image in _images(tmp_path, width)]
+            for image in _images(tmp_path, size)]
     with_text_norm_eps(merged, None)
     print(f"{case}: max |image 0 - image 1| = {np.abs(seen[0] - seen[1]).max():.3f}")
     assert np.abs(seen[0] - seen[1]).max() > 1.0  # the image decides the logits, far beyond the tolerance
@@ -156,7 +160,8 @@ def _compare(merged, run: Path, files: tuple, image: Path, case: str) -> np.ndar
         want, text = hf_greedy(merged, run, image, N)
         tokens = [int(t) for t in want.argmax(1)]  # transformers' greedy path, fed to llama.cpp step by step
         got, n_image = mtmd_logits(files[0], files[1], text, image, tokens, files[2])
-        assert n_image == Image.open(image).width * 112 // 28**2
+        side = 32 if merged.config.model_type == "qwen3_vl" else 28  # pixels per image token
+        assert n_image == Image.open(image).width * Image.open(image).height // side**2
         diffs[eps] = float(np.abs(got - want).max())
         if diffs[eps] < TOL:
             clear = [i for i, w in enumerate(want) if np.diff(np.sort(w)[-2:])[0] > 2 * TOL]  # no near-tie
@@ -178,6 +183,6 @@ def test_llama_cpp_base_with_the_gguf_lora_and_the_base_mmproj_sees_as_the_merge
     assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora"]) == 0
     assert main(["export", str(base), "--to", "gguf", "--quant", "f32", "--out", str(tmp_path / "base.gguf")]) == 0
     files = (tmp_path / "base.gguf", tmp_path / "mmproj-base.gguf", tmp_path / "run" / "export" / "adapter-f32.gguf")
-    for image in _images(tmp_path, 112):
+    for image in _images(tmp_path, (112, 112)):
         _compare(merged, tmp_path / "run", files, image, "base + LoRA")
     with_text_norm_eps(merged, None)

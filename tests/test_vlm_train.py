@@ -117,8 +117,12 @@ def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
         with torch.no_grad():
             logits.append(model(**model_inputs(base, batch)).logits)
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
-    assert main(["export", str(run), "--to", "gguf"]) == 0  # never without its eyes: the mmproj comes along
-    assert sorted(p.name for p in (run / "export").iterdir()) == ["merged", "mmproj-f16.gguf", "model-f16.gguf"]
+    # never without its eyes: the mmproj comes along; the tiny Qwen3-VL's rotary sections ([2, 3, 3] over 8 pairs)
+    # are ones llama.cpp interleaves otherwise, so it is refused, nothing written (tests/test_export_vlm_gguf.py)
+    refused = model.config.model_type == "qwen3_vl"
+    assert main(["export", str(run), "--to", "gguf"]) == (2 if refused else 0)
+    assert sorted(p.name for p in (run / "export").iterdir()) == \
+        ["merged"] + ([] if refused else ["mmproj-f16.gguf", "model-f16.gguf"])
 
 
 def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:

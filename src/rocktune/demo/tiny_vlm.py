@@ -54,7 +54,7 @@ FAMILIES = {
 
 
 def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, layers: int = 2, vision_hidden: int = 32,
-                   vision_depth: int = 1, vision: dict | None = None):
+                   vision_depth: int = 1, vision: dict | None = None, rope: dict | None = None):
     import transformers
 
     config_cls, _, vision_keys, rope_keys, patch = FAMILIES[family]
@@ -63,7 +63,7 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
             "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim // 2 or 1,
             "head_dim": head_dim, "max_position_embeddings": 4096, "initializer_range": 0.1,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                **rope_keys},
+                                **rope_keys, **(rope or {})},
             "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
     overrides = vision or {}  # e.g. Qwen2.5-VL's window attention: {"fullatt_block_indexes": [1], "window_size": 112}
     vision = {"depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 2,

@@ -100,6 +100,22 @@ def _mrope_hparams(writer, cfg) -> None:
     writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
 
 
+def _check_interleaved_mrope(cfg) -> None:
+    """Qwen3-VL interleaves its rotary sections (pair i follows height when i % 3 == 1, width when i % 3 == 2, within
+    3 x the section); transformers gives every other pair to time, llama.cpp only those within 3 x the time section
+    and the rest to a fourth position, which is 0 for text. The two agree only when no pair falls outside."""
+    sections = [int(x) for x in rope_params(cfg).get("mrope_section") or []] + [0, 0, 0]
+    pairs = head_dim(cfg) // 2
+    outside = [i for i in range(pairs) if not (i < 3 * sections[i % 3])]
+    _refuse_if(bool(outside), cfg, f"its interleaved rotary sections {sections[:3]} leave pairs {outside} to a "
+               "position llama.cpp does not rotate by")
+
+
+def _qwen3vl_hparams(writer, cfg) -> None:
+    _mrope_hparams(writer, cfg)
+    writer.add_num_deepstack_layers(int(getattr(cfg, "num_deepstack_layers", 0)))  # set by export/gguf_vision.py
+
+
 def _check_qwen3_moe(cfg) -> None:
     # llama.cpp's qwen3moe graph renormalises the chosen experts' weights and has an MoE block in every layer
     _refuse_if(not getattr(cfg, "norm_topk_prob", False), cfg, "norm_topk_prob is off (the chosen experts' "
@@ -152,6 +168,7 @@ ARCHS = {
     # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (export/gguf_vision.py writes their eyes beside)
     "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
     "qwen2_5_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
+    "qwen3_vl_text": Arch("qwen3vl", False, check=_check_interleaved_mrope, hparams=_qwen3vl_hparams),
 }
 
 

@@ -27,12 +27,13 @@ VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed e
 @dataclass(frozen=True)
 class VisionFamily:
     projector: str  # gguf.VisionProjectorType attribute
-    silu: bool  # Qwen2.5-VL's gated SiLU MLP (Qwen2-VL's is quick-GELU, llama.cpp's default for the type)
+    silu: bool = False  # Qwen2.5-VL's gated SiLU MLP (Qwen2-VL's is quick-GELU, llama.cpp's default for the type)
+    deepstack: bool = False  # Qwen3-VL: GELU MLP, learned position embeddings, deepstack mergers feeding the LM
 
 
-FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", True), "qwen2_vl": VisionFamily("QWEN2VL", False)}
-REFUSED = {"qwen3_vl": "Qwen3-VL's deepstack layers and learned position embeddings (llama.cpp's qwen3vl_merger "
-                       "projector and qwen3vl language model) are not written by rocktune yet"}
+FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", silu=True), "qwen2_vl": VisionFamily("QWEN2VL"),
+            "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True)}
+REFUSED: dict[str, str] = {}
 
 
 def is_vision(cfg) -> bool:
@@ -55,6 +56,11 @@ def check(cfg) -> VisionFamily:
                         "llama.cpp's mmproj holds the patch embedding as two frames (2). Use --to merged.")
     if kind == "qwen2_5_vl":
         wa_pattern(vision)
+    deep = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if deep and deep >= cfg.text_config.num_hidden_layers:  # llama.cpp adds them after its last layer has been cut
+        raise UserError(f"GGUF export: this {kind} model feeds {deep} deepstack layers into a language model of "
+                        f"{cfg.text_config.num_hidden_layers}; llama.cpp's graph adds them only before its last "
+                        "layer. Use --to merged.")
     archs.arch_for(text_config(cfg))
     return FAMILIES[kind]
 
@@ -81,6 +87,8 @@ def text_config(cfg):
     """The language model's config as the text GGUF writer reads it (the head's tying is the outer config's)."""
     text = cfg.text_config
     text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    # Qwen3-VL's language model adds the vision tower's deepstack features in its first layers: it says how many
+    text.num_deepstack_layers = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or [])
     return text
 
 
@@ -108,7 +116,11 @@ def mmproj_tensors(vision_state: dict, cfg) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for key, tensor in vision_state.items():
         data = tensor.detach().float().cpu().numpy()
-        for part, piece, tail in _pieces(key, data):
+        direct = _qwen3_name(key, cfg.vision_config)
+        if direct:
+            out[direct] = data
+            continue
+        for part, piece, tail in _pieces(key, data, split_qkv=not FAMILIES[cfg.model_type].deepstack):
             name = table.get_name(part, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise UserError(f"GGUF export does not know where the vision tensor {key} of this {cfg.model_type} "
@@ -117,9 +129,28 @@ def mmproj_tensors(vision_state: dict, cfg) -> dict[str, np.ndarray]:
     return out
 
 
-def _pieces(key: str, data: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
+def _qwen3_name(key: str, vision) -> str | None:
+    """Qwen3-VL's projector and deepstack mergers, which gguf-py's table does not map: the merger's norm is
+    ``v.post_ln``, its two layers ``mm.0`` / ``mm.2`` (as Qwen2-VL's); deepstack merger i (after block
+    deepstack_visual_indexes[i]) is ``v.deepstack.<block>.{norm,fc1,fc2}``."""
+    import gguf
+
+    parts = key.split(".")
+    kind = parts[-1]
+    layer = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}.get(parts[-2])
+    if key.startswith("visual.merger.") and layer:
+        return {"norm": "v.post_ln", "fc1": "mm.0", "fc2": "mm.2"}[layer] + "." + kind
+    if key.startswith("visual.deepstack_merger_list.") and layer:
+        block = list(vision.deepstack_visual_indexes)[int(parts[2])]
+        tensor = {"norm": gguf.MODEL_TENSOR.V_DS_NORM, "fc1": gguf.MODEL_TENSOR.V_DS_FC1,
+                  "fc2": gguf.MODEL_TENSOR.V_DS_FC2}[layer]
+        return gguf.TENSOR_NAMES[tensor].format(bid=block) + "." + kind
+    return None
+
+
+def _pieces(key: str, data: np.ndarray, split_qkv: bool) -> list[tuple[str, np.ndarray, str]]:
     """(HF name to look up, array, suffix after the GGUF name) for each tensor one HF tensor becomes."""
-    if ".attn.qkv." in key:  # llama.cpp keeps q, k and v apart (rows: q, then k, then v)
+    if ".attn.qkv." in key and split_qkv:  # Qwen2/2.5-VL: q, k and v apart (rows: q, k, v); Qwen3-VL keeps attn_qkv
         third = data.shape[0] // 3
         return [(key.replace(".qkv.", f".{p}."), data[i * third:(i + 1) * third], "") for i, p in enumerate("qkv")]
     if key.endswith("patch_embed.proj.weight"):  # (out, in, t=2, h, w) -> one Conv2d kernel per frame, the second
@@ -145,20 +176,42 @@ def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: 
     writer.add_clip_has_vision_encoder(True)
     writer.add_clip_projector_type(getattr(gguf.VisionProjectorType, family.projector))
     writer.add_vision_projection_dim(int(cfg.text_config.hidden_size))
-    writer.add_vision_image_size(int(getattr(vision, "image_size", None) or 560))  # the converter's default
+    writer.add_vision_image_size(_image_size(vision))
     writer.add_vision_patch_size(int(vision.patch_size))
     for key, value in _widths(vision).items():
         getattr(writer, key)(value)
     writer.add_vision_image_mean([float(x) for x in preprocessor["image_mean"]])
     writer.add_vision_image_std([float(x) for x in preprocessor["image_std"]])
-    writer.add_vision_attention_layernorm_eps(VISION_EPS)
     if family.silu:
         writer.add_vision_use_silu(True)
         writer.add_vision_n_wa_pattern(wa_pattern(vision))
+    if family.deepstack:
+        _qwen3_keys(writer, cfg)
+    else:
+        writer.add_vision_attention_layernorm_eps(VISION_EPS)
     for tname, data in tensors.items():
-        encoded, raw = quants.encode(data, quant)
+        # the learned position embeddings (Qwen3-VL) stay f32, as llama.cpp's converter keeps them
+        encoded, raw = quants.encode(data, "f32" if tname.startswith("v.position_embd.") else quant)
         writer.add_tensor(tname, encoded, raw_dtype=raw)
     archs.write_out(writer)
+
+
+def _image_size(vision) -> int:
+    """Qwen3-VL: the side its learned position embeddings cover (sqrt(count) patches); the others: 560, the default
+    llama.cpp's converter writes (mtmd resizes by its own pixel limits, not by this)."""
+    count = getattr(vision, "num_position_embeddings", None)
+    return int(round(count ** 0.5) * vision.patch_size) if count else int(getattr(vision, "image_size", None) or 560)
+
+
+def _qwen3_keys(writer, cfg) -> None:
+    """Qwen3-VL's: GELU MLP, the 2 x 2 merge, the norm epsilon llama.cpp's converter takes from the language model,
+    and which blocks feed a deepstack merger."""
+    vision = cfg.vision_config
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_spatial_merge_size(int(vision.spatial_merge_size))
+    writer.add_vision_attention_layernorm_eps(float(getattr(cfg.text_config, "rms_norm_eps", VISION_EPS)))
+    deep = set(vision.deepstack_visual_indexes or [])
+    writer.add_vision_is_deepstack_layers([i in deep for i in range(int(vision.depth))])
 
 
 def _widths(vision) -> dict:
