@@ -18,6 +18,7 @@ from rocktune.cli import main
 from tests.export_fixtures import make_vlm_run
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp builds it)")
+pytest.importorskip("llama_cpp.mtmd_cpp", reason="this llama-cpp-python has no mtmd bindings (0.3.36 has them)")
 pytestmark = pytest.mark.llama_cpp
 PROMPT = "What colour is it?"
 N = 8

@@ -1,10 +1,11 @@
 """A merged vision-language model (task=vlm) as llama.cpp runs it: two GGUF files, the language model
-(``general.architecture`` qwen2vl) and the vision tower with its projector in llama.cpp's mmproj layout
+(``general.architecture`` qwen2vl or qwen3vl) and the vision tower with its projector in llama.cpp's mmproj layout
 (architecture ``clip``, ``v.*`` / ``mm.*`` tensors), written with gguf-py's names and keys.
 
 Facts taken from llama.cpp (its converter's Qwen2-VL classes and mtmd's clip loader), not its code: the patch
 embedding's Conv3d (temporal kernel 2) is stored as two Conv2d kernels, ``v.patch_embd.weight`` and
-``v.patch_embd.weight.1``; the fused ``qkv`` of each vision block as separate q/k/v; Qwen2.5-VL's full-attention
+``v.patch_embd.weight.1``; the fused ``qkv`` of each vision block as separate q/k/v (Qwen3-VL keeps it fused, and
+adds learned position embeddings and deepstack mergers); Qwen2.5-VL's full-attention
 blocks as one period ``clip.vision.n_wa_pattern``, while the window itself is fixed at 112 pixels in mtmd (no key).
 A family or configuration llama.cpp would compute differently is refused before any weight is loaded.
 """
@@ -33,7 +34,6 @@ class VisionFamily:
 
 FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", silu=True), "qwen2_vl": VisionFamily("QWEN2VL"),
             "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True)}
-REFUSED: dict[str, str] = {}
 
 
 def is_vision(cfg) -> bool:
@@ -43,9 +43,6 @@ def is_vision(cfg) -> bool:
 def check(cfg) -> VisionFamily:
     """The family's projector, or a refusal saying why this model cannot be exported with its eyes."""
     kind = getattr(cfg, "model_type", "?")
-    if kind in REFUSED:
-        raise UserError(f"GGUF export of a {kind} model is refused: {REFUSED[kind]}. Use --to merged (transformers, "
-                        "vLLM) or `rocktune generate RUN --image`.")
     if kind not in FAMILIES:
         raise UserError(f"GGUF export does not know the vision-language family {kind} (supported: "
                         f"{', '.join(sorted(FAMILIES))}); a GGUF without its vision projector would be a model that "
@@ -59,8 +56,8 @@ def check(cfg) -> VisionFamily:
     deep = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     if deep and deep >= cfg.text_config.num_hidden_layers:  # llama.cpp adds them after its last layer has been cut
         raise UserError(f"GGUF export: this {kind} model feeds {deep} deepstack layers into a language model of "
-                        f"{cfg.text_config.num_hidden_layers}; llama.cpp's graph adds them only before its last "
-                        "layer. Use --to merged.")
+                        f"{cfg.text_config.num_hidden_layers}; llama.cpp's graph can feed every layer but the last. "
+                        "Use --to merged.")
     archs.arch_for(text_config(cfg))
     return FAMILIES[kind]
 
