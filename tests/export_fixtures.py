@@ -148,3 +148,32 @@ def build_spm_llama(out: Path, seed: int = 0, added: tuple[str, ...] = (), space
                       eos_token_id=2, initializer_range=0.1, tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     return out
+
+
+# task=vlm: LoRA on the language model and, opt-in, on a vision block and the projector (the mmproj carries them)
+VLM_LM_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)"
+VLM_TARGETS = rf"({VLM_LM_TARGETS}|.*visual\.blocks\.0\.attn\.qkv|.*visual\.merger\.mlp\.0)"
+
+
+def make_vlm_run(run: Path, base: Path, targets: str = VLM_TARGETS):
+    """A vlm run directory as training leaves it (random non-zero LoRA); returns the merged fp32 model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from transformers import AutoConfig
+
+    from rocktune.vision_model import model_class
+
+    model = model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    peft_model.save_pretrained(run / "adapter", safe_serialization=True)
+    cfg = {"task": "vlm", "model": {"name_or_path": str(base)}}
+    for where in (run / "adapter" / "rocktune_config.yaml", run / "config.yaml"):
+        where.write_text(yaml.safe_dump(cfg))
+    return peft_model.merge_and_unload().eval()

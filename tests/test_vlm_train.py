@@ -86,7 +86,7 @@ def test_the_loss_falls_with_lora_on_the_language_model_only(vlm_dirs, colours, 
         keys = list(f.keys())
     assert len(keys) == 28 and all(".language_model." in k and "visual" not in k for k in keys)
     card = (run / "adapter" / "README.md").read_text()
-    assert "--image PHOTO.png" in card and "AutoModelForImageTextToText" in card and "--to gguf" not in card
+    assert "--image PHOTO.png" in card and "AutoModelForImageTextToText" in card and "--mmproj" in card
     _merged_sees_as_the_adapter_did(run, colours[1])
 
 
@@ -117,9 +117,12 @@ def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
         with torch.no_grad():
             logits.append(model(**model_inputs(base, batch)).logits)
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
-    for to in ("gguf", "gguf-lora", "ollama"):  # never a GGUF without its eyes: refused (exit 2), nothing written
-        assert main(["export", str(run), "--to", to]) == 2
-    assert sorted(p.name for p in (run / "export").iterdir()) == ["merged"]
+    # never without its eyes: the mmproj comes along; the tiny Qwen3-VL's rotary sections ([2, 3, 3] over 8 pairs)
+    # are ones llama.cpp interleaves otherwise, so it is refused, nothing written (tests/test_export_vlm_gguf.py)
+    refused = model.config.model_type == "qwen3_vl"
+    assert main(["export", str(run), "--to", "gguf"]) == (2 if refused else 0)
+    assert sorted(p.name for p in (run / "export").iterdir()) == \
+        ["merged"] + ([] if refused else ["mmproj-f16.gguf", "model-f16.gguf"])
 
 
 def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:

@@ -55,7 +55,7 @@ FAMILIES = {
 
 
 def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, layers: int = 2, vision_hidden: int = 32,
-                   vision_depth: int = 1):
+                   vision_depth: int = 1, vision: dict | None = None, rope: dict | None = None):
     import transformers
 
     config_cls, _, vision_keys, rope_keys, patch = FAMILIES[family]
@@ -64,14 +64,15 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
             "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim // 2 or 1,
             "head_dim": head_dim, "max_position_embeddings": 4096, "initializer_range": 0.1,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                **rope_keys},
+                                **rope_keys, **(rope or {})},
             "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
     if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4.x (torch 2.4/2.5 stacks) reads rope_scaling
         text["rope_scaling"] = {"type": "mrope", **text["rope_parameters"]}
         text["rope_theta"] = text["rope_parameters"]["rope_theta"]
+    overrides = vision or {}  # e.g. Qwen2.5-VL's window attention: {"fullatt_block_indexes": [1], "window_size": 112}
     vision = {"depth": vision_depth, "hidden_size": vision_hidden, "intermediate_size": vision_hidden * 2,
               "num_heads": 2, "out_hidden_size": hidden, "patch_size": patch, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, **vision_keys}
+              "temporal_patch_size": 2, **vision_keys, **overrides}
     if "embed_dim" in vision_keys:  # Qwen2-VL names the tower's width embed_dim, and hidden_size is its output's
         vision["hidden_size"] = hidden
     return getattr(transformers, config_cls)(text_config=text, vision_config=vision, tie_word_embeddings=True,
@@ -88,9 +89,11 @@ def build_image_processor(patch: int = 14, min_tokens: int = 4, max_tokens: int 
                                  patch_size=patch, merge_size=2, temporal_patch_size=2)
 
 
-def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl", **shape) -> Path:
+def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl", max_image_tokens: int = 16,
+                   **shape) -> Path:
     """Write a random-init tiny vision-language model of ``family`` (a model_type of vision_families.FAMILIES), its
-    tokenizer and its image processor to ``out_dir`` and return the path."""
+    tokenizer and its image processor (Qwen's: at most ``max_image_tokens`` an image) to ``out_dir`` and return the
+    path."""
     import torch
     import transformers
 
@@ -107,6 +110,6 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl
     model_cls = getattr(transformers, FAMILIES[family][1])
     model = model_cls._from_config(tiny_vl_config(tokenizer, family, **shape), dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    build_image_processor(FAMILIES[family][4]).save_pretrained(out)
+    build_image_processor(FAMILIES[family][4], max_tokens=max_image_tokens).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

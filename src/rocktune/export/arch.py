@@ -90,6 +90,32 @@ def _gemma_hparams(writer, cfg) -> None:
         writer.add_rope_freq_base_swa(float(rope_params(cfg, "sliding_attention")["rope_theta"]))
 
 
+def _mrope_hparams(writer, cfg) -> None:
+    # Qwen2-VL's 3-D rotary positions: how many of each head's rotary pairs follow time, height and width (llama.cpp
+    # reads four sections, the fourth unused by this family)
+    sections = [int(s) for s in rope_params(cfg).get("mrope_section") or []]
+    if len(sections) not in (3, 4):
+        raise UserError(f"GGUF export: this {cfg.model_type} model's rope has no mrope_section of 3 numbers "
+                        f"({sections}); use --to merged.")
+    writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+
+
+def _check_interleaved_mrope(cfg) -> None:
+    """Qwen3-VL interleaves its rotary sections (pair i follows height when i % 3 == 1, width when i % 3 == 2, within
+    3 x the section); transformers gives every other pair to time, llama.cpp only those within 3 x the time section
+    and the rest to a fourth position, which is 0 for text. The two agree only when no pair falls outside."""
+    sections = [int(x) for x in rope_params(cfg).get("mrope_section") or []] + [0, 0, 0]
+    pairs = head_dim(cfg) // 2
+    outside = [i for i in range(pairs) if not (i < 3 * sections[i % 3])]
+    _refuse_if(bool(outside), cfg, f"its interleaved rotary sections {sections[:3]} leave pairs {outside} to a "
+               "position llama.cpp does not rotate by")
+
+
+def _qwen3vl_hparams(writer, cfg) -> None:
+    _mrope_hparams(writer, cfg)
+    writer.add_num_deepstack_layers(int(getattr(cfg, "num_deepstack_layers", 0)))  # set by export/gguf_vision.py
+
+
 def _check_qwen3_moe(cfg) -> None:
     # llama.cpp's qwen3moe graph renormalises the chosen experts' weights and has an MoE block in every layer
     _refuse_if(not getattr(cfg, "norm_topk_prob", False), cfg, "norm_topk_prob is off (the chosen experts' "
@@ -139,6 +165,10 @@ ARCHS = {
     "gemma3_text": Arch("gemma3", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
+    # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (export/gguf_vision.py writes their eyes beside)
+    "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
+    "qwen2_5_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
+    "qwen3_vl_text": Arch("qwen3vl", False, check=_check_interleaved_mrope, hparams=_qwen3vl_hparams),
 }
 
 
@@ -171,6 +201,8 @@ def rope_params(cfg, layer_type: str = "full_attention") -> dict:
 
 def _check_rope(cfg) -> None:
     kind = rope_params(cfg)["rope_type"]
+    if kind == "mrope" and "mrope_section" in rope_params(cfg):
+        return  # transformers 4's name for Qwen2-VL's sectioned rope (written by _mrope_hparams)
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise UserError(f"GGUF export does not support rope scaling {kind!r} of this {cfg.model_type} model yet "
                         "(supported: none, linear, llama3, yarn); use --to merged.")

@@ -60,7 +60,7 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, 
     alpha = float(cfg.get("lora_alpha", 8))
     out: dict[str, np.ndarray] = {}
     for key in sorted(k for k in state if k.endswith(".lora_A.weight")):
-        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        module = _language_model_name(adapter, key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
         a = state[key].float().numpy()
         b = state[key.replace(".lora_A.", ".lora_B.")].float().numpy()
         if ".experts" in module:
@@ -76,6 +76,16 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, 
     if not out:
         _refuse(adapter, "the adapter has no LoRA matrices")
     return out, alpha
+
+
+def _language_model_name(adapter: Path, module: str) -> str:
+    """A vision-language adapter's module as the language model's GGUF names it; a LoRA on the vision tower or
+    projector is refused: llama.cpp applies a LoRA file to the language model only, never to the mmproj."""
+    if module.startswith(("model.visual.", "visual.")):
+        _refuse(adapter, f"the adapter adapts the vision tower or projector ({module}), and llama.cpp applies a LoRA "
+                         "to the language model only")
+    return "model." + module.removeprefix("model.language_model.") if module.startswith("model.language_model.") \
+        else module
 
 
 def _expert_lora(adapter: Path, module: str, ab: tuple[np.ndarray, np.ndarray], cfg: dict, model_cfg,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.export import gguf_lora, gguf_model, merge, ollama, output, quant, style, vocab
+from rocktune.export import gguf_lora, gguf_model, gguf_vision, merge, ollama, output, quant, style, vocab
 from rocktune.export.source import Origin, Source, load_config, load_tokenizer, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
@@ -36,7 +37,12 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
         written = _gguf_lora(src, root, quant_name or "f32", overwrite, with_base, name, bool(out))
     else:
         q = quant_name or "f16"
-        if to == "ollama":
+        vision = gguf_vision.is_vision(load_config(src.base, src.trust_remote_code))
+        if vision and to == "ollama":
+            written = _ollama_vision(src, root if out else root / "ollama", q, overwrite, name, template)
+        elif vision:
+            written = _gguf_vision(src, root if out else root / f"model-{q}.gguf", q, overwrite, name, bool(out))
+        elif to == "ollama":
             written = [_gguf(src, Path("model.gguf"), q, overwrite, name, root if out else root / "ollama", template)]
         else:
             written = [_gguf(src, root if out else root / f"model-{q}.gguf", q, overwrite, name)]
@@ -95,6 +101,85 @@ def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_di
     return ollama_dir
 
 
+@dataclass
+class _VisionParts:
+    """A vlm export's pieces, ready to write: the language model's tensors and config, and the projector's."""
+    model: object
+    text: object
+    arch: archs.Arch
+    tensors: dict
+    projector: dict
+    notes: list
+
+
+def _check_vision(src: Source, q: str) -> tuple[archs.Arch, str]:
+    """Everything that can refuse a vlm GGUF export, before any weight is loaded: (text arch, mmproj type)."""
+    _need_gguf()
+    cfg = load_config(src.base, src.trust_remote_code)
+    gguf_vision.check(cfg)
+    text = gguf_vision.text_config(cfg)
+    quant.check_quant(q, gguf_model.row_lengths(text))
+    return archs.arch_for(text), gguf_vision.mmproj_type(q)
+
+
+def _vision_parts(src: Source, arch: archs.Arch) -> _VisionParts:
+    model, notes = _fp32_model(src)
+    text_state, vision_state = gguf_vision.split_state(model.state_dict())
+    text = gguf_vision.text_config(model.config)  # the merge may have untied the head
+    return _VisionParts(model, text, arch, gguf_model.gguf_tensors(text_state, text, arch),
+                        gguf_vision.mmproj_tensors(vision_state, model.config), [n for n in notes if "tied" in n])
+
+
+def _write_vision(parts: _VisionParts, src: Source, tok_dir: Path, paths: tuple[Path, Path], q: str, name: str):
+    """The language model and its mmproj at ``paths``; returns the tokenizer (with the processor's template)."""
+    sys.stderr.write(f"writing GGUF ({q}) and its vision projector ({gguf_vision.mmproj_type(q)})\n")
+    tokenizer = _tokenizer(src, parts.model.config, tok_dir)
+    gguf_model.write_model_gguf(parts.tensors, parts.text, parts.arch, tok_dir, paths[0], q, name)
+    gguf_vision.write_mmproj(parts.projector, parts.model.config, _preprocessor(src.base), paths[1],
+                             gguf_vision.mmproj_type(q), name + "-mmproj")
+    return tokenizer
+
+
+def _gguf_vision(src: Source, path: Path, q: str, overwrite: bool, name: str, explicit: bool) -> list[Path]:
+    """task=vlm: the language model at ``path`` and its vision projector (mmproj) beside it, as llama.cpp loads them
+    (llama-mtmd-cli / llama-server -m MODEL --mmproj MMPROJ)."""
+    arch, mq = _check_vision(src, q)
+    mmproj = path.with_name(f"mmproj-{path.name}" if explicit else f"mmproj-{mq}.gguf")
+    for target in (path, mmproj):
+        output.check_target(target, overwrite, is_dir=False)
+    parts = _vision_parts(src, arch)
+    with output.scratch(path) as tok_dir:
+        with output.staged(path, overwrite, is_dir=False) as tmp, output.staged(mmproj, overwrite, False) as mtmp:
+            _write_vision(parts, src, tok_dir, (tmp, mtmp), q, name)
+    _notes(parts.notes + [f"then: llama-mtmd-cli -m {path} --mmproj {mmproj} --image PHOTO.png -p '...' (or "
+                          "llama-server with --mmproj)"])
+    return [path, mmproj]
+
+
+def _ollama_vision(src: Source, ollama_dir: Path, q: str, overwrite: bool, name: str, template: str) -> list[Path]:
+    """task=vlm for Ollama: both GGUF files and a Modelfile naming both (two FROM lines: Ollama keeps a GGUF of
+    type mmproj as the model's projector and runs it with llama.cpp's --mmproj)."""
+    arch, _ = _check_vision(src, q)
+    output.check_target(ollama_dir, overwrite, is_dir=True)
+    parts = _vision_parts(src, arch)
+    with output.scratch(ollama_dir) as tok_dir, output.staged(ollama_dir, overwrite, is_dir=True) as tmp:
+        tokenizer = _write_vision(parts, src, tok_dir, (tmp / "model.gguf", tmp / "mmproj.gguf"), q, name)
+        text, more = ollama.modelfile("model.gguf", style.resolve_style(template, src.run_config, tokenizer),
+                                      tokenizer, getattr(parts.model, "generation_config", None),
+                                      projector_name="mmproj.gguf")
+        (tmp / "Modelfile").write_text(text, encoding="utf-8")
+    _notes(parts.notes + more + [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
+    return [ollama_dir]
+
+
+def _preprocessor(base: str) -> dict:
+    """The base's image normalisation, which the mmproj carries for llama.cpp's own preprocessing."""
+    from transformers import AutoImageProcessor
+
+    proc = AutoImageProcessor.from_pretrained(base)
+    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std)}
+
+
 def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: bool, name: str,
                explicit: bool) -> list[Path]:
     if src.adapter is None:
@@ -103,6 +188,10 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
         raise UserError(f"--quant {dtype}: a GGUF LoRA is written as f32 (default) or f16.")
     _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
+    vision = gguf_vision.is_vision(cfg)
+    if vision:  # the language model's LoRA; the base's mmproj (--with-base writes it) sees as before
+        gguf_vision.check(cfg)
+        cfg = gguf_vision.text_config(cfg)
     arch = archs.arch_for(cfg)
     path = root if explicit and root.suffix == ".gguf" else root / f"adapter-{dtype}.gguf"
     output.check_target(path, overwrite, is_dir=False)
@@ -110,7 +199,9 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
     written = []
     if with_base:
         base_src = Source(src.base, None, {}, src.trust_remote_code)
-        written.append(_gguf(base_src, path.with_name("base-f16.gguf"), "f16", overwrite, name + "-base"))
+        base_path = path.with_name("base-f16.gguf")
+        written += _gguf_vision(base_src, base_path, "f16", overwrite, name + "-base", True) if vision else \
+            [_gguf(base_src, base_path, "f16", overwrite, name + "-base")]
     with output.staged(path, overwrite, is_dir=False) as tmp:
         gguf_lora.write_lora_gguf(tensors, alpha, arch, tmp, dtype, name)
     return [path, *written]
@@ -119,6 +210,10 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
 def _tokenizer(src: Source, model_config, tok_dir: Path):
     """Save the base's tokenizer and the model config where gguf-py's vocabulary helpers read them."""
     tok = load_tokenizer(src)
+    if gguf_vision.is_vision(model_config):  # task=vlm: the processor's chat template (image parts) goes in the GGUF
+        from rocktune.vision_model import with_processor_template
+
+        tok = with_processor_template(tok, src.base)
     tok.save_pretrained(tok_dir)
     model_config.save_pretrained(tok_dir)
     _copy_sentencepiece_model(src.base, tok_dir)

@@ -20,12 +20,13 @@ def template_family(chat_template: str | None) -> str | None:
     return ollama_templates.family_of(chat_template)
 
 
-def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_name: str | None = None
-              ) -> tuple[str, list[str]]:
-    """The Modelfile text and notes for the user (e.g. a template that could not be translated)."""
+def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_name: str | None = None,
+              projector_name: str | None = None) -> tuple[str, list[str]]:
+    """The Modelfile text and notes for the user (e.g. a template that could not be translated). A vision-language
+    model's projector (mmproj GGUF) is a second FROM: Ollama files a GGUF of type mmproj as the model's projector."""
     notes: list[str] = []
     stops = _stops(tokenizer, generation_config)
-    lines = [f"FROM ./{gguf_name}"]
+    lines = [f"FROM ./{gguf_name}"] + ([f"FROM ./{projector_name}"] if projector_name else [])
     if adapter_name:
         lines.append(f"ADAPTER ./{adapter_name}")
     if style == "chat":

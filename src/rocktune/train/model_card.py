@@ -79,7 +79,10 @@ def _load_vision(base: str, run_dir: Path) -> str:
             f"from transformers import AutoModelForImageTextToText\n\n"
             f"base = AutoModelForImageTextToText.from_pretrained({base!r})\n"
             f"model = PeftModel.from_pretrained(base, {str(run_dir / 'adapter')!r})\n```\n\n"
-            "GGUF/Ollama export of vision-language runs is not available yet (docs/vision.md).\n")
+            f"For llama.cpp and Ollama: `rocktune export {run_dir} --to gguf` writes the language model and its "
+            "vision projector (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), run as `llama-mtmd-cli -m model-f16.gguf --mmproj "
+            "mmproj-f16.gguf --image PHOTO.png -p \"...\"`; `--to ollama` writes both with a Modelfile "
+            "(docs/vision.md).\n")
 
 
 def _load_lm(base: str, run_dir: Path) -> str:

@@ -224,10 +224,11 @@ class VLMTask:
         return []
 
     def outputs(self, run_dir: Path) -> list[str] | None:
-        """The LM's next commands, less export (GGUF and Ollama do not carry the vision tower yet)."""
+        """The LM's next commands, with the image; GGUF export writes the vision projector too."""
         return [f"  adapter         {run_dir / 'adapter'} (PEFT; base {self.cfg.model.name_or_path})", "next:",
                 f"  rocktune generate {run_dir} --image PHOTO.png --prompt \"...\" --compare   # with and without "
-                "the adapter", f"  rocktune report {run_dir}   # loss curves and run facts"]
+                "the adapter", f"  rocktune export {run_dir} --to gguf   # llama.cpp: model + mmproj",
+                f"  rocktune report {run_dir}   # loss curves and run facts"]
 
     def oom_message(self, step: int, exc: BaseException) -> str:
         return (f"out of memory at step {step} even with one conversation per forward ({exc}); lower data.max_pixels "

@@ -1,0 +1,222 @@
+"""A merged vision-language model (task=vlm) as llama.cpp runs it: two GGUF files, the language model
+(``general.architecture`` qwen2vl or qwen3vl) and the vision tower with its projector in llama.cpp's mmproj layout
+(architecture ``clip``, ``v.*`` / ``mm.*`` tensors), written with gguf-py's names and keys.
+
+Facts taken from llama.cpp (its converter's Qwen2-VL classes and mtmd's clip loader), not its code: the patch
+embedding's Conv3d (temporal kernel 2) is stored as two Conv2d kernels, ``v.patch_embd.weight`` and
+``v.patch_embd.weight.1``; the fused ``qkv`` of each vision block as separate q/k/v (Qwen3-VL keeps it fused, and
+adds learned position embeddings and deepstack mergers); Qwen2.5-VL's full-attention
+blocks as one period ``clip.vision.n_wa_pattern``, while the window itself is fixed at 112 pixels in mtmd (no key).
+A family or configuration llama.cpp would compute differently is refused before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rocktune.errors import UserError
+from rocktune.export import arch as archs
+from rocktune.export import quant as quants
+
+LLAMA_CPP_WINDOW = 112  # pixels: mtmd's Qwen2.5-VL window attention ignores the config's window_size
+VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed epsilon
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    projector: str  # gguf.VisionProjectorType attribute
+    silu: bool = False  # Qwen2.5-VL's gated SiLU MLP (Qwen2-VL's is quick-GELU, llama.cpp's default for the type)
+    deepstack: bool = False  # Qwen3-VL: GELU MLP, learned position embeddings, deepstack mergers feeding the LM
+
+
+FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", silu=True), "qwen2_vl": VisionFamily("QWEN2VL"),
+            "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True)}
+
+
+def is_vision(cfg) -> bool:
+    return getattr(cfg, "vision_config", None) is not None and getattr(cfg, "text_config", None) is not None
+
+
+def check(cfg) -> VisionFamily:
+    """The family's projector, or a refusal saying why this model cannot be exported with its eyes."""
+    kind = getattr(cfg, "model_type", "?")
+    if kind not in FAMILIES:
+        raise UserError(f"GGUF export does not know the vision-language family {kind} (supported: "
+                        f"{', '.join(sorted(FAMILIES))}); a GGUF without its vision projector would be a model that "
+                        "cannot see. Use --to merged.")
+    vision = cfg.vision_config
+    if getattr(vision, "temporal_patch_size", 2) != 2:
+        raise UserError(f"GGUF export: this {kind} model's temporal_patch_size is {vision.temporal_patch_size}; "
+                        "llama.cpp's mmproj holds the patch embedding as two frames (2). Use --to merged.")
+    if kind == "qwen2_5_vl":
+        wa_pattern(vision)
+    deep = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if deep and deep >= cfg.text_config.num_hidden_layers:  # llama.cpp adds them after its last layer has been cut
+        raise UserError(f"GGUF export: this {kind} model feeds {deep} deepstack layers into a language model of "
+                        f"{cfg.text_config.num_hidden_layers}; llama.cpp's graph can feed every layer but the last. "
+                        "Use --to merged.")
+    archs.arch_for(text_config(cfg))
+    return FAMILIES[kind]
+
+
+def wa_pattern(vision) -> int:
+    """Qwen2.5-VL's full-attention blocks as llama.cpp's period (block i is full when (i + 1) % period == 0; 0: no
+    block attends in windows)."""
+    full = list(getattr(vision, "fullatt_block_indexes", None) or [])
+    depth = int(vision.depth)
+    period = full[0] + 1 if full else 0
+    if not full or [i for i in range(depth) if (i + 1) % period == 0] != full:
+        raise UserError(f"GGUF export: this Qwen2.5-VL vision tower's full-attention blocks {full} are not every "
+                        "n-th block, which is all llama.cpp's mmproj can say (n_wa_pattern). Use --to merged.")
+    windowed = len(full) < depth
+    if not windowed:  # every block attends fully: llama.cpp's converter would write period 1, with which mtmd aborts
+        return 0      # ("Failed to get tensor window_mask"); 0 is mtmd's "no window attention", the same result
+    if int(getattr(vision, "window_size", LLAMA_CPP_WINDOW)) != LLAMA_CPP_WINDOW:
+        raise UserError(f"GGUF export: this Qwen2.5-VL vision tower attends in windows of {vision.window_size} "
+                        f"pixels; llama.cpp's are fixed at {LLAMA_CPP_WINDOW}. Use --to merged.")
+    return period
+
+
+def text_config(cfg):
+    """The language model's config as the text GGUF writer reads it (the head's tying is the outer config's)."""
+    text = cfg.text_config
+    text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    # Qwen3-VL's language model adds the vision tower's deepstack features in its first layers: it says how many
+    text.num_deepstack_layers = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or [])
+    return text
+
+
+def split_state(state: dict) -> tuple[dict, dict]:
+    """transformers' module names -> (language model as a causal LM's ``model.*``/``lm_head``, vision tower as
+    ``visual.*``), the checkpoint names gguf-py's tables know."""
+    text, vision = {}, {}
+    for key, tensor in state.items():
+        if key.startswith(("model.visual.", "visual.")):
+            vision[key.removeprefix("model.")] = tensor
+        elif key.startswith("model.language_model."):
+            text["model." + key.removeprefix("model.language_model.")] = tensor
+        else:
+            text[key] = tensor
+    return text, vision
+
+
+def mmproj_tensors(vision_state: dict, cfg) -> dict[str, np.ndarray]:
+    """HF vision tower (torch) -> mmproj-named fp32 arrays in llama.cpp's layout."""
+    import gguf
+
+    # the projector's layers (visual.merger.mlp.0 and .2) are looked up by index like blocks: a one-block tower
+    # still needs indexes up to 2
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(int(cfg.vision_config.depth), 3))
+    out: dict[str, np.ndarray] = {}
+    for key, tensor in vision_state.items():
+        data = tensor.detach().float().cpu().numpy()
+        direct = _qwen3_name(key, cfg.vision_config)
+        if direct:
+            out[direct] = data
+            continue
+        for part, piece, tail in _pieces(key, data, split_qkv=not FAMILIES[cfg.model_type].deepstack):
+            name = table.get_name(part, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise UserError(f"GGUF export does not know where the vision tensor {key} of this {cfg.model_type} "
+                                "model goes in llama.cpp's mmproj; use --to merged.")
+            out[name + tail] = piece
+    return out
+
+
+def _qwen3_name(key: str, vision) -> str | None:
+    """Qwen3-VL's projector and deepstack mergers, which gguf-py's table does not map: the merger's norm is
+    ``v.post_ln``, its two layers ``mm.0`` / ``mm.2`` (as Qwen2-VL's); deepstack merger i (after block
+    deepstack_visual_indexes[i]) is ``v.deepstack.<block>.{norm,fc1,fc2}``."""
+    import gguf
+
+    parts = key.split(".")
+    kind = parts[-1]
+    layer = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}.get(parts[-2])
+    if key.startswith("visual.merger.") and layer:
+        return {"norm": "v.post_ln", "fc1": "mm.0", "fc2": "mm.2"}[layer] + "." + kind
+    if key.startswith("visual.deepstack_merger_list.") and layer:
+        block = list(vision.deepstack_visual_indexes)[int(parts[2])]
+        tensor = {"norm": gguf.MODEL_TENSOR.V_DS_NORM, "fc1": gguf.MODEL_TENSOR.V_DS_FC1,
+                  "fc2": gguf.MODEL_TENSOR.V_DS_FC2}[layer]
+        return gguf.TENSOR_NAMES[tensor].format(bid=block) + "." + kind
+    return None
+
+
+def _pieces(key: str, data: np.ndarray, split_qkv: bool) -> list[tuple[str, np.ndarray, str]]:
+    """(HF name to look up, array, suffix after the GGUF name) for each tensor one HF tensor becomes."""
+    if ".attn.qkv." in key and split_qkv:  # Qwen2/2.5-VL: q, k and v apart (rows: q, k, v); Qwen3-VL keeps attn_qkv
+        third = data.shape[0] // 3
+        return [(key.replace(".qkv.", f".{p}."), data[i * third:(i + 1) * third], "") for i, p in enumerate("qkv")]
+    if key.endswith("patch_embed.proj.weight"):  # (out, in, t=2, h, w) -> one Conv2d kernel per frame, the second
+        return [(key, data[:, :, 0], ""), (key, data[:, :, 1], ".1")]  # named v.patch_embd.weight.1 by mtmd
+    return [(key, data, "")]
+
+
+def mmproj_type(quant: str) -> str:
+    """llama.cpp's mmproj files are f16 (f32 kept where asked): the vision tower is not block-quantised here."""
+    return quant if quant in ("f32", "bf16") else "f16"
+
+
+def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: Path, quant: str, name: str) -> None:
+    import gguf
+
+    family = FAMILIES[cfg.model_type]
+    vision = cfg.vision_config
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(name)
+    writer.add_file_type(quants.file_type(quant))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(getattr(gguf.VisionProjectorType, family.projector))
+    writer.add_vision_projection_dim(int(cfg.text_config.hidden_size))
+    writer.add_vision_image_size(_image_size(vision))
+    writer.add_vision_patch_size(int(vision.patch_size))
+    for key, value in _widths(vision).items():
+        getattr(writer, key)(value)
+    writer.add_vision_image_mean([float(x) for x in preprocessor["image_mean"]])
+    writer.add_vision_image_std([float(x) for x in preprocessor["image_std"]])
+    if family.silu:
+        writer.add_vision_use_silu(True)
+        writer.add_vision_n_wa_pattern(wa_pattern(vision))
+    if family.deepstack:
+        _qwen3_keys(writer, cfg)
+    else:
+        writer.add_vision_attention_layernorm_eps(VISION_EPS)
+    for tname, data in tensors.items():
+        # the learned position embeddings (Qwen3-VL) stay f32, as llama.cpp's converter keeps them
+        encoded, raw = quants.encode(data, "f32" if tname.startswith("v.position_embd.") else quant)
+        writer.add_tensor(tname, encoded, raw_dtype=raw)
+    archs.write_out(writer)
+
+
+def _image_size(vision) -> int:
+    """Qwen3-VL: the side its learned position embeddings cover (sqrt(count) patches); the others: 560, the default
+    llama.cpp's converter writes (mtmd resizes by its own pixel limits, not by this)."""
+    count = getattr(vision, "num_position_embeddings", None)
+    return int(round(count ** 0.5) * vision.patch_size) if count else int(getattr(vision, "image_size", None) or 560)
+
+
+def _qwen3_keys(writer, cfg) -> None:
+    """Qwen3-VL's: GELU MLP, the 2 x 2 merge, the norm epsilon llama.cpp's converter takes from the language model,
+    and which blocks feed a deepstack merger."""
+    vision = cfg.vision_config
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_spatial_merge_size(int(vision.spatial_merge_size))
+    writer.add_vision_attention_layernorm_eps(float(getattr(cfg.text_config, "rms_norm_eps", VISION_EPS)))
+    deep = set(vision.deepstack_visual_indexes or [])
+    writer.add_vision_is_deepstack_layers([i in deep for i in range(int(vision.depth))])
+
+
+def _widths(vision) -> dict:
+    """Width, MLP width, depth and heads as llama.cpp's converter names them. Qwen2-VL calls the tower's width
+    ``embed_dim`` and its output ``hidden_size``; the converter then writes that output width as the MLP's (mtmd reads
+    the MLP's true width from its tensors), and so does this, to write the same file."""
+    qwen2 = getattr(vision, "embed_dim", None) is not None
+    width = vision.embed_dim if qwen2 else vision.hidden_size
+    ff = vision.hidden_size if qwen2 else vision.intermediate_size
+    return {"add_vision_embedding_length": int(width), "add_vision_feed_forward_length": int(ff),
+            "add_vision_block_count": int(vision.depth), "add_vision_head_count": int(vision.num_heads)}

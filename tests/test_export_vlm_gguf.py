@@ -1,0 +1,263 @@
+"""export --to gguf of a task=vlm run: the language model (llama.cpp's qwen2vl) and the vision projector (llama.cpp's
+mmproj: clip arch, v.*/mm.* tensors) are read back with gguf-py's own reader and compared with the merged weights in
+llama.cpp's layout, tensor by tensor, and with the metadata keys llama.cpp's loaders read. Tiny random-init
+Qwen2.5-VL and Qwen2-VL built offline, with random non-zero LoRA weights on the language model and on two vision
+modules (opt-in LoRA on the tower and projector), so the mmproj must carry merged weights too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rocktune.cli import main
+from tests.export_fixtures import make_vlm_run
+
+gguf = pytest.importorskip("gguf")
+
+# Qwen3-VL: two deepstack mergers (after blocks 0 and 2) into a 3-layer language model, and rotary sections that
+# interleave as llama.cpp's do (the tiny default [2, 3, 3] is refused: test_what_llama_cpp_would_compute_...)
+SHAPES = {"qwen3_vl": {"layers": 3, "vision_depth": 3, "vision": {"deepstack_visual_indexes": [0, 2]},
+                       "rope": {"mrope_section": [3, 3, 2]}}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """family -> (run directory, merged model (fp32), its state dict)."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            root = tmp_path_factory.mktemp(family)
+            base = build_tiny_vlm(root / "base", family=family, **SHAPES.get(family, {}))
+            built[family] = (root / "run", base, make_vlm_run(root / "run", base))
+        return built[family]
+    return get
+
+
+def _fields(reader) -> dict:
+    out = {}
+    for name, field in reader.fields.items():
+        out[name] = field.contents()
+    return out
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: (t.tensor_type.name, np.array(t.data)) for t in reader.tensors}
+    return _fields(reader), tensors
+
+
+def _expected_mmproj(state: dict, deepstack: list[int] | None = None) -> dict[str, np.ndarray]:
+    """The merged vision tower in llama.cpp's layout, spelt out here (not from the exporter's code); Qwen3-VL
+    (``deepstack`` given) keeps each block's fused qkv."""
+    want = {}
+    for key, t in state.items():
+        if ".visual." not in "." + key:
+            continue
+        a = t.float().numpy()
+        k = key.removeprefix("model.")
+        if k == "visual.patch_embed.proj.weight":
+            want["v.patch_embd.weight"], want["v.patch_embd.weight.1"] = a[:, :, 0], a[:, :, 1]
+            continue
+        if k.startswith("visual.deepstack_merger_list."):
+            _, _, j, layer, kind = k.split(".")
+            part = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}[layer]
+            want[f"v.deepstack.{deepstack[int(j)]}.{part}.{kind}"] = a
+            continue
+        if ".attn.qkv." in k and deepstack is None:
+            i, kind = k.split(".")[2], k.rsplit(".", 1)[1]
+            for j, p in enumerate("qkv"):
+                want[f"v.blk.{i}.attn_{p}.{kind}"] = np.split(a, 3)[j]
+            continue
+        want[_VISION_NAMES(k)] = a
+    return want
+
+
+def _VISION_NAMES(k: str) -> str:  # noqa: N802 - a table written out for the test
+    table = {"visual.merger.ln_q": "v.post_ln", "visual.merger.mlp.0": "mm.0", "visual.merger.mlp.2": "mm.2",
+             "visual.merger.norm": "v.post_ln", "visual.merger.linear_fc1": "mm.0", "visual.merger.linear_fc2": "mm.2",
+             "visual.pos_embed": "v.position_embd", "visual.patch_embed.proj": "v.patch_embd"}
+    stem, kind = k.rsplit(".", 1)
+    if stem in table:
+        return f"{table[stem]}.{kind}"
+    _, _, i, *rest = stem.split(".")
+    part = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "attn.qkv": "attn_qkv",
+            "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}[".".join(rest)]
+    return f"v.blk.{i}.{part}.{kind}"
+
+
+def _expected_text(state: dict) -> dict[str, np.ndarray]:
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    want = {}
+    for key, t in state.items():
+        a = t.float().numpy()
+        if key == "model.language_model.embed_tokens.weight":
+            want["token_embd.weight"] = a
+        elif key == "model.language_model.norm.weight":
+            want["output_norm.weight"] = a
+        elif key.startswith("model.language_model.layers."):
+            i, rest = key.split(".")[3], key.split(".", 4)[4]
+            stem, kind = rest.rsplit(".", 1)
+            want[f"blk.{i}.{parts[stem]}.{kind}"] = a
+    return want
+
+
+def _close(got: np.ndarray, want: np.ndarray, ggml_type: str) -> bool:
+    # gguf-py stores ne in reverse; numpy shapes come back in the original row-major order
+    if ggml_type == "F16":
+        return got.shape == want.shape and np.array_equal(got, want.astype(np.float16))
+    return got.shape == want.shape and np.array_equal(got.astype(np.float32), want)
+
+
+@pytest.mark.parametrize("family,projector", [("qwen2_5_vl", "qwen2.5vl_merger"), ("qwen2_vl", "qwen2vl_merger")])
+@pytest.mark.parametrize("quant", ["f32", "f16"])
+def test_gguf_and_mmproj_hold_the_merged_weights(runs, family, projector, quant):
+    run, base, merged = runs(family)
+    out = run / "export" / f"model-{quant}.gguf"
+    assert main(["export", str(run), "--to", "gguf", "--quant", quant]) == 0
+    state = merged.state_dict()
+    meta, tensors = _read(out)
+    want = _expected_text(state)
+    assert set(tensors) == set(want)  # tied head: no output.weight, as for the text families
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or quant == "f32" else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    assert meta["general.architecture"] == "qwen2vl" and meta["general.type"] == "model"
+    assert meta["qwen2vl.rope.dimension_sections"] == [2, 3, 3, 0]
+    assert meta["qwen2vl.block_count"] == 2 and meta["qwen2vl.embedding_length"] == 128
+    assert meta["qwen2vl.attention.head_count_kv"] == 4 and meta["tokenizer.ggml.eos_token_id"] == 256
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in meta["tokenizer.chat_template"]
+    assert meta["tokenizer.ggml.tokens"][261] == "<|image_pad|>"
+
+    mmproj = out.with_name(f"mmproj-{quant}.gguf")
+    meta, tensors = _read(mmproj)
+    want = _expected_mmproj(state)
+    assert set(tensors) == set(want)
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or quant == "f32" else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    vision = merged.config.vision_config
+    assert meta["general.architecture"] == "clip" and meta["general.type"] == "mmproj"
+    assert meta["clip.projector_type"] == projector and meta["clip.has_vision_encoder"] is True
+    assert meta["clip.vision.projection_dim"] == 128 and meta["clip.vision.patch_size"] == 14
+    assert meta["clip.vision.block_count"] == 1 and meta["clip.vision.attention.head_count"] == 2
+    assert meta["clip.vision.embedding_length"] == (vision.embed_dim if family == "qwen2_vl" else vision.hidden_size)
+    assert meta["clip.vision.image_size"] == 560 and meta["clip.vision.attention.layer_norm_epsilon"] == \
+        pytest.approx(1e-6)
+    assert meta["clip.vision.image_mean"] == pytest.approx([0.48145466, 0.4578275, 0.40821073])
+    assert meta["clip.vision.image_std"] == pytest.approx([0.26862954, 0.26130258, 0.27577711])
+    if family == "qwen2_5_vl":
+        assert meta["clip.use_silu"] is True and meta["clip.vision.n_wa_pattern"] == 0
+
+
+def test_qwen3_vl_gguf_and_mmproj_hold_the_merged_weights(runs):
+    """Qwen3-VL: llama.cpp's qwen3vl language model (deepstack count, interleaved sections) and qwen3vl_merger mmproj
+    (fused qkv, patch bias, learned position embeddings kept f32, deepstack mergers named by their block)."""
+    run, _, merged = runs("qwen3_vl")
+    assert main(["export", str(run), "--to", "gguf"]) == 0
+    state = merged.state_dict()
+    meta, tensors = _read(run / "export" / "model-f16.gguf")
+    want = _expected_text(state)
+    assert set(tensors) == set(want)
+    assert all(_close(data, want[name], kind) for name, (kind, data) in tensors.items())
+    assert meta["general.architecture"] == "qwen3vl" and meta["qwen3vl.n_deepstack_layers"] == 2
+    assert meta["qwen3vl.rope.dimension_sections"] == [3, 3, 2, 0]
+    meta, tensors = _read(run / "export" / "mmproj-f16.gguf")
+    want = _expected_mmproj(state, deepstack=[0, 2])
+    assert set(tensors) == set(want)
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or name.startswith("v.position_embd") else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    assert meta["clip.projector_type"] == "qwen3vl_merger" and meta["clip.use_gelu"] is True
+    assert meta["clip.vision.image_size"] == 128 and meta["clip.vision.spatial_merge_size"] == 2  # sqrt(64) x 16
+    assert meta["clip.vision.is_deepstack_layers"] == [True, False, True]
+    eps = merged.config.text_config.rms_norm_eps  # the language model's, as llama.cpp's converter writes it
+    assert meta["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(eps)
+
+
+def test_out_names_both_files_and_nothing_is_left_when_refused(runs, tmp_path):
+    run, _, _ = runs("qwen2_5_vl")
+    out = tmp_path / "eyes.gguf"
+    assert main(["export", str(run), "--to", "gguf", "--quant", "q8_0", "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eyes.gguf", "mmproj-eyes.gguf"]
+    _, tensors = _read(tmp_path / "mmproj-eyes.gguf")
+    assert {kind for kind, _ in tensors.values()} == {"F16", "F32"}  # the projector stays f16 beside a q8_0 model
+    assert main(["export", str(run), "--to", "gguf", "--out", str(out)]) == 2  # both exist: refused, untouched
+
+
+def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
+    """Qwen3-VL shapes llama.cpp computes otherwise (rotary pairs it leaves unrotated, deepstack into the last layer),
+    a family llama.cpp's mmproj does not know, and Qwen2.5-VL towers whose windows llama.cpp would draw otherwise:
+    refused with the reason, before any weight is loaded."""
+    from transformers import AutoConfig
+
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.errors import UserError
+    from rocktune.export import gguf_vision
+
+    qwen3 = build_tiny_vlm(tmp_path / "qwen3", family="qwen3_vl")  # mrope_section [2, 3, 3] over 8 pairs
+    with pytest.raises(UserError, match=r"sections \[2, 3, 3\] leave pairs \[6\] to a position llama.cpp"):
+        gguf_vision.check(AutoConfig.from_pretrained(qwen3))
+    cfg = AutoConfig.from_pretrained(qwen3)
+    cfg.vision_config.deepstack_visual_indexes = [0, 0]
+    with pytest.raises(UserError, match="feeds 2 deepstack layers into a language model of 2"):
+        gguf_vision.check(cfg)
+    _, base, _ = runs("qwen2_5_vl")
+    cfg = AutoConfig.from_pretrained(base)
+    assert gguf_vision.wa_pattern(cfg.vision_config) == 0  # all blocks full
+    cfg.vision_config.depth, cfg.vision_config.fullatt_block_indexes = 4, [1, 3]
+    with pytest.raises(UserError, match="windows of 56 pixels; llama.cpp's are fixed at 112"):
+        gguf_vision.check(cfg)
+    cfg.vision_config.window_size, cfg.vision_config.fullatt_block_indexes = 112, [0, 3]
+    with pytest.raises(UserError, match=r"full-attention blocks \[0, 3\] are not every n-th block"):
+        gguf_vision.check(cfg)
+    cfg.vision_config.fullatt_block_indexes = [1, 3]
+    assert gguf_vision.check(cfg).projector == "QWEN25VL"
+    cfg.model_type = "gemma3"
+    with pytest.raises(UserError, match="cannot see"):
+        gguf_vision.check(cfg)
+
+
+def test_ollama_gets_both_files_and_a_modelfile_naming_both(runs):
+    """Ollama (server/create.go at fb30760) files a GGUF whose general.type is mmproj as the model's projector layer
+    and runs it with llama.cpp's --mmproj; several FROM lines add files to one model."""
+    run, _, _ = runs("qwen2_5_vl")
+    assert main(["export", str(run), "--to", "ollama"]) == 0
+    folder = run / "export" / "ollama"
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "mmproj.gguf", "model.gguf"]
+    text = (folder / "Modelfile").read_text()
+    assert text.startswith("FROM ./model.gguf\nFROM ./mmproj.gguf\nTEMPLATE \"\"\"")
+    assert "<|im_start|>" in text and 'PARAMETER stop "<|im_end|>"' in text
+    meta, tensors = _read(folder / "mmproj.gguf")
+    assert meta["general.type"] == "mmproj" and meta["general.architecture"] == "clip"
+    assert "v.patch_embd.weight.1" in tensors
+
+
+def test_gguf_lora_is_the_language_model_s_and_the_base_keeps_its_eyes(tmp_path):
+    """--to gguf-lora: the language model's LoRA (llama.cpp's names), --with-base the base model and its mmproj; an
+    adapter with LoRA on the vision tower is refused (llama.cpp applies a LoRA to the language model only)."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from tests.export_fixtures import VLM_LM_TARGETS
+
+    base = build_tiny_vlm(tmp_path / "base", family="qwen2_vl")
+    make_vlm_run(tmp_path / "run", base, VLM_LM_TARGETS)
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora", "--with-base"]) == 0
+    out = tmp_path / "run" / "export"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter-f32.gguf", "base-f16.gguf", "mmproj-base-f16.gguf"]
+    meta, tensors = _read(out / "adapter-f32.gguf")
+    assert meta["general.architecture"] == "qwen2vl" and meta["general.type"] == "adapter"
+    assert sorted(tensors) == sorted(f"blk.{i}.{t}.weight.lora_{ab}" for i in range(2)
+                                     for t in ("attn_q", "attn_v", "ffn_down") for ab in "ab")
+    make_vlm_run(tmp_path / "eyes", base)
+    assert main(["export", str(tmp_path / "eyes"), "--to", "gguf-lora"]) == 2
+    assert not (tmp_path / "eyes" / "export").exists()
