@@ -98,3 +98,23 @@ def reference(tiny_model_dir, data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "run"
     train(config_from_dict(config(tiny_model_dir, data, out)), quiet=True)
     return out
+
+
+# the tiny vision-language models (tests/test_vlm_*.py): built per test module, as each module used to
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    """family -> a tiny random-init model directory of it, built once per module when first asked for."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    built: dict[str, Path] = {}
+
+    def get(family: str = "qwen2_5_vl") -> Path:
+        if family not in built:
+            built[family] = build_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{family}") / "model", family=family)
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(vlm_dirs) -> Path:
+    return vlm_dirs()

@@ -19,13 +19,6 @@ from rocktune.tasks.vlm import task as vlm_task
 pytest.importorskip("PIL")
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> Path:
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
-
-
 @pytest.fixture()
 def data(tmp_path) -> Path:
     """12 colour-task rows with image files, and one with its image embedded as a data URL."""

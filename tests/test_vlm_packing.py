@@ -26,19 +26,6 @@ pytestmark = pytest.mark.skipif(transformers_major() < 5, reason="data.packing f
 
 
 @pytest.fixture(scope="module")
-def vlm_dirs(tmp_path_factory):
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-
-    built: dict[str, Path] = {}
-
-    def get(family: str = "qwen2_5_vl") -> Path:
-        if family not in built:
-            built[family] = build_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{family}") / "model", family=family)
-        return built[family]
-    return get
-
-
-@pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
     from rocktune.demo.vision_task import write_colour_task
 

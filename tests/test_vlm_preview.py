@@ -19,13 +19,6 @@ from rocktune.cli import main
 pytest.importorskip("PIL")
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> Path:
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
-
-
 @pytest.fixture()
 def data(tmp_path) -> Path:
     """Two conversations: a 300x200 photo-like image with text that needs escaping, then two small images."""

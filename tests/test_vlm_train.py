@@ -23,25 +23,6 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen2_vl"]
 
 
 @pytest.fixture(scope="module")
-def vlm_dirs(tmp_path_factory):
-    """family -> a tiny random-init model directory of it, built once per module when first asked for."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-
-    built: dict[str, Path] = {}
-
-    def get(family: str = "qwen2_5_vl") -> Path:
-        if family not in built:
-            built[family] = build_tiny_vlm(tmp_path_factory.mktemp(f"tiny-{family}") / "model", family=family)
-        return built[family]
-    return get
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(vlm_dirs) -> Path:
-    return vlm_dirs()
-
-
-@pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
     from rocktune.demo.vision_task import write_colour_task
 

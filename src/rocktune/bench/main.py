@@ -56,15 +56,7 @@ def run_bench_command(req: BenchRequest, as_json: bool, pick: bool, write_config
         path = write_config or str(Path(out) / "best.yaml")
         picker.write_config(best, report, path, req.data)
         report["pick"] = {"name": best["name"], "config_file": path}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "report.json").write_text(json.dumps(report, indent=1))
-    if as_json:
-        print(json.dumps(report, indent=1))
-    else:
-        from rocktune.bench.render import render
-
-        render(report)
-    return 0
+    return _reported(report, out, as_json)
 
 
 def _reported(report: dict, out: str, as_json: bool) -> int:
