@@ -98,9 +98,11 @@ class FusedLoRA(torch.autograd.Function):
         if len(live) < n:  # an output unused by the graph: its share of dH is zero
             dh = [d if d is not None else x.new_zeros(x.shape[0], r) for d, r in zip(dh, plan.ranks)]
         dh_cat = dh[0] if n == 1 else torch.cat(dh, dim=1)
-        dx = torch.mm(dh_cat, a_cat)
-        for i in live:
-            dx = _add_product(dx, dys[i], ws[i])
+        dx = None
+        if ctx.needs_input_grad[1]:  # not for an input no gradient reaches (the first layer's, from frozen embeddings)
+            dx = torch.mm(dh_cat, a_cat)
+            for i in live:
+                dx = _add_product(dx, dys[i], ws[i])
         a_dtype, b_dtype = ctx.master
         da = torch.mm(dh_cat.t(), x).to(a_dtype)  # one cast for the group; the members' rows are contiguous views
         grads, start = [], 0
