@@ -462,3 +462,30 @@ def test_a_checkpoint_of_the_older_sampler_is_refused_unless_forced(tiny_model_d
     task.check_resume(restored(sampler=SAMPLER), False)
     with pytest.raises(UserError, match="written by 2 process"):
         task.check_resume(restored(sampler=SAMPLER, world_size=2), False)
+
+
+def test_token_logps_of_a_padded_batch_are_each_row_alone(tiny_model_dir, tokenizer):
+    """The update's forward runs without the padding mask (loss.token_logps: the rows are right-padded, so causal
+    attention alone keeps real tokens from the pads): on rows of different prompt and completion lengths, each row's
+    log-probabilities and the adapter's gradient equal those of the row alone, unpadded, within fp32 rounding."""
+    from rocktune.tasks.grpo.feed import collate
+    from rocktune.tasks.grpo.loss import token_logps
+
+    model = _adapted(tiny_model_dir).train()  # with gradients: the fused LoRA node, as in a step
+    prompts = _rollout_prompts(tokenizer)[:4]
+    completions = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14, 15]]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def logps_and_grad(ps, cs):
+        batch = collate(ps, cs, [1.0] * len(ps), [1.0] * len(ps), tokenizer.pad_token_id)
+        logps = token_logps(model, batch, 0.7)
+        grads = torch.autograd.grad(logps.sum(), params)
+        rows = [row[m.bool()] for row, m in zip(logps.detach(), batch["completion_mask"][:, 1:])]
+        return rows, torch.cat([g.flatten() for g in grads])
+
+    assert len({len(p) + len(c) for p, c in zip(prompts, completions)}) > 1  # the batch has right padding
+    batched, grad = logps_and_grad(prompts, completions)
+    alone = [logps_and_grad([p], [c]) for p, c in zip(prompts, completions)]
+    for row, (one, _) in zip(batched, alone):
+        assert torch.allclose(row, one[0], atol=1e-5)
+    assert torch.allclose(grad, sum(g for _, g in alone), atol=1e-5)

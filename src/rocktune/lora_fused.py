@@ -6,7 +6,8 @@ Forward, per group of n adapted linears on one input ``x`` (2-D views):
 ``y_i.addmm_(h_i, (s_i B_i)^T)``: the scaled add rides in the matmul's epilogue, so it costs no pass of its own.
 Backward, from the members' ``dY_i``: ``dH = cat(dY_i @ s_i B_i)`` (n skinny matmuls), ``dX = dH @ cat(A)`` then
 ``dX.addmm_(dY_i, W_i)`` (the base's input gradient accumulated in the epilogue, not by a separate add),
-``dA = dH^T @ x`` (one matmul for the group), ``dB_i = s_i dY_i^T @ h_i``. dY is read by exactly two matmuls per
+``dA = dH^T @ x`` (one matmul for the group), ``dB_i = s_i dY_i^T @ h_i``; dX is skipped where the input needs no
+gradient (the first layer's, computed from frozen embeddings). dY is read by exactly two matmuls per
 member (dX's and dB's); the scaling is folded into the cast of dB to the master dtype.
 
 The math runs in the compute dtype (autocast's, else the input's), as autocast would run it. The adapter's casts
@@ -98,9 +99,11 @@ class FusedLoRA(torch.autograd.Function):
         if len(live) < n:  # an output unused by the graph: its share of dH is zero
             dh = [d if d is not None else x.new_zeros(x.shape[0], r) for d, r in zip(dh, plan.ranks)]
         dh_cat = dh[0] if n == 1 else torch.cat(dh, dim=1)
-        dx = torch.mm(dh_cat, a_cat)
-        for i in live:
-            dx = _add_product(dx, dys[i], ws[i])
+        dx = None
+        if ctx.needs_input_grad[1]:  # not for an input no gradient reaches (the first layer's, from frozen embeddings)
+            dx = torch.mm(dh_cat, a_cat)
+            for i in live:
+                dx = _add_product(dx, dys[i], ws[i])
         a_dtype, b_dtype = ctx.master
         da = torch.mm(dh_cat.t(), x).to(a_dtype)  # one cast for the group; the members' rows are contiguous views
         grads, start = [], 0

@@ -48,9 +48,14 @@ class Objective:
 
 def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities of each row's tokens 1.. under ``model`` at ``temperature`` [rows, width - 1] (0 where not
-    a completion token); the head runs on completion positions only: no full logits."""
+    a completion token); the head runs on completion positions only: no full logits.
+
+    The rows are right-padded (feed.collate), so causal attention alone keeps every real token from the pads after
+    it, and the positions are 0.. either way: the model runs without the padding mask, which lets SDPA take its
+    causal kernel (and grouped K/V un-repeated) instead of building and applying a mask. The pads' own outputs
+    differ, and are never scored."""
     ids, mask = batch["input_ids"], batch["completion_mask"][:, 1:].bool()
-    inputs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False}
+    inputs = {"input_ids": ids, "use_cache": False}
     hidden, head = hidden_and_head(model, inputs)
     rows, cols = mask.nonzero(as_tuple=True)
     logits = head(hidden[:, :-1][rows, cols]).float() / temperature
