@@ -19,7 +19,7 @@ from tests.test_vlm_packing import _examples, _loss_and_grads, _model
 from tests.test_vlm_train import FAMILIES
 
 pytestmark = pytest.mark.skipif(transformers_major() < 5, reason="one attention per model part needs transformers 5")
-vlm_dirs, colours = packing.vlm_dirs, packing.colours  # fixtures: the tiny models (once per family), the colour task
+colours = packing.colours  # a fixture: the colour task (the tiny models: conftest.vlm_dirs)
 ROWS = [[0, 4, 1], [3, 2]]  # examples/vision/chat.jsonl's conversations and one without an image, in two rows
 
 
