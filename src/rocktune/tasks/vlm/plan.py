@@ -134,23 +134,38 @@ class PlanRequest:
 
 def conversations(req: PlanRequest, vision: VisionTokens) -> list[Conversation]:
     """The data's conversations, every row and image read and checked as training reads them; or the assumed one."""
+    from rocktune.model import load_tokenizer
+    from rocktune.vision_model import with_processor_template
+
+    tokenizer = with_processor_template(load_tokenizer(req.model, False), req.model)
     if req.data is None:
-        return assumed(req.text_tokens, req.image_size or default_image(vision), req.images)
+        image = req.image_size or default_image(vision)
+        text = req.text_tokens + req.images * wrap_tokens(tokenizer, vision, image) if req.text_tokens > 0 else 0
+        return assumed(text, image, req.images)
     import tempfile
     from pathlib import Path
 
     from rocktune.config import DataConfig
     from rocktune.data.vision import encode
     from rocktune.data.vision_source import read_rows
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import with_processor_template
 
-    tokenizer = with_processor_template(load_tokenizer(req.model, False), req.model)
     d = DataConfig(train_file=req.data, max_length=req.max_length)
     with tempfile.TemporaryDirectory(prefix="rocktune-plan-") as tmp:
         rows, base = read_rows(req.data, d, Path(tmp) / "cache", "--data")
         examples = [encode(rec, base, tokenizer, vision, req.max_length, str(loc)) for loc, rec in rows]
     return from_examples(examples, vision)
+
+
+def wrap_tokens(tokenizer, vision: VisionTokens, image: tuple[int, int]) -> int:
+    """The tokens an image's placeholder text adds besides its image tokens, as the data code widens it: Gemma 3's
+    begin/end of image and blank lines, Idefics3's/SmolVLM's tile tags and global view tags (Qwen's: none)."""
+    rule = vision.rule
+    if isinstance(rule, PatchGrid):
+        return 0
+    width, height = image
+    grid = () if not isinstance(rule, SplitTiles) else tuple(
+        int(x) for x in vision.image_processor.get_number_of_image_patches(height, width, {})[1:])
+    return len(tokenizer(rule.text(grid), add_special_tokens=False)["input_ids"]) - rule.tokens(grid)
 
 
 def default_image(vision: VisionTokens) -> tuple[int, int]:
