@@ -235,6 +235,36 @@ def run_point(folder: Path, name: str, width: int, height: int, b: int, precisio
     return row
 
 
+# The SigLIP towers alone (Gemma 3, SmolVLM): the frozen forward's CPU peak against the plan's vision_forward term, at
+# two widths and a number of views (images or tiles) the step grid's tiny towers do not let set a step's peak
+TOWERS = [(family, hidden, 34) for family in ("gemma3", "smolvlm") for hidden in (256, 512)]
+
+
+def tower_point(folder: Path, family: str, hidden: int, views: int) -> dict:
+    """The tower's forward (and its projector) on ``views`` random 32x32 views, its parameters frozen as task=vlm
+    freezes them, under the profiler: the highest point of what it allocates, against ``vision_forward``."""
+    import transformers
+
+    from rocktune.demo.tiny_vlm_families import build_family_vlm
+    from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
+
+    model_dir = build_family_vlm(folder / f"tower-{family}-{hidden}", 0, family, vision_hidden=hidden, vision_depth=2)
+    name = {"gemma3": "Gemma3", "smolvlm": "SmolVLM"}[family]
+    model = getattr(transformers, f"{name}ForConditionalGeneration").from_pretrained(model_dir).requires_grad_(False)
+    text, vision = load_vlm_shape(str(model_dir))
+    pixels = torch.randn(views, 3, vision.view, vision.view)
+    if family == "gemma3":
+        run = lambda: model.model.get_image_features(pixels)  # noqa: E731
+    else:  # one conversation of ``views`` tiles, none of them padding
+        mask = torch.ones(1, views, vision.view, vision.view, dtype=torch.bool)
+        run = lambda: model.model.get_image_features(pixels[None], mask)  # noqa: E731
+    measured = _profiled_peak(run)
+    spec = VLMSpec(seq_len=16, patches=(views * vision.view_patches,), device="cpu")
+    predicted = estimate_vlm(text, vision, spec).by_name()["vision_forward"]
+    return {"family": family, "hidden": hidden, "views": views, "patches": views * vision.view_patches,
+            "measured": measured, "predicted": predicted, "error": (predicted - measured) / measured}
+
+
 def run_grid(points=GRID) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="rocktune-vlm-plan-") as tmp:
         return [run_point(Path(tmp), *p) for p in points]
@@ -252,15 +282,24 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tower_markdown(rows: list[dict]) -> str:
+    lines = ["| tower | width | views | patches | forward peak measured | vision_forward | error |", "|---" * 7 + "|"]
+    lines += [f"| {r['family']} | {r['hidden']} | {r['views']} | {r['patches']} | {r['measured']:,} "
+              f"| {r['predicted']:,} | {r['error']:+.1%} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown instead of JSON")
     args = ap.parse_args(argv)
     rows = run_grid()
+    with tempfile.TemporaryDirectory(prefix="rocktune-vlm-tower-") as tmp:
+        towers = [tower_point(Path(tmp), *t) for t in TOWERS]
     out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
            "max_abs_peak_error": max(abs(r["peak_error"]) for r in rows),
-           "state_exact": all(r["state_exact"] for r in rows)}
-    print(markdown(rows) if args.markdown else json.dumps(out, indent=1))
+           "state_exact": all(r["state_exact"] for r in rows), "siglip_towers": towers}
+    print(markdown(rows) + "\n\n" + tower_markdown(towers) if args.markdown else json.dumps(out, indent=1))
     return 0
 
 

@@ -199,6 +199,14 @@ def test_gemma3_and_smolvlm_plans_hold_against_a_real_step_at_three_image_sizes(
     assert row["patches"] == 2 * views * 16
 
 
+@pytest.mark.parametrize("tower", pvv.TOWERS, ids=lambda t: f"{t[0]}-{t[1]}")
+def test_the_siglip_towers_forward_is_planned(models, tower):
+    """The tiny step grid's towers see too few patches to set a step's peak: the frozen tower's forward alone (34
+    views), its CPU peak against the plan's vision_forward, at two widths."""
+    row = pvv.tower_point(models, *tower)
+    assert abs(row["error"]) < 0.05, row
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("point", [p for p in pvv.GRID if p[0] in pvv.FAMILY_MODELS and p not in FAMILY_DEFAULT],
                          ids=lambda p: "-".join(map(str, p)))
