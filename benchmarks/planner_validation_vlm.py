@@ -1,12 +1,13 @@
 """Validate the vision-language planner (``rocktune.planner.vlm``) against real training steps; prints one JSON object.
 
-    python benchmarks/planner_validation_vlm.py            # CPU grid: two tiny Qwen2.5-VLs, three image sizes
+    python benchmarks/planner_validation_vlm.py            # CPU grid: tiny Qwen-VLs, Gemma 3, SmolVLM; 3 sizes
     python benchmarks/planner_validation_vlm.py --markdown # the same as a table
 
 One real step of a random-init tiny Qwen2.5-VL (``rocktune.demo.tiny_vlm``: 2 text layers, 2 vision blocks, the
 first with full attention, the second with window attention; a narrow and a wide tower) per grid point, built and
 trained as task=vlm builds and trains it (``tasks/vlm/build.py``'s LoRA on the language model, the vision side
-frozen; ``VisionLoss``; AdamW), on conversations encoded by the data code (``data/vision.py``) from PNG images of the
+frozen; ``VisionLoss``; AdamW), and of a tiny Gemma 3 and SmolVLM (``rocktune.demo.tiny_vlm_families``, a
+256-wide SigLIP tower), on conversations encoded by the data code (``data/vision.py``) from PNG images of the
 given size. Three figures:
 
 - saved for backward: ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded
@@ -15,6 +16,9 @@ given size. Three figures:
 - the peak: the second step is run under torch's profiler with ``profile_memory`` (every CPU allocation and free,
   from the allocator), and its highest point plus the tensors that existed before it (weights, adapters, their
   gradients and AdamW states, the batch) is compared with the plan's ``peak_allocated``.
+
+The SigLIP towers (Gemma 3, SmolVLM) are also measured alone (``tower_point``): their frozen forward's CPU peak on
+34 views against the plan's ``vision_forward``, since the step grid's tiny towers do not set a step's peak.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ step's CPU peak (the allocator's own events) within 10% (its tolerance for a mea
 
 The grid (16 points: two Qwen2.5-VL tower widths, checkpointing, bf16, Qwen3-VL, Qwen2-VL) is
 ``benchmarks/planner_validation_vlm.py``;
-the default suite runs the three image sizes on the wide tower, whose forward sets the peak at the larger two.
+the default suite runs the three image sizes on the wide tower, whose forward sets the peak at the larger two, and
+the tiny Gemma 3 and SmolVLM at three sizes each (their checkpointing points in ``long``), with their towers'
+forward measured alone.
 """
 
 from __future__ import annotations
