@@ -244,12 +244,21 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
     return est
 
 
+def _pixel_values(vision: VisionShape, patches: int) -> int:
+    """Values of the pixels of ``patches`` patches: a SigLIP view's whole square (SmolVLM's 384 pixels hold 27 whole
+    patches of 14 a side, the rest cut by the convolution), Qwen's patches exactly."""
+    if vision.siglip:
+        return patches // vision.view_patches * vision.in_channels * vision.view**2
+    return patches * vision.patch_values
+
+
 def _batch(vision: VisionShape, spec: VLMSpec, add) -> None:
     p, rows = spec.total_patches, spec.micro_batch * spec.seq_len
-    add("pixel_values", p * vision.patch_values * 4, "batch",
-        f"{len(spec.patches)} image(s), {p:,} patches x {vision.patch_values} values x 4 B (fp32, the processor's)")
+    values = _pixel_values(vision, p)
+    add("pixel_values", values * 4, "batch",
+        f"{len(spec.patches)} image(s), {p:,} patches, {values:,} values x 4 B (fp32, the processor's)")
     if vision.siglip and vision.family != "gemma3":
-        add("pixel_attention_mask", p * vision.patch * vision.patch, "batch", "1 B a pixel of each view (bool)")
+        add("pixel_attention_mask", values // vision.in_channels, "batch", "1 B a pixel of each view (bool)")
     kinds = 3 if vision.siglip and vision.family != "gemma3" else 4
     add("token_rows", kinds * rows * 8, "batch", f"ids, mask, labels{', token types' if kinds == 4 else ''}: "
         f"{spec.micro_batch} x {spec.seq_len} x 8 B each")
@@ -262,9 +271,9 @@ def _siglip_forward(vision: VisionShape, spec: VLMSpec, dt: int, add) -> None:
     if not p:
         return
     views = p // vision.view_patches
-    cast = p * vision.patch_values * dt if dt != 4 else 0
+    cast = _pixel_values(vision, p) * dt if dt != 4 else 0
     if vision.family != "gemma3":  # the real views gathered out of the padded (conversations, images) batch
-        cast += p * vision.patch_values * 4
+        cast += _pixel_values(vision, p) * 4
     # the residual, the block's input and its norm's output; measured with torch's profiler on the tiny towers
     # (widths 256 and 512): Gemma 3's forward peaks at 8.0 x P x h x 4 B, SmolVLM's at 8.4-8.8 (its pixels gathered)
     stream = 3 * p * h * dt
