@@ -234,6 +234,9 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
     if vision.family == "gemma3":  # its sliding layers' own rotary tables (a second base), kept for the backward
         add("local_rope", 2 * spec.seq_len * text.head_dim * 4, "saved", "cos and sin of the local rotary base "
             f"(sliding-window layers): 2 x {spec.seq_len} x {text.head_dim} x 4 B")
+        if spec.checkpointing and spec.attn != "eager":  # the sliding layers' own bool mask, beside the global one
+            add("sliding_mask", spec.micro_batch * spec.seq_len**2, "saved", "the sliding-window layers' 4-D mask, "
+                "kept by their checkpoints (1 B a pair)")
     _batch(vision, spec, add)
     (_siglip_forward if vision.siglip else _vision_forward)(vision, spec, dt, add)
     dynamic = max(est.saved_bytes + est.peak_transient_bytes, est.phase("vision"))
