@@ -1,12 +1,13 @@
 """Validate the vision-language planner (``rocktune.planner.vlm``) against real training steps; prints one JSON object.
 
-    python benchmarks/planner_validation_vlm.py            # CPU grid: two tiny Qwen2.5-VLs, three image sizes
+    python benchmarks/planner_validation_vlm.py            # CPU grid: tiny Qwen-VLs, Gemma 3, SmolVLM; 3 sizes
     python benchmarks/planner_validation_vlm.py --markdown # the same as a table
 
 One real step of a random-init tiny Qwen2.5-VL (``rocktune.demo.tiny_vlm``: 2 text layers, 2 vision blocks, the
 first with full attention, the second with window attention; a narrow and a wide tower) per grid point, built and
 trained as task=vlm builds and trains it (``tasks/vlm/build.py``'s LoRA on the language model, the vision side
-frozen; ``VisionLoss``; AdamW), on conversations encoded by the data code (``data/vision.py``) from PNG images of the
+frozen; ``VisionLoss``; AdamW), and of a tiny Gemma 3 and SmolVLM (``rocktune.demo.tiny_vlm_families``, a
+256-wide SigLIP tower), on conversations encoded by the data code (``data/vision.py``) from PNG images of the
 given size. Three figures:
 
 - saved for backward: ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded
@@ -15,6 +16,9 @@ given size. Three figures:
 - the peak: the second step is run under torch's profiler with ``profile_memory`` (every CPU allocation and free,
   from the allocator), and its highest point plus the tensors that existed before it (weights, adapters, their
   gradients and AdamW states, the batch) is compared with the plan's ``peak_allocated``.
+
+The SigLIP towers (Gemma 3, SmolVLM) are also measured alone (``tower_point``): their frozen forward's CPU peak on
+34 views against the plan's ``vision_forward``, since the step grid's tiny towers do not set a step's peak.
 """
 
 from __future__ import annotations
@@ -39,9 +43,19 @@ MODELS = {"tiny": {"vision_hidden": 64, "vision_depth": 2}, "wide-vision": {"vis
           "qwen3-vl-wide": {"family": "qwen3_vl", "vision_hidden": 256, "vision_depth": 2},
           "qwen2-vl": {"family": "qwen2_vl", "vision_depth": 2}}
 SIZES = ((112, 112), (224, 168), (448, 336))
+# Gemma 3 and SmolVLM (``rocktune.demo.tiny_vlm_families``: 2 text layers, a SigLIP tower of 32-pixel views in 8-pixel
+# patches) with a wide tower; SmolVLM's processor here splits images of up to 128 pixels a side into 32-pixel tiles
+# (up to 4 x 4 and the global view). Gemma 3 resizes every image to its one size: the three sizes make the same step.
+FAMILY_MODELS = {"gemma3-wide": {"family": "gemma3", "vision_hidden": 256, "vision_depth": 2},
+                 "smolvlm-wide": {"family": "smolvlm", "vision_hidden": 256, "vision_depth": 2}}
+TILE_EDGE = 128
+FAMILY_SIZES = ((64, 64), (128, 64), (128, 32))  # SmolVLM: 4 x 4, 4 x 2, 4 x 1 tiles and the global view
+MODELS.update(FAMILY_MODELS)
 # (model, width, height, micro-batch, precision, checkpointing): three image sizes on each model, the largest also
 # with checkpointing and in bf16 on the Qwen2.5-VLs
-GRID = [(m, w, h, 2, "fp32", False) for m in MODELS for w, h in SIZES]
+GRID = [(m, w, h, 2, "fp32", False) for m in MODELS if m not in FAMILY_MODELS for w, h in SIZES]
+GRID += [(m, w, h, 2, "fp32", False) for m in FAMILY_MODELS for w, h in FAMILY_SIZES]
+GRID += [(m, 128, 96, 2, "fp32", True) for m in FAMILY_MODELS]
 GRID += [(m, 448, 336, 2, "fp32", True) for m in ("tiny", "wide-vision")]
 GRID += [(m, 448, 336, 1, "bf16", False) for m in ("tiny", "wide-vision")]
 
@@ -49,7 +63,23 @@ GRID += [(m, 448, 336, 1, "bf16", False) for m in ("tiny", "wide-vision")]
 def build_model_dir(folder: Path, name: str) -> Path:
     from rocktune.demo.tiny_vlm import build_tiny_vlm
 
-    return build_tiny_vlm(folder / name, **MODELS[name])
+    if name not in FAMILY_MODELS:
+        return build_tiny_vlm(folder / name, **MODELS[name])
+    import transformers
+
+    from rocktune.demo.tiny_vlm_families import build_family_vlm
+
+    shape = dict(MODELS[name])
+    out = build_family_vlm(folder / name, 0, shape.pop("family"), **shape)
+    if name.startswith("smolvlm"):
+        transformers.SmolVLMImageProcessor(size={"longest_edge": TILE_EDGE}, max_image_size={"longest_edge": 32},
+                                           do_image_splitting=True).save_pretrained(out)
+    return out
+
+
+def _language_layers(model):
+    inner = model.get_base_model().model
+    return getattr(inner, "language_model", None) or inner.text_model
 
 
 def write_data(folder: Path, width: int, height: int, rows: int) -> Path:
@@ -108,7 +138,8 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
     from rocktune.vision_model import vision_tokens
 
     tok = load_tokenizer(str(model_dir), False)
-    vision = vision_tokens(str(model_dir), AutoConfig.from_pretrained(model_dir), tok, None, MAX_PIXELS)
+    config = AutoConfig.from_pretrained(model_dir)
+    vision = vision_tokens(str(model_dir), config, tok, None, MAX_PIXELS if "qwen" in config.model_type else None)
     examples = [encode(r, data.parent, tok, vision, 4096, str(loc)) for loc, r in read_records(data)[:b]]
     batch = collate(examples, tok.pad_token_id, vision)
     torch.manual_seed(0)
@@ -132,7 +163,7 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
         return t
 
     if ckpt:  # checkpoint inputs are kept alive outside the hooks
-        for layer in model.get_base_model().model.language_model.layers:
+        for layer in _language_layers(model).layers:
             layer._gradient_checkpointing_func = _counting(layer._gradient_checkpointing_func, keep)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3, foreach=True)
@@ -167,11 +198,21 @@ def _profiled_peak(step) -> int:
     return peak
 
 
+def patches(vision, grid) -> int:
+    """The patches the tower sees for an image of ``grid`` (its rule's: Qwen's (t, h, w); SmolVLM's (rows, cols) of
+    tiles and the global view; Gemma 3's, none: one view)."""
+    if not vision.siglip:
+        t, h, w = grid
+        return t * h * w
+    rows, cols = grid if grid else (0, 0)
+    return (rows * cols + 1) * vision.view_patches
+
+
 def predict(model_dir: Path, got: dict, b: int, precision: str, ckpt: bool):
     from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
 
     text, vision = load_vlm_shape(str(model_dir))
-    tokens = [t * h * w for t, h, w in (tuple(g) for g in got["grids"])]
+    tokens = [patches(vision, g) for g in got["grids"]]
     spec = VLMSpec(micro_batch=b, seq_len=got["seq"], patches=tuple(tokens), lora_r=8, precision=precision,
                    checkpointing=ckpt, device="cpu",
                    loss_fraction=got["loss_tokens"] / (b * (got["seq"] - 1)), padded=len(set(got["lengths"])) > 1)
@@ -188,7 +229,7 @@ def run_point(folder: Path, name: str, width: int, height: int, b: int, precisio
     vision_sets_peak = terms["vision_forward"] > est.saved_bytes + est.peak_transient_bytes
     row = {"model": name, "size": f"{width}x{height}", "batch": b, "precision": precision, "checkpointing": ckpt,
            "peak_phase": "vision forward" if vision_sets_peak else "language model",
-           "patches": sum(t * h * w for t, h, w in got["grids"]), "seq": got["seq"],
+           "patches": est.vspec.total_patches, "seq": got["seq"],
            "saved_measured": got["saved_bytes"], "saved_predicted": est.saved_bytes,
            "peak_measured": got["peak_bytes"], "peak_predicted": est.peak_allocated}
     row["saved_error"] = (est.saved_bytes - got["saved_bytes"]) / got["saved_bytes"]
@@ -196,6 +237,36 @@ def run_point(folder: Path, name: str, width: int, height: int, b: int, precisio
     row["state_exact"] = all(terms[k] == v for k, v in got["state"].items())
     row["terms"] = terms
     return row
+
+
+# The SigLIP towers alone (Gemma 3, SmolVLM): the frozen forward's CPU peak against the plan's vision_forward term, at
+# two widths and a number of views (images or tiles) the step grid's tiny towers do not let set a step's peak
+TOWERS = [(family, hidden, 34) for family in ("gemma3", "smolvlm") for hidden in (256, 512)]
+
+
+def tower_point(folder: Path, family: str, hidden: int, views: int) -> dict:
+    """The tower's forward (and its projector) on ``views`` random 32x32 views, its parameters frozen as task=vlm
+    freezes them, under the profiler: the highest point of what it allocates, against ``vision_forward``."""
+    import transformers
+
+    from rocktune.demo.tiny_vlm_families import build_family_vlm
+    from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
+
+    model_dir = build_family_vlm(folder / f"tower-{family}-{hidden}", 0, family, vision_hidden=hidden, vision_depth=2)
+    name = {"gemma3": "Gemma3", "smolvlm": "SmolVLM"}[family]
+    model = getattr(transformers, f"{name}ForConditionalGeneration").from_pretrained(model_dir).requires_grad_(False)
+    text, vision = load_vlm_shape(str(model_dir))
+    pixels = torch.randn(views, 3, vision.view, vision.view)
+    if family == "gemma3":
+        run = lambda: model.model.get_image_features(pixels)  # noqa: E731
+    else:  # one conversation of ``views`` tiles, none of them padding
+        mask = torch.ones(1, views, vision.view, vision.view, dtype=torch.bool)
+        run = lambda: model.model.get_image_features(pixels[None], mask)  # noqa: E731
+    measured = _profiled_peak(run)
+    spec = VLMSpec(seq_len=16, patches=(views * vision.view_patches,), device="cpu")
+    predicted = estimate_vlm(text, vision, spec).by_name()["vision_forward"]
+    return {"family": family, "hidden": hidden, "views": views, "patches": views * vision.view_patches,
+            "measured": measured, "predicted": predicted, "error": (predicted - measured) / measured}
 
 
 def run_grid(points=GRID) -> list[dict]:
@@ -215,15 +286,24 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tower_markdown(rows: list[dict]) -> str:
+    lines = ["| tower | width | views | patches | forward peak measured | vision_forward | error |", "|---" * 7 + "|"]
+    lines += [f"| {r['family']} | {r['hidden']} | {r['views']} | {r['patches']} | {r['measured']:,} "
+              f"| {r['predicted']:,} | {r['error']:+.1%} |" for r in rows]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown instead of JSON")
     args = ap.parse_args(argv)
     rows = run_grid()
+    with tempfile.TemporaryDirectory(prefix="rocktune-vlm-tower-") as tmp:
+        towers = [tower_point(Path(tmp), *t) for t in TOWERS]
     out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
            "max_abs_peak_error": max(abs(r["peak_error"]) for r in rows),
-           "state_exact": all(r["state_exact"] for r in rows)}
-    print(markdown(rows) if args.markdown else json.dumps(out, indent=1))
+           "state_exact": all(r["state_exact"] for r in rows), "siglip_towers": towers}
+    print(markdown(rows) + "\n\n" + tower_markdown(towers) if args.markdown else json.dumps(out, indent=1))
     return 0
 
 

@@ -5,7 +5,9 @@ step's CPU peak (the allocator's own events) within 10% (its tolerance for a mea
 
 The grid (16 points: two Qwen2.5-VL tower widths, checkpointing, bf16, Qwen3-VL, Qwen2-VL) is
 ``benchmarks/planner_validation_vlm.py``;
-the default suite runs the three image sizes on the wide tower, whose forward sets the peak at the larger two.
+the default suite runs the three image sizes on the wide tower, whose forward sets the peak at the larger two, and
+the tiny Gemma 3 and SmolVLM at three sizes each (their checkpointing points in ``long``), with their towers'
+forward measured alone.
 """
 
 from __future__ import annotations
@@ -180,3 +182,123 @@ def test_images_longer_than_max_length_are_refused_as_training_refuses_them(tiny
     assert main(["plan", str(tiny), "--task", "vlm", "--image-size", "1024x768", "--max-pixels", "1003520",
                  "--max-length", "512"]) == 2
     assert "make 999 tokens at max_pixels=1003520, not fewer than --max-length=512" in capsys.readouterr().err
+
+
+# --- Gemma 3 and SmolVLM: a SigLIP tower at the processor's own resolution -----------------------------------------
+
+FAMILY_DEFAULT = [(m, w, h, 2, "fp32", False) for m in pvv.FAMILY_MODELS for w, h in pvv.FAMILY_SIZES]
+
+
+@pytest.mark.parametrize("point", FAMILY_DEFAULT, ids=lambda p: f"{p[0]}-{p[1]}x{p[2]}")
+def test_gemma3_and_smolvlm_plans_hold_against_a_real_step_at_three_image_sizes(models, point):
+    """SmolVLM's processor rescales every image to its longest_edge (128 here) and tiles it in 32 pixels: 64x64 makes
+    4 x 4 tiles and the global view, 128x64 4 x 2, 128x32 4 x 1; Gemma 3 resizes every image to its one size."""
+    row = pvv.run_point(models, *point)
+    assert abs(row["saved_error"]) < 0.05, row
+    assert row["state_exact"], row
+    assert abs(row["peak_error"]) < 0.10, row
+    views = {(64, 64): 17, (128, 64): 9, (128, 32): 5}[point[1:3]] if point[0].startswith("smolvlm") else 1
+    assert row["patches"] == 2 * views * 16
+
+
+@pytest.mark.parametrize("tower", pvv.TOWERS, ids=lambda t: f"{t[0]}-{t[1]}")
+def test_the_siglip_towers_forward_is_planned(models, tower):
+    """The tiny step grid's towers see too few patches to set a step's peak: the frozen tower's forward alone (34
+    views), its CPU peak against the plan's vision_forward, at two widths."""
+    row = pvv.tower_point(models, *tower)
+    assert abs(row["error"]) < 0.05, row
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("point", [p for p in pvv.GRID if p[0] in pvv.FAMILY_MODELS and p not in FAMILY_DEFAULT],
+                         ids=lambda p: "-".join(map(str, p)))
+def test_gemma3_and_smolvlm_plans_hold_with_checkpointing(models, point):
+    row = pvv.run_point(models, *point)
+    assert abs(row["saved_error"]) < 0.05, row
+    assert row["state_exact"], row
+    assert abs(row["peak_error"]) < 0.10, row
+
+
+@pytest.fixture(scope="module")
+def smolvlm(models) -> Path:
+    """The demo's tiny SmolVLM as built (its processor: longest_edge 64, tiles of 32)."""
+    from rocktune.demo.tiny_vlm_families import build_family_vlm
+
+    return build_family_vlm(models / "smolvlm-demo", 0, "smolvlm")
+
+
+@pytest.fixture(scope="module")
+def gemma3(models) -> Path:
+    from rocktune.demo.tiny_vlm_families import build_family_vlm
+
+    return build_family_vlm(models / "gemma3-demo", 0, "gemma3")
+
+
+def _image_rows(folder: Path, sizes) -> Path:
+    from PIL import Image
+
+    from rocktune.demo.vision_task import row
+
+    folder.mkdir(exist_ok=True)
+    lines = []
+    for i, (w, h) in enumerate(sizes):
+        Image.new("RGB", (w, h), (40 * i, 90, 160)).save(folder / f"{i}.png")
+        lines.append(json.dumps(row(f"{i}.png", "blue")))
+    (folder / "t.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "t.jsonl"
+
+
+def test_tiles_are_counted_by_the_processors_own_split(smolvlm, tmp_path, capsys):
+    """Longest edge 64 in tiles of 32: 64x64 is 2 x 2 tiles and the global view (5 x 4 tokens), 128x64 is rescaled
+    to 64x32 (1 x 2 tiles, 12 tokens), 20x20 is rescaled up to 64x64 (20); the tokens and the longest conversation
+    (tags included) as data preview counts them."""
+    data = _image_rows(tmp_path, [(64, 64), (128, 64), (20, 20)])
+    doc = _plan(capsys, smolvlm, "--data", data, "--vram", "4GiB")
+    assert main(["data", "preview", "--data", str(data), "--model", str(smolvlm), "task=vlm", "--json"]) == 0
+    preview = json.loads(capsys.readouterr().out)
+    assert doc["images"]["tokens_per_image"] == {"min": 12, "max": 20}
+    assert doc["images"]["max_pixels"] is None
+    assert doc["images"]["longest_conversation"]["tokens"] == preview["tokens_per_example"]["max"]
+    assert doc["fit"]["max_pixels"] is None
+    assert "the resolution is smolvlm's processor's" in doc["fit"]["reasons"][1]
+    assumed = _plan(capsys, smolvlm, "--image-size", "64x64", "--text-tokens", 30, "--vram", "4GiB")
+    assert assumed["settings"]["patches"] == [5 * 16]  # 5 views of 4 x 4 patches
+    # 20 image tokens and the tags: each of the 4 tiles' <fake_token_around_image><row_r_col_c>, a newline after each
+    # of the 2 rows and one before the global view, <fake_token_around_image><global-img> ... <fake_token_around_image>
+    assert assumed["settings"]["seq_len"] == 30 + 20 + 4 * 2 + 2 + 1 + 3
+
+
+def test_gemma3_makes_its_fixed_tokens_at_any_size(gemma3, tmp_path, capsys):
+    data = _image_rows(tmp_path, [(32, 32), (300, 40), (7, 9)])
+    doc = _plan(capsys, gemma3, "--data", data, "--vram", "4GiB")
+    assert doc["images"]["tokens_per_image"] == {"min": 4, "max": 4}
+    assert doc["settings"]["patches"] == [16]
+    assert doc["terms"]["local_rope"] > 0 and doc["terms"]["vision_forward"] > 0
+    assert main(["plan", str(gemma3), "--task", "vlm", "--max-pixels", "50176"]) == 2
+    assert "Gemma 3's sets it in the model's preprocessor_config.json" in capsys.readouterr().err
+    assert main(["plan", str(gemma3), "--vram", "4GiB"]) == 2
+    assert "is a vision-language model (gemma3_text); plan it with --task vlm" in capsys.readouterr().err
+
+
+def test_train_auto_on_smolvlm_chooses_the_micro_batch_only(smolvlm, tmp_path):
+    """A budget that holds a smaller micro-batch but not 8 (the plan: 1,100 MiB at 8, above 1,150 MiB less the margin):
+    --auto lowers the micro-batch (the global batch kept) and leaves the resolution to the processor; the run
+    trains."""
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from rocktune.train.request import RunOptions
+
+    data = _image_rows(tmp_path, [(64, 64)] * 8)
+    cfg = {"task": "vlm", "model": {"name_or_path": str(smolvlm)}, "lora": {"r": 8, "alpha": 16},
+           "data": {"train_file": str(data), "max_length": 512, "eval_fraction": 0},
+           "training": {"max_steps": 1, "micro_batch_size": 8, "grad_accum": 1, "precision": "fp32", "device": "cpu",
+                        "eval_every": 0},
+           "reliability": {"save_every": 0, "min_free_disk_mb": 0}, "output": {"dir": str(tmp_path / "run")}}
+    train(config_from_dict(cfg), RunOptions(auto_fit=True, vram_bytes=1150 * 2**20), quiet=True)
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    chosen = next(n for n in info["notes"] if n.startswith("--auto: "))
+    assert chosen.startswith("--auto: micro_batch_size=") and "max_pixels" not in chosen
+    micro, accum = (int(chosen.split(k + "=")[1].split()[0]) for k in ("micro_batch_size", "grad_accum"))
+    assert micro < 8 and micro * accum == 8
+    assert "max_pixels: null" in (tmp_path / "run" / "config.yaml").read_text()
+    assert info["predicted_peak_bytes"] > 0

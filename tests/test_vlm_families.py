@@ -332,12 +332,16 @@ def test_a_tiny_model_learns_the_colour_of_a_shape(tmp_path, colour_task, capsys
     learns_the_colour(build_tiny_vlm(tmp_path / "m", family=family), colour_task, tmp_path, capsys, max_length=128)
 
 
-def test_plan_refuses_the_families_it_does_not_model(tmp_path, capsys):
-    """The vlm planner models Qwen's vision towers only: a Gemma 3 is refused with the list, exit 2."""
+def test_plan_models_the_families(tmp_path, capsys):
+    """plan --task vlm sizes a Gemma 3 too (tests/test_planner_vlm.py checks it against real steps): its fixed soft
+    tokens per image, and no max_pixels to choose."""
+    import json
+
     from rocktune.cli import main
     from rocktune.demo.tiny_vlm import build_tiny_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family="gemma3")
     capsys.readouterr()
-    assert main(["plan", str(model_dir), "--task", "vlm"]) == 2
-    assert "task=vlm plans qwen2_5_vl, qwen3_vl, qwen2_vl models" in capsys.readouterr().err
+    assert main(["plan", str(model_dir), "--task", "vlm", "--vram", "4GiB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["images"]["tokens_per_image"] == {"min": 4, "max": 4} and doc["fit"]["max_pixels"] is None

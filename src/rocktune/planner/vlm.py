@@ -1,4 +1,5 @@
-"""Memory of one vision-language LoRA step (task=vlm: Qwen2.5-VL, Qwen3-VL, Qwen2-VL), from config.json alone.
+"""Memory of one vision-language LoRA step (task=vlm: Qwen2.5-VL, Qwen3-VL, Qwen2-VL; Gemma 3, SmolVLM, Idefics3),
+from config.json alone.
 
 The language model is sized by the text planner (``estimate``) at the sequence length the image tokens make. The
 vision side is frozen (LoRA on the language model, ``lora.vision: none``): its input needs no gradient and its weights
@@ -14,6 +15,10 @@ What the tower holds while it runs, per micro-batch of P patches (before the 2 x
   scores;
 - the MLP half: the norm's output and the MLP's intermediates (gate, act, up and their product, or fc1 and GELU).
 
+Gemma 3's, Idefics3's and SmolVLM's towers are SigLIP's (``_siglip_forward``): every view (a Gemma 3 image; an
+Idefics3/SmolVLM tile or global image) is resized to the tower's one size, its patches attend to one another only, at
+learned positions, and the projector pools (Gemma 3) or pixel-shuffles (SmolVLM) merge x merge patches into a token.
+
 The pixels (fp32, P x channels x temporal x patch x patch) are part of the batch and live the whole step (the
 ``batch`` phase). Measured against real steps on the CPU in ``benchmarks/planner_validation_vlm.py``.
 """
@@ -28,7 +33,12 @@ from rocktune.errors import UserError
 from rocktune.planner.estimate import DTYPE_BYTES, FRAGMENTATION, MIB, Estimate, RunSpec, Term, estimate
 from rocktune.planner.shapes import ModelShape, read_config, shape_from_config
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")
+QWEN = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")
+SIGLIP = ("gemma3", "smolvlm", "idefics3")  # a SigLIP tower at one fixed size per view (an image, or a tile)
+FAMILIES = QWEN + SIGLIP
+MODEL_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                 "qwen2_vl": "Qwen2VLForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
+                 "smolvlm": "SmolVLMForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,16 @@ class VisionShape:
     in_channels: int = 3
     gated: bool = True  # Qwen2.5-VL's SwiGLU MLP (gate, up, down); Qwen2-VL's and Qwen3-VL's fc1 -> GELU -> fc2
     model_params: int = 0  # the whole model's parameters (language model, vision tower, projector), counted
+    view: int = 0  # SigLIP towers: pixels a side of the one size every view is resized to (0: Qwen's own grid)
+
+    @property
+    def siglip(self) -> bool:
+        return self.view > 0
+
+    @property
+    def view_patches(self) -> int:
+        """Patches of one view (a Gemma 3 image, an Idefics3/SmolVLM tile or global image): one attention chunk."""
+        return (self.view // self.patch) ** 2
 
     @property
     def head_dim(self) -> int:
@@ -73,6 +93,8 @@ def vision_shape(config: dict, name: str = "config") -> VisionShape:
     if family not in FAMILIES or not isinstance(v, dict):
         raise UserError(f"{name}: task=vlm plans {', '.join(FAMILIES)} models (a config.json with a vision_config); "
                         f"this one has model_type {family!r}.")
+    if family in SIGLIP:
+        return _siglip_shape(config, v, name)
     if family == "qwen2_vl":  # Qwen2-VL names the tower's width embed_dim; its hidden_size is the projector's output
         hidden, intermediate = v.get("embed_dim", 1280), v.get("embed_dim", 1280) * v.get("mlp_ratio", 4)
         out = v.get("hidden_size", 3584)
@@ -89,6 +111,41 @@ def vision_shape(config: dict, name: str = "config") -> VisionShape:
     return VisionShape(family, v.get("patch_size", 14), v.get("temporal_patch_size", 2), v.get("spatial_merge_size", 2),
                        depth, hidden, intermediate, values["num_heads"], out, window, full,
                        v.get("in_channels", 3), gated=family == "qwen2_5_vl")
+
+
+def _siglip_shape(config: dict, v: dict, name: str) -> VisionShape:
+    """Gemma 3's tower pools each image's patches to mm_tokens_per_image soft tokens (an average over k x k patches);
+    Idefics3's and SmolVLM's connector shuffles scale_factor x scale_factor patches into one token: either way one
+    token stands for merge x merge patches of a view."""
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+            "patch_size")
+    bad = [k for k in keys if not isinstance(v.get(k), int) or v[k] <= 0]
+    if bad:
+        raise UserError(f"{name}: vision_config lacks a positive {', '.join(bad)}; pass the model's own config.json.")
+    side = v["image_size"] // v["patch_size"]
+    if config["model_type"] == "gemma3":
+        merge = side // int(config.get("mm_tokens_per_image", 256) ** 0.5)
+        out = config.get("text_config", {}).get("hidden_size")
+    else:
+        merge = config.get("scale_factor", 2)
+        out = config.get("text_config", {}).get("hidden_size")
+    depth = v["num_hidden_layers"]
+    return VisionShape(config["model_type"], v["patch_size"], 1, merge, depth, v["hidden_size"],
+                       v["intermediate_size"], v["num_attention_heads"], out or 0, 0, tuple(range(depth)),
+                       v.get("num_channels", 3), gated=False, view=v["image_size"])
+
+
+def is_vlm_config(model: str) -> bool:
+    """Whether ``model`` (a directory or config.json) is a vision-language model the vlm task plans: its top-level
+    model_type, since its language model's (gemma3_text, llama) is also a text model's."""
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        return False
+    config = read_config(path)
+    return config.get("model_type") in FAMILIES and isinstance(config.get("vision_config"), dict)
 
 
 def load_vlm_shape(model: str) -> tuple[ModelShape, VisionShape]:
@@ -112,10 +169,8 @@ def _count_params(model_dir: str) -> int:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    # (vision_model.FAMILIES says the same; the planner does not import the model layer, which imports the data's)
-    cls = getattr(transformers, {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                                 "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                                 "qwen2_vl": "Qwen2VLForConditionalGeneration"}[config.model_type])
+    # (vision_families.FAMILIES says the same; the planner does not import the model layer, which imports the data's)
+    cls = getattr(transformers, MODEL_CLASSES[config.model_type])
     with torch.device("meta"):
         model = cls._from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -153,16 +208,20 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
     the frozen vision tower's forward."""
     if spec.precision not in DTYPE_BYTES:
         raise UserError(f"precision must be one of {', '.join(DTYPE_BYTES)}, not {spec.precision!r}.")
+    # Gemma 3's image tokens attend to one another both ways: its masks are never the plain causal one, so every
+    # layer converts one to float for sdpa (and repeats k/v), as with padding
+    padded = True if vision.family == "gemma3" else spec.padded
     run = RunSpec(micro_batch=spec.micro_batch, seq_len=spec.seq_len, lora_r=spec.lora_r, precision=spec.precision,
                   attn=spec.attn, checkpointing=spec.checkpointing, loss_fraction=spec.loss_fraction,
-                  padded=spec.padded, device=spec.device, loss_chunk=spec.loss_chunk)
+                  padded=padded, device=spec.device, loss_chunk=spec.loss_chunk)
     lm = estimate(text, run)
     est = VLMEstimate(text, run, vision=vision, vspec=spec)
     dt = DTYPE_BYTES[spec.precision]
     for t in lm.terms:
         if t.phase == "overhead":
             continue
-        if t.name == "final_norm_rope" and spec.micro_batch > 1:  # 3-D positions: cos/sin per row, not shared
+        # Qwen's 3-D positions: cos/sin per row, not shared
+        if t.name == "final_norm_rope" and spec.micro_batch > 1 and not vision.siglip:
             extra = (spec.micro_batch - 1) * 2 * spec.seq_len * text.head_dim * dt
             t = Term(t.name, t.bytes + extra, t.phase, t.inputs + " (one per row: Qwen's 3-D positions)")
         if t.name == "base_weights":
@@ -172,8 +231,14 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
 
     def add(name, n, phase, inputs):
         est.terms.append(Term(name, int(n), phase, inputs))
+    if vision.family == "gemma3":  # its sliding layers' own rotary tables (a second base), kept for the backward
+        add("local_rope", 2 * spec.seq_len * text.head_dim * 4, "saved", "cos and sin of the local rotary base "
+            f"(sliding-window layers): 2 x {spec.seq_len} x {text.head_dim} x 4 B")
+        if spec.checkpointing and spec.attn != "eager":  # the sliding layers' own bool mask, beside the global one
+            add("sliding_mask", spec.micro_batch * spec.seq_len**2, "saved", "the sliding-window layers' 4-D mask, "
+                "kept by their checkpoints (1 B a pair)")
     _batch(vision, spec, add)
-    _vision_forward(vision, spec, dt, add)
+    (_siglip_forward if vision.siglip else _vision_forward)(vision, spec, dt, add)
     dynamic = max(est.saved_bytes + est.peak_transient_bytes, est.phase("vision"))
     add("allocator_overhead", FRAGMENTATION * dynamic + 64 * MIB, "overhead",
         f"{FRAGMENTATION:.0%} of activations + transients + 64 MiB for block rounding and fragmentation")
@@ -182,12 +247,47 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
     return est
 
 
+def _pixel_values(vision: VisionShape, patches: int) -> int:
+    """Values of the pixels of ``patches`` patches: a SigLIP view's whole square (SmolVLM's 384 pixels hold 27 whole
+    patches of 14 a side, the rest cut by the convolution), Qwen's patches exactly."""
+    if vision.siglip:
+        return patches // vision.view_patches * vision.in_channels * vision.view**2
+    return patches * vision.patch_values
+
+
 def _batch(vision: VisionShape, spec: VLMSpec, add) -> None:
     p, rows = spec.total_patches, spec.micro_batch * spec.seq_len
-    add("pixel_values", p * vision.patch_values * 4, "batch",
-        f"{len(spec.patches)} image(s), {p:,} patches x {vision.patch_values} values x 4 B (fp32, the processor's)")
-    add("token_rows", 4 * rows * 8, "batch", f"ids, mask, labels, token types: {spec.micro_batch} x {spec.seq_len} x "
-        "8 B each")
+    values = _pixel_values(vision, p)
+    add("pixel_values", values * 4, "batch",
+        f"{len(spec.patches)} image(s), {p:,} patches, {values:,} values x 4 B (fp32, the processor's)")
+    if vision.siglip and vision.family != "gemma3":
+        add("pixel_attention_mask", values // vision.in_channels, "batch", "1 B a pixel of each view (bool)")
+    kinds = 3 if vision.siglip and vision.family != "gemma3" else 4
+    add("token_rows", kinds * rows * 8, "batch", f"ids, mask, labels{', token types' if kinds == 4 else ''}: "
+        f"{spec.micro_batch} x {spec.seq_len} x 8 B each")
+
+
+def _siglip_forward(vision: VisionShape, spec: VLMSpec, dt: int, add) -> None:
+    """A SigLIP tower (Gemma 3, Idefics3, SmolVLM): each view's patches attend to one another only, at learned
+    positions (no rotary tables); LayerNorm, q/k/v/out with biases, fc1 -> GELU -> fc2."""
+    p, h, i = spec.total_patches, vision.hidden, vision.intermediate
+    if not p:
+        return
+    views = p // vision.view_patches
+    cast = _pixel_values(vision, p) * dt if dt != 4 else 0
+    if vision.family != "gemma3":  # the real views gathered out of the padded (conversations, images) batch
+        cast += _pixel_values(vision, p) * 4
+    # the residual, the block's input and its norm's output; measured with torch's profiler on the tiny towers
+    # (widths 256 and 512): Gemma 3's forward peaks at 8.0 x P x h x 4 B, SmolVLM's at 8.4-8.8 (its pixels gathered)
+    stream = 3 * p * h * dt
+    attention = p * h * 5 * dt  # q, k, v, attention out, out projection
+    scores = views * vision.heads * vision.view_patches**2 * 4 if spec.attn == "eager" else 0
+    mlp = p * (h + 2 * i) * dt  # fc1, GELU, fc2
+    tokens = p // vision.merge**2
+    add("vision_forward", cast + stream + max(attention + scores, mlp) + tokens * vision.out_hidden * dt, "vision",
+        f"frozen SigLIP tower, one block at a time: {views} view(s) of {vision.view_patches} patches, {p:,} x {h} "
+        f"wide; max(attention {(attention + scores) / MIB:.1f} MiB, MLP {mlp / MIB:.1f} MiB); projected output "
+        f"{tokens:,} tokens x {vision.out_hidden}")
 
 
 def _vision_forward(vision: VisionShape, spec: VLMSpec, dt: int, add) -> None:
@@ -224,7 +324,7 @@ def sized(base: VLMSpec, sizes: Sizes, max_pixels: int, micro_batch: int, checkp
 
 @dataclass
 class VLMFit:
-    max_pixels: int
+    max_pixels: int | None  # None: the processor's own resolution (a family without pixel limits)
     micro_batch_size: int
     grad_accum: int
     gradient_checkpointing: bool
@@ -245,57 +345,69 @@ class Resolution:
     min_pixels: int
 
 
-def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, limits: Resolution,
+def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, limits: Resolution | None,
             budget: tuple[int, str], global_batch: int) -> VLMFit:
     """The largest max_pixels at which some micro-batch (a divisor of ``global_batch``) with or without
     checkpointing fits ``budget`` (bytes, where the figure came from; ``MARGIN`` kept free), then the fastest
-    setting at it. A resolution is worth more than speed: the micro-batch is chosen second."""
-    from rocktune.planner.fit import MARGIN
+    setting at it. A resolution is worth more than speed: the micro-batch is chosen second. ``limits`` None: the
+    resolution is the processor's own (Gemma 3's one size, Idefics3's/SmolVLM's longest_edge), so only the
+    micro-batch and checkpointing are chosen."""
+    from rocktune.planner.fit import MARGIN, throughput
 
     usable = int(budget[0] * (1 - MARGIN))
     unit = vision.factor**2
     micro = [d for d in range(1, max(1, global_batch) + 1) if global_batch % d == 0]
 
     def candidates(n: int) -> list[Estimate]:
-        out = []
-        for m in micro:
-            for ckpt in (False, True):
-                out.append(estimate_vlm(text, vision, sized(base, sizes, n * unit, m, ckpt)))
-        return out
+        return [estimate_vlm(text, vision, sized(base, sizes, n * unit, m, ckpt)) for m in micro
+                for ckpt in (False, True)]
 
     def fits(n: int) -> list[Estimate]:
         return [e for e in candidates(n) if e.total_bytes <= usable]
 
-    hi, lo = limits.max_pixels // unit, max(1, -(-limits.min_pixels // unit))
+    hi, lo = (0, 0) if limits is None else (limits.max_pixels // unit, max(1, -(-limits.min_pixels // unit)))
     if hi < lo:
         raise UserError(f"data.max_pixels={limits.max_pixels} is below min_pixels={limits.min_pixels} (one token is "
                         f"{vision.factor}x{vision.factor} pixels); raise data.max_pixels.")
     if not fits(lo):
         smallest = min(candidates(lo), key=lambda e: e.total_bytes)
-        raise UserError(f"{text.name} does not fit in {_gib(budget[0])} ({budget[1]}) even at max_pixels={lo * unit} "
-                        f"(the lowest above min_pixels={limits.min_pixels}) with micro-batch 1 and checkpointing: it "
-                        f"needs {_gib(smallest.total_bytes)}, so a budget of at least "
-                        f"{_gib(smallest.total_bytes / (1 - MARGIN))} would work. Lower data.min_pixels or "
-                        "data.max_length, or use a smaller model.")
+        at = ("at the processor's resolution" if limits is None else
+              f"even at max_pixels={lo * unit} (the lowest above min_pixels={limits.min_pixels})")
+        lower = "data.max_length" if limits is None else "data.min_pixels or data.max_length"
+        raise UserError(f"{text.name} does not fit in {_gib(budget[0])} ({budget[1]}) {at} with micro-batch 1 and "
+                        f"checkpointing: it needs {_gib(smallest.total_bytes)}, so a budget of at least "
+                        f"{_gib(smallest.total_bytes / (1 - MARGIN))} would work. Lower {lower}, or use a smaller "
+                        "model.")
     best = hi if fits(hi) else _largest(lo, hi, lambda n: bool(fits(n)))
-    from rocktune.planner.fit import throughput
-
     chosen = max(fits(best), key=throughput)
     s, vs = chosen.spec, chosen.vspec
-    why = (f"data.max_pixels={best * unit} (at most {best} tokens per image, {best} x {vision.factor}x{vision.factor} "
-           f"pixels), micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}: the longest "
-           f"conversation {s.seq_len} tokens, {vs.total_patches // vision.merge**2} image tokens in the micro-batch; "
-           f"needs {_gib(chosen.total_bytes)} of {_gib(budget[0])} ({budget[1]}, {MARGIN:.0%} kept free)")
-    reasons = [f"chosen: {why}"]
+    tokens = vs.total_patches // vision.merge**2
+    setting = ("the processor's resolution" if limits is None else
+               f"data.max_pixels={best * unit} (at most {best} tokens per image, {best} x "
+               f"{vision.factor}x{vision.factor} pixels)")
+    why = (f"{setting}, micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}: the longest "
+           f"conversation {s.seq_len} tokens, {tokens} image tokens in the micro-batch; needs "
+           f"{_gib(chosen.total_bytes)} of {_gib(budget[0])} ({budget[1]}, {MARGIN:.0%} kept free)")
+    reasons = [f"chosen: {why}", _resolution_reason(vision, limits, (best, hi), candidates, usable)]
+    return VLMFit(None if limits is None else best * unit, s.micro_batch, global_batch // s.micro_batch,
+                  s.checkpointing, s.seq_len, tokens, chosen.peak_allocated, chosen.total_bytes, budget[0], reasons)
+
+
+def _resolution_reason(vision: VisionShape, limits: Resolution | None, chosen: tuple[int, int], candidates,
+                       usable: int) -> str:
+    """Why the resolution is what it is. ``chosen``: (the tokens' worth of pixels chosen, the most asked)."""
+    best, hi = chosen
+    if limits is None:
+        return (f"the resolution is {vision.family}'s processor's (its preprocessor_config.json: "
+                + ("one size for every image" if vision.family == "gemma3" else
+                   "size.longest_edge, in tiles of max_image_size") + "): --auto chooses the micro-batch and "
+                "checkpointing only")
     if best < hi:
         over = min(candidates(best + 1), key=lambda e: e.total_bytes)
-        reasons.append(f"max_pixels={(best + 1) * unit} (one token more per image) does not fit with any micro-batch "
-                       f"or checkpointing: the smallest needs {over.total_bytes / 2**20:,.1f} MiB > "
-                       f"{usable / 2**20:,.1f} MiB usable")
-    else:
-        reasons.append(f"the asked max_pixels={limits.max_pixels} fits: the resolution is kept")
-    return VLMFit(best * unit, s.micro_batch, global_batch // s.micro_batch, s.checkpointing, s.seq_len,
-                  vs.total_patches // vision.merge**2, chosen.peak_allocated, chosen.total_bytes, budget[0], reasons)
+        return (f"max_pixels={(best + 1) * vision.factor**2} (one token more per image) does not fit with any "
+                f"micro-batch or checkpointing: the smallest needs {over.total_bytes / 2**20:,.1f} MiB > "
+                f"{usable / 2**20:,.1f} MiB usable")
+    return f"the asked max_pixels={limits.max_pixels} fits: the resolution is kept"
 
 
 def _largest(lo: int, hi: int, ok) -> int:
