@@ -186,10 +186,19 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
 def _profiled_peak(step) -> int:
     """The highest count of bytes allocated (and not yet freed) during ``step`` on the CPU, from the allocator's own
     events as torch's profiler records them."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    # Garbage of earlier work freed inside the window would count as negative bytes and lower the peak (seen in a
+    # long pytest process): collect it first, and let no collection run during the step.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        gc.enable()
     live = peak = 0
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     for e in sorted(events, key=lambda e: e.start_ns()):
