@@ -124,7 +124,7 @@ def _check_vision(src: Source, q: str) -> tuple[archs.Arch, str]:
 
 def _vision_parts(src: Source, arch: archs.Arch) -> _VisionParts:
     model, notes = _fp32_model(src)
-    text_state, vision_state = gguf_vision.split_state(model.state_dict())
+    text_state, vision_state = gguf_vision.split_state(model.state_dict(), model.config)
     text = gguf_vision.text_config(model.config)  # the merge may have untied the head
     return _VisionParts(model, text, arch, gguf_model.gguf_tensors(text_state, text, arch),
                         gguf_vision.mmproj_tensors(vision_state, model.config), [n for n in notes if "tied" in n])
@@ -177,7 +177,9 @@ def _preprocessor(base: str) -> dict:
     from transformers import AutoImageProcessor
 
     proc = AutoImageProcessor.from_pretrained(base)
-    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std)}
+    size = getattr(proc, "size", None)  # Idefics3/SmolVLM: the side an image is resized to before tiling
+    edge = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std), "longest_edge": edge}
 
 
 def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: bool, name: str,
