@@ -226,12 +226,12 @@ def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: 
         getattr(writer, key)(value)
     writer.add_vision_image_mean([float(x) for x in preprocessor["image_mean"]])
     writer.add_vision_image_std([float(x) for x in preprocessor["image_std"]])
-    if family.siglip:
-        _siglip_keys(writer, cfg, preprocessor)
-    elif family.silu:
+    if family.silu:
         writer.add_vision_use_silu(True)
         writer.add_vision_n_wa_pattern(wa_pattern(vision))
-    if family.deepstack:
+    if family.siglip:
+        _siglip_keys(writer, cfg, preprocessor)
+    elif family.deepstack:
         _qwen3_keys(writer, cfg)
     else:
         writer.add_vision_attention_layernorm_eps(VISION_EPS)

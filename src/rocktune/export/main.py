@@ -191,13 +191,14 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
     _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
     vision = gguf_vision.is_vision(cfg)
+    family = gguf_lora.TEXT
     if vision:  # the language model's LoRA; the base's mmproj (--with-base writes it) sees as before
-        gguf_vision.check(cfg)
+        family = gguf_vision.check(cfg)
         cfg = gguf_vision.text_config(cfg)
     arch = archs.arch_for(cfg)
     path = root if explicit and root.suffix == ".gguf" else root / f"adapter-{dtype}.gguf"
     output.check_target(path, overwrite, is_dir=False)
-    tensors, alpha = gguf_lora.lora_tensors(src.adapter, cfg, arch)
+    tensors, alpha = gguf_lora.lora_tensors(src.adapter, cfg, arch, family)
     written = []
     if with_base:
         base_src = Source(src.base, None, {}, src.trust_remote_code)
