@@ -327,6 +327,10 @@ def test_siglip_families_gguf_and_mmproj_hold_the_merged_weights(runs, family):
     # of 32-pixel tiles cut from images resized to at most 64 pixels a side
     assert meta["clip.vision.projector.scale_factor"] == 2
     assert meta.get("clip.vision.preproc_image_size") == (None if gemma else 64)
+    if gemma:  # bf16 asked: Gemma 3's input projection f16, as llama.cpp's converter writes it
+        assert main(["export", str(run), "--to", "gguf", "--quant", "bf16"]) == 0
+        _, tensors = _read(run / "export" / "mmproj-bf16.gguf")
+        assert tensors["mm.input_projection.weight"][0] == "F16" and tensors["v.blk.0.attn_q.weight"][0] == "BF16"
 
 
 def test_siglip_families_to_ollama_and_gguf_lora(runs, tmp_path):

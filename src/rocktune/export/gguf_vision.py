@@ -236,15 +236,18 @@ def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: 
     else:
         writer.add_vision_attention_layernorm_eps(VISION_EPS)
     for tname, data in tensors.items():
-        encoded, raw = quants.encode(data, "f32" if _kept_f32(tname, family) else quant)
+        encoded, raw = quants.encode(data, _tensor_type(tname, family, quant))
         writer.add_tensor(tname, encoded, raw_dtype=raw)
     archs.write_out(writer)
 
 
-def _kept_f32(name: str, family: VisionFamily) -> bool:
-    """As llama.cpp's converter keeps them: the learned position embeddings (Qwen3-VL, SigLIP) and SigLIP's patch
-    embedding (its ``embeddings.*``) in f32."""
-    return name.startswith("v.position_embd.") or (family.siglip and name.startswith("v.patch_embd."))
+def _tensor_type(name: str, family: VisionFamily, quant: str) -> str:
+    """As llama.cpp's converter writes them: the learned position embeddings (Qwen3-VL, SigLIP) and SigLIP's patch
+    embedding (its ``embeddings.*``) in f32; Gemma 3's input projection f16 rather than bf16 (the converter's rule,
+    after a llama.cpp issue with it in other types; f32 is kept where asked, which mtmd runs: tested)."""
+    if name.startswith("v.position_embd.") or (family.siglip and name.startswith("v.patch_embd.")):
+        return "f32"
+    return "f16" if name.startswith("mm.input_projection.") and quant == "bf16" else quant
 
 
 def _siglip_keys(writer, cfg, preprocessor: dict) -> None:
