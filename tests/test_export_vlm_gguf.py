@@ -296,15 +296,16 @@ def _expected_siglip(state: dict) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("family", SIGLIP)
-def test_siglip_families_gguf_and_mmproj_hold_the_merged_weights(runs, family):
+def test_siglip_families_gguf_and_mmproj_hold_the_merged_weights(runs, family, capsys):
     """Gemma 3 (llama.cpp's gemma3 language model, gemma3 projector) and SmolVLM/Idefics3 (llama, idefics3): the
     mmproj holds the merged SigLIP tower and projector (embeddings kept f32, as llama.cpp's converter keeps them) and
     the keys mtmd reads for the pooling / pixel shuffle."""
     run, _, merged = runs(family)
     assert main(["export", str(run), "--to", "gguf"]) == 0
+    gemma = family == "gemma3"  # the tiny byte-level tokenizer has no "\n\n" token, which mtmd's tiles look up
+    assert ("no single token for '\\n\\n'" in capsys.readouterr().out) is not gemma
     state = merged.state_dict()
     meta, tensors = _read(run / "export" / "model-f16.gguf")
-    gemma = family == "gemma3"
     text = "model.language_model." if gemma else "model.text_model."
     assert meta["general.architecture"] == ("gemma3" if gemma else "llama") and meta["general.type"] == "model"
     assert _close(tensors["token_embd.weight"][1], state[text + "embed_tokens.weight"].numpy(), "F16")

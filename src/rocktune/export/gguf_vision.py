@@ -110,6 +110,16 @@ def gemma3_pooling(cfg) -> int:
     return patches // side
 
 
+def tokenizer_notes(cfg, tokenizer) -> list[str]:
+    """What llama.cpp's mtmd needs of the tokenizer that the export cannot write: Idefics3's tile layout looks up
+    "\n" and "\n\n" as single tokens (SmolVLM's tokenizer has them; without, llama-cpp-python 0.3.36 aborts)."""
+    if not FAMILIES[cfg.model_type].projector == "IDEFICS3":
+        return []
+    missing = [repr(t) for t in ("\n", "\n\n") if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
+    return [f"this tokenizer has no single token for {' and '.join(missing)}, which llama.cpp's mtmd looks up to lay "
+            "out Idefics3/SmolVLM image tiles; llama.cpp may refuse or abort on an image with it"] if missing else []
+
+
 def text_config(cfg):
     """The language model's config as the text GGUF writer reads it (the head's tying is the outer config's)."""
     text = cfg.text_config

@@ -150,9 +150,10 @@ def _gguf_vision(src: Source, path: Path, q: str, overwrite: bool, name: str, ex
     parts = _vision_parts(src, arch)
     with output.scratch(path) as tok_dir:
         with output.staged(path, overwrite, is_dir=False) as tmp, output.staged(mmproj, overwrite, False) as mtmp:
-            _write_vision(parts, src, tok_dir, (tmp, mtmp), q, name)
-    _notes(parts.notes + [f"then: llama-mtmd-cli -m {path} --mmproj {mmproj} --image PHOTO.png -p '...' (or "
-                          "llama-server with --mmproj)"])
+            tokenizer = _write_vision(parts, src, tok_dir, (tmp, mtmp), q, name)
+    _notes(parts.notes + gguf_vision.tokenizer_notes(parts.model.config, tokenizer) +
+           [f"then: llama-mtmd-cli -m {path} --mmproj {mmproj} --image PHOTO.png -p '...' (or llama-server with "
+            "--mmproj)"])
     return [path, mmproj]
 
 
@@ -168,7 +169,8 @@ def _ollama_vision(src: Source, ollama_dir: Path, q: str, overwrite: bool, name:
                                       tokenizer, getattr(parts.model, "generation_config", None),
                                       projector_name="mmproj.gguf")
         (tmp / "Modelfile").write_text(text, encoding="utf-8")
-    _notes(parts.notes + more + [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
+    _notes(parts.notes + gguf_vision.tokenizer_notes(parts.model.config, tokenizer) + more +
+           [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
     return [ollama_dir]
 
 
