@@ -1,8 +1,9 @@
-"""export --to gguf of a task=vlm run: the language model (llama.cpp's qwen2vl) and the vision projector (llama.cpp's
-mmproj: clip arch, v.*/mm.* tensors) are read back with gguf-py's own reader and compared with the merged weights in
-llama.cpp's layout, tensor by tensor, and with the metadata keys llama.cpp's loaders read. Tiny random-init
-Qwen2.5-VL and Qwen2-VL built offline, with random non-zero LoRA weights on the language model and on two vision
-modules (opt-in LoRA on the tower and projector), so the mmproj must carry merged weights too."""
+"""export --to gguf of a task=vlm run: the language model (llama.cpp's qwen2vl, qwen3vl, gemma3 or llama) and the
+vision projector (llama.cpp's mmproj: clip arch, v.*/mm.* tensors) are read back with gguf-py's own reader and
+compared with the merged weights in llama.cpp's layout, tensor by tensor, and with the metadata keys llama.cpp's
+loaders read. Tiny random-init Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Gemma 3, SmolVLM and Idefics3 built offline, with
+random non-zero LoRA weights on the language model and on vision modules (opt-in LoRA on the tower and projector),
+so the mmproj must carry merged weights too."""
 
 from __future__ import annotations
 
