@@ -153,6 +153,11 @@ def build_spm_llama(out: Path, seed: int = 0, added: tuple[str, ...] = (), space
 # task=vlm: LoRA on the language model and, opt-in, on a vision block and the projector (the mmproj carries them)
 VLM_LM_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)"
 VLM_TARGETS = rf"({VLM_LM_TARGETS}|.*visual\.blocks\.0\.attn\.qkv|.*visual\.merger\.mlp\.0)"
+# Gemma 3 and SmolVLM/Idefics3 (language model text_model.* there): a SigLIP block's query and SmolVLM's connector
+# (Gemma 3's projection is a bare parameter, no LoRA target)
+SIGLIP_LM_TARGETS = r".*(language_model|text_model)\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)"
+SIGLIP_TARGETS = (rf"({SIGLIP_LM_TARGETS}|.*(vision_tower|vision_model)\.encoder\.layers\.0\.self_attn\.q_proj"
+                  r"|.*connector\.modality_projection\.proj)")
 
 
 def make_vlm_run(run: Path, base: Path, targets: str = VLM_TARGETS):

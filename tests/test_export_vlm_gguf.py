@@ -1,8 +1,9 @@
-"""export --to gguf of a task=vlm run: the language model (llama.cpp's qwen2vl) and the vision projector (llama.cpp's
-mmproj: clip arch, v.*/mm.* tensors) are read back with gguf-py's own reader and compared with the merged weights in
-llama.cpp's layout, tensor by tensor, and with the metadata keys llama.cpp's loaders read. Tiny random-init
-Qwen2.5-VL and Qwen2-VL built offline, with random non-zero LoRA weights on the language model and on two vision
-modules (opt-in LoRA on the tower and projector), so the mmproj must carry merged weights too."""
+"""export --to gguf of a task=vlm run: the language model (llama.cpp's qwen2vl, qwen3vl, gemma3 or llama) and the
+vision projector (llama.cpp's mmproj: clip arch, v.*/mm.* tensors) are read back with gguf-py's own reader and
+compared with the merged weights in llama.cpp's layout, tensor by tensor, and with the metadata keys llama.cpp's
+loaders read. Tiny random-init Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Gemma 3, SmolVLM and Idefics3 built offline, with
+random non-zero LoRA weights on the language model and on vision modules (opt-in LoRA on the tower and projector),
+so the mmproj must carry merged weights too."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import numpy as np
 import pytest
 
 from rocktune.cli import main
-from tests.export_fixtures import make_vlm_run
+from tests.export_fixtures import SIGLIP_TARGETS, make_vlm_run
 
 gguf = pytest.importorskip("gguf")
 
 # Qwen3-VL: two deepstack mergers (after blocks 0 and 2) into a 3-layer language model, and rotary sections that
 # interleave as llama.cpp's do (the tiny default [2, 3, 3] is refused: test_what_llama_cpp_would_compute_...)
+SIGLIP = ("gemma3", "smolvlm", "idefics3")
 SHAPES = {"qwen3_vl": {"layers": 3, "vision_depth": 3, "vision": {"deepstack_visual_indexes": [0, 2]},
                        "rope": {"mrope_section": [3, 3, 2]}}}
 
@@ -33,7 +35,8 @@ def runs(tmp_path_factory):
         if family not in built:
             root = tmp_path_factory.mktemp(family)
             base = build_tiny_vlm(root / "base", family=family, **SHAPES.get(family, {}))
-            built[family] = (root / "run", base, make_vlm_run(root / "run", base))
+            targets = {"targets": SIGLIP_TARGETS} if family in SIGLIP else {}
+            built[family] = (root / "run", base, make_vlm_run(root / "run", base, **targets))
         return built[family]
     return get
 
@@ -223,8 +226,13 @@ def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
         gguf_vision.check(cfg)
     cfg.vision_config.fullatt_block_indexes = [1, 3]
     assert gguf_vision.check(cfg).projector == "QWEN25VL"
-    cfg.model_type = "gemma3"
+    cfg.model_type = "paligemma"
     with pytest.raises(UserError, match="cannot see"):
+        gguf_vision.check(cfg)
+    _, gemma, _ = runs("gemma3")
+    cfg = AutoConfig.from_pretrained(gemma)
+    cfg.mm_tokens_per_image = 3  # 4 x 4 patches into 3 tokens: no one pooling kernel
+    with pytest.raises(UserError, match="not an even square grid"):
         gguf_vision.check(cfg)
 
 
@@ -261,3 +269,91 @@ def test_gguf_lora_is_the_language_model_s_and_the_base_keeps_its_eyes(tmp_path)
     make_vlm_run(tmp_path / "eyes", base)
     assert main(["export", str(tmp_path / "eyes"), "--to", "gguf-lora"]) == 2
     assert not (tmp_path / "eyes" / "export").exists()
+
+
+def _expected_siglip(state: dict) -> dict[str, np.ndarray]:
+    """A SigLIP tower and its projector in llama.cpp's names, spelt out here: Gemma 3's soft-embedding norm as 1 + w."""
+    blocks = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.out_proj": "attn_out", "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up",
+              "mlp.fc2": "ffn_down"}
+    whole = {"embeddings.patch_embedding": "v.patch_embd", "embeddings.position_embedding": "v.position_embd",
+             "post_layernorm": "v.post_ln", "multi_modal_projector.mm_input_projection": "mm.input_projection",
+             "multi_modal_projector.mm_soft_emb_norm": "mm.soft_emb_norm",
+             "connector.modality_projection.proj": "mm.model.fc"}
+    want = {}
+    for key, t in state.items():
+        if not key.startswith(("model.vision_tower.", "model.vision_model.", "model.multi_modal_projector.",
+                               "model.connector.")):
+            continue
+        a = t.float().numpy() + (1.0 if "soft_emb_norm" in key else 0.0)
+        stem, kind = key.replace("_weight", ".weight").rsplit(".", 1)
+        stem = stem.split(".", 2)[2] if stem.split(".")[1] in ("vision_tower", "vision_model") else stem[6:]
+        if stem.startswith("encoder.layers."):
+            _, _, i, rest = stem.split(".", 3)
+            want[f"v.blk.{i}.{blocks[rest]}.{kind}"] = a
+        else:
+            want[f"{whole[stem]}.{kind}"] = a
+    return want
+
+
+@pytest.mark.parametrize("family", SIGLIP)
+def test_siglip_families_gguf_and_mmproj_hold_the_merged_weights(runs, family, capsys):
+    """Gemma 3 (llama.cpp's gemma3 language model, gemma3 projector) and SmolVLM/Idefics3 (llama, idefics3): the
+    mmproj holds the merged SigLIP tower and projector (embeddings kept f32, as llama.cpp's converter keeps them) and
+    the keys mtmd reads for the pooling / pixel shuffle."""
+    run, _, merged = runs(family)
+    assert main(["export", str(run), "--to", "gguf"]) == 0
+    gemma = family == "gemma3"  # the tiny byte-level tokenizer has no "\n\n" token, which mtmd's tiles look up
+    assert ("no single token for '\\n\\n'" in capsys.readouterr().out) is not gemma
+    state = merged.state_dict()
+    meta, tensors = _read(run / "export" / "model-f16.gguf")
+    text = "model.language_model." if gemma else "model.text_model."
+    assert meta["general.architecture"] == ("gemma3" if gemma else "llama") and meta["general.type"] == "model"
+    assert _close(tensors["token_embd.weight"][1], state[text + "embed_tokens.weight"].numpy(), "F16")
+    assert _close(tensors["blk.1.ffn_down.weight"][1], state[text + "layers.1.mlp.down_proj.weight"].numpy(), "F16")
+    norm = state[text + "norm.weight"].numpy() + (1.0 if gemma else 0.0)  # Gemma's RMSNorm scales by 1 + w
+    assert _close(tensors["output_norm.weight"][1], norm, "F32")
+    meta, tensors = _read(run / "export" / "mmproj-f16.gguf")
+    want = _expected_siglip(state)
+    assert set(tensors) == set(want)
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or name.startswith(("v.patch_embd", "v.position_embd")) else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    assert meta["general.architecture"] == "clip" and meta["general.type"] == "mmproj"
+    assert meta["clip.projector_type"] == ("gemma3" if gemma else "idefics3") and meta["clip.use_gelu"] is True
+    assert meta["clip.vision.image_size"] == 32 and meta["clip.vision.patch_size"] == 8
+    assert meta["clip.vision.block_count"] == 1 and meta["clip.vision.attention.head_count"] == 2
+    assert meta["clip.vision.embedding_length"] == 32 and meta["clip.vision.projection_dim"] == 128
+    assert meta["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(1e-6)
+    # Gemma 3: 4 x 4 patches pooled 2 x 2 into 4 tokens (mtmd's default kernel is 4); Idefics3: pixel shuffle by 2
+    # of 32-pixel tiles cut from images resized to at most 64 pixels a side
+    assert meta["clip.vision.projector.scale_factor"] == 2
+    assert meta.get("clip.vision.preproc_image_size") == (None if gemma else 64)
+    if gemma:  # bf16 asked: Gemma 3's input projection f16, as llama.cpp's converter writes it
+        assert main(["export", str(run), "--to", "gguf", "--quant", "bf16"]) == 0
+        _, tensors = _read(run / "export" / "mmproj-bf16.gguf")
+        assert tensors["mm.input_projection.weight"][0] == "F16" and tensors["v.blk.0.attn_q.weight"][0] == "BF16"
+
+
+def test_siglip_families_to_ollama_and_gguf_lora(runs, tmp_path):
+    """--to ollama: both files and a Modelfile (Gemma's turns); --to gguf-lora: the language model's LoRA under
+    llama.cpp's gemma3 / llama names (an adapter on the tower is refused)."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from tests.export_fixtures import SIGLIP_LM_TARGETS
+
+    run, _, _ = runs("gemma3")
+    assert main(["export", str(run), "--to", "ollama"]) == 0
+    folder = run / "export" / "ollama"
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "mmproj.gguf", "model.gguf"]
+    text = (folder / "Modelfile").read_text()
+    assert text.startswith("FROM ./model.gguf\nFROM ./mmproj.gguf\n") and "<start_of_turn>" in text
+    assert _read(folder / "mmproj.gguf")[0]["clip.projector_type"] == "gemma3"
+    for family, arch in (("smolvlm", "llama"), ("gemma3", "gemma3")):
+        base = build_tiny_vlm(tmp_path / family / "base", family=family)
+        make_vlm_run(tmp_path / family / "run", base, SIGLIP_LM_TARGETS)
+        assert main(["export", str(tmp_path / family / "run"), "--to", "gguf-lora"]) == 0
+        meta, tensors = _read(tmp_path / family / "run" / "export" / "adapter-f32.gguf")
+        assert meta["general.architecture"] == arch and meta["general.type"] == "adapter"
+        assert sorted(tensors) == sorted(f"blk.{i}.{t}.weight.lora_{ab}" for i in range(2)
+                                         for t in ("attn_q", "attn_v", "ffn_down") for ab in "ab")
+    assert main(["export", str(runs("smolvlm")[0]), "--to", "gguf-lora"]) == 2  # LoRA on the tower and connector

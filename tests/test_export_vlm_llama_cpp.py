@@ -7,6 +7,7 @@ different images must give logits far apart, so the match is not the text alone.
 from __future__ import annotations
 
 import ctypes
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from PIL import Image
 
 from rocktune.cli import main
-from tests.export_fixtures import make_vlm_run
+from tests.export_fixtures import SIGLIP_TARGETS, make_vlm_run
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llama-cpp builds it)")
 pytest.importorskip("llama_cpp.mtmd_cpp", reason="this llama-cpp-python has no mtmd bindings (0.3.36 has them)")
@@ -30,6 +31,13 @@ TOL = 0.01  # measured: at most 0.0047, from the image (a text prompt alone agre
 # llama.cpp: the file's). docs/export.md has the numbers.
 EPS_READ_AS = (None, 0.0)
 F32 = 0  # ggml's type id
+# what mtmd writes itself around an image's embeddings, replaced by its marker in transformers' prompt: Qwen's
+# begin/end, Gemma 3's (its "\n\n" around them are text), Idefics3's tiles and global view from the first
+# <fake_token_around_image> (after the "\n\n" before the global view) to the last
+QWEN_SPAN = r"<\|vision_start\|>(<\|image_pad\|>)*<\|vision_end\|>"
+TILES_SPAN = r"<fake_token_around_image>.*<fake_token_around_image>"
+IMAGE_SPANS = {"gemma3": r"<start_of_image>(<image_soft_token>)*<end_of_image>", "smolvlm": TILES_SPAN,
+               "idefics3": TILES_SPAN}
 
 
 def mtmd_logits(model_path: Path, mmproj: Path, text: str, image: Path, tokens: list[int],
@@ -88,7 +96,7 @@ def _continue(llm, pos: int, tokens: list[int]) -> np.ndarray:
 def with_text_norm_eps(model, eps: float | None) -> None:
     """Set the language model's RMSNorm epsilon (None: the config's)."""
     for name, module in model.named_modules():
-        if "language_model" in name and hasattr(module, "variance_epsilon"):
+        if ("language_model" in name or "text_model" in name) and hasattr(module, "variance_epsilon"):
             module.variance_epsilon = model.config.text_config.rms_norm_eps if eps is None else eps
 
 
@@ -111,8 +119,8 @@ def hf_greedy(model, run: Path, image: Path, n: int) -> tuple[np.ndarray, str]:
         out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
     logits = torch.stack(out.logits)[:, 0].numpy()
-    text = tok.decode(example.input_ids).replace("<|image_pad|>", "")
-    return logits, text.replace("<|vision_start|><|vision_end|>", "<IMAGE>")
+    return logits, re.sub(IMAGE_SPANS.get(model.config.model_type, QWEN_SPAN), "<IMAGE>", tok.decode(example.input_ids),
+                          flags=re.S)
 
 
 def _images(folder: Path, size: tuple[int, int]) -> list[Path]:
@@ -133,7 +141,22 @@ CASES = {"qwen2_5_vl": ({}, (112, 112)),
                                  "max_image_tokens": 32}, (224, 112)),
          "qwen2_vl": ({}, (112, 112)),
          "qwen3_vl": ({"layers": 3, "vision_depth": 3, "vision": {"deepstack_visual_indexes": [0, 2]},
-                       "rope": {"mrope_section": [3, 3, 2]}}, (128, 128))}
+                       "rope": {"mrope_section": [3, 3, 2]}}, (128, 128)),
+         # Gemma 3: 4 x 4 patches pooled into 4 soft tokens; SmolVLM / Idefics3: 2 x 2 tiles of 32 pixels and the
+         # global view, 4 tokens each
+         "gemma3": ({}, (32, 32)), "smolvlm": ({}, (64, 64)), "idefics3": ({}, (64, 64))}
+TILES = ("smolvlm", "idefics3")
+CASES_SIGLIP = ("gemma3", *TILES)
+
+
+def _with_double_newline(base: Path) -> None:
+    """mtmd's Idefics3 layout looks up "\n\n" (before the global view) as one token of the vocabulary, as SmolVLM's
+    tokenizer has it; the tiny byte-level tokenizer gets it added (without it mtmd aborts on a null token)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_tokens(["\n\n"])
+    tok.save_pretrained(base)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -141,15 +164,19 @@ def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case):
     from rocktune.demo.tiny_vlm import build_tiny_vlm
 
     shape, size = CASES[case]
-    base = build_tiny_vlm(tmp_path / "base", family=case.split("-")[0], **shape)
-    merged = make_vlm_run(tmp_path / "run", base)
+    family = case.split("-")[0]
+    base = build_tiny_vlm(tmp_path / "base", family=family, **shape)
+    if family in TILES:
+        _with_double_newline(base)
+    merged = make_vlm_run(tmp_path / "run", base, **({"targets": SIGLIP_TARGETS} if family in CASES_SIGLIP else {}))
     assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
     out = tmp_path / "run" / "export"
     seen = [_compare(merged, tmp_path / "run", (out / "model-f32.gguf", out / "mmproj-f32.gguf", None), image, case)
             for image in _images(tmp_path, size)]
     with_text_norm_eps(merged, None)
     print(f"{case}: max |image 0 - image 1| = {np.abs(seen[0] - seen[1]).max():.3f}")
-    assert np.abs(seen[0] - seen[1]).max() > 1.0  # the image decides the logits, far beyond the tolerance
+    # the image decides the logits, far beyond the tolerance (tiny Gemma 3, two noise images: 0.85)
+    assert np.abs(seen[0] - seen[1]).max() > 50 * TOL
 
 
 def _compare(merged, run: Path, files: tuple, image: Path, case: str) -> np.ndarray:
@@ -161,8 +188,7 @@ def _compare(merged, run: Path, files: tuple, image: Path, case: str) -> np.ndar
         want, text = hf_greedy(merged, run, image, N)
         tokens = [int(t) for t in want.argmax(1)]  # transformers' greedy path, fed to llama.cpp step by step
         got, n_image = mtmd_logits(files[0], files[1], text, image, tokens, files[2])
-        side = 32 if merged.config.model_type == "qwen3_vl" else 28  # pixels per image token
-        assert n_image == Image.open(image).width * Image.open(image).height // side**2
+        assert n_image == _image_tokens(merged.config, Image.open(image).size)
         diffs[eps] = float(np.abs(got - want).max())
         if diffs[eps] < TOL:
             clear = [i for i, w in enumerate(want) if np.diff(np.sort(w)[-2:])[0] > 2 * TOL]  # no near-tie
@@ -173,17 +199,31 @@ def _compare(merged, run: Path, files: tuple, image: Path, case: str) -> np.ndar
     return first
 
 
-def test_llama_cpp_base_with_the_gguf_lora_and_the_base_mmproj_sees_as_the_merged_model(tmp_path):
+def _image_tokens(config, size: tuple[int, int]) -> int:
+    """The image tokens transformers makes of an image of ``size``: Qwen's one per 28 (Qwen3-VL: 32) pixels square;
+    Gemma 3's fixed count; Idefics3's per 32-pixel tile and the global view."""
+    if config.model_type == "gemma3":
+        return config.mm_tokens_per_image
+    if config.model_type in TILES:
+        return (size[0] // 32 * size[1] // 32 + 1) * 4
+    side = 32 if config.model_type == "qwen3_vl" else 28
+    return size[0] * size[1] // side**2
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "smolvlm"])
+def test_llama_cpp_base_with_the_gguf_lora_and_the_base_mmproj_sees_as_the_merged_model(tmp_path, family):
     """--to gguf-lora on a language-model LoRA: llama.cpp's base + --lora + the base's mmproj computes the merged
     model's logits on an image prompt."""
     from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from tests.export_fixtures import VLM_LM_TARGETS
+    from tests.export_fixtures import SIGLIP_LM_TARGETS, VLM_LM_TARGETS
 
-    base = build_tiny_vlm(tmp_path / "base", family="qwen2_5_vl")
-    merged = make_vlm_run(tmp_path / "run", base, VLM_LM_TARGETS)
+    base = build_tiny_vlm(tmp_path / "base", family=family)
+    if family in TILES:
+        _with_double_newline(base)
+    merged = make_vlm_run(tmp_path / "run", base, SIGLIP_LM_TARGETS if family in CASES_SIGLIP else VLM_LM_TARGETS)
     assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora"]) == 0
     assert main(["export", str(base), "--to", "gguf", "--quant", "f32", "--out", str(tmp_path / "base.gguf")]) == 0
     files = (tmp_path / "base.gguf", tmp_path / "mmproj-base.gguf", tmp_path / "run" / "export" / "adapter-f32.gguf")
-    for image in _images(tmp_path, (112, 112)):
-        _compare(merged, tmp_path / "run", files, image, "base + LoRA")
+    for image in _images(tmp_path, CASES[family][1]):
+        _compare(merged, tmp_path / "run", files, image, f"{family} base + LoRA")
     with_text_norm_eps(merged, None)

@@ -17,7 +17,10 @@ import numpy as np
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
+from rocktune.export.gguf_vision import FAMILIES, VisionFamily
 from rocktune.readers.adapter import read_adapter_config
+
+TEXT = FAMILIES["qwen2_vl"]  # a text model's modules match neither side; Qwen's names were the first vlm adapters'
 
 
 def _refuse(adapter: Path, what: str) -> None:
@@ -47,8 +50,10 @@ def module_scale(module: str, cfg: dict, rank: int) -> float:
     return alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
 
 
-def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, np.ndarray], float]:
-    """GGUF-named lora_a / lora_b arrays (fp32) and the alpha to record."""
+def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch,
+                 family: VisionFamily = TEXT) -> tuple[dict[str, np.ndarray], float]:
+    """GGUF-named lora_a / lora_b arrays (fp32) and the alpha to record (``family``: a vision-language model's, which
+    says where its language model and its vision side sit)."""
     from safetensors.torch import load_file
 
     cfg = check_adapter(adapter)
@@ -60,7 +65,8 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, 
     alpha = float(cfg.get("lora_alpha", 8))
     out: dict[str, np.ndarray] = {}
     for key in sorted(k for k in state if k.endswith(".lora_A.weight")):
-        module = _language_model_name(adapter, key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"))
+        module = _language_model_name(adapter, key.removeprefix("base_model.model.").removesuffix(".lora_A.weight"),
+                                      family)
         a = state[key].float().numpy()
         b = state[key.replace(".lora_A.", ".lora_B.")].float().numpy()
         if ".experts" in module:
@@ -78,14 +84,13 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch) -> tuple[dict[str, 
     return out, alpha
 
 
-def _language_model_name(adapter: Path, module: str) -> str:
+def _language_model_name(adapter: Path, module: str, family: VisionFamily) -> str:
     """A vision-language adapter's module as the language model's GGUF names it; a LoRA on the vision tower or
     projector is refused: llama.cpp applies a LoRA file to the language model only, never to the mmproj."""
-    if module.startswith(("model.visual.", "visual.")):
+    if module.startswith(family.vision):
         _refuse(adapter, f"the adapter adapts the vision tower or projector ({module}), and llama.cpp applies a LoRA "
                          "to the language model only")
-    return "model." + module.removeprefix("model.language_model.") if module.startswith("model.language_model.") \
-        else module
+    return "model." + module.removeprefix(family.text) if module.startswith(family.text) else module
 
 
 def _expert_lora(adapter: Path, module: str, ab: tuple[np.ndarray, np.ndarray], cfg: dict, model_cfg,

@@ -1,12 +1,16 @@
 """A merged vision-language model (task=vlm) as llama.cpp runs it: two GGUF files, the language model
-(``general.architecture`` qwen2vl or qwen3vl) and the vision tower with its projector in llama.cpp's mmproj layout
-(architecture ``clip``, ``v.*`` / ``mm.*`` tensors), written with gguf-py's names and keys.
+(``general.architecture`` qwen2vl, qwen3vl, gemma3 or llama) and the vision tower with its projector in llama.cpp's
+mmproj layout (architecture ``clip``, ``v.*`` / ``mm.*`` tensors), written with gguf-py's names and keys. One entry
+per family says where its vision side sits and which of llama.cpp's projector types runs it.
 
 Facts taken from llama.cpp (its converter's Qwen2-VL classes and mtmd's clip loader), not its code: the patch
 embedding's Conv3d (temporal kernel 2) is stored as two Conv2d kernels, ``v.patch_embd.weight`` and
 ``v.patch_embd.weight.1``; the fused ``qkv`` of each vision block as separate q/k/v (Qwen3-VL keeps it fused, and
 adds learned position embeddings and deepstack mergers); Qwen2.5-VL's full-attention
 blocks as one period ``clip.vision.n_wa_pattern``, while the window itself is fixed at 112 pixels in mtmd (no key).
+Gemma 3 (projector gemma3) and Idefics3/SmolVLM (idefics3) have a SigLIP tower; Gemma 3's soft-embedding norm is
+stored as 1 + w (Gemma's RMSNorm), its pooling kernel as the projector's scale factor (mtmd assumes 4 otherwise);
+Idefics3's pixel shuffle as the scale factor and its resize-before-tiling side as the preprocessing image size.
 A family or configuration llama.cpp would compute differently is refused before any weight is loaded.
 """
 
@@ -23,17 +27,29 @@ from rocktune.export import quant as quants
 
 LLAMA_CPP_WINDOW = 112  # pixels: mtmd's Qwen2.5-VL window attention ignores the config's window_size
 VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed epsilon
+GEMMA3_POOL = 4  # mtmd's Gemma 3 pooling kernel when the mmproj does not say
 
 
 @dataclass(frozen=True)
 class VisionFamily:
     projector: str  # gguf.VisionProjectorType attribute
+    vision: tuple[str, ...] = ("model.visual.", "visual.")  # the vision side's names in transformers' state dict
+    text: str = "model.language_model."  # the language model's (-> a causal LM's model.*)
+    keep_model: bool = False  # gguf-py's table knows the vision names with their "model." (SmolVLM's checkpoints)
     silu: bool = False  # Qwen2.5-VL's gated SiLU MLP (Qwen2-VL's is quick-GELU, llama.cpp's default for the type)
     deepstack: bool = False  # Qwen3-VL: GELU MLP, learned position embeddings, deepstack mergers feeding the LM
+    siglip: bool = False  # a SigLIP tower (Gemma 3, Idefics3/SmolVLM): GELU, its own epsilon, embeddings kept f32
+    tower: tuple[str, str] | None = None  # (transformers' tower prefix, the published checkpoints' one)
 
 
+# transformers 5 names Gemma 3's tower vision_tower.*; its checkpoints (and gguf-py's table) vision_tower.vision_model.*
+GEMMA3 = VisionFamily("GEMMA3", ("model.vision_tower.", "model.multi_modal_projector."), siglip=True,
+                      tower=("vision_tower.", "vision_tower.vision_model."))
+TILES = VisionFamily("IDEFICS3", ("model.vision_model.", "model.connector."), "model.text_model.", keep_model=True,
+                     siglip=True)
 FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", silu=True), "qwen2_vl": VisionFamily("QWEN2VL"),
-            "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True)}
+            "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True), "gemma3": GEMMA3, "idefics3": TILES,
+            "smolvlm": TILES}
 
 
 def is_vision(cfg) -> bool:
@@ -53,6 +69,8 @@ def check(cfg) -> VisionFamily:
                         "llama.cpp's mmproj holds the patch embedding as two frames (2). Use --to merged.")
     if kind == "qwen2_5_vl":
         wa_pattern(vision)
+    if kind == "gemma3":
+        gemma3_pooling(cfg)
     deep = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     if deep and deep >= cfg.text_config.num_hidden_layers:  # llama.cpp adds them after its last layer has been cut
         raise UserError(f"GGUF export: this {kind} model feeds {deep} deepstack layers into a language model of "
@@ -80,6 +98,28 @@ def wa_pattern(vision) -> int:
     return period
 
 
+def gemma3_pooling(cfg) -> int:
+    """Gemma 3's projector averages kernel x kernel patches into each soft token; llama.cpp's mmproj says the kernel
+    (``clip.vision.projector.scale_factor``, 4 when absent), so the grid must pool evenly into a square of tokens."""
+    side = int(round(cfg.mm_tokens_per_image ** 0.5))
+    patches = int(cfg.vision_config.image_size) // int(cfg.vision_config.patch_size)
+    if side * side != cfg.mm_tokens_per_image or side == 0 or patches % side:
+        raise UserError(f"GGUF export: this Gemma 3 model pools {patches} x {patches} patches into "
+                        f"{cfg.mm_tokens_per_image} soft tokens, not an even square grid, which is all llama.cpp's "
+                        "mmproj can say (one pooling kernel). Use --to merged.")
+    return patches // side
+
+
+def tokenizer_notes(cfg, tokenizer) -> list[str]:
+    """What llama.cpp's mtmd needs of the tokenizer that the export cannot write: Idefics3's tile layout looks up
+    "\n" and "\n\n" as single tokens (SmolVLM's tokenizer has them; without, llama-cpp-python 0.3.36 aborts)."""
+    if not FAMILIES[cfg.model_type].projector == "IDEFICS3":
+        return []
+    missing = [repr(t) for t in ("\n", "\n\n") if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
+    return [f"this tokenizer has no single token for {' and '.join(missing)}, which llama.cpp's mtmd looks up to lay "
+            "out Idefics3/SmolVLM image tiles; llama.cpp may refuse or abort on an image with it"] if missing else []
+
+
 def text_config(cfg):
     """The language model's config as the text GGUF writer reads it (the head's tying is the outer config's)."""
     text = cfg.text_config
@@ -89,41 +129,58 @@ def text_config(cfg):
     return text
 
 
-def split_state(state: dict) -> tuple[dict, dict]:
-    """transformers' module names -> (language model as a causal LM's ``model.*``/``lm_head``, vision tower as
-    ``visual.*``), the checkpoint names gguf-py's tables know."""
+def split_state(state: dict, cfg) -> tuple[dict, dict]:
+    """transformers' module names -> (language model as a causal LM's ``model.*``/``lm_head``, vision side as the
+    checkpoint names gguf-py's tables know: Qwen's ``visual.*``, Gemma 3's ``vision_tower.*`` /
+    ``multi_modal_projector.*``, SmolVLM's ``model.vision_model.*`` / ``model.connector.*``)."""
+    family = FAMILIES[cfg.model_type]
     text, vision = {}, {}
     for key, tensor in state.items():
-        if key.startswith(("model.visual.", "visual.")):
-            vision[key.removeprefix("model.")] = tensor
-        elif key.startswith("model.language_model."):
-            text["model." + key.removeprefix("model.language_model.")] = tensor
+        if key.startswith(family.vision):
+            vision[_checkpoint_name(key, family)] = tensor
+        elif key.startswith(family.text):
+            text["model." + key.removeprefix(family.text)] = tensor
         else:
             text[key] = tensor
     return text, vision
+
+
+def _checkpoint_name(key: str, family: VisionFamily) -> str:
+    name = key if family.keep_model else key.removeprefix("model.")
+    if family.tower and name.startswith(family.tower[0]) and not name.startswith(family.tower[1]):
+        name = family.tower[1] + name.removeprefix(family.tower[0])
+    return name
 
 
 def mmproj_tensors(vision_state: dict, cfg) -> dict[str, np.ndarray]:
     """HF vision tower (torch) -> mmproj-named fp32 arrays in llama.cpp's layout."""
     import gguf
 
+    vision = cfg.vision_config
+    depth = int(getattr(vision, "depth", None) or vision.num_hidden_layers)
     # the projector's layers (visual.merger.mlp.0 and .2) are looked up by index like blocks: a one-block tower
     # still needs indexes up to 2
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(int(cfg.vision_config.depth), 3))
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(depth, 3))
+    family = FAMILIES[cfg.model_type]
     out: dict[str, np.ndarray] = {}
     for key, tensor in vision_state.items():
         data = tensor.detach().float().cpu().numpy()
-        direct = _qwen3_name(key, cfg.vision_config)
+        direct = _qwen3_name(key, vision) if family.deepstack else None
         if direct:
             out[direct] = data
             continue
-        for part, piece, tail in _pieces(key, data, split_qkv=not FAMILIES[cfg.model_type].deepstack):
-            name = table.get_name(part, try_suffixes=(".weight", ".bias"))
+        for part, piece, tail in _pieces(key, data, split_qkv=not family.deepstack):
+            name = table.get_name(part.replace("_weight", ".weight"), try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise UserError(f"GGUF export does not know where the vision tensor {key} of this {cfg.model_type} "
                                 "model goes in llama.cpp's mmproj; use --to merged.")
-            out[name + tail] = piece
+            out[name + tail] = piece + _norm_shift(name)
     return out
+
+
+def _norm_shift(name: str) -> float:
+    """Gemma 3's soft-embedding norm scales by (1 + w) (Gemma's RMSNorm); llama.cpp's by the stored weight."""
+    return 1.0 if name == "mm.soft_emb_norm.weight" else 0.0
 
 
 def _qwen3_name(key: str, vision) -> str | None:
@@ -182,15 +239,39 @@ def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: 
     if family.silu:
         writer.add_vision_use_silu(True)
         writer.add_vision_n_wa_pattern(wa_pattern(vision))
-    if family.deepstack:
+    if family.siglip:
+        _siglip_keys(writer, cfg, preprocessor)
+    elif family.deepstack:
         _qwen3_keys(writer, cfg)
     else:
         writer.add_vision_attention_layernorm_eps(VISION_EPS)
     for tname, data in tensors.items():
-        # the learned position embeddings (Qwen3-VL) stay f32, as llama.cpp's converter keeps them
-        encoded, raw = quants.encode(data, "f32" if tname.startswith("v.position_embd.") else quant)
+        encoded, raw = quants.encode(data, _tensor_type(tname, family, quant))
         writer.add_tensor(tname, encoded, raw_dtype=raw)
     archs.write_out(writer)
+
+
+def _tensor_type(name: str, family: VisionFamily, quant: str) -> str:
+    """As llama.cpp's converter writes them: the learned position embeddings (Qwen3-VL, SigLIP) and SigLIP's patch
+    embedding (its ``embeddings.*``) in f32; Gemma 3's input projection f16 rather than bf16 (the converter's rule,
+    after a llama.cpp issue with it in other types; f32 is kept where asked, which mtmd runs: tested)."""
+    if name.startswith("v.position_embd.") or (family.siglip and name.startswith("v.patch_embd.")):
+        return "f32"
+    return "f16" if name.startswith("mm.input_projection.") and quant == "bf16" else quant
+
+
+def _siglip_keys(writer, cfg, preprocessor: dict) -> None:
+    """A SigLIP tower's: GELU, its norms' epsilon, and the projector's pooling (Gemma 3: the kernel, written when not
+    llama.cpp's default 4) or pixel shuffle (Idefics3: scale_factor, and the longest side images are resized to
+    before tiling)."""
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_attention_layernorm_eps(float(getattr(cfg.vision_config, "layer_norm_eps", VISION_EPS)))
+    if cfg.model_type == "gemma3":
+        if gemma3_pooling(cfg) != GEMMA3_POOL:
+            writer.add_vision_projector_scale_factor(gemma3_pooling(cfg))
+        return
+    writer.add_vision_projector_scale_factor(int(cfg.scale_factor))
+    writer.add_vision_preproc_image_size(int(preprocessor.get("longest_edge") or cfg.vision_config.image_size))
 
 
 def _image_size(vision) -> int:
@@ -218,5 +299,7 @@ def _widths(vision) -> dict:
     qwen2 = getattr(vision, "embed_dim", None) is not None
     width = vision.embed_dim if qwen2 else vision.hidden_size
     ff = vision.hidden_size if qwen2 else vision.intermediate_size
+    depth = getattr(vision, "depth", None) or vision.num_hidden_layers  # SigLIP's names
+    heads = getattr(vision, "num_heads", None) or vision.num_attention_heads
     return {"add_vision_embedding_length": int(width), "add_vision_feed_forward_length": int(ff),
-            "add_vision_block_count": int(vision.depth), "add_vision_head_count": int(vision.num_heads)}
+            "add_vision_block_count": int(depth), "add_vision_head_count": int(heads)}

@@ -124,7 +124,7 @@ def _check_vision(src: Source, q: str) -> tuple[archs.Arch, str]:
 
 def _vision_parts(src: Source, arch: archs.Arch) -> _VisionParts:
     model, notes = _fp32_model(src)
-    text_state, vision_state = gguf_vision.split_state(model.state_dict())
+    text_state, vision_state = gguf_vision.split_state(model.state_dict(), model.config)
     text = gguf_vision.text_config(model.config)  # the merge may have untied the head
     return _VisionParts(model, text, arch, gguf_model.gguf_tensors(text_state, text, arch),
                         gguf_vision.mmproj_tensors(vision_state, model.config), [n for n in notes if "tied" in n])
@@ -150,9 +150,10 @@ def _gguf_vision(src: Source, path: Path, q: str, overwrite: bool, name: str, ex
     parts = _vision_parts(src, arch)
     with output.scratch(path) as tok_dir:
         with output.staged(path, overwrite, is_dir=False) as tmp, output.staged(mmproj, overwrite, False) as mtmp:
-            _write_vision(parts, src, tok_dir, (tmp, mtmp), q, name)
-    _notes(parts.notes + [f"then: llama-mtmd-cli -m {path} --mmproj {mmproj} --image PHOTO.png -p '...' (or "
-                          "llama-server with --mmproj)"])
+            tokenizer = _write_vision(parts, src, tok_dir, (tmp, mtmp), q, name)
+    _notes(parts.notes + gguf_vision.tokenizer_notes(parts.model.config, tokenizer) +
+           [f"then: llama-mtmd-cli -m {path} --mmproj {mmproj} --image PHOTO.png -p '...' (or llama-server with "
+            "--mmproj)"])
     return [path, mmproj]
 
 
@@ -168,7 +169,8 @@ def _ollama_vision(src: Source, ollama_dir: Path, q: str, overwrite: bool, name:
                                       tokenizer, getattr(parts.model, "generation_config", None),
                                       projector_name="mmproj.gguf")
         (tmp / "Modelfile").write_text(text, encoding="utf-8")
-    _notes(parts.notes + more + [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
+    _notes(parts.notes + gguf_vision.tokenizer_notes(parts.model.config, tokenizer) + more +
+           [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
     return [ollama_dir]
 
 
@@ -177,7 +179,9 @@ def _preprocessor(base: str) -> dict:
     from transformers import AutoImageProcessor
 
     proc = AutoImageProcessor.from_pretrained(base)
-    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std)}
+    size = getattr(proc, "size", None)  # Idefics3/SmolVLM: the side an image is resized to before tiling
+    edge = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std), "longest_edge": edge}
 
 
 def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: bool, name: str,
@@ -189,13 +193,14 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
     _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
     vision = gguf_vision.is_vision(cfg)
+    family = gguf_lora.TEXT
     if vision:  # the language model's LoRA; the base's mmproj (--with-base writes it) sees as before
-        gguf_vision.check(cfg)
+        family = gguf_vision.check(cfg)
         cfg = gguf_vision.text_config(cfg)
     arch = archs.arch_for(cfg)
     path = root if explicit and root.suffix == ".gguf" else root / f"adapter-{dtype}.gguf"
     output.check_target(path, overwrite, is_dir=False)
-    tensors, alpha = gguf_lora.lora_tensors(src.adapter, cfg, arch)
+    tensors, alpha = gguf_lora.lora_tensors(src.adapter, cfg, arch, family)
     written = []
     if with_base:
         base_src = Source(src.base, None, {}, src.trust_remote_code)
