@@ -253,7 +253,7 @@ class TrainingConfig(_Section):
         json_schema_extra=only("sft")
     )
     optimizer: Literal["auto", "adamw_fused", "adamw_foreach", "adamw_torch"] = Field(
-        "auto", description="AdamW implementation over the adapter; auto: fused (GPU and CPU)."
+        "auto", description="AdamW implementation over the adapter; auto: fused on GPU, foreach on CPU."
     )
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the decoder. auto: on with batching=tokens where the platform knowledge "

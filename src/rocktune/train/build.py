@@ -17,9 +17,7 @@ def seed_everything(seed: int) -> None:
 
 def optimizer(params, kind: str, lr: float, weight_decay: float, device: str) -> torch.optim.Optimizer:
     if kind == "auto":
-        # fused on the CPU too: one kernel per parameter; 3.6x foreach's step over a 0.5B model's r=16 adapter
-        # (benchmarks/adamw_cpu.py, docs/rl.md "Speed")
-        kind = "adamw_fused" if device in ("cuda", "cpu") else "adamw_foreach"
+        kind = "adamw_fused" if device == "cuda" else "adamw_foreach"
     flags = {"adamw_fused": {"fused": True}, "adamw_foreach": {"foreach": True},
              "adamw_torch": {"foreach": False}}[kind]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **flags)
