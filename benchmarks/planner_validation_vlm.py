@@ -24,6 +24,7 @@ The SigLIP towers (Gemma 3, SmolVLM) are also measured alone (``tower_point``): 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -156,7 +157,10 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             ptr, n = _storage_key(t)
             if ptr not in params and n:
-                saved.setdefault(ptr, (n, []))[1].append(weakref.ref(t))
+                entry = saved.get(ptr)
+                if entry is None or not any(r() is not None for r in entry[1]):
+                    entry = saved[ptr] = (n, [])  # a new storage (the address of a freed one may come back)
+                entry[1].append(weakref.ref(t))
 
     def pack(t):
         keep(t)
@@ -168,8 +172,13 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3, foreach=True)
     held = []
-    n = _step(loss_module, batch, opt, precision, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-              lambda: held.append(sum(b for b, refs in saved.values() if any(r() is not None for r in refs))))
+    gc.collect()  # what is alive when the forward ends must not depend on when a collection last ran
+    gc.disable()
+    try:
+        n = _step(loss_module, batch, opt, precision, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                  lambda: held.append(sum(b for b, refs in saved.values() if any(r() is not None for r in refs))))
+    finally:
+        gc.enable()
     state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
     counted = {"lora_params": sum(p.numel() * p.element_size() for p in trainable),
                "lora_grads": sum(p.grad.numel() * p.grad.element_size() for p in trainable),
@@ -186,8 +195,6 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
 def _profiled_peak(step) -> int:
     """The highest count of bytes allocated (and not yet freed) during ``step`` on the CPU, from the allocator's own
     events as torch's profiler records them."""
-    import gc
-
     from torch.profiler import ProfilerActivity, profile
 
     # Garbage of earlier work freed inside the window would count as negative bytes and lower the peak (seen in a
