@@ -106,13 +106,15 @@ def _storage_key(t: torch.Tensor):
 
 
 def _counting(fn, keep):
-    def wrapped(func, *args, **kwargs):
-        for a in [*args, *getattr(func, "keywords", {}).values()]:
-            for t in (a if isinstance(a, tuple) else (a,)):
-                keep(t)
-        return fn(func, *args, **kwargs)
+    """The text planner's validation's wrapper of a checkpointed layer (its inputs counted), loaded from beside this
+    file: benchmarks/ is not a package, and the tests load this script by its path."""
+    import importlib.util
 
-    return wrapped
+    spec = importlib.util.spec_from_file_location("planner_validation", Path(__file__).with_name(
+        "planner_validation.py"))
+    text = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(text)
+    return text._counting(fn, keep)
 
 
 def _step(loss_module, batch, opt, precision: str, hooks=None, after_forward=None):
