@@ -489,3 +489,52 @@ def test_token_logps_of_a_padded_batch_are_each_row_alone(tiny_model_dir, tokeni
     for row, (one, _) in zip(batched, alone):
         assert torch.allclose(row, one[0], atol=1e-5)
     assert torch.allclose(grad, sum(g for _, g in alone), atol=1e-5)
+
+
+def _feed(rewards: list[float], skip: bool, rows_per_forward: int = 4):
+    """A RolloutFeed over a fake rollout: 2 prompts x 4 completions with these rewards."""
+    from rocktune.tasks.grpo.feed import Rollout, RolloutFeed, StepShape
+
+    prompts = [(5, 6, 7), (8, 9)]
+
+    def rollout(idx, keys):
+        rows = [prompts[i % 2] for i in idx for _ in range(4)]
+        completions = [[10 + k, 11, 12 + k % 3][: 1 + k % 3] for k in range(len(rows))]
+        return Rollout(rows, completions, rewards, {"r": rewards}, [True] * len(rows))
+
+    return RolloutFeed(2, StepShape(2, 4, rows_per_forward, "dapo", 8, "group", 0, 0, skip), rollout)
+
+
+def test_rows_whose_advantage_is_zero_get_no_forward_and_change_nothing(tiny_model_dir):
+    """beta 0: a group of equal rewards has advantage exactly 0, which adds exactly 0 to the loss and its gradient;
+    its rows are not computed (each forward keeps one at least), and the step's loss, gradient and statistics are
+    those of every row computed."""
+    from rocktune.model import apply_lora, load_model
+    from rocktune.tasks.grpo.loss import GRPOLoss, Objective
+
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5]  # the second prompt's group: all equal
+    skipped, full = _feed(rewards, True).next(), _feed(rewards, False).next()
+    assert [b["input_ids"].shape[0] for b in skipped.forwards] == [4, 1]  # the zero group's forward keeps one row
+    assert skipped.stats["zero_advantage_skipped"] == 3 and full.stats["zero_advantage_skipped"] == 0
+    assert skipped.loss_tokens == full.loss_tokens and skipped.completion_tokens == full.completion_tokens
+    torch.manual_seed(0)
+    model = apply_lora(load_model(str(tiny_model_dir), "fp32", "sdpa", False, "cpu"), 8, 16, 0.0, "all-linear", False)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    loss = GRPOLoss(model, Objective(epsilon=0.2))
+    results = []
+    for fed in (skipped, full):
+        total = sum(loss({**b, "old_logps": torch.full((b["input_ids"].shape[0], b["input_ids"].shape[1] - 1), -7.0)})
+                    for b in fed.forwards) / fed.loss_tokens
+        total.backward()
+        grad = torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "lora_" in n])
+        model.zero_grad()
+        results.append((float(total), grad, loss.take_stats(None, fed.completion_tokens)))
+    (a, ga, sa), (b, gb, sb) = results
+    assert a == pytest.approx(b, rel=1e-6) and float((ga - gb).abs().max()) <= 1e-6 * float(gb.abs().max())
+    assert sa == pytest.approx(sb, rel=1e-6) and sa["clip_ratio/high_mean"] > 0  # old logps of -7: ratios clip
+    every_zero = _feed([0.5] * 8, True).next()
+    assert [b["input_ids"].shape[0] for b in every_zero.forwards] == [1, 1]
+    assert every_zero.zero_expected == ("loss", "grad")

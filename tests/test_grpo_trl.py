@@ -1,8 +1,9 @@
 """The same numbers as TRL: on the tiny model with a non-zero LoRA adapter, the same prompts and completions (the
 same token ids), the same advantages, "old" log-probabilities and settings, rocktune's GRPO loss, KL and clip ratios
 and the adapter's gradient equal TRL 1.16's GRPOTrainer._compute_loss within 1e-5, for each loss aggregation
-(grpo, dapo, dr_grpo), with and without the KL term, at a sampling temperature other than 1. TRL is a test-only
-dependency (the test extra)."""
+(grpo, dapo, dr_grpo), with and without the KL term, at a sampling temperature other than 1, with each prompt
+computed once for its group (grpo.share_prompt, the default) and over full rows. TRL is a test-only dependency (the
+test extra)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def _grad(model, loss) -> torch.Tensor:
     return flat
 
 
-def _ours(model, rollout, tokenizer, old: torch.Tensor, objective: Objective) -> dict[str, float]:
+def _ours(model, rollout, tokenizer, old: torch.Tensor, objective: Objective, share: bool) -> dict[str, float]:
     prompts, completions, adv = rollout
     lengths = [len(c) for c in completions]
     weights, normaliser = row_weights(lengths, objective.loss_type, objective.max_completion_length)
@@ -103,7 +104,7 @@ def _ours(model, rollout, tokenizer, old: torch.Tensor, objective: Objective) ->
     shifted = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1)
     p = len(prompts[0])
     shifted[:, p - 1 : p - 1 + old.shape[1]] = old[:, : shifted.shape[1] - p + 1]
-    module = GRPOLoss(model, objective)
+    module = GRPOLoss(model, objective, share_prompt=share)
     with torch.no_grad():
         batch["old_logps"] = token_logps(model, batch, objective.temperature) + shifted
     loss = module(batch) / normaliser
@@ -112,12 +113,13 @@ def _ours(model, rollout, tokenizer, old: torch.Tensor, objective: Objective) ->
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_loss_equals_trl(tiny_model_dir, tokenizer, rollout, tmp_path, loss_type, beta):
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompt", "full-rows"])  # grpo.share_prompt
+def test_grpo_loss_equals_trl(tiny_model_dir, tokenizer, rollout, tmp_path, loss_type, beta, share):
     trainer = _trainer(tiny_model_dir, tokenizer, tmp_path, loss_type, beta)
     old = _old_logps(len(rollout[1]), max(map(len, rollout[1])))
     theirs = _theirs(trainer, rollout, tokenizer, old)
     ours = _ours(trainer.model, rollout, tokenizer, old,
-                 Objective(beta, 0.2, 0.28, loss_type, MAX_LEN, TEMPERATURE))
+                 Objective(beta, 0.2, 0.28, loss_type, MAX_LEN, TEMPERATURE), share)
     keys = ["loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"] + (["kl"] if beta else [])
     assert 0 < ours["clip_ratio/region_mean"] < 1  # the shifted old policy clips some tokens, not all
     if beta:

@@ -172,3 +172,90 @@ def test_gradients_a_compiler_drops_fail_the_matrix(tiny_model_dir, monkeypatch)
     monkeypatch.setattr(lora_fused.FusedLoRA, "backward", staticmethod(dropped))
     problems = run_case(tiny_model_dir, "adamw_foreach", "fused", "fp32", False)
     assert "no-gradient" in {p.cause for p in problems}, problems
+
+
+# GRPO's update with each prompt computed once for its group (grpo.share_prompt, tasks/grpo/prefix.py): every
+# optimizer, side path and precision against the same reference (PEFT's own forward, plain AdamW) over full rows.
+# The sampling policy's log-probabilities are held fixed, so the ratio moves as the adapter learns and the loss falls
+# (until the clip holds it: an unclipped ratio grows exponentially and turns bf16's rounding into percent).
+GRPO = list(itertools.product(OPTIMIZERS, SIDE_PATHS, PRECISIONS))
+GRPO_OBJECTIVE = {"beta": 0.04, "epsilon": 0.2, "epsilon_high": 0.28}  # DAPO's clip-higher, and the KL term
+
+
+def _grpo_batch() -> dict:
+    from rocktune.tasks.grpo.feed import collate
+
+    gen = torch.Generator().manual_seed(4)
+    prompts = [tuple(torch.randint(5, 60, (n,), generator=gen).tolist()) for n in (9, 4, 13)]
+    rows = [prompts[k % 3] for k in range(12)]
+    completions = [torch.randint(5, 60, (2 + (k * 7) % 11,), generator=gen).tolist() for k in range(12)]
+    # positive advantages of several sizes: a loss of mixed signs cancels to near zero, where bf16's rounding of the
+    # log-probabilities (which a shared or a fused path rounds elsewhere) would be most of its value
+    adv = (0.5 + (torch.arange(12) % 4) * 0.25).tolist()
+    return collate(rows, completions, adv, [1.0] * 12, 0)
+
+
+def _grpo_loss_fn(share: bool, old: torch.Tensor):
+    from rocktune.tasks.grpo.loss import GRPOLoss, Objective
+
+    batch = {**_grpo_batch(), "old_logps": old}
+    tokens = float(batch["completion_mask"].sum())
+    modules: dict = {}
+
+    def loss_fn(model):
+        module = modules.setdefault(id(model), GRPOLoss(model, Objective(**GRPO_OBJECTIVE), share_prompt=share))
+        return module(batch) / tokens
+    return loss_fn
+
+
+_GRPO_REFERENCE: dict = {}
+
+
+def grpo_reference(model_dir, precision: str) -> tuple[lora_check.Trace, torch.Tensor]:
+    from rocktune.tasks.grpo.loss import token_logps
+
+    if precision not in _GRPO_REFERENCE:
+        model = build_model(model_dir, precision, False, "peft")
+        with torch.no_grad(), build.autocast("cpu", precision)():
+            old = token_logps(model, _grpo_batch())
+        opt = lora_check.reference_optimizer(list(lora_check.adapter_params(model).values()), LR)
+        ref = lora_check.train_trace(model, _grpo_loss_fn(False, old), opt, STEPS, build.autocast("cpu", precision))
+        assert ref.losses[-1] < ref.losses[0] - 0.01, ref.losses  # the reference learns on this batch
+        assert all(g > 0 for g in ref.first_grads.values())
+        _GRPO_REFERENCE[precision] = ref, old
+    return _GRPO_REFERENCE[precision]
+
+
+def run_grpo_case(model_dir, optimizer: str, path: str, precision: str) -> list[lora_check.Problem]:
+    from rocktune.tasks.grpo import prefix
+
+    ref, old = grpo_reference(model_dir, precision)
+    model = build_model(model_dir, precision, False, path)
+    opt = build.optimizer(list(lora_check.adapter_params(model).values()), optimizer, LR, 0.0, "cpu")
+    shared = []
+    real = prefix.shared_logps
+    prefix.shared_logps = lambda *a, **k: shared.append(real(*a, **k)) or shared[-1]
+    try:
+        got = lora_check.train_trace(model, _grpo_loss_fn(True, old), opt, STEPS, build.autocast("cpu", precision))
+    finally:
+        prefix.shared_logps = real
+    assert shared and all(s is not None for s in shared)  # the shared forward is what was measured
+    return lora_check.compare(got, ref, precision)
+
+
+@pytest.mark.parametrize("optimizer,path,precision", GRPO, ids=["-".join(c) for c in GRPO])
+def test_grpo_shared_prompt(tiny_model_dir, optimizer, path, precision):
+    assert run_grpo_case(tiny_model_dir, optimizer, path, precision) == []
+
+
+def test_a_shared_prompt_at_the_wrong_positions_fails_the_matrix(tiny_model_dir, monkeypatch):
+    from rocktune.tasks.grpo import prefix
+
+    real = prefix._completion_rows
+
+    def shifted(*args):
+        tokens, cols, positions, attention = real(*args)
+        return tokens, cols, positions + 1, attention
+
+    monkeypatch.setattr(prefix, "_completion_rows", shifted)
+    assert "mismatch" in {p.cause for p in run_grpo_case(tiny_model_dir, "adamw_foreach", "fused", "fp32")}

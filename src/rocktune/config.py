@@ -447,6 +447,10 @@ class GRPOConfig(_Section):
                                   "(data.max_length + max_completion_length positions): compiled once per batch size "
                                   "(tens of seconds on a CPU, in the first step), then fewer, generated kernels per "
                                   "token (docs/rl.md measures it). A compile failure falls back to eager.")
+    share_prompt: bool = Field(True, description="The update computes each prompt once for its group of completions "
+                               "(a KV cache indexed out to the group's rows) instead of once per completion: the same "
+                               "log-probabilities up to rounding, fewer positions. Models with sliding-window or "
+                               "non-attention layers, and gradient checkpointing, take the plain forward.")
 
 
 class RunConfig(_Section):

@@ -5,7 +5,8 @@ Two checks, both cheap next to a step:
 
 - the path against the reference: one small piece of the step's first micro-batch (the feed's smallest split: one
   example, one pair) through the run's own forward and backward (its side path, its compiled graph), then through
-  PEFT's own eager forward on the same adapter values (rocktune.lora_check.reference_mode); losses and adapter
+  PEFT's own eager forward on the same adapter values (rocktune.lora_check.reference_mode; a task loss's own
+  faster forward, e.g. GRPO's shared prompt, off too: its ``plain_path``); losses and adapter
   gradients must agree within the precision's rounding (lora_check.TOLERANCE), and every adapter tensor the
   reference gives a gradient must get one;
 - the update: an applied optimizer step with a learning rate and a gradient must move the adapter.
@@ -109,7 +110,8 @@ class Tripwire:
         apart = getattr(inner, "separate_stats", contextlib.nullcontext)  # train/task.KeepsStats
         with no_sync(self.loss_of, last=False), apart():  # the probe's gradients and statistics are not the step's
             got = lora_check.probe(self.model, loss_fn, self.autocast)
-            with lora_check.reference_mode(self.model):
+            plain = getattr(inner, "plain_path", contextlib.nullcontext)  # a task's own faster forward off too
+            with lora_check.reference_mode(self.model), plain():
                 ref = lora_check.probe(self.model, loss_fn, self.autocast)
         return lora_check.compare_probe(got, ref, self.precision)
 

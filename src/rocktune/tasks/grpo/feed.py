@@ -47,8 +47,11 @@ def row_weights(lengths: list[int], loss_type: str, max_completion_length: int) 
 
 def collate(prompts: list[tuple[int, ...]], completions: list[list[int]], adv: list[float], weights: list[float],
             pad_id: int) -> dict:
-    """Host tensors of prompt + completion rows, right-padded."""
+    """Host tensors of prompt + completion rows, right-padded; ``prompt_length`` and ``prompt_group`` (the index of
+    the first row with the same prompt) for the update's shared-prompt forward (prefix.py)."""
     rows = [list(p) + c for p, c in zip(prompts, completions)]
+    first: dict[tuple[int, ...], int] = {}
+    group = [first.setdefault(tuple(p), r) for r, p in enumerate(prompts)]
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -58,7 +61,17 @@ def collate(prompts: list[tuple[int, ...]], completions: list[list[int]], adv: l
         attention[r, : len(p) + len(c)] = 1
         completion[r, len(p) : len(p) + len(c)] = 1
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion,
-            "advantage": torch.tensor(adv, dtype=torch.float32), "weight": torch.tensor(weights, dtype=torch.float32)}
+            "advantage": torch.tensor(adv, dtype=torch.float32), "weight": torch.tensor(weights, dtype=torch.float32),
+            "prompt_length": torch.tensor([len(p) for p in prompts]), "prompt_group": torch.tensor(group)}
+
+
+def _kept(rows: range, adv: list[float], skip_zero: bool) -> list[int]:
+    """The rows of one forward that are computed: with ``skip_zero``, those whose advantage is not exactly 0, and at
+    least the first (a forward with every parameter in it keeps DDP's all-reduce and the engine's step as they
+    are; a kept zero-advantage row adds exactly 0)."""
+    if not skip_zero:
+        return list(rows)
+    return [i for i in rows if adv[i] != 0.0] or [rows[0]]
 
 
 def idle(pad_id: int) -> dict:
@@ -160,6 +173,9 @@ class StepShape:
     scale_rewards: str
     pad_id: int
     seed: int
+    # beta 0: a completion whose advantage is exactly 0 adds exactly 0 to the loss and its gradient, so no forward
+    # computes it (its tokens still count in the normaliser and the statistics)
+    skip_zero_advantage: bool = False
 
 
 class RolloutFeed(StreamPosition):
@@ -189,15 +205,24 @@ class RolloutFeed(StreamPosition):
         adv = advantages(torch.tensor(out.rewards, dtype=torch.float32), s.generations, s.scale_rewards)
         lengths = [len(c) for c in out.completions]
         weights, normaliser = row_weights(lengths, s.loss_type, s.max_completion_length)
-        start = sum(len(x.completions) for x in shares[: share.rank])
-        stop, size = start + len(shares[share.rank].completions), s.rows_per_forward
-        cuts = [(i, min(i + size, stop)) for i in range(start, stop, size)]
-        forwards = [collate(out.prompts[a:b], out.completions[a:b], adv[a:b].tolist(), weights[a:b], s.pad_id)
-                    for a, b in cuts] or [idle(s.pad_id)]
+        values, bounds = adv.tolist(), [0]
+        for x in shares:
+            bounds.append(bounds[-1] + len(x.completions))
+        every = [self._cuts(range(a, b), values) for a, b in zip(bounds, bounds[1:])]  # each rank's forwards' rows
+        forwards = [collate([out.prompts[i] for i in rows], [out.completions[i] for i in rows],
+                            [values[i] for i in rows], [weights[i] for i in rows], s.pad_id)
+                    for rows in every[share.rank]] or [idle(s.pad_id)]
         real = sum(len(p) + c for p, c in zip(out.prompts, lengths))
+        stats = rollout_stats(out, s.generations)
+        stats["zero_advantage_skipped"] = len(values) - sum(len(rows) for cuts in every for rows in cuts)
         return RolloutStep(idx, forwards, normaliser, real, sum(lengths), len(lengths),
-                           digest(out.prompts, out.completions), rollout_stats(out, s.generations),
+                           digest(out.prompts, out.completions), stats,
                            ("loss", "grad") if bool((adv == 0).all()) else ("loss",))
+
+    def _cuts(self, rows: range, adv: list[float]) -> list[list[int]]:
+        """One rank's rows in forwards of ``rows_per_forward``, each keeping what ``_kept`` computes."""
+        size = self.shape.rows_per_forward
+        return [_kept(rows[i : i + size], adv, self.shape.skip_zero_advantage) for i in range(0, len(rows), size)]
 
     def max_pieces(self, batch: dict) -> int:
         return batch["input_ids"].shape[0]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rocktune.tasks.grpo import prefix
 from rocktune.tasks.lm.loss import hidden_and_head
 from rocktune.train.task import KeepsStats
 
@@ -46,14 +47,19 @@ class Objective:
     use_bias_correction_kl: bool = True  # the KL times the ratio: an unbiased reverse-KL gradient (TRL's default)
 
 
-def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0, share: bool = False
+                ) -> torch.Tensor:
     """Log-probabilities of each row's tokens 1.. under ``model`` at ``temperature`` [rows, width - 1] (0 where not
     a completion token); the head runs on completion positions only: no full logits.
 
     The rows are right-padded (feed.collate), so causal attention alone keeps every real token from the pads after
     it, and the positions are 0.. either way: the model runs without the padding mask, which lets SDPA take its
     causal kernel (and grouped K/V un-repeated) instead of building and applying a mask. The pads' own outputs
-    differ, and are never scored."""
+    differ, and are never scored. ``share``: each prompt computed once for its group (prefix.py) where that applies.
+    """
+    shared = prefix.shared_logps(model, batch, temperature) if share else None
+    if shared is not None:
+        return shared
     ids, mask = batch["input_ids"], batch["completion_mask"][:, 1:].bool()
     inputs = {"input_ids": ids, "use_cache": False}
     hidden, head = hidden_and_head(model, inputs)
@@ -91,26 +97,37 @@ class GRPOLoss(KeepsStats):
     """batch -> the weighted sum of its completions' token losses; the engine normalises per step. Statistics
     (KL, clip ratios) are summed over completion tokens until ``take_stats``."""
 
-    def __init__(self, model, objective: Objective):
+    def __init__(self, model, objective: Objective, share_prompt: bool = False):
         super().__init__()
-        self.model, self.objective = model, objective
+        self.model, self.objective, self.share_prompt = model, objective, share_prompt
+
+    @contextlib.contextmanager
+    def plain_path(self):
+        """Inside: full rows, no shared prompt (the training-path tripwire's reference forward)."""
+        saved, self.share_prompt = self.share_prompt, False
+        try:
+            yield
+        finally:
+            self.share_prompt = saved
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch["completion_mask"][:, 1:].float()
         o = self.objective
-        logps = token_logps(self.model, batch, o.temperature)
+        logps = token_logps(self.model, batch, o.temperature, self.share_prompt)
         ref = None
         if o.beta != 0.0:
             with torch.no_grad(), _adapter_off(self.model):
-                ref = token_logps(self.model, batch, o.temperature)
+                ref = token_logps(self.model, batch, o.temperature, self.share_prompt)
         old = batch.get("old_logps", logps.detach())  # given: the policy that sampled, if it was another
         losses, stats = token_losses(o, logps, old, ref, batch["advantage"], mask)
         self.add_stats({**{k: v.sum() for k, v in stats.items()}, "tokens": mask.sum()})
         return ((losses * mask).sum(-1) * batch["weight"]).sum()
 
-    def take_stats(self, reduce=None) -> dict[str, float]:
+    def take_stats(self, reduce=None, step_tokens: int | None = None) -> dict[str, float]:
         """Token means over the completions seen since the last call (one synchronisation), and reset; ``reduce``
-        (sums -> sums over every rank) makes them the whole step's."""
+        (sums -> sums over every rank) makes them the whole step's. ``step_tokens``: the step's completion tokens, the
+        means' denominator (a row no forward computed, its advantage 0, adds 0 to every sum but counts in it);
+        None: the tokens the forwards saw."""
         stats, self._stats = self._stats, {}
         tokens = stats.pop("tokens", None)
         if tokens is None:
@@ -118,6 +135,7 @@ class GRPOLoss(KeepsStats):
         keys = list(stats)
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32) for k in keys] + [tokens.float()])
         *sums, count = (reduce(values) if reduce is not None else values).tolist()
+        count = count if step_tokens is None else step_tokens
         return {k: v / max(count, 1.0) for k, v in zip(keys, sums)}
 
 

@@ -102,7 +102,7 @@ class _Eager:
         from transformers import DynamicCache
 
         self.model, self.mask, self.positions = model, mask, positions
-        self.cache, self.key = DynamicCache(), _cache_argument(model)
+        self.cache, self.key = DynamicCache(), cache_argument(model)
 
     def first(self, ids: torch.Tensor) -> torch.Tensor:
         return self._run(ids)
@@ -126,7 +126,7 @@ class StaticDecode:
     that fails falls back to the same step run eagerly, with a note (``fallback``)."""
 
     def __init__(self, model, max_len: int):
-        self.model, self.max_len, self.key = model, max_len, _cache_argument(model)
+        self.model, self.max_len, self.key = model, max_len, cache_argument(model)
         self.caches: dict[int, object] = {}
         self.compiled = torch.compile(self._step, dynamic=False, options=compile_options(model))
         self.fallback: str | None = None
@@ -191,7 +191,7 @@ def compile_options(model) -> dict | None:
     return {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else None
 
 
-def _cache_argument(model) -> str:
+def cache_argument(model) -> str:
     """transformers 5.x names the KV cache ``cache`` (``past_key_values`` warns, and goes in 5.40); 4.x knows only
     ``past_key_values``."""
     import inspect

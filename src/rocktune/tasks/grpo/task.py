@@ -104,7 +104,7 @@ class GRPOTask:
         reward_list = rewardfns.build(g.rewards, g.max_completion_length)  # user code imported here, and only here
         ctx.notes += model_notes
         loss = GRPOLoss(model, Objective(g.beta, g.epsilon, g.epsilon_high, g.loss_type, g.max_completion_length,
-                                         g.temperature, g.use_bias_correction_kl))
+                                         g.temperature, g.use_bias_correction_kl), g.share_prompt)
         sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k,
                             tuple(stop_ids(tokenizer, model)),
                             tuple(g.stop))
@@ -130,7 +130,7 @@ class GRPOTask:
         t, g, dist = self.cfg.training, self.cfg.grpo, self.run.ctx.dist
         shape = StepShape(t.micro_batch_size * t.grad_accum // g.num_generations, g.num_generations,
                           t.micro_batch_size, g.loss_type, g.max_completion_length, g.scale_rewards,
-                          self.run.tokenizer.pad_token_id, t.seed)
+                          self.run.tokenizer.pad_token_id, t.seed, g.beta == 0.0)
         share = Share(dist.rank, dist.world, lambda mine: distributed.gather_objects(dist, mine))
         return RolloutFeed(len(self.run.train), shape, self._rollout, share, **position)
 
@@ -252,7 +252,7 @@ class GRPOTask:
         padded = float(sum(b["input_ids"].numel() for b in fed.forwards))
         return {"tokens": fed.completion_tokens, "real_tokens": fed.real_tokens, "completions": fed.completions,
                 "rollout_pieces": self.rollout_pieces, "samples": fed.samples, **fed.stats,
-                **self.run.loss.take_stats(lambda v: distributed.sum_over_ranks(dist, v)),
+                **self.run.loss.take_stats(lambda v: distributed.sum_over_ranks(dist, v), fed.completion_tokens),
                 "batch_tokens": int(distributed.sum_over_ranks(dist, torch.tensor([padded]))[0])}
 
     def after_eval(self, step: int, metrics, log) -> None:

@@ -26,15 +26,23 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def hidden_and_head(model, inputs: dict):
-    """The decoder's last hidden states and the output head (the head applied to scored positions only), or, for
-    a model without that split or with an output transform (softcapping, logit scales), the full logits and an
-    identity head."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+def decoder_and_head(base):
+    """``base``'s decoder and output head, where the logits are the head applied to the decoder's last hidden
+    states and nothing else; None for a model without that split or with an output transform (softcapping, logit
+    scales)."""
     config = getattr(base, "config", None)
     plain = not any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS)
     if plain and hasattr(base, "get_decoder") and base.get_output_embeddings() is not None:
-        return base.get_decoder()(**inputs).last_hidden_state, base.get_output_embeddings()
+        return base.get_decoder(), base.get_output_embeddings()
+    return None
+
+
+def hidden_and_head(model, inputs: dict):
+    """The decoder's last hidden states and the output head (the head applied to scored positions only), or, for
+    a model without that split (``decoder_and_head``), the full logits and an identity head."""
+    split = decoder_and_head(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if split is not None:
+        return split[0](**inputs).last_hidden_state, split[1]
     return model(**inputs).logits, torch.nn.Identity()
 
 
