@@ -53,16 +53,13 @@ def collate(prompts: list[tuple[int, ...]], completions: list[list[int]], adv: l
     first: dict[tuple[int, ...], int] = {}
     group = [first.setdefault(tuple(p), r) for r, p in enumerate(prompts)]
     width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    completion = torch.zeros_like(ids)
-    for r, (p, c) in enumerate(zip(prompts, completions)):
-        ids[r, : len(p) + len(c)] = torch.tensor(list(p) + c, dtype=torch.long)
-        attention[r, : len(p) + len(c)] = 1
-        completion[r, len(p) : len(p) + len(c)] = 1
-    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion,
+    ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows], dtype=torch.long)
+    at, ends = torch.arange(width)[None], torch.tensor([len(row) for row in rows])[:, None]
+    starts = torch.tensor([len(p) for p in prompts])
+    return {"input_ids": ids, "attention_mask": (at < ends).long(),
+            "completion_mask": ((at >= starts[:, None]) & (at < ends)).long(),
             "advantage": torch.tensor(adv, dtype=torch.float32), "weight": torch.tensor(weights, dtype=torch.float32),
-            "prompt_length": torch.tensor([len(p) for p in prompts]), "prompt_group": torch.tensor(group)}
+            "prompt_length": starts, "prompt_group": torch.tensor(group)}
 
 
 def _kept(rows: range, adv: list[float], skip_zero: bool) -> list[int]:
