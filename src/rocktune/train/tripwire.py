@@ -60,7 +60,7 @@ class Tripwire:
     compiled: object = lambda: False  # () -> bool: the decoder is compiled now (a fallback turns it off)
     first: int = 1  # this process's first step (a resumed run checks its own first two steps too)
     passed: list[int] = field(default_factory=list)  # steps whose probe agreed with the reference
-    snapshot: list | None = None
+    snapshot: list | None = None  # (adapter tensor, its value before the update) of a due step
 
     def due(self, step: int) -> bool:
         return step < self.first + 2 or bool(self.every and step % self.every == 0)
@@ -70,13 +70,14 @@ class Tripwire:
         values to judge the update by (``check_update``)."""
         if not self.due(step):
             return
-        params = list(lora_check.adapter_params(self.model).values())
-        self.snapshot = [p.detach().clone() for p in params]
+        adapter = lora_check.adapter_params(self.model)  # once per check: a walk of every module
+        params = list(adapter.values())
+        self.snapshot = [(p, p.detach().clone()) for p in params]
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            problems = self._probe(batch)
+            problems = self._probe(batch, adapter)
         except Exception as exc:  # noqa: BLE001 -- a check that does not fit must not end a run that does
             if not is_out_of_memory(exc):
                 raise
@@ -94,12 +95,11 @@ class Tripwire:
         before, self.snapshot = self.snapshot, None
         if before is None or not applied or lr == 0.0 or not grad_norm:
             return
-        params = list(lora_check.adapter_params(self.model).values())
-        if all(torch.equal(p.detach(), b) for p, b in zip(params, before)):
+        if all(torch.equal(p.detach(), b) for p, b in before):
             raise TrainingPathWrong(self._message(step, [lora_check.Problem("no-update", "")]))
 
-    def _probe(self, batch: dict) -> list[lora_check.Problem]:
-        piece = self.split(batch, self.max_pieces(batch))[0]
+    def _probe(self, batch: dict, adapter: dict) -> list[lora_check.Problem]:
+        piece = self.split(batch, self.max_pieces(batch))[0]  # split_by_rows cuts only the piece it is asked for
         on_device = {k: v.to(self.device) for k, v in piece.items()}
 
         def loss_fn(_model):
@@ -108,9 +108,9 @@ class Tripwire:
         inner = getattr(self.loss_of, "module", self.loss_of)  # DDP's wrapped module
         apart = getattr(inner, "separate_stats", contextlib.nullcontext)  # train/task.KeepsStats
         with no_sync(self.loss_of, last=False), apart():  # the probe's gradients and statistics are not the step's
-            got = lora_check.probe(self.model, loss_fn, self.autocast)
+            got = lora_check.probe(self.model, loss_fn, self.autocast, params=adapter)
             with lora_check.reference_mode(self.model):
-                ref = lora_check.probe(self.model, loss_fn, self.autocast)
+                ref = lora_check.probe(self.model, loss_fn, self.autocast, params=adapter)
         return lora_check.compare_probe(got, ref, self.precision)
 
     def _message(self, step: int, problems: list[lora_check.Problem]) -> str:
