@@ -4,10 +4,10 @@ builds it (Qwen2 hidden 128, 2 layers, LoRA r=16 on the fused side path, fp32), 
 backward and its update, as the loop calls it. Prints one JSON object: the check's median and quartiles over
 ``--reps`` calls (``time.thread_time``), beside the step's own forward and backward for scale.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/tripwire_probe.py [--reps 60] [--depth 60]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/tripwire_probe.py [--reps 60]
 
-``--depth``: the check runs under that many extra Python frames, as in a run (its loop, task and CLI frames):
-part of what the check once cost grew with the caller's stack (lora_check._seed).
+The probe's forward and backward are the run's own, so most of the check is the two passes of one row through the
+model; the rest (tripwire.py, lora_check.py) is what this measures when that code changes.
 """
 
 from __future__ import annotations
@@ -45,10 +45,6 @@ def grpo_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
             "advantage": torch.randn(ROWS, generator=gen), "weight": torch.ones(ROWS)}
 
 
-def nested(depth: int, fn):
-    return fn() if depth == 0 else nested(depth - 1, fn)
-
-
 def main() -> None:
     from rocktune.tasks.grpo.loss import GRPOLoss, Objective
     from rocktune.train import build as train_build
@@ -57,7 +53,6 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--depth", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = build(Path(tempfile.mkdtemp()))
@@ -72,13 +67,13 @@ def main() -> None:
     seconds = []
     for _ in range(args.reps):
         t0 = time.thread_time()
-        nested(args.depth, lambda: wire.check_path(1, batch, print))
+        wire.check_path(1, batch, print)
         seconds.append(time.thread_time() - t0)
     kept = [p.grad for p in model.parameters() if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(held, kept)) and len(held) == len(kept)
     q1, median, q3 = statistics.quantiles(seconds, n=4)
     print(json.dumps({"check_ms_median": round(1e3 * median, 2), "check_ms_q1": round(1e3 * q1, 2),
-                      "check_ms_q3": round(1e3 * q3, 2), "reps": args.reps, "depth": args.depth,
+                      "check_ms_q3": round(1e3 * q3, 2), "reps": args.reps,
                       "step_forward_backward_ms": round(1e3 * step_s, 1), "batch": [ROWS, WIDTH],
                       "torch": torch.__version__, "threads": torch.get_num_threads()}))
 

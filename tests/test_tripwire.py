@@ -90,12 +90,12 @@ def test_the_stop_is_final_and_named_for_the_supervisor(tmp_path):
     assert issubclass(tripwire.TrainingPathWrong, FatalNumerics) and exits.FATAL in exits.FINAL
 
 
-def _dropout_model(tiny_model_dir):
+def _dropout_model(tiny_model_dir, device: str):
     from rocktune.lean_lora import lean_lora
     from rocktune.model import apply_lora, load_model
 
     torch.manual_seed(0)
-    model = apply_lora(load_model(str(tiny_model_dir), "fp32", "sdpa", False, "cpu"), 8, 16, 0.1, "all-linear", False)
+    model = apply_lora(load_model(str(tiny_model_dir), "fp32", "sdpa", False, device), 8, 16, 0.1, "all-linear", False)
     for n, p in model.named_parameters():  # LoRA B starts at zero: give it values so the side path matters
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05)
@@ -103,21 +103,25 @@ def _dropout_model(tiny_model_dir):
     return model.train()
 
 
-def test_the_probe_seeds_dropout_as_torch_manual_seed_did_and_leaves_the_run_s_rng(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")])])
+def test_the_probe_seeds_dropout_as_torch_manual_seed_did_and_leaves_the_run_s_rng(tiny_model_dir, monkeypatch,
+                                                                                    device):
     """The probe seeds only the generators it forked (lora_check._seed): the same dropout masks, to the bit, as the
     torch.manual_seed it replaced, the path and the reference agree under them, and the run's RNG stream is where
     it was. The adapter tensors handed in are the ones it would find itself."""
     from rocktune import lora_check
 
-    model = _dropout_model(tiny_model_dir)
-    ids = torch.arange(5, 37).view(1, 32)
+    model = _dropout_model(tiny_model_dir, device)
+    ids = torch.arange(5, 37, device=device).view(1, 32)
 
     def loss_fn(m):
         return m(input_ids=ids).logits.float().logsumexp(-1).sum()
 
-    before = torch.get_rng_state()
+    before = torch.get_rng_state(), torch.cuda.get_rng_state() if device == "cuda" else None
     got = lora_check.probe(model, loss_fn, params=lora_check.adapter_params(model))
-    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert device == "cpu" or torch.equal(torch.cuda.get_rng_state(), before[1])
     with lora_check.reference_mode(model):
         ref = lora_check.probe(model, loss_fn)
     assert lora_check.compare_probe(got, ref, "fp32") == []
