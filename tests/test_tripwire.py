@@ -29,8 +29,8 @@ def probes(monkeypatch):
     seen = []
     real = tripwire.Tripwire._probe
 
-    def spy(self, batch):
-        problems = real(self, batch)
+    def spy(self, *args):
+        problems = real(self, *args)
         seen.append(problems)
         return problems
 
@@ -88,3 +88,66 @@ def test_the_stop_is_final_and_named_for_the_supervisor(tmp_path):
     from rocktune.train.guards import FatalNumerics
 
     assert issubclass(tripwire.TrainingPathWrong, FatalNumerics) and exits.FATAL in exits.FINAL
+
+
+def _dropout_model(tiny_model_dir, device: str):
+    from rocktune.lean_lora import lean_lora
+    from rocktune.model import apply_lora, load_model
+
+    torch.manual_seed(0)
+    model = apply_lora(load_model(str(tiny_model_dir), "fp32", "sdpa", False, device), 8, 16, 0.1, "all-linear", False)
+    for n, p in model.named_parameters():  # LoRA B starts at zero: give it values so the side path matters
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    lean_lora(model, fused=True)
+    return model.train()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")])])
+def test_the_probe_seeds_dropout_as_torch_manual_seed_did_and_leaves_the_run_s_rng(tiny_model_dir, monkeypatch,
+                                                                                    device):
+    """The probe seeds only the generators it forked (lora_check._seed): the same dropout masks, to the bit, as the
+    torch.manual_seed it replaced, the path and the reference agree under them, and the run's RNG stream is where
+    it was. The adapter tensors handed in are the ones it would find itself."""
+    from rocktune import lora_check
+
+    model = _dropout_model(tiny_model_dir, device)
+    ids = torch.arange(5, 37, device=device).view(1, 32)
+
+    def loss_fn(m):
+        return m(input_ids=ids).logits.float().logsumexp(-1).sum()
+
+    before = torch.get_rng_state(), torch.cuda.get_rng_state() if device == "cuda" else None
+    got = lora_check.probe(model, loss_fn, params=lora_check.adapter_params(model))
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert device == "cpu" or torch.equal(torch.cuda.get_rng_state(), before[1])
+    with lora_check.reference_mode(model):
+        ref = lora_check.probe(model, loss_fn)
+    assert lora_check.compare_probe(got, ref, "fp32") == []
+    monkeypatch.setattr(lora_check, "_seed", lambda seed, devices: torch.manual_seed(seed))
+    old = lora_check.probe(model, loss_fn)
+    assert got.loss == old.loss and list(got.grads) == list(old.grads)
+    assert all(torch.equal(got.grads[n], old.grads[n]) for n in old.grads)
+    assert lora_check.probe(model, loss_fn, seed=1).loss != got.loss  # dropout is on: another seed, other masks
+
+
+@pytest.mark.parametrize("rows,pieces", [(5, 2), (5, 3), (5, 5), (32, 32), (4, 1)])
+def test_row_pieces_are_cut_when_asked_and_are_the_eager_split(rows, pieces):
+    """The tripwire takes only the first piece of split_by_rows, which cuts no other: every piece is the rows an
+    eager split gave, by index, from the end, by slice and by iteration (the OOM split's use)."""
+    from rocktune.train.step import split_by_rows
+
+    batch = {"input_ids": torch.arange(rows * 3).view(rows, 3), "weight": torch.arange(rows, dtype=torch.float32)}
+    size = -(-rows // pieces)
+    eager = [{k: v[i: i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+    got = split_by_rows(batch, pieces)
+
+    def same(a, b):
+        return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    assert len(got) == len(eager) and all(same(a, b) for a, b in zip(got, eager, strict=True))
+    assert same(got[0], eager[0]) and same(got[-1], eager[-1])
+    assert all(same(a, b) for a, b in zip(got[1:], eager[1:], strict=True))
+    with pytest.raises(IndexError):
+        got[len(eager)]

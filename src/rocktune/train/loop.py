@@ -142,7 +142,7 @@ def _setup(task: Task, ctx: RunContext, parts: Prepared) -> Run:
     r = Run(ctx, task, parts, params, runner, optimizer, scheduler, runner.guard, feed, total, 0, ctx.options.pieces,
             None, result, compiled=parts.compiled)
     r.tripwire = Tripwire(parts.model, runner.loss_of, ctx.device, runner.autocast, ctx.precision, t.optimizer,
-                          lambda b, n: r.feed.split(b, n), lambda b: r.feed.max_pieces(b), rel.check_path_every,
+                          lambda: r.feed, rel.check_path_every,
                           lambda: r.compiled)
 
     def check(found) -> None:  # before the checkpoint is applied: a refused resume changes nothing

@@ -45,6 +45,14 @@ _FIX = {
 }
 
 
+def probe_piece(feed, batch: dict) -> dict:
+    """The probe's rows: the feed's own choice where it has one (``probe_piece``: e.g. GRPO's two completions of one
+    prompt, which run its shared-prompt forward where one row would share nothing), else the first piece of its
+    smallest split (split_by_rows cuts only the piece it is asked for)."""
+    own = getattr(feed, "probe_piece", None)
+    return own(batch) if own is not None else feed.split(batch, feed.max_pieces(batch))[0]
+
+
 @dataclass
 class Tripwire:
     """What the checks need from the run, grouped: built once by the loop."""
@@ -55,13 +63,12 @@ class Tripwire:
     autocast: object  # () -> context manager
     precision: str
     optimizer_kind: str
-    split: object  # the feed's split(batch, pieces)
-    max_pieces: object  # the feed's max_pieces(batch)
+    feed: object  # () -> the run's feed: its probe_piece(batch), else its split and max_pieces
     every: int = 0
     compiled: object = lambda: False  # () -> bool: the decoder is compiled now (a fallback turns it off)
     first: int = 1  # this process's first step (a resumed run checks its own first two steps too)
     passed: list[int] = field(default_factory=list)  # steps whose probe agreed with the reference
-    snapshot: list | None = None
+    snapshot: list | None = None  # (adapter tensor, its value before the update) of a due step
 
     def due(self, step: int) -> bool:
         return step < self.first + 2 or bool(self.every and step % self.every == 0)
@@ -71,13 +78,14 @@ class Tripwire:
         values to judge the update by (``check_update``)."""
         if not self.due(step):
             return
-        params = list(lora_check.adapter_params(self.model).values())
-        self.snapshot = [p.detach().clone() for p in params]
+        adapter = lora_check.adapter_params(self.model)  # once per check: a walk of every module
+        params = list(adapter.values())
+        self.snapshot = [(p, p.detach().clone()) for p in params]
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            problems = self._probe(batch)
+            problems = self._probe(batch, adapter)
         except Exception as exc:  # noqa: BLE001 -- a check that does not fit must not end a run that does
             if not is_out_of_memory(exc):
                 raise
@@ -95,12 +103,11 @@ class Tripwire:
         before, self.snapshot = self.snapshot, None
         if before is None or not applied or lr == 0.0 or not grad_norm:
             return
-        params = list(lora_check.adapter_params(self.model).values())
-        if all(torch.equal(p.detach(), b) for p, b in zip(params, before)):
+        if all(torch.equal(p.detach(), b) for p, b in before):
             raise TrainingPathWrong(self._message(step, [lora_check.Problem("no-update", "")]))
 
-    def _probe(self, batch: dict) -> list[lora_check.Problem]:
-        piece = self.split(batch, self.max_pieces(batch))[0]
+    def _probe(self, batch: dict, adapter: dict) -> list[lora_check.Problem]:
+        piece = probe_piece(self.feed(), batch)
         on_device = {k: v.to(self.device) for k, v in piece.items()}
 
         def loss_fn(_model):
@@ -109,10 +116,10 @@ class Tripwire:
         inner = getattr(self.loss_of, "module", self.loss_of)  # DDP's wrapped module
         apart = getattr(inner, "separate_stats", contextlib.nullcontext)  # train/task.KeepsStats
         with no_sync(self.loss_of, last=False), apart():  # the probe's gradients and statistics are not the step's
-            got = lora_check.probe(self.model, loss_fn, self.autocast)
+            got = lora_check.probe(self.model, loss_fn, self.autocast, params=adapter)
             plain = getattr(inner, "plain_path", contextlib.nullcontext)  # a task's own faster forward off too
             with lora_check.reference_mode(self.model), plain():
-                ref = lora_check.probe(self.model, loss_fn, self.autocast)
+                ref = lora_check.probe(self.model, loss_fn, self.autocast, params=adapter)
         return lora_check.compare_probe(got, ref, self.precision)
 
     def _message(self, step: int, problems: list[lora_check.Problem]) -> str:

@@ -224,6 +224,13 @@ class RolloutFeed(StreamPosition):
     def max_pieces(self, batch: dict) -> int:
         return batch["input_ids"].shape[0]
 
+    def probe_piece(self, batch: dict) -> dict:
+        """The training-path tripwire's rows: two completions of the forward's first prompt where it has two, so
+        that the probe runs the shared-prompt forward (prefix.py) against the reference over full rows; else one."""
+        group = batch["prompt_group"]
+        rows = (group == group[0]).nonzero().flatten()[:2]
+        return {k: v.index_select(0, rows) for k, v in batch.items()}
+
     def close(self) -> None:
         """Nothing to release: a rollout is made in the step that uses it."""
 
