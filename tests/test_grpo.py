@@ -538,3 +538,22 @@ def test_rows_whose_advantage_is_zero_get_no_forward_and_change_nothing(tiny_mod
     every_zero = _feed([0.5] * 8, True).next()
     assert [b["input_ids"].shape[0] for b in every_zero.forwards] == [1, 1]
     assert every_zero.zero_expected == ("loss", "grad")
+
+
+def test_the_tripwire_probes_the_shared_prompt_forward(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """GRPO's probe takes two completions of one prompt, so a shared-prompt forward gone wrong (here: positions off
+    by one) stops the run at step 1 against the reference over full rows, where a one-row probe shares nothing."""
+    from rocktune.tasks import train
+    from rocktune.tasks.grpo import prefix
+    from rocktune.train import tripwire
+
+    real = prefix._completion_rows
+
+    def shifted(*args):
+        tokens, cols, positions, attention = real(*args)
+        return tokens, cols, positions + 1, attention
+
+    monkeypatch.setattr(prefix, "_completion_rows", shifted)
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "run", max_steps=2, eval_every=0)
+    with pytest.raises(tripwire.TrainingPathWrong, match=r"step 1: .*computes other values than PEFT's reference"):
+        train(config_from_dict(cfg), quiet=True)
