@@ -54,9 +54,23 @@ def _setup(work: Path) -> tuple[Path, Path]:
     from rocktune.demo.tiny import build_tiny_model
 
     model = build_tiny_model(work / "model", seed=0, **SHAPE)
+    _stop_at_end_of_turn(model)
     rows, _ = make_task(n_train=256, n_eval=0, seed=0, skills=("upper",))
     data = write_jsonl(work / "prompts.jsonl", [{"prompt": r["prompt"], "answer": r["completion"]} for r in rows])
     return model, data
+
+
+def _stop_at_end_of_turn(model: Path) -> None:
+    """The model's generation config lists ``<|im_end|>`` beside ``<|endoftext|>``, as a real ChatML model's does
+    (Qwen2.5-Instruct's: both): TRL's GRPOTrainer stops at what the generation config lists, rocktune at that and
+    the template's end of turn. The tiny model's config lists ``<|endoftext|>`` alone, which made TRL's completions
+    of random tokens about 6% longer than rocktune's in the same padded width."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model)
+    config = GenerationConfig.from_pretrained(model)
+    config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    config.save_pretrained(model)
 
 
 def run_rocktune(model: Path, data: Path, out: Path, steps: int, device: str, compile_rollout: bool = True

@@ -140,3 +140,14 @@ def test_a_cache_it_does_not_know_falls_back_for_the_run(tiny_model_dir, monkeyp
     assert prefix.shared_logps(model, batch, 1.0) is None
     monkeypatch.undo()
     assert prefix.shared_logps(model, batch, 1.0) is None  # decided once: the plain forward for the rest of the run
+
+
+def test_lora_dropout_in_training_takes_the_full_rows(tiny_model_dir):
+    """Dropout draws independent masks at a prompt's G copies; one prompt pass would draw one for all: other noise,
+    so a model with LoRA dropout trains over full rows (and shares again when evaluating, without masks)."""
+    torch.manual_seed(0)
+    model = apply_lora(load_model(str(tiny_model_dir), "fp32", "sdpa", False, "cpu"), 8, 16, 0.1, "all-linear", False)
+    lean_lora.patch(model, "fused")
+    batch = _batch()
+    assert prefix.shared_logps(model.train(), batch, 1.0) is None
+    assert prefix.shared_logps(model.eval(), batch, 1.0) is not None

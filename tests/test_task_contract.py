@@ -230,7 +230,9 @@ def test_oom_mid_step_splits_and_trains_the_same_samples(kind, tmp_path):
     assert [r["samples"] for r in split] == [r["samples"] for r in plain]
     assert [r["tokens"] for r in split] == [r["tokens"] for r in plain]
     assert [r["pieces"] for r in split] == [1, 1, 2, 2]  # the split holds for the rest of the run
-    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
+    # abs: GRPO's on-policy loss is its advantages' sum, which cancels to ~3e-4 from terms of order 0.1-1, so the
+    # pieces' rounding (a few 1e-9) is judged against the terms, not against what is left of them
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in plain], rel=1e-5, abs=5e-8)
     meta = json.loads((tmp_path / "split" / "checkpoints" / "step-0000004" / "meta.json").read_text())
     assert meta["extra"]["pieces"] == 2
 

@@ -21,6 +21,8 @@ What keeps it exact, and when it is not used (the plain forward instead):
   the model takes the plain forward for the rest of the run;
 - gradient checkpointing: transformers turns the cache off in training under it (and a recomputed layer would
   append to the cache again);
+- LoRA dropout in training (``lora.dropout`` above 0): the full rows draw independent masks at a prompt's G copies,
+  the prompt pass one mask for all of them, which is other noise;
 - a forward where no prompt is shared (every row its own) or every prompt is one token long: nothing to save.
 """
 
@@ -36,17 +38,25 @@ _ELIGIBLE = "_rocktune_prompt_sharing"  # per base model: whether its config all
 
 
 def eligible(base) -> bool:
-    """Whether ``base`` (the PEFT model's base) can run the shared forward: every layer full causal attention, no
-    gradient checkpointing, a decoder/head split. Decided from the config once, cached on the model."""
+    """Whether ``base`` (the PEFT model's base) can run the shared forward now: every layer full causal attention and
+    a decoder/head split (from the config, decided once and cached on the model), no gradient checkpointing, no LoRA
+    dropout while training."""
     name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"  # transformers 5.x's name; 4.x's only
     if getattr(base, name, False):
         return False
-    cached = getattr(base, _ELIGIBLE, None)
-    if cached is None:
-        cached = _full_attention(getattr(base, "config", None)) and decoder_and_head(base) is not None
-        setattr(base, _ELIGIBLE, cached)
-    return cached
+    known = getattr(base, _ELIGIBLE, None)
+    if known is None:
+        known = {"model": _full_attention(getattr(base, "config", None)) and decoder_and_head(base) is not None,
+                 "dropout": _dropout(base)}
+        setattr(base, _ELIGIBLE, known)
+    return known["model"] and not (base.training and known["dropout"])
+
+
+def _dropout(base) -> bool:
+    """LoRA dropout draws a mask per row and position: the prompt pass would draw one for the whole group, a
+    different (correlated) noise from the full rows' independent ones."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in base.modules())
 
 
 def _full_attention(config) -> bool:
@@ -79,7 +89,7 @@ def shared_logps(model, batch: dict[str, torch.Tensor], temperature: float) -> t
     decoder(input_ids=ids.index_select(0, first)[:, :prefix], use_cache=True, **{key: cache})
     layers = getattr(cache, "layers", None)
     if not layers or any(type(x).__name__ != "DynamicLayer" for x in layers) or cache.get_seq_length() != prefix:
-        setattr(base, _ELIGIBLE, False)  # a cache this forward does not know how to index: never again this run
+        getattr(base, _ELIGIBLE)["model"] = False  # a cache this forward does not know how to index: never again
         return None
     cache.reorder_cache(inverse)  # each row's copy of its prompt's keys and values (the backward sums them)
     lengths = cmask.sum(1)
