@@ -1,11 +1,13 @@
 """Rollout and update tokens/s of rocktune's GRPO beside TRL's GRPOTrainer without vLLM (its default), on the same
-tiny model, prompts and settings, in one run. Prints one JSON object.
+tiny model, prompts and settings, in one run (each side's training in a process of its own). Prints one JSON
+object.
 
     PYTHONPATH=src python benchmarks/grpo_vs_trl.py [--steps 6] [--warmup 1] [--rounds 3] [--threads 1]
         [--device cpu] [--eager-rollout] [--generators N]
 
-Both sides: the demo's tiny Qwen2 (random weights, so every completion runs to max_completion_length and both
-generate the same number of tokens), LoRA r=16 on all linear layers, 4 prompts x 8 completions per optimizer step,
+Both sides: the demo's tiny Qwen2 (random weights: most completions run to max_completion_length; both stop at
+``<|endoftext|>`` and ``<|im_end|>``, ``_stop_at_end_of_turn``), LoRA r=16 on all linear layers, 4 prompts x 8
+completions per optimizer step,
 one micro-batch, temperature 1, beta 0, loss dapo, fp32, AdamW. rocktune's rollout runs with
 ``grpo.compile_rollout`` (its decode step compiled over a static KV cache; the compile happens in the first, warmup
 step, whose rollout seconds are printed as ``first_rollout_s``) unless ``--eager-rollout``; TRL's runs as it comes.
@@ -17,8 +19,9 @@ Measured per optimizer step after ``--warmup`` steps:
   completion tokens / seconds (rocktune: ``step_s - rollout_s``; TRL: the callback-timed step minus ``_generate``).
 
 The ratio is rocktune's over TRL's, from the tokens and seconds of every round together. Each round trains both
-afresh, one after the other (rocktune first in even rounds, TRL first in odd ones), so that a machine shared with
-other jobs slows both alike; the per-round ratios show how much the load moved the figures. Beside the wall-clock
+afresh, one after the other (rocktune first in even rounds, TRL first in odd ones), each in a new process
+(``in_child``: rocktune as its CLI worker runs, TRL as a script would), so that a machine shared with other jobs
+slows both alike; the per-round ratios show how much the load moved the figures. Beside the wall-clock
 figures, ``cpu_*`` ones count the main thread's CPU seconds (``time.thread_time``) of the same spans (the update's:
 from one rollout's start to the next, less the rollout): with one torch thread, time that other jobs take from the
 process is not in them, so they move much less with the machine's load. Each side runs one step more than it
@@ -37,6 +40,8 @@ import argparse
 import contextlib
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -92,7 +97,7 @@ def run_rocktune(model: Path, data: Path, out: Path, steps: int, device: str, co
     generate = GRPOTask._generate
     GRPOTask._generate = lambda self, *a, **k: cpu.around(lambda: generate(self, *a, **k))
     try:
-        train(config_from_dict(cfg), RunOptions(overwrite=True), quiet=True)
+        train(config_from_dict(cfg), RunOptions(overwrite=True, own_process=True), quiet=True)  # as the CLI's worker
     finally:
         GRPOTask._generate = generate
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -219,6 +224,26 @@ def summary(kept: list[dict]) -> dict:
     return out
 
 
+def in_child(side: str, model: Path, data: Path, out: Path, a) -> list[dict]:
+    """One side's run in a process of its own, as a user runs either tool: what one sets for its whole process
+    (rocktune's worker: glibc's malloc thresholds, platform/malloc.py; torch's compile caches) is not the other's.
+    The child's console output goes to this process's stderr; its measured steps come back as JSON."""
+    cmd = [sys.executable, __file__, "--child", side, "--model", str(model), "--data", str(data), "--out", str(out),
+           "--steps", str(a.steps + a.warmup + 1), "--device", a.device, "--threads", str(a.threads)]
+    subprocess.run(cmd + (["--eager-rollout"] if a.eager_rollout else []), check=True, stdout=sys.stderr)
+    return json.loads((out / "bench_steps.json").read_text())
+
+
+def child(a) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    steps = run_rocktune(Path(a.model), Path(a.data), out, a.steps, a.device, not a.eager_rollout) \
+        if a.child == "rocktune" else run_trl(Path(a.model), Path(a.data), out, a.steps, a.device)
+    (out / "bench_steps.json").write_text(json.dumps(steps))
+
+
 def main() -> None:
     import torch
 
@@ -230,18 +255,19 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--eager-rollout", action="store_true", help="rocktune's rollout without grpo.compile_rollout")
     p.add_argument("--generators", type=int, default=0, help="also the generators alone, N interleaved calls each")
+    for name in ("--child", "--model", "--data", "--out"):  # in_child's: one side's run
+        p.add_argument(name, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.child:
+        return child(a)
     torch.set_num_threads(a.threads)
     rounds, first_rollout_s = [], []
     with tempfile.TemporaryDirectory(prefix="rocktune-grpo-bench-") as tmp:
         work = Path(tmp)
         model, data = _setup(work)
         for i in range(a.rounds):
-            n = a.steps + a.warmup + 1
-            sides = {"rocktune": lambda: run_rocktune(model, data, work / f"rocktune{i}", n, a.device,  # noqa: B023
-                                                      not a.eager_rollout),
-                     "trl": lambda: run_trl(model, data, work / f"trl{i}", n, a.device)}  # noqa: B023
-            done = {k: sides[k]() for k in (("rocktune", "trl") if i % 2 == 0 else ("trl", "rocktune"))}
+            order = ("rocktune", "trl") if i % 2 == 0 else ("trl", "rocktune")
+            done = {side: in_child(side, model, data, work / f"{side}{i}", a) for side in order}
             first_rollout_s.append(round(done["rocktune"][0]["rollout_s"], 2))
             rounds.append((done["rocktune"][a.warmup:-1], done["trl"][a.warmup:-1]))
         alone = {"generators": generators(model, data, a.generators)} if a.generators else {}

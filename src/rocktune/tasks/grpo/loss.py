@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from rocktune.tasks.grpo import prefix
-from rocktune.tasks.lm.loss import hidden_and_head
+from rocktune.tasks.lm.loss import hidden_and_head, target_logps
 from rocktune.train.task import KeepsStats
 
 STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -64,8 +64,7 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0,
     inputs = {"input_ids": ids, "use_cache": False}
     hidden, head = hidden_and_head(model, inputs)
     rows, cols = mask.nonzero(as_tuple=True)
-    logits = head(hidden[:, :-1][rows, cols]).float() / temperature
-    picked = torch.log_softmax(logits, -1).gather(1, ids[:, 1:][rows, cols][:, None]).squeeze(1)
+    picked = target_logps(head, hidden[:, :-1][rows, cols], ids[:, 1:][rows, cols], temperature)
     out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32, device=ids.device)
     return out.index_put((rows, cols), picked)
 

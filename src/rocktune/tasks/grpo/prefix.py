@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from rocktune.tasks.grpo.rollout import cache_argument
-from rocktune.tasks.lm.loss import decoder_and_head
+from rocktune.tasks.lm.loss import decoder_and_head, target_logps
 
 _ELIGIBLE = "_rocktune_prompt_sharing"  # per base model: whether its config allows the shared forward
 
@@ -98,8 +98,7 @@ def shared_logps(model, batch: dict[str, torch.Tensor], temperature: float) -> t
                      **{key: cache}).last_hidden_state
     steps = torch.arange(cols.shape[1] - 1, device=ids.device)
     rows, at = (steps[None] < lengths[:, None]).nonzero(as_tuple=True)  # position j predicts completion token j + 1
-    logits = head(hidden[:, :-1][rows, at]).float() / temperature
-    picked = torch.log_softmax(logits, -1).gather(1, tokens[:, 1:][rows, at][:, None]).squeeze(1)
+    picked = target_logps(head, hidden[:, :-1][rows, at], tokens[:, 1:][rows, at], temperature)
     out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32, device=ids.device)
     return out.index_put((rows, cols[rows, at]), picked)
 

@@ -37,6 +37,13 @@ def decoder_and_head(base):
     return None
 
 
+def target_logps(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The log-probability of each target under ``head(hidden) / temperature`` (rows of hidden states, one target
+    each), in fp32: the full logits exist for these rows only."""
+    logits = head(hidden).float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+
+
 def hidden_and_head(model, inputs: dict):
     """The decoder's last hidden states and the output head (the head applied to scored positions only), or, for
     a model without that split (``decoder_and_head``), the full logits and an identity head."""
