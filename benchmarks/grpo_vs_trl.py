@@ -97,7 +97,7 @@ def run_rocktune(model: Path, data: Path, out: Path, steps: int, device: str, co
     generate = GRPOTask._generate
     GRPOTask._generate = lambda self, *a, **k: cpu.around(lambda: generate(self, *a, **k))
     try:
-        train(config_from_dict(cfg), RunOptions(overwrite=True, own_process=True), quiet=True)  # as the CLI's worker
+        train(config_from_dict(cfg), RunOptions(overwrite=True), quiet=True)
     finally:
         GRPOTask._generate = generate
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -225,9 +225,9 @@ def summary(kept: list[dict]) -> dict:
 
 
 def in_child(side: str, model: Path, data: Path, out: Path, a) -> list[dict]:
-    """One side's run in a process of its own, as a user runs either tool: what one sets for its whole process
-    (rocktune's worker: glibc's malloc thresholds, platform/malloc.py; torch's compile caches) is not the other's.
-    The child's console output goes to this process's stderr; its measured steps come back as JSON."""
+    """One side's run in a process of its own, as a user runs either tool: nothing one leaves in its process (torch's
+    compile caches, the allocator's state, imported patches) is the other's. The child's console output goes to
+    this process's stderr; its measured steps come back as JSON."""
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model), "--data", str(data), "--out", str(out),
            "--steps", str(a.steps + a.warmup + 1), "--device", a.device, "--threads", str(a.threads)]
     subprocess.run(cmd + (["--eager-rollout"] if a.eager_rollout else []), check=True, stdout=sys.stderr)

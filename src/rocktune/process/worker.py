@@ -8,7 +8,6 @@ when it came before the first optimizer step (deterministic: the supervisor does
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -129,7 +128,4 @@ if __name__ == "__main__":
     from rocktune.errors import quiet_libraries
 
     quiet_libraries()
-    request = RunRequest.from_json(sys.argv[1])
-    # this process exists for the run alone (not --no-supervise's, which may be a caller's own process)
-    request.options = dataclasses.replace(request.options, own_process=True)
-    raise SystemExit(run_in_process(request))
+    raise SystemExit(run_in_process(RunRequest.from_json(sys.argv[1])))

@@ -68,7 +68,6 @@ def resolve(cfg: RunConfig, options: RunOptions, attn_setting: str, faults: Faul
     """Environment advice applied (before anything touches the device), each rank on its own GPU, then the auto
     choices resolved and proven on it. ``attn_setting``: the task's attention setting (Wan always uses SDPA)."""
     from rocktune.platform.environment import prepare_environment
-    from rocktune.platform.malloc import keep_freed_memory
     from rocktune.platform.threads import apply_threads, choose_threads
 
     platform, notes = prepare_environment()
@@ -77,8 +76,6 @@ def resolve(cfg: RunConfig, options: RunOptions, attn_setting: str, faults: Faul
     on_cpu = cfg.training.device == "cpu" or not platform.devices
     threads = choose_threads(probe=on_cpu)
     apply_threads(threads)
-    if on_cpu and options.own_process:  # a step's activations are host memory: keep what a step frees for the next
-        notes += [n for n in [keep_freed_memory()] if n]
     dist = distributed.from_env()  # one process unless torchrun started several
     distributed.device_for(dist)  # each rank's own GPU, before any self-test touches one
     choices = resolve_auto(cfg.training.device, cfg.training.precision, attn_setting, platform=platform)

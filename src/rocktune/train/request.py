@@ -21,7 +21,6 @@ class RunOptions:
     vram_bytes: int | None = None  # --vram: the memory budget --auto fits to (default: the device's own)
     processes: int = 1  # --nproc x --nnodes: refusals that depend on it are decided before any worker starts
     next_prompt: str | None = None  # the summary's `generate` line asks this beside the base model (demo --real)
-    own_process: bool = False  # the process exists for this run (the CLI's worker): process-wide tuning may be set
 
 
 @dataclass
