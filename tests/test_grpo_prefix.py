@@ -151,3 +151,30 @@ def test_lora_dropout_in_training_takes_the_full_rows(tiny_model_dir):
     batch = _batch()
     assert prefix.shared_logps(model.train(), batch, 1.0) is None
     assert prefix.shared_logps(model.eval(), batch, 1.0) is not None
+
+
+def test_the_rollouts_prefill_runs_each_prompt_once_and_samples_the_same(tiny_model_dir, monkeypatch):
+    """The rollout's prefill (rollout.shared_prefill): 3 prompts x 4 completions prefill 3 rows, and every row's
+    logits, cache and sampled completion are those of the full 12-row prefill."""
+    from rocktune.tasks.grpo import rollout
+
+    model = _model(tiny_model_dir).eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [tuple(torch.randint(5, 250, (n,), generator=gen).tolist()) for n in (6, 9, 3)]
+    rows = [p for p in prompts for _ in range(4)]
+    s = rollout.Sampling(12, 1.0, stop_ids=(256,))
+    width = max(map(len, rows))
+    ids = torch.tensor([[PAD] * (width - len(p)) + list(p) for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits, cache = rollout.shared_prefill(model, ids, mask, positions)
+        full = rollout._Eager(model, mask, positions)
+        want = full._run(ids)
+    assert float((logits - want).abs().max()) < 1e-5
+    for got, ref in zip(cache.layers, full.cache.layers):
+        assert got.keys.shape == ref.keys.shape and float((got.keys - ref.keys).abs().max()) < 1e-5
+    draws = rollout.row_draws(list(range(len(rows))), 12)
+    shared = rollout.sample(model, rows, s, PAD, draws)
+    monkeypatch.setattr(rollout, "shared_prefill", lambda *a, **k: None)
+    assert rollout.sample(model, rows, s, PAD, draws) == shared

@@ -105,7 +105,11 @@ class _Eager:
         self.cache, self.key = DynamicCache(), cache_argument(model)
 
     def first(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._run(ids)
+        shared = shared_prefill(self.model, ids, self.mask, self.positions)
+        if shared is None:
+            return self._run(ids)
+        logits, self.cache = shared
+        return logits
 
     def next(self, token: torch.Tensor) -> torch.Tensor:
         self.positions = self.positions[:, -1:] + 1
@@ -170,9 +174,17 @@ class _Static:
         self.positions, self.at = positions, positions.shape[1]
 
     def first(self, ids: torch.Tensor) -> torch.Tensor:
-        """The prompts' prefill, eager: its width is the step's longest prompt."""
-        logits = self.owner._step(ids, self.mask, self.positions, torch.arange(self.at, device=ids.device),
-                                  self.cache)
+        """The prompts' prefill, eager: its width is the step's longest prompt. Each distinct prompt once where a
+        group repeats it (``shared_prefill``), its keys and values then written to every row's place in the static
+        cache."""
+        where = torch.arange(self.at, device=ids.device)
+        shared = shared_prefill(self.owner.model, ids, self.mask[:, : self.at], self.positions)
+        if shared is None:
+            logits = self.owner._step(ids, self.mask, self.positions, where, self.cache)
+        else:
+            logits, rows = shared
+            for i, layer in enumerate(rows.layers):
+                self.cache.update(layer.keys, layer.values, i, {"cache_position": where})
         self.positions = self.positions[:, -1:]
         return logits
 
@@ -198,6 +210,30 @@ def cache_argument(model) -> str:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+    """The prompts' prefill with each distinct prompt computed once (a step repeats each prompt for its G
+    completions): (every row's last-position logits, a ``DynamicCache`` indexed out to every row); None where no
+    row repeats another or the model's cache is not plain full attention (tasks/grpo/prefix.py's test), for the
+    caller's own prefill. A row's keys, values and logits are its prompt's, as the full batch computes them."""
+    from transformers import DynamicCache
+
+    from rocktune.tasks.grpo.prefix import eligible
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)  # the mask tells pads apart
+    if rows.shape[0] == ids.shape[0] or not eligible(base):
+        return None
+    every = torch.arange(ids.shape[0], device=ids.device)
+    first = torch.full((rows.shape[0],), ids.shape[0], device=ids.device).scatter_reduce(0, index, every, "amin")
+    cache = DynamicCache()
+    logits = model(input_ids=ids[first], attention_mask=mask[first], position_ids=positions[first],
+                   **{cache_argument(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+    if any(type(x).__name__ != "DynamicLayer" for x in cache.layers):
+        return None
+    cache.reorder_cache(index)
+    return logits.index_select(0, index), cache
 
 
 def _stopped(out: torch.Tensor, lengths: torch.Tensor, stop_strings: tuple[str, ...], decode, done) -> torch.Tensor:
