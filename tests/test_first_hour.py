@@ -366,3 +366,22 @@ def test_auto_states_one_memory_figure_with_or_without_vram(tiny_model_dir, task
     assert sum("needs" in n for n in notes) == 1 and not any(n.startswith("chosen:") for n in notes)
     total, _, shown_peak, overhead = map(float, re.findall(r"([\d.]+) GiB", notes[0])[:4])
     assert shown_peak == round(peak / 2**30, 2) and abs(total - shown_peak - overhead) <= 0.011
+
+
+def test_the_grpo_demo_run_again_is_the_same_demo(tmp_path):
+    """Its saved config writes every field of each reward (weights, defaults): the same demo, not a different one
+    (a second `rocktune demo --task grpo` was refused as 'differs in grpo.rewards')."""
+    from rocktune.config import config_from_dict
+    from rocktune.demo.grpo_run import grpo_config
+    from rocktune.demo.run import check_demo_dir
+    from rocktune.errors import UserError
+    from rocktune.train.rundir import write_config
+
+    out = tmp_path / "demo-grpo"
+    settings = grpo_config(out / "sft_merged", out / "data", out / "run", 120)
+    (out / "run").mkdir(parents=True)
+    write_config(out / "run", config_from_dict(settings).model_dump(mode="json"))
+    check_demo_dir(out, settings, overwrite=False)
+    changed = dict(settings, grpo=dict(settings["grpo"], rewards=[{"function": "numeric"}]))
+    with pytest.raises(UserError, match=r"differs in grpo\.rewards"):
+        check_demo_dir(out, changed, overwrite=False)

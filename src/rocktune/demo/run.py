@@ -90,7 +90,10 @@ def check_demo_dir(out: Path, settings: dict, overwrite: bool) -> None:
 
 
 def _project(saved, like):
-    """``saved`` reduced to the key paths of ``like``."""
+    """``saved`` reduced to the key paths of ``like``, into lists too (a saved config writes every field of each
+    list entry, e.g. GRPO's rewards with their defaults)."""
+    if isinstance(like, list) and isinstance(saved, list) and len(like) == len(saved):
+        return [_project(a, b) for a, b in zip(saved, like)]
     if not isinstance(like, dict):
         return saved
     saved = saved if isinstance(saved, dict) else {}
