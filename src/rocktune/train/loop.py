@@ -20,6 +20,7 @@ from rocktune.atomic import kill_point
 from rocktune.errors import first_line
 from rocktune.model import trainable_parameters
 from rocktune.train import build, checkpoint, distributed, finish, memory, resume, rundir, sinks, summary
+from rocktune.train.collector import Collector
 from rocktune.train.context import RunContext
 from rocktune.train.finish import save_adapter
 from rocktune.train.guards import NumericGuard
@@ -68,6 +69,7 @@ class Run:
     compiled: bool = False  # the decoder is compiled now (a compile failure turns it off, once)
     fallback: str | None = None  # that failure, for the metrics row of the step it happened in (the bench reports it)
     tripwire: Tripwire | None = None
+    collector: Collector = field(default_factory=Collector)  # the objects alive after the first step, never scanned
 
     @property
     def state(self) -> checkpoint.TrainState:
@@ -95,7 +97,8 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
     _begin(r, resolved)
     # The feed's collate thread and the metric sinks (TensorBoard, W&B, MLflow runs) end with the run, however it ends.
     with ProgressBar(r.total_steps, r.start_step, ctx.quiet, silent=not ctx.dist.main) as bar, \
-            InterruptFlag() as stop, contextlib.closing(r.feed), contextlib.closing(r.metrics):
+            InterruptFlag() as stop, contextlib.closing(r.feed), contextlib.closing(r.metrics), \
+            contextlib.closing(r.collector):
         for msg in ctx.notes:
             bar.log(f"[dim]{msg}[/]")
         if r.restored is not None:
@@ -247,6 +250,8 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
                 r.metrics.write({"step": step, "eval_loss": ev})
                 bar.log(f"step {step}: eval loss {ev:.4f}")
             task.after_eval(step, r.metrics, bar.log)  # a task without an eval loss (GRPO's held-out reward) too
+        if step == first_step:
+            r.collector.settle()  # model, optimizer and compiled graphs in place: out of later collections' scans
         due = (rel.save_every and step % rel.save_every == 0) or step == r.total_steps or stop.requested
         saved = due and r.guard.nonfinite_in_row == 0 and checkpoint.save_or_warn(
             lambda at: _save_checkpoint(r, at), step, bar.log)
