@@ -72,11 +72,12 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys() and max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 5e-5
 
 
-@pytest.mark.parametrize("grpo", [{"loss_type": "dapo", "scale_rewards": "batch"}, {"loss_type": "grpo"}],
-                         ids=["dapo-batch-std", "grpo"])
+@pytest.mark.parametrize("grpo", [{"loss_type": "dapo", "scale_rewards": "batch", "beta": 0.0}, {"loss_type": "grpo"}],
+                         ids=["dapo-batch-std-beta0", "grpo"])
 def test_two_ranks_train_the_one_process_run(tiny_model_dir, files, grpo):
     """dapo: the normaliser is the whole step's completion tokens, and ``batch``'s std the whole step's rewards:
-    both need the other rank's share. grpo: per-sequence means, per-group std."""
+    both need the other rank's share; at beta 0 the completions whose advantage is 0 get no forward, so the ranks'
+    forwards hold different rows. grpo: per-sequence means, per-group std."""
     _, _, tmp = files
     name = "-".join(f"{v}" for v in grpo.values())
     one, two = tmp / f"one-{name}", tmp / f"two-{name}"
@@ -88,6 +89,10 @@ def test_two_ranks_train_the_one_process_run(tiny_model_dir, files, grpo):
     steps = [r for r in rows(two) if "loss" in r]
     assert len(steps) == 6 and [r["completions"] for r in steps] == [8, 8, 8, 4, 8, 8]  # step 4: one prompt
     assert any("eval_reward" in r for r in rows(two))
+    if grpo.get("beta") == 0.0:
+        assert sum(r["zero_advantage_skipped"] for r in steps) > 0  # the skip is what ran
+        assert [r["zero_advantage_skipped"] for r in steps] == [r["zero_advantage_skipped"] for r in rows(one)
+                                                                if "loss" in r]
     assert_same_run(one, two)
 
 
