@@ -135,8 +135,10 @@ def test_a_cache_it_does_not_know_falls_back_for_the_run(tiny_model_dir, monkeyp
         cache.layer_class_to_replicate = OtherLayer
         return cache
 
+    import transformers
+
     model, batch = _model(tiny_model_dir), _batch()
-    monkeypatch.setattr(prefix, "DynamicCache", other_cache)
+    monkeypatch.setattr(transformers, "DynamicCache", other_cache)
     assert prefix.shared_logps(model, batch, 1.0) is None
     monkeypatch.undo()
     assert prefix.shared_logps(model, batch, 1.0) is None  # decided once: the plain forward for the rest of the run

@@ -29,9 +29,7 @@ What keeps it exact, and when it is not used (the plain forward instead):
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
-from rocktune.tasks.grpo.rollout import cache_argument
 from rocktune.tasks.lm.loss import decoder_and_head, target_logps
 
 _ELIGIBLE = "_rocktune_prompt_sharing"  # per base model: whether its config allows the shared forward
@@ -70,6 +68,15 @@ def _full_attention(config) -> bool:
     return window is None or getattr(text, "use_sliding_window", True) is False
 
 
+def cache_argument(model) -> str:
+    """transformers 5.x names the KV cache ``cache`` (``past_key_values`` warns, and goes in 5.40); 4.x knows only
+    ``past_key_values``."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def shared_logps(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor | None:
     """``token_logps`` of ``batch`` with each prompt computed once (module docstring); None when sharing saves
     nothing or does not apply (the caller runs the plain forward). ``batch`` carries ``prompt_length`` and
@@ -84,6 +91,8 @@ def shared_logps(model, batch: dict[str, torch.Tensor], temperature: float) -> t
         return None
     rows = torch.arange(ids.shape[0], device=ids.device)
     first = torch.full_like(labels, ids.shape[0]).scatter_reduce(0, inverse, rows, "amin")  # a row of each prompt
+    from transformers import DynamicCache
+
     decoder, head = decoder_and_head(base)
     cache, key = DynamicCache(), cache_argument(decoder)
     decoder(input_ids=ids.index_select(0, first)[:, :prefix], use_cache=True, **{key: cache})

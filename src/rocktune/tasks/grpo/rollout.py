@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rocktune.tasks.grpo.prefix import cache_argument, eligible
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -203,23 +205,12 @@ def compile_options(model) -> dict | None:
     return {"cpp_wrapper": True} if next(model.parameters()).device.type == "cpu" else None
 
 
-def cache_argument(model) -> str:
-    """transformers 5.x names the KV cache ``cache`` (``past_key_values`` warns, and goes in 5.40); 4.x knows only
-    ``past_key_values``."""
-    import inspect
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
 def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
     """The prompts' prefill with each distinct prompt computed once (a step repeats each prompt for its G
     completions): (every row's last-position logits, a ``DynamicCache`` indexed out to every row); None where no
     row repeats another or the model's cache is not plain full attention (tasks/grpo/prefix.py's test), for the
     caller's own prefill. A row's keys, values and logits are its prompt's, as the full batch computes them."""
     from transformers import DynamicCache
-
-    from rocktune.tasks.grpo.prefix import eligible
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     rows, index = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)  # the mask tells pads apart
