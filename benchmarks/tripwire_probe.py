@@ -1,7 +1,8 @@
 """CPU milliseconds of one training-path tripwire check (train/tripwire.py ``Tripwire.check_path``: the probe piece
 through the run's path and PEFT's reference, forward and backward each) on the GRPO bench's tiny model as a run
-builds it (Qwen2 hidden 128, 2 layers, LoRA r=16 on the fused side path, fp32), between a 32-row GRPO-shaped step's
-backward and its update, as the loop calls it. Prints one JSON object: the check's median and quartiles over
+builds it (Qwen2 hidden 128, 2 layers, LoRA r=16 on the fused side path, fp32), between a 32-row GRPO step's
+backward and its update, as the loop calls it (GRPO's probe: two completions of one prompt, the shared-prompt
+forward). Prints one JSON object: the check's median and quartiles over
 ``--reps`` calls (``time.thread_time``), beside the step's own forward and backward for scale.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/tripwire_probe.py [--reps 60]
@@ -21,34 +22,25 @@ from pathlib import Path
 
 import torch
 
-ROWS, WIDTH, PROMPT = 32, 44, 12
-
-
-def build(work: Path):
-    from rocktune.config import config_from_dict
-    from rocktune.demo.tiny import build_tiny_model
-    from rocktune.tasks.lm import build as lm_build
-
-    path = build_tiny_model(work / "model", seed=0, hidden=128, layers=2, heads=4, kv_heads=2)
-    cfg = config_from_dict({"task": "grpo", "model": {"name_or_path": str(path)}, "lora": {"r": 16, "alpha": 32},
-                            "data": {"train_file": "unused.jsonl"}, "output": {"dir": str(work / "out")}})
-    torch.manual_seed(0)
-    model, _ = lm_build.model_with_adapter(cfg.model, cfg.lora, "fp32", "sdpa", "cpu", False)
-    return model.train()
+ROWS, WIDTH, PROMPT, GROUP = 32, 44, 12, 8
 
 
 def grpo_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 200, (ROWS, WIDTH), generator=gen)
-    completion = torch.zeros(ROWS, WIDTH, dtype=torch.long)
-    completion[:, PROMPT:] = 1
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
-            "advantage": torch.randn(ROWS, generator=gen), "weight": torch.ones(ROWS)}
+    """A step's rows as GRPO's feed collates them: 4 prompts of 12 tokens, 8 completions of 32 each."""
+    from rocktune.tasks.grpo.feed import collate
+
+    prompts = [tuple(torch.randint(0, 200, (PROMPT,), generator=gen).tolist()) for _ in range(ROWS // GROUP)]
+    rows = [p for p in prompts for _ in range(GROUP)]
+    completions = [torch.randint(0, 200, (WIDTH - PROMPT,), generator=gen).tolist() for _ in rows]
+    return collate(rows, completions, torch.randn(ROWS, generator=gen).tolist(), [1.0] * ROWS, 0)
 
 
 def main() -> None:
+    from grpo_update_compile import build  # the bench's tiny model as a run builds it
+
+    from rocktune.tasks.grpo.feed import RolloutFeed, StepShape
     from rocktune.tasks.grpo.loss import GRPOLoss, Objective
     from rocktune.train import build as train_build
-    from rocktune.train.step import split_by_rows
     from rocktune.train.tripwire import Tripwire
 
     ap = argparse.ArgumentParser()
@@ -56,9 +48,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = build(Path(tempfile.mkdtemp()))
-    loss = GRPOLoss(model, Objective())
-    wire = Tripwire(model, loss, "cpu", train_build.autocast("cpu", "fp32"), "fp32", "adamw", split_by_rows,
-                    lambda b: b["input_ids"].shape[0])
+    loss = GRPOLoss(model, Objective(), share_prompt=True)  # as a run's: grpo.share_prompt
+    feed = RolloutFeed(ROWS // GROUP, StepShape(ROWS // GROUP, GROUP, ROWS, "dapo", WIDTH - PROMPT, "group", 0, 0),
+                       rollout=None)  # only its probe_piece is asked for
+    wire = Tripwire(model, loss, "cpu", train_build.autocast("cpu", "fp32"), "fp32", "adamw", lambda: feed)
     batch = grpo_batch(torch.Generator().manual_seed(1))
     t0 = time.thread_time()
     (loss(batch) / ROWS).backward()  # the step's gradients, which the check sets aside and puts back
