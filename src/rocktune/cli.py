@@ -117,6 +117,7 @@ def _run_train(args) -> int:
                             "copy), or give every required field as an override, e.g. model.name_or_path=... "
                             "data.train_file=...") from None
         raise
+    cfg = vision_task(cfg)
     if args.print_config:
         sys.stdout.write(dump_config(cfg, comments=True))
         return 0
@@ -159,6 +160,28 @@ def _run_train(args) -> int:
     from rocktune.process.supervisor import supervise
 
     return supervise(request, cfg.reliability.max_restarts)
+
+
+def vision_task(cfg):
+    """The config's task for a vision-language checkpoint (config.json's model_type in vision_families.FAMILIES), as
+    ``train`` and ``data preview`` both decide it: ``task`` left unset means task=vlm, said in one line on stderr (the
+    run's saved config then says vlm, so --resume decides alike); a text task given explicitly is refused naming
+    task: vlm, before transformers' "Unrecognized configuration class" or a preview that reads ``<image>`` as text."""
+    if cfg.spec.vision or cfg.is_diffusion:
+        return cfg
+    from rocktune.vision_families import text_task_refusal, vision_checkpoint
+
+    found = vision_checkpoint(cfg.model.name_or_path)
+    if found is None:
+        return cfg
+    kind, family = found
+    if "task" in cfg.model_fields_set:
+        raise text_task_refusal(cfg.task, "the config's task key, or an override", f"model.name_or_path="
+                                f"{cfg.model.name_or_path}", kind)
+    print(f"note: {cfg.model.name_or_path} is a {family.name} vision-language model (config.json: model_type {kind}) "
+          "and the config sets no task, so this is task: vlm; write task: vlm in the config to say so.",
+          file=sys.stderr)
+    return cfg.model_copy(update={"task": "vlm"})
 
 
 def _launch(args):
@@ -505,8 +528,8 @@ def _run_data_preview(args) -> int:
     if args.config or (args.data and args.model):
         from rocktune.config import load_config
 
-        cfg = load_config(args.config, args.overrides) if args.config else \
-            load_config(None, args.overrides, base=_preview_flags(args))
+        cfg = vision_task(load_config(args.config, args.overrides) if args.config else
+                          load_config(None, args.overrides, base=_preview_flags(args)))
         if cfg.is_diffusion:
             from rocktune.diffusion.preview import run_media_preview
 

@@ -65,6 +65,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
     from transformers import AutoModelForCausalLM
 
     check_model_source(name_or_path)
+    _refuse_vision_checkpoint(name_or_path)
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UserError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
                         "installed; use sdpa (the default) or install flash-attn for your GPU.")
@@ -85,6 +86,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
             raise UserError(f"model {name_or_path} cannot run with model.attn_implementation={attn_implementation}: "
                             f"{first_line(exc)} Set model.attn_implementation to auto (it picks one the model "
                             "supports) or eager.") from None
+        _refuse_vision_checkpoint(name_or_path)  # a hub id's config.json is in the cache now
         raise UserError(f"could not load model {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory)") from None
     except RuntimeError:  # transformers: weights that do not fit the architecture config.json describes
@@ -92,6 +94,17 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
         raise
     model.config.use_cache = False  # the KV cache only costs memory during training
     return model if extra else model.to(device)
+
+
+def _refuse_vision_checkpoint(name_or_path: str) -> None:
+    """A text task's model load of a vision-language checkpoint: the CLI refuses it first (``cli.vision_task``);
+    this holds for every other way in (a hub id not yet in the cache then, the Python API)."""
+    from rocktune.vision_families import text_task_refusal, vision_checkpoint
+
+    found = vision_checkpoint(name_or_path)
+    if found is not None:
+        raise text_task_refusal("lm, dpo, orpo or grpo", "a text task loads its model as a causal LM",
+                                f"model.name_or_path={name_or_path}", found[0])
 
 
 def sdpa_supported(name_or_path: str, trust_remote_code: bool) -> bool:

@@ -69,14 +69,31 @@ def _gemma3(config, tokenizer, images) -> VisionTokens:
 def _tiles(config, tokenizer, images) -> VisionTokens:
     """Idefics3 / SmolVLM: the tile's token count as the model's connector makes it (pixel shuffle by scale_factor)."""
     (image,) = _names(tokenizer, config, ("image_token_id",))
-    v = config.vision_config
-    count = (v.image_size // v.patch_size) ** 2 // config.scale_factor**2
+    count = _tile_tokens(config)
     around = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
     whole = getattr(tokenizer, "global_image_token", None) or "<global-img>"
     vocab = tokenizer.get_vocab()
     tags = [around, whole, image] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
     return VisionTokens(images, config.image_token_id, image, frozenset(vocab[t] for t in tags if t in vocab),
                         SplitTiles(image, around, whole, count))
+
+
+def _tile_tokens(config) -> int:
+    v = config.vision_config
+    return (v.image_size // v.patch_size) ** 2 // config.scale_factor**2
+
+
+def processor_settings(config) -> dict:
+    """The settings of transformers' combined processor (its ``processor_config.json``) that make it widen an image
+    placeholder as rocktune does, from the model's own config: Gemma 3's and Idefics3/SmolVLM's processors otherwise
+    take their class defaults (256, 169 tokens an image) whatever the model's tower makes. Qwen's count from the grid
+    needs none. Written beside a merged model, so ``AutoProcessor.from_pretrained`` of it agrees with the model."""
+    kind = getattr(config, "model_type", None)
+    if kind == "gemma3":
+        return {"image_seq_length": config.mm_tokens_per_image}
+    if kind in ("smolvlm", "idefics3"):
+        return {"image_seq_len": _tile_tokens(config)}
+    return {}
 
 
 QWEN = ("Qwen2VLImageProcessor",)
@@ -96,3 +113,24 @@ FAMILIES: dict[str, Family] = {
     "idefics3": Family("Idefics3", "Idefics3ForConditionalGeneration", TILES, ("vision_model", "connector"),
                        "connector", _tiles, transformers=5),
 }
+
+
+def vision_checkpoint(name_or_path: str) -> tuple[str, Family] | None:
+    """(model_type, family) when ``name_or_path`` is a vision-language checkpoint of this table, read from its
+    config.json (a local directory, or a hub id's cached copy) by the planner's own test (``plan`` refuses a text
+    plan of one); None for any other model."""
+    from rocktune.planner.vlm import vlm_model_type
+
+    kind = vlm_model_type(name_or_path)
+    return (kind, FAMILIES[kind]) if kind in FAMILIES else None
+
+
+def text_task_refusal(task: str, where: str, name_or_path: str, kind: str) -> UserError:
+    """The one refusal of a text task (lm, dpo, orpo, grpo) on a vision-language checkpoint: transformers would fail
+    later with "Unrecognized configuration class ... AutoModelForCausalLM", which does not say what to change.
+    ``where``: what set the task (the config's key, a run's saved config)."""
+    fam = FAMILIES[kind]
+    return UserError(f"task={task} ({where}) trains a text-only model, but {name_or_path} is a {fam.name} "
+                     f"vision-language model (config.json: model_type {kind}, transformers' {fam.model_class}), which "
+                     "a text task cannot load or feed its images. Set task: vlm (in the config, or the override "
+                     "task=vlm) to fine-tune it on conversations with images (docs/vision.md), or give a text model.")

@@ -17,6 +17,7 @@ import torch
 from rocktune.data.vision import VisionTokens
 from rocktune.errors import UserError, first_line
 from rocktune.model import DTYPES, check_model_source
+from rocktune import vision_families
 from rocktune.vision_families import FAMILIES, Family
 
 
@@ -108,6 +109,17 @@ def with_processor_template(tokenizer, name_or_path: str):
     elif (folder / "chat_template.jinja").is_file():
         tokenizer.chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     return tokenizer
+
+
+def save_processor_settings(config, out) -> None:
+    """``out``/processor_config.json with the combined processor's settings that match ``config``'s model
+    (``vision_families.processor_settings``); nothing for a family that needs none."""
+    import json
+    from pathlib import Path
+
+    settings = vision_families.processor_settings(config)
+    if settings:
+        (Path(out) / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
 def load_vlm(name_or_path: str, precision: str, attn_implementation: str, device: str):

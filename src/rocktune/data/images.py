@@ -14,7 +14,7 @@ import base64
 import binascii
 import io
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -31,13 +31,16 @@ class ImageRef:
 
     path: Path | None = None
     data: bytes | None = None
+    # for a path the record gave relative: the folder it was read from, as the error of a missing file says it
+    relative_to: str | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         return str(self.path) if self.path is not None else f"an embedded image of {len(self.data or b'')} bytes"
 
 
-def resolve(source, base: Path, loc: str) -> ImageRef:
-    """The image a record's value names; ``base`` is the data file's folder (relative paths start there)."""
+def resolve(source, base: Path, loc: str, base_is: str = "the data file's folder") -> ImageRef:
+    """The image a record's value names; ``base`` is the data file's folder (relative paths start there), or what
+    ``base_is`` says it is (``generate --image``: the working directory)."""
     if isinstance(source, dict) and ("bytes" in source or "path" in source):  # a datasets Image feature's value
         if source.get("bytes"):
             return ImageRef(data=bytes(source["bytes"]))
@@ -53,7 +56,7 @@ def resolve(source, base: Path, loc: str) -> ImageRef:
         raise UserError(f"{loc}: the image {source[:80]!r} is a remote URL; rocktune reads local images only "
                         "(download them and name the files, relative to the data file).")
     path = Path(source).expanduser()
-    return ImageRef(path=path if path.is_absolute() else base / path)
+    return ImageRef(path=path) if path.is_absolute() else ImageRef(path=base / path, relative_to=f"{base_is}, {base}")
 
 
 def _base64(url: str, loc: str) -> bytes:
@@ -90,7 +93,8 @@ def load(ref: ImageRef, loc: str, verify: bool = False):
 
     what = ref.describe()
     if ref.path is not None and not ref.path.is_file():
-        raise UserError(f"{loc}: the image {what} does not exist (paths are relative to the data file's folder).")
+        where = f" (a relative path is read from {ref.relative_to})" if ref.relative_to else ""
+        raise UserError(f"{loc}: the image {what} does not exist{where}.")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -95,6 +95,18 @@ def uncut_calls(fitted: Fitted, sizes: list[int], calls: set[int], ignore: int) 
     return Fitted(fitted.input_ids, labels, fitted.prompt_cut, fitted.completion_cut, fitted.kept)
 
 
+RAISE = "raise data.max_length in the config's data section to keep them whole"
+
+
+def cut_note(n_cut: int, n_total: int, what: str, max_length: int, lost: str) -> list[str]:
+    """The run log's line, at the start, for ``n_cut`` of ``n_total`` ``what`` (conversations, pairs, prompts) cut to
+    ``data.max_length``: ``lost`` says what each one loses. run_info.json's ``n_truncated`` alone went unread."""
+    if not n_cut:
+        return []
+    return [f"{n_cut:,} of {n_total:,} {what} ({n_cut / max(n_total, 1):.1%}) are longer than "
+            f"data.max_length={max_length} and are cut: {lost}; {RAISE}."]
+
+
 def describe(n_records: int, n_truncated: int, n_prompt_cut: int, n_completion_cut: int, n_dropped: int,
              max_length: int, mode: str) -> list[str]:
     """The data notes a run shows: how many examples were cut, on which side, and how many had to be dropped."""
@@ -105,7 +117,8 @@ def describe(n_records: int, n_truncated: int, n_prompt_cut: int, n_completion_c
                  f"{n_completion_cut} had their completion cut at its end"
                  + (" (the completion alone is longer)" if mode == "prompt" else "")]
         notes.append(f"{n_truncated} of {n_records} examples were longer than data.max_length={max_length} "
-                     f"(data.truncation={mode}): " + "; ".join(p for p in parts if not p.startswith("0 ")))
+                     f"(data.truncation={mode}): " + "; ".join(p for p in parts if not p.startswith("0 "))
+                     + f" ({n_truncated / max(n_records, 1):.1%} of them; {RAISE})")
     if n_dropped:
         notes.append(f"{n_dropped} examples were dropped: " + why_empty(max_length, mode))
     return notes

@@ -99,6 +99,8 @@ def build_family_vlm(out: Path, seed: int, family: str, **shape) -> Path:
     import torch
     import transformers
 
+    from rocktune.vision_model import save_processor_settings
+
     tokenizer = build_family_tokenizer(family)
     torch.manual_seed(seed)
     name = {"gemma3": "Gemma3", "smolvlm": "SmolVLM", "idefics3": "Idefics3"}[family]
@@ -110,5 +112,6 @@ def build_family_vlm(out: Path, seed: int, family: str, **shape) -> Path:
             weight.normal_(0.0, weight.shape[0] ** -0.5)  # unit-scale features from the normed vision outputs
     model.save_pretrained(out, safe_serialization=True)
     build_family_image_processor(family).save_pretrained(out)
+    save_processor_settings(model.config, out)  # as a hub checkpoint's: AutoProcessor widens as the model expects
     tokenizer.save_pretrained(out)
     return out

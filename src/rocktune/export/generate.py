@@ -17,6 +17,7 @@ from rocktune.export import style as styles
 from rocktune.export.source import Origin, Source, resolve
 from rocktune.model import stop_ids
 from rocktune.platform.environment import resolve_device
+from rocktune.vision_families import text_task_refusal, vision_checkpoint
 
 
 def load(src: Source, device: str):
@@ -92,6 +93,10 @@ def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | Non
         raise UserError("give one of --prompt TEXT, --chat or --file PROMPTS.jsonl (none: --chat).")
     rows = _read_prompts(Path(file)) if file is not None else None  # checked before minutes of model loading
     src = resolve(origin.path, origin.base, origin.trust_remote_code)
+    found = vision_checkpoint(src.base)
+    if found is not None:  # a text run's adapter with a vision-language --base: as train refuses it
+        raise text_task_refusal(src.run_config.get("task", "lm"), f"what {origin.path} trained",
+                                f"its base {src.base}", found[0])
     if compare and src.adapter is None:
         raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
                         "without an adapter.")

@@ -98,14 +98,16 @@ def merged_model(src: Source, dtype: str):
 
 def save_merged(model, tok, out: Path, base: str | None = None) -> None:
     """Write ``model`` and the run's tokenizer ``tok`` (the chat template it trained with included) into ``out``; a
-    vision-language model also gets its base's image processor (``preprocessor_config.json``), so that the merged
-    directory sees as the base did."""
-    from rocktune.vision_model import model_class, with_processor_template
+    vision-language model also gets its base's image processor (``preprocessor_config.json``) and the combined
+    processor's settings (``processor_config.json``), so that the merged directory sees as the base did, also through
+    transformers' ``AutoProcessor``."""
+    from rocktune.vision_model import model_class, save_processor_settings, with_processor_template
 
     model.save_pretrained(out, safe_serialization=True)
     if base is not None and model_class(model.config) is not None:
         from transformers import AutoImageProcessor
 
         AutoImageProcessor.from_pretrained(base).save_pretrained(out)
+        save_processor_settings(model.config, out)
         tok = with_processor_template(tok, base)
     tok.save_pretrained(out)

@@ -20,6 +20,7 @@ from rocktune.model import stop_ids
 from rocktune.platform.environment import resolve_device
 from rocktune.readers.yaml_file import read_yaml
 from rocktune.task_registry import TASKS
+from rocktune.vision_families import vision_checkpoint
 from rocktune.vision_model import model_inputs
 
 
@@ -31,16 +32,12 @@ def is_vision_run(src: Source) -> bool:
 def is_vision_dir(path: str) -> bool:
     """A run directory of a vision-language task (its saved config says so), or a vision-language model directory
     (e.g. ``export --to merged``'s): generate answers about images."""
-    from rocktune.readers.json_file import read_json
-    from rocktune.vision_model import FAMILIES
-
     for saved in (Path(path) / "config.yaml", Path(path) / "adapter" / "rocktune_config.yaml"):
         if saved.is_file():
             config = read_yaml(saved, "restore the run directory from a copy, or train again.")[0]
             name = config.get("task") if isinstance(config, dict) else None
             return name in TASKS and TASKS[name].vision
-    model = Path(path) / "config.json"
-    return model.is_file() and read_json(model, "download the model again.").get("model_type") in FAMILIES
+    return (Path(path) / "config.json").is_file() and vision_checkpoint(path) is not None
 
 
 def load(src: Source, device: str):
@@ -71,7 +68,7 @@ def reply(model, tokenizer, vision: VisionTokens, prompt: str, images: list[str]
     temperature)."""
     import torch
 
-    refs = [image_ref(path, Path.cwd(), f"--image {path}") for path in images]
+    refs = [image_ref(path, Path.cwd(), f"--image {path}", "the working directory") for path in images]
     parts = [{"type": "image"} for _ in refs] + [{"type": "text", "text": prompt}]
     example = encode_prompt([{"role": "user", "content": parts}], refs, tokenizer, vision, "--prompt")
     batch = collate([example], tokenizer.pad_token_id, vision)
@@ -95,10 +92,17 @@ def run_generate_vision(origin: Origin, prompt: str | None, images: list[str], s
         raise UserError(f"--image needs a vision-language run (task=vlm); {origin.path} trained "
                         f"task={src.run_config.get('task')}.")
     for path in images:  # every image is checked before minutes of model loading
-        check(image_ref(path, Path.cwd(), f"--image {path}"), f"--image {path}")
+        check(image_ref(path, Path.cwd(), f"--image {path}", "the working directory"), f"--image {path}")
     if compare and src.adapter is None:
         raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
                         "without an adapter.")
+    found = None if src.run_config else vision_checkpoint(src.base)
+    if found is not None:  # no run config names the task: the model's config.json did (as train and preview say)
+        sys.stderr.write(f"note: {src.base} is a {found[1].name} vision-language model (config.json: model_type "
+                         f"{found[0]}), so it answers as task: vlm does, about the --image files.\n")
+    if not images:  # a text-only question is valid for these models (and in their data), so it is answered, but said
+        sys.stderr.write("note: no --image given: the model answers the prompt alone and sees no image; pass "
+                         "--image PHOTO.png to ask about one.\n")
     try:
         model, tok, vision = load(src, resolve_device(device))
     except (OSError, ValueError) as exc:

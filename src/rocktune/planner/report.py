@@ -56,10 +56,18 @@ def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_
     return 0
 
 
+def param_count(n: int) -> str:
+    """A parameter count people read: 7.62B, 494.0M, 1.2M, 65.5K, 812 (a tiny model's is not 0.00B)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
 def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     s = est.spec
-    active = f" ({doc['active_params'] / 1e9:.2f}B active)" if doc["active_params"] != doc["n_params"] else ""
-    title = (f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params{active}, LoRA r={s.lora_r}, {s.precision}"
+    active = f" ({param_count(doc['active_params'])} active)" if doc["active_params"] != doc["n_params"] else ""
+    title = (f"{doc['model']}: {param_count(doc['n_params'])} params{active}, LoRA r={s.lora_r}, {s.precision}"
              f"{'' if s.quant == 'none' else ' ' + s.quant}, micro-batch {s.micro_batch} x {s.seq_len} tokens, "
              f"{s.attn}, loss {s.loss_mode}")
     console = render_table(est, other, doc, title)

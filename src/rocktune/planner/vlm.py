@@ -136,16 +136,42 @@ def _siglip_shape(config: dict, v: dict, name: str) -> VisionShape:
 
 
 def is_vlm_config(model: str) -> bool:
-    """Whether ``model`` (a directory or config.json) is a vision-language model the vlm task plans: its top-level
-    model_type, since its language model's (gemma3_text, llama) is also a text model's."""
+    """Whether ``model`` (a directory or config.json) is a vision-language model the vlm task plans."""
+    return vlm_model_type(model) is not None
+
+
+def vlm_model_type(model: str) -> str | None:
+    """The model_type of ``model`` when it is a vision-language model of the families task=vlm trains, else None.
+    ``model``: a model directory, its config.json, or a hub id whose config.json is in the local hub cache (nothing
+    is downloaded: an id not yet cached answers None, and the loader refuses it later). The top-level model_type
+    decides, since the language model's (gemma3_text, llama) is also a text model's. ``plan``, ``train``,
+    ``data preview`` and ``generate`` all ask this one question."""
     from pathlib import Path
 
     path = Path(model).expanduser()
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
-        return False
+        path = _cached_hub_config(model)
+        if path is None:
+            return None
     config = read_config(path)
-    return config.get("model_type") in FAMILIES and isinstance(config.get("vision_config"), dict)
+    kind = config.get("model_type")
+    return kind if kind in FAMILIES and isinstance(config.get("vision_config"), dict) else None
+
+
+def _cached_hub_config(repo_id: str):
+    """The hub cache's copy of ``repo_id``'s config.json, or None (not an id, or not cached)."""
+    from pathlib import Path
+
+    if repo_id.count("/") > 1 or repo_id.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except (ImportError, ValueError):  # not a valid repo id: the loader says so in its own words
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def load_vlm_shape(model: str) -> tuple[ModelShape, VisionShape]:

@@ -74,15 +74,57 @@ def _vision(config: dict) -> bool:
 
 
 def _load_vision(base: str, run_dir: Path) -> str:
+    # The table of families task=vlm trains (each exports to llama.cpp), named as the card's reader knows them.
+    from rocktune.vision_families import FAMILIES, vision_checkpoint
+
+    found = vision_checkpoint(base)
     return (f"## Use it\n\n```bash\nrocktune generate {run_dir} --image PHOTO.png --prompt \"...\" --compare\n```\n\n"
-            f"In Python (PEFT):\n\n```python\nfrom peft import PeftModel\n"
-            f"from transformers import AutoModelForImageTextToText\n\n"
+            f"In Python (PEFT):\n\n```python\nfrom PIL import Image\nfrom peft import PeftModel\n"
+            f"from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
             f"base = AutoModelForImageTextToText.from_pretrained({base!r})\n"
-            f"model = PeftModel.from_pretrained(base, {str(run_dir / 'adapter')!r})\n```\n\n"
-            f"For llama.cpp and Ollama: `rocktune export {run_dir} --to gguf` writes the language model and its "
-            "vision projector (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), run as `llama-mtmd-cli -m model-f16.gguf --mmproj "
-            "mmproj-f16.gguf --image PHOTO.png -p \"...\"`; `--to ollama` writes both with a Modelfile "
-            "(docs/vision.md).\n")
+            f"model = PeftModel.from_pretrained(base, {str(run_dir / 'adapter')!r})\n"
+            f"processor = AutoProcessor.from_pretrained({base!r})\n"
+            "messages = [{'role': 'user', 'content': [{'type': 'image'}, {'type': 'text', 'text': '...'}]}]\n"
+            "text = processor.apply_chat_template(messages, add_generation_prompt=True)\n"
+            "inputs = processor(text=[text], images=[Image.open('PHOTO.png')], return_tensors='pt')\n"
+            "out = model.generate(**inputs, max_new_tokens=64)\n"
+            "print(processor.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n\n"
+            + processor_needs(found[0] if found else None)
+            + f"For llama.cpp and Ollama: `rocktune export {run_dir} --to gguf` writes the language model and its "
+            f"vision projector ({', '.join(f.name for f in FAMILIES.values())}), run as `llama-mtmd-cli -m "
+            "model-f16.gguf --mmproj mmproj-f16.gguf --image PHOTO.png -p \"...\"`; `--to ollama` writes both with a "
+            "Modelfile (docs/vision.md).\n")
+
+
+def processor_needs(model_type: str | None) -> str:
+    """What ``AutoProcessor`` needs beyond rocktune's install, for the card: transformers' combined processor of
+    Qwen2/2.5/3-VL and SmolVLM also builds a video processor, and every video processor of transformers 5 needs
+    torchvision (there is no Pillow backend for video, as there is for images); rocktune itself uses the tokenizer
+    and the image processor only, so it installs none. Asked of the installed transformers, not a list."""
+    import torch
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(model_type or "")
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None:
+        return ""
+    parts = cls.get_attributes() if hasattr(cls, "get_attributes") else getattr(cls, "attributes", [])
+    if "video_processor" not in parts:
+        return ""
+    release, _, build = torch.__version__.partition("+")
+    return (f"`AutoProcessor` builds transformers' `{name}`, whose video half needs torchvision, which rocktune does "
+            f"not install (it needs only the tokenizer and the image processor): `pip install "
+            f"torchvision=={torchvision_for(release)}`, the release built for this torch ({torch.__version__}), from "
+            f"the same package index as torch{f' and of the same build (+{build})' if build else ''}. Without it, "
+            "`rocktune generate` above answers about images.\n\n")
+
+
+def torchvision_for(torch_release: str) -> str:
+    """torchvision's release for a torch 2.x release: minor + 15, the same patch (torchvision's README table: torch
+    2.4 -> 0.19, 2.6 -> 0.21, 2.9 -> 0.24, ...)."""
+    major, minor, patch = (torch_release.split(".") + ["0", "0"])[:3]
+    return f"0.{int(minor) + 15}.{patch}" if major == "2" else "(the release its README pairs with your torch)"
 
 
 def _load_lm(base: str, run_dir: Path) -> str:

@@ -23,6 +23,7 @@ import torch
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import preference as rows_reader
 from rocktune.data import prompts as promptdata
+from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
 from rocktune.model import stop_ids
 from rocktune.tasks.grpo import rewards as rewardfns
@@ -102,7 +103,10 @@ class GRPOTask:
             else m.attn_implementation
         model, model_notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn, device, False)
         reward_list = rewardfns.build(g.rewards, g.max_completion_length)  # user code imported here, and only here
-        ctx.notes += model_notes
+        prompts = [*train.prompts, *held.prompts]
+        ctx.notes += model_notes + cut_note(sum(p.truncated for p in prompts), len(prompts), "prompts",
+                                            cfg.data.max_length, "each loses its start (its end, the question next "
+                                            "to the completion, is kept)")
         loss = GRPOLoss(model, Objective(g.beta, g.epsilon, g.epsilon_high, g.loss_type, g.max_completion_length,
                                          g.temperature, g.use_bias_correction_kl), g.share_prompt)
         sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k,

@@ -19,6 +19,7 @@ from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.readers.template import use_template
 from rocktune.data import preference as prefdata
 from rocktune.data.dataset import Pending
+from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
 from rocktune.model import trainable_parameters
 from rocktune.tasks.lm import build, preflight
@@ -205,13 +206,16 @@ def _read_checked(cfg: RunConfig, tokenizer, cache_root: Path):
     d, policy = cfg.data, cfg.preference.no_signal
     train_rows = prefdata.read_rows(d.train_file, d, cache_root, "data.train_file")
     train, cut, notes = prefdata.encode_screened(train_rows, tokenizer, d, policy, d.train_file)
+    n_pairs = len(train)
     if d.eval_file:
         eval_rows = prefdata.read_rows(d.eval_file, d, cache_root, "data.eval_file", True)
         held, cut_eval, eval_notes = prefdata.encode_screened(eval_rows, tokenizer, d, policy, d.eval_file)
-        cut, notes = cut + cut_eval, notes + eval_notes
+        cut, notes, n_pairs = cut + cut_eval, notes + eval_notes, n_pairs + len(held)
     else:
         train, held = prefdata.split_pairs(train, d.eval_fraction, cfg.training.seed)
-    notes += [f"{cut} pairs cut to data.max_length={d.max_length} (both answers alike)"] if cut else []
+    lost = ("the prompt loses its start first, then both answers their end alike" if d.truncation == "prompt" else
+            "both answers lose their end alike")
+    notes += cut_note(cut, n_pairs, "pairs", d.max_length, lost)
     return prefdata.pair_set(train), prefdata.pair_set(held), notes
 
 

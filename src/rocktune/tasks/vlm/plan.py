@@ -236,10 +236,10 @@ def run_vlm_plan(req: PlanRequest, spec, global_batch: int) -> int:
 
 
 def _render(est, other, doc: dict) -> None:
-    from rocktune.planner.report import render_table
+    from rocktune.planner.report import param_count, render_table
 
     s, im = est.vspec, doc["images"]
-    title = (f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params (language model, vision tower and projector), "
+    title = (f"{doc['model']}: {param_count(doc['n_params'])} params (language model, vision tower and projector), "
              f"LoRA r={s.lora_r} on the language model, {s.precision}, micro-batch {s.micro_batch} x {s.seq_len} "
              f"tokens with {len(s.patches)} images ({sum(s.patches):,} patches, {est.vision.merge**2} merged per "
              f"token), {s.attn}")

@@ -22,6 +22,7 @@ from rocktune.attention import VARLEN, choose
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources, vision_cache
 from rocktune.data.dataset import Pending
+from rocktune.data.truncate import cut_note
 from rocktune.data.vision import VisionExample, VisionTokens, encode, to_conversation
 from rocktune.data.vision_batch import collate, idle_batch
 from rocktune.data.vision_pack import collate_packed
@@ -136,7 +137,10 @@ class VLMTask:
         distributed.same_run(dist, fingerprint)
         attn, attn_note = choose(m.attn_implementation, ctx.attn, device, (d.packing, False), DTYPES[ctx.precision])
         model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn, device, ctx.platform)
-        ctx.notes += [n for n in (attn_note,) if n] + notes
+        cut = sum(e.truncated for e in [*train, *held])
+        ctx.notes += [n for n in (attn_note,) if n] + notes + cut_note(
+            cut, len(train) + len(held), "conversations", d.max_length, "each loses its last tokens and with them, "
+            "usually, the end-of-turn token the model learns to stop at (a cut through an image is refused)")
         loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device), attn == VARLEN)
         wrapped = distributed.wrap(loss, dist, device, distributed.strategy(dist, "ddp", "none"), ctx.notes)
         self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision, tokenizer)

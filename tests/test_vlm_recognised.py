@@ -1,0 +1,208 @@
+"""A vision-language checkpoint is recognised from its config.json by train, data preview and generate alike (issue
+56): ``task`` left unset means task=vlm, said in one line; a text task given explicitly is refused naming task: vlm
+(never transformers' "Unrecognized configuration class"); and the smaller points: generate without --image says so,
+a missing --image names the working directory, plan prints a tiny model's parameters in a readable unit, cut
+conversations are said in the run log, and the adapter card names every family and what AutoProcessor needs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rocktune.cli import main
+from rocktune.errors import UserError
+
+pytest.importorskip("PIL")
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> tuple[Path, Path]:
+    from rocktune.demo.vision_task import write_colour_task
+
+    return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=16, n_eval=4, seed=0)
+
+
+def _config(tmp_path: Path, model: Path, data: tuple[Path, Path], task: str | None = None, name: str = "run.yaml",
+            **data_keys) -> Path:
+    cfg = {"model": {"name_or_path": str(model)},
+           "data": {"train_file": str(data[0]), "eval_file": str(data[1]), "max_length": 128, **data_keys},
+           "training": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu", "precision": "fp32"},
+           "reliability": {"save_every": 0, "min_free_disk_mb": 0}, "output": {"dir": str(tmp_path / "run")}}
+    if task is not None:
+        cfg["task"] = task
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_the_planner_and_the_family_table_know_the_same_families():
+    """planner/vlm.py sits below the table (it imports no data code), so it keeps its own list: the two must agree."""
+    from rocktune.planner.vlm import FAMILIES as PLANNED
+    from rocktune.vision_families import FAMILIES
+
+    assert set(PLANNED) == set(FAMILIES)
+
+
+def test_a_vl_model_without_task_trains_as_vlm_and_says_so(vlm_dir, colours, tmp_path, capsys):
+    """No task in the config: the run is task=vlm (its saved config says so), one note says why, and the
+    conversations cut at data.max_length are counted in the run log at the start with the key to raise."""
+    from rocktune.data.records import read_records
+    from rocktune.data.vision import encode
+    from rocktune.model import load_tokenizer
+    from rocktune.vision_model import vision_tokens, with_processor_template
+
+    from transformers import AutoConfig
+
+    tok = with_processor_template(load_tokenizer(str(vlm_dir), False), str(vlm_dir))
+    vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
+    lengths = [len(encode(rec, colours[0].parent, tok, vision, 4096, loc).input_ids)
+               for path in colours for loc, rec in read_records(path)]
+    limit = sorted(lengths)[len(lengths) // 2]  # about half of them are longer
+    cut = sum(n > limit for n in lengths)
+    assert 0 < cut < len(lengths)
+    config = _config(tmp_path, vlm_dir, colours, max_length=limit)
+    capsys.readouterr()
+    assert main(["train", "-c", str(config), "--no-supervise"]) == 0
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert f"{vlm_dir} is a Qwen2.5-VL vision-language model (config.json: model_type qwen2_5_vl)" in said
+    assert "so this is task: vlm" in said
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text())["task"] == "vlm"
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["data"]["task"] == "vlm" and info["data"]["n_truncated"] <= cut  # run_info counts the train share
+    assert any(note.startswith(f"{cut} of {len(lengths)} conversations") for note in info["notes"])
+    share = f"{cut / len(lengths):.1%}"
+    assert (f"{cut} of {len(lengths)} conversations ({share}) are longer than data.max_length={limit} and are cut"
+            in " ".join(said.split()))
+    assert "raise data.max_length" in said
+
+
+@pytest.mark.parametrize("task", ["lm", "dpo", "grpo"])
+def test_a_text_task_on_a_vl_model_is_refused_naming_task_vlm(vlm_dir, colours, tmp_path, capsys, task):
+    config = _config(tmp_path, vlm_dir, colours, task=task)
+    capsys.readouterr()
+    assert main(["train", "-c", str(config)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"task={task} (the config's task key, or an override) trains a text-only model" in err
+    assert "Qwen2.5-VL vision-language model" in err and "Set task: vlm" in err
+    assert "Unrecognized configuration" not in err
+    assert not (tmp_path / "run").exists()  # nothing written
+    # the same refusal from an override, and from data preview
+    assert main(["train", "-c", str(_config(tmp_path, vlm_dir, colours, name="no-task.yaml")), f"task={task}"]) == 2
+    assert main(["data", "preview", "-c", str(config)]) == 2
+    assert "Set task: vlm" in capsys.readouterr().err
+
+
+def test_the_model_loader_refuses_a_vl_checkpoint_for_a_text_task(vlm_dir):
+    """Every way into the text tasks' model load (the Python API, a hub id first cached by the worker)."""
+    from rocktune.model import load_model
+
+    with pytest.raises(UserError, match=r"Qwen2\.5-VL vision-language model .* Set task: vlm"):
+        load_model(str(vlm_dir), "fp32", "sdpa", False, "cpu")
+
+
+def test_data_preview_without_task_previews_images(vlm_dir, colours, capsys):
+    """Before: `<image>` kept as text and "checks passed". Now: each image with its grid and tokens."""
+    capsys.readouterr()
+    assert main(["data", "preview", "--data", str(colours[0]), "--model", str(vlm_dir), "--json", "-n", "1"]) == 0
+    out = capsys.readouterr()
+    pv = json.loads(out.out)
+    assert (pv["n_examples"], pv["n_images"]) == (16, 16)
+    assert "so this is task: vlm" in out.err
+
+
+def test_generate_says_when_no_image_is_given_and_where_a_relative_image_was_looked_for(vlm_dir, tmp_path, capsys,
+                                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["generate", str(vlm_dir), "--prompt", "Colour?", "--max-new-tokens", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no --image given: the model answers the prompt alone and sees no image" in err
+    assert "is a Qwen2.5-VL vision-language model (config.json: model_type qwen2_5_vl)" in err
+    assert main(["generate", str(vlm_dir), "--prompt", "Colour?", "--image", "nope.png"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"the image {tmp_path / 'nope.png'} does not exist (a relative path is read from the working " \
+           f"directory, {tmp_path})" in err
+    assert "data file" not in err
+
+
+def test_plan_prints_a_small_model_in_a_readable_unit(vlm_dir, capsys):
+    from rocktune.planner.report import param_count
+
+    assert [param_count(n) for n in (812, 65_536, 1_234_567, 494_032_768, 7_615_616_512)] == \
+        ["812", "65.5K", "1.2M", "494.0M", "7.62B"]
+    capsys.readouterr()
+    assert main(["plan", str(vlm_dir), "--task", "vlm", "--vram", "8GiB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0.00B" not in out and "K params (language model, vision tower and projector)" in out
+
+
+def test_the_adapter_card_names_every_family_and_what_autoprocessor_needs(vlm_dir, tmp_path):
+    """The card's snippet, run here (no torchvision): the model and the adapter load; AutoProcessor fails exactly as
+    the card says (Qwen's processor builds a torchvision video processor), with the release the card names."""
+    import torch
+
+    from rocktune.train.model_card import _load_vision, torchvision_for
+    from rocktune.vision_families import FAMILIES
+
+    assert (torchvision_for("2.4.1"), torchvision_for("2.6.0"), torchvision_for("2.13.0")) == \
+        ("0.19.1", "0.21.0", "0.28.0")
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(run / "adapter")
+    card = " ".join(_load_vision(str(vlm_dir), run).split())
+    assert f"({', '.join(f.name for f in FAMILIES.values())})" in card
+    release = torch.__version__.split("+")[0]
+    assert f"pip install torchvision=={torchvision_for(release)}" in card and "Qwen2_5_VLProcessor" in card
+    code = _load_vision(str(vlm_dir), run).split("```python\n")[1].split("```")[0]
+    head, processor_line = code.split("processor = ")[0], "processor = " + code.split("processor = ")[1].split("\n")[0]
+    scope: dict = {}
+    exec(head, scope)  # noqa: S102 -- the card's own snippet, the thing under test
+    assert type(scope["model"]).__name__ == "PeftModel"
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="Torchvision"):
+            exec(processor_line, scope)  # noqa: S102
+
+
+def test_a_merged_gemma3_loads_with_autoprocessor_and_widens_as_rocktune(vlm_dirs, tmp_path):
+    """Gemma 3's combined processor needs no torchvision; with the processor_config.json rocktune writes beside the
+    model (export --to merged, the demo) it gives rocktune's own ids and pixels (its class default is 256 tokens)."""
+    import torch
+    from transformers import AutoConfig, AutoProcessor
+
+    from rocktune.data.images import load
+    from rocktune.data.vision import encode
+    from rocktune.data.vision_batch import collate
+    from rocktune.model import load_tokenizer
+    from rocktune.vision_model import vision_tokens, with_processor_template
+
+    model = vlm_dirs("gemma3")
+    config = AutoConfig.from_pretrained(model)
+    assert json.loads((model / "processor_config.json").read_text()) == {"image_seq_length":
+                                                                        config.mm_tokens_per_image}
+    from rocktune.demo.vision_task import write_colour_task
+
+    train, _ = write_colour_task(tmp_path / "data", 2, 1)
+    tok = with_processor_template(load_tokenizer(str(model), False), str(model))
+    vision = vision_tokens(str(model), config, tok, None, None)
+    rec = json.loads(train.read_text().splitlines()[0])
+    example = encode(rec, train.parent, tok, vision, 512, "row")
+    proc = AutoProcessor.from_pretrained(model)
+    messages = [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"][1]["text"]}]
+                 if m["role"] == "user" else m["content"]} for m in rec["messages"]]
+    text = proc.apply_chat_template(messages, tokenize=False)
+    image = load(example.images[0], "row")
+    ref = proc(text=[text], images=[[image]], return_tensors="pt")
+    assert ref["input_ids"][0].tolist() == example.input_ids
+    batch = collate([example], tok.pad_token_id, vision)
+    assert torch.equal(batch["pixel_values"], ref["pixel_values"])
