@@ -206,3 +206,16 @@ def test_a_merged_gemma3_loads_with_autoprocessor_and_widens_as_rocktune(vlm_dir
     assert ref["input_ids"][0].tolist() == example.input_ids
     batch = collate([example], tok.pad_token_id, vision)
     assert torch.equal(batch["pixel_values"], ref["pixel_values"])
+
+
+def test_the_cut_note_gives_the_count_the_share_and_the_key_to_raise():
+    """The line vlm, dpo/orpo and grpo put in the run log at the start (lm's describe carries the same share)."""
+    from rocktune.data.truncate import cut_note, describe
+
+    assert cut_note(259, 1000, "conversations", 64, "each loses its end") == [
+        "259 of 1,000 conversations (25.9%) are longer than data.max_length=64 and are cut: each loses its end; "
+        "raise data.max_length in the config's data section to keep them whole."]
+    assert cut_note(0, 1000, "pairs", 64, "x") == []
+    note = describe(1000, 259, 0, 259, 0, 64, "prompt")[0]
+    assert note.startswith("259 of 1000 examples were longer than data.max_length=64")
+    assert note.endswith("(25.9% of them; raise data.max_length in the config's data section to keep them whole)")
