@@ -2,13 +2,20 @@
 the language model and its mmproj, reads an image with its own preprocessing and vision graph, and computes, along
 transformers' greedy continuation, the logits of the merged transformers model (within TOL, and the same greedy token
 wherever the two best are not within 2 x TOL; EPS_READ_AS says the one difference that is llama.cpp's own). Two
-different images must give logits far apart, so the match is not the text alone."""
+different images must give logits far apart, so the match is not the text alone.
+
+llama.cpp is run as the export's printed ``then:`` command says (its -m, --lora, --mmproj and image-token flags,
+parsed and given to the bindings): that command must make transformers' image-token count at every image size the
+processor trained with, and answer as the trained model, not as the base."""
 
 from __future__ import annotations
 
 import ctypes
 import re
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -40,21 +47,46 @@ IMAGE_SPANS = {"gemma3": r"<start_of_image>(<image_soft_token>)*<end_of_image>",
                "idefics3": TILES_SPAN}
 
 
-def mtmd_logits(model_path: Path, mmproj: Path, text: str, image: Path, tokens: list[int],
-                lora: Path | None = None) -> tuple[np.ndarray, int]:
-    """``text`` (with mtmd's media marker where the image goes), evaluated by llama.cpp with the image, then
-    ``tokens`` one by one; returns the logits before each token (len(tokens), vocab) and the number of image tokens
-    mtmd made."""
+@dataclass(frozen=True)
+class Command:
+    """What a printed llama-mtmd-cli command asks of llama.cpp: files and image-token limits (-1: mtmd's own)."""
+    model: Path
+    mmproj: Path
+    lora: Path | None = None
+    min_tokens: int = -1
+    max_tokens: int = -1
+
+
+def printed_command(stdout: str) -> Command:
+    """The export's ``then:`` line, split as a shell splits it; every flag that changes what llama.cpp computes is
+    taken, and any other must be one that only names the input (--image, -p)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("note: then: llama-mtmd-cli ")]
+    assert len(lines) == 1, stdout
+    argv = shlex.split(lines[0].removeprefix("note: then: ").split(" (or llama-server")[0])[1:]
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert len(argv) % 2 == 0 and set(flags) <= {"-m", "--mmproj", "--lora", "--image-min-tokens",
+                                                  "--image-max-tokens", "--image", "-p"}, argv
+    lora = flags.get("--lora")
+    return Command(Path(flags["-m"]), Path(flags["--mmproj"]), Path(lora) if lora else None,
+                   int(flags.get("--image-min-tokens", -1)), int(flags.get("--image-max-tokens", -1)))
+
+
+def mtmd_logits(run: Command, text: str, image: Path, tokens: list[int]) -> tuple[np.ndarray, int]:
+    """``text`` (with mtmd's media marker where the image goes), evaluated by llama.cpp as ``run`` says with the
+    image, then ``tokens`` one by one; returns the logits before each token (len(tokens), vocab) and the number of
+    image tokens mtmd made."""
     import llama_cpp.mtmd_cpp as mtmd
 
     # f32 KV cache and no flash attention (f16 inside, on the CPU): an f32 export is then computed in f32 throughout
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=512, n_batch=512, verbose=False, flash_attn=False,
-                          type_k=F32, type_v=F32, lora_path=str(lora) if lora else None)
+    llm = llama_cpp.Llama(model_path=str(run.model), n_ctx=512, n_batch=512, verbose=False, flash_attn=False,
+                          type_k=F32, type_v=F32, lora_path=str(run.lora) if run.lora else None)
     params = mtmd.mtmd_context_params_default()
     params.use_gpu, params.n_threads, params.print_timings = False, 1, False
     params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, params)
-    assert ctx, f"llama.cpp could not load {mmproj}"
+    # what llama-mtmd-cli's --image-min-tokens / --image-max-tokens set (-1: the limits mtmd reads or assumes)
+    params.image_min_tokens, params.image_max_tokens = run.min_tokens, run.max_tokens
+    ctx = mtmd.mtmd_init_from_file(str(run.mmproj).encode(), llm.model, params)
+    assert ctx, f"llama.cpp could not load {run.mmproj}"
     bitmap = mtmd.mtmd_helper_bitmap_init_from_file(ctx, str(image).encode(), False)
     chunks = mtmd.mtmd_input_chunks_init()
     try:
@@ -100,8 +132,9 @@ def with_text_norm_eps(model, eps: float | None) -> None:
             module.variance_epsilon = model.config.text_config.rms_norm_eps if eps is None else eps
 
 
-def hf_greedy(model, run: Path, image: Path, n: int) -> tuple[np.ndarray, str]:
-    """The merged model's greedy continuation of the same chat turn, encoded as rocktune generate --image does."""
+def hf_greedy(model, run: Path, image: Path, n: int) -> tuple[np.ndarray, str, int]:
+    """The merged model's greedy continuation of the same chat turn, encoded as rocktune generate --image does
+    (the run's pixel limits), the prompt with mtmd's marker for the image, and the image tokens the processor made."""
     from rocktune.data.images import resolve as image_ref
     from rocktune.data.vision import encode_prompt
     from rocktune.data.vision_batch import collate
@@ -119,8 +152,10 @@ def hf_greedy(model, run: Path, image: Path, n: int) -> tuple[np.ndarray, str]:
         out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
     logits = torch.stack(out.logits)[:, 0].numpy()
-    return logits, re.sub(IMAGE_SPANS.get(model.config.model_type, QWEN_SPAN), "<IMAGE>", tok.decode(example.input_ids),
-                          flags=re.S)
+    image_id = getattr(model.config, "image_token_id", None) or model.config.image_token_index
+    text = re.sub(IMAGE_SPANS.get(model.config.model_type, QWEN_SPAN), "<IMAGE>", tok.decode(example.input_ids),
+                  flags=re.S)
+    return logits, text, list(example.input_ids).count(image_id)
 
 
 def _images(folder: Path, size: tuple[int, int]) -> list[Path]:
@@ -160,7 +195,7 @@ def _with_double_newline(base: Path) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case):
+def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case, capsys):
     from rocktune.demo.tiny_vlm import build_tiny_vlm
 
     shape, size = CASES[case]
@@ -169,39 +204,95 @@ def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case):
     if family in TILES:
         _with_double_newline(base)
     merged = make_vlm_run(tmp_path / "run", base, **({"targets": SIGLIP_TARGETS} if family in CASES_SIGLIP else {}))
+    capsys.readouterr()
     assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
+    command = printed_command(capsys.readouterr().out)
     out = tmp_path / "run" / "export"
-    seen = [_compare(merged, tmp_path / "run", (out / "model-f32.gguf", out / "mmproj-f32.gguf", None), image, case)
-            for image in _images(tmp_path, size)]
+    assert (command.model, command.mmproj, command.lora) == (out / "model-f32.gguf", out / "mmproj-f32.gguf", None)
+    seen = []
+    for image in _images(tmp_path, size):
+        match = _compare(merged, tmp_path / "run", command, image, case)
+        assert match.image_tokens == _image_tokens(merged.config, size)  # the processor keeps these sizes as they are
+        seen.append(match.first)
     with_text_norm_eps(merged, None)
     print(f"{case}: max |image 0 - image 1| = {np.abs(seen[0] - seen[1]).max():.3f}")
     # the image decides the logits, far beyond the tolerance (tiny Gemma 3, two noise images: 0.85)
     assert np.abs(seen[0] - seen[1]).max() > 50 * TOL
 
 
-def _compare(merged, run: Path, files: tuple, image: Path, case: str) -> np.ndarray:
-    """llama.cpp's logits (model, mmproj, LoRA or None) against the merged model's along its greedy path; returns
-    transformers' first logits."""
-    diffs, first = {}, None
+# The processor's limits at 4 to 64 tokens an image (Qwen2/2.5-VL: 28 x 28 pixels a token, Qwen3-VL 32 x 32). mtmd's
+# own limits (8 to 4096 in llama-cpp-python 0.3.36) enlarge a 56 x 56 image to 9 tokens and keep a large one at its
+# size; the printed flags must give the processor's: (width, height) -> the tokens transformers makes, asserted
+# before llama.cpp is compared with it. One token's square enlarged to the minimum, the user's 56 x 56, a 64-token
+# image kept, and one shrunk to the maximum with its aspect ratio.
+SIZES = {"qwen2_5_vl": {(28, 28): 4, (56, 56): 4, (224, 224): 64, (448, 448): 64},
+         "qwen2_vl": {(28, 28): 4, (56, 56): 4, (224, 224): 64, (448, 448): 64},
+         "qwen3_vl": {(32, 32): 4, (56, 56): 4, (256, 256): 64, (512, 512): 64}}
+# Shrunk to 9 x 6 tokens, an aspect ratio the image does not have: transformers stretches it, mtmd (PAD_CEIL for
+# Qwen's projectors) scales it to fit and pads the rest black, so only the count can agree (docs/export.md)
+STRETCHED = ((448, 336), 54)
+
+
+@pytest.mark.parametrize("family", list(SIZES))
+def test_the_printed_command_makes_the_processor_s_image_tokens_at_every_size(tmp_path, family, capsys):
+    """The user's report: llama.cpp made 9 image tokens of a 56 x 56 image where the processor makes 4, and the
+    exported model then agreed with transformers on half the held-out images. The export's printed command carries
+    the run's limits (mtmd reads none from the mmproj for Qwen), and with them llama.cpp makes transformers' count
+    and logits at small, large and shrunk images."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    base = build_tiny_vlm(tmp_path / "base", family=family, max_image_tokens=64, **CASES[family][0])
+    merged = make_vlm_run(tmp_path / "run", base)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
+    command = printed_command(capsys.readouterr().out)
+    assert (command.min_tokens, command.max_tokens) == (4, 64)
+    firsts = []
+    for (width, height), count in SIZES[family].items():
+        image = _images(tmp_path, (width, height))[0]
+        match = _compare(merged, tmp_path / "run", command, image, f"{family} {width}x{height}")
+        assert match.image_tokens == count
+        firsts.append(match.first)
+    with_text_norm_eps(merged, None)
+    assert np.abs(firsts[0] - firsts[-1]).max() > 50 * TOL  # the image decides the logits
+    size, count = STRETCHED
+    image = _images(tmp_path, size)[0]
+    _, text, made = hf_greedy(merged, tmp_path / "run", image, 1)
+    assert made == count and mtmd_logits(command, text, image, [0])[1] == count
+
+
+class Match(NamedTuple):
+    """A comparison's outcome: transformers' first logits, llama.cpp's along transformers' greedy ``tokens`` (at the
+    norm epsilon it matched), the prompt given to llama.cpp and the image tokens both made."""
+    first: np.ndarray
+    got: np.ndarray
+    tokens: list[int]
+    text: str
+    image_tokens: int
+
+
+def _compare(merged, run: Path, command: Command, image: Path, case: str, tol: float = TOL) -> Match:
+    """llama.cpp's logits (as ``command`` runs it) against the merged model's along its greedy path."""
+    diffs, match = {}, None
     for eps in EPS_READ_AS:
         with_text_norm_eps(merged, eps)
-        want, text = hf_greedy(merged, run, image, N)
+        want, text, count = hf_greedy(merged, run, image, N)
         tokens = [int(t) for t in want.argmax(1)]  # transformers' greedy path, fed to llama.cpp step by step
-        got, n_image = mtmd_logits(files[0], files[1], text, image, tokens, files[2])
-        assert n_image == _image_tokens(merged.config, Image.open(image).size)
+        got, n_image = mtmd_logits(command, text, image, tokens)
+        assert n_image == count, (case, image.name, "llama.cpp's image tokens", n_image, "transformers'", count)
         diffs[eps] = float(np.abs(got - want).max())
-        if diffs[eps] < TOL:
-            clear = [i for i, w in enumerate(want) if np.diff(np.sort(w)[-2:])[0] > 2 * TOL]  # no near-tie
+        if diffs[eps] < tol:
+            clear = [i for i, w in enumerate(want) if np.diff(np.sort(w)[-2:])[0] > 2 * tol]  # no near-tie
             assert len(clear) >= N // 2 and [int(np.argmax(got[i])) for i in clear] == [tokens[i] for i in clear]
-            first = want[0]
-    print(f"{case} {image.name}: max |llama.cpp - transformers| by text norm epsilon {diffs}")
-    assert min(diffs.values()) < TOL, (case, image.name)
-    return first
+            match = Match(want[0], got, tokens, text, count)
+    print(f"{case} {image.name}: {count} image tokens, max |llama.cpp - transformers| by text norm epsilon {diffs}")
+    assert min(diffs.values()) < tol and match is not None, (case, image.name)
+    return match
 
 
 def _image_tokens(config, size: tuple[int, int]) -> int:
-    """The image tokens transformers makes of an image of ``size``: Qwen's one per 28 (Qwen3-VL: 32) pixels square;
-    Gemma 3's fixed count; Idefics3's per 32-pixel tile and the global view."""
+    """The image tokens transformers makes of an image of ``size`` the processor does not resize: Qwen's one per 28
+    (Qwen3-VL: 32) pixels square; Gemma 3's fixed count; Idefics3's per 32-pixel tile and the global view."""
     if config.model_type == "gemma3":
         return config.mm_tokens_per_image
     if config.model_type in TILES:
@@ -223,7 +314,41 @@ def test_llama_cpp_base_with_the_gguf_lora_and_the_base_mmproj_sees_as_the_merge
     merged = make_vlm_run(tmp_path / "run", base, SIGLIP_LM_TARGETS if family in CASES_SIGLIP else VLM_LM_TARGETS)
     assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora"]) == 0
     assert main(["export", str(base), "--to", "gguf", "--quant", "f32", "--out", str(tmp_path / "base.gguf")]) == 0
-    files = (tmp_path / "base.gguf", tmp_path / "mmproj-base.gguf", tmp_path / "run" / "export" / "adapter-f32.gguf")
+    tokens = (4, 16) if family == "qwen2_5_vl" else (-1, -1)  # the processor's limits (the next test: as printed)
+    command = Command(tmp_path / "base.gguf", tmp_path / "mmproj-base.gguf",
+                      tmp_path / "run" / "export" / "adapter-f32.gguf", *tokens)
     for image in _images(tmp_path, CASES[family][1]):
-        _compare(merged, tmp_path / "run", files, image, f"{family} base + LoRA")
+        _compare(merged, tmp_path / "run", command, image, f"{family} base + LoRA")
     with_text_norm_eps(merged, None)
+
+
+# the base written by --with-base is f16: its logits are within this of the fp32 merged model's (measured: see
+# docs/export.md), and the greedy tokens must be the merged model's wherever the two best are apart by twice this
+F16_TOL = 0.05
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_the_printed_gguf_lora_command_answers_as_the_trained_model(tmp_path, family, capsys):
+    """The user's report: `export --to gguf-lora --with-base` printed llama-mtmd-cli -m base-f16.gguf --mmproj ...
+    without --lora, which runs the untrained base. The printed command, parsed and run in llama.cpp, must give the
+    merged model's answer (its greedy tokens, its logits), and the same command without its --lora the base's,
+    which differs."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from tests.export_fixtures import VLM_LM_TARGETS
+
+    base = build_tiny_vlm(tmp_path / "base", family=family, **CASES[family][0])
+    merged = make_vlm_run(tmp_path / "run", base, VLM_LM_TARGETS)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora", "--with-base"]) == 0
+    command = printed_command(capsys.readouterr().out)
+    out = tmp_path / "run" / "export"
+    assert (command.model, command.lora, command.mmproj) == \
+        (out / "base-f16.gguf", out / "adapter-f32.gguf", out / "mmproj-base-f16.gguf")
+    image = _images(tmp_path, CASES[family][1])[0]
+    tuned = _compare(merged, tmp_path / "run", command, image, f"{family} printed", F16_TOL)
+    without = Command(command.model, command.mmproj, None, command.min_tokens, command.max_tokens)
+    untrained, _ = mtmd_logits(without, tuned.text, image, tuned.tokens)
+    with_text_norm_eps(merged, None)
+    print(f"{family}: max |printed - without --lora| = {np.abs(tuned.got - untrained).max():.3f}")
+    assert [int(t) for t in untrained.argmax(1)] != tuned.tokens  # the base answers otherwise
+    assert np.abs(tuned.got - untrained).max() > 50 * TOL

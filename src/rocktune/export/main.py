@@ -6,6 +6,7 @@ target free) runs before a weight is loaded; every output is staged and renamed 
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.export import gguf_lora, gguf_model, gguf_vision, merge, ollama, output, quant, style, vocab
+from rocktune.export import (gguf_lora, gguf_model, gguf_vision, merge, next_command, ollama, output, quant, style,
+                             vocab)
 from rocktune.export.source import Origin, Source, load_config, load_tokenizer, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
@@ -46,6 +48,7 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
             written = [_gguf(src, Path("model.gguf"), q, overwrite, name, root if out else root / "ollama", template)]
         else:
             written = [_gguf(src, root if out else root / f"model-{q}.gguf", q, overwrite, name)]
+            _notes([next_command.then(next_command.llama_argv(written[0]))])
     seconds = round(time.perf_counter() - t0, 1)
     report = [{"path": str(p), "bytes": output.size_of(p), "seconds": seconds} for p in written]
     for r in report:
@@ -110,24 +113,28 @@ class _VisionParts:
     tensors: dict
     projector: dict
     notes: list
+    preprocessor: dict  # the image processor's normalisation and limits, with the run's data.min/max_pixels
 
 
-def _check_vision(src: Source, q: str) -> tuple[archs.Arch, str]:
-    """Everything that can refuse a vlm GGUF export, before any weight is loaded: (text arch, mmproj type)."""
+def _check_vision(src: Source, q: str) -> tuple[archs.Arch, dict, gguf_vision.ImageTokens | None]:
+    """Everything that can refuse a vlm GGUF export, before any weight is loaded: (text arch, the image processor's
+    settings, its image-token limits in llama.cpp's terms)."""
     _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
     gguf_vision.check(cfg)
     text = gguf_vision.text_config(cfg)
     quant.check_quant(q, gguf_model.row_lengths(text))
-    return archs.arch_for(text), gguf_vision.mmproj_type(q)
+    preprocessor = _preprocessor(src)
+    return archs.arch_for(text), preprocessor, gguf_vision.image_tokens(cfg, preprocessor)
 
 
-def _vision_parts(src: Source, arch: archs.Arch) -> _VisionParts:
+def _vision_parts(src: Source, arch: archs.Arch, preprocessor: dict) -> _VisionParts:
     model, notes = _fp32_model(src)
     text_state, vision_state = gguf_vision.split_state(model.state_dict(), model.config)
     text = gguf_vision.text_config(model.config)  # the merge may have untied the head
     return _VisionParts(model, text, arch, gguf_model.gguf_tensors(text_state, text, arch),
-                        gguf_vision.mmproj_tensors(vision_state, model.config), [n for n in notes if "tied" in n])
+                        gguf_vision.mmproj_tensors(vision_state, model.config), [n for n in notes if "tied" in n],
+                        preprocessor)
 
 
 def _write_vision(parts: _VisionParts, src: Source, tok_dir: Path, paths: tuple[Path, Path], q: str, name: str):
@@ -135,34 +142,40 @@ def _write_vision(parts: _VisionParts, src: Source, tok_dir: Path, paths: tuple[
     sys.stderr.write(f"writing GGUF ({q}) and its vision projector ({gguf_vision.mmproj_type(q)})\n")
     tokenizer = _tokenizer(src, parts.model.config, tok_dir)
     gguf_model.write_model_gguf(parts.tensors, parts.text, parts.arch, tok_dir, paths[0], q, name)
-    gguf_vision.write_mmproj(parts.projector, parts.model.config, _preprocessor(src.base), paths[1],
+    gguf_vision.write_mmproj(parts.projector, parts.model.config, parts.preprocessor, paths[1],
                              gguf_vision.mmproj_type(q), name + "-mmproj")
     return tokenizer
 
 
-def _gguf_vision(src: Source, path: Path, q: str, overwrite: bool, name: str, explicit: bool) -> list[Path]:
+def _gguf_vision(src: Source, path: Path, q: str, overwrite: bool, name: str, explicit: bool,
+                 lora: Path | None = None) -> list[Path]:
     """task=vlm: the language model at ``path`` and its vision projector (mmproj) beside it, as llama.cpp loads them
-    (llama-mtmd-cli / llama-server -m MODEL --mmproj MMPROJ)."""
-    arch, mq = _check_vision(src, q)
+    (llama-mtmd-cli / llama-server -m MODEL --mmproj MMPROJ); ``lora``: the adapter the printed command applies to
+    this model (gguf-lora --with-base writes the base here, which alone is the untrained model)."""
+    arch, preprocessor, tokens = _check_vision(src, q)
+    mq = gguf_vision.mmproj_type(q)
     mmproj = path.with_name(f"mmproj-{path.name}" if explicit else f"mmproj-{mq}.gguf")
     for target in (path, mmproj):
         output.check_target(target, overwrite, is_dir=False)
-    parts = _vision_parts(src, arch)
+    parts = _vision_parts(src, arch, preprocessor)
     with output.scratch(path) as tok_dir:
         with output.staged(path, overwrite, is_dir=False) as tmp, output.staged(mmproj, overwrite, False) as mtmp:
             tokenizer = _write_vision(parts, src, tok_dir, (tmp, mtmp), q, name)
-    _notes(parts.notes + gguf_vision.tokenizer_notes(parts.model.config, tokenizer) +
-           [f"then: llama-mtmd-cli -m {path} --mmproj {mmproj} --image PHOTO.png -p '...' (or llama-server with "
-            "--mmproj)"])
+    _notes(parts.notes + gguf_vision.tokenizer_notes(parts.model.config, tokenizer) + _token_notes(tokens) +
+           [next_command.then(next_command.llama_argv(path, lora, mmproj, tokens))])
     return [path, mmproj]
+
+
+def _token_notes(tokens: gguf_vision.ImageTokens | None) -> list[str]:
+    return [tokens.note()] if tokens and tokens.note() else []
 
 
 def _ollama_vision(src: Source, ollama_dir: Path, q: str, overwrite: bool, name: str, template: str) -> list[Path]:
     """task=vlm for Ollama: both GGUF files and a Modelfile naming both (two FROM lines: Ollama keeps a GGUF of
     type mmproj as the model's projector and runs it with llama.cpp's --mmproj)."""
-    arch, _ = _check_vision(src, q)
+    arch, preprocessor, tokens = _check_vision(src, q)
     output.check_target(ollama_dir, overwrite, is_dir=True)
-    parts = _vision_parts(src, arch)
+    parts = _vision_parts(src, arch, preprocessor)
     with output.scratch(ollama_dir) as tok_dir, output.staged(ollama_dir, overwrite, is_dir=True) as tmp:
         tokenizer = _write_vision(parts, src, tok_dir, (tmp / "model.gguf", tmp / "mmproj.gguf"), q, name)
         text, more = ollama.modelfile("model.gguf", style.resolve_style(template, src.run_config, tokenizer),
@@ -170,18 +183,41 @@ def _ollama_vision(src: Source, ollama_dir: Path, q: str, overwrite: bool, name:
                                       projector_name="mmproj.gguf")
         (tmp / "Modelfile").write_text(text, encoding="utf-8")
     _notes(parts.notes + gguf_vision.tokenizer_notes(parts.model.config, tokenizer) + more +
+           _token_notes(tokens) + _ollama_token_notes(tokens, ollama_dir) +
            [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
     return [ollama_dir]
 
 
-def _preprocessor(base: str) -> dict:
-    """The base's image normalisation, which the mmproj carries for llama.cpp's own preprocessing."""
+def _ollama_token_notes(tokens: gguf_vision.ImageTokens | None, ollama_dir: Path) -> list[str]:
+    """Ollama's runner starts llama-server for Qwen-VL models with a fixed --image-min-tokens 1024 (its
+    llm/llama_server.go) and a Modelfile has no parameter for the image tokens: say what that changes."""
+    if tokens is None:
+        return []
+    argv = ["llama-server", "-m", str(ollama_dir / "model.gguf"), "--mmproj", str(ollama_dir / "mmproj.gguf"),
+            *tokens.flags()]
+    return [f"Ollama runs Qwen-VL models with at least 1024 image tokens an image (a Modelfile cannot change it); "
+            f"this model trained on {tokens.low} to {tokens.high}, so Ollama enlarges smaller images and may answer "
+            f"otherwise than the run. For the trained resolution: {shlex.join(argv)}"]
+
+
+def _preprocessor(src: Source) -> dict:
+    """The base's image normalisation and size limits, which the mmproj and the printed command carry for llama.cpp's
+    own preprocessing: with the run's data.min_pixels / data.max_pixels, as training loaded the processor."""
     from transformers import AutoImageProcessor
 
-    proc = AutoImageProcessor.from_pretrained(base)
+    data = src.run_config.get("data") or {}
+    limits = {k: data[k] for k in ("min_pixels", "max_pixels") if data.get(k) is not None}
+    proc = AutoImageProcessor.from_pretrained(src.base, **limits)
     size = getattr(proc, "size", None)  # Idefics3/SmolVLM: the side an image is resized to before tiling
-    edge = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
-    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std), "longest_edge": edge}
+    return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std),
+            "longest_edge": _size(size, "longest_edge"),
+            # Qwen's pixel limits: size.shortest_edge / longest_edge (transformers 5), min_pixels / max_pixels (4.x)
+            "min_pixels": getattr(proc, "min_pixels", None) or _size(size, "shortest_edge"),
+            "max_pixels": getattr(proc, "max_pixels", None) or _size(size, "longest_edge")}
+
+
+def _size(size, key: str):
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
 
 
 def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: bool, name: str,
@@ -203,13 +239,29 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
     tensors, alpha = gguf_lora.lora_tensors(src.adapter, cfg, arch, family)
     written = []
     if with_base:
-        base_src = Source(src.base, None, {}, src.trust_remote_code)
+        # the run's config goes with the base: its chat template and pixel limits are what the LoRA trained with
+        base_src = Source(src.base, None, src.run_config, src.trust_remote_code)
         base_path = path.with_name("base-f16.gguf")
-        written += _gguf_vision(base_src, base_path, "f16", overwrite, name + "-base", True) if vision else \
-            [_gguf(base_src, base_path, "f16", overwrite, name + "-base")]
+        written += _gguf_vision(base_src, base_path, "f16", overwrite, name + "-base", True, lora=path) if vision \
+            else [_gguf(base_src, base_path, "f16", overwrite, name + "-base")]
     with output.staged(path, overwrite, is_dir=False) as tmp:
         gguf_lora.write_lora_gguf(tensors, alpha, arch, tmp, dtype, name)
+    if not with_base:
+        _notes([_lora_hint(src, path, vision)])
+    elif not vision:
+        _notes([next_command.then(next_command.llama_argv(written[0], path))])
     return [path, *written]
+
+
+def _lora_hint(src: Source, adapter: Path, vision: bool) -> str:
+    """The command without --with-base: the base as GGUF is the user's (named by a placeholder), the LoRA ours."""
+    base = "BASE.gguf"
+    if not vision:
+        return next_command.then(next_command.llama_argv(base, adapter)) + f"; {base}: the base {src.base} as GGUF " \
+            "(--with-base writes it)"
+    tokens = gguf_vision.image_tokens(load_config(src.base, src.trust_remote_code), _preprocessor(src))
+    return next_command.then(next_command.llama_argv(base, adapter, "MMPROJ-BASE.gguf", tokens)) + \
+        f"; {base} and MMPROJ-BASE.gguf: the base {src.base} and its mmproj as GGUF (--with-base writes them)"
 
 
 def _tokenizer(src: Source, model_config, tok_dir: Path):
