@@ -3,6 +3,8 @@ transformers and continues a prompt greedily with the same tokens as the transfo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -94,6 +96,40 @@ def test_llama_cpp_base_plus_gguf_lora_equals_peft(tmp_path):
         assert tuned != plain
         assert llama_greedy(llama(out / "base-f16.gguf", lora=out / "adapter-f32.gguf"), ids, 16) == tuned, arch
         assert llama_greedy(llama(out / "base-f16.gguf"), ids, 16) == plain, arch
+
+
+def printed_llama_cli(stdout: str) -> tuple[Path, Path | None]:
+    """The export's ``then: llama-cli ...`` line as a shell splits it: (-m, --lora); any other flag must only name
+    the input (-p)."""
+    import shlex
+
+    lines = [line for line in stdout.splitlines() if line.startswith("note: then: llama-cli ")]
+    assert len(lines) == 1, stdout
+    argv = shlex.split(lines[0].removeprefix("note: then: ").split(" (or llama-server")[0])[1:]
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert len(argv) % 2 == 0 and set(flags) <= {"-m", "--lora", "-p"}, argv
+    return Path(flags["-m"]), Path(flags["--lora"]) if "--lora" in flags else None
+
+
+@pytest.mark.parametrize("to", [["gguf"], ["gguf-lora", "--with-base"]])
+def test_llama_cpp_runs_the_printed_command_as_the_trained_model(tmp_path, capsys, to):
+    """What the export prints to run next, parsed and given to llama.cpp, continues as the trained model (the merged
+    file, or the base with the LoRA), not as the base."""
+    from transformers import AutoTokenizer
+
+    base = build_model(tmp_path / "base", "qwen2", tied=True)
+    model = make_run(tmp_path / "run", base, "all-linear")
+    ids = AutoTokenizer.from_pretrained(base)(TEXTS[0])["input_ids"]
+    tuned = hf_greedy(model, ids, 16)
+    with model.disable_adapter():
+        assert hf_greedy(model, ids, 16) != tuned
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--to", *to]) == 0
+    path, lora = printed_llama_cli(capsys.readouterr().out)
+    out = tmp_path / "run" / "export"
+    assert (path, lora) == ((out / "model-f16.gguf", None) if to == ["gguf"] else
+                            (out / "base-f16.gguf", out / "adapter-f32.gguf"))
+    assert llama_greedy(llama(path, lora=lora), ids, 16) == tuned
 
 
 def test_llama_cpp_demo_tokenizer_without_merges(tmp_path):

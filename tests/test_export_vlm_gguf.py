@@ -357,3 +357,114 @@ def test_siglip_families_to_ollama_and_gguf_lora(runs, tmp_path):
         assert sorted(tensors) == sorted(f"blk.{i}.{t}.weight.lora_{ab}" for i in range(2)
                                          for t in ("attn_q", "attn_v", "ffn_down") for ab in "ab")
     assert main(["export", str(runs("smolvlm")[0]), "--to", "gguf-lora"]) == 2  # LoRA on the tower and connector
+
+
+def _then(stdout: str) -> list[str]:
+    """The printed next command (``note: then: ...``), split as a shell splits it, without the server's remark."""
+    import shlex
+
+    lines = [line for line in stdout.splitlines() if line.startswith("note: then: ")]
+    assert len(lines) == 1, stdout
+    return shlex.split(lines[0].removeprefix("note: then: ").split(" (or llama-server")[0])
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def _with_data(run: Path, **data) -> None:
+    import yaml
+
+    for where in (run / "adapter" / "rocktune_config.yaml", run / "config.yaml"):
+        cfg = yaml.safe_load(where.read_text())
+        cfg["data"] = data
+        where.write_text(yaml.safe_dump(cfg))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_the_image_token_limits_go_in_the_mmproj_and_the_printed_command(runs, family, capsys):
+    """llama.cpp's mtmd resizes Qwen images between limits of its own (8 to 4096 tokens) and reads none from the
+    mmproj for these projectors: the printed command carries the processor's (4 to 16 tokens of the tiny models),
+    and the mmproj carries them as llama.cpp's pixel keys."""
+    run, _, merged = runs(family)
+    capsys.readouterr()
+    assert main(["export", str(run), "--to", "gguf", "--quant", "f32", "--overwrite"]) == 0
+    argv = _then(capsys.readouterr().out)
+    out = run / "export"
+    side = 32 if family == "qwen3_vl" else 28
+    assert argv[:5] == ["llama-mtmd-cli", "-m", str(out / "model-f32.gguf"), "--mmproj", str(out / "mmproj-f32.gguf")]
+    assert (_flag(argv, "--image-min-tokens"), _flag(argv, "--image-max-tokens"), _flag(argv, "--lora")) == \
+        ("4", "16", None)
+    meta, _ = _read(out / "mmproj-f32.gguf")
+    assert (meta["clip.vision.image_min_pixels"], meta["clip.vision.image_max_pixels"]) == (4 * side**2, 16 * side**2)
+    assert merged.config.vision_config.spatial_merge_size == 2
+
+
+def test_the_run_s_pixel_limits_win_and_limits_between_tokens_are_said(tmp_path, capsys):
+    """data.min_pixels / data.max_pixels are what training resized by: the export takes them, not the base's
+    preprocessor_config.json; limits that are not whole 28 x 28 tokens are rounded so that mtmd resizes the same
+    images (min up, max down) and a note says what cannot be exact."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+
+    base = build_tiny_vlm(tmp_path / "base")
+    make_vlm_run(tmp_path / "run", base)
+    _with_data(tmp_path / "run", min_pixels=784 * 2, max_pixels=784 * 9)
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32"]) == 0
+    argv = _then(capsys.readouterr().out)
+    assert (_flag(argv, "--image-min-tokens"), _flag(argv, "--image-max-tokens")) == ("2", "9")
+    _with_data(tmp_path / "run", min_pixels=784 * 2 + 1, max_pixels=784 * 9 - 1)
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", "f32", "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    assert (_flag(_then(printed), "--image-min-tokens"), _flag(_then(printed), "--image-max-tokens")) == ("3", "8")
+    assert "min_pixels/max_pixels 1569/7055 are not whole image tokens of 784 pixels" in printed
+    meta, _ = _read(tmp_path / "run" / "export" / "mmproj-f32.gguf")
+    assert (meta["clip.vision.image_min_pixels"], meta["clip.vision.image_max_pixels"]) == (1569, 7055)
+
+
+def test_the_printed_gguf_lora_command_applies_the_lora(tmp_path, capsys):
+    """gguf-lora --with-base printed `llama-mtmd-cli -m base-f16.gguf --mmproj ...`, the untrained base: the command
+    names the LoRA (and the run's image-token limits); without --with-base, placeholders for the base's files."""
+    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from tests.export_fixtures import VLM_LM_TARGETS
+
+    base = build_tiny_vlm(tmp_path / "base")
+    make_vlm_run(tmp_path / "run", base, VLM_LM_TARGETS)
+    _with_data(tmp_path / "run", max_pixels=784 * 9)
+    out = tmp_path / "run" / "export"
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora", "--with-base"]) == 0
+    argv = _then(capsys.readouterr().out)
+    assert argv[0] == "llama-mtmd-cli" and _flag(argv, "-m") == str(out / "base-f16.gguf")
+    assert _flag(argv, "--lora") == str(out / "adapter-f32.gguf")
+    assert _flag(argv, "--mmproj") == str(out / "mmproj-base-f16.gguf")
+    assert (_flag(argv, "--image-min-tokens"), _flag(argv, "--image-max-tokens")) == ("4", "9")
+    meta, _ = _read(out / "mmproj-base-f16.gguf")  # the base's mmproj as the run trained it to see
+    assert meta["clip.vision.image_max_pixels"] == 784 * 9
+    assert main(["export", str(tmp_path / "run"), "--to", "gguf-lora", "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    argv = _then(printed)
+    assert (_flag(argv, "-m"), _flag(argv, "--lora"), _flag(argv, "--mmproj")) == \
+        ("BASE.gguf", str(out / "adapter-f32.gguf"), "MMPROJ-BASE.gguf")
+    assert f"the base {base} and its mmproj as GGUF (--with-base writes them)" in printed
+
+
+def test_siglip_families_print_no_image_token_flags(runs, capsys):
+    """Gemma 3's processor has one size (no limits to carry): no flags, no pixel keys."""
+    run, _, _ = runs("gemma3")
+    capsys.readouterr()
+    assert main(["export", str(run), "--to", "gguf", "--quant", "f32", "--overwrite"]) == 0
+    argv = _then(capsys.readouterr().out)
+    assert argv[0] == "llama-mtmd-cli" and "--image-min-tokens" not in argv and "--lora" not in argv
+    meta, _ = _read(run / "export" / "mmproj-f32.gguf")
+    assert "clip.vision.image_min_pixels" not in meta
+
+
+def test_ollama_says_its_fixed_image_token_minimum(runs, capsys):
+    """Ollama starts Qwen-VL models with --image-min-tokens 1024 and a Modelfile has no parameter for it: the note
+    says so and gives the llama-server command with the trained limits."""
+    run, _, _ = runs("qwen2_5_vl")
+    capsys.readouterr()
+    assert main(["export", str(run), "--to", "ollama", "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    assert "Ollama runs Qwen-VL models with at least 1024 image tokens" in printed
+    assert "--image-min-tokens 4 --image-max-tokens 16" in printed
+    assert "then: ollama create" in printed
