@@ -1,4 +1,16 @@
-"""Length-bucketed batches: examples of similar length share a batch, so padding stays small.
+"""Micro-batches of whole examples, and the order an epoch walks them in.
+
+``data.batch_order`` chooses how an epoch's examples are cut into micro-batches:
+
+- ``mixed`` (the default): examples whose lengths lie within one bin share micro-batches at random, and bins are
+  kept apart. A bin spans about 12.5% of a length plus ``BIN_SLACK`` tokens, its edges moved at random each epoch.
+  Padding stays near the sorted order's where lengths differ widely (a 900-token chat never waits on a 60-token
+  one), and examples whose lengths differ by a few tokens (a label, a class, a short reply) are mixed as a shuffled
+  loop mixes them, so a micro-batch does not hold one answer.
+- ``length``: each window of examples sorted by length before it is cut (the least padding). Where the answer
+  decides the length, most micro-batches hold a single answer and each step pushes toward it: docs/speed.md
+  measures what that costs. Runs started before ``batch_order`` existed keep it on resume (train/resume.py).
+- ``shuffled``: what ``DataLoader(shuffle=True)`` does; the most padding.
 
 The batch order of an epoch is a pure function of (seed, epoch), which is what makes exact resume possible:
 a run restarted at (epoch, batch index) sees the very batches an uninterrupted run would.
@@ -6,27 +18,52 @@ a run restarted at (epoch, batch index) sees the very batches an uninterrupted r
 
 from __future__ import annotations
 
+import math
 import random
+from typing import Literal
 
 import torch
 
 from rocktune.data.encode import IGNORE
 
+BatchOrder = Literal["mixed", "length", "shuffled"]
+BATCH_ORDERS: tuple[str, ...] = ("mixed", "length", "shuffled")
 BUCKET_FACTOR = 64  # batches per sorting window: large enough to group lengths, small enough to stay random
+BIN_RATIO = 1.125  # a mixed bin's longest example is about 12.5% longer than its shortest ...
+BIN_SLACK = 32  # ... plus this many tokens, so that short examples differing by a word share a bin
 
 
-def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Index lists for one epoch: shuffle, sort within windows by length, cut into batches, shuffle batches."""
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
+                  order: BatchOrder = "mixed") -> list[list[int]]:
+    """Index lists for one epoch: shuffle; unless ``shuffled``, group within windows by length (``length``) or by
+    length bin (``mixed``); cut into batches; shuffle the batches."""
     rng = random.Random(f"{seed}:{epoch}")
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
+    shuffled = list(range(len(lengths)))
+    rng.shuffle(shuffled)
+    if order == "shuffled":
+        return [shuffled[i : i + batch_size] for i in range(0, len(shuffled), batch_size)]
+    key = (lambda i: lengths[i]) if order == "length" else _bin_key(lengths, rng.random())
     window = batch_size * BUCKET_FACTOR
     batches: list[list[int]] = []
-    for start in range(0, len(order), window):
-        chunk = sorted(order[start : start + window], key=lambda i: lengths[i], reverse=True)
+    for start in range(0, len(shuffled), window):
+        # sorted() is stable: examples of one bin stay in their shuffled order, so a bin's batches are random draws
+        chunk = sorted(shuffled[start : start + window], key=key, reverse=True)
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return batches
+
+
+def _bin_key(lengths: list[int], offset: float):
+    """Bins of equal width in log(length + BIN_SLACK), their edges shifted by ``offset`` (of a bin) this epoch, so
+    that two lengths near an edge do not stay apart every epoch."""
+    scale = 1 / math.log(BIN_RATIO)
+    return lambda i: math.floor(math.log(lengths[i] + BIN_SLACK) * scale + offset)
+
+
+def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
+    """Padded positions over all positions when each batch is padded to its longest example."""
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return 1 - sum(lengths[i] for b in batches for i in b) / padded
 
 
 def collate(input_ids: list[list[int]], labels: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -120,6 +120,8 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
 def _check_run_dir(task: Task, ctx: RunContext) -> TrainResult | None:
     """Refuse a run directory that holds another run; a finished run given --resume: its summary, as the result."""
     opts = ctx.options
+    if opts.resume:
+        ctx.notes += resume.keep_earlier_defaults(ctx.run_dir, ctx.cfg)
     resolved = ctx.cfg.model_dump(mode="json")
     rundir.check_output_dir(ctx.run_dir, resolved, opts.overwrite, opts.resume)
     if opts.resume:

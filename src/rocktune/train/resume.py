@@ -19,6 +19,28 @@ from rocktune.readers.yaml_file import read_yaml
 RESUMABLE_CHANGES = ("training.eval_every", "training.log_every", "reliability.", "output.dir",
                      "training.micro_batch_tokens", "training.compile")
 
+# Keys whose default changed: a run whose saved config lacks one was trained with the earlier behaviour, which its
+# resume keeps so that the resumed steps are the ones the run would have taken. key: (new default, the earlier one)
+CHANGED_DEFAULTS = {"data.batch_order": ("mixed", "length")}
+
+
+def keep_earlier_defaults(run_dir: Path, cfg) -> list[str]:
+    """Set on ``cfg`` (a RunConfig) the earlier behaviour of each changed default that the run's saved config
+    predates and that ``cfg`` leaves at its new default; the notes say so."""
+    saved = run_dir / CONFIG_NAME
+    if not saved.is_file():
+        return []
+    old = read_yaml(saved, DAMAGED_CONFIG)[0] or {}
+    notes = []
+    for key, (new, earlier) in CHANGED_DEFAULTS.items():
+        section, field = key.split(".")
+        if _lookup(old, section) is _ABSENT or _lookup(old, key) is not _ABSENT:
+            continue
+        if getattr(getattr(cfg, section), field) == new:
+            setattr(getattr(cfg, section), field, earlier)
+            notes.append(f"{key}: {earlier}, as this run was trained (it predates the key; the default is now {new})")
+    return notes
+
 
 def check_config(run_dir: Path, config: dict, force: bool) -> None:
     saved = run_dir / CONFIG_NAME
@@ -49,6 +71,8 @@ def _new_key_at_default(old: dict, config: dict, key: str) -> bool:
     that wrote the run computed: it is no change, so an upgrade between a kill and its resume does not refuse."""
     if _lookup(old, key) is not _ABSENT:
         return False
+    if key in CHANGED_DEFAULTS:  # what the run was trained with is the earlier default, not the current one
+        return CHANGED_DEFAULTS[key][1] == _lookup(config, key)
     default = _default(key)
     return default is not _ABSENT and default == _lookup(config, key)
 

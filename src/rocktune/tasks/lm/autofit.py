@@ -128,7 +128,7 @@ def plan_feeding(cfg: RunConfig, choices, lengths: list[int], vram_bytes: int | 
     device, precision, attn_implementation = choices.device, choices.precision, attn or choices.attn_implementation
     mode = resolve_mode(t.batching, device)
     feeding = Feeding(mode=mode, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                      max_length=d.max_length, packing=d.packing, seed=t.seed)
+                      max_length=d.max_length, packing=d.packing, seed=t.seed, batch_order=d.batch_order)
     if mode == "examples":
         why = " (auto: small forwards are fastest on a CPU)" if t.batching == "auto" else ""
         return feeding, [feeding.describe() + why], None

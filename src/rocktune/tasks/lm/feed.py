@@ -42,6 +42,7 @@ class Feeding:
     seed: int = 0
     flat_width: int = 0  # tokens mode with varlen attention: one row of this many tokens per forward (0: rows)
     cu_slots: int = 0  # the fixed length of a flat forward's cu_seq_lens
+    batch_order: str = "mixed"  # examples mode, not packed: data.batch_order (data/batching.py)
 
     @property
     def examples_per_step(self) -> int:
@@ -62,7 +63,7 @@ class Feeding:
                     f"{self.max_length}, up to {self.rows_per_forward} rows "
                     f"({self.rows_per_forward * self.max_length:,}"
                     f" tokens) per forward")
-        kind = "packed rows" if self.packing else "examples (length-bucketed)"
+        kind = "packed rows" if self.packing else f"examples (batch_order {self.batch_order})"
         return (f"batching: examples — {self.micro_batch_size} {kind} per forward x {self.grad_accum} = "
                 f"{self.examples_per_step} per optimizer step")
 
@@ -148,7 +149,7 @@ class StepFeed(StreamPosition):
                 return epoch_packed_batches(lengths, f.micro_batch_size, f.max_length, f.seed, e)
         else:
             def make(e):
-                return epoch_batches(lengths, f.micro_batch_size, f.seed, e)
+                return epoch_batches(lengths, f.micro_batch_size, f.seed, e, f.batch_order)
         self.stream = BatchStream(make, epoch, index)
         self._items_per_step = 1 if f.mode == "tokens" else f.grad_accum
         self._position = self.stream.position()

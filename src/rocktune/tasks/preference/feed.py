@@ -55,17 +55,17 @@ def split_pairs(batch: dict, pieces: int) -> list[dict]:
 
 
 class PairFeed(StreamPosition):
-    """One optimizer step at a time: ``grad_accum`` micro-batches of ``pairs_per_forward`` length-bucketed pairs,
-    dealt round-robin to the ranks; the step's normaliser is its number of pairs (every rank's)."""
+    """One optimizer step at a time: ``grad_accum`` micro-batches of ``pairs_per_forward`` pairs (in ``order``,
+    data.batch_order), dealt round-robin to the ranks; the step's normaliser is its number of pairs (every rank's)."""
 
     split = staticmethod(split_pairs)
 
     def __init__(self, pairs: PairSet, pairs_per_forward: int, grad_accum: int, seed: int, collate,
-                 share=(0, 1, None), epoch: int = 0, index: int = 0):
+                 share=(0, 1, None), epoch: int = 0, index: int = 0, order: str = "mixed"):
         self.pairs, self.grad_accum, self.collate = pairs, grad_accum, collate
         self.rank, self.world, self.idle = share
         lengths = pairs.lengths()
-        self.stream = BatchStream(lambda e: epoch_batches(lengths, pairs_per_forward, seed, e), epoch, index)
+        self.stream = BatchStream(lambda e: epoch_batches(lengths, pairs_per_forward, seed, e, order), epoch, index)
         self._items_per_step = grad_accum
         self._position, self._epoch = self.stream.position(), self.stream.epoch
 

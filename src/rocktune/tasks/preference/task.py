@@ -118,7 +118,7 @@ class PreferenceTask:
             batch = collate_pairs(r.pairs, idx, r.pad_id, scale, r.segments)
             return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
         return PairFeed(r.pairs, t.micro_batch_size, t.grad_accum, t.seed, collate,
-                        (dist.rank, dist.world, idle_pairs(r.pad_id)), **position)
+                        (dist.rank, dist.world, idle_pairs(r.pad_id)), order=self.cfg.data.batch_order, **position)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -41,15 +41,16 @@ def split_rows(batch: dict, pieces: int) -> list[dict]:
 
 
 class VisionFeed(StreamPosition):
-    """``grad_accum`` micro-batches of ``micro_batch_size`` length-bucketed examples per optimizer step; the step's
-    normaliser is its loss-bearing tokens. ``prefetch`` (a GPU): the next step's images are decoded and processed in
-    a background thread while this step computes (about 1-2 s for 8 photos on one CPU thread, docs/vision.md); the
-    position a checkpoint saves is still that of the last step handed out, so resume stays exact."""
+    """``grad_accum`` micro-batches of ``micro_batch_size`` examples (in ``order``, data.batch_order) per optimizer
+    step; the step's normaliser is its loss-bearing tokens. ``prefetch`` (a GPU): the next step's images are decoded
+    and processed in a background thread while this step computes (about 1-2 s for 8 photos on one CPU thread,
+    docs/vision.md); the position a checkpoint saves is still that of the last step handed out, so resume stays
+    exact."""
 
     split = staticmethod(split_rows)
 
     def __init__(self, examples: list[VisionExample], shape: tuple[int, int, int], make_batch, prefetch: bool = False,
-                 share=(0, 1, None), pack_to: int = 0, epoch: int = 0, index: int = 0):
+                 share=(0, 1, None), pack_to: int = 0, epoch: int = 0, index: int = 0, order: str = "mixed"):
         micro_batch_size, self.grad_accum, seed = shape
         self.examples, self.make_batch = examples, make_batch
         # several ranks (DDP): every rank walks the same stream and takes the step's micro-batches round-robin; a rank
@@ -60,7 +61,7 @@ class VisionFeed(StreamPosition):
         # pack_to (data.packing: data.max_length): a micro-batch is micro_batch_size rows of examples packed best-fit
         self.packed = pack_to > 0
         batches = (lambda e: epoch_packed_batches(lengths, micro_batch_size, pack_to, seed, e)) if self.packed else \
-            (lambda e: epoch_batches(lengths, micro_batch_size, seed, e))
+            (lambda e: epoch_batches(lengths, micro_batch_size, seed, e, order))
         self.stream = BatchStream(batches, epoch, index)
         self._items_per_step = self.grad_accum
         self._position, self._epoch = self.stream.position(), self.stream.epoch

@@ -163,7 +163,7 @@ class VLMTask:
         return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed),
                           self._packed_batch if packing else self._batch, r.ctx.device == "cuda",
                           (dist.rank, dist.world, idle_batch(r.pad_id, r.vision)),
-                          self.cfg.data.max_length if packing else 0, **position)
+                          self.cfg.data.max_length if packing else 0, order=self.cfg.data.batch_order, **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
         return collate(examples, self.run.pad_id, self.run.vision)
