@@ -30,9 +30,11 @@ def test_the_hf_collator_feeds_the_model_what_rocktune_feeds_it(colours):
     model, data = colours
     examples, tokenizer, vision = encoded(str(model), str(data), 128)
     ours = collate(examples[:4], tokenizer.pad_token_id, vision)
-    theirs = ImageCollator(vision.image_processor, tokenizer.pad_token_id)(
+    theirs = ImageCollator(vision.image_processor, tokenizer.pad_token_id, vision.image_token_id)(
         [_Conversations(examples)[i] for i in range(4)])
-    assert set(theirs) == {"input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw"}
+    # mm_token_type_ids: without it the model trains on 1-D positions and answers at chance with its image positions
+    assert set(theirs) == {"input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw",
+                           "mm_token_type_ids"}
     for key, value in theirs.items():
         assert torch.equal(value, ours[key]), key
     assert int((theirs["labels"][:, 1:] != -100).sum()) > 0

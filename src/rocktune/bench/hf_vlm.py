@@ -32,10 +32,13 @@ class _Conversations(torch.utils.data.Dataset):
 
 
 class ImageCollator:
-    """Right padding, the attention mask, and the image processor's pixels and grids for the batch's images."""
+    """Right padding, the attention mask, the image processor's pixels and grids for the batch's images, and which
+    tokens are the image's (``mm_token_type_ids``, as the model's full processor returns them). Without that key,
+    transformers 5's Qwen-VL models fall back to 1-D positions without a word, and a model trained so answers at
+    other positions than the image-aware ones it meets at inference (chance-level answers, measured)."""
 
-    def __init__(self, image_processor, pad_id: int):
-        self.image_processor, self.pad_id = image_processor, pad_id
+    def __init__(self, image_processor, pad_id: int, image_token_id: int):
+        self.image_processor, self.pad_id, self.image_token_id = image_processor, pad_id, image_token_id
 
     def __call__(self, rows: list[dict]) -> dict:
         from rocktune.data.images import load
@@ -50,7 +53,7 @@ class ImageCollator:
         images = [load(ref, "bench") for r in rows for ref in r["images"]]
         pixels = self.image_processor(images=images, return_tensors="pt")
         return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels["pixel_values"],
-                "image_grid_thw": pixels["image_grid_thw"]}
+                "image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": (ids == self.image_token_id).long()}
 
 
 def encoded(model_dir: str, data_file: str, max_length: int) -> tuple[list, object, object]:
@@ -102,7 +105,7 @@ def run_hf_vlm(spec: dict, probe) -> tuple[list[dict], dict]:
         report_to="none", seed=c["seed"], remove_unused_columns=False, disable_tqdm=True, use_cpu=device == "cpu")
     records: list[dict] = []
     trainer = measured_training(model, args, _Conversations(examples), ImageCollator(vision.image_processor,
-                                tokenizer.pad_token_id), tokenizer, (probe, device, records))
+                                tokenizer.pad_token_id, vision.image_token_id), tokenizer, (probe, device, records))
     resolved = {"precision": "fp32", "attn_implementation": "sdpa", "micro_batch_size": c["micro_batch_size"],
                 "grad_accum": c["grad_accum"], "collator": "ImageCollator (pad + image processor)",
                 "lora_targets": "the language model's linear layers (as rocktune)", "optimizer": str(args.optim),

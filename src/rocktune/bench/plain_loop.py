@@ -80,5 +80,31 @@ def plain_vlm(model_dir: Path, train_file: Path, settings: PlainSettings, order:
                       target_modules=language_targets(model), task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     rows = [{"input_ids": e.input_ids, "labels": e.labels, "images": e.images} for e in examples]
-    losses = train_plain(model, rows, ImageCollator(vision.image_processor, tokenizer.pad_token_id), settings, order)
+    collate = ImageCollator(vision.image_processor, tokenizer.pad_token_id, vision.image_token_id)
+    losses = train_plain(model, rows, collate, settings, order)
     return model, tokenizer, vision, losses
+
+
+def plain_lm(model_dir: Path, train_file: Path, settings: PlainSettings, cache_dir: Path):
+    """(the trained PEFT model, its tokenizer, the losses): a causal LM's all-linear LoRA trained by the plain loop
+    on rocktune's token ids and labels (loss on the completions only), padded by ``data.batching.collate``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rocktune.config import DataConfig
+    from rocktune.data.batching import collate
+    from rocktune.data.dataset import prepare_data
+    from rocktune.model import load_tokenizer
+
+    torch.manual_seed(settings.seed)
+    tokenizer = load_tokenizer(str(model_dir), False)
+    d = DataConfig(train_file=str(train_file), eval_fraction=0.0, max_length=settings.max_length)
+    examples, _, _ = prepare_data(d, tokenizer, cache_dir, settings.seed)
+    rows = [(list(examples.input_ids[i]), list(examples.labels[i])) for i in range(len(examples))]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=0.0,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+
+    def pad(batch):
+        return collate([x for x, _ in batch], [y for _, y in batch], tokenizer.pad_token_id)
+    return model, tokenizer, train_plain(model, rows, pad, settings)

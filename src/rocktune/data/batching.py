@@ -18,7 +18,6 @@ a run restarted at (epoch, batch index) sees the very batches an uninterrupted r
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Literal
 
@@ -29,35 +28,37 @@ from rocktune.data.encode import IGNORE
 BatchOrder = Literal["mixed", "length", "shuffled"]
 BATCH_ORDERS: tuple[str, ...] = ("mixed", "length", "shuffled")
 BUCKET_FACTOR = 64  # batches per sorting window: large enough to group lengths, small enough to stay random
-BIN_RATIO = 1.125  # a mixed bin's longest example is about 12.5% longer than its shortest ...
-BIN_SLACK = 32  # ... plus this many tokens, so that short examples differing by a word share a bin
+# mixed: a length is blurred by up to MIX_TOKENS + MIX_SHARE of itself before the sort, so examples whose lengths
+# differ by much less than that meet in micro-batches at random, and a micro-batch spans about that much padding
+MIX_TOKENS = 64
+MIX_SHARE = 0.25
 
 
 def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
                   order: BatchOrder = "mixed") -> list[list[int]]:
-    """Index lists for one epoch: shuffle; unless ``shuffled``, group within windows by length (``length``) or by
-    length bin (``mixed``); cut into batches; shuffle the batches."""
+    """Index lists for one epoch: shuffle; unless ``shuffled``, sort each window by length (``length``) or by the
+    blurred length (``mixed``); cut into batches; shuffle the batches."""
     rng = random.Random(f"{seed}:{epoch}")
     shuffled = list(range(len(lengths)))
     rng.shuffle(shuffled)
     if order == "shuffled":
         return [shuffled[i : i + batch_size] for i in range(0, len(shuffled), batch_size)]
-    key = (lambda i: lengths[i]) if order == "length" else _bin_key(lengths, rng.random())
+    if order == "length":
+        def key(i):
+            return lengths[i]
+    else:  # mixed: each length blurred upward by up to its own spread, drawn for this epoch
+        blurred = [n + rng.random() * (MIX_TOKENS + MIX_SHARE * n) for n in lengths]
+
+        def key(i):
+            return blurred[i]
     window = batch_size * BUCKET_FACTOR
     batches: list[list[int]] = []
     for start in range(0, len(shuffled), window):
-        # sorted() is stable: examples of one bin stay in their shuffled order, so a bin's batches are random draws
+        # sorted() is stable: examples of equal key keep their shuffled order
         chunk = sorted(shuffled[start : start + window], key=key, reverse=True)
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return batches
-
-
-def _bin_key(lengths: list[int], offset: float):
-    """Bins of equal width in log(length + BIN_SLACK), their edges shifted by ``offset`` (of a bin) this epoch, so
-    that two lengths near an edge do not stay apart every epoch."""
-    scale = 1 / math.log(BIN_RATIO)
-    return lambda i: math.floor(math.log(lengths[i] + BIN_SLACK) * scale + offset)
 
 
 def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
