@@ -170,7 +170,7 @@ class DataConfig(_Section):
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.",
         json_schema_extra=only("sft"))
     packing: bool = Field(
-        False, description="Pack several examples per row (block-diagonal attention) instead of length bucketing; "
+        False, description="Pack several examples per row (block-diagonal attention) instead of padded micro-batches; "
         "task=vlm: conversations with their images, rows of data.max_length tokens.",
         json_schema_extra=only("sft", "vlm")
     )
@@ -219,7 +219,7 @@ class TrainingConfig(_Section):
     )
     batching: Literal["auto", "examples", "tokens"] = Field(
         "auto", description="How a step's examples become forwards. examples: micro_batch_size examples per forward "
-        "(length-bucketed, or packed with data.packing); tokens: the step's examples packed without padding into "
+        "(in data.batch_order, or packed with data.packing); tokens: the step's examples packed without padding into "
         "rows of data.max_length, micro_batch_tokens per forward. auto: tokens on ROCm/CUDA (a GPU is bound by "
         "launches with small forwards), examples on CPU (small forwards are fastest there, per rocktune bench).",
         json_schema_extra=only("sft", harmless=("examples",))

@@ -191,7 +191,8 @@ def _run_hf(spec: dict, probe) -> tuple[list[dict], dict]:
 
 
 def _rocktune_order(lengths: list[int], c: dict, steps: int) -> list[int]:
-    """The example order of rocktune's length-bucketed micro-batches over as many epochs as ``steps`` needs."""
+    """The example order of rocktune's micro-batches (data.batch_order's default) over as many epochs as ``steps``
+    needs."""
     from rocktune.data.batching import epoch_batches
 
     need = steps * c["grad_accum"]

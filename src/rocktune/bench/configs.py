@@ -54,8 +54,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 "installed, 8 examples per device batch",
                 HF_BEST, baseline=True, default_on_cpu=False),
     BenchConfig("rocktune", "rocktune", "rocktune defaults: on a GPU token batching (packed rows, planner-sized "
-                "forwards, compile where sound, Liger), on a CPU length bucketing; chunked loss at loss positions "
-                "only, foreach/fused AdamW, no checkpointing", {}),
+                "forwards, compile where sound, Liger), on a CPU micro-batches in data.batch_order; chunked loss at "
+                "loss positions only, foreach/fused AdamW, no checkpointing", {}),
     BenchConfig("rt-examples", "rocktune", "batching=examples on a GPU too: micro_batch_size examples per forward "
                 "(the defaults before token batching)", {"training.batching": "examples"}, default_on_cpu=False),
     BenchConfig("rt-no-compile", "rocktune", "torch.compile off (on where the platform knowledge allows it)",
@@ -81,7 +81,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 
 # The loss-parity pair: both fp32, rocktune in its own batch order, HF fed those very micro-batches in that order.
 PARITY = {
-    "parity-rocktune": BenchConfig("parity-rocktune", "rocktune", "rocktune defaults in fp32, bucketed order",
+    "parity-rocktune": BenchConfig("parity-rocktune", "rocktune", "rocktune defaults in fp32, its batch order",
                                    {"training.precision": "fp32", "training.batching": "examples"}),
     "parity-hf": BenchConfig("parity-hf", "hf", "HF Trainer + PEFT in fp32 (dynamic padding, sdpa), fed rocktune's "
                              "micro-batches in rocktune's order", {**HF_TUNED, "precision": "fp32",

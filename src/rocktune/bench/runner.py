@@ -296,8 +296,8 @@ def _parity(rt: dict, hf: dict) -> dict:
     out = stats.loss_parity([s["loss"] for s in rt["steps"]], [s["loss"] for s in hf["steps"]], PARITY_REL_TOL)
     out.update(rocktune_losses=[s["loss"] for s in rt["steps"]], hf_losses=[s["loss"] for s in hf["steps"]],
                same_tokens_per_step=[a["tokens"] == b["tokens"] for a, b in zip(rt["steps"], hf["steps"])],
-               what="rocktune defaults (fp32, bucketed micro-batches, chunked loss) vs the hf-seed recipe fed the "
-                    "same micro-batches in the same order (sequential sampler)")
+               what="rocktune defaults (fp32, data.batch_order micro-batches, chunked loss) vs the hf-seed recipe "
+                    "fed the same micro-batches in the same order (sequential sampler)")
     return out
 
 

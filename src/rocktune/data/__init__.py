@@ -1,1 +1,1 @@
-"""Data: record shapes -> (input_ids, labels); a tokenised cache; length-bucketed batches."""
+"""Data: record shapes -> (input_ids, labels); a tokenised cache; micro-batches in data.batch_order."""

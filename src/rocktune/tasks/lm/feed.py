@@ -2,7 +2,7 @@
 
 Two ways to cut a step (``training.batching``), the same samples per optimizer step either way:
 
-- ``examples``: ``grad_accum`` micro-batches of ``micro_batch_size`` examples (length-bucketed, or packed rows).
+- ``examples``: ``grad_accum`` micro-batches of ``micro_batch_size`` examples (in ``data.batch_order``, or packed rows).
   Small forwards are what the CPU runs fastest.
 - ``tokens``: the step's ``micro_batch_size x grad_accum`` examples packed without padding into rows of
   ``max_length`` tokens, ``rows_per_forward`` rows per forward. A GPU runs a forward of 2 short examples about as
@@ -36,7 +36,7 @@ class Feeding:
     micro_batch_size: int
     grad_accum: int
     max_length: int
-    packing: bool  # examples mode: packed rows instead of bucketed examples
+    packing: bool  # examples mode: packed rows instead of padded examples
     rows_per_forward: int = 1  # tokens mode
     static_width: bool = False  # tokens mode: pad every row to max_length (torch.compile; steady allocator blocks)
     seed: int = 0

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from rocktune.data.batching import count_loss_tokens
 from rocktune.data.encode import IGNORE
 
-# Packed batches carry position_ids and no attention_mask; bucketed ones carry an attention_mask.
+# Packed batches carry position_ids and no attention_mask; padded ones carry an attention_mask.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # Configs with output transforms the fast path does not reproduce; such models take the full-logits path.
 HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
