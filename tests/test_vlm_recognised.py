@@ -174,6 +174,73 @@ def test_the_adapter_card_names_every_family_and_what_autoprocessor_needs(vlm_di
             exec(processor_line, scope)  # noqa: S102
 
 
+def _card_commands(card: str) -> list[list[str]]:
+    """The card's llama.cpp commands (`llama-mtmd-cli ...` in backticks), split as a shell splits them."""
+    import re
+    import shlex
+
+    return [shlex.split(c) for c in re.findall(r"`(llama-mtmd-cli [^`]*)`", " ".join(card.split()))]
+
+
+def _printed_command(stdout: str) -> list[str]:
+    """The command export prints after ``then:``, as a shell splits it (export/next_command.parse_then)."""
+    from rocktune.export.next_command import parse_then
+
+    lines = [line for line in stdout.splitlines() if line.startswith("note: then: ")]
+    assert len(lines) == 1, stdout
+    return parse_then(lines[0])
+
+
+def test_the_card_s_llama_cpp_commands_are_those_export_prints(vlm_dir, colours, tmp_path, capsys):
+    """Without --image-min-tokens / --image-max-tokens llama.cpp makes another number of Qwen image tokens than the
+    processor (9 instead of 4 at 56 x 56): the card of a run trained with its own pixel limits gives the very
+    commands export prints for it, `--to gguf` and `--to gguf-lora --with-base` (which adds --lora)."""
+    pytest.importorskip("gguf")
+    config = _config(tmp_path, vlm_dir, colours, task="vlm", min_pixels=784 * 2, max_pixels=784 * 9)
+    assert main(["train", "-c", str(config), "--no-supervise"]) == 0
+    run = tmp_path / "run"
+    card = (run / "adapter" / "README.md").read_text()
+    merged, lora = _card_commands(card)
+    capsys.readouterr()
+    assert main(["export", str(run), "--to", "gguf"]) == 0
+    assert merged == _printed_command(capsys.readouterr().out)
+    assert main(["export", str(run), "--to", "gguf-lora", "--with-base"]) == 0
+    assert lora == _printed_command(capsys.readouterr().out)
+    for argv in (merged, lora):  # the run's limits (2 to 9 tokens of 28 x 28), not the base's (4 to 16)
+        assert " ".join(argv).count("--image-min-tokens 2 --image-max-tokens 9 ") == 1
+    assert "--lora" not in merged and lora[lora.index("--lora") + 1] == str(run / "export" / "adapter-f32.gguf")
+    assert "at least 1024 image tokens" in " ".join(card.split())  # Ollama's own minimum
+
+
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm", "idefics3"])
+def test_the_card_of_a_siglip_family_gives_no_image_token_flags_and_what_its_processor_needs(vlm_dirs, tmp_path,
+                                                                                           family):
+    """Gemma 3's, SmolVLM's and Idefics3's processors set the size themselves: no flags (as export prints none).
+    SmolVLM's processor also needs num2words in its constructor, which the card says; Idefics3's does not."""
+    from unittest import mock
+
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    from rocktune.train.model_card import _load_vision
+
+    base = vlm_dirs(family)
+    card = " ".join(_load_vision(str(base), tmp_path / "run").split())
+    commands = _card_commands(card)
+    assert len(commands) == 2 and all("--image-min-tokens" not in c and "--image-max-tokens" not in c
+                                      for c in commands)
+    assert "1024 image tokens" not in card
+    assert ("pip install num2words" in card) == (family == "smolvlm")
+    if family == "smolvlm":  # the claim, asked of the installed transformers (torchvision's class check left out)
+        try:
+            import num2words  # noqa: F401
+        except ImportError:
+            with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, n, arg: type(arg)):
+                with pytest.raises(ImportError, match="num2words"):
+                    transformers.SmolVLMProcessor(transformers.AutoImageProcessor.from_pretrained(base),
+                                                  transformers.AutoTokenizer.from_pretrained(base), None)
+
+
 def test_a_merged_gemma3_loads_with_autoprocessor_and_widens_as_rocktune(vlm_dirs, tmp_path):
     """Gemma 3's combined processor needs no torchvision; with the processor_config.json rocktune writes beside the
     model (export --to merged, the demo) it gives rocktune's own ids and pixels (its class default is 256 tokens)."""

@@ -2,6 +2,8 @@
 model class, where the vision tower and the projector sit in its module tree (LoRA targets, ``lora.vision``, the
 freeze log), whether its image processor takes ``min_pixels``/``max_pixels``, and how its processor widens an image
 placeholder (a rule of data/vision_rules.py, with the token strings read from the model's own config and tokenizer).
+Below the trainer and the export alike, it also holds a run's image-token range in llama.cpp's terms (``ImageTokens``):
+the export prints it on llama.cpp's command line and the adapter card (train/model_card.py) writes the same flags.
 
 A family not listed here is refused with the list; nothing is trained half-understood.
 """
@@ -14,6 +16,83 @@ from dataclasses import dataclass
 from rocktune.data.vision import VisionTokens
 from rocktune.data.vision_rules import FixedTokens, PatchGrid, SplitTiles
 from rocktune.errors import UserError
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """The run's image-token range in llama.cpp's terms. mtmd resizes a Qwen image as transformers' processor does
+    (aspect kept, sides a multiple of patch x merge) but between limits of its own, 8 to 4096 tokens in
+    llama-cpp-python 0.3.36, and reads no limit from the mmproj for these projectors: only its context parameters
+    (``--image-min-tokens`` / ``--image-max-tokens``) move them. Without them a 56 x 56 image the processor keeps
+    at 4 tokens is enlarged to 9."""
+    low: int                 # fewest tokens an image is resized to (the processor's min_pixels, in tokens)
+    high: int                # most tokens (max_pixels, in tokens)
+    pixels: tuple[int, int]  # the processor's (min_pixels, max_pixels)
+    area: int                # pixels per image token: (patch size x merge size) squared
+
+    @property
+    def exact(self) -> bool:
+        """Whether the processor's limits are whole tokens, so that mtmd resizes every image to the same size."""
+        return self.pixels == (self.low * self.area, self.high * self.area)
+
+    def flags(self) -> list[str]:
+        return ["--image-min-tokens", str(self.low), "--image-max-tokens", str(self.high)]
+
+    def note(self) -> str | None:
+        """What the flags cannot say exactly: limits that are not whole tokens."""
+        if self.exact:
+            return None
+        return (f"the image processor's min_pixels/max_pixels {self.pixels[0]}/{self.pixels[1]} are not whole image "
+                f"tokens of {self.area} pixels; llama.cpp takes {self.low} to {self.high} tokens, which resizes "
+                "images at those limits to within a row or column of the processor's size (set data.min_pixels and "
+                "data.max_pixels to multiples of it for the same count)")
+
+
+def image_tokens(cfg, preprocessor: dict) -> ImageTokens | None:
+    """The processor's pixel limits as whole image tokens (None: a family whose processor sets the size itself).
+    A limit that is not a whole number of tokens is rounded so that mtmd enlarges or shrinks exactly the images
+    the processor does (a resized side is a multiple of patch x merge, so its token count is whole)."""
+    if not FAMILIES[cfg.model_type].pixel_limits:
+        return None
+    vision = cfg.vision_config
+    side = int(vision.patch_size) * int(getattr(vision, "spatial_merge_size", 2) or 2)
+    low_px, high_px = preprocessor.get("min_pixels"), preprocessor.get("max_pixels")
+    if not low_px or not high_px:
+        raise UserError(f"GGUF export: the image processor of this {cfg.model_type} model has no min_pixels/"
+                        "max_pixels (size.shortest_edge/longest_edge), which llama.cpp needs to make as many image "
+                        "tokens as training did. Restore the model's preprocessor_config.json.")
+    area = side * side
+    low, high = max(1, -(-int(low_px) // area)), int(high_px) // area
+    if high < low:
+        raise UserError(f"GGUF export: the image processor's max_pixels {high_px} is below its min_pixels "
+                        f"{low_px} (in whole {side} x {side} tokens: {high} < {low}); llama.cpp refuses such "
+                        "limits. Fix data.min_pixels/data.max_pixels or the model's preprocessor_config.json.")
+    return ImageTokens(low, high, (int(low_px), int(high_px)), area)
+
+
+def processor_pixels(images) -> dict:
+    """A loaded image processor's pixel limits, ``{"min_pixels", "max_pixels"}`` (None where it has none): Qwen's
+    ``size.shortest_edge`` / ``longest_edge`` in transformers 5, ``min_pixels`` / ``max_pixels`` in 4.x."""
+    size = getattr(images, "size", None)
+    return {"min_pixels": getattr(images, "min_pixels", None) or size_of(size, "shortest_edge"),
+            "max_pixels": getattr(images, "max_pixels", None) or size_of(size, "longest_edge")}
+
+
+def size_of(size, key: str):
+    """One entry of an image processor's ``size`` (a dict, or transformers 5's SizeDict)."""
+    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+
+def run_image_tokens(name_or_path: str, data: dict) -> ImageTokens | None:
+    """:func:`image_tokens` of a run: the base's image processor loaded with the run's ``data.min_pixels`` /
+    ``data.max_pixels``, as training loaded it (nothing is loaded for a family without pixel limits)."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    cfg = AutoConfig.from_pretrained(name_or_path)
+    if not FAMILIES[cfg.model_type].pixel_limits:
+        return None
+    limits = {k: data[k] for k in ("min_pixels", "max_pixels") if data.get(k) is not None}
+    return image_tokens(cfg, processor_pixels(AutoImageProcessor.from_pretrained(name_or_path, **limits)))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ import numpy as np
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
 from rocktune.export import quant as quants
+# the run's image-token range (ImageTokens, for next_command.py and main.py): below the trainer too, whose adapter card
+# writes the same llama.cpp flags
+from rocktune.vision_families import ImageTokens as ImageTokens
+from rocktune.vision_families import image_tokens
 
 LLAMA_CPP_WINDOW = 112  # pixels: mtmd's Qwen2.5-VL window attention ignores the config's window_size
 VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed epsilon
@@ -40,7 +44,6 @@ class VisionFamily:
     deepstack: bool = False  # Qwen3-VL: GELU MLP, learned position embeddings, deepstack mergers feeding the LM
     siglip: bool = False  # a SigLIP tower (Gemma 3, Idefics3/SmolVLM): GELU, its own epsilon, embeddings kept f32
     tower: tuple[str, str] | None = None  # (transformers' tower prefix, the published checkpoints' one)
-    pixel_limits: bool = False  # Qwen: the processor resizes each image between min_pixels and max_pixels
 
 
 # transformers 5 names Gemma 3's tower vision_tower.*; its checkpoints (and gguf-py's table) vision_tower.vision_model.*
@@ -48,62 +51,9 @@ GEMMA3 = VisionFamily("GEMMA3", ("model.vision_tower.", "model.multi_modal_proje
                       tower=("vision_tower.", "vision_tower.vision_model."))
 TILES = VisionFamily("IDEFICS3", ("model.vision_model.", "model.connector."), "model.text_model.", keep_model=True,
                      siglip=True)
-FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", silu=True, pixel_limits=True),
-            "qwen2_vl": VisionFamily("QWEN2VL", pixel_limits=True),
-            "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True, pixel_limits=True), "gemma3": GEMMA3,
+FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", silu=True), "qwen2_vl": VisionFamily("QWEN2VL"),
+            "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True), "gemma3": GEMMA3,
             "idefics3": TILES, "smolvlm": TILES}
-
-
-@dataclass(frozen=True)
-class ImageTokens:
-    """The run's image-token range in llama.cpp's terms. mtmd resizes a Qwen image as transformers' processor does
-    (aspect kept, sides a multiple of patch x merge) but between limits of its own, 8 to 4096 tokens in
-    llama-cpp-python 0.3.36, and reads no limit from the mmproj for these projectors: only its context parameters
-    (``--image-min-tokens`` / ``--image-max-tokens``) move them. Without them a 56 x 56 image the processor keeps
-    at 4 tokens is enlarged to 9."""
-    low: int                 # fewest tokens an image is resized to (the processor's min_pixels, in tokens)
-    high: int                # most tokens (max_pixels, in tokens)
-    pixels: tuple[int, int]  # the processor's (min_pixels, max_pixels)
-    area: int                # pixels per image token: (patch size x merge size) squared
-
-    @property
-    def exact(self) -> bool:
-        """Whether the processor's limits are whole tokens, so that mtmd resizes every image to the same size."""
-        return self.pixels == (self.low * self.area, self.high * self.area)
-
-    def flags(self) -> list[str]:
-        return ["--image-min-tokens", str(self.low), "--image-max-tokens", str(self.high)]
-
-    def note(self) -> str | None:
-        """What the flags cannot say exactly: limits that are not whole tokens."""
-        if self.exact:
-            return None
-        return (f"the image processor's min_pixels/max_pixels {self.pixels[0]}/{self.pixels[1]} are not whole image "
-                f"tokens of {self.area} pixels; llama.cpp takes {self.low} to {self.high} tokens, which resizes "
-                "images at those limits to within a row or column of the processor's size (set data.min_pixels and "
-                "data.max_pixels to multiples of it for the same count)")
-
-
-def image_tokens(cfg, preprocessor: dict) -> ImageTokens | None:
-    """The processor's pixel limits as whole image tokens (None: a family whose processor sets the size itself).
-    A limit that is not a whole number of tokens is rounded so that mtmd enlarges or shrinks exactly the images
-    the processor does (a resized side is a multiple of patch x merge, so its token count is whole)."""
-    if not FAMILIES[cfg.model_type].pixel_limits:
-        return None
-    vision = cfg.vision_config
-    side = int(vision.patch_size) * int(getattr(vision, "spatial_merge_size", 2) or 2)
-    low_px, high_px = preprocessor.get("min_pixels"), preprocessor.get("max_pixels")
-    if not low_px or not high_px:
-        raise UserError(f"GGUF export: the image processor of this {cfg.model_type} model has no min_pixels/"
-                        "max_pixels (size.shortest_edge/longest_edge), which llama.cpp needs to make as many image "
-                        "tokens as training did. Restore the model's preprocessor_config.json.")
-    area = side * side
-    low, high = max(1, -(-int(low_px) // area)), int(high_px) // area
-    if high < low:
-        raise UserError(f"GGUF export: the image processor's max_pixels {high_px} is below its min_pixels "
-                        f"{low_px} (in whole {side} x {side} tokens: {high} < {low}); llama.cpp refuses such "
-                        "limits. Fix data.min_pixels/data.max_pixels or the model's preprocessor_config.json.")
-    return ImageTokens(low, high, (int(low_px), int(high_px)), area)
 
 
 def is_vision(cfg) -> bool:

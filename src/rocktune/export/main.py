@@ -205,19 +205,15 @@ def _preprocessor(src: Source) -> dict:
     own preprocessing: with the run's data.min_pixels / data.max_pixels, as training loaded the processor."""
     from transformers import AutoImageProcessor
 
+    from rocktune.vision_families import processor_pixels, size_of
+
     data = src.run_config.get("data") or {}
     limits = {k: data[k] for k in ("min_pixels", "max_pixels") if data.get(k) is not None}
     proc = AutoImageProcessor.from_pretrained(src.base, **limits)
-    size = getattr(proc, "size", None)  # Idefics3/SmolVLM: the side an image is resized to before tiling
+    # Idefics3/SmolVLM's longest_edge: the side an image is resized to before tiling; Qwen's pixel limits as the
+    # adapter card reads them too (vision_families.processor_pixels)
     return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std),
-            "longest_edge": _size(size, "longest_edge"),
-            # Qwen's pixel limits: size.shortest_edge / longest_edge (transformers 5), min_pixels / max_pixels (4.x)
-            "min_pixels": getattr(proc, "min_pixels", None) or _size(size, "shortest_edge"),
-            "max_pixels": getattr(proc, "max_pixels", None) or _size(size, "longest_edge")}
-
-
-def _size(size, key: str):
-    return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+            "longest_edge": size_of(getattr(proc, "size", None), "longest_edge"), **processor_pixels(proc)}
 
 
 def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: bool, name: str,

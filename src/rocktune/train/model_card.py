@@ -7,6 +7,8 @@ Everything comes from the run's ``config.yaml`` and ``metrics.jsonl``, already w
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import yaml
@@ -64,7 +66,7 @@ def card(config: dict, base: str, run_dir: Path) -> str:
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     return (f"# LoRA adapter for {base}\n\nTrained by rocktune; the whole resolved config is `rocktune_config.yaml` "
             f"beside this file, the run's metrics are in `{run_dir / 'metrics.jsonl'}`.\n\n{table}\n"
-            + (_load_video(run_dir) if video else _load_vision(base, run_dir) if _vision(config) else
+            + (_load_video(run_dir) if video else _load_vision(base, run_dir, data) if _vision(config) else
                _load_lm(base, run_dir)))
 
 
@@ -73,7 +75,7 @@ def _vision(config: dict) -> bool:
     return name in TASKS and TASKS[name].vision
 
 
-def _load_vision(base: str, run_dir: Path) -> str:
+def _load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
     # The table of families task=vlm trains (each exports to llama.cpp), named as the card's reader knows them.
     from rocktune.vision_families import FAMILIES, vision_checkpoint
 
@@ -91,16 +93,53 @@ def _load_vision(base: str, run_dir: Path) -> str:
             "print(processor.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n\n"
             + processor_needs(found[0] if found else None)
             + f"For llama.cpp and Ollama: `rocktune export {run_dir} --to gguf` writes the language model and its "
-            f"vision projector ({', '.join(f.name for f in FAMILIES.values())}), run as `llama-mtmd-cli -m "
-            "model-f16.gguf --mmproj mmproj-f16.gguf --image PHOTO.png -p \"...\"`; `--to ollama` writes both with a "
-            "Modelfile (docs/vision.md).\n")
+            f"vision projector ({', '.join(f.name for f in FAMILIES.values())})"
+            + _llama_cpp(base, run_dir, found[1].name if found else None, data or {}))
+
+
+def _llama_cpp(base: str, run_dir: Path, family: str | None, data: dict) -> str:
+    """The commands ``rocktune export`` prints after ``then:`` for this run's GGUF files (``--to gguf``, and
+    ``--to gguf-lora --with-base``: the base, the LoRA applied, and the base's mmproj), with the run's image-token
+    limits, which llama.cpp reads from no file for Qwen (``vision_families.ImageTokens``: export's own)."""
+    from rocktune.errors import UserError, first_line
+    from rocktune.vision_families import run_image_tokens
+
+    out = run_dir / "export"
+    refused = ""
+    try:
+        tokens = run_image_tokens(base, data) if family else None
+    except UserError as exc:  # the export would refuse the same: the card says why rather than fail the run's end
+        tokens, refused = None, f" (`--to gguf` refuses this run's pixel limits: {first_line(exc)})"
+    flags = tokens.flags() if tokens else []
+    merged = _mtmd(out / "model-f16.gguf", out / "mmproj-f16.gguf", flags)
+    lora = _mtmd(out / "base-f16.gguf", out / "mmproj-base-f16.gguf", flags, out / "adapter-f32.gguf")
+    why = ""
+    if tokens:
+        why = (f" (`--image-min-tokens` / `--image-max-tokens`: the {tokens.low} to {tokens.high} image tokens an "
+               f"image this run trained with, which llama.cpp reads from no file for {family}; without them it "
+               "resizes images by limits of its own and answers otherwise"
+               + (f"; {tokens.note()}" if tokens.note() else "") + ")")
+    ollama = (" (Ollama runs Qwen-VL models with at least 1024 image tokens an image, which a Modelfile cannot "
+              "change: the export says what that changes)") if tokens else ""
+    return (f", run as `{merged}`{why}{refused}; `rocktune export {run_dir} --to gguf-lora --with-base` writes the "
+            f"language model's LoRA alone with the base and its projector, run as `{lora}`; `--to ollama` writes both "
+            f"with a Modelfile{ollama} (docs/vision.md).\n")
+
+
+def _mtmd(model: Path, mmproj: Path, flags: list[str], lora: Path | None = None) -> str:
+    """``llama-mtmd-cli`` as the export's ``then:`` line writes it (export/next_command.py's ``llama_argv``)."""
+    argv = ["llama-mtmd-cli", "-m", str(model), *(["--lora", str(lora)] if lora else []), "--mmproj", str(mmproj),
+            *flags, "--image", "PHOTO.png", "-p", "..."]
+    return shlex.join(argv)
 
 
 def processor_needs(model_type: str | None) -> str:
     """What ``AutoProcessor`` needs beyond rocktune's install, for the card: transformers' combined processor of
     Qwen2/2.5/3-VL and SmolVLM also builds a video processor, and every video processor of transformers 5 needs
-    torchvision (there is no Pillow backend for video, as there is for images); rocktune itself uses the tokenizer
-    and the image processor only, so it installs none. Asked of the installed transformers, not a list."""
+    torchvision (there is no Pillow backend for video, as there is for images); SmolVLM's constructor also needs
+    ``num2words`` (its module imports it for video prompts; 5.24 checked, Idefics3's does not). rocktune itself uses
+    the tokenizer and the image processor only, so it installs neither. Asked of the installed transformers, not a
+    list."""
     import torch
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -110,14 +149,20 @@ def processor_needs(model_type: str | None) -> str:
     if cls is None:
         return ""
     parts = cls.get_attributes() if hasattr(cls, "get_attributes") else getattr(cls, "attributes", [])
-    if "video_processor" not in parts:
+    needs = []
+    if "video_processor" in parts:
+        release, _, build = torch.__version__.partition("+")
+        needs.append(f"its video half needs torchvision, which rocktune does not install (it needs only the "
+                     f"tokenizer and the image processor): `pip install torchvision=={torchvision_for(release)}`, the "
+                     f"release built for this torch ({torch.__version__}), from the same package index as "
+                     f"torch{f' and of the same build (+{build})' if build else ''}")
+    if "num2words" in getattr(sys.modules.get(cls.__module__), "__dict__", {}):
+        needs.append("its constructor needs the `num2words` package (for video prompts), which rocktune does not "
+                     f"install{' either' if needs else ''}: `pip install num2words`")
+    if not needs:
         return ""
-    release, _, build = torch.__version__.partition("+")
-    return (f"`AutoProcessor` builds transformers' `{name}`, whose video half needs torchvision, which rocktune does "
-            f"not install (it needs only the tokenizer and the image processor): `pip install "
-            f"torchvision=={torchvision_for(release)}`, the release built for this torch ({torch.__version__}), from "
-            f"the same package index as torch{f' and of the same build (+{build})' if build else ''}. Without it, "
-            "`rocktune generate` above answers about images.\n\n")
+    return (f"`AutoProcessor` builds transformers' `{name}`: {'; '.join(needs)}. Without "
+            f"{'them' if len(needs) > 1 else 'it'}, `rocktune generate` above answers about images.\n\n")
 
 
 def torchvision_for(torch_release: str) -> str:
