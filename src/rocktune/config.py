@@ -221,13 +221,14 @@ class TrainingConfig(_Section):
         "auto", description="How a step's examples become forwards. examples: micro_batch_size examples per forward "
         "(in data.batch_order, or packed with data.packing); tokens: the step's examples packed without padding into "
         "rows of data.max_length, micro_batch_tokens per forward. auto: tokens on ROCm/CUDA (a GPU is bound by "
-        "launches with small forwards), examples on CPU (small forwards are fastest there, per rocktune bench).",
-        json_schema_extra=only("sft", harmless=("examples",))
+        "launches with small forwards), examples on CPU (small forwards are fastest there, per rocktune bench); "
+        "task=vlm: examples on every device (tokens not yet measured there).",
+        json_schema_extra=only("sft", "vlm", harmless=("examples",))
     )
     micro_batch_tokens: PositiveInt | Literal["auto"] = Field(
         "auto", description="Token budget of one forward with batching=tokens, rounded down to whole rows of "
         "data.max_length. auto: the planner's largest budget that fits the device (headroom kept), capped at what "
-        "a step holds; on CPU 2 rows.", json_schema_extra=only("sft")
+        "a step holds; on CPU 2 rows.", json_schema_extra=only("sft", "vlm")
     )
     lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

@@ -61,12 +61,14 @@ def model_class(config):
     return getattr(transformers, fam.model_class, None) if fam else None
 
 
-def check_data_settings(kind: str, min_pixels: int | None, max_pixels: int | None, packing: bool = False) -> None:
-    """The data settings a family does not take, refused with the reason before anything is read."""
+def check_data_settings(kind: str, min_pixels: int | None, max_pixels: int | None, packing: str = "") -> None:
+    """The data settings a family does not take, refused with the reason before anything is read. ``packing``: the
+    setting that packs conversations into rows (``data.packing``, ``training.batching=tokens``), "" for none."""
     fam = FAMILIES[kind]
     if packing and not fam.packing:
-        raise UserError(f"data.packing with task=vlm packs Qwen-VL conversations (their 3-D positions are made per "
-                        f"conversation); {fam.name} would need its own, so set data.packing: false.")
+        undo = "set data.packing: false" if packing == "data.packing" else "set training.batching: examples"
+        raise UserError(f"{packing} with task=vlm packs Qwen-VL conversations (their 3-D positions are made per "
+                        f"conversation); {fam.name} would need its own, so {undo}.")
     if not fam.pixel_limits and (min_pixels is not None or max_pixels is not None):
         raise UserError(f"data.min_pixels/max_pixels set the resolution of Qwen's image processors; {fam.name}'s "
                         "sets it in the model's preprocessor_config.json (Gemma 3: one fixed size; Idefics3/SmolVLM: "

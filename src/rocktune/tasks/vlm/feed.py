@@ -1,6 +1,8 @@
 """What each optimizer step of a vision-language run feeds the model: micro-batches of whole examples, collated by
-data/vision_batch.py, or with ``data.packing`` micro-batches of packed rows of examples (data/vision_pack.py); the
-OOM split cuts between examples or rows (each with its own pixels and grids), never through one.
+data/vision_batch.py, or with ``data.packing`` micro-batches of packed rows of examples (data/vision_pack.py), or with
+``training.batching: tokens`` the step's examples packed into rows and cut into forwards of rows (``TokenVisionFeed``,
+the text tasks' token batching, tasks/lm/feed.py); the OOM split cuts between examples or rows (each with its own
+pixels and grids), never through one.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rocktune.data.batching import BatchStream, epoch_batches
-from rocktune.data.packing import epoch_packed_batches
+from rocktune.data.packing import cut_forwards, epoch_packed_batches, epoch_steps, step_rows
 from rocktune.data.vision import VisionExample
 from rocktune.data.vision_batch import loss_count
 from rocktune.tasks.lm.feed import Step, StreamPosition
@@ -56,39 +58,42 @@ class VisionFeed(StreamPosition):
         # several ranks (DDP): every rank walks the same stream and takes the step's micro-batches round-robin; a rank
         # whose share of a small step is empty runs ``idle`` (no loss, no image) so that every rank's backward meets
         self.rank, self.world, self.idle = share
-        lengths = [len(e.input_ids) for e in examples]
+        self.lengths = [len(e.input_ids) for e in examples]
         self.counts = [loss_count(e) for e in examples]
         # pack_to (data.packing: data.max_length): a micro-batch is micro_batch_size rows of examples packed best-fit
         self.packed = pack_to > 0
-        batches = (lambda e: epoch_packed_batches(lengths, micro_batch_size, pack_to, seed, e)) if self.packed else \
-            (lambda e: epoch_batches(lengths, micro_batch_size, seed, e, order))
-        self.stream = BatchStream(batches, epoch, index)
+        self.stream = BatchStream(self._epochs(micro_batch_size, seed, pack_to, order), epoch, index)
         self._items_per_step = self.grad_accum
         self._position, self._epoch = self.stream.position(), self.stream.epoch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocktune-vision-feed") if prefetch else None
         self._ahead = None  # (items, future of their batches, position, epoch) of the prefetched step
 
+    def _epochs(self, micro_batch_size: int, seed: int, pack_to: int, order: str):
+        """The stream's ``make_epoch``: one epoch's micro-batches (of examples, or of packed rows)."""
+        lengths = self.lengths
+        if self.packed:
+            return lambda e: epoch_packed_batches(lengths, micro_batch_size, pack_to, seed, e)
+        return lambda e: epoch_batches(lengths, micro_batch_size, seed, e, order)
+
     def next(self) -> Step:
         if self._ahead is None:
-            items = self._take()
-            forwards = self._collate(self._mine(items))
+            mine, every = self._plan()
+            forwards = self._collate(mine)
             self._position, self._epoch = self.stream.position(), self.stream.epoch
         else:
-            items, future, self._position, self._epoch = self._ahead
+            (mine, every), future, self._position, self._epoch = self._ahead
             self._ahead, forwards = None, future.result()
         if self._pool is not None:
-            ahead = self._take()
-            self._ahead = (ahead, self._pool.submit(self._collate, self._mine(ahead)), self.stream.position(),
+            ahead = self._plan()
+            self._ahead = (ahead, self._pool.submit(self._collate, ahead[0]), self.stream.position(),
                            self.stream.epoch)
-        every = [i for item in items for i in self._indices(item)]
-        real = sum(len(self.examples[i].input_ids) for item in self._mine(items) for i in self._indices(item))
-        return Step(self._mine(items), forwards or [self.idle], sum(self.counts[i] for i in every), real)
+        real = sum(self.lengths[i] for item in mine for i in self._indices(item))
+        return Step(mine, forwards or [self.idle], sum(self.counts[i] for i in every), real)
 
-    def _mine(self, items: list) -> list:
-        return items[self.rank :: self.world]
-
-    def _take(self) -> list:
-        return [self.stream.next() for _ in range(self.grad_accum)]
+    def _plan(self) -> tuple[list, list[int]]:
+        """(this rank's micro-batches, every example index of the global step: the loss normaliser's)."""
+        items = [self.stream.next() for _ in range(self.grad_accum)]
+        return items[self.rank :: self.world], [i for item in items for i in self._indices(item)]
 
     def _indices(self, item: list) -> list[int]:
         return [i for row in item for i in row] if self.packed else item
@@ -104,3 +109,28 @@ class VisionFeed(StreamPosition):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class TokenVisionFeed(VisionFeed):
+    """``training.batching: tokens`` for task=vlm, as tasks/lm/feed.py's token batching: a step's
+    ``micro_batch_size x grad_accum`` conversations drawn uniformly (``epoch_steps``: no length sort, packing removes
+    the padding that sorting avoids), packed longest-first best-fit into rows of ``max_length`` tokens (each row one
+    long conversation to the collate, data/vision_pack.py), then cut into as few forwards of at most
+    ``rows_per_forward`` rows as possible. With several ranks the rows are dealt round-robin before the cut; a rank
+    whose share is empty runs ``idle``. The stream's item is a whole step, so a checkpoint's position counts steps.
+    ``rows``: (max_length, rows_per_forward)."""
+
+    def __init__(self, examples: list[VisionExample], shape: tuple[int, int, int], make_batch, prefetch: bool = False,
+                 share=(0, 1, None), rows: tuple[int, int] = (0, 1), epoch: int = 0, index: int = 0):
+        self.max_length, self.rows_per_forward = rows
+        super().__init__(examples, shape, make_batch, prefetch, share, self.max_length, epoch, index)
+        self._items_per_step = 1
+
+    def _epochs(self, micro_batch_size: int, seed: int, pack_to: int, order: str):
+        lengths, per_step = self.lengths, micro_batch_size * self.grad_accum
+        return lambda e: epoch_steps(lengths, per_step, seed, e)
+
+    def _plan(self) -> tuple[list, list[int]]:
+        every = self.stream.next()
+        rows = step_rows(every, self.lengths, self.max_length)
+        return cut_forwards(rows[self.rank :: self.world], self.rows_per_forward), every

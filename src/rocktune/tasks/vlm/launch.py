@@ -24,11 +24,12 @@ def refuse(cfg: RunConfig, options: RunOptions) -> None:
     if cfg.lora.vision != "none" and cfg.lora.target_modules != "all-linear":
         raise UserError(f"lora.vision={cfg.lora.vision} chooses the vision side with lora.target_modules: all-linear; "
                         "with a list of target modules, name the vision modules in the list instead.")
-    if cfg.data.packing and transformers_major() < 5:
-        raise UserError("data.packing with task=vlm needs transformers 5 (this is transformers "
+    packs = packing_setting(cfg)
+    if packs and transformers_major() < 5:
+        raise UserError(f"{packs} with task=vlm needs transformers 5 (this is transformers "
                         f"{version('transformers')}): the Qwen-VL models of transformers 4 do not read packed "
                         "positions as packed, so each conversation would attend to those before it in its row "
-                        "(measured with 4.57). Drop data.packing, or use torch >= 2.6 with transformers 5.")
+                        f"(measured with 4.57). Drop {packs}, or use torch >= 2.6 with transformers 5.")
     attn = cfg.model.attn_implementation
     if attn not in ("auto", "varlen", "sdpa"):
         raise UserError(f"model.attn_implementation={attn} is not supported for task=vlm: use auto, varlen or sdpa "
@@ -36,13 +37,21 @@ def refuse(cfg: RunConfig, options: RunOptions) -> None:
     if attn == "varlen" and transformers_major() < 5:
         raise UserError("model.attn_implementation=varlen with task=vlm needs transformers 5 (one attention per "
                         f"model part; this is transformers {version('transformers')}): use auto or sdpa.")
-    if options.auto_fit and cfg.data.packing:  # the vlm planner sizes padded rows of whole conversations
-        raise UserError("--auto plans task=vlm's rows one conversation each; with data.packing (rows of "
+    if options.auto_fit and packs:  # the vlm planner's fit sizes padded rows of whole conversations
+        raise UserError(f"--auto plans task=vlm's rows one conversation each; with {packs} (rows of "
                         "data.max_length tokens) set data.max_pixels and training.micro_batch_size yourself, or drop "
                         "--auto.")
     if options.auto_fit and cfg.lora.vision != "none":
         raise UserError(f"--auto plans the vision tower frozen; with lora.vision={cfg.lora.vision} set data.max_pixels "
                         "and training.micro_batch_size yourself, or drop --auto.")
+
+
+def packing_setting(cfg: RunConfig) -> str:
+    """The setting that packs conversations into rows (data/vision_pack.py), as the refusals name it; "" for none.
+    Token batching packs every step, so whatever refuses packing refuses it too."""
+    if cfg.training.batching == "tokens":
+        return "training.batching=tokens"
+    return "data.packing" if cfg.data.packing else ""
 
 
 def transformers_major() -> int:

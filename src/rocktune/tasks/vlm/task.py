@@ -33,7 +33,8 @@ from rocktune.tasks.lm import autofit, preflight
 from rocktune.tasks.vlm import autofit as vlm_autofit
 from rocktune.tasks.vlm import build, launch
 from rocktune.vision_model import check_data_settings, model_type, vision_tokens, with_processor_template
-from rocktune.tasks.vlm.feed import VisionFeed
+from rocktune.tasks.lm.feed import Feeding
+from rocktune.tasks.vlm.feed import TokenVisionFeed, VisionFeed
 from rocktune.tasks.lm.samples import SampleSettings
 from rocktune.tasks.vlm.loss import VisionLoss
 from rocktune.tasks.vlm.samples import VisionSampler
@@ -55,6 +56,7 @@ class VisionRun:
     pad_id: int
     vision: VisionTokens
     tokenizer: object
+    feeding: Feeding  # how a step is cut into forwards (training.batching)
 
 
 class VLMTask:
@@ -85,7 +87,8 @@ class VLMTask:
                                                                                ".arrow"):
                     raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL, parquet and Arrow files, save_to_disk "
                                     "folders and hub ids (docs/vision.md).")
-        check_data_settings(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels, d.packing)
+        check_data_settings(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels,
+                            launch.packing_setting(ctx.cfg))
         if ctx.options.auto_fit:
             self._fit(ctx)
 
@@ -135,34 +138,40 @@ class VLMTask:
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
         fingerprint = _fingerprint(train)
         distributed.same_run(dist, fingerprint)
-        attn, attn_note = choose(m.attn_implementation, ctx.attn, device, (d.packing, False), DTYPES[ctx.precision])
+        feeding, feed_notes, planned_peak = vlm_autofit.plan_feeding(cfg, device, ctx.precision, train,
+                                                                     ctx.options.vram_bytes)
+        attn, attn_note = choose(m.attn_implementation, ctx.attn, device, (feeding.packed, False),
+                                 DTYPES[ctx.precision])
         model, notes = build.model_with_adapter(m, cfg.lora, ctx.precision, attn, device, ctx.platform)
         cut = sum(e.truncated for e in [*train, *held])
-        ctx.notes += [n for n in (attn_note,) if n] + notes + cut_note(
+        ctx.notes += feed_notes + [n for n in (attn_note,) if n] + notes + cut_note(
             cut, len(train) + len(held), "conversations", d.max_length, "each loses its last tokens and with them, "
             "usually, the end-of-turn token the model learns to stop at (a cut through an image is refused)")
         loss = VisionLoss(model, autofit.loss_chunk(cfg.training.loss_chunk_size, device), attn == VARLEN)
         wrapped = distributed.wrap(loss, dist, device, distributed.strategy(dist, "ddp", "none"), ctx.notes)
-        self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision, tokenizer)
+        self.run = VisionRun(ctx, train, held, loss, tokenizer.pad_token_id, vision, tokenizer, feeding)
         lengths = [len(e.input_ids) for e in train]
         n_images = sum(len(e.images) for e in train)
         info = {"task": "vlm", "shape": "vision-language conversations", "n_train": len(train), "n_eval": len(held),
                 "train_tokens": sum(lengths), "max_example_tokens": max(lengths), "train_images": n_images,
                 "image_tokens": sum(e.image_tokens for e in train),
                 "n_truncated": sum(e.truncated for e in train), "packing": cfg.data.packing, "fingerprint": fingerprint,
-                "cache_hit": cached == "hit"}
+                "cache_hit": cached == "hit", "batching": feeding.mode}
         return Prepared(model, wrapped, fingerprint,
                         f"{len(train)} train / {len(held)} eval conversations with {n_images} images (vlm, cache "
-                        f"{cached})", info, predicted_peak=self.predicted_peak, tokenizer=tokenizer)
+                        f"{cached})", info, predicted_peak=planned_peak or self.predicted_peak, tokenizer=tokenizer)
 
     def new_feed(self, **position) -> VisionFeed:
         r, t = self.run, self.cfg.training
         # On a GPU the next step's images are processed while this one computes; on a CPU a thread would compete.
-        dist = r.ctx.dist
+        dist, f = r.ctx.dist, r.feeding
+        shape, prefetch = (t.micro_batch_size, t.grad_accum, t.seed), r.ctx.device == "cuda"
+        share = (dist.rank, dist.world, idle_batch(r.pad_id, r.vision))
+        if f.mode == "tokens":
+            return TokenVisionFeed(r.train, shape, self._packed_batch, prefetch, share,
+                                   (f.max_length, f.rows_per_forward), **position)
         packing = self.cfg.data.packing
-        return VisionFeed(r.train, (t.micro_batch_size, t.grad_accum, t.seed),
-                          self._packed_batch if packing else self._batch, r.ctx.device == "cuda",
-                          (dist.rank, dist.world, idle_batch(r.pad_id, r.vision)),
+        return VisionFeed(r.train, shape, self._packed_batch if packing else self._batch, prefetch, share,
                           self.cfg.data.max_length if packing else 0, order=self.cfg.data.batch_order, **position)
 
     def _batch(self, examples: list[VisionExample]) -> dict:
@@ -196,6 +205,7 @@ class VLMTask:
     def check_resume(self, restored, force: bool) -> None:
         dist = self.run.ctx.dist
         resume.check_world(restored, dist.world, force)
+        resume.check_batching(restored, self.run.feeding.mode)  # a position counts micro-batches or whole steps
         note = distributed.check_rng(dist, restored.extra.get("rank_rng"), force)
         if note:
             self.run.ctx.notes.append(note)
@@ -205,7 +215,7 @@ class VLMTask:
 
     def checkpoint_extra(self) -> dict:
         dist = self.run.ctx.dist
-        return {"world_size": dist.world, "rank_rng": distributed.gather_rng(dist)}
+        return {"batching": self.run.feeding.mode, "world_size": dist.world, "rank_rng": distributed.gather_rng(dist)}
 
     def start(self, redo_from: int, metrics, log) -> None:
         """The sampler (training.sample_count eval conversations with their images), on rank 0 only."""
