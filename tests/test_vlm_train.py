@@ -337,11 +337,12 @@ def test_the_prefetching_feed_hands_out_the_same_steps_and_positions(vlm_dir, co
 
 @pytest.mark.long
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo + torchrun on Linux/macOS")
-@pytest.mark.parametrize("grad_accum", [2, 1])
-def test_two_ranks_make_the_one_process_update(vlm_dir, colours, tmp_path, grad_accum):
+@pytest.mark.parametrize(("grad_accum", "batching"), [(2, "examples"), (1, "examples"), (2, "tokens")])
+def test_two_ranks_make_the_one_process_update(vlm_dir, colours, tmp_path, grad_accum, batching):
     """DDP over 2 CPU ranks (gloo, torchrun): each rank collates and sees its share of the step's conversations and
-    their images (grad_accum 1: rank 1's share is empty and it runs the idle batch); the logged losses and the
-    adapter are those of one process."""
+    their images (grad_accum 1: rank 1's share is empty and it runs the idle batch; tokens: the step's 8
+    conversations packed into 2 rows of 240, one row each); the logged losses and the adapter are those of one
+    process."""
     import yaml
 
     from tests.test_distributed import adapter, losses, rocktune
@@ -349,7 +350,9 @@ def test_two_ranks_make_the_one_process_update(vlm_dir, colours, tmp_path, grad_
     runs = {}
     for name, nproc in (("one", []), ("two", ["--nproc", 2])):
         cfg = vlm_config(vlm_dir, colours, tmp_path / name, max_steps=4, micro_batch_size=4, grad_accum=grad_accum,
-                         eval_every=2)
+                         eval_every=2, batching=batching)
+        if batching == "tokens":
+            cfg["data"]["max_length"] = 240
         cfg["reliability"].update({"collective_timeout_s": 30, "preflight_timeout_s": 60})
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
