@@ -248,3 +248,26 @@ def test_what_token_batching_cannot_do_is_refused(monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"training.batching=tokens with task=vlm needs transformers 5 .* Drop "
                                         r"training.batching=tokens"):
         refuse_before_launch(config_from_dict(cfg), RunOptions())
+
+
+@needs_5
+def test_the_oom_split_cuts_a_token_forward_between_rows(vlm_dir, colours):
+    """An out-of-memory retry runs a forward of packed rows as pieces of whole rows, each with its own images: their
+    summed loss and loss-token count are the whole forward's."""
+    from rocktune.data.vision_pack import collate_packed
+    from rocktune.tasks.vlm.feed import TokenVisionFeed
+    from rocktune.tasks.vlm.loss import VisionLoss
+    from tests.test_vlm_packing import _model
+
+    examples, tok, vision = _encoded(vlm_dir, colours[0])
+    feed = TokenVisionFeed(examples, (16, 1, 0), lambda rows: collate_packed(rows, tok.pad_token_id, vision),
+                           rows=(240, 8))
+    (forward,) = feed.next().forwards
+    pieces = feed.split(forward, feed.max_pieces(forward))
+    assert len(pieces) == forward["input_ids"].shape[0] >= 4  # 16 conversations of ~56 tokens: 4-5 rows of 240
+    assert sum(int(p["image_counts"].sum()) for p in pieces) == 16
+    loss = VisionLoss(_model(vlm_dir), chunk_size=7)
+    whole, count = loss.sum_and_count(forward)
+    parts = [loss.sum_and_count(p) for p in pieces]
+    assert sum(n for _, n in parts) == count
+    assert float(sum(v for v, _ in parts)) == pytest.approx(float(whole), rel=1e-5)
