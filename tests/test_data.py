@@ -119,15 +119,16 @@ def test_json_array_file(tmp_path):
         records.validate(recs, "text")
 
 
-def test_bucketing_covers_all_and_cuts_padding():
+def test_length_order_covers_all_and_cuts_padding():
+    """data.batch_order: length (the default is mixed: tests/test_batch_order.py)."""
     import random
 
     rng = random.Random(0)
     lengths = [rng.randint(5, 500) for _ in range(1000)]
-    batches = epoch_batches(lengths, 8, seed=0, epoch=0)
+    batches = epoch_batches(lengths, 8, seed=0, epoch=0, order="length")
     assert sorted(i for b in batches for i in b) == list(range(1000))
-    assert batches == epoch_batches(lengths, 8, seed=0, epoch=0)
-    assert batches != epoch_batches(lengths, 8, seed=0, epoch=1)
+    assert batches == epoch_batches(lengths, 8, seed=0, epoch=0, order="length")
+    assert batches != epoch_batches(lengths, 8, seed=0, epoch=1, order="length")
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
     naive = sum(len(lengths[i:i + 8]) * max(lengths[i:i + 8]) for i in range(0, 1000, 8))
     assert padded / sum(lengths) < 1.1 < naive / sum(lengths)

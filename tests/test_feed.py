@@ -108,7 +108,9 @@ def test_ranks_take_disjoint_shares_and_agree_on_the_global_token_count(mode):
         assert a.loss_tokens == b.loss_tokens == s.loss_tokens
         def ids(st):
             return sorted(_examples(st.picked, mode == "tokens"))
-        assert sorted(ids(a) + ids(b)) == ids(s) and not set(ids(a)) & set(ids(b))  # a split of the same step
+        # a split of the same step: equal as multisets, so no rank takes what the other took (a step that crosses
+        # an epoch's end may hold an example twice, once from each epoch)
+        assert sorted(ids(a) + ids(b)) == ids(s)
         assert a.real_tokens + b.real_tokens == s.real_tokens
 
 

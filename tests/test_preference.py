@@ -123,7 +123,11 @@ def test_a_row_is_one_pair_and_no_split_separates_it(tokenizer):
         assert piece["cu_seq_lens"].tolist() == [0, ci, ci + ri] + ([width] if ci + ri < width else [])
     feed = PairFeed(pairs, 2, 2, 0, lambda idx, scale: collate_pairs(pairs, idx, 0, scale, False), (1, 2, None))
     step = feed.next()
-    assert step.loss_tokens == 4 and len(step.forwards) == 1  # rank 1 of 2 takes one of the step's two batches
+    from rocktune.data.batching import epoch_batches
+
+    first_two = epoch_batches(pairs.lengths(), 2, 0, 0)[:2]  # the step's two micro-batches (every rank's pairs)
+    assert step.loss_tokens == sum(map(len, first_two)) and len(step.forwards) == 1  # rank 1 takes one of them
+    assert step.picked == first_two[1:]
 
 
 def test_sequence_logps_score_each_answer_on_its_own_tokens(tokenizer, tiny_model_dir):
