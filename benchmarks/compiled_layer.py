@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def main(argv=None) -> int:
@@ -25,8 +26,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from rocktune.bench.layer_code import LayerCase, compiled_layer_code
 
+    kernel = None
+    if args.device == "cpu":  # the varlen kernel's compiler-opaque stand-in lives with the tests
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.varlen_standin import opaque_varlen as kernel
     widths = tuple(int(w) for w in args.widths.split(","))
-    out = [compiled_layer_code(LayerCase(f, widths, args.device)) for f in args.families.split(",")]
+    out = [compiled_layer_code(LayerCase(f, widths, args.device), kernel) for f in args.families.split(",")]
     print(json.dumps({"schema": "rocktune-compiled-layer/1", "layers": out}, indent=1))
     return 0
 

@@ -31,7 +31,7 @@ COMPILE = {"dynamic": {"dynamic": True}, "cpp": {"dynamic": True, "options": {"c
 def build(work: Path):
     from rocktune.config import config_from_dict
     from rocktune.demo.tiny import build_tiny_model
-    from rocktune.tasks.lm import build as lm_build
+    from rocktune.tasks.causal import build as lm_build
 
     path = build_tiny_model(work / "model", seed=0, hidden=128, layers=2, heads=4, kv_heads=2)
     cfg = config_from_dict({"task": "grpo", "model": {"name_or_path": str(path)}, "lora": {"r": 16, "alpha": 32},

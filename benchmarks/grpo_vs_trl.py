@@ -171,15 +171,15 @@ def generators(model_dir: Path, data: Path, calls: int) -> dict:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from rocktune.lean_lora import lean_lora
-    from rocktune.model import apply_lora, load_model
+    from rocktune.lora.lean import lean_lora
+    from rocktune.models.load import apply_lora, load_model
     from rocktune.tasks.grpo.rollout import Sampling, StaticDecode, new_generator, sample
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()[:PROMPTS]]
     prompts = [tuple(tok(t)["input_ids"]) for t in texts for _ in range(G)]
     model = apply_lora(load_model(str(model_dir), "fp32", "sdpa", False, "cpu"), R, 2 * R, 0.0, "all-linear", False)
-    lean_lora(model)  # what a run does (tasks/lm/build.py)
+    lean_lora(model)  # what a run does (tasks/causal/build.py)
     model.eval()
     s, pad, eos = Sampling(NEW, 1.0, stop_ids=(tok.eos_token_id,)), tok.pad_token_id, tok.eos_token_id
     static = StaticDecode(model, max(map(len, prompts)) + NEW)
@@ -198,7 +198,7 @@ def generators(model_dir: Path, data: Path, calls: int) -> dict:
              "rocktune_compiled": lambda: sum(map(len, sample(model, prompts, s, pad, new_generator("cpu", 0),
                                                               static=static))),
              "transformers_generate": hf}
-    from rocktune.lean_lora import peft_forward
+    from rocktune.lora.lean import peft_forward
 
     totals = {k: [0, 0.0] for k in sides}
     for i in range(calls + 1):

@@ -65,7 +65,7 @@ class Block(torch.nn.Module):
 def block(mode: str, hidden: int, names, outs, r: int = 8, dtype=torch.float32):
     from peft import LoraConfig, get_peft_model
 
-    from rocktune.lean_lora import lean_lora
+    from rocktune.lora.lean import lean_lora
 
     torch.manual_seed(0)
     model = get_peft_model(Block(hidden, names, outs).to(dtype), LoraConfig(r=r, lora_alpha=2 * r,
@@ -150,9 +150,9 @@ def train_losses(steps: int) -> dict:
     from rocktune.config import config_from_dict
     from rocktune.demo.task import make_task
     from rocktune.demo.tiny import build_tiny_model
-    from rocktune.lean_lora import lean_lora
+    from rocktune.lora.lean import lean_lora
     from rocktune.tasks import train
-    from rocktune.tasks.lm import build
+    from rocktune.tasks.causal import build
 
     tmp = Path(tempfile.mkdtemp(prefix="rt-lean-"))
     model_dir = build_tiny_model(tmp / "model", seed=0, hidden=64, layers=2, heads=4, kv_heads=2)

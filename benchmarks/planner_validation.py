@@ -38,8 +38,8 @@ def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt:
     decoder as a GPU run does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rocktune.lean_lora import lean_lora
-    from rocktune.model import DTYPES, apply_lora
+    from rocktune.lora.lean import lean_lora
+    from rocktune.models.load import DTYPES, apply_lora
 
     varlen, compiled = attn.startswith("varlen"), attn.endswith("-compiled")
     if varlen:
@@ -63,7 +63,7 @@ def cpu_varlen(kv_copies: bool) -> str:
     K/V. Returns the attention name to load a model with."""
     from torch.nn.attention import varlen as torch_varlen
 
-    from rocktune.attention import register
+    from rocktune.kernels.attention import register
 
     if not getattr(cpu_varlen, "registered", False):
         torch_varlen._varlen_attn.register_kernel("cpu")(_cpu_varlen_forward)
@@ -152,7 +152,7 @@ def _storage_key(t: torch.Tensor):
 
 def measure_step(model, batch: dict, precision: str, device: str = "cpu") -> dict:
     """Run one training step; count saved-for-backward bytes and the training state."""
-    from rocktune.tasks.lm.loss import causal_lm_loss_sum
+    from rocktune.tasks.causal.loss import causal_lm_loss_sum
 
     params = {_storage_key(p)[0] for p in model.parameters()}
     saved: dict[int, int] = {}

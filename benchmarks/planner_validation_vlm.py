@@ -135,10 +135,10 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
     from rocktune.data.records import read_records
     from rocktune.data.vision import encode
     from rocktune.data.vision_batch import collate
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
     from rocktune.tasks.vlm.build import model_with_adapter
     from rocktune.tasks.vlm.loss import VisionLoss
-    from rocktune.vision_model import vision_tokens
+    from rocktune.vision.model import vision_tokens
 
     tok = load_tokenizer(str(model_dir), False)
     config = AutoConfig.from_pretrained(model_dir)

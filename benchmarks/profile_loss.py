@@ -5,7 +5,7 @@
 
 Runs ``LinearCrossEntropy`` (loss and d/dh, as in a training step) over ``--rows`` random hidden states with a random
 ``--vocab`` x ``--hidden`` head, chunk by chunk, once with the eager chunk body and once with the compiled one
-(tasks/lm/loss.py). Each is warmed up first (the compiled one compiles there, ragged last chunk included), then one
+(tasks/causal/loss.py). Each is warmed up first (the compiled one compiles there, ragged last chunk included), then one
 pass is profiled for its op counts; then ``--repeat`` passes of each are timed, alternating. Prints JSON.
 """
 
@@ -33,8 +33,8 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from rocktune.model import DTYPES
-    from rocktune.tasks.lm.loss import LinearCrossEntropy, compiled_chunk, eager_chunk
+    from rocktune.models.load import DTYPES
+    from rocktune.tasks.causal.loss import LinearCrossEntropy, compiled_chunk, eager_chunk
 
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)

@@ -58,15 +58,15 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from rocktune.attention import VARLEN, choose, repeats_kv
+    from rocktune.kernels.attention import VARLEN, choose, repeats_kv
     from rocktune.bench import workload
     from rocktune.bench.compiler import CompilerRecord
     from rocktune.bench.device_time import kernels_of, summary
-    from rocktune.lean_lora import lean_lora
-    from rocktune.model import DTYPES, apply_lora, load_model
+    from rocktune.lora.lean import lean_lora
+    from rocktune.models.load import DTYPES, apply_lora, load_model
     from rocktune.platform.advise import device_precision
-    from rocktune.tasks.lm.build import compile_decoder
-    from rocktune.tasks.lm.loss import LossModule
+    from rocktune.tasks.causal.build import compile_decoder
+    from rocktune.tasks.causal.loss import LossModule
     from rocktune.train.build import autocast
 
     out = Path(args.out)

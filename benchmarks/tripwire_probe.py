@@ -8,7 +8,7 @@ forward). Prints one JSON object: the check's median and quartiles over
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/tripwire_probe.py [--reps 60]
 
 The probe's forward and backward are the run's own, so most of the check is the two passes of one row through the
-model; the rest (tripwire.py, lora_check.py) is what this measures when that code changes.
+model; the rest (tripwire.py, lora/check.py) is what this measures when that code changes.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def calls(device: str, dtype, kernel) -> dict:
-    from rocktune import attention as A
+    from rocktune.kernels import attention as A
 
     args = A.KernelArgs.of(kernel)
     both = {"un-repeated": A.self_test_call(device, dtype, kernel, grouped_kv=True)}
@@ -33,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     device = p.parse_args(argv).device
     import torch
 
-    from rocktune import attention as A
+    from rocktune.kernels import attention as A
 
     out: dict = {"torch": torch.__version__, "device": device, "heads": list(A.SELF_TEST_HEADS), "kernels": {}}
-    if device == "cpu":
-        from rocktune.varlen_standin import opaque_varlen, opaque_varlen_2_11
+    if device == "cpu":  # the stand-ins live with the tests
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.varlen_standin import opaque_varlen, opaque_varlen_2_11
 
         out["note"] = "CPU: compiler-opaque stand-ins for torch's CUDA-only kernel, fp32"
         for name, kernel in (("stand-in 2.11 signature", opaque_varlen_2_11), ("stand-in 2.13 signature",

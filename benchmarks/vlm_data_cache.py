@@ -37,9 +37,9 @@ def _read_once(model: Path, cfg, cache_dir: Path) -> tuple[float, list]:
     from transformers import AutoConfig
 
     from rocktune.data.dataset import Pending
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
     from rocktune.tasks.vlm import task
-    from rocktune.vision_model import vision_tokens, with_processor_template
+    from rocktune.vision.model import vision_tokens, with_processor_template
 
     d = cfg.data
     tokenizer = with_processor_template(load_tokenizer(str(model), False), str(model))

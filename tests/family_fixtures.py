@@ -150,7 +150,7 @@ def build_family(fam: Family, out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
     quiet_transformers()
     tok = build_tokenizer(TEMPLATES[fam.template])

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from rocktune.tasks.lm import build
+from rocktune.tasks.causal import build
 
 # Counted with `PYTHONPATH=src python benchmarks/compiled_layer.py` (torch 2.13 CPU, lean LoRA as of this commit):
 # (generated C++ kernels, library calls: matmuls) of the first width's forward and backward.
-# with the fused LoRA side path (rocktune.lora_fused), counted by benchmarks/compiled_layer.py on torch 2.13 (CPU)
+# with the fused LoRA side path (rocktune.lora.fused), counted by benchmarks/compiled_layer.py on torch 2.13 (CPU)
 COUNTED = {"qwen2": {"forward": (6, 18), "backward": (7, 29)}, "llama": {"forward": (6, 18), "backward": (7, 29)}}
 
 
@@ -20,8 +20,9 @@ COUNTED = {"qwen2": {"forward": (6, 18), "backward": (7, 29)}, "llama": {"forwar
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_a_compiled_lora_layer_has_no_graph_break_two_graphs_at_most_and_bounded_kernels(family):
     from rocktune.bench.layer_code import LayerCase, compiled_layer_code
+    from tests.varlen_standin import opaque_varlen
 
-    got = compiled_layer_code(LayerCase(family, (256, 256, 384, 512)))
+    got = compiled_layer_code(LayerCase(family, (256, 256, 384, 512)), opaque_varlen)
     assert got["graph_breaks"] == 0, got["graph_break_reasons"]
     # the same width again reuses the graph; the second width recompiles once with a symbolic length, which the
     # third reuses

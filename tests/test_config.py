@@ -118,7 +118,7 @@ def test_an_unknown_dtype_is_refused_with_the_accepted_names(capsys):
 
 def test_a_home_relative_path_is_expanded_not_taken_for_a_hub_id(monkeypatch, tmp_path):
     """`model.name_or_path=~/...` never passes through a shell: expanded here, so a missing one is named as a path."""
-    from rocktune.model import check_model_source
+    from rocktune.models.load import check_model_source
 
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config(None, ["model.name_or_path=~/models/m", "data.train_file=~/d.jsonl", "output.dir=~/runs/x",

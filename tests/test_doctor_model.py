@@ -11,9 +11,9 @@ import pytest
 from rocktune.cli import main
 from rocktune.doctor.checks import CheckResult
 from rocktune.doctor.runner import run_checks
-from rocktune.tasks.lm import pathcheck
+from rocktune.tasks.causal import pathcheck
 
-CHILD = "rocktune.tasks.lm.pathcheck"
+CHILD = "rocktune.tasks.causal.pathcheck"
 
 
 def _env(**extra) -> dict[str, str]:

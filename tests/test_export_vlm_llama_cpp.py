@@ -140,7 +140,7 @@ def hf_greedy(model, run: Path, image: Path, n: int) -> tuple[np.ndarray, str, i
     from rocktune.data.vision_batch import collate
     from rocktune.export.source import resolve
     from rocktune.export.vision_generate import load
-    from rocktune.vision_model import model_inputs
+    from rocktune.vision.model import model_inputs
 
     _, tok, vision = load(resolve(str(run)), "cpu")
     parts = [{"type": "image"}, {"type": "text", "text": PROMPT}]

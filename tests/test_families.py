@@ -50,7 +50,7 @@ def family_run(family_dir, tmp_path_factory):
         if name not in made:
             from transformers import AutoModelForCausalLM
 
-            from rocktune.model import lora_targets
+            from rocktune.models.load import lora_targets
 
             # the targets training resolves (on MoE: attention and experts, not the router), as PEFT lists them
             targets, params = lora_targets(AutoModelForCausalLM.from_pretrained(family_dir(name)), "all-linear")
@@ -69,7 +69,7 @@ def test_lora_targets(family_dir, record_property, name):
     also every expert (3-D parameters in transformers 5, through PEFT's parameter targeting), never the router."""
     from transformers import AutoModelForCausalLM
 
-    from rocktune.model import apply_lora
+    from rocktune.models.load import apply_lora
 
     fam = BY_NAME[name]
     model = apply_lora(AutoModelForCausalLM.from_pretrained(family_dir(name)), 4, 8.0, 0.0, "all-linear", False)
@@ -330,7 +330,7 @@ def test_plan(family_dir, capsys, name):
 
     from transformers import AutoModelForCausalLM
 
-    from rocktune.model import apply_lora
+    from rocktune.models.load import apply_lora
     from rocktune.planner.estimate import RunSpec, lora_param_count
     from rocktune.planner.shapes import load_shape
 
@@ -488,8 +488,8 @@ def test_gemma2_attention(family_dir):
     explicit sdpa is refused naming the setting, not blamed on a download."""
     from types import SimpleNamespace
 
-    from rocktune.model import load_model, sdpa_supported
-    from rocktune.tasks.lm.build import attention
+    from rocktune.models.load import load_model, sdpa_supported
+    from rocktune.tasks.causal.build import attention
 
     path = str(family_dir("gemma2"))
     assert not sdpa_supported(path, False) and sdpa_supported(str(family_dir("gemma3")), False)

@@ -11,10 +11,10 @@ from rocktune.data.batching import with_loss_index
 from rocktune.data.encode import IGNORE
 from rocktune.data.packing import cut_forwards, epoch_steps, step_rows
 from rocktune.errors import UserError
-from rocktune.tasks.lm import autofit, build
+from rocktune.tasks.causal import autofit, build
 from rocktune.train import resume
 from rocktune.train.autoconf import AutoChoices
-from rocktune.tasks.lm.feed import Feeding, Share, StepFeed, _examples, rows_per_step
+from rocktune.tasks.causal.feed import Feeding, Share, StepFeed, _examples, rows_per_step
 from rocktune.tasks import train
 from rocktune.train.step import run_with_oom_recovery
 from tests.conftest import tiny_run_config
@@ -159,7 +159,7 @@ def test_auto_batching_is_examples_on_cpu_and_tokens_on_a_gpu():
 def test_varlen_forwards_are_sized_by_what_varlen_saves(monkeypatch):
     """The attention the model loads with reaches the planner: varlen compiled keeps no mask and recomputes the
     elementwise work, so more rows fit a budget than as padded SDPA; K/V copies (a kernel without GQA) cost some."""
-    from rocktune import attention as A
+    from rocktune.kernels import attention as A
 
     cfg = config_from_dict({"model": {"name_or_path": "Qwen2.5-0.5B"}, "data": {"train_file": "x", "max_length": 2048},
                             "training": {"micro_batch_size": 8, "grad_accum": 8}})
@@ -256,7 +256,7 @@ def test_parallel_auto_picks_fsdp_only_when_the_replicated_base_does_not_fit():
 
 def test_lockstep_pads_the_parts_of_a_split_step():
     """FSDP with pieces > 1: a rank whose rows split into fewer parts still runs as many forwards as any other."""
-    from rocktune.tasks.lm.split import split_rows
+    from rocktune.tasks.causal.split import split_rows
     from rocktune.train.faults import Faults
     from rocktune.train.step import StepRunner, forward_backward
 
@@ -287,7 +287,7 @@ def test_compiling_drops_only_the_mutation_analysis_traceback_from_the_log(caplo
     drops that message alone: another torch._dynamo warning (a graph break, a recompile) still reaches the log."""
     import logging
 
-    from rocktune.tasks.lm.build import quiet_compile_logs
+    from rocktune.tasks.causal.build import quiet_compile_logs
 
     quiet_compile_logs()
     quiet_compile_logs()  # idempotent: one filter, however many runs compile in a process

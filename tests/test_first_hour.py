@@ -129,7 +129,7 @@ def test_offline_hub_id_fails_in_seconds_naming_the_key(tmp_path, monkeypatch, c
 def test_unreachable_hub_fails_in_seconds(tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
 
-    from rocktune import hub
+    from rocktune.models import hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -142,7 +142,7 @@ def test_unreachable_hub_fails_in_seconds(tmp_path, monkeypatch, capsys):
 def test_probe_gives_up_on_a_hung_connection(monkeypatch):
     import huggingface_hub.utils
 
-    from rocktune import hub
+    from rocktune.models import hub
 
     class Hung:
         def head(self, url, **kw):
@@ -163,7 +163,7 @@ def test_probe_gives_up_on_a_hung_connection(monkeypatch):
 def test_unreachable_hub_with_a_cached_model_loads_it_offline(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from rocktune import hub
+    from rocktune.models import hub
 
     snap = tmp_path / "hub" / "models--org--name" / "snapshots" / "abc"
     snap.mkdir(parents=True)
@@ -356,7 +356,7 @@ def test_auto_states_one_memory_figure_with_or_without_vram(tiny_model_dir, task
 
     from rocktune.config import config_from_dict
     from rocktune.planner.budget import detect_budget
-    from rocktune.tasks.lm import autofit
+    from rocktune.tasks.causal import autofit
 
     cfg = config_from_dict(tiny_run_config(tiny_model_dir, task_files[0], task_files[1], tmp_path / "run"))
     detected, _, _ = detect_budget()

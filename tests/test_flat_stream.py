@@ -9,16 +9,16 @@ import types
 import pytest
 import torch
 
-from rocktune import attention as A
+from rocktune.kernels import attention as A
 from rocktune.data.batching import IGNORE, loss_token_counts
 from rocktune.data.flat import (ALIGN, collate_flat, cu_slots, flat_width, forward_width, max_segment,
                                 padding_share, step_forwards)
 from rocktune.data.packing import epoch_steps, step_rows
-from rocktune.tasks.lm.build import make_collate
-from rocktune.tasks.lm.feed import Feeding, Share, StepFeed
-from rocktune.tasks.lm.loss import causal_lm_loss_sum
-from rocktune.tasks.lm.split import split_rows
-from rocktune.varlen_standin import opaque_varlen
+from rocktune.tasks.causal.build import make_collate
+from rocktune.tasks.causal.feed import Feeding, Share, StepFeed
+from rocktune.tasks.causal.loss import causal_lm_loss_sum
+from rocktune.tasks.causal.split import split_rows
+from tests.varlen_standin import opaque_varlen
 
 
 def _data(n: int, lo: int, hi: int, seed: int = 0):
@@ -84,8 +84,8 @@ def test_padding_is_under_one_percent_on_the_gpu_suites_workload(tokenizer):
 
 
 def _model(tiny_model_dir, attn):
-    from rocktune.lean_lora import lean_lora
-    from rocktune.model import apply_lora, load_model
+    from rocktune.lora.lean import lean_lora
+    from rocktune.models.load import apply_lora, load_model
 
     torch.manual_seed(0)
     model = apply_lora(load_model(str(tiny_model_dir), "fp32", attn, False, "cpu"), 8, 16, 0.0, "all-linear", False)
@@ -183,7 +183,7 @@ def test_a_compiled_model_fed_the_flat_stream_compiles_at_most_two_graphs(tiny_m
 
 def test_token_batching_with_varlen_plans_flat_forwards():
     from rocktune.config import config_from_dict
-    from rocktune.tasks.lm import autofit
+    from rocktune.tasks.causal import autofit
     from rocktune.train.autoconf import AutoChoices
 
     cfg = config_from_dict({"model": {"name_or_path": "Qwen2.5-0.5B"}, "data": {"train_file": "x", "max_length": 2048},
@@ -200,7 +200,7 @@ def test_token_batching_with_varlen_plans_flat_forwards():
 def test_the_opaque_stand_in_gives_the_reference_attention_s_values_and_gradients():
     """The stand-in's backward is written out by hand (autograd does not run inside a custom op): its gradients must
     be the reference attention's, including a zero-length document (the fixed-length bounds' padding)."""
-    from rocktune.attention import reference_varlen
+    from rocktune.kernels.attention import reference_varlen
 
     torch.manual_seed(0)
     q, k, v = torch.randn(12, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)

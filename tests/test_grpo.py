@@ -307,8 +307,8 @@ def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prom
 
 def _adapted(tiny_model_dir):
     """The tiny model with a LoRA adapter whose B is not zero (so the side path shows), rocktune's side paths on."""
-    from rocktune.lean_lora import lean_lora
-    from rocktune.model import apply_lora
+    from rocktune.lora.lean import lean_lora
+    from rocktune.models.load import apply_lora
 
     model = apply_lora(_tiny(tiny_model_dir), 8, 16, 0.0, "all-linear", False)
     lean_lora(model)
@@ -326,7 +326,7 @@ def _rollout_prompts(tokenizer):
 def test_the_rollout_on_rocktunes_side_path_equals_pefts(tiny_model_dir, tokenizer):
     """The rollout decodes through rocktune's LoRA side path (lean_lora: what training patches in); its greedy
     completions, and those it samples from the same generator state, are PEFT's own forward's, token for token."""
-    from rocktune.lean_lora import peft_forward
+    from rocktune.lora.lean import peft_forward
 
     model = _adapted(tiny_model_dir)
     prompts, pad = _rollout_prompts(tokenizer), tokenizer.pad_token_id
@@ -341,9 +341,9 @@ def test_the_rollout_on_rocktunes_side_path_equals_pefts(tiny_model_dir, tokeniz
 @pytest.mark.long
 def test_the_compiled_static_rollout_equals_pefts_and_follows_the_adapter(tiny_model_dir, tokenizer):
     """grpo.compile_rollout: the compiled decode step over a static cache gives PEFT's eager greedy completions
-    and log-probabilities (within lora_check's fp32 tolerance), for prompts of another width on a later call too,
+    and log-probabilities (within lora/check.py's fp32 tolerance), for prompts of another width on a later call too,
     and after the adapter's values change in place (an optimizer step): nothing stale is compiled in."""
-    from rocktune.lean_lora import peft_forward
+    from rocktune.lora.lean import peft_forward
     from rocktune.tasks.grpo.rollout import StaticDecode
 
     _skip_under_a_chosen_kernel_set()
@@ -383,9 +383,9 @@ def _skip_under_a_chosen_kernel_set() -> None:
 
 def _assert_logps_equal(model, static, prompts, rows, pad):
     """The static path's decode-step log-probabilities against PEFT's full forward over each whole row, relative to
-    max(|log p|, 1) as lora_check compares losses."""
-    from rocktune.lean_lora import peft_forward
-    from rocktune.lora_check import TOLERANCE
+    max(|log p|, 1) as lora/check.py compares losses."""
+    from rocktune.lora.lean import peft_forward
+    from rocktune.lora.check import TOLERANCE
 
     logged = []
     run = static.run
@@ -509,7 +509,7 @@ def test_rows_whose_advantage_is_zero_get_no_forward_and_change_nothing(tiny_mod
     """beta 0: a group of equal rewards has advantage exactly 0, which adds exactly 0 to the loss and its gradient;
     its rows are not computed (each forward keeps one at least), and the step's loss, gradient and statistics are
     those of every row computed."""
-    from rocktune.model import apply_lora, load_model
+    from rocktune.models.load import apply_lora, load_model
     from rocktune.tasks.grpo.loss import GRPOLoss, Objective
 
     rewards = [1.0, 0.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5]  # the second prompt's group: all equal

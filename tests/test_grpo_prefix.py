@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocktune import lean_lora
-from rocktune.model import apply_lora, load_model
+from rocktune.lora import lean as lean_lora
+from rocktune.models.load import apply_lora, load_model
 from rocktune.tasks.grpo import prefix
 from rocktune.tasks.grpo.feed import collate
 from rocktune.tasks.grpo.loss import token_logps

@@ -102,7 +102,7 @@ BIG_LINE = json.dumps({"prompt": "q " * 200, "completion": "a " * 300}) + "\n"
 @pytest.fixture(scope="module")
 def big_jsonl(tmp_path_factory) -> tuple[Path, int]:
     """Just over 64 MiB of valid records with one torn line near the end; (path, its line number)."""
-    from rocktune.tasks.lm.launch import PRECHECK_MAX_BYTES
+    from rocktune.tasks.causal.launch import PRECHECK_MAX_BYTES
 
     path = tmp_path_factory.mktemp("big") / "train.jsonl"
     n = PRECHECK_MAX_BYTES // len(BIG_LINE) + 64

@@ -1,4 +1,4 @@
-"""The lean LoRA side path (rocktune.lean_lora): PEFT's parameters and files, the same values, fewer ops per adapted
+"""The lean LoRA side path (rocktune.lora.lean): PEFT's parameters and files, the same values, fewer ops per adapted
 linear (no fp32 round trip of the input under autocast)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rocktune.lean_lora import lean_lora
-from rocktune.model import apply_lora, load_model
+from rocktune.lora.lean import lean_lora
+from rocktune.models.load import apply_lora, load_model
 
 
 # every torch users run (make test-torches): the side paths are where a torch release can make training silently wrong
@@ -102,7 +102,7 @@ def _train_losses(tiny_model_dir, train_file, out, monkeypatch, steps: int, mode
 
     from rocktune.config import config_from_dict
     from rocktune.tasks import train
-    from rocktune.tasks.lm import build
+    from rocktune.tasks.causal import build
     from tests.conftest import tiny_run_config
 
     losses = {}

@@ -12,7 +12,7 @@ import pytest
 from rocktune.config import config_from_dict
 from rocktune.errors import UserError
 from rocktune.train import sinks
-from rocktune.tasks.lm.samples import SampleSettings, Sampler, prompts_from_examples
+from rocktune.tasks.causal.samples import SampleSettings, Sampler, prompts_from_examples
 from tests.conftest import tiny_run_config, write_jsonl
 
 

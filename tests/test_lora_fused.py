@@ -1,4 +1,4 @@
-"""The fused LoRA side path (rocktune.lora_fused through lean_lora(fused=True)): the lean path's values and PEFT's
+"""The fused LoRA side path (rocktune.lora.fused through lean_lora(fused=True)): the lean path's values and PEFT's
 files, fewer ops per adapted linear, PEFT's own forward wherever it does not apply, compile and checkpointing."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rocktune import lora_fused
-from rocktune.lean_lora import lean_lora
-from rocktune.model import apply_lora, load_model
+from rocktune.lora import fused as lora_fused
+from rocktune.lora.lean import lean_lora
+from rocktune.models.load import apply_lora, load_model
 
 # every torch users run (make test-torches): the side paths are where a torch release can make training silently wrong
 pytestmark = pytest.mark.torches
@@ -240,7 +240,7 @@ def test_a_quantised_base_keeps_peft_s_forward(tiny_model_dir):
     """QLoRA: PEFT wraps a bitsandbytes 4-bit base in its own layer class, which neither path patches."""
     from transformers import AutoModelForCausalLM
 
-    from rocktune import quant
+    from rocktune.models import quant
     from tests.test_qlora import cpu_kernel_or_skip
 
     cpu_kernel_or_skip("nf4")

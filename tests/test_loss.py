@@ -3,8 +3,8 @@ import torch
 
 from rocktune.data.batching import collate, count_loss_tokens
 from rocktune.data.encode import IGNORE
-from rocktune.model import apply_lora, load_model
-from rocktune.tasks.lm.loss import causal_lm_loss_sum
+from rocktune.models.load import apply_lora, load_model
+from rocktune.tasks.causal.loss import causal_lm_loss_sum
 from rocktune.train.step import step_normalised
 
 
@@ -129,7 +129,7 @@ def test_fused_loss_in_low_precision_matches_full_path(tiny_model_dir, dtype):
 def test_one_packed_row_splits_at_example_starts():
     """flash-attention packing joins a micro-batch into one row; OOM recovery must still cut it, between examples."""
     from rocktune.data.packing import collate_packed
-    from rocktune.tasks.lm.split import max_pieces, split_rows
+    from rocktune.tasks.causal.split import max_pieces, split_rows
 
     examples = [([5] * n, [5] * n) for n in (3, 4, 2, 5)]
     row = collate_packed([examples], pad_id=0)

@@ -1,4 +1,4 @@
-"""The loss's chunk body under torch.compile (tasks/lm/loss.py: ``fused_chunk``/``compiled_chunk``) against the
+"""The loss's chunk body under torch.compile (tasks/causal/loss.py: ``fused_chunk``/``compiled_chunk``) against the
 eager one: the same loss and d/dh, a bounded number of graphs over ragged chunks, no fp32 chunk x vocab tensor in
 half precision, and the compile fallback turning the loss back to eager. Inductor compiles C++ on the CPU (seconds
 per graph), so all but the first test are marked slow."""
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from rocktune.tasks.lm.loss import LinearCrossEntropy, LossModule, compiled_chunk, eager_chunk, fused_chunk
+from rocktune.tasks.causal.loss import LinearCrossEntropy, LossModule, compiled_chunk, eager_chunk, fused_chunk
 
 pytest.importorskip("torch._inductor")
 
@@ -171,7 +171,7 @@ def test_uncompile_turns_the_loss_eager(lm_task):
 @pytest.fixture
 def lm_task(tiny_model_dir):
     """An LMTask holding what ``prepare`` would give ``uncompile``: the model and a loss module with compile on."""
-    from rocktune.model import apply_lora, load_model
+    from rocktune.models.load import apply_lora, load_model
     from rocktune.tasks.lm.task import LMTask
     from tests.test_loss import make_batch
 
@@ -191,7 +191,7 @@ def test_loss_module_compiled_matches_eager_through_the_model(tiny_model_dir, pr
     test_loss allows the fused path against full logits (d/dh differs in fp32 rounding, carried back through the
     layers); bf16: the gradients' relative difference within about one bf16 eps (2^-7), since only bf16 roundings
     of d/dh entries can differ (a gradient 0.1 off at each target gives 0.1)."""
-    from rocktune.model import apply_lora, load_model
+    from rocktune.models.load import apply_lora, load_model
     from tests.test_loss import grads, make_batch
 
     torch.manual_seed(0)

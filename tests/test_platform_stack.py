@@ -115,7 +115,7 @@ def test_a_run_on_a_torch_that_cannot_compile_trains_eager_and_says_why(tiny_mod
                                                                         monkeypatch):
     from rocktune.config import config_from_dict
     from rocktune.tasks import train
-    from rocktune.tasks.lm import build
+    from rocktune.tasks.causal import build
     from tests.conftest import tiny_run_config
 
     monkeypatch.setattr(build, "compile_refusal", lambda: "a stated reason")

@@ -33,7 +33,7 @@ def snapshot(name: str, **changes) -> Platform:
 
 
 def gate(plat: Platform, quant: str = "nf4", model: str = "Qwen2.5-7B", vram: int | None = 20 * 2**30) -> list[str]:
-    from rocktune.quant import gate as run_gate
+    from rocktune.models.quant import gate as run_gate
 
     precision = advise(plat).defaults.precision
     return run_gate(plat, quant, model, precision, vram, 1024, 16)
@@ -67,7 +67,7 @@ def test_gate_refuses_with_the_reason(plat, quant, reason):
 
 
 def test_refusal_names_the_bitsandbytes_build_and_the_planners_unquantised_figure():
-    from rocktune.quant import unquantised_alternative
+    from rocktune.models.quant import unquantised_alternative
 
     plat = snapshot("rx6700xt_gfx1031")  # RDNA2 on ROCm 6.3: only the ROCm 7.14 library carries it
     with pytest.raises(UserError) as info:
@@ -114,7 +114,7 @@ def test_planner_base_weights_match_a_loaded_quantised_model(tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM
 
-    from rocktune import quant
+    from rocktune.models import quant
     from rocktune.demo.tiny import build_tiny_model
     from rocktune.planner.estimate import RunSpec, estimate
     from rocktune.planner.shapes import load_shape
@@ -196,7 +196,7 @@ def trained(request, tiny_model_dir, task, tmp_path_factory):
 def fresh_base(model_dir, quant: str):
     from transformers import AutoModelForCausalLM
 
-    from rocktune import quant as q
+    from rocktune.models import quant as q
 
     config = q.bnb_config(quant, True, torch.float32)
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, dtype=torch.float32,
@@ -296,7 +296,7 @@ def test_doctor_quant_checks_pass_on_cpu_and_catch_a_wrong_dequantisation():
 
 def test_preload_self_test_refuses_a_build_that_dequantises_wrongly(tiny_model_dir, monkeypatch):
     bf = pytest.importorskip("bitsandbytes.functional")
-    from rocktune.tasks.lm.quant_gate import check_quantization
+    from rocktune.tasks.causal.quant_gate import check_quantization
 
     notes = check_quantization("nf4", str(tiny_model_dir), "fp32", "cpu", 64, 8)
     assert notes[-1] == "nf4 self-test on cpu passed (rows of 64, 192)"
@@ -353,7 +353,7 @@ def test_planner_saved_activations_on_a_quantised_base_within_2_percent(name, pr
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rocktune.model import apply_lora, load_model
+    from rocktune.models.load import apply_lora, load_model
     from rocktune.planner.estimate import RunSpec, estimate
     from rocktune.planner.shapes import shape_from_config
 
@@ -383,7 +383,7 @@ def test_gpu_nf4_peak_within_10_percent(tmp_path):
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rocktune.model import apply_lora, load_model
+    from rocktune.models.load import apply_lora, load_model
     from rocktune.planner.estimate import RunSpec, estimate
     from rocktune.planner.shapes import presets, shape_from_config
 

@@ -175,7 +175,7 @@ SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0][
 def test_console_samples_show_the_users_last_turn(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rocktune.tasks.lm.samples import Sampler, SampleSettings, UserTurn
+    from rocktune.tasks.causal.samples import Sampler, SampleSettings, UserTurn
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.chat_template = SMOL_TEMPLATE

@@ -1,7 +1,7 @@
 """The training-correctness matrix: every optimizer the config accepts, every LoRA side path, eager and compiled,
 fp32 and bf16 autocast, gradient checkpointing on and off — three optimizer steps of each against the reference
 (PEFT's own forward, eager, torch's single-tensor AdamW) on the same model, batch and seed: losses and adapter
-movement within rocktune.lora_check.TOLERANCE, every adapter tensor with a gradient at the first step.
+movement within rocktune.lora.check.TOLERANCE, every adapter tensor with a gradient at the first step.
 
 It exists because a fast path once trained nothing on the GPUs' defaults while the suite stayed green: torch's
 fused AdamW does not bump the version counters a cast cache trusted, and torch 2.11's compiled graph gave the
@@ -17,9 +17,10 @@ import typing
 import pytest
 import torch
 
-from rocktune import lean_lora, lora_check
+from rocktune.lora import lean as lean_lora
+from rocktune.lora import check as lora_check
 from rocktune.config import TrainingConfig
-from rocktune.model import apply_lora, load_model
+from rocktune.models.load import apply_lora, load_model
 from rocktune.platform.stack import compile_refusal
 from rocktune.train import build
 
@@ -143,7 +144,7 @@ def test_inductor_fused_path_with_the_gpu_default_optimizer(tiny_model_dir, prec
 # Mutants: the two failures that reached users, put back by hand; the matrix must see each with its cause.
 
 def test_a_stale_adapter_cast_fails_the_matrix(tiny_model_dir, monkeypatch):
-    from rocktune import lora_fused
+    from rocktune.lora import fused as lora_fused
 
     frozen: dict = {}
     real = lora_fused._adapter_casts
@@ -161,7 +162,7 @@ def test_a_stale_adapter_cast_fails_the_matrix(tiny_model_dir, monkeypatch):
 
 
 def test_gradients_a_compiler_drops_fail_the_matrix(tiny_model_dir, monkeypatch):
-    from rocktune import lora_fused
+    from rocktune.lora import fused as lora_fused
 
     real = lora_fused.FusedLoRA.backward
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocktune import lora_fused
+from rocktune.lora import fused as lora_fused
 from rocktune.config import config_from_dict
 from rocktune.tasks import train
 from rocktune.train import tripwire
@@ -91,8 +91,8 @@ def test_the_stop_is_final_and_named_for_the_supervisor(tmp_path):
 
 
 def _dropout_model(tiny_model_dir, device: str):
-    from rocktune.lean_lora import lean_lora
-    from rocktune.model import apply_lora, load_model
+    from rocktune.lora.lean import lean_lora
+    from rocktune.models.load import apply_lora, load_model
 
     torch.manual_seed(0)
     model = apply_lora(load_model(str(tiny_model_dir), "fp32", "sdpa", False, device), 8, 16, 0.1, "all-linear", False)
@@ -110,7 +110,7 @@ def test_the_probe_seeds_dropout_as_torch_manual_seed_did_and_leaves_the_run_s_r
     """The probe seeds only the generators it forked (lora_check._seed): the same dropout masks, to the bit, as the
     torch.manual_seed it replaced, the path and the reference agree under them, and the run's RNG stream is where
     it was. The adapter tensors handed in are the ones it would find itself."""
-    from rocktune import lora_check
+    from rocktune.lora import check as lora_check
 
     model = _dropout_model(tiny_model_dir, device)
     ids = torch.arange(5, 37, device=device).view(1, 32)

@@ -1,5 +1,5 @@
-"""Varlen attention over packed rows (rocktune.attention): the collate's document bounds, the glue registered with
-transformers, the choice and its self-test. torch's kernel is CUDA-only, so on the CPU a per-segment SDPA with the
+"""Varlen attention over packed rows (rocktune.kernels.attention): the collate's document bounds, the glue registered
+with transformers, the choice and its self-test. torch's kernel is CUDA-only, so on the CPU a per-segment SDPA with the
 kernel's signature (``reference_varlen``) stands in for it: what is tested here is everything around the kernel."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import inspect
 import pytest
 import torch
 
-from rocktune import attention as A
+from rocktune.kernels import attention as A
 from rocktune.data.batching import with_loss_index
 from rocktune.data.packing import collate_packed, cu_seq_lens, cut_segments
 from rocktune.errors import UserError
-from rocktune.model import apply_lora, load_model
-from rocktune.tasks.lm.loss import causal_lm_loss_sum
-from rocktune.tasks.lm.split import split_rows
-from rocktune.varlen_standin import opaque_varlen_2_11
+from rocktune.models.load import apply_lora, load_model
+from rocktune.tasks.causal.loss import causal_lm_loss_sum
+from rocktune.tasks.causal.split import split_rows
+from tests.varlen_standin import opaque_varlen_2_11
 
 
 def _example(gen, n):
@@ -203,7 +203,7 @@ def test_a_token_batched_run_picks_varlen_on_a_gpu_and_trains_as_sdpa_does(tiny_
 
     from rocktune.config import config_from_dict
     from rocktune.tasks import train
-    from rocktune.tasks.lm import build
+    from rocktune.tasks.causal import build
     from tests.conftest import tiny_run_config
 
     def as_on_a_gpu(setting, advised, device, feeding, dtype):

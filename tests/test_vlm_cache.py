@@ -62,8 +62,8 @@ def _read(model: Path, data: Path, tmp: Path, template: str | None = None, **dat
     """(train, eval) as task=vlm's prepare reads them, the cache committed as there."""
     from transformers import AutoConfig
 
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import vision_tokens, with_processor_template
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import vision_tokens, with_processor_template
 
     cfg = config_from_dict(_config(model, data, tmp, **data_settings))
     tokenizer = with_processor_template(load_tokenizer(str(model), False), str(model))
@@ -102,8 +102,8 @@ def test_what_determines_the_tokens_changes_the_key(vlm_dir, data, tmp_path, enc
     elif change == "columns":  # the same file's rows renamed (here to themselves: a new key, the same examples)
         settings = {"columns": {"messages": "messages"}}
     elif change == "template":
-        from rocktune.model import load_tokenizer
-        from rocktune.vision_model import with_processor_template
+        from rocktune.models.load import load_tokenizer
+        from rocktune.vision.model import with_processor_template
 
         base = with_processor_template(load_tokenizer(str(vlm_dir), False), str(vlm_dir)).chat_template
         template = base.replace("<|im_start|>", "<|im_start|> ")  # a space after each turn marker

@@ -20,7 +20,7 @@ from rocktune.data.vision import encode
 from rocktune.demo.tiny_vlm import build_image_processor, build_vl_tokenizer
 from rocktune.demo.vision_task import QUESTION, draw
 from rocktune.errors import UserError
-from rocktune.vision_model import vision_tokens
+from rocktune.vision.model import vision_tokens
 
 pytest.importorskip("PIL")
 
@@ -270,7 +270,7 @@ def test_a_template_kept_only_by_the_processor_is_used(tmp_path, tok):
     """Vision-language checkpoints may keep the chat template in the processor's chat_template.json."""
     from transformers import AutoTokenizer
 
-    from rocktune.vision_model import with_processor_template
+    from rocktune.vision.model import with_processor_template
 
     tok.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)

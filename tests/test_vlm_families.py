@@ -24,7 +24,7 @@ from rocktune.demo.tiny_vlm_families import build_family_image_processor, build_
 from rocktune.demo.vision_task import draw
 from rocktune.errors import UserError
 from rocktune.tasks import train
-from rocktune.vision_model import vision_tokens
+from rocktune.vision.model import vision_tokens
 from tests.test_vlm_train import _metrics, chunked_loss_matches, learns_the_colour, vlm_config
 
 pytest.importorskip("PIL")
@@ -146,10 +146,10 @@ def test_the_oom_split_gives_the_whole_batch_loss(tmp_path, folder, family):
     import torch
 
     from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.model import apply_lora, load_tokenizer
+    from rocktune.models.load import apply_lora, load_tokenizer
     from rocktune.tasks.vlm.feed import split_rows
     from rocktune.tasks.vlm.loss import VisionLoss
-    from rocktune.vision_model import language_targets, load_vlm
+    from rocktune.vision.model import language_targets, load_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family=family)
     tok = load_tokenizer(str(model_dir), False)
@@ -200,7 +200,7 @@ def test_a_run_trains_exports_merged_and_answers_about_an_image(tmp_path, colour
     from rocktune.demo.tiny_vlm import build_tiny_vlm
     from rocktune.export.source import resolve
     from rocktune.export.vision_generate import is_vision_dir, load
-    from rocktune.vision_model import model_inputs
+    from rocktune.vision.model import model_inputs
 
     run = tmp_path / "run"
     model_dir = build_tiny_vlm(tmp_path / "m", family=family)

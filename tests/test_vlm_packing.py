@@ -39,8 +39,8 @@ def _examples(vlm_dir: Path):
 
     from rocktune.data.records import read_records
     from rocktune.data.vision import encode
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import vision_tokens
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
@@ -53,8 +53,8 @@ def _examples(vlm_dir: Path):
 def _model(vlm_dir: Path, attn: str = "sdpa", checkpointing: bool = False):
     import torch
 
-    from rocktune.model import apply_lora
-    from rocktune.vision_model import language_targets, load_vlm
+    from rocktune.models.load import apply_lora
+    from rocktune.vision.model import language_targets, load_vlm
 
     base = load_vlm(str(vlm_dir), "fp32", attn, "cpu")
     model = apply_lora(base, 8, 16, 0.0, language_targets(base), checkpointing)

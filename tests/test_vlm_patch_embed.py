@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rocktune.vision_model import patch_embed_as_linear
+from rocktune.vision.model import patch_embed_as_linear
 
 PLATFORMS = Path(__file__).parent / "data" / "platforms"
 
@@ -55,7 +55,7 @@ def _platform(name: str):
 def test_the_rocm_report_is_shown_for_auto_and_nothing_changes_by_itself(tmp_path):
     from rocktune.demo.tiny_vlm import build_tiny_vlm
     from rocktune.tasks.vlm.build import patch_embed
-    from rocktune.vision_model import load_vlm
+    from rocktune.vision.model import load_vlm
 
     model = load_vlm(str(build_tiny_vlm(tmp_path / "m")), "fp32", "sdpa", "cpu")
     conv = model.model.visual.patch_embed.proj

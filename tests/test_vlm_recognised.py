@@ -41,7 +41,7 @@ def _config(tmp_path: Path, model: Path, data: tuple[Path, Path], task: str | No
 def test_the_planner_and_the_family_table_know_the_same_families():
     """planner/vlm.py sits below the table (it imports no data code), so it keeps its own list: the two must agree."""
     from rocktune.planner.vlm import FAMILIES as PLANNED
-    from rocktune.vision_families import FAMILIES
+    from rocktune.vision.families import FAMILIES
 
     assert set(PLANNED) == set(FAMILIES)
 
@@ -51,8 +51,8 @@ def test_a_vl_model_without_task_trains_as_vlm_and_says_so(vlm_dir, colours, tmp
     conversations cut at data.max_length are counted in the run log at the start with the key to raise."""
     from rocktune.data.records import read_records
     from rocktune.data.vision import encode
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import vision_tokens, with_processor_template
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import vision_tokens, with_processor_template
 
     from transformers import AutoConfig
 
@@ -99,7 +99,7 @@ def test_a_text_task_on_a_vl_model_is_refused_naming_task_vlm(vlm_dir, colours, 
 
 def test_the_model_loader_refuses_a_vl_checkpoint_for_a_text_task(vlm_dir):
     """Every way into the text tasks' model load (the Python API, a hub id first cached by the worker)."""
-    from rocktune.model import load_model
+    from rocktune.models.load import load_model
 
     with pytest.raises(UserError, match=r"Qwen2\.5-VL vision-language model .* Set task: vlm"):
         load_model(str(vlm_dir), "fp32", "sdpa", False, "cpu")
@@ -147,7 +147,7 @@ def test_the_adapter_card_names_every_family_and_what_autoprocessor_needs(vlm_di
     import torch
 
     from rocktune.train.model_card import _load_vision, torchvision_for
-    from rocktune.vision_families import FAMILIES
+    from rocktune.vision.families import FAMILIES
 
     assert (torchvision_for("2.4.1"), torchvision_for("2.6.0"), torchvision_for("2.13.0")) == \
         ("0.19.1", "0.21.0", "0.28.0")
@@ -250,8 +250,8 @@ def test_a_merged_gemma3_loads_with_autoprocessor_and_widens_as_rocktune(vlm_dir
     from rocktune.data.images import load
     from rocktune.data.vision import encode
     from rocktune.data.vision_batch import collate
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import vision_tokens, with_processor_template
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import vision_tokens, with_processor_template
 
     model = vlm_dirs("gemma3")
     config = AutoConfig.from_pretrained(model)

@@ -45,8 +45,8 @@ def _encoded(vlm_dir: Path, file: Path, max_length: int = 240):
 
     from rocktune.data.records import read_records
     from rocktune.data.vision import encode
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import vision_tokens
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
@@ -234,7 +234,7 @@ def test_token_batching_is_taken_for_vlm_and_still_refused_where_it_cannot_work(
 
 
 def test_what_token_batching_cannot_do_is_refused(monkeypatch, tmp_path):
-    from rocktune.vision_model import check_data_settings
+    from rocktune.vision.model import check_data_settings
 
     cfg = vlm_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run", batching="tokens")
     with pytest.raises(UserError, match=r"--auto plans task=vlm's rows one conversation each; with "

@@ -82,7 +82,7 @@ def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
     from rocktune.data.vision_batch import collate
     from rocktune.export.source import resolve
     from rocktune.export.vision_generate import is_vision_dir, load
-    from rocktune.vision_model import model_inputs
+    from rocktune.vision.model import model_inputs
 
     assert main(["export", str(run), "--to", "merged"]) == 0
     merged = run / "export" / "merged"
@@ -219,9 +219,9 @@ def chunked_loss_matches(vlm_dir: Path, colours, max_length: int = 64) -> None:
     from rocktune.data.records import read_records
     from rocktune.data.vision import encode
     from rocktune.data.vision_batch import collate
-    from rocktune.model import apply_lora, load_tokenizer
+    from rocktune.models.load import apply_lora, load_tokenizer
     from rocktune.tasks.vlm.loss import VisionLoss
-    from rocktune.vision_model import language_targets, load_vlm, model_inputs, vision_tokens
+    from rocktune.vision.model import language_targets, load_vlm, model_inputs, vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
@@ -304,9 +304,9 @@ def test_the_prefetching_feed_hands_out_the_same_steps_and_positions(vlm_dir, co
     from rocktune.data.records import read_records
     from rocktune.data.vision import encode
     from rocktune.data.vision_batch import collate
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
     from rocktune.tasks.vlm.feed import VisionFeed
-    from rocktune.vision_model import vision_tokens
+    from rocktune.vision.model import vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rocktune import attention as A
+from rocktune.kernels import attention as A
 from rocktune.tasks.vlm.launch import transformers_major
 from tests import test_vlm_packing as packing
 from tests.test_vlm_packing import _examples, _loss_and_grads, _model

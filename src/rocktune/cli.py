@@ -169,7 +169,7 @@ def vision_task(cfg):
     task: vlm, before transformers' "Unrecognized configuration class" or a preview that reads ``<image>`` as text."""
     if cfg.spec.vision or cfg.is_diffusion:
         return cfg
-    from rocktune.vision_families import text_task_refusal, vision_checkpoint
+    from rocktune.vision.families import text_task_refusal, vision_checkpoint
 
     found = vision_checkpoint(cfg.model.name_or_path)
     if found is None:
@@ -304,11 +304,11 @@ def _run_doctor(args) -> int:
 
     more = None
     if args.model:
-        from rocktune.model import check_model_source
-        from rocktune.tasks.lm import pathcheck
+        from rocktune.models.load import check_model_source
+        from rocktune.tasks.causal import pathcheck
 
         check_model_source(args.model)  # a missing directory or a malformed id: the usual clear error, now
-        more = lambda device, precision: (("rocktune.tasks.lm.pathcheck", args.model),  # noqa: E731
+        more = lambda device, precision: (("rocktune.tasks.causal.pathcheck", args.model),  # noqa: E731
                                           pathcheck.names(device, precision))
     return run_doctor(as_json=args.json, no_device=args.no_device, simulate=args.simulate,
                       run_checks=not args.no_checks, perf=not args.no_perf, timeout=args.timeout, more=more)

@@ -24,7 +24,7 @@ class TaskSpec:
     vision: bool = False  # a vision-language model: generate takes --image, the model card loads its own class
 
 
-_LM_LAUNCH = "rocktune.tasks.lm.launch"
+_LM_LAUNCH = "rocktune.tasks.causal.launch"  # the causal-LM kit's checks: lm, dpo, orpo
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("lm", "LoRA for a causal language model on chat, instruction or text data (supervised, the default)",
              frozenset({"lm", "sft"}), "rocktune.tasks.lm.task:LMTask", _LM_LAUNCH),

@@ -101,8 +101,8 @@ def ran(run_dir: Path, rows: list[dict]) -> dict:
 def memory_facts(raw: dict, device: str) -> dict:
     """What the memory planner needs to size this run again (tests/test_planner_gpu_runs.py): the loss chunk, and
     whether the varlen glue repeats K/V for this torch's kernel."""
-    from rocktune.attention import repeats_kv
-    from rocktune.tasks.lm.autofit import loss_chunk
+    from rocktune.kernels.attention import repeats_kv
+    from rocktune.tasks.causal.autofit import loss_chunk
 
     setting = raw["training"].get("loss_chunk_size", "auto")
     return {"loss_chunk": loss_chunk(setting, "cuda" if device == "cuda" else "cpu"), "varlen_kv_copies": repeats_kv()}
@@ -150,7 +150,7 @@ def _run(spec: dict) -> dict:
 
     from rocktune.bench.compiler import CompilerRecord
     from rocktune.bench.measure import MemoryProbe, environment
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
     torch.set_num_threads(spec["threads"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -179,7 +179,7 @@ def _run_hf(spec: dict, probe) -> tuple[list[dict], dict]:
     from rocktune.bench.hf_baseline import run_hf
     from rocktune.config import DataConfig
     from rocktune.data.dataset import prepare_data
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
 
     c = spec["common"]
     tokenizer = load_tokenizer(spec["model_dir"], False)

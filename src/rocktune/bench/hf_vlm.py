@@ -64,8 +64,8 @@ def encoded(model_dir: str, data_file: str, max_length: int) -> tuple[list, obje
     from rocktune.config import DataConfig
     from rocktune.data.vision import encode
     from rocktune.data.vision_source import read_rows
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import vision_tokens, with_processor_template
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import vision_tokens, with_processor_template
 
     tokenizer = with_processor_template(load_tokenizer(model_dir, False), model_dir)
     vision = vision_tokens(model_dir, AutoConfig.from_pretrained(model_dir), tokenizer, None, None)
@@ -85,7 +85,7 @@ def run_hf_vlm(spec: dict, probe) -> tuple[list[dict], dict]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
 
-    from rocktune.vision_model import language_targets
+    from rocktune.vision.model import language_targets
 
     c, device = spec["common"], spec["device"]
     set_seed(c["seed"])

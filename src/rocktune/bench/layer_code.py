@@ -12,6 +12,7 @@ on a GPU Triton, with torch's own varlen kernel.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,8 @@ def build_layer(family: str, attn: str, device: str):
     """Layer 0 of a one-layer model of ``family``, LoRA on every linear, as rocktune applies it; and its rotary."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from rocktune.lean_lora import lean_lora
-    from rocktune.model import apply_lora
+    from rocktune.lora.lean import lean_lora
+    from rocktune.models.load import apply_lora
 
     torch.manual_seed(0)
     config, cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
@@ -65,20 +66,22 @@ def _call(layer, rotary, width: int, device: str) -> None:
     (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
 
 
-def compiled_layer_code(case: LayerCase) -> dict:
-    """Compile the case's layer with Inductor and call it at each width; what Dynamo and Inductor did."""
+def compiled_layer_code(case: LayerCase, cpu_kernel: Callable | None = None) -> dict:
+    """Compile the case's layer with Inductor and call it at each width; what Dynamo and Inductor did. On a CPU the
+    varlen kernel is ``cpu_kernel``, the compiler-opaque stand-in the caller brings (tests/varlen_standin.py's
+    ``opaque_varlen``: a test's yardstick, so it lives with the tests); on a GPU torch's own kernel."""
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
 
-    from rocktune import attention
     from rocktune.bench.compiler import CompilerRecord
+    from rocktune.kernels import attention
 
     if case.device == "cuda":
         name = attention.register()
+    elif cpu_kernel is None:
+        raise ValueError("on a CPU, pass the varlen kernel's compiler-opaque stand-in (tests/varlen_standin.py)")
     else:
-        from rocktune.varlen_standin import opaque_varlen
-
-        name = attention.register(opaque_varlen)
+        name = attention.register(cpu_kernel)
     layer, rotary = build_layer(case.family, name, case.device)
     torch._dynamo.reset()
     record = CompilerRecord().start()

@@ -27,7 +27,7 @@ from rocktune.planner.estimate import RunSpec, estimate
 from rocktune.planner.fit import fit_token_rows
 from rocktune.planner.shapes import ModelShape, shape_from_config
 
-GPU_LOSS_CHUNK = 2048  # training.loss_chunk_size auto on ROCm/CUDA (tasks/lm/autofit.LOSS_CHUNK), and profile_step's
+GPU_LOSS_CHUNK = 2048  # training.loss_chunk_size auto on ROCm/CUDA (tasks/causal/autofit.LOSS_CHUNK), profile_step's
 PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
@@ -162,7 +162,7 @@ def _rebuilt_forward(report: dict, row: dict, shape: ModelShape, spec: RunSpec, 
     padding = 1 - sum(real[warm:]) / sum(len(rows) * width for rows in steps[warm:])
     if not math.isclose(padding, row["padding_fraction"], rel_tol=1e-9):
         raise ValueError(f"rebuilt steps' padding {padding} is not the recorded {row['padding_fraction']}")
-    cap = -(-int(w["samples_per_step"] * w["mean_tokens"]) // width) + 1  # tasks/lm/feed.rows_per_step
+    cap = -(-int(w["samples_per_step"] * w["mean_tokens"]) // width) + 1  # tasks/causal/feed.rows_per_step
     sized = replace(spec, attn="sdpa", compiled=False, loss_chunk=spec.loss_chunk)  # that run's planner: SDPA
     per_forward = fit_token_rows(shape, sized, budget, cap).rows
     last = cut_forwards(steps[-1], per_forward)  # the peak counters were reset as the last step started

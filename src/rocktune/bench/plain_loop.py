@@ -69,7 +69,7 @@ def plain_vlm(model_dir: Path, train_file: Path, settings: PlainSettings, order:
     from transformers import AutoModelForImageTextToText
 
     from rocktune.bench.hf_vlm import ImageCollator, encoded
-    from rocktune.vision_model import language_targets
+    from rocktune.vision.model import language_targets
 
     torch.manual_seed(settings.seed)
     examples, tokenizer, vision = encoded(str(model_dir), str(train_file), settings.max_length)
@@ -94,7 +94,7 @@ def plain_lm(model_dir: Path, train_file: Path, settings: PlainSettings, cache_d
     from rocktune.config import DataConfig
     from rocktune.data.batching import collate
     from rocktune.data.dataset import prepare_data
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
 
     torch.manual_seed(settings.seed)
     tokenizer = load_tokenizer(str(model_dir), False)

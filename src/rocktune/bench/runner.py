@@ -315,7 +315,7 @@ def _default_threads() -> int:
 
 def _prepare_model(model: str, cache: Path) -> str:
     """Build a named shape, or check that the given model loads (config and tokenizer) before any child runs."""
-    from rocktune.model import check_model_source, load_tokenizer
+    from rocktune.models.load import check_model_source, load_tokenizer
 
     path = workload.model_dir(model, cache)
     check_model_source(path)
@@ -334,7 +334,7 @@ def _data_lengths(model_dir: str, data_file: str, cache: Path, common: dict) -> 
     """Tokenise once here (the children then hit the cache); lengths feed the attention FLOPs."""
     from rocktune.config import DataConfig
     from rocktune.data.dataset import prepare_data
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
 
     d = DataConfig(train_file=data_file, eval_fraction=0.0, max_length=common["max_length"])
     ex, _, _ = prepare_data(d, load_tokenizer(model_dir, False), cache / "tokens", common["seed"])

@@ -7,7 +7,7 @@ longest first) into forwards of ``T`` tokens, ``T`` a multiple of ``ALIGN`` chos
 
 - a forward's width is ``T`` when its tokens reach within ``ALIGN`` of it (every forward of a step but the last,
   in practice), else its tokens rounded up to ``ALIGN``: a step's last forward is not padded to a whole ``T``. The
-  loss marks a flat row's length dynamic (``tasks/lm/loss.varlen_inputs``), so a compiled decoder makes one graph
+  loss marks a flat row's length dynamic (``tasks/causal/loss.varlen_inputs``), so a compiled decoder makes one graph
   with a symbolic length for every width of the run (without the mark, Dynamo's automatic dynamic shapes would
   compile the first width statically and the second symbolically: 2 graphs).
 - ``cu_seq_lens`` always has ``slots`` entries: the real bounds, then the padding's own trailing segment, then the

@@ -3,7 +3,7 @@
 A source is a local file (JSON/JSONL, parquet, CSV, Arrow), a ``save_to_disk`` folder, or a hub dataset id (with
 ``data.split`` / ``data.subset`` / ``data.revision``). ``data.columns`` renames the source's columns to the names of
 a record shape (``{prompt: question}``: the ``question`` column is the prompt). A hub id without network loads from
-the local cache, decided by one short probe as for models (``rocktune.hub``), never after a minute of retries.
+the local cache, decided by one short probe as for models (``rocktune.models.hub``), never after a minute of retries.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _from_hub(repo_id: str, settings: SourceSettings, key: str):
     import datasets
     from huggingface_hub import constants
 
-    from rocktune import hub
+    from rocktune.models import hub
 
     offline = datasets.config.HF_HUB_OFFLINE
     problem = None if offline else hub.probe(constants.ENDPOINT)

@@ -10,7 +10,7 @@ are laid out), one small typed rule per kind of family.
   run of image tokens after a row/col tag; the pixels are batched per conversation, ``(rows, images, 3, H, W)``.
 
 The data layer widens placeholders and collates with a rule (data/vision.py, vision_batch.py); which rule a model
-takes is decided by its family (vision_families.py).
+takes is decided by its family (vision/families.py).
 """
 
 from __future__ import annotations

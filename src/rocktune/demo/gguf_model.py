@@ -75,7 +75,7 @@ def convert(gguf: Path, out: Path, source: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
     quiet_transformers()
     _quiet_gguf_reader()

@@ -122,7 +122,7 @@ def _print_summary(fig: dict, samples: list[dict]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from rocktune.tasks.lm.samples import visible
+    from rocktune.tasks.causal.samples import visible
 
     console = Console()
     table = Table(title="rocktune demo: tiny Qwen2 + LoRA on upper-casing, letter shifting and letters as digits")

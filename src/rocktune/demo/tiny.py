@@ -65,7 +65,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
     quiet_transformers()
     out = Path(out_dir)

@@ -97,7 +97,7 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl
     import torch
     import transformers
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
     quiet_transformers()
     out = Path(out_dir)

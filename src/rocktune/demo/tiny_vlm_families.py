@@ -99,7 +99,7 @@ def build_family_vlm(out: Path, seed: int, family: str, **shape) -> Path:
     import torch
     import transformers
 
-    from rocktune.vision_model import save_processor_settings
+    from rocktune.vision.model import save_processor_settings
 
     tokenizer = build_family_tokenizer(family)
     torch.manual_seed(seed)

@@ -79,7 +79,7 @@ def require_video_extra() -> None:
 def read_layout(source: str, expert: str = "auto") -> Layout:
     """Read the configs (small JSON files); a missing part is named with what a Wan checkpoint holds. ``expert``
     picks the transformer of a two-expert checkpoint (Wan 2.2 A14B) and its noise levels."""
-    from rocktune.model import check_model_source
+    from rocktune.models.load import check_model_source
 
     require_video_extra()
     check_model_source(source)
@@ -141,7 +141,7 @@ def quiet() -> None:
     """rocktune draws its own progress: the libraries' per-file loading bars would interleave with it."""
     from diffusers.utils import logging as diffusers_logging
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
     quiet_transformers()
     diffusers_logging.disable_progress_bar()

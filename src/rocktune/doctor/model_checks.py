@@ -129,7 +129,7 @@ def check_varlen(device: str, dtype: str, kernel=None) -> CheckResult:
     """Variable-length attention over packed rows (what ``attn_implementation: auto`` picks on a GPU when this
     passes): forward and backward through rocktune's glue against fp32 math attention with the dense mask.
     ``kernel`` replaces torch's (CUDA-only) kernel: the CPU tests pass the per-segment reference."""
-    from rocktune.attention import SELF_TEST_TOL, self_test, varlen_kernel
+    from rocktune.kernels.attention import SELF_TEST_TOL, self_test, varlen_kernel
 
     if kernel is None and not device.startswith("cuda"):
         return CheckResult("", "skip", "torch's varlen_attn runs on ROCm/CUDA only")

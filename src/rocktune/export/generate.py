@@ -15,19 +15,19 @@ from pathlib import Path
 from rocktune.errors import UserError, first_line
 from rocktune.export import style as styles
 from rocktune.export.source import Origin, Source, resolve
-from rocktune.model import stop_ids
+from rocktune.models.load import stop_ids
 from rocktune.platform.environment import resolve_device
-from rocktune.vision_families import text_task_refusal, vision_checkpoint
+from rocktune.vision.families import text_task_refusal, vision_checkpoint
 
 
 def load(src: Source, device: str):
     """(model, tokenizer) ready for generation; the adapter stays a PeftModel."""
     from transformers import AutoModelForCausalLM
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
     quiet_transformers()
-    from rocktune.model import DTYPES
+    from rocktune.models.load import DTYPES
     from rocktune.platform.advise import device_precision
 
     dtype = DTYPES[device_precision(device)]  # the platform's policy: fp32 on gfx906, where bf16 is emulated

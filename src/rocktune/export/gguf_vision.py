@@ -26,8 +26,8 @@ from rocktune.export import arch as archs
 from rocktune.export import quant as quants
 # the run's image-token range (ImageTokens, for next_command.py and main.py): below the trainer too, whose adapter card
 # writes the same llama.cpp flags
-from rocktune.vision_families import ImageTokens as ImageTokens
-from rocktune.vision_families import image_tokens
+from rocktune.vision.families import ImageTokens as ImageTokens
+from rocktune.vision.families import image_tokens
 
 LLAMA_CPP_WINDOW = 112  # pixels: mtmd's Qwen2.5-VL window attention ignores the config's window_size
 VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed epsilon

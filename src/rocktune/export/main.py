@@ -205,13 +205,13 @@ def _preprocessor(src: Source) -> dict:
     own preprocessing: with the run's data.min_pixels / data.max_pixels, as training loaded the processor."""
     from transformers import AutoImageProcessor
 
-    from rocktune.vision_families import processor_pixels, size_of
+    from rocktune.vision.families import processor_pixels, size_of
 
     data = src.run_config.get("data") or {}
     limits = {k: data[k] for k in ("min_pixels", "max_pixels") if data.get(k) is not None}
     proc = AutoImageProcessor.from_pretrained(src.base, **limits)
     # Idefics3/SmolVLM's longest_edge: the side an image is resized to before tiling; Qwen's pixel limits as the
-    # adapter card reads them too (vision_families.processor_pixels)
+    # adapter card reads them too (vision/families.py: processor_pixels)
     return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std),
             "longest_edge": size_of(getattr(proc, "size", None), "longest_edge"), **processor_pixels(proc)}
 
@@ -264,7 +264,7 @@ def _tokenizer(src: Source, model_config, tok_dir: Path):
     """Save the base's tokenizer and the model config where gguf-py's vocabulary helpers read them."""
     tok = load_tokenizer(src)
     if gguf_vision.is_vision(model_config):  # task=vlm: the processor's chat template (image parts) goes in the GGUF
-        from rocktune.vision_model import with_processor_template
+        from rocktune.vision.model import with_processor_template
 
         tok = with_processor_template(tok, src.base)
     tok.save_pretrained(tok_dir)

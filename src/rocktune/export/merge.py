@@ -37,9 +37,9 @@ def load_base_fp32(name_or_path: str, trust_remote_code: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
 
-    from rocktune.vision_model import model_class
+    from rocktune.vision.model import model_class
 
     quiet_transformers()
     vision = model_class(load_config(name_or_path, trust_remote_code))  # task=vlm: the vision tower comes along
@@ -70,7 +70,7 @@ def merged_model(src: Source, dtype: str):
     import torch
     from peft import PeftModel
 
-    from rocktune.model import DTYPES
+    from rocktune.models.load import DTYPES
 
     if src.adapter is None:
         raise UserError(f"{src.base} is a model directory without an adapter: there is nothing to merge.")
@@ -101,7 +101,7 @@ def save_merged(model, tok, out: Path, base: str | None = None) -> None:
     vision-language model also gets its base's image processor (``preprocessor_config.json``) and the combined
     processor's settings (``processor_config.json``), so that the merged directory sees as the base did, also through
     transformers' ``AutoProcessor``."""
-    from rocktune.vision_model import model_class, save_processor_settings, with_processor_template
+    from rocktune.vision.model import model_class, save_processor_settings, with_processor_template
 
     model.save_pretrained(out, safe_serialization=True)
     if base is not None and model_class(model.config) is not None:

@@ -99,13 +99,13 @@ def _check_local_model(base: str) -> None:
     """The base (or plain model) directory checked as ``train`` checks it: config.json and every safetensors header
     bounded and inside its file (the targets that need a tokenizer say so themselves); a hub id is left to the
     loader."""
-    from rocktune.modelcheck import check_model_dir
+    from rocktune.models.check import check_model_dir
 
     check_model_dir(base, tokenizer=False)
 
 
 def _check_base_exists(base: str, adapter: Path, overridden: bool) -> None:
-    from rocktune.model import check_model_source
+    from rocktune.models.load import check_model_source
 
     try:
         check_model_source(base)
@@ -135,7 +135,7 @@ def check_shapes(src: Source) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from rocktune.vision_model import model_class
+    from rocktune.vision.model import model_class
 
     weights = read_adapter(src.adapter, f"{RETRAIN}.").weights
     config = load_config(src.base, src.trust_remote_code)

@@ -16,12 +16,12 @@ from rocktune.data.vision import VisionTokens, encode_prompt
 from rocktune.data.vision_batch import collate
 from rocktune.errors import UserError, first_line
 from rocktune.export.source import Origin, Source, load_tokenizer, resolve
-from rocktune.model import stop_ids
+from rocktune.models.load import stop_ids
 from rocktune.platform.environment import resolve_device
 from rocktune.readers.yaml_file import read_yaml
 from rocktune.task_registry import TASKS
-from rocktune.vision_families import vision_checkpoint
-from rocktune.vision_model import model_inputs
+from rocktune.vision.families import vision_checkpoint
+from rocktune.vision.model import model_inputs
 
 
 def is_vision_run(src: Source) -> bool:
@@ -44,9 +44,9 @@ def load(src: Source, device: str):
     """(model, tokenizer, vision tokens) ready for generation, with the run's pixel limits."""
     from transformers import AutoConfig
 
-    from rocktune.model import quiet_transformers
+    from rocktune.models.load import quiet_transformers
     from rocktune.platform.advise import device_precision
-    from rocktune.vision_model import load_vlm, patch_embed_as_linear, vision_tokens, with_processor_template
+    from rocktune.vision.model import load_vlm, patch_embed_as_linear, vision_tokens, with_processor_template
 
     quiet_transformers()
     data = src.run_config.get("data") or {}

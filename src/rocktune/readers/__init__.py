@@ -3,6 +3,6 @@ configs): JSON with a depth bound, YAML without unbounded aliases, safetensors h
 chat templates rendered in transformers' sandbox. Each turns a hostile or broken file into one ``UserError`` that
 names the file, never a traceback, a hang or runaway memory.
 
-A low layer: it imports nothing of rocktune but ``errors``, so every other layer (modelcheck, data, export, report,
+A low layer: it imports nothing of rocktune but ``errors``, so every other layer (models/check.py, data, export, report,
 train) may use it.
 """

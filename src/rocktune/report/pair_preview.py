@@ -61,7 +61,7 @@ def run_pair_preview(cfg, n_show: int, as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
 
     from rocktune.readers.template import use_template
 

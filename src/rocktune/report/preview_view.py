@@ -130,7 +130,7 @@ def preview_html(pv: Preview) -> str:
 def run_preview(data, model: str, trust_remote_code: bool, n_show: int, html: str | None, as_json: bool) -> int:
     """Print (or write) the preview of the ``data:`` config section ``data``; exit status 1 when a check would stop
     ``train``."""
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
 
     from rocktune.readers.template import use_template
 

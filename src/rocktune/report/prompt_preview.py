@@ -43,7 +43,7 @@ def run_prompt_preview(cfg, n_show: int, as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
     pv = build_prompt_preview(cfg.data, tokenizer, n_show)

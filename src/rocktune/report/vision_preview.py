@@ -100,8 +100,8 @@ def run_vision_preview(cfg, n_show: int, as_json: bool, html: str | None = None)
     """Print the preview (or ``as_json``); ``html``: also write it as one self-contained page there."""
     from transformers import AutoConfig
 
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import model_type, vision_tokens, with_processor_template
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import model_type, vision_tokens, with_processor_template
 
     m, d = cfg.model, cfg.data
     model_type(m.name_or_path)

@@ -1,9 +1,8 @@
 """The tasks rocktune trains, and ``train(cfg)``, which builds the one ``cfg.task`` names (task_registry.TASKS) and
 hands it to the one loop (train/loop.py).
 
-- ``tasks/lm``: LoRA on a causal LM (chat, instruction, text data).
-- ``tasks/preference``: DPO and ORPO on a causal LM's LoRA (chosen/rejected pairs).
-- ``tasks/wan``: LoRA on a Wan 2.1/2.2 transformer (video-lora, image-lora).
+Every task is a row of task_registry.TASKS: its builder (the task object, in the task's folder here) and its launch
+module. ``tasks/causal`` is no task: it is the causal-LM kit the LM-based tasks share.
 """
 
 from __future__ import annotations

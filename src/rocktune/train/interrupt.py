@@ -1,4 +1,4 @@
-"""Ctrl-C during training: both training loops (LM and diffusion) stop at a step boundary with a checkpoint."""
+"""Ctrl-C during training: the one loop (train/loop.py, every task) stops at a step boundary with a checkpoint."""
 
 from __future__ import annotations
 

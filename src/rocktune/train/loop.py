@@ -2,7 +2,7 @@
 runs one optimizer step per iteration, ``_finish`` evaluates and writes the results.
 
 No trainer class, no callbacks: every step is here. What differs between tasks (data, model, loss, evaluation,
-samples, extra files) comes from a task object (train/task.py; tasks/lm, tasks/wan). Reliability pieces
+samples, extra files) comes from a task object (train/task.py; every task in task_registry.py). Reliability pieces
 (checkpoints, guards, OOM recovery, interrupts) are small modules called at the points where they act.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from rocktune.atomic import kill_point
 from rocktune.errors import first_line
-from rocktune.model import trainable_parameters
+from rocktune.models.load import trainable_parameters
 from rocktune.train import build, checkpoint, distributed, finish, memory, resume, rundir, sinks, summary
 from rocktune.train.collector import Collector
 from rocktune.train.context import RunContext

@@ -1,4 +1,4 @@
-"""What the engine needs from a task: the LM (tasks/lm) and Wan video/image LoRA (tasks/wan) provide one each.
+"""What the engine needs from a task: every task in task_registry.py provides one (the object its builder names).
 
 The engine (train/loop.py) owns everything a run does the same way whatever it trains: the run directory, resume,
 the step with OOM recovery, the numeric guard, checkpoints, Ctrl-C, metrics and the final writes. A task owns its

@@ -5,7 +5,7 @@ Two checks, both cheap next to a step:
 
 - the path against the reference: one small piece of the step's first micro-batch (the feed's smallest split: one
   example, one pair) through the run's own forward and backward (its side path, its compiled graph), then through
-  PEFT's own eager forward on the same adapter values (rocktune.lora_check.reference_mode; a task loss's own
+  PEFT's own eager forward on the same adapter values (rocktune.lora.check.reference_mode; a task loss's own
   faster forward, e.g. GRPO's shared prompt, off too: its ``plain_path``); losses and adapter
   gradients must agree within the precision's rounding (lora_check.TOLERANCE), and every adapter tensor the
   reference gives a gradient must get one;
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rocktune import lora_check
+from rocktune.lora import check as lora_check
 from rocktune.train.distributed import no_sync
 from rocktune.train.guards import DOCTOR_HINT, FatalNumerics
 from rocktune.train.oom import is_out_of_memory

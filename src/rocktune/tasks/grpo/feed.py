@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from rocktune.data.batching import BatchStream
-from rocktune.tasks.lm.feed import StreamPosition
+from rocktune.tasks.causal.feed import StreamPosition
 from rocktune.train.step import split_by_rows
 
 

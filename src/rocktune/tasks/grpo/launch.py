@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rocktune.config import RunConfig
 from rocktune.errors import UserError
-from rocktune.tasks.lm import launch as lm_launch
+from rocktune.tasks.causal import launch as lm_launch
 from rocktune.train.request import RunOptions
 
 precheck = lm_launch.precheck

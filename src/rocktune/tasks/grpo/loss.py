@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from rocktune.tasks.grpo import prefix
-from rocktune.tasks.lm.loss import hidden_and_head, target_logps
+from rocktune.tasks.causal.loss import hidden_and_head, target_logps
 from rocktune.train.task import KeepsStats
 
 STATS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")

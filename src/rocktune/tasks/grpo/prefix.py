@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from rocktune.tasks.lm.loss import decoder_and_head, target_logps
+from rocktune.tasks.causal.loss import decoder_and_head, target_logps
 
 _ELIGIBLE = "_rocktune_prompt_sharing"  # per base model: whether its config allows the shared forward
 

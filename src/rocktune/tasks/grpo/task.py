@@ -25,14 +25,14 @@ from rocktune.data import preference as rows_reader
 from rocktune.data import prompts as promptdata
 from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
-from rocktune.model import stop_ids
+from rocktune.models.load import stop_ids
 from rocktune.tasks.grpo import rewards as rewardfns
 from rocktune.tasks.grpo.launch import refuse_grpo
 from rocktune.tasks.grpo.feed import Rollout, RolloutFeed, Share, StepShape
 from rocktune.tasks.grpo.loss import GRPOLoss, Objective
 from rocktune.tasks.grpo.rollout import Sampling, StaticDecode, row_draws, sample
-from rocktune.tasks.lm import build, preflight
-from rocktune.tasks.lm.quant_gate import check_quantization
+from rocktune.tasks.causal import build, preflight
+from rocktune.tasks.causal.quant_gate import check_quantization
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext

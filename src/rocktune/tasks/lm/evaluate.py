@@ -6,7 +6,7 @@ import torch
 
 from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
-from rocktune.tasks.lm.loss import LossModule
+from rocktune.tasks.causal.loss import LossModule
 
 
 @torch.no_grad()

@@ -11,20 +11,20 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocktune.attention import VARLEN
+from rocktune.kernels.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import checks
 from rocktune.data.batching import loss_token_counts
 from rocktune.data.flat import max_segment
 from rocktune.data.dataset import prepare_data
-from rocktune.model import trainable_parameters
+from rocktune.models.load import trainable_parameters
 from rocktune.readers.template import use_template
-from rocktune.tasks.lm import autofit, build, preflight
+from rocktune.tasks.causal import autofit, build, preflight
 from rocktune.tasks.lm.evaluate import eval_sums
-from rocktune.tasks.lm.feed import Feeding, Share, StepFeed, resolve_mode
-from rocktune.tasks.lm.loss import LossModule
-from rocktune.tasks.lm.quant_gate import check_quantization
-from rocktune.tasks.lm.samples import SampleSettings, Sampler
+from rocktune.tasks.causal.feed import Feeding, Share, StepFeed, resolve_mode
+from rocktune.tasks.causal.loss import LossModule
+from rocktune.tasks.causal.quant_gate import check_quantization
+from rocktune.tasks.causal.samples import SampleSettings, Sampler
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext

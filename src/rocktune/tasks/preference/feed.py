@@ -13,7 +13,7 @@ import torch
 from rocktune.data.batching import BatchStream, epoch_batches
 from rocktune.data.packing import collate_packed, cut_segments
 from rocktune.data.preference import PairSet
-from rocktune.tasks.lm.feed import Step, StreamPosition
+from rocktune.tasks.causal.feed import Step, StreamPosition
 
 
 def collate_pairs(pairs: PairSet, idx: list[int], pad_id: int, nll_scale: float, segments: bool) -> dict:

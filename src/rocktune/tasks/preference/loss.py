@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
-from rocktune.tasks.lm.loss import hidden_and_head, varlen_inputs
+from rocktune.tasks.causal.loss import hidden_and_head, varlen_inputs
 from rocktune.train.task import KeepsStats
 
 MODEL_INPUTS = ("input_ids", "position_ids")

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from rocktune.attention import VARLEN
+from rocktune.kernels.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.readers.template import use_template
 from rocktune.data import preference as prefdata
 from rocktune.data.dataset import Pending
 from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
-from rocktune.model import trainable_parameters
-from rocktune.tasks.lm import build, preflight
-from rocktune.tasks.lm.quant_gate import check_quantization
+from rocktune.models.load import trainable_parameters
+from rocktune.tasks.causal import build, preflight
+from rocktune.tasks.causal.quant_gate import check_quantization
 from rocktune.tasks.preference.feed import PairFeed, collate_pairs, idle_pairs
 from rocktune.tasks.preference.loss import Objective, PreferenceLoss
 from rocktune.train import build as engine_build

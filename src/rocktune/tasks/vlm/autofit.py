@@ -12,7 +12,7 @@ from rocktune.config import RunConfig
 from rocktune.data.encode import IGNORE
 from rocktune.data.vision import VisionExample, VisionTokens
 from rocktune.errors import UserError
-from rocktune.tasks.lm.feed import CPU_ROWS, Feeding, rows_for_budget, rows_per_step
+from rocktune.tasks.causal.feed import CPU_ROWS, Feeding, rows_for_budget, rows_per_step
 
 
 def apply_fit(cfg: RunConfig, precision: str, vram_bytes: int | None, data: tuple[list[VisionExample], VisionTokens],
@@ -22,7 +22,7 @@ def apply_fit(cfg: RunConfig, precision: str, vram_bytes: int | None, data: tupl
     from rocktune.planner.budget import detect_budget
     from rocktune.planner.report import fmt_bytes as _gib
     from rocktune.planner.vlm import VLMSpec, fit_vlm, load_vlm_shape
-    from rocktune.tasks.lm.autofit import loss_chunk
+    from rocktune.tasks.causal.autofit import loss_chunk
     from rocktune.tasks.vlm.plan import DataSizes, from_examples, resolution
 
     if cfg.lora.vision != "none":
@@ -112,7 +112,7 @@ def _planned_rows(cfg: RunConfig, precision: str, examples: list[VisionExample],
     from rocktune.planner.budget import detect_budget
     from rocktune.planner.fit import MARGIN
     from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
-    from rocktune.tasks.lm.autofit import FALLBACK_TOKENS, loss_chunk
+    from rocktune.tasks.causal.autofit import FALLBACK_TOKENS, loss_chunk
 
     d = cfg.data
     try:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rocktune.model import apply_lora
+from rocktune.models.load import apply_lora
 from rocktune.errors import UserError
-from rocktune.vision_model import family, language_targets, load_vlm, patch_embed_as_linear
+from rocktune.vision.model import family, language_targets, load_vlm, patch_embed_as_linear
 
 
 PATCH_RULE = "rocm-conv3d-patch-embed"  # platform/knowledge.yaml

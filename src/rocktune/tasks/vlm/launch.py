@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.errors import UserError
-from rocktune.tasks.lm.launch import precheck  # noqa: F401 -- the same JSON check of the data files
+from rocktune.tasks.causal.launch import precheck  # noqa: F401 -- the same JSON check of the data files
 from rocktune.train.request import RunOptions
 
 

@@ -2,14 +2,14 @@
 
 The model's own multimodal backbone (vision tower, projector, the image features scattered into the token
 embeddings, Qwen's 3-D rotary positions) runs as transformers wrote it; only the head and cross-entropy are
-rocktune's: at the loss-bearing positions only, in chunks (``tasks/lm/loss.LinearCrossEntropy``), so the full
+rocktune's: at the loss-bearing positions only, in chunks (``tasks/causal/loss.LinearCrossEntropy``), so the full
 logits never exist. A head that trains (LoRA on it) takes the plain logits path instead.
 
-Packed rows on varlen attention (``varlen``: the language model was loaded with ``rocktune.attention.VARLEN``): the
-conversations' bounds, read from the restarting text positions, reach the language model's attention as the
-``cu_seq_lens_q``/``max_length_q`` keyword arguments transformers threads to every layer. They are handed to the
-language model alone (a forward pre-hook), not to the whole model's forward, which would pass them to the vision
-tower too, whose attention has bounds of its own (the patches of each image).
+Packed rows on varlen attention (``varlen``: the language model was loaded with
+``rocktune.kernels.attention.VARLEN``): the conversations' bounds, read from the restarting text positions, reach the
+language model's attention as the ``cu_seq_lens_q``/``max_length_q`` keyword arguments transformers threads to every
+layer. They are handed to the language model alone (a forward pre-hook), not to the whole model's forward, which
+would pass them to the vision tower too, whose attention has bounds of its own (the patches of each image).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from rocktune.data.encode import IGNORE
-from rocktune.tasks.lm.loss import LinearCrossEntropy
+from rocktune.tasks.causal.loss import LinearCrossEntropy
 from rocktune.tasks.vlm.positions import document_bounds, packed_positions
-from rocktune.vision_model import model_inputs
+from rocktune.vision.model import model_inputs
 
 
 class VisionLoss(torch.nn.Module):

@@ -134,8 +134,8 @@ class PlanRequest:
 
 def conversations(req: PlanRequest, vision: VisionTokens) -> list[Conversation]:
     """The data's conversations, every row and image read and checked as training reads them; or the assumed one."""
-    from rocktune.model import load_tokenizer
-    from rocktune.vision_model import with_processor_template
+    from rocktune.models.load import load_tokenizer
+    from rocktune.vision.model import with_processor_template
 
     tokenizer = with_processor_template(load_tokenizer(req.model, False), req.model)
     if req.data is None:
@@ -197,9 +197,9 @@ def run_vlm_plan(req: PlanRequest, spec, global_batch: int) -> int:
 
     from rocktune.planner.budget import detect_budget, parse_budget
     from rocktune.planner.fit import MARGIN
-    from rocktune.model import load_tokenizer
+    from rocktune.models.load import load_tokenizer
     from rocktune.planner.vlm import estimate_vlm, fit_vlm, load_vlm_shape, sized
-    from rocktune.vision_model import model_type, vision_tokens
+    from rocktune.vision.model import model_type, vision_tokens
 
     model_type(req.model)
     text, vshape = load_vlm_shape(req.model)

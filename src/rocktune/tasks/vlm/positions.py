@@ -47,7 +47,7 @@ def _rope_index(backbone, ids: torch.Tensor, kinds: torch.Tensor, grids: torch.T
 
 
 def document_bounds(text: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(``cu_seq_lens``, the longest segment) of packed rows for varlen attention (rocktune/attention.py): int32
+    """(``cu_seq_lens``, the longest segment) of packed rows for varlen attention (rocktune/kernels/attention.py): int32
     offsets into the flattened ``rows x tokens``, a bound wherever the text position restarts at 0 (a conversation,
     or a row's padding: one trailing segment of its own) and at the end. Read on the host: the positions above are
     too, and the kernel takes the longest segment as a number."""

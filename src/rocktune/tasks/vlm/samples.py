@@ -14,8 +14,8 @@ from rocktune.data import checks
 from rocktune.data.encode import IGNORE
 from rocktune.data.vision import VisionExample, VisionTokens
 from rocktune.data.vision_batch import collate
-from rocktune.tasks.lm.samples import Sampler, SampleSettings, prompts_from_examples
-from rocktune.vision_model import model_inputs
+from rocktune.tasks.causal.samples import Sampler, SampleSettings, prompts_from_examples
+from rocktune.vision.model import model_inputs
 
 
 class PromptIds(list):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rocktune.attention import VARLEN, choose
+from rocktune.kernels.attention import VARLEN, choose
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import sources, vision_cache
 from rocktune.data.dataset import Pending
@@ -28,14 +28,14 @@ from rocktune.data.vision_batch import collate, idle_batch
 from rocktune.data.vision_pack import collate_packed
 from rocktune.data.vision_source import read_rows
 from rocktune.errors import UserError
-from rocktune.model import DTYPES
-from rocktune.tasks.lm import autofit, preflight
+from rocktune.models.load import DTYPES
+from rocktune.tasks.causal import autofit, preflight
 from rocktune.tasks.vlm import autofit as vlm_autofit
 from rocktune.tasks.vlm import build, launch
-from rocktune.vision_model import check_data_settings, model_type, vision_tokens, with_processor_template
-from rocktune.tasks.lm.feed import Feeding
+from rocktune.vision.model import check_data_settings, model_type, vision_tokens, with_processor_template
+from rocktune.tasks.causal.feed import Feeding
 from rocktune.tasks.vlm.feed import TokenVisionFeed, VisionFeed
-from rocktune.tasks.lm.samples import SampleSettings
+from rocktune.tasks.causal.samples import SampleSettings
 from rocktune.tasks.vlm.loss import VisionLoss
 from rocktune.tasks.vlm.samples import VisionSampler
 from rocktune.train import build as engine_build

@@ -23,7 +23,7 @@ from rocktune.diffusion.steps import LatentFeed, Noise, eval_forwards
 from rocktune.errors import UserError
 from rocktune.tasks.wan import inputs
 from rocktune.tasks.wan import refuse as refusals
-from rocktune.model import DTYPES, trainable_parameters
+from rocktune.models.load import DTYPES, trainable_parameters
 from rocktune.train import build
 from rocktune.train.context import RunContext
 from rocktune.train.request import RunOptions

@@ -16,9 +16,9 @@ import torch
 
 from rocktune.data.vision import VisionTokens
 from rocktune.errors import UserError, first_line
-from rocktune.model import DTYPES, check_model_source
-from rocktune import vision_families
-from rocktune.vision_families import FAMILIES, Family
+from rocktune.models.load import DTYPES, check_model_source
+from rocktune.vision import families as vision_families
+from rocktune.vision.families import FAMILIES, Family
 
 
 def model_type(name_or_path: str) -> str:
@@ -115,7 +115,7 @@ def with_processor_template(tokenizer, name_or_path: str):
 
 def save_processor_settings(config, out) -> None:
     """``out``/processor_config.json with the combined processor's settings that match ``config``'s model
-    (``vision_families.processor_settings``); nothing for a family that needs none."""
+    (``vision/families.py``: ``processor_settings``); nothing for a family that needs none."""
     import json
     from pathlib import Path
 

@@ -11,7 +11,7 @@ Only PEFT's plain ``lora.Linear`` with one active vanilla adapter is patched (no
 variants); a layer whose adapters are disabled, merged or mixed per batch takes PEFT's own forward. Nothing about
 the parameters or their names changes, so the saved adapter loads in PEFT unchanged.
 
-``fused=True`` (the default) goes further (``rocktune.lora_fused``): a layer whose base is a plain frozen
+``fused=True`` (the default) goes further (``rocktune.lora.fused``): a layer whose base is a plain frozen
 ``nn.Linear`` and whose dropout is off (or which is evaluating) runs base and adapter as one autograd node of
 matmuls, the scaled add in the matmul's epilogue, and siblings that read the same input (q/k/v, gate/up) share one
 A matmul, wherever autograd records (training). A call without gradients (an eval pass, generation) takes the lean
@@ -28,7 +28,7 @@ import types
 
 import torch
 
-from rocktune.lora_fused import Plan, run_group
+from rocktune.lora.fused import Plan, run_group
 
 # Every side path a LoRA linear can take, by name: PEFT's own forward (the reference), the lean one and the fused
 # one. tests/test_training_matrix.py proves each against the reference and fails when a path is added here without

@@ -1,6 +1,6 @@
 """A CPU stand-in for torch's varlen kernel as the compiler sees it: one opaque custom op with the same inputs and
-output shapes, computed by ``rocktune.attention.reference_varlen``. The reference itself loops over the bounds in
-Python, which Dynamo would trace into a graph per document layout; torch's kernel is a custom op Dynamo never
+output shapes, computed by ``rocktune.kernels.attention.reference_varlen``. The reference itself loops over the bounds
+in Python, which Dynamo would trace into a graph per document layout; torch's kernel is a custom op Dynamo never
 enters, and so is this one, so a compiled model's graphs and recompiles on the CPU are those of the GPU path (the
 tests and ``benchmarks/compiled_layer.py`` on a CPU). Slow: a test's yardstick, never a training path.
 
@@ -11,7 +11,7 @@ they are where the query heads are a multiple of theirs, the one check FA2's var
 # refuses them as strings ("Parameter q has unsupported type torch.Tensor"); later torches resolve either.
 import torch
 
-from rocktune.attention import reference_varlen
+from rocktune.kernels.attention import reference_varlen
 
 
 @torch.library.custom_op("rocktune::varlen_standin", mutates_args=())

@@ -2,7 +2,7 @@
 
 The order in ``train``: the config (already validated by ``config.load_config``), the platform (``resolve_auto``),
 then ``check_run`` here — data files present, platform gates of the chosen kernels, the model directory
-(``modelcheck``) — then ``load_tokenizer`` here, then ``prepare_data``, which reads, validates and tokenises every
+(``models/check.py``) — then ``load_tokenizer`` here, then ``prepare_data``, which reads, validates and tokenises every
 data file, splits, and runs the data checks before it writes its cache. Anything a check raises is a ``UserError``:
 one paragraph and exit 2, never a crash for the supervisor to retry.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 
-from rocktune import modelcheck
-from rocktune.attention import varlen_gate
+from rocktune.models import check as modelcheck
+from rocktune.kernels.attention import varlen_gate
 from rocktune.data import sources
 from rocktune.errors import UserError, first_line
-from rocktune.model import check_model_source, check_weight_shapes
-from rocktune.model import load_tokenizer as _load_tokenizer
+from rocktune.models.load import check_model_source, check_weight_shapes
+from rocktune.models.load import load_tokenizer as _load_tokenizer
 
 PROBE = "Hello, world. 123"
 

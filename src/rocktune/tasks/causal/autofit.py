@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from rocktune.attention import VARLEN
+from rocktune.kernels.attention import VARLEN
 from rocktune.config import RunConfig
 from rocktune.data.flat import cu_slots, flat_width
 from rocktune.errors import UserError
-from rocktune.tasks.lm.feed import CPU_ROWS, Feeding, resolve_mode, rows_for_budget, rows_per_step
+from rocktune.tasks.causal.feed import CPU_ROWS, Feeding, resolve_mode, rows_for_budget, rows_per_step
 
 
 def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None
@@ -47,7 +47,7 @@ def planner_spec(cfg: RunConfig, precision: str, attn_implementation: str, **cha
     """The planner's description of this run (``planner.RunSpec``); ``changes`` set the fields a question varies."""
     from rocktune.planner import RunSpec
 
-    from rocktune.attention import VARLEN, repeats_kv
+    from rocktune.kernels.attention import VARLEN, repeats_kv
 
     m, lora = cfg.model, cfg.lora
     if attn_implementation == VARLEN:
@@ -60,7 +60,7 @@ def planner_spec(cfg: RunConfig, precision: str, attn_implementation: str, **cha
 def _planner_attn(attn_implementation: str) -> str:
     """rocktune's varlen attention is sized by what it saves (planner/varlen.py); flex attention keeps no dense mask
     but is sized as SDPA, which errs on the large side."""
-    from rocktune.attention import VARLEN
+    from rocktune.kernels.attention import VARLEN
 
     if attn_implementation == VARLEN:
         return "varlen"
@@ -120,7 +120,7 @@ def _fits(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: 
 def plan_feeding(cfg: RunConfig, choices, lengths: list[int], vram_bytes: int | None, static_width: bool,
                  ranks: int = 1, parallel: str = "ddp", attn: str | None = None
                  ) -> tuple[Feeding, list[str], int | None]:
-    """How this run cuts its steps into forwards (see ``tasks/lm/feed.py``), the reasons to log, and the planner's
+    """How this run cuts its steps into forwards (see ``tasks/causal/feed.py``), the reasons to log, and the planner's
     predicted peak when it chose the token budget. ``choices``: the resolved device, precision and attention;
     ``attn``: the attention the model loads with, when already chosen (varlen is sized by what it saves);
     ``static_width``: the run compiles (rows padded to max_length)."""

@@ -11,10 +11,10 @@ from rocktune.data.batching import collate, with_loss_index
 from rocktune.data.dataset import Examples
 from rocktune.data.flat import collate_flat
 from rocktune.data.packing import collate_packed
-from rocktune.lean_lora import lean_lora
-from rocktune.attention import choose as choose_attention
-from rocktune.model import DTYPES, apply_lora, load_model, sdpa_supported
-from rocktune.tasks.lm.preflight import liger_gate
+from rocktune.lora.lean import lean_lora
+from rocktune.kernels.attention import choose as choose_attention
+from rocktune.models.load import DTYPES, apply_lora, load_model, sdpa_supported
+from rocktune.tasks.causal.preflight import liger_gate
 
 
 def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
@@ -53,7 +53,7 @@ def idle_batch(pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def attention(setting: str, ctx, packed: bool, compiled: bool, model_cfg) -> tuple[str, str | None]:
-    """The attention implementation to load the model with, and why (``rocktune.attention.choose``): varlen is
+    """The attention implementation to load the model with, and why (``rocktune.kernels.attention.choose``): varlen is
     self-tested on the device in the run's precision before it is trusted. ``auto`` on a model class without an SDPA
     path (Gemma 2) takes eager instead of failing to load; an explicit sdpa is left to the loader's refusal."""
     attn, note = choose_attention(setting, ctx.attn, ctx.device, (packed, compiled), DTYPES[ctx.precision])

@@ -1,12 +1,12 @@
 """``rocktune doctor --model PATH``: that model's training path, for a few steps on the device, against the reference.
 
-The model is built the way ``train`` builds it (tasks/lm/build.model_with_adapter: its kernels, the fused LoRA side
+The model is built the way ``train`` builds it (tasks/causal/build.model_with_adapter: its kernels, the fused LoRA side
 path, the compiled decoder where the run would compile) and trained three steps on one batch with the optimizer the
 run would take; the same model, adapter and batch are then trained from the same start by the reference (PEFT's own
-eager forward, torch's single-tensor AdamW). rocktune.lora_check judges the two traces, so a torch or ROCm build
+eager forward, torch's single-tensor AdamW). rocktune.lora.check judges the two traces, so a torch or ROCm build
 that computes wrong gradients, or a path that stops learning, is caught before a long run and named by its cause.
 
-It runs in a child process (``python -m rocktune.tasks.lm.pathcheck``) under the doctor's timeout and protocol: a
+It runs in a child process (``python -m rocktune.tasks.causal.pathcheck``) under the doctor's timeout and protocol: a
 GPU fault or a hang is a failed check, not a dead doctor.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 import torch
 
-from rocktune import lora_check
+from rocktune.lora import check as lora_check
 from rocktune.doctor.checks import CheckResult, timed
 from rocktune.train import build
 
@@ -42,7 +42,7 @@ def _loss_fn(vocab: int, device: str):
 
 def check(model_path: str, device: str, precision: str, compiled: bool) -> CheckResult:
     from rocktune.config import LoraConfig, ModelConfig
-    from rocktune.tasks.lm.build import compile_decoder, model_with_adapter
+    from rocktune.tasks.causal.build import compile_decoder, model_with_adapter
 
     model, notes = model_with_adapter(ModelConfig(name_or_path=model_path), LoraConfig(), precision, "sdpa", device,
                                       False)
@@ -77,7 +77,7 @@ def check(model_path: str, device: str, precision: str, compiled: bool) -> Check
 
 def _inject(kind: str) -> None:
     """Test hook: put back one of the bugs the check exists for (a stale cast, gradients a compiler dropped)."""
-    from rocktune import lora_fused
+    from rocktune.lora import fused as lora_fused
 
     if kind == "stale":
         frozen: dict = {}
@@ -100,7 +100,7 @@ def _inject(kind: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m rocktune.tasks.lm.pathcheck DEVICE MODEL '["train-path[bf16,eager]", ...]'``: the doctor's
+    """``python -m rocktune.tasks.causal.pathcheck DEVICE MODEL '["train-path[bf16,eager]", ...]'``: the doctor's
     child protocol (``@@start NAME``, then ``@@result {json}``), one line each, flushed."""
     device, model_path, wanted = argv[0], argv[1], json.loads(argv[2])
     spec = dict(item.partition("=")[::2] for item in (os.environ.get(INJECT_ENV) or "").split(";") if item)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rocktune.lean_lora import peft_forward
+from rocktune.lora.lean import peft_forward
 
 # Worst relative differences from the reference that rounding explains, per compute precision. fp32: summation
 # order only. bf16 autocast: the fused add rounds once inside the matmul where PEFT rounds the side term and then

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from rocktune.data.batching import BatchStream, epoch_batches
 from rocktune.data.flat import step_forwards
 from rocktune.data.packing import cut_forwards, epoch_packed_batches, epoch_steps, step_rows
-from rocktune.tasks.lm.split import max_pieces, split_rows
+from rocktune.tasks.causal.split import max_pieces, split_rows
 
 CPU_ROWS = 2  # token batching forced on a CPU: small forwards are fastest there
 

@@ -21,7 +21,7 @@ def check_model_source(name_or_path: str) -> None:
         raise UserError(f"model path {name_or_path} does not exist; set model.name_or_path to a local model "
                         "directory or a hub id such as Qwen/Qwen2.5-0.5B-Instruct.")
     if not looks_local and not Path(name_or_path).exists():
-        from rocktune.hub import check_hub_model
+        from rocktune.models.hub import check_hub_model
 
         note = check_hub_model(name_or_path)  # seconds, where a download without network retries for a minute
         if note:
@@ -71,7 +71,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
                         "installed; use sdpa (the default) or install flash-attn for your GPU.")
     extra = {}
     if quantization != "none":
-        from rocktune import quant
+        from rocktune.models import quant
 
         quant.check_installed(quantization)
         extra = {"quantization_config": quant.bnb_config(quantization, double_quant, DTYPES[precision]),
@@ -99,7 +99,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
 def _refuse_vision_checkpoint(name_or_path: str) -> None:
     """A text task's model load of a vision-language checkpoint: the CLI refuses it first (``cli.vision_task``);
     this holds for every other way in (a hub id not yet in the cache then, the Python API)."""
-    from rocktune.vision_families import text_task_refusal, vision_checkpoint
+    from rocktune.vision.families import text_task_refusal, vision_checkpoint
 
     found = vision_checkpoint(name_or_path)
     if found is not None:
@@ -126,7 +126,7 @@ def check_weight_shapes(name_or_path: str) -> None:
     (checked on a meta-device model: no memory, no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rocktune.modelcheck import shape_mismatches
+    from rocktune.models.check import shape_mismatches
 
     try:
         mismatched = shape_mismatches(name_or_path, AutoModelForCausalLM, AutoConfig.from_pretrained(name_or_path))
@@ -143,7 +143,7 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
     from peft import LoraConfig, get_peft_model
 
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        from rocktune import quant
+        from rocktune.models import quant
 
         model = quant.prepare(model, gradient_checkpointing)
     if gradient_checkpointing:

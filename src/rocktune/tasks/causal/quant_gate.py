@@ -1,6 +1,6 @@
 """``model.quantization`` before anything is loaded: the knowledge base's verdict, then the kernels proven here.
 
-The verdict (``rocktune.quant.gate``) refuses the combinations known to fail. What it cannot know — a build that
+The verdict (``rocktune.models.quant.gate``) refuses the combinations known to fail. What it cannot know — a build that
 loads but computes garbage (bitsandbytes#2087), or a kernel wrong for some row lengths (bitsandbytes 0.50.2's CPU
 dequantisation of rows that are not a multiple of 64 values, measured by rocktune) — the self-test finds: the
 model's own row lengths are quantised and dequantised on the training device against a plain-torch reference,
@@ -19,7 +19,7 @@ def check_quantization(quantization: str, name_or_path: str, precision: str, dev
     """Raise UserError when the run must not load a quantised base here; else the notes to log."""
     if quantization == "none":
         return []
-    from rocktune import quant
+    from rocktune.models import quant
 
     plat = _platform(platform, device, quant.installed_bnb())
     vram = plat.devices[0].vram_bytes if plat.devices else None
@@ -53,7 +53,7 @@ def row_lengths(name_or_path: str) -> list[int]:
 
 
 def _self_test(device: str, quantization: str, name_or_path: str) -> str:
-    from rocktune import quant
+    from rocktune.models import quant
     from rocktune.doctor.quant_checks import check_linear4bit, check_linear8bit, check_quant4
 
     if quantization == "int8":

@@ -86,7 +86,7 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
 
 def varlen_inputs(batch: dict[str, torch.Tensor], max_document: int | None = None) -> dict:
     """The keyword arguments transformers hands every attention layer for variable-length attention
-    (rocktune.attention): the host-built document bounds, and ``max_document`` as the kernel's ``max_length``: a
+    (rocktune.kernels.attention): the host-built document bounds, and ``max_document`` as the kernel's ``max_length``: a
     run's constant, which sizes the kernel's grid (a flat forward's width of tens of thousands of tokens would launch
     that many query blocks per document, nearly all empty). Without it the glue takes the row width from the
     query's shape inside the graph; either way no Python int that changes per batch reaches a compiled decoder.
