@@ -28,7 +28,9 @@ FORBIDDEN = {
     "models/quant.py": {"train", "data", "models.load", "doctor", *ABOVE_ENGINE},
     "models/hub.py": {"train", "data", "models.load", "doctor", "planner", *ABOVE_ENGINE},  # below data (sources.py)
     "vision": {"train", "doctor", *ABOVE_ENGINE},  # vision-language models: task=vlm, generate --image
-    "vision/families.py": {"train", "models", "vision.model", "doctor", *ABOVE_ENGINE},  # their table: below models
+    "vision/families.py": {"train", "models", "vision.model", "doctor", *ABOVE_ENGINE},  # their runtime: below models
+    # the one table of vision-language families: standard library only, read by the planner, data, export and demo
+    "vision/table.py": {"*"},
     # varlen attention glue: used by the doctor's self-test and by the LM tasks' model building; below models
     "kernels": {"train", "models", "doctor", "planner", *ABOVE_ENGINE},
     # the LoRA side paths and their check

@@ -10,9 +10,11 @@ real run does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.demo.tiny import EOS_ID, SPECIALS, build_tokenizer
+from rocktune.vision import table
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -43,14 +45,23 @@ def _token_ids(tokenizer) -> dict[str, int]:
              ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
 
 
-# family -> (config class, model class, the vision config's family keys, patch size); the language model's mrope
-# splits half the head dimension (8 of 16) into temporal, height and width sections
-FAMILIES = {
-    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
-                   {"window_size": 56, "fullatt_block_indexes": [0]}, {}, 14),
-    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
-                 {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, {"mrope_interleaved": True}, 16),
-    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {"embed_dim": 32, "mlp_ratio": 2}, {}, 14),
+@dataclass(frozen=True)
+class QwenTiny:
+    """A Qwen-style family's tiny model: the vision config's family keys, the mrope keys, the patch size. The config
+    class is transformers' for the family's model_type, the model class its vision/table.py entry's."""
+    vision: dict
+    rope: dict
+    patch: int
+
+
+# the Qwen-style families' tiny models, keyed by model_type as vision/table.py's entries (the others' are
+# demo/tiny_vlm_families.py's TINY); the language model's mrope splits half the head dimension (8 of 16) into
+# temporal, height and width sections
+FAMILIES: dict[str, QwenTiny] = {
+    "qwen2_5_vl": QwenTiny({"window_size": 56, "fullatt_block_indexes": [0]}, {}, 14),
+    "qwen3_vl": QwenTiny({"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, {"mrope_interleaved": True},
+                         16),
+    "qwen2_vl": QwenTiny({"embed_dim": 32, "mlp_ratio": 2}, {}, 14),
 }
 
 
@@ -58,7 +69,8 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
                    vision_depth: int = 1, vision: dict | None = None, rope: dict | None = None):
     import transformers
 
-    config_cls, _, vision_keys, rope_keys, patch = FAMILIES[family]
+    tiny = FAMILIES[family]
+    vision_keys, rope_keys, patch = tiny.vision, tiny.rope, tiny.patch
     head_dim = 16
     text = {"vocab_size": 320, "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
             "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim // 2 or 1,
@@ -75,7 +87,7 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
               "temporal_patch_size": 2, **vision_keys, **overrides}
     if "embed_dim" in vision_keys:  # Qwen2-VL names the tower's width embed_dim, and hidden_size is its output's
         vision["hidden_size"] = hidden
-    return getattr(transformers, config_cls)(text_config=text, vision_config=vision, tie_word_embeddings=True,
+    return transformers.AutoConfig.for_model(family, text_config=text, vision_config=vision, tie_word_embeddings=True,
                                              **_token_ids(tokenizer))
 
 
@@ -91,7 +103,7 @@ def build_image_processor(patch: int = 14, min_tokens: int = 4, max_tokens: int 
 
 def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl", max_image_tokens: int = 16,
                    **shape) -> Path:
-    """Write a random-init tiny vision-language model of ``family`` (a model_type of vision_families.FAMILIES), its
+    """Write a random-init tiny vision-language model of ``family`` (a model_type of vision/table.py), its
     tokenizer and its image processor (Qwen's: at most ``max_image_tokens`` an image) to ``out_dir`` and return the
     path."""
     import torch
@@ -107,9 +119,9 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl
         return build_family_vlm(out, seed, family, **shape)
     tokenizer = build_vl_tokenizer()
     torch.manual_seed(seed)
-    model_cls = getattr(transformers, FAMILIES[family][1])
+    model_cls = getattr(transformers, table.FAMILIES[family].model_class)
     model = model_cls._from_config(tiny_vl_config(tokenizer, family, **shape), dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    build_image_processor(FAMILIES[family][4], max_tokens=max_image_tokens).save_pretrained(out)
+    build_image_processor(FAMILIES[family].patch, max_tokens=max_image_tokens).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -6,9 +6,26 @@ family's image tokens and a chat template in its style, and transformers' own im
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.demo.tiny import EOS_ID, SPECIALS, build_tokenizer
+from rocktune.vision import table
+
+
+@dataclass(frozen=True)
+class SiglipTiny:
+    """A SigLIP-tower family's tiny model: its style ("gemma": Gemma 3's tokens, template and pooled projector;
+    "tiles": Idefics3/SmolVLM's tiles) and transformers' image processor class. The config class is transformers'
+    for the family's model_type, the model class its vision/table.py entry's."""
+    style: str
+    image_processor: str
+
+
+# keyed by model_type as vision/table.py's entries (the Qwen-style ones are demo/tiny_vlm.py's FAMILIES)
+TINY: dict[str, SiglipTiny] = {"gemma3": SiglipTiny("gemma", "Gemma3ImageProcessor"),
+                               "smolvlm": SiglipTiny("tiles", "SmolVLMImageProcessor"),
+                               "idefics3": SiglipTiny("tiles", "Idefics3ImageProcessor")}
 
 GEMMA_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 TILE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"] + [
@@ -42,7 +59,7 @@ def build_family_tokenizer(family: str):
     from transformers import PreTrainedTokenizerFast
 
     base = build_tokenizer()
-    gemma = family == "gemma3"
+    gemma = TINY[family].style == "gemma"
     added = ["<start_of_turn>", "<end_of_turn>", *GEMMA_TOKENS.values()] if gemma else TILE_TOKENS
     base.add_special_tokens({"additional_special_tokens": SPECIALS[1:] + added})
     tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token=SPECIALS[0],
@@ -71,17 +88,17 @@ def tiny_family_config(tokenizer, family: str, hidden: int = 128, layers: int = 
     vision = {"hidden_size": vision_hidden, "intermediate_size": vision_hidden * 2, "num_hidden_layers": vision_depth,
               "num_attention_heads": 2, "image_size": 32, "patch_size": 8}
     text = _text_config(hidden, layers)
-    if family == "gemma3":
+    if TINY[family].style == "gemma":
         vision["vision_use_head"] = False  # as Gemma 3's checkpoints: the projector pools the patches itself
         text.update({"sliding_window": 512, "query_pre_attn_scalar": 16,
                      "layer_types": (["sliding_attention", "full_attention"] * layers)[:layers]})
-        return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                         boi_token_index=ids(GEMMA_TOKENS["boi_token"]),
-                                         eoi_token_index=ids(GEMMA_TOKENS["eoi_token"]),
-                                         image_token_index=ids(GEMMA_TOKENS["image_token"]), tie_word_embeddings=True)
-    config_cls = {"smolvlm": transformers.SmolVLMConfig, "idefics3": transformers.Idefics3Config}[family]
-    return config_cls(text_config={**text, "model_type": "llama"}, vision_config=vision, scale_factor=2,
-                      image_token_id=ids("<image>"), tie_word_embeddings=True)
+        return transformers.AutoConfig.for_model(family, text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                 boi_token_index=ids(GEMMA_TOKENS["boi_token"]),
+                                                 eoi_token_index=ids(GEMMA_TOKENS["eoi_token"]),
+                                                 image_token_index=ids(GEMMA_TOKENS["image_token"]),
+                                                 tie_word_embeddings=True)
+    return transformers.AutoConfig.for_model(family, text_config={**text, "model_type": "llama"}, vision_config=vision,
+                                             scale_factor=2, image_token_id=ids("<image>"), tie_word_embeddings=True)
 
 
 def build_family_image_processor(family: str):
@@ -89,9 +106,9 @@ def build_family_image_processor(family: str):
     tiling ones make 32-pixel tiles of an image resized to at most 64 pixels a side, plus its global view."""
     import transformers
 
-    if family == "gemma3":
-        return transformers.Gemma3ImageProcessor(size={"height": 32, "width": 32})
-    cls = {"smolvlm": transformers.SmolVLMImageProcessor, "idefics3": transformers.Idefics3ImageProcessor}[family]
+    cls = getattr(transformers, TINY[family].image_processor)
+    if TINY[family].style == "gemma":
+        return cls(size={"height": 32, "width": 32})
     return cls(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
 
 
@@ -103,10 +120,9 @@ def build_family_vlm(out: Path, seed: int, family: str, **shape) -> Path:
 
     tokenizer = build_family_tokenizer(family)
     torch.manual_seed(seed)
-    name = {"gemma3": "Gemma3", "smolvlm": "SmolVLM", "idefics3": "Idefics3"}[family]
-    model_cls = getattr(transformers, f"{name}ForConditionalGeneration")
+    model_cls = getattr(transformers, table.FAMILIES[family].model_class)
     model = model_cls._from_config(tiny_family_config(tokenizer, family, **shape), dtype=torch.float32)
-    if family == "gemma3":  # its init zeroes the projection (a blind model); a checkpoint's is trained
+    if TINY[family].style == "gemma":  # its init zeroes the projection (a blind model); a checkpoint's is trained
         weight = model.model.multi_modal_projector.mm_input_projection_weight
         with torch.no_grad():
             weight.normal_(0.0, weight.shape[0] ** -0.5)  # unit-scale features from the normed vision outputs

@@ -17,10 +17,11 @@ import numpy as np
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.export.gguf_vision import FAMILIES, VisionFamily
+from rocktune.export.gguf_vision import VisionFamily
+from rocktune.vision.table import FAMILIES
 from rocktune.readers.adapter import read_adapter_config
 
-TEXT = FAMILIES["qwen2_vl"]  # a text model's modules match neither side; Qwen's names were the first vlm adapters'
+TEXT = FAMILIES["qwen2_vl"].gguf  # a text model's modules match neither side; Qwen's names were the first vlm adapters'
 
 
 def _refuse(adapter: Path, what: str) -> None:

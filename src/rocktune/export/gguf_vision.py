@@ -16,7 +16,6 @@ A family or configuration llama.cpp would compute differently is refused before 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,32 +27,23 @@ from rocktune.export import quant as quants
 # writes the same llama.cpp flags
 from rocktune.vision.families import ImageTokens as ImageTokens
 from rocktune.vision.families import image_tokens
+from rocktune.vision import table as vision_table
+from rocktune.vision.table import GgufFacts
 
 LLAMA_CPP_WINDOW = 112  # pixels: mtmd's Qwen2.5-VL window attention ignores the config's window_size
 VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed epsilon
 GEMMA3_POOL = 4  # mtmd's Gemma 3 pooling kernel when the mmproj does not say
 
 
-@dataclass(frozen=True)
-class VisionFamily:
-    projector: str  # gguf.VisionProjectorType attribute
-    vision: tuple[str, ...] = ("model.visual.", "visual.")  # the vision side's names in transformers' state dict
-    text: str = "model.language_model."  # the language model's (-> a causal LM's model.*)
-    keep_model: bool = False  # gguf-py's table knows the vision names with their "model." (SmolVLM's checkpoints)
-    silu: bool = False  # Qwen2.5-VL's gated SiLU MLP (Qwen2-VL's is quick-GELU, llama.cpp's default for the type)
-    deepstack: bool = False  # Qwen3-VL: GELU MLP, learned position embeddings, deepstack mergers feeding the LM
-    siglip: bool = False  # a SigLIP tower (Gemma 3, Idefics3/SmolVLM): GELU, its own epsilon, embeddings kept f32
-    tower: tuple[str, str] | None = None  # (transformers' tower prefix, the published checkpoints' one)
+# one entry per family in the one table (vision/table.py, read live): llama.cpp's projector type, where the vision side
+# sits in the state dict, and the flags that change what is written
+VisionFamily = GgufFacts
 
 
-# transformers 5 names Gemma 3's tower vision_tower.*; its checkpoints (and gguf-py's table) vision_tower.vision_model.*
-GEMMA3 = VisionFamily("GEMMA3", ("model.vision_tower.", "model.multi_modal_projector."), siglip=True,
-                      tower=("vision_tower.", "vision_tower.vision_model."))
-TILES = VisionFamily("IDEFICS3", ("model.vision_model.", "model.connector."), "model.text_model.", keep_model=True,
-                     siglip=True)
-FAMILIES = {"qwen2_5_vl": VisionFamily("QWEN25VL", silu=True), "qwen2_vl": VisionFamily("QWEN2VL"),
-            "qwen3_vl": VisionFamily("QWEN3VL", deepstack=True), "gemma3": GEMMA3,
-            "idefics3": TILES, "smolvlm": TILES}
+def family_facts(kind: str) -> VisionFamily | None:
+    """The GGUF facts of the vision-language family ``kind`` (a model_type), None for a family the table lacks."""
+    entry = vision_table.FAMILIES.get(kind)
+    return entry.gguf if entry is not None else None
 
 
 def is_vision(cfg) -> bool:
@@ -63,17 +53,18 @@ def is_vision(cfg) -> bool:
 def check(cfg) -> VisionFamily:
     """The family's projector, or a refusal saying why this model cannot be exported with its eyes."""
     kind = getattr(cfg, "model_type", "?")
-    if kind not in FAMILIES:
+    family = family_facts(kind)
+    if family is None:
         raise UserError(f"GGUF export does not know the vision-language family {kind} (supported: "
-                        f"{', '.join(sorted(FAMILIES))}); a GGUF without its vision projector would be a model that "
-                        "cannot see. Use --to merged.")
+                        f"{', '.join(sorted(vision_table.FAMILIES))}); a GGUF without its vision projector would be a "
+                        "model that cannot see. Use --to merged.")
     vision = cfg.vision_config
     if getattr(vision, "temporal_patch_size", 2) != 2:
         raise UserError(f"GGUF export: this {kind} model's temporal_patch_size is {vision.temporal_patch_size}; "
                         "llama.cpp's mmproj holds the patch embedding as two frames (2). Use --to merged.")
-    if kind == "qwen2_5_vl":
+    if family.windows:
         wa_pattern(vision)
-    if kind == "gemma3":
+    if family.pooling:
         gemma3_pooling(cfg)
     deep = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     if deep and deep >= cfg.text_config.num_hidden_layers:  # llama.cpp adds them after its last layer has been cut
@@ -81,7 +72,7 @@ def check(cfg) -> VisionFamily:
                         f"{cfg.text_config.num_hidden_layers}; llama.cpp's graph can feed every layer but the last. "
                         "Use --to merged.")
     archs.arch_for(text_config(cfg))
-    return FAMILIES[kind]
+    return family
 
 
 def wa_pattern(vision) -> int:
@@ -117,7 +108,7 @@ def gemma3_pooling(cfg) -> int:
 def tokenizer_notes(cfg, tokenizer) -> list[str]:
     """What llama.cpp's mtmd needs of the tokenizer that the export cannot write: Idefics3's tile layout looks up
     "\n" and "\n\n" as single tokens (SmolVLM's tokenizer has them; without, llama-cpp-python 0.3.36 aborts)."""
-    if not FAMILIES[cfg.model_type].projector == "IDEFICS3":
+    if not vision_table.FAMILIES[cfg.model_type].gguf.projector == "IDEFICS3":
         return []
     missing = [repr(t) for t in ("\n", "\n\n") if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
     return [f"this tokenizer has no single token for {' and '.join(missing)}, which llama.cpp's mtmd looks up to lay "
@@ -137,7 +128,7 @@ def split_state(state: dict, cfg) -> tuple[dict, dict]:
     """transformers' module names -> (language model as a causal LM's ``model.*``/``lm_head``, vision side as the
     checkpoint names gguf-py's tables know: Qwen's ``visual.*``, Gemma 3's ``vision_tower.*`` /
     ``multi_modal_projector.*``, SmolVLM's ``model.vision_model.*`` / ``model.connector.*``)."""
-    family = FAMILIES[cfg.model_type]
+    family = vision_table.FAMILIES[cfg.model_type].gguf
     text, vision = {}, {}
     for key, tensor in state.items():
         if key.startswith(family.vision):
@@ -165,7 +156,7 @@ def mmproj_tensors(vision_state: dict, cfg) -> dict[str, np.ndarray]:
     # the projector's layers (visual.merger.mlp.0 and .2) are looked up by index like blocks: a one-block tower
     # still needs indexes up to 2
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(depth, 3))
-    family = FAMILIES[cfg.model_type]
+    family = vision_table.FAMILIES[cfg.model_type].gguf
     out: dict[str, np.ndarray] = {}
     for key, tensor in vision_state.items():
         data = tensor.detach().float().cpu().numpy()
@@ -224,7 +215,7 @@ def mmproj_type(quant: str) -> str:
 def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: Path, quant: str, name: str) -> None:
     import gguf
 
-    family = FAMILIES[cfg.model_type]
+    family = vision_table.FAMILIES[cfg.model_type].gguf
     vision = cfg.vision_config
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_type(gguf.GGUFType.MMPROJ)
@@ -246,9 +237,10 @@ def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: 
         writer.add_vision_max_pixels(limits.pixels[1])  # only (the command line carries them: ImageTokens)
     if family.silu:
         writer.add_vision_use_silu(True)
+    if family.windows:
         writer.add_vision_n_wa_pattern(wa_pattern(vision))
     if family.siglip:
-        _siglip_keys(writer, cfg, preprocessor)
+        _siglip_keys(writer, cfg, preprocessor, family)
     elif family.deepstack:
         _qwen3_keys(writer, cfg)
     else:
@@ -268,13 +260,13 @@ def _tensor_type(name: str, family: VisionFamily, quant: str) -> str:
     return "f16" if name.startswith("mm.input_projection.") and quant == "bf16" else quant
 
 
-def _siglip_keys(writer, cfg, preprocessor: dict) -> None:
+def _siglip_keys(writer, cfg, preprocessor: dict, family: VisionFamily) -> None:
     """A SigLIP tower's: GELU, its norms' epsilon, and the projector's pooling (Gemma 3: the kernel, written when not
     llama.cpp's default 4) or pixel shuffle (Idefics3: scale_factor, and the longest side images are resized to
     before tiling)."""
     writer.add_vision_use_gelu(True)
     writer.add_vision_attention_layernorm_eps(float(getattr(cfg.vision_config, "layer_norm_eps", VISION_EPS)))
-    if cfg.model_type == "gemma3":
+    if family.pooling:
         if gemma3_pooling(cfg) != GEMMA3_POOL:
             writer.add_vision_projector_scale_factor(gemma3_pooling(cfg))
         return

@@ -10,8 +10,7 @@ from rocktune.planner.budget import detect_budget, parse_budget
 from rocktune.planner.estimate import ATTN, DTYPE_BYTES, GIB, QUANT, Estimate, RunSpec, estimate
 from rocktune.planner.fit import MARGIN, fit
 from rocktune.planner.shapes import load_shape
-from rocktune.planner.vlm import QWEN as VLM_QWEN
-from rocktune.planner.vlm import is_vlm_config
+from rocktune.planner.vlm import is_qwen, is_vlm_config
 
 WIDE_COLUMNS = 120  # a terminal this wide shows each term's inputs in the table; a narrower one, below it
 
@@ -20,7 +19,7 @@ def run_plan(model: str, vram: str | None, spec: RunSpec, global_batch: int, as_
              device: str | None = None) -> int:
     """``spec``: the run as given on the command line; ``device``: what the budget is (default: detected)."""
     shape = load_shape(model)
-    if shape.model_type.removesuffix("_text") in VLM_QWEN or is_vlm_config(model):
+    if is_qwen(shape.model_type) or is_vlm_config(model):
         raise UserError(f"{model} is a vision-language model ({shape.model_type}); plan it with --task vlm, which "
                         "counts its images and its vision tower too.")
     if spec.precision not in DTYPE_BYTES or spec.attn not in ATTN or spec.quant not in ("none", *QUANT):

@@ -25,20 +25,25 @@ The pixels (fp32, P x channels x temporal x patch x patch) are part of the batch
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache
 
 from rocktune.errors import UserError
 from rocktune.planner.estimate import DTYPE_BYTES, FRAGMENTATION, MIB, Estimate, RunSpec, Term, estimate
 from rocktune.planner.shapes import ModelShape, read_config, shape_from_config
+# the families and their facts: the one table (standard library only), read live, so an entry added there is planned
+from rocktune.vision.table import FAMILIES, PlanFacts
 
-QWEN = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")
-SIGLIP = ("gemma3", "smolvlm", "idefics3")  # a SigLIP tower at one fixed size per view (an image, or a tile)
-FAMILIES = QWEN + SIGLIP
-MODEL_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                 "qwen2_vl": "Qwen2VLForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
-                 "smolvlm": "SmolVLMForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}
+
+def facts(family: str) -> PlanFacts:
+    """The planner's facts of a family of vision/table.py."""
+    return FAMILIES[family].plan
+
+
+def is_qwen(kind: str) -> bool:
+    """Whether ``kind`` (a model_type, or its language model's ``<model_type>_text``) is a Qwen-VL family's."""
+    entry = FAMILIES.get(kind.removesuffix("_text"))
+    return entry is not None and entry.plan.tower == "qwen"
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,10 @@ def vision_shape(config: dict, name: str = "config") -> VisionShape:
     if family not in FAMILIES or not isinstance(v, dict):
         raise UserError(f"{name}: task=vlm plans {', '.join(FAMILIES)} models (a config.json with a vision_config); "
                         f"this one has model_type {family!r}.")
-    if family in SIGLIP:
+    plan = facts(family)
+    if plan.tower == "siglip":
         return _siglip_shape(config, v, name)
-    if family == "qwen2_vl":  # Qwen2-VL names the tower's width embed_dim; its hidden_size is the projector's output
+    if plan.embed_dim:  # Qwen2-VL names the tower's width embed_dim; its hidden_size is the projector's output
         hidden, intermediate = v.get("embed_dim", 1280), v.get("embed_dim", 1280) * v.get("mlp_ratio", 4)
         out = v.get("hidden_size", 3584)
     else:
@@ -106,11 +112,11 @@ def vision_shape(config: dict, name: str = "config") -> VisionShape:
     bad = [k for k, x in values.items() if not isinstance(x, int) or x <= 0]
     if bad:
         raise UserError(f"{name}: vision_config lacks a positive {', '.join(bad)}; pass the model's own config.json.")
-    window = v.get("window_size", 112) if family == "qwen2_5_vl" else 0
+    window = v.get("window_size", 112) if plan.windows else 0
     full = tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))) if window else tuple(range(depth))
     return VisionShape(family, v.get("patch_size", 14), v.get("temporal_patch_size", 2), v.get("spatial_merge_size", 2),
                        depth, hidden, intermediate, values["num_heads"], out, window, full,
-                       v.get("in_channels", 3), gated=family == "qwen2_5_vl")
+                       v.get("in_channels", 3), gated=plan.gated)
 
 
 def _siglip_shape(config: dict, v: dict, name: str) -> VisionShape:
@@ -123,7 +129,7 @@ def _siglip_shape(config: dict, v: dict, name: str) -> VisionShape:
     if bad:
         raise UserError(f"{name}: vision_config lacks a positive {', '.join(bad)}; pass the model's own config.json.")
     side = v["image_size"] // v["patch_size"]
-    if config["model_type"] == "gemma3":
+    if facts(config["model_type"]).pooled:
         merge = side // int(config.get("mm_tokens_per_image", 256) ** 0.5)
         out = config.get("text_config", {}).get("hidden_size")
     else:
@@ -195,8 +201,7 @@ def _count_params(model_dir: str) -> int:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    # (vision_families.FAMILIES says the same; the planner does not import the model layer, which imports the data's)
-    cls = getattr(transformers, MODEL_CLASSES[config.model_type])
+    cls = getattr(transformers, FAMILIES[config.model_type].model_class)
     with torch.device("meta"):
         model = cls._from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -236,7 +241,7 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
         raise UserError(f"precision must be one of {', '.join(DTYPE_BYTES)}, not {spec.precision!r}.")
     # Gemma 3's image tokens attend to one another both ways: its masks are never the plain causal one, so every
     # layer converts one to float for sdpa (and repeats k/v), as with padding
-    padded = True if vision.family == "gemma3" else spec.padded
+    padded = True if facts(vision.family).bidirectional else spec.padded
     run = RunSpec(micro_batch=spec.micro_batch, seq_len=spec.seq_len, lora_r=spec.lora_r, precision=spec.precision,
                   attn=spec.attn, checkpointing=spec.checkpointing, loss_fraction=spec.loss_fraction,
                   padded=padded, device=spec.device, loss_chunk=spec.loss_chunk)
@@ -257,7 +262,8 @@ def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estima
 
     def add(name, n, phase, inputs):
         est.terms.append(Term(name, int(n), phase, inputs))
-    if vision.family == "gemma3":  # its sliding layers' own rotary tables (a second base), kept for the backward
+    if facts(vision.family).bidirectional:  # Gemma 3: its sliding layers' own rotary tables (a second base), kept
+        #                                     for the backward
         add("local_rope", 2 * spec.seq_len * text.head_dim * 4, "saved", "cos and sin of the local rotary base "
             f"(sliding-window layers): 2 x {spec.seq_len} x {text.head_dim} x 4 B")
         if spec.checkpointing and spec.attn != "eager":  # the sliding layers' own bool mask, beside the global one
@@ -286,9 +292,10 @@ def _batch(vision: VisionShape, spec: VLMSpec, add) -> None:
     values = _pixel_values(vision, p)
     add("pixel_values", values * 4, "batch",
         f"{len(spec.patches)} image(s), {p:,} patches, {values:,} values x 4 B (fp32, the processor's)")
-    if vision.siglip and vision.family != "gemma3":
+    tiles = vision.siglip and not facts(vision.family).pooled
+    if tiles:
         add("pixel_attention_mask", values // vision.in_channels, "batch", "1 B a pixel of each view (bool)")
-    kinds = 3 if vision.siglip and vision.family != "gemma3" else 4
+    kinds = 3 if tiles else 4
     add("token_rows", kinds * rows * 8, "batch", f"ids, mask, labels{', token types' if kinds == 4 else ''}: "
         f"{spec.micro_batch} x {spec.seq_len} x 8 B each")
 
@@ -301,7 +308,7 @@ def _siglip_forward(vision: VisionShape, spec: VLMSpec, dt: int, add) -> None:
         return
     views = p // vision.view_patches
     cast = _pixel_values(vision, p) * dt if dt != 4 else 0
-    if vision.family != "gemma3":  # the real views gathered out of the padded (conversations, images) batch
+    if not facts(vision.family).pooled:  # the real views gathered out of the padded (conversations, images) batch
         cast += _pixel_values(vision, p) * 4
     # the residual, the block's input and its norm's output; measured with torch's profiler on the tiny towers
     # (widths 256 and 512): Gemma 3's forward peaks at 8.0 x P x h x 4 B, SmolVLM's at 8.4-8.8 (its pixels gathered)
@@ -332,117 +339,3 @@ def _vision_forward(vision: VisionShape, spec: VLMSpec, dt: int, add) -> None:
         f"frozen tower, one block at a time: {p:,} patches x {h} wide, residual + rotary; max(attention "
         f"{(attention + scores) / MIB:.1f} MiB ({kind} attention, largest chunk {chunk} patches), MLP "
         f"{mlp / MIB:.1f} MiB); merged output {p // vision.merge**2:,} tokens x {vision.out_hidden}")
-
-
-# --- the fit: the largest resolution, then the fastest micro-batch and checkpointing --------------------------------
-
-# What a resolution gives one micro-batch: (max_pixels, micro_batch) -> (tokens of its longest conversation, the
-# patches of each of its images, the most loss-bearing tokens of a conversation). The caller derives it from the data
-# (or an assumed image) and the processor.
-Sizes = Callable[[int, int], tuple[int, tuple[int, ...], int]]
-
-
-def sized(base: VLMSpec, sizes: Sizes, max_pixels: int, micro_batch: int, checkpointing: bool) -> VLMSpec:
-    seq, patches, loss = sizes(max_pixels, micro_batch)
-    return replace(base, micro_batch=micro_batch, seq_len=seq, patches=patches, checkpointing=checkpointing,
-                   loss_fraction=min(1.0, loss / max(1, seq - 1)))
-
-
-@dataclass
-class VLMFit:
-    max_pixels: int | None  # None: the processor's own resolution (a family without pixel limits)
-    micro_batch_size: int
-    grad_accum: int
-    gradient_checkpointing: bool
-    seq_len: int  # tokens of the longest conversation at max_pixels
-    image_tokens: int  # of the micro-batch's images at max_pixels
-    predicted_peak_bytes: int
-    total_bytes: int
-    budget_bytes: int
-    reasons: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """The pixel limits a fit may choose from: ``max_pixels`` is the most asked for (the config's, or the processor's
-    own), lowered in steps of one token's pixels (``VisionShape.factor`` squared), never below ``min_pixels``."""
-
-    max_pixels: int
-    min_pixels: int
-
-
-def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, limits: Resolution | None,
-            budget: tuple[int, str], global_batch: int) -> VLMFit:
-    """The largest max_pixels at which some micro-batch (a divisor of ``global_batch``) with or without
-    checkpointing fits ``budget`` (bytes, where the figure came from; ``MARGIN`` kept free), then the fastest
-    setting at it. A resolution is worth more than speed: the micro-batch is chosen second. ``limits`` None: the
-    resolution is the processor's own (Gemma 3's one size, Idefics3's/SmolVLM's longest_edge), so only the
-    micro-batch and checkpointing are chosen."""
-    from rocktune.planner.fit import MARGIN, throughput
-
-    usable = int(budget[0] * (1 - MARGIN))
-    unit = vision.factor**2
-    micro = [d for d in range(1, max(1, global_batch) + 1) if global_batch % d == 0]
-
-    def candidates(n: int) -> list[Estimate]:
-        return [estimate_vlm(text, vision, sized(base, sizes, n * unit, m, ckpt)) for m in micro
-                for ckpt in (False, True)]
-
-    def fits(n: int) -> list[Estimate]:
-        return [e for e in candidates(n) if e.total_bytes <= usable]
-
-    hi, lo = (0, 0) if limits is None else (limits.max_pixels // unit, max(1, -(-limits.min_pixels // unit)))
-    if hi < lo:
-        raise UserError(f"data.max_pixels={limits.max_pixels} is below min_pixels={limits.min_pixels} (one token is "
-                        f"{vision.factor}x{vision.factor} pixels); raise data.max_pixels.")
-    if not fits(lo):
-        smallest = min(candidates(lo), key=lambda e: e.total_bytes)
-        at = ("at the processor's resolution" if limits is None else
-              f"even at max_pixels={lo * unit} (the lowest above min_pixels={limits.min_pixels})")
-        lower = "data.max_length" if limits is None else "data.min_pixels or data.max_length"
-        raise UserError(f"{text.name} does not fit in {_gib(budget[0])} ({budget[1]}) {at} with micro-batch 1 and "
-                        f"checkpointing: it needs {_gib(smallest.total_bytes)}, so a budget of at least "
-                        f"{_gib(smallest.total_bytes / (1 - MARGIN))} would work. Lower {lower}, or use a smaller "
-                        "model.")
-    best = hi if fits(hi) else _largest(lo, hi, lambda n: bool(fits(n)))
-    chosen = max(fits(best), key=throughput)
-    s, vs = chosen.spec, chosen.vspec
-    tokens = vs.total_patches // vision.merge**2
-    setting = ("the processor's resolution" if limits is None else
-               f"data.max_pixels={best * unit} (at most {best} tokens per image, {best} x "
-               f"{vision.factor}x{vision.factor} pixels)")
-    why = (f"{setting}, micro-batch {s.micro_batch}, checkpointing {'on' if s.checkpointing else 'off'}: the longest "
-           f"conversation {s.seq_len} tokens, {tokens} image tokens in the micro-batch; needs "
-           f"{_gib(chosen.total_bytes)} of {_gib(budget[0])} ({budget[1]}, {MARGIN:.0%} kept free)")
-    reasons = [f"chosen: {why}", _resolution_reason(vision, limits, (best, hi), candidates, usable)]
-    return VLMFit(None if limits is None else best * unit, s.micro_batch, global_batch // s.micro_batch,
-                  s.checkpointing, s.seq_len, tokens, chosen.peak_allocated, chosen.total_bytes, budget[0], reasons)
-
-
-def _resolution_reason(vision: VisionShape, limits: Resolution | None, chosen: tuple[int, int], candidates,
-                       usable: int) -> str:
-    """Why the resolution is what it is. ``chosen``: (the tokens' worth of pixels chosen, the most asked)."""
-    best, hi = chosen
-    if limits is None:
-        return (f"the resolution is {vision.family}'s processor's (its preprocessor_config.json: "
-                + ("one size for every image" if vision.family == "gemma3" else
-                   "size.longest_edge, in tiles of max_image_size") + "): --auto chooses the micro-batch and "
-                "checkpointing only")
-    if best < hi:
-        over = min(candidates(best + 1), key=lambda e: e.total_bytes)
-        return (f"max_pixels={(best + 1) * vision.factor**2} (one token more per image) does not fit with any "
-                f"micro-batch or checkpointing: the smallest needs {over.total_bytes / 2**20:,.1f} MiB > "
-                f"{usable / 2**20:,.1f} MiB usable")
-    return f"the asked max_pixels={limits.max_pixels} fits: the resolution is kept"
-
-
-def _largest(lo: int, hi: int, ok) -> int:
-    """The largest n in [lo, hi] with ok(n), given ok(lo) and that ok holds below any n where it holds."""
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return lo
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"

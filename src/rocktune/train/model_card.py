@@ -77,7 +77,8 @@ def _vision(config: dict) -> bool:
 
 def _load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
     # The table of families task=vlm trains (each exports to llama.cpp), named as the card's reader knows them.
-    from rocktune.vision.families import FAMILIES, vision_checkpoint
+    from rocktune.vision.families import vision_checkpoint
+    from rocktune.vision.table import names
 
     found = vision_checkpoint(base)
     return (f"## Use it\n\n```bash\nrocktune generate {run_dir} --image PHOTO.png --prompt \"...\" --compare\n```\n\n"
@@ -93,7 +94,7 @@ def _load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
             "print(processor.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True))\n```\n\n"
             + processor_needs(found[0] if found else None)
             + f"For llama.cpp and Ollama: `rocktune export {run_dir} --to gguf` writes the language model and its "
-            f"vision projector ({', '.join(f.name for f in FAMILIES.values())})"
+            f"vision projector ({names()})"
             + _llama_cpp(base, run_dir, found[1].name if found else None, data or {}))
 
 

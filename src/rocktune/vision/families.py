@@ -2,6 +2,8 @@
 model class, where the vision tower and the projector sit in its module tree (LoRA targets, ``lora.vision``, the
 freeze log), whether its image processor takes ``min_pixels``/``max_pixels``, and how its processor widens an image
 placeholder (a rule of data/vision_rules.py, with the token strings read from the model's own config and tokenizer).
+The facts are vision/table.py's entries (standard library only, read by the planner and the export too); this module
+builds their runtime objects (the placeholder rule, ``VisionTokens``) from them.
 Below the trainer and the export alike, it also holds a run's image-token range in llama.cpp's terms (``ImageTokens``):
 the export prints it on llama.cpp's command line and the adapter card (train/model_card.py) writes the same flags.
 
@@ -10,12 +12,14 @@ A family not listed here is refused with the list; nothing is trained half-under
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from rocktune.data.vision import VisionTokens
 from rocktune.data.vision_rules import FixedTokens, PatchGrid, SplitTiles
 from rocktune.errors import UserError
+from rocktune.vision import table
+from rocktune.vision.table import FamilyEntry
 
 
 @dataclass(frozen=True)
@@ -97,24 +101,26 @@ def run_image_tokens(name_or_path: str, data: dict) -> ImageTokens | None:
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # as people call it
-    model_class: str  # transformers' class
-    image_processors: tuple[str, ...]  # the image processor classes it takes (their Pillow/fast variants too)
-    roots: tuple[str, ...]  # the module names under which the vision side lives, the tower's first
-    projector: str  # the part of a vision-side module's name that makes it the projector (Qwen's inside the tower)
-    tokens: Callable[[object, object, object], VisionTokens]  # (config, tokenizer, image processor) -> tokens
-    pixel_limits: bool = False  # the image processor takes min_pixels / max_pixels
-    transformers: int = 4  # the lowest transformers major it is tested with (the torch 2.4/2.5 stacks have 4.57)
-    packing: bool = False  # data.packing: conversations packed in a row (Qwen: 3-D positions per conversation)
+    """A family's runtime view: its entry of vision/table.py with the placeholder rule that widens its images."""
+    entry: FamilyEntry
+
+    def __getattr__(self, key: str):  # name, model_class, image_processors, roots, projector, pixel_limits, ...
+        if key == "entry":  # not yet set (a copy being built): no recursion
+            raise AttributeError(key)
+        return getattr(self.entry, key)
+
+    def tokens(self, config, tokenizer, images) -> VisionTokens:
+        """(config, tokenizer, image processor) -> the family's vision tokens, by its placeholder rule."""
+        return RULES[self.entry.placeholder.kind](self.entry.placeholder.token_keys, config, tokenizer, images)
 
     def in_vision(self, name: str) -> bool:
-        return any(root in name.split(".") for root in self.roots)
+        return any(root in name.split(".") for root in self.entry.roots)
 
     def part(self, name: str) -> str:
         """language | projector (what maps image features into the language model's width) | tower."""
         if not self.in_vision(name):
             return "language"
-        return "projector" if self.projector in name else "tower"
+        return "projector" if self.entry.projector in name else "tower"
 
 
 def _names(tokenizer, config, keys: tuple[str, ...]) -> list[str]:
@@ -128,33 +134,36 @@ def _names(tokenizer, config, keys: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _qwen(config, tokenizer, images) -> VisionTokens:
-    keys = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+def _patch_grid(keys: tuple[str, ...], config, tokenizer, images) -> VisionTokens:
     (image, *_) = _names(tokenizer, config, keys)
-    return VisionTokens(images, config.image_token_id, image, frozenset(getattr(config, k) for k in keys),
+    return VisionTokens(images, getattr(config, keys[0]), image, frozenset(getattr(config, k) for k in keys),
                         PatchGrid(image, images.merge_size))
 
 
-def _gemma3(config, tokenizer, images) -> VisionTokens:
+def _fixed_tokens(keys: tuple[str, ...], config, tokenizer, images) -> VisionTokens:
     if getattr(images, "do_pan_and_scan", False):
         raise UserError("Gemma 3's pan-and-scan (extra crops of a large image) is not supported yet; set "
                         "do_pan_and_scan: false in the model's preprocessor_config.json.")
-    keys = ("image_token_id", "boi_token_id", "eoi_token_id")
     image, begin, end = _names(tokenizer, config, keys)
-    return VisionTokens(images, config.image_token_id, begin, frozenset(getattr(config, k) for k in keys),
+    return VisionTokens(images, getattr(config, keys[0]), begin, frozenset(getattr(config, k) for k in keys),
                         FixedTokens(image, begin, end, config.mm_tokens_per_image))
 
 
-def _tiles(config, tokenizer, images) -> VisionTokens:
+def _split_tiles(keys: tuple[str, ...], config, tokenizer, images) -> VisionTokens:
     """Idefics3 / SmolVLM: the tile's token count as the model's connector makes it (pixel shuffle by scale_factor)."""
-    (image,) = _names(tokenizer, config, ("image_token_id",))
+    (image,) = _names(tokenizer, config, keys[:1])
     count = _tile_tokens(config)
     around = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
     whole = getattr(tokenizer, "global_image_token", None) or "<global-img>"
     vocab = tokenizer.get_vocab()
     tags = [around, whole, image] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-    return VisionTokens(images, config.image_token_id, image, frozenset(vocab[t] for t in tags if t in vocab),
+    return VisionTokens(images, getattr(config, keys[0]), image, frozenset(vocab[t] for t in tags if t in vocab),
                         SplitTiles(image, around, whole, count))
+
+
+# the placeholder rules of vision/table.py's entries (Placeholder.kind), built from the model's config and tokenizer
+RULES: dict[str, Callable[[tuple[str, ...], object, object, object], VisionTokens]] = {
+    "patch_grid": _patch_grid, "fixed_tokens": _fixed_tokens, "split_tiles": _split_tiles}
 
 
 def _tile_tokens(config) -> int:
@@ -167,31 +176,27 @@ def processor_settings(config) -> dict:
     placeholder as rocktune does, from the model's own config: Gemma 3's and Idefics3/SmolVLM's processors otherwise
     take their class defaults (256, 169 tokens an image) whatever the model's tower makes. Qwen's count from the grid
     needs none. Written beside a merged model, so ``AutoProcessor.from_pretrained`` of it agrees with the model."""
-    kind = getattr(config, "model_type", None)
-    if kind == "gemma3":
-        return {"image_seq_length": config.mm_tokens_per_image}
-    if kind in ("smolvlm", "idefics3"):
-        return {"image_seq_len": _tile_tokens(config)}
-    return {}
+    entry = table.FAMILIES.get(getattr(config, "model_type", None))
+    if entry is None:
+        return {}
+    return {key: _tile_tokens(config) if source == "tile_tokens" else getattr(config, source)
+            for key, source in entry.processor_settings.items()}
 
 
-QWEN = ("Qwen2VLImageProcessor",)
-TILES = ("SmolVLMImageProcessor", "Idefics3ImageProcessor")  # SmolVLM's first release is an idefics3 model
-FAMILIES: dict[str, Family] = {
-    # Qwen's mergers (Qwen3-VL's deepstack mergers too) sit inside visual.*
-    "qwen2_5_vl": Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen,
-                         True, packing=True),
-    "qwen3_vl": Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True,
-                       packing=True),
-    "qwen2_vl": Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", QWEN, ("visual",), "merger", _qwen, True,
-                       packing=True),
-    "gemma3": Family("Gemma 3", "Gemma3ForConditionalGeneration", ("Gemma3ImageProcessor",),
-                     ("vision_tower", "multi_modal_projector"), "multi_modal_projector", _gemma3, transformers=5),
-    "smolvlm": Family("SmolVLM", "SmolVLMForConditionalGeneration", TILES, ("vision_model", "connector"),
-                      "connector", _tiles, transformers=5),
-    "idefics3": Family("Idefics3", "Idefics3ForConditionalGeneration", TILES, ("vision_model", "connector"),
-                       "connector", _tiles, transformers=5),
-}
+class _Families(Mapping[str, Family]):
+    """vision/table.py's entries as ``Family`` objects, read live (an entry added to the table is a family here)."""
+
+    def __getitem__(self, kind: str) -> Family:
+        return Family(table.FAMILIES[kind])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(table.FAMILIES)
+
+    def __len__(self) -> int:
+        return len(table.FAMILIES)
+
+
+FAMILIES: Mapping[str, Family] = _Families()
 
 
 def vision_checkpoint(name_or_path: str) -> tuple[str, Family] | None:

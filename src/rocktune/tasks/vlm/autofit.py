@@ -21,7 +21,8 @@ def apply_fit(cfg: RunConfig, precision: str, vram_bytes: int | None, data: tupl
     ``data``: the examples as encoded at the config's pixel limits, and the processor they were encoded with."""
     from rocktune.planner.budget import detect_budget
     from rocktune.planner.report import fmt_bytes as _gib
-    from rocktune.planner.vlm import VLMSpec, fit_vlm, load_vlm_shape
+    from rocktune.planner.vlm import VLMSpec, load_vlm_shape
+    from rocktune.tasks.vlm.fit import fit_vlm
     from rocktune.tasks.causal.autofit import loss_chunk
     from rocktune.tasks.vlm.plan import DataSizes, from_examples, resolution
 

@@ -179,9 +179,9 @@ def default_image(vision: VisionTokens) -> tuple[int, int]:
 
 
 def resolution(vision: VisionTokens):
-    """The pixel limits a plan may choose from (``planner.vlm.Resolution``), None where the resolution is the
+    """The pixel limits a plan may choose from (``tasks/vlm/fit.py``: ``Resolution``), None where the resolution is the
     processor's own: Gemma 3 (one size) and Idefics3/SmolVLM (longest_edge, which no data setting exposes)."""
-    from rocktune.planner.vlm import Resolution
+    from rocktune.tasks.vlm.fit import Resolution
 
     if not isinstance(vision.rule, PatchGrid):
         return None
@@ -198,7 +198,8 @@ def run_vlm_plan(req: PlanRequest, spec, global_batch: int) -> int:
     from rocktune.planner.budget import detect_budget, parse_budget
     from rocktune.planner.fit import MARGIN
     from rocktune.models.load import load_tokenizer
-    from rocktune.planner.vlm import estimate_vlm, fit_vlm, load_vlm_shape, sized
+    from rocktune.planner.vlm import estimate_vlm, load_vlm_shape
+    from rocktune.tasks.vlm.fit import fit_vlm, sized
     from rocktune.vision.model import model_type, vision_tokens
 
     model_type(req.model)
