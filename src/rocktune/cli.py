@@ -16,7 +16,8 @@ from rocktune.dtypes import canonical, gguf_float
 from rocktune.errors import UserError, print_error, quiet_libraries
 from rocktune.export.merge import DTYPE_NAMES
 from rocktune.export.style import STYLES
-from rocktune.task_registry import NAMES, TASKS
+from rocktune import task_registry
+from rocktune.task_registry import TASKS, demos, load
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +168,7 @@ def vision_task(cfg):
     ``train`` and ``data preview`` both decide it: ``task`` left unset means task=vlm, said in one line on stderr (the
     run's saved config then says vlm, so --resume decides alike); a text task given explicitly is refused naming
     task: vlm, before transformers' "Unrecognized configuration class" or a preview that reads ``<image>`` as text."""
-    if cfg.spec.vision or cfg.is_diffusion:
+    if cfg.task not in task_registry.TEXT:  # a vision-language or diffusion task already
         return cfg
     from rocktune.vision.families import text_task_refusal, vision_checkpoint
 
@@ -226,7 +227,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--real", action="store_true",
                    help="teach a real pretrained chat model (SmolLM2-135M-Instruct, from the demo-real extra) a "
                         "new skill instead; a few minutes on a CPU")
-    p.add_argument("--task", choices=("lm", "dpo", "grpo"), default="lm",
+    p.add_argument("--task", choices=demos(), default="lm",
                    help="dpo: preference tuning after SFT — the SFT demo's model (from --from, trained first when "
                         "absent) taught to prefer one style of answer; out: runs/demo-dpo. grpo: a short SFT, then "
                         "GRPO with the exact-answer reward; out: runs/demo-grpo")
@@ -246,19 +247,7 @@ def _run_demo(args) -> int:
 
         return run_real_demo(out_dir=args.out or "runs/demo-real", as_json=args.json, steps=args.steps,
                              overwrite=args.overwrite)
-    if args.task == "grpo":
-        from rocktune.demo.grpo_run import run_grpo_demo
-
-        return run_grpo_demo(out_dir=args.out or "runs/demo-grpo", as_json=args.json, steps=args.steps,
-                             overwrite=args.overwrite)
-    if args.task == "dpo":
-        from rocktune.demo.prefs_run import run_dpo_demo
-
-        return run_dpo_demo(out_dir=args.out or "runs/demo-dpo", sft_dir=args.sft_dir, as_json=args.json,
-                            steps=args.steps, overwrite=args.overwrite)
-    from rocktune.demo.run import run_demo
-
-    return run_demo(out_dir=args.out or "runs/demo", as_json=args.json, steps=args.steps, overwrite=args.overwrite)
+    return load(TASKS[args.task].demo)(args)  # the task's own demo (task_registry.py)
 
 
 # --- doctor ----------------------------------------------------------------------------------------------------
@@ -367,7 +356,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--loss-chunk", type=int, default=256, help="loss positions per chunk (default 256)")
     p.add_argument("--device", choices=("gpu", "cpu"), default=None, help="what the budget is (default: detected)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--task", choices=NAMES, default="lm",
+    p.add_argument("--task", choices=tuple(TASKS), default="lm",
                    help="lm (default); dpo/orpo: --batch counts pairs (two sequences each); vlm: a vision-language "
                         "model directory (its images: see the vlm options); or a Wan LoRA "
                         "(video-lora, image-lora): MODEL is then a diffusers Wan directory or hub id")
@@ -396,53 +385,9 @@ def _add_plan(sub) -> None:
 def _run_plan(args) -> int:
     vlm_only = [f"--{k.replace('_', '-')}" for k in ("data", "max_pixels", "min_pixels", "image_size")
                 if getattr(args, k) is not None]
-    if vlm_only and not TASKS[args.task].vision:
+    if vlm_only and args.task not in task_registry.VISION:
         raise UserError(f"{', '.join(vlm_only)}: only for --task vlm (a vision-language model's images).")
-    if TASKS[args.task].vision:
-        return _run_vlm_plan(args)
-    if TASKS[args.task].diffusion:
-        from rocktune.planner.wan import WanSpec, parse_resolution, run_wan_plan
-
-        width, height = parse_resolution(args.resolution)
-        spec = WanSpec(width, height, args.frames, args.batch, args.text_tokens, args.lora_r, args.precision,
-                       args.checkpointing)
-        return run_wan_plan(args.model, args.task, spec, args.vram, args.json)
-    from rocktune.planner.estimate import RunSpec
-    from rocktune.planner.report import run_plan
-
-    targets = args.targets if args.targets in ("all-linear", "all") else \
-        tuple(t.strip() for t in args.targets.split(",") if t.strip())
-    # A preference pair is two sequences in one forward; DPO's reference pass runs without gradients, so its
-    # activations are freed layer by layer and add no more than the eval pass does.
-    sequences = args.batch * (2 if TASKS[args.task].pairs else 1)
-    # GRPO: the update's rows are prompt + completion; the rollout's KV cache holds every completion of a step.
-    grpo = args.task == "grpo"
-    rollout = (args.rollout_rows or args.global_batch, args.max_length, args.completion_length) if grpo else (0, 0, 0)
-    spec = RunSpec(micro_batch=sequences, seq_len=args.max_length + (args.completion_length if grpo else 0),
-                   rollout_rows=rollout[0], rollout_prompt=rollout[1], rollout_new=rollout[2], lora_r=args.lora_r,
-                   targets=targets,
-                   precision=args.precision, quant=args.quant, attn=args.attn, checkpointing=args.checkpointing,
-                   lora_dropout=args.lora_dropout, loss_mode=args.loss, loss_chunk=args.loss_chunk, ranks=args.nproc,
-                   parallel=args.parallel, compiled=args.compiled)
-    return run_plan(args.model, args.vram, spec, args.global_batch, args.json, args.device)
-
-
-def _run_vlm_plan(args) -> int:
-    from rocktune.planner.estimate import DTYPE_BYTES as DTYPES
-    from rocktune.planner.vlm import VLMSpec
-    from rocktune.planner.wan import parse_resolution
-    from rocktune.tasks.vlm.plan import PlanRequest, run_vlm_plan
-
-    if args.precision not in DTYPES or min(args.batch, args.global_batch, args.lora_r, args.max_length - 1) < 1:
-        raise UserError(f"precision must be one of {', '.join(DTYPES)}; batch, global-batch and lora-r positive, "
-                        "max-length at least 2.")
-    size = parse_resolution(args.image_size) if args.image_size else None
-    req = PlanRequest(args.model, args.data, args.max_pixels, args.min_pixels, size, args.images, args.text_tokens,
-                      args.max_length, args.vram, args.device, args.json)
-    spec = VLMSpec(micro_batch=args.batch, lora_r=args.lora_r, precision=args.precision,
-                   checkpointing=args.checkpointing, attn="eager" if args.attn == "eager" else "sdpa",
-                   loss_chunk=args.loss_chunk)
-    return run_vlm_plan(req, spec, args.global_batch)
+    return load(TASKS[args.task].plan)(args)  # the task's own plan (task_registry.py)
 
 
 # --- bench -----------------------------------------------------------------------------------------------------
@@ -530,30 +475,8 @@ def _run_data_preview(args) -> int:
 
         cfg = vision_task(load_config(args.config, args.overrides) if args.config else
                           load_config(None, args.overrides, base=_preview_flags(args)))
-        if cfg.is_diffusion:
-            from rocktune.diffusion.preview import run_media_preview
-
-            return run_media_preview(cfg, args.examples, args.json)
-        if cfg.spec.vision:
-            from rocktune.report.vision_preview import run_vision_preview
-
-            return run_vision_preview(cfg, args.examples, args.json, args.html)
-        if cfg.spec.pairs:
-            from rocktune.report.pair_preview import run_pair_preview
-
-            return run_pair_preview(cfg, args.examples, args.json)
-        if cfg.task == "grpo":
-            from rocktune.report.prompt_preview import run_prompt_preview
-
-            return run_prompt_preview(cfg, args.examples, args.json)
-        # The whole data section: columns, split, subset, revision, num_proc open the source as train does.
-        data, model, trust = cfg.data, cfg.model.name_or_path, cfg.model.trust_remote_code
-    else:
-        raise UserError("rocktune data preview needs -c CONFIG, or both --data FILE and --model MODEL.")
-    from rocktune.report.preview_view import run_preview
-
-    return run_preview(data, model=model, trust_remote_code=trust, n_show=args.examples, html=args.html,
-                       as_json=args.json)
+        return load(cfg.spec.preview)(cfg, args.examples, args.json, args.html)  # the task's own (task_registry)
+    raise UserError("rocktune data preview needs -c CONFIG, or both --data FILE and --model MODEL.")
 
 
 def _preview_flags(args) -> dict:

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from rocktune.dtypes import canonical
 from rocktune.errors import UserError, first_line
 from rocktune.readers.yaml_file import read_yaml
-from rocktune.task_registry import NAMES, TASKS
+from rocktune import task_registry
+from rocktune.task_registry import TaskSpec
 
 
 def only(*tags: str, harmless: tuple = ()) -> dict:
@@ -461,32 +463,31 @@ class GRPOConfig(_Section):
                                "non-attention layers, and gradient checkpointing, take the plain forward.")
 
 
-class RunConfig(_Section):
-    task: Literal[NAMES] = Field(
-        "lm", description="What is trained. " + "; ".join(f"{n}: {s.summary}" for n, s in TASKS.items())
-        + ". docs/diffusion.md and docs/preference.md describe the non-default ones.",
-    )
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
-    reliability: ReliabilityConfig = Field(default_factory=ReliabilityConfig)
-    output: OutputConfig = Field(default_factory=OutputConfig)
-    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig, json_schema_extra=only("diffusion"))
-    preference: PreferenceConfig = Field(default_factory=PreferenceConfig, json_schema_extra=only("preference"))
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig, json_schema_extra=only("grpo"))
+class _RunConfigBase(_Section):
+    """What every task's config has besides its fields (composed by ``compose`` from the registry)."""
+
+    if TYPE_CHECKING:  # the fields compose() adds: the common sections, and the task sections (Any to mypy)
+        task: str
+        model: ModelConfig
+        lora: LoraConfig
+        data: DataConfig
+        training: TrainingConfig
+        reliability: ReliabilityConfig
+        output: OutputConfig
+
+        def __getattr__(self, name: str) -> Any: ...
 
     @property
-    def spec(self):
+    def spec(self) -> TaskSpec:
         """This run's row of task_registry.TASKS."""
-        return TASKS[self.task]
+        return task_registry.TASKS[self.task]
 
     @property
     def is_diffusion(self) -> bool:
-        return self.spec.diffusion
+        return self.task in task_registry.DIFFUSION
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> RunConfig:
+    def _check_cross_fields(self) -> _RunConfigBase:
         if self.data.train_file is None:
             raise ValueError("data.train_file is required: the data to train on, a JSON/JSONL, parquet, CSV or Arrow "
                              "file, a save_to_disk folder or a hub dataset id (video-lora/image-lora: a folder of "
@@ -495,6 +496,35 @@ class RunConfig(_Section):
             raise ValueError(f"task={self.task} needs model.name_or_path set to a diffusers Wan checkpoint (hub id "
                              "such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers, or a local directory with model_index.json)")
         return self
+
+
+# The task sections in the order saved config files have always had them; a new task's sections follow.
+_SAVED_ORDER = ("diffusion", "preference", "grpo")
+
+
+def compose() -> type[_RunConfigBase]:
+    """The config model of the registry as it is now: ``task`` (one of its names), the sections every task has and
+    the sections its rows list (``TaskSpec.sections``, loaded by ``module:Class``), each tagged with its key so that
+    it applies to the tasks that list it (``only``)."""
+    tasks = task_registry.TASKS
+    fields: dict[str, Any] = {
+        "task": (Literal[tuple(tasks)], Field(  # type: ignore[valid-type]
+            "lm", description="What is trained. " + "; ".join(f"{n}: {s.summary}" for n, s in tasks.items())
+            + ". docs/diffusion.md and docs/preference.md describe the non-default ones.")),
+        **{key: (cls, Field(default_factory=cls)) for key, cls in (
+            ("model", ModelConfig), ("lora", LoraConfig), ("data", DataConfig), ("training", TrainingConfig),
+            ("reliability", ReliabilityConfig), ("output", OutputConfig))}}
+    found = task_registry.sections()
+    for key in sorted(found, key=lambda k: _SAVED_ORDER.index(k) if k in _SAVED_ORDER else len(_SAVED_ORDER)):
+        cls = task_registry.load(found[key][0])
+        fields[key] = (cls, Field(default_factory=cls, json_schema_extra=only(key)))
+    return create_model("RunConfig", __base__=_RunConfigBase, __module__=__name__, **fields)
+
+
+if TYPE_CHECKING:
+    RunConfig = _RunConfigBase
+else:
+    RunConfig = compose()
 
 
 def inapplicable(cfg: RunConfig) -> dict[str, list[str]]:
@@ -511,7 +541,7 @@ def inapplicable(cfg: RunConfig) -> dict[str, list[str]]:
                 continue
             value, default = getattr(section, key), field.get_default(call_default_factory=True)
             if value != default and value not in tag["harmless"]:
-                for_tasks = ", ".join(n for n, s in TASKS.items() if s.tags & set(tag["tasks"]))
+                for_tasks = ", ".join(n for n, s in task_registry.TASKS.items() if s.tags & set(tag["tasks"]))
                 out.setdefault(for_tasks, []).append(f"{name}.{key}={value}")
     return out
 
@@ -521,13 +551,10 @@ def refuse_inapplicable(cfg: RunConfig) -> None:
     found = inapplicable(cfg)
     if found:
         said = "; ".join(f"{', '.join(keys)}: only for task={tasks}" for tasks, keys in found.items())
-        raise UserError(f"{said}. Not supported for task={cfg.task} ({_TASK_DOCS.get(cfg.task, 'docs/data.md')} "
+        raise UserError(f"{said}. Not supported for task={cfg.task} ({cfg.spec.docs} "
                         "lists what is); remove it from the config.")
 
 
-_TASK_DOCS = {**{n: "docs/diffusion.md" for n, s in TASKS.items() if s.diffusion},
-              **{n: "docs/preference.md" for n, s in TASKS.items() if s.pairs}, "grpo": "docs/rl.md",
-              "vlm": "docs/vision.md"}
 
 
 def load_config(path: str | None, overrides: list[str] | None = None, require_paths: bool = False,

@@ -117,3 +117,10 @@ def _print_summary(fig: dict) -> None:
                   f"({fig['steps']} steps); adapter: {fig['run_dir']}/adapter")
     console.print(f"report: {fig['report']}" if fig["report"] else
                   "report: not written (pip install 'rocktune[report]' for plots and an HTML page of the run)")
+
+
+def demo(args) -> int:
+    """``rocktune demo --task grpo`` (its registry ``demo`` hook): a short SFT, then GRPO with the exact-answer
+    reward."""
+    return run_grpo_demo(out_dir=args.out or "runs/demo-grpo", as_json=args.json, steps=args.steps,
+                         overwrite=args.overwrite)

@@ -131,3 +131,9 @@ def _print_summary(fig: dict, before: list[dict]) -> None:
     console.print(f"training: {fig['train_seconds']} s ({fig['steps']} steps); adapter: {fig['run_dir']}/adapter")
     console.print(f"report: {fig['report']}" if fig["report"] else
                   "report: not written (pip install 'rocktune[report]' for plots and an HTML page of the run)")
+
+
+def demo(args) -> int:
+    """``rocktune demo --task dpo`` (its registry ``demo`` hook): the SFT demo's model taught to prefer one style."""
+    return run_dpo_demo(out_dir=args.out or "runs/demo-dpo", sft_dir=args.sft_dir, as_json=args.json,
+                        steps=args.steps, overwrite=args.overwrite)

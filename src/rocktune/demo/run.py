@@ -154,3 +154,8 @@ def write_run_report(run_dir: Path) -> str | None:
     from rocktune.report.rundata import load_run
 
     return str(write_report([load_run(run_dir)]))
+
+
+def demo(args) -> int:
+    """``rocktune demo`` (task lm's registry ``demo`` hook): the tiny model learns a synthetic task."""
+    return run_demo(out_dir=args.out or "runs/demo", as_json=args.json, steps=args.steps, overwrite=args.overwrite)

@@ -14,7 +14,7 @@ from rocktune.config import RunConfig
 from rocktune.diffusion import components, media
 
 
-def run_media_preview(cfg: RunConfig, n_show: int, as_json: bool) -> int:
+def run_media_preview(cfg: RunConfig, n_show: int, as_json: bool, html: str | None = None) -> int:
     diff = cfg.diffusion
     layout = components.read_layout(cfg.model.name_or_path, diff.expert)
     frames = [1] if cfg.task == "image-lora" else diff.frames

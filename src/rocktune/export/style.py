@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rocktune.readers.json_file import JsonProblem, parse_json
+from rocktune import task_registry
+from rocktune.readers.json_file import first_record
 from rocktune.readers.template import render_chat_template
 
 STYLES = ("auto", "chat", "raw", "alpaca")
@@ -22,10 +23,9 @@ def training_style(run_config: dict, tokenizer=None) -> str | None:
     from rocktune.errors import UserError
 
     data = run_config.get("data") or {}
-    if run_config.get("task") == "grpo":  # prompts as data/prompts.py reads them: messages rendered, text raw
-        first = _first_record(data.get("train_file"))
-        key = (data.get("columns") or {}).get("prompt", "prompt")
-        return None if first is None else "chat" if isinstance(first.get(key), list) else "raw"
+    row = task_registry.TASKS.get(run_config.get("task", "lm"))
+    if row and row.style:  # the task's own policy (task_registry.py), e.g. GRPO's prompts
+        return task_registry.load(row.style)(run_config)
     fmt = data.get("format", "auto")
     if fmt == "auto":
         fmt = _first_record_shape(data.get("train_file"))
@@ -46,25 +46,12 @@ def _first_record_shape(train_file: str | None) -> str | None:
     path = Path(train_file)
     if path.suffix.lower() in TEXT_SUFFIXES or (path.is_dir() and text_files(path)):
         return "text"
-    first = _first_record(train_file)
+    first = first_record(train_file)
     if first is None:
         return None
     if any(key in first for key in ALIASES):
         return ALIASES[next(key for key in ALIASES if key in first)]
     return next((shape for shape, keys in SHAPES.items() if all(k in first for k in keys)), None)
-
-
-def _first_record(train_file: str | None) -> dict | None:
-    """The first record of a JSON/JSONL train_file, or None."""
-    if not train_file or not Path(train_file).is_file():
-        return None
-    try:
-        with open(train_file, encoding="utf-8") as f:
-            head = f.read(1 << 20).lstrip()
-        first = parse_json(head.splitlines()[0]) if not head.startswith("[") else parse_json(head)[0]
-    except (JsonProblem, IndexError, KeyError, TypeError, OSError, ValueError):
-        return None
-    return first if isinstance(first, dict) else None
 
 
 def resolve_style(requested: str, run_config: dict, tokenizer) -> str:

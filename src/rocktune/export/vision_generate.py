@@ -19,14 +19,14 @@ from rocktune.export.source import Origin, Source, load_tokenizer, resolve
 from rocktune.models.load import stop_ids
 from rocktune.platform.environment import resolve_device
 from rocktune.readers.yaml_file import read_yaml
-from rocktune.task_registry import TASKS
+from rocktune import task_registry
 from rocktune.vision.families import vision_checkpoint
 from rocktune.vision.model import model_inputs
 
 
 def is_vision_run(src: Source) -> bool:
     name = src.run_config.get("task")
-    return name in TASKS and TASKS[name].vision
+    return name in task_registry.VISION
 
 
 def is_vision_dir(path: str) -> bool:
@@ -36,7 +36,7 @@ def is_vision_dir(path: str) -> bool:
         if saved.is_file():
             config = read_yaml(saved, "restore the run directory from a copy, or train again.")[0]
             name = config.get("task") if isinstance(config, dict) else None
-            return name in TASKS and TASKS[name].vision
+            return name in task_registry.VISION
     return (Path(path) / "config.json").is_file() and vision_checkpoint(path) is not None
 
 

@@ -58,3 +58,16 @@ def _where(exc: json.JSONDecodeError) -> str:
 
 def _kind(expect: type) -> str:
     return {dict: "object", list: "array"}.get(expect, expect.__name__)
+
+
+def first_record(train_file: str | None) -> dict | None:
+    """The first record of a JSON/JSONL train_file, or None."""
+    if not train_file or not Path(train_file).is_file():
+        return None
+    try:
+        with open(train_file, encoding="utf-8") as f:
+            head = f.read(1 << 20).lstrip()
+        first = parse_json(head.splitlines()[0]) if not head.startswith("[") else parse_json(head)[0]
+    except (JsonProblem, IndexError, KeyError, TypeError, OSError, ValueError):
+        return None
+    return first if isinstance(first, dict) else None

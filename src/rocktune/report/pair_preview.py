@@ -57,7 +57,7 @@ def _text(run_list: list) -> str:
     return "".join(f"[{text}]" if trained else text for text, trained, _special in run_list)
 
 
-def run_pair_preview(cfg, n_show: int, as_json: bool) -> int:
+def run_pair_preview(cfg, n_show: int, as_json: bool, html: str | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 

@@ -11,11 +11,17 @@ import io
 
 from rocktune.errors import UserError
 from rocktune.report.rundata import RunData
-from rocktune.task_registry import TASKS
-
-PAIR_TASKS = tuple(n for n, s in TASKS.items() if s.pairs)
+from rocktune import task_registry
+from rocktune.task_registry import ReportHooks
 
 GIB = 2**-30
+
+
+def report_hooks(task: str | None) -> ReportHooks:
+    """What the report says differently for a run's task (its registry row's ``report`` hook); the default for a
+    task this version does not know."""
+    row = task_registry.TASKS.get(task or "lm")
+    return task_registry.load(row.report) if row else ReportHooks()
 
 
 def _pyplot():
@@ -68,10 +74,8 @@ def _colours(n: int) -> list:
 
 
 def loss_plot(runs: list[RunData]) -> bytes:
-    pairs = all(run.config.get("task") in PAIR_TASKS for run in runs)
-    rl = all(run.config.get("task") == "grpo" for run in runs)
-    fig, ax = _figure("loss", "loss per preference pair" if pairs else "GRPO objective (clipped surrogate + beta KL)"
-                      if rl else "cross-entropy per loss-bearing token")
+    labels = {report_hooks(run.config.get("task")).loss_label for run in runs}  # the task's (task_registry.py)
+    fig, ax = _figure("loss", labels.pop() if len(labels) == 1 else ReportHooks().loss_label)
     several = len(runs) > 1
     for run, c in zip(runs, _colours(len(runs))):
         prefix = f"{run.name}: " if several else ""

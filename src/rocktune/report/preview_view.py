@@ -146,3 +146,10 @@ def run_preview(data, model: str, trust_remote_code: bool, n_show: int, html: st
         if not as_json:
             print(f"preview page: {html}")
     return 1 if any(p["level"] == "error" for p in pv.problems) else 0
+
+
+def run_config_preview(cfg, n_show: int, as_json: bool, html: str | None = None) -> int:
+    """``data preview -c CONFIG`` of a causal-LM task (the registry's default ``preview`` hook): the whole data
+    section (columns, split, subset, revision, num_proc open the source as train does), token by token."""
+    return run_preview(cfg.data, model=cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
+                       n_show=n_show, html=html, as_json=as_json)

@@ -39,7 +39,7 @@ def build_prompt_preview(data, tokenizer, n_show: int) -> dict:
             "prompts": shown}
 
 
-def run_prompt_preview(cfg, n_show: int, as_json: bool) -> int:
+def run_prompt_preview(cfg, n_show: int, as_json: bool, html: str | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 

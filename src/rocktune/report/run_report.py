@@ -16,7 +16,7 @@ import yaml
 from rocktune.atomic import write_atomic
 from rocktune.report import page, plots
 from rocktune.report.rundata import RunData, load_run
-from rocktune.task_registry import DIFFUSION, TASKS
+from rocktune import task_registry
 
 # run_info.json's data keys as a person reads them; a key not listed is shown as it is
 DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncated": "examples cut to max_length",
@@ -27,9 +27,6 @@ DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncate
                "max_example_tokens": "longest example (tokens)",
                "task": "task", "buckets": "examples per size bucket", "transformer": "transformer trained",
                "flow_shift": "flow shift", "timestep_sampling": "timestep sampling"}
-# config sections that only one kind of task reads: the other kind's run hides them
-TASK_SECTIONS = {"diffusion": DIFFUSION, "preference": tuple(n for n, s in TASKS.items() if s.pairs),
-                 "grpo": ("grpo",)}
 PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm": "Gradient norm",
                "tokens_per_s": "Throughput", "memory": "Device memory", "rewards": "Preference rewards",
                "accuracy": "Reward accuracy", "memory_over_steps": "Memory over the run", "reward": "Rollout rewards",
@@ -151,9 +148,9 @@ def _events(runs: list[RunData]) -> str:
 
 def _samples(run: RunData) -> str:
     steps = run.sample_steps()
-    if not steps and run.config.get("task") in DIFFUSION:
-        return (f"<h2>Samples</h2><p>Render clips with the trained LoRA: <code>rocktune generate "
-                f"{html.escape(str(run.path))} --prompt \"...\" --compare</code> (docs/diffusion.md).</p>")
+    note = plots.report_hooks(run.config.get("task")).no_samples  # the task's own (task_registry.py)
+    if not steps and note:
+        return note.format(run=html.escape(str(run.path)))
     if not steps:
         return "<h2>Samples</h2><p>No samples (set training.sample_count or training.sample_prompts).</p>"
     first, last = steps[0], steps[-1]
@@ -184,8 +181,8 @@ def _data_value(key: str, value):
 
 def _own_sections(config: dict) -> dict:
     """The config without the sections of the other kind of task (an LM run has no use for ``diffusion:``)."""
-    task = config.get("task", "lm")
-    return {k: v for k, v in config.items() if k not in TASK_SECTIONS or task in TASK_SECTIONS[k]}
+    task, sections = config.get("task", "lm"), task_registry.sections()  # config sections only some tasks read
+    return {k: v for k, v in config.items() if k not in sections or task in sections[k][1]}
 
 
 def _platform(run: RunData) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from rocktune.task_registry import DIFFUSION, TASKS
+from rocktune import task_registry
 from rocktune.train.summary import read_figures
 
 
@@ -44,13 +44,13 @@ def _set_base(adapter_dir: Path, base: str) -> None:
 
 def _task(name: str) -> str:
     """The task and what it trains, from the registry (a run of a task since removed is named as it is)."""
-    return f"{name}: {TASKS[name].summary}" if name in TASKS else name
+    tasks = task_registry.TASKS
+    return f"{name}: {tasks[name].summary}" if name in tasks else name
 
 
 def card(config: dict, base: str, run_dir: Path) -> str:
     fig = read_figures(run_dir / "metrics.jsonl")
     lora, data, t = config.get("lora", {}), config.get("data", {}), config.get("training", {})
-    video = config.get("task") in DIFFUSION
     evals = (f"{fig.eval_before:.4f} → {fig.eval_after:.4f}" if fig.eval_before is not None
              and fig.eval_after is not None else "not measured (no eval data)")
     length = f"{t.get('max_steps')} steps" if t.get("max_steps") else f"{t.get('epochs')} epochs"
@@ -66,13 +66,14 @@ def card(config: dict, base: str, run_dir: Path) -> str:
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     return (f"# LoRA adapter for {base}\n\nTrained by rocktune; the whole resolved config is `rocktune_config.yaml` "
             f"beside this file, the run's metrics are in `{run_dir / 'metrics.jsonl'}`.\n\n{table}\n"
-            + (_load_video(run_dir) if video else _load_vision(base, run_dir, data) if _vision(config) else
-               _load_lm(base, run_dir)))
+            + _use_it(config, base, run_dir, data))
 
 
-def _vision(config: dict) -> bool:
-    name = config.get("task")
-    return name in TASKS and TASKS[name].vision
+def _use_it(config: dict, base: str, run_dir: Path, data: dict) -> str:
+    """How to load the adapter: the task's own lines (its registry row's ``card`` hook); a causal LM's for a task
+    this version does not know."""
+    row = task_registry.TASKS.get(config.get("task", "lm"))
+    return task_registry.load(row.card)(base, run_dir, data) if row else load_lm(base, run_dir)
 
 
 def _load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
@@ -173,17 +174,10 @@ def torchvision_for(torch_release: str) -> str:
     return f"0.{int(minor) + 15}.{patch}" if major == "2" else "(the release its README pairs with your torch)"
 
 
-def _load_lm(base: str, run_dir: Path) -> str:
+def load_lm(base: str, run_dir: Path) -> str:
     return (f"## Use it\n\n```bash\nrocktune generate {run_dir} --chat\nrocktune export {run_dir} --to gguf\n```\n\n"
             f"In Python (PEFT):\n\n```python\nfrom peft import PeftModel\n"
             f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
             f"base = AutoModelForCausalLM.from_pretrained({base!r})\n"
             f"model = PeftModel.from_pretrained(base, {str(run_dir / 'adapter')!r})\n"
             f"tokenizer = AutoTokenizer.from_pretrained({base!r})\n```\n")
-
-
-def _load_video(run_dir: Path) -> str:
-    return (f"## Use it\n\n```bash\nrocktune generate {run_dir} --prompt \"...\" --compare\n```\n\n"
-            f"For ComfyUI and diffusers' `load_lora_weights` use `{run_dir / 'wan_lora.safetensors'}` (Wan's original "
-            "names); the `adapter_model.safetensors` here is PEFT's format for the diffusers transformer, which "
-            "ComfyUI does not read.\n")

@@ -1,0 +1,24 @@
+"""GRPO's registry hooks (task_registry.py): the plan with its rollouts, the report's loss label and
+export's prompt style."""
+
+from __future__ import annotations
+
+from rocktune.task_registry import ReportHooks
+
+REPORT = ReportHooks(loss_label="GRPO objective (clipped surrogate + beta KL)")
+
+
+def plan(args) -> int:
+    from rocktune.tasks.causal.hooks import plan_causal
+
+    return plan_causal(args, completion=True)
+
+
+def style(run_config: dict) -> str | None:
+    """Prompts as data/prompts.py reads them: messages rendered through the chat template, text raw."""
+    from rocktune.readers.json_file import first_record
+
+    data = run_config.get("data") or {}
+    first = first_record(data.get("train_file"))
+    key = (data.get("columns") or {}).get("prompt", "prompt")
+    return None if first is None else "chat" if isinstance(first.get(key), list) else "raw"
