@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,25 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("image-lora", "LoRA for a Wan 2.1/2.2 transformer on still images with captions",
              frozenset({"diffusion"}), "rocktune.tasks.wan.task:WanTask", "rocktune.tasks.wan.refuse", **_WAN),
 )}
-NAMES: tuple[str, ...] = tuple(TASKS)
-DIFFUSION: tuple[str, ...] = tuple(n for n, s in TASKS.items() if s.generate == _WAN_GENERATE)
-VISION: tuple[str, ...] = tuple(n for n, s in TASKS.items() if s.generate == _VLM_GENERATE)
-TEXT: tuple[str, ...] = tuple(n for n, s in TASKS.items() if "lm" in s.tags)  # tokenised text on a causal LM
+# The tuples derived from TASKS are read from it at each access (a module ``__getattr__``), never cached at import:
+# a row added later (a plug-in, a test's ``monkeypatch.setitem(TASKS, ...)``) is in them at once.
+_DERIVED = {
+    "NAMES": lambda: tuple(TASKS),
+    "DIFFUSION": lambda: tuple(n for n, s in TASKS.items() if s.generate == _WAN_GENERATE),
+    "VISION": lambda: tuple(n for n, s in TASKS.items() if s.generate == _VLM_GENERATE),
+    "TEXT": lambda: tuple(n for n, s in TASKS.items() if "lm" in s.tags),  # tokenised text on a causal LM
+}
+if TYPE_CHECKING:
+    NAMES: tuple[str, ...]
+    DIFFUSION: tuple[str, ...]
+    VISION: tuple[str, ...]
+    TEXT: tuple[str, ...]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name in _DERIVED:
+        return _DERIVED[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def spec(name: str) -> TaskSpec:

@@ -14,10 +14,9 @@ from pathlib import Path
 from rocktune.diffusion.comfy import LORA_FILE
 from rocktune.errors import UserError
 from rocktune.readers.yaml_file import read_yaml
-from rocktune.task_registry import DIFFUSION
+from rocktune import task_registry
 
 CONFIG_NAME = "config.yaml"  # the run directory's resolved config (train/rundir.py, a layer above this one)
-DIFFUSION_TASKS = DIFFUSION
 
 
 @dataclass
@@ -42,7 +41,7 @@ def run_config(path: str) -> dict | None:
     if not saved.is_file():
         return None
     config = read_yaml(saved, "restore the run directory from a copy, or train again.")[0] or {}
-    return config if isinstance(config, dict) and config.get("task") in DIFFUSION_TASKS else None
+    return config if isinstance(config, dict) and config.get("task") in task_registry.DIFFUSION else None
 
 
 def generate(run: str, request: Request, device: str) -> list[Path]:
