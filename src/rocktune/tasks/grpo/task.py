@@ -33,6 +33,7 @@ from rocktune.tasks.grpo.loss import GRPOLoss, Objective
 from rocktune.tasks.grpo.rollout import Sampling, StaticDecode, row_draws, sample
 from rocktune.tasks.causal import build, preflight
 from rocktune.tasks.causal.quant_gate import check_quantization
+from rocktune.tasks.base import TaskBase
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
@@ -61,9 +62,8 @@ class GRPORun:
     static: StaticDecode | None  # grpo.compile_rollout: the sampled rollouts' compiled decode step
 
 
-class GRPOTask:
+class GRPOTask(TaskBase):
     kind = "grpo"
-    samples_what = ""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -72,9 +72,6 @@ class GRPOTask:
         self.rollout_pieces = 1  # the rollout's OOM split: batches it samples in (kept by checkpoints)
         self.fallback_told = False
         self.log = print
-
-    def attn_setting(self) -> str:
-        return self.cfg.model.attn_implementation
 
     def refuse(self, options: RunOptions) -> None:
         refuse_inapplicable(self.cfg)
@@ -265,19 +262,10 @@ class GRPOTask:
             log(f"step {step}: held-out reward {self.eval_stats['eval_reward']:.3f} (greedy)")
             self.eval_stats = {}
 
-    def final_files(self, run_dir: Path) -> list:
-        return []
-
-    def outputs(self, run_dir: Path) -> list[str] | None:
-        return None
-
     def oom_message(self, step: int, exc: BaseException) -> str:
         return (f"out of memory at step {step} even with one completion per forward ({exc}); lower "
                 "grpo.max_completion_length or data.max_length, turn on model.gradient_checkpointing, or use "
                 "model.quantization=nf4.")
-
-    def uncompile(self) -> None:
-        """Never compiled (training.compile is an SFT setting)."""
 
 
 def read_prompts(cfg: RunConfig, tokenizer, cache_root: Path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 from rocktune.kernels.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
@@ -25,6 +24,7 @@ from rocktune.tasks.causal.feed import Feeding, Share, StepFeed, resolve_mode
 from rocktune.tasks.causal.loss import LossModule
 from rocktune.tasks.causal.quant_gate import check_quantization
 from rocktune.tasks.causal.samples import SampleSettings, Sampler
+from rocktune.tasks.base import TaskBase
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
@@ -55,7 +55,7 @@ class LMRun:
     autocast: object  # () -> the precision's autocast context
 
 
-class LMTask:
+class LMTask(TaskBase):
     kind = "lm"
     samples_what = " and sample generations"
 
@@ -64,9 +64,6 @@ class LMTask:
         self.vocab_size: int | None = None  # check's findings, which prepare uses
         self.predicted_peak: int | None = None
         self.run: LMRun | None = None  # prepare's result for the later hooks
-
-    def attn_setting(self) -> str:
-        return self.cfg.model.attn_implementation
 
     def refuse(self, options: RunOptions) -> None:
         """What the config and the number of processes alone rule out (pydantic validated the rest)."""
@@ -192,12 +189,6 @@ class LMTask:
 
     def after_eval(self, step: int, metrics, log) -> None:
         self.sampler.at(step, self.run.model, metrics, log)
-
-    def final_files(self, run_dir: Path) -> list:
-        return []
-
-    def outputs(self, run_dir: Path) -> list[str] | None:
-        return None
 
     def oom_message(self, step: int, exc: BaseException) -> str:
         ctx = self.run.ctx

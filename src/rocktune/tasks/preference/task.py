@@ -26,6 +26,7 @@ from rocktune.tasks.causal import build, preflight
 from rocktune.tasks.causal.quant_gate import check_quantization
 from rocktune.tasks.preference.feed import PairFeed, collate_pairs, idle_pairs
 from rocktune.tasks.preference.loss import Objective, PreferenceLoss
+from rocktune.tasks.base import TaskBase
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
@@ -46,17 +47,13 @@ class PairRun:
     segments: bool  # varlen attention: rows carry their document bounds
 
 
-class PreferenceTask:
-    samples_what = ""
+class PreferenceTask(TaskBase):
 
     def __init__(self, cfg: RunConfig):
         self.cfg, self.kind = cfg, cfg.task
         self.vocab_size: int | None = None
         self.run: PairRun | None = None
         self.eval_stats: dict[str, float] = {}
-
-    def attn_setting(self) -> str:
-        return self.cfg.model.attn_implementation
 
     def refuse(self, options: RunOptions) -> None:
         refuse_inapplicable(self.cfg)
@@ -157,9 +154,6 @@ class PreferenceTask:
     def checkpoint_extra(self) -> dict:
         return {"world_size": self.run.ctx.dist.world, "rank_rng": distributed.gather_rng(self.run.ctx.dist)}
 
-    def start(self, redo_from: int, metrics, log) -> None:
-        """Nothing to open: samples are an SFT feature (training.sample_count is refused for this task)."""
-
     def record(self, fed) -> dict:
         """The step's pair statistics (TRL's names: rewards/chosen, rewards/margins, logps/chosen, ...); tokens:
         the answer tokens scored, the throughput's unit."""
@@ -177,18 +171,9 @@ class PreferenceTask:
                     f"{self.eval_stats['eval_rewards/margins']:.4f}")
             self.eval_stats = {}
 
-    def final_files(self, run_dir: Path) -> list:
-        return []
-
-    def outputs(self, run_dir: Path) -> list[str] | None:
-        return None
-
     def oom_message(self, step: int, exc: BaseException) -> str:
         return (f"out of memory at step {step} even with one pair per forward ({exc}); lower data.max_length, turn "
                 "on model.gradient_checkpointing, or use model.quantization=nf4.")
-
-    def uncompile(self) -> None:
-        """Never compiled (training.compile is an SFT setting)."""
 
 
 def _read_pairs(cfg: RunConfig, tokenizer, cache_root: Path):

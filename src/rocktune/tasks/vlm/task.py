@@ -38,6 +38,7 @@ from rocktune.tasks.vlm.feed import TokenVisionFeed, VisionFeed
 from rocktune.tasks.causal.samples import SampleSettings
 from rocktune.tasks.vlm.loss import VisionLoss
 from rocktune.tasks.vlm.samples import VisionSampler
+from rocktune.tasks.base import TaskBase
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
@@ -59,7 +60,7 @@ class VisionRun:
     feeding: Feeding  # how a step is cut into forwards (training.batching)
 
 
-class VLMTask:
+class VLMTask(TaskBase):
     kind = "vlm"
     samples_what = " and sample generations"
 
@@ -234,9 +235,6 @@ class VLMTask:
     def after_eval(self, step: int, metrics, log) -> None:
         self.sampler.at(step, self.run.loss.model, metrics, log)
 
-    def final_files(self, run_dir: Path) -> list:
-        return []
-
     def outputs(self, run_dir: Path) -> list[str] | None:
         """The LM's next commands, with the image; GGUF export writes the vision projector too."""
         return [f"  adapter         {run_dir / 'adapter'} (PEFT; base {self.cfg.model.name_or_path})", "next:",
@@ -247,9 +245,6 @@ class VLMTask:
     def oom_message(self, step: int, exc: BaseException) -> str:
         return (f"out of memory at step {step} even with one conversation per forward ({exc}); lower data.max_pixels "
                 "(fewer tokens per image), lower data.max_length or turn on model.gradient_checkpointing.")
-
-    def uncompile(self) -> None:
-        """Never compiled (training.compile is an SFT setting)."""
 
 
 def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path, pending: Pending):

@@ -24,13 +24,14 @@ from rocktune.errors import UserError
 from rocktune.tasks.wan import inputs
 from rocktune.tasks.wan import refuse as refusals
 from rocktune.models.load import DTYPES, trainable_parameters
+from rocktune.tasks.base import TaskBase
 from rocktune.train import build
 from rocktune.train.context import RunContext
 from rocktune.train.request import RunOptions
 from rocktune.train.task import Prepared
 
 
-class WanTask:
+class WanTask(TaskBase):
     samples_what = ""  # renders come after training: rocktune generate
 
     def __init__(self, cfg: RunConfig):
@@ -98,18 +99,6 @@ class WanTask:
     def evaluate(self) -> float | None:
         return _eval_loss(self.loss, self._eval_fed, self.ctx.device, self._autocast)
 
-    def check_resume(self, restored, force: bool) -> None:
-        """The data fingerprint (the engine's check) is all: one process, one batching."""
-
-    def resumed(self, restored) -> None:
-        """The feed's position is all a Wan run restores besides the engine's state."""
-
-    def checkpoint_extra(self) -> dict:
-        return {}
-
-    def start(self, redo_from: int, metrics, log) -> None:
-        """Nothing to open: renders come after training (rocktune generate)."""
-
     def record(self, fed) -> dict:
         return {"tokens": fed.loss_tokens // self._per_token, "latent_values": fed.loss_tokens,
                 "samples": _digest(fed.names)}
@@ -130,9 +119,6 @@ class WanTask:
         return (f"out of memory at step {step} even with one clip per forward ({exc}). {self.plan_note}; set "
                 "model.gradient_checkpointing=true, or use fewer frames or smaller resolutions in the diffusion "
                 "section (rocktune plan MODEL --task video-lora shows what fits).")
-
-    def uncompile(self) -> None:
-        """Never compiled: training.compile is refused for this task."""
 
 
 def _eval_loss(loss_module, fed, device: str, autocast) -> float | None:
