@@ -90,7 +90,7 @@ def _proven_precision(device: str, precision: str, advice: Advice, messages: lis
     """Run the conversion and matmul self-tests for ``precision``; fall back while they fail."""
     from rocktune.doctor.checks import check_conversion, check_matmul
 
-    tried = []
+    tried: list = []
     for candidate in dict.fromkeys([precision, advice.fallback_precision, "fp32"]):
         if candidate == "fp32":
             break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ def seed_everything(seed: int) -> None:
 def optimizer(params, kind: str, lr: float, weight_decay: float, device: str) -> torch.optim.Optimizer:
     if kind == "auto":
         kind = "adamw_fused" if device == "cuda" else "adamw_foreach"
-    flags = {"adamw_fused": {"fused": True}, "adamw_foreach": {"foreach": True},
+    flags: dict[str, Any] = {"adamw_fused": {"fused": True}, "adamw_foreach": {"foreach": True},
              "adamw_torch": {"foreach": False}}[kind]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **flags)
 

@@ -18,6 +18,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,10 +76,10 @@ class Restored:
 class TrainState:
     """The run's objects a checkpoint saves and restores."""
 
-    model: object  # the PEFT model: its adapter weights
-    optimizer: object
-    scheduler: object
-    scaler: object  # torch.amp.GradScaler (fp16's loss scale; disabled otherwise)
+    model: Any  # the PEFT model: its adapter weights
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler  # torch.amp.GradScaler (fp16's loss scale; disabled otherwise)
 
 
 def save(ckpt_root: Path, step: int, state: TrainState, position: dict, extra: dict, keep: int,
@@ -224,7 +225,7 @@ def _check_free_space(root: Path, needed: int) -> None:
 
 
 def _rng_tensors() -> dict:
-    out = {"cpu": torch.get_rng_state()}
+    out: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -236,7 +237,8 @@ def _py_random_state() -> list:
 
 
 def _np_random_state() -> list:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: Any = np.random.get_state()  # the legacy tuple (legacy=True, the default)
+    name, keys, pos, has_gauss, cached = state
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rocktune.config import RunConfig
 from rocktune.platform.detect import Platform
@@ -17,6 +17,9 @@ from rocktune.train import distributed
 from rocktune.train.autoconf import AutoChoices, resolve_auto
 from rocktune.train.faults import Faults
 from rocktune.train.request import RunOptions
+
+if TYPE_CHECKING:
+    from rocktune.train.runlock import RunLock
 
 
 @dataclass
@@ -30,7 +33,7 @@ class RunContext:
     quiet: bool = False
     notes: list[str] = field(default_factory=list)  # in the order decided: the console and run_info.json
     on_step_done: Callable[[int], None] | None = None  # the supervised worker: start-up is over after step 1
-    run_lock: object = None  # runlock.RunLock: held by rank 0 while it trains the run directory
+    run_lock: RunLock | None = None  # held by rank 0 while it trains the run directory
 
     @property
     def device(self) -> str:

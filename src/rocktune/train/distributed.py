@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, cast
 
 import torch
 
@@ -59,7 +60,7 @@ class Dist:
     local_rank: int = 0
     backend: str | None = None
     timeout_s: float = 600.0
-    control: object = None  # a gloo group: barriers that can name a missing rank, object gathers
+    control: Any = None  # a gloo ProcessGroup: barriers that can name a missing rank, object gathers
 
     @property
     def enabled(self) -> bool:
@@ -150,7 +151,7 @@ def init(dist: Dist, device: str, timeout_s: float, preflight_timeout_s: float) 
     dist.backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.timeout_s = timeout_s
     # torch wants the indexed device; the loop's "cuda" means the current device, set by device_for
-    kwargs = {"device_id": torch.device("cuda", dist.local_rank)} if dist.backend == "nccl" else {}
+    kwargs: dict[str, Any] = {"device_id": torch.device("cuda", dist.local_rank)} if dist.backend == "nccl" else {}
     td.init_process_group(dist.backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     # The control group carries object gathers that wait on rank 0's own work (checkpoint RNG states): the long
     # timeout; its barriers pass their own, short one.
@@ -197,7 +198,7 @@ def same_run(dist: Dist, fingerprint: str) -> None:
         return
     import torch.distributed as td
 
-    prints = [None] * dist.world
+    prints: list[Any] = [None] * dist.world  # filled by the gather: every rank's fingerprint
     td.all_gather_object(prints, fingerprint, group=dist.control)
     if len(set(prints)) > 1:
         raise PreflightFailure("preflight: the ranks do not train the same run (config, data or tokenizer differ "
@@ -315,7 +316,7 @@ def collective(dist: Dist, what: str):
         raise _failure(dist, what, exc) from None
 
 
-def gather_rng(dist: Dist) -> list[str] | None:
+def gather_rng(dist: Dist) -> list[dict] | None:
     """Every rank's torch RNG states (CPU, and its own GPU's: dropout draws from them), for rank 0's checkpoint;
     base64 text for JSON. Ranks are seeded alike, so the adapter starts identical everywhere."""
     if not dist.enabled:
@@ -328,7 +329,7 @@ def gather_rng(dist: Dist) -> list[str] | None:
     state = {"cpu": b64(torch.get_rng_state())}
     if torch.cuda.is_available():
         state["cuda"] = b64(torch.cuda.get_rng_state(dist.local_rank))
-    states = [None] * dist.world
+    states: list[Any] = [None] * dist.world  # filled by the gather
     td.all_gather_object(states, state, group=dist.control)
     return states
 
@@ -367,7 +368,7 @@ def restore_rng(dist: Dist, states: list[dict] | None) -> None:
     def tensor(text: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
 
-    mine = states[dist.rank]
+    mine = cast("list[dict]", states)[dist.rank]
     torch.set_rng_state(tensor(mine["cpu"]))
     if "cuda" in mine and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensor(mine["cuda"]), dist.local_rank)
@@ -414,7 +415,7 @@ def missing_ranks(text: str) -> tuple[int, ...]:
 
 def _failure(dist: Dist, what: str, exc: BaseException) -> DistributedFailure:
     """Name the collective and the step, and ask the control group which ranks still answer."""
-    missing, unanswered = "", ()
+    missing, unanswered = "", cast("tuple[int, ...]", ())
     try:
         _answering(dist, min(30.0, dist.timeout_s), "the liveness check")
     except DistributedFailure as probe:

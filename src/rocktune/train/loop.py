@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -29,7 +30,7 @@ from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
 from rocktune.train.rundir import STOP_FILE
 from rocktune.train.step import (OutOfMemoryAtMinimum, StepRunner, finish_step, forward_backward,
                                  is_compile_error, run_with_oom_recovery)
-from rocktune.train.task import Prepared, Task
+from rocktune.train.task import Feed, Prepared, Task
 from rocktune.train.tripwire import Tripwire
 
 
@@ -56,19 +57,19 @@ class Run:
     params: list  # the trainable parameters (the adapter's)
     runner: StepRunner
     optimizer: torch.optim.Optimizer
-    scheduler: object
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     guard: NumericGuard
-    feed: object
+    feed: Feed
     total_steps: int
     start_step: int
     pieces: int
-    restored: object  # checkpoint.Restored or None
+    restored: checkpoint.Restored | None
     result: TrainResult
-    metrics: object = None
+    metrics: sinks.LiveLog = cast("sinks.LiveLog", None)  # opened by _begin, before any step
     space_skips: checkpoint.SpaceSkips = field(default_factory=checkpoint.SpaceSkips)
     compiled: bool = False  # the decoder is compiled now (a compile failure turns it off, once)
     fallback: str | None = None  # that failure, for the metrics row of the step it happened in (the bench reports it)
-    tripwire: Tripwire | None = None
+    tripwire: Tripwire = cast(Tripwire, None)  # set by _setup right after the Run is built
     collector: Collector = field(default_factory=Collector)  # the objects alive after the first step, never scanned
 
     @property
@@ -178,7 +179,8 @@ def _begin(r: Run, resolved: dict) -> None:
         resume.truncate_metrics(run_dir / "metrics.jsonl", 0)  # a resume with no checkpoint starts over
     elif ctx.dist.main:
         rundir.write_config(run_dir, resolved)  # a forced resume (e.g. the fp32 fallback) records what now runs
-        ctx.notes += resume.truncate_metrics(run_dir / "metrics.jsonl", r.restored.extra["metrics_lines"])
+        restored = cast(checkpoint.Restored, r.restored)  # not None: this branch is the resumed one
+        ctx.notes += resume.truncate_metrics(run_dir / "metrics.jsonl", restored.extra["metrics_lines"])
     distributed.barrier(ctx.dist, "the start of the run")
     # Metrics, samples, eval, reports and the adapter come from rank 0; the other ranks train and stay quiet.
     main, out = ctx.dist.main, ctx.cfg.output
@@ -221,7 +223,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
             raise OutOfMemoryAtMinimum(task.oom_message(step, exc)) from None
         asked = stop.requested or (dist.main and (ctx.run_dir / STOP_FILE).exists())  # the supervisor's Ctrl-C
         r.tripwire.check_path(step, fed.forwards[0], bar.log)
-        lr_used = r.scheduler.get_last_lr()[0]
+        lr_used = cast(float, r.scheduler.get_last_lr()[0])
         update = finish_step(r.runner, step_loss, fed.loss_tokens, asked, step, getattr(fed, "zero_expected", ()))
         r.tripwire.check_update(step, update.applied, lr_used, update.grad_norm)
         stop.requested = update.stop

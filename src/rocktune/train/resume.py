@@ -83,6 +83,7 @@ def _default(key: str):
 
     from rocktune.config import RunConfig
 
+    cls: type[BaseModel]
     cls, *_, last = (RunConfig, *key.split("."))
     for part in key.split(".")[:-1]:
         field = cls.model_fields.get(part)

@@ -90,5 +90,5 @@ def out_of_space(exc: BaseException) -> bool:
             return True
         if any(t in str(exc).lower() for t in NO_SPACE_TEXT):
             return True
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]  # None ends the loop
     return False

@@ -92,7 +92,7 @@ def _try_lock(fd: int) -> bool:
 
         os.lseek(fd, _WIN_OFFSET, os.SEEK_SET)
         try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]  # Windows-only module; mypy checks for this platform
         except OSError:  # held by another process (locking raises the same error for every refusal)
             return False
         return True

@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 from rocktune.errors import UserError
@@ -95,7 +96,7 @@ def open_log(base, run_dir: Path, redo: int, tensorboard: bool, wandb: bool, mlf
     attempt: it is told to hide whatever an earlier attempt logged at ``redo`` and after, and the lines the log still
     holds from ``redo`` on (a final-phase resume's last training step) are sent again, so each step shows once. W&B
     and MLflow start a tracker run per attempt, which begins after the checkpoint: none holds a step twice."""
-    sinks = []
+    sinks: list[Any] = []
     if tensorboard:
         sinks.append(_TensorBoard(run_dir / "tensorboard", redo))
     if wandb:

@@ -14,12 +14,18 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
 from rocktune.train.distributed import no_sync
 from rocktune.train.guards import verify_transfer
 from rocktune.train.oom import describe, is_out_of_memory
+
+if TYPE_CHECKING:
+    from rocktune.train.distributed import Dist
+    from rocktune.train.faults import Faults
+    from rocktune.train.guards import NumericGuard
 
 
 class OutOfMemoryInGroup(RuntimeError):
@@ -73,19 +79,19 @@ class StepRunner:
 
     loss_of: torch.nn.Module  # the task's loss module (batch -> loss sum), or DDP around it
     device: str
-    autocast: object  # () -> context manager
+    autocast: Callable[[], Any]  # () -> context manager
     scaler: torch.amp.GradScaler
-    faults: object
+    faults: Faults
     world: int = 1  # DDP averages gradients over ranks; the loss is scaled by world so they sum instead
-    after_backward: object = None  # () -> None after the step's last backward (FSDP mode: the adapter's all-reduce)
+    after_backward: Callable[[], None] | None = None  # after the step's last backward (FSDP: the adapter's all-reduce)
     lockstep_idle: dict | None = None  # FSDP: every rank runs the same number of forwards, padded with this batch
     # The update at the end of the step (finish_step):
-    optimizer: object = None
-    scheduler: object = None
+    optimizer: torch.optim.Optimizer = cast("torch.optim.Optimizer", None)  # the loop always passes these
+    scheduler: torch.optim.lr_scheduler.LRScheduler = cast("torch.optim.lr_scheduler.LRScheduler", None)
     params: list = field(default_factory=list)  # the trainable parameters: clipped together
     max_grad_norm: float | None = None
-    guard: object = None  # guards.NumericGuard
-    dist: object = None  # distributed.Dist
+    guard: NumericGuard = cast("NumericGuard", None)
+    dist: Dist = cast("Dist", None)
 
 
 def forward_backward(run: StepRunner, micro: list[dict], step_tokens: int, pieces: int, step: int,

@@ -26,7 +26,7 @@ class KeepsStats(torch.nn.Module):
     them. Calls that are not the step's own (an eval pass, the training-path tripwire's probe) run inside
     ``separate_stats`` so that the step's figures stay the step's: a resumed run logs what an uninterrupted one does."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self._stats: dict[str, torch.Tensor] = {}
 

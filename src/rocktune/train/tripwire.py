@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -60,12 +61,12 @@ class Tripwire:
     model: torch.nn.Module  # the PEFT model (the reference mode switches its layers)
     loss_of: torch.nn.Module  # the task's loss module: batch -> summed loss
     device: str
-    autocast: object  # () -> context manager
+    autocast: Callable[[], Any]  # () -> context manager
     precision: str
     optimizer_kind: str
-    feed: object  # () -> the run's feed: its probe_piece(batch), else its split and max_pieces
+    feed: Callable[[], Any]  # () -> the run's feed: its probe_piece(batch), else its split and max_pieces
     every: int = 0
-    compiled: object = lambda: False  # () -> bool: the decoder is compiled now (a fallback turns it off)
+    compiled: Callable[[], bool] = lambda: False  # () -> bool: the decoder is compiled now (a fallback turns it off)
     first: int = 1  # this process's first step (a resumed run checks its own first two steps too)
     passed: list[int] = field(default_factory=list)  # steps whose probe agreed with the reference
     snapshot: list | None = None  # (adapter tensor, its value before the update) of a due step
