@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def attention(setting: str, ctx, packed: bool, compiled: bool, model_cfg) -> tup
 
 
 def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation: str, device: str,
-                       compile_: bool) -> tuple[object, list[str]]:
+                       compile_: bool) -> tuple[Any, list[str]]:  # the PEFT model
     """Base model on the device (quantised when asked, after ``quant_gate``), kernels patched, LoRA applied;
     returns it with notes on what was done. ``model_cfg``/``lora_cfg``: the config's ``model`` and ``lora``."""
     m = model_cfg

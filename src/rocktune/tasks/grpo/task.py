@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, cast
 
 import torch
 
@@ -51,14 +52,14 @@ class GRPORun:
     """What ``prepare`` built and the later hooks use: set once, never changed."""
 
     ctx: RunContext
-    tokenizer: object
-    model: object
+    tokenizer: Any  # a transformers tokenizer
+    model: Any  # the PEFT model
     train: promptdata.PromptSet
     held: promptdata.PromptSet
     rewards: list
     loss: GRPOLoss
     sampling: Sampling
-    autocast: object
+    autocast: Callable[[], Any]
     static: StaticDecode | None  # grpo.compile_rollout: the sampled rollouts' compiled decode step
 
 
@@ -67,7 +68,8 @@ class GRPOTask(TaskBase):
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.run: GRPORun | None = None
+        # prepare's result for the later hooks: the engine calls prepare before any of them (train/task.py)
+        self.run: GRPORun = cast(GRPORun, None)
         self.eval_stats: dict[str, float] = {}
         self.rollout_pieces = 1  # the rollout's OOM split: batches it samples in (kept by checkpoints)
         self.fallback_told = False

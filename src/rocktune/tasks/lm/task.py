@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any, Callable, cast
 
 from rocktune.kernels.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import checks
 from rocktune.data.batching import loss_token_counts
 from rocktune.data.flat import max_segment
-from rocktune.data.dataset import prepare_data
+from rocktune.data.dataset import Examples, prepare_data
 from rocktune.models.load import trainable_parameters
 from rocktune.readers.template import use_template
 from rocktune.tasks.causal import autofit, build, preflight
@@ -39,20 +40,20 @@ class LMRun:
     flag is the module's own, turned off by the compile fallback)."""
 
     ctx: RunContext
-    tokenizer: object
-    eval_set: object  # data.dataset.Examples: the sampler's prompts
+    tokenizer: Any  # a transformers tokenizer
+    eval_set: Examples  # the sampler's prompts
     shape: str  # the data's record shape (the sampler renders prompts like it)
     strategy: str  # single | ddp | fsdp
     feeding: Feeding
-    model: object  # the PEFT model
+    model: Any  # the PEFT model
     loss: LossModule  # outside any DDP wrapper: the eval pass and the compile fallback use it
     idle: dict  # a batch without loss positions, for ranks that must keep in step
-    collate: object  # index structure -> host batch
+    collate: Callable[..., dict]  # index structure -> host batch
     lengths: list  # tokens per training example
     loss_counts: list  # loss-bearing tokens per training example
-    eval_share: object  # this rank's eval examples
+    eval_share: Examples  # this rank's eval examples
     eval_rows: int  # eval examples per forward
-    autocast: object  # () -> the precision's autocast context
+    autocast: Callable[[], Any]  # () -> the precision's autocast context
 
 
 class LMTask(TaskBase):
@@ -63,7 +64,8 @@ class LMTask(TaskBase):
         self.cfg = cfg
         self.vocab_size: int | None = None  # check's findings, which prepare uses
         self.predicted_peak: int | None = None
-        self.run: LMRun | None = None  # prepare's result for the later hooks
+        # prepare's result for the later hooks: the engine calls prepare before any of them (train/task.py)
+        self.run: LMRun = cast(LMRun, None)
 
     def refuse(self, options: RunOptions) -> None:
         """What the config and the number of processes alone rule out (pydantic validated the rest)."""

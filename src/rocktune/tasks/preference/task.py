@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -52,7 +53,8 @@ class PreferenceTask(TaskBase):
     def __init__(self, cfg: RunConfig):
         self.cfg, self.kind = cfg, cfg.task
         self.vocab_size: int | None = None
-        self.run: PairRun | None = None
+        # prepare's result for the later hooks: the engine calls prepare before any of them (train/task.py)
+        self.run: PairRun = cast(PairRun, None)
         self.eval_stats: dict[str, float] = {}
 
     def refuse(self, options: RunOptions) -> None:

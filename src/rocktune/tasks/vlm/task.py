@@ -15,6 +15,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -56,7 +57,7 @@ class VisionRun:
     loss: VisionLoss
     pad_id: int
     vision: VisionTokens
-    tokenizer: object
+    tokenizer: Any  # the processor's tokenizer
     feeding: Feeding  # how a step is cut into forwards (training.batching)
 
 
@@ -66,7 +67,8 @@ class VLMTask(TaskBase):
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.run: VisionRun | None = None
+        # prepare's result for the later hooks: the engine calls prepare before any of them (train/task.py)
+        self.run: VisionRun = cast(VisionRun, None)
         self.predicted_peak: int | None = None  # --auto: the planner's figure
 
     def attn_setting(self) -> str:
