@@ -530,13 +530,14 @@ else:
 def inapplicable(cfg: RunConfig) -> dict[str, list[str]]:
     """``key=value`` of every field set (to neither its default nor a harmless value) that does not apply to the
     run's task, by the fields' tags (``only``), grouped by the tasks it is for."""
+    out: dict[str, list[str]]
     tags, out = cfg.spec.tags, {}
     for name, section_field in RunConfig.model_fields.items():
         section = getattr(cfg, name)
         if not isinstance(section, BaseModel):
             continue
         for key, field in type(section).model_fields.items():
-            tag = field.json_schema_extra or section_field.json_schema_extra
+            tag: Any = field.json_schema_extra or section_field.json_schema_extra  # the ``only`` tag's dict
             if not tag or tags & set(tag["tasks"]):
                 continue
             value, default = getattr(section, key), field.get_default(call_default_factory=True)

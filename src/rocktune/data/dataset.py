@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,8 +30,8 @@ from rocktune.errors import UserError
 class Examples:
     """Token ids and labels per example: lists (small sets, tests) or ``TokenRows`` over the mapped cache."""
 
-    input_ids: object  # Sequence[list[int]]
-    labels: object
+    input_ids: Any  # Sequence[list[int]]: lists or TokenRows
+    labels: Any
 
     def __len__(self) -> int:
         return len(self.input_ids)

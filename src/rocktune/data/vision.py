@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from rocktune.data.encode import IGNORE, chat_segments
 from rocktune.data.images import ImageRef, load, resolve
@@ -39,7 +40,7 @@ class VisionTokens:
     """What the encoder needs of the model's processor: its image processor, its vision tokens and its family's
     rule for widening a placeholder (data/vision_rules.py)."""
 
-    image_processor: object  # transformers' image processor, pixel limits applied
+    image_processor: Any  # transformers' image processor, pixel limits applied
     image_token_id: int  # the token whose embeddings the image features replace
     placeholder: str  # what the chat template writes once per image, widened to the image's tokens by ``rule``
     masked_ids: frozenset[int]  # image tokens and their markers: never trained

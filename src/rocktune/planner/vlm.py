@@ -234,7 +234,7 @@ class VLMEstimate(Estimate):
     vspec: VLMSpec = field(default_factory=VLMSpec)
 
 
-def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> Estimate:
+def estimate_vlm(text: ModelShape, vision: VisionShape, spec: VLMSpec) -> VLMEstimate:
     """The text planner's estimate at ``spec.seq_len``, with the whole model's weights, the pixels of the batch and
     the frozen vision tower's forward."""
     if spec.precision not in DTYPE_BYTES:

@@ -24,7 +24,7 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
     sug = suggest_settings(cfg.model.name_or_path, vram_bytes, planner_spec(cfg, precision, attn_implementation),
                            t.micro_batch_size * t.grad_accum, device="gpu" if on_gpu else "cpu")
     fitted = cfg.model_copy(deep=True)
-    fitted.model.quantization = sug.quant  # nf4 only when the planner proposed it: nothing else fits
+    fitted.model.quantization = sug.quant  # type: ignore[assignment]  # the planner proposes config values; nf4 only when the planner proposed it: nothing else fits
     fitted.training.micro_batch_size = sug.micro_batch_size
     fitted.training.grad_accum = sug.grad_accum
     fitted.model.gradient_checkpointing = sug.gradient_checkpointing
@@ -52,7 +52,7 @@ def planner_spec(cfg: RunConfig, precision: str, attn_implementation: str, **cha
     m, lora = cfg.model, cfg.lora
     if attn_implementation == VARLEN:
         changes.setdefault("kv_copies", repeats_kv())
-    return RunSpec(seq_len=cfg.data.max_length, lora_r=lora.r, targets=lora.target_modules, precision=precision,
+    return RunSpec(seq_len=cfg.data.max_length, lora_r=lora.r, targets=lora.target_modules, precision=precision,  # type: ignore[arg-type]  # any sequence
                    attn=_planner_attn(attn_implementation), lora_dropout=lora.dropout, loss_mode=cfg.training.loss_impl,
                    quant=m.quantization, double_quant=m.double_quant, **changes)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from rocktune.data.batching import BatchStream, epoch_batches
 from rocktune.data.flat import step_forwards
@@ -111,6 +112,11 @@ class StreamPosition:
     shared by every task's feed. The feed sets ``stream``, ``_items_per_step`` (stream items per optimizer step),
     ``_position`` and ``_epoch``."""
 
+    stream: BatchStream
+    _items_per_step: int
+    _position: dict[str, int]
+    _epoch: int
+
     @property
     def steps_per_epoch(self) -> int:
         return -(-len(self.stream) // self._items_per_step)
@@ -155,7 +161,7 @@ class StepFeed(StreamPosition):
         self._position = self.stream.position()
         self._epoch = self.stream.epoch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocktune-feed") if prefetch else None
-        self._ahead = None  # (plan, future of collated batches, position, epoch) of the prefetched step
+        self._ahead: tuple | None = None  # (plan, future of collated batches, position, epoch) of the prefetched step
 
     def next(self) -> Step:
         if self._ahead is None:
@@ -172,7 +178,8 @@ class StepFeed(StreamPosition):
         mine, loss_tokens, most = plan
         real = sum(self.lengths[i] for i in _examples(mine, self.feeding.packed))
         pad = max(most if self.lockstep else 0, 1) - len(forwards)
-        return Step(mine, forwards + [self.idle] * max(pad, 0), loss_tokens, real)
+        idle = cast(dict, self.idle)  # set wherever a share can be empty (pad > 0)
+        return Step(mine, forwards + [idle] * max(pad, 0), loss_tokens, real)
 
     split = staticmethod(split_rows)  # the OOM split: never inside an example
     max_pieces = staticmethod(max_pieces)

@@ -96,7 +96,7 @@ def _inject(kind: str) -> None:
         def dropped(ctx, *dys):
             grads = real_bwd(ctx, *dys)
             return (*grads[:2], *[None if i % 4 >= 2 else g for i, g in enumerate(grads[2:])])
-        lora_fused.FusedLoRA.backward = staticmethod(dropped)
+        lora_fused.FusedLoRA.backward = staticmethod(dropped)  # type: ignore[method-assign]  # the test fault: patched on purpose
 
 
 def main(argv: list[str]) -> int:

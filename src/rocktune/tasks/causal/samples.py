@@ -13,6 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, cast
 
 import torch
 
@@ -53,17 +54,18 @@ class UserTurn:
         self.header = before[start:] if start >= 0 else None
 
     def __call__(self, prompt: str) -> str | None:
-        if not self.header or not prompt.endswith(self.footer):
+        footer = cast(str, self.footer)  # set whenever header is
+        if not self.header or not prompt.endswith(footer):
             return None
-        body = prompt[: len(prompt) - len(self.footer)]
+        body = prompt[: len(prompt) - len(footer)]
         start = body.rfind(self.header)
         return body[start + len(self.header):] if start >= 0 else None
 
 
 def prompts_from_examples(input_ids: list[list[int]], labels: list[list[int]], count: int
-                          ) -> list[tuple[list[int], list[int]]]:
+                          ) -> list[tuple[list[int], list[int] | None]]:
     """``(prompt ids, expected ids)``: the tokens before the first loss-bearing one, and the trained tokens."""
-    out = []
+    out: list[tuple[list[int], list[int] | None]] = []
     for ids, lab in zip(input_ids, labels):
         first = next((i for i in range(1, len(lab)) if lab[i] != IGNORE), None)
         if first is not None:
@@ -92,7 +94,7 @@ class SampleSettings:
     prompts: list[str]
     max_new_tokens: int
     device: str
-    autocast: object = contextlib.nullcontext
+    autocast: Callable[[], Any] = contextlib.nullcontext
     shape: str = ""  # the data's record shape: "messages" prompts are shown by their user's turn
 
 

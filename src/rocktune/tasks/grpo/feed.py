@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -141,7 +141,7 @@ class Share:
         return idx[self.rank * n // self.world : (self.rank + 1) * n // self.world]
 
     def all(self, share: Rollout) -> list[Rollout]:
-        return self.gather(share) if self.world > 1 else [share]
+        return cast(Callable, self.gather)(share) if self.world > 1 else [share]  # gather is given with world > 1
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -45,7 +46,7 @@ def pick(logits: torch.Tensor, s: Sampling, draws: torch.Tensor | None) -> torch
         logits = logits.masked_fill(beyond.scatter(-1, order, beyond), float("-inf"))
     probs = logits.softmax(-1).double()
     cdf = probs.cumsum(-1)
-    at = torch.searchsorted(cdf, (draws.to(cdf) * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    at = torch.searchsorted(cdf, (cast(torch.Tensor, draws).to(cdf) * cdf[:, -1])[:, None], right=True).squeeze(-1)
     # a draw rounded onto the total would land past the last token that can be picked: it takes that one
     width = probs.shape[-1]
     last = width - 1 - (probs > 0).flip(-1).int().argmax(-1)
@@ -73,7 +74,7 @@ def sample(model, prompts: list[tuple[int, ...]], s: Sampling, pad_id: int, draw
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     fits = static is not None and width + s.max_new_tokens <= static.max_len
-    steps = static.begin(mask, positions) if fits else _Eager(model, mask, positions)
+    steps = cast(StaticDecode, static).begin(mask, positions) if fits else _Eager(model, mask, positions)
     rows = len(prompts)
     if isinstance(draws, torch.Generator):
         draws = torch.rand((rows, s.max_new_tokens), dtype=torch.float64, generator=draws, device=draws.device)
@@ -133,7 +134,7 @@ class StaticDecode:
 
     def __init__(self, model, max_len: int):
         self.model, self.max_len, self.key = model, max_len, cache_argument(model)
-        self.caches: dict[int, object] = {}
+        self.caches: dict[int, Any] = {}
         self.compiled = torch.compile(self._step, dynamic=False, options=compile_options(model))
         self.fallback: str | None = None
 

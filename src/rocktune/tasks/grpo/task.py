@@ -81,7 +81,7 @@ class GRPOTask(TaskBase):
 
     def check(self, ctx: RunContext) -> None:
         cfg = ctx.cfg
-        preflight.check_run(cfg.model.name_or_path, cfg.data.train_file, cfg.data.eval_file, ctx.device,
+        preflight.check_run(cfg.model.name_or_path, cast(str, cfg.data.train_file), cfg.data.eval_file, ctx.device,
                             cfg.model.liger, ctx.attn)
         m = cfg.model
         ctx.notes += check_quantization(m.quantization, m.name_or_path, ctx.precision, ctx.device,
@@ -273,7 +273,8 @@ class GRPOTask(TaskBase):
 def read_prompts(cfg: RunConfig, tokenizer, cache_root: Path):
     """(train prompts, eval prompts): every row read and checked before anything is trained."""
     d = cfg.data
-    train = promptdata.encode_rows(rows_reader.read_rows(d.train_file, d, cache_root, "data.train_file"), tokenizer,
+    train_file = cast(str, d.train_file)  # RunConfig's validator requires it
+    train = promptdata.encode_rows(rows_reader.read_rows(train_file, d, cache_root, "data.train_file"), tokenizer,
                                    d.max_length)
     if not train:
         raise UserError(f"data.train_file={d.train_file} holds no prompts.")

@@ -21,6 +21,7 @@ def eval_sums(loss: LossModule, examples: Examples, batch_size: int, pad_id: int
     model.eval()
     lengths = examples.lengths()  # from the cache's offsets: no row is read to sort them
     order = sorted(range(len(examples)), key=lengths.__getitem__)
+    total: float | torch.Tensor
     total, tokens = 0.0, 0
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]

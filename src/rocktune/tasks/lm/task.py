@@ -74,8 +74,9 @@ class LMTask(TaskBase):
 
     def check(self, ctx: RunContext) -> None:
         cfg = ctx.cfg
-        self.vocab_size = preflight.check_run(cfg.model.name_or_path, cfg.data.train_file, cfg.data.eval_file,
-                                              ctx.device, cfg.model.liger, ctx.attn)
+        train_file = cast(str, cfg.data.train_file)  # RunConfig's validator requires it
+        self.vocab_size = preflight.check_run(cfg.model.name_or_path, train_file, cfg.data.eval_file, ctx.device,
+                                              cfg.model.liger, ctx.attn)
         if ctx.options.auto_fit:
             ctx.cfg, fit_notes, self.predicted_peak = autofit.apply_fit(cfg, ctx.precision, ctx.attn,
                                                                         ctx.options.vram_bytes)

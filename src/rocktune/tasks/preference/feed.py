@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rocktune.data.batching import BatchStream, epoch_batches
+from rocktune.data.batching import BatchOrder, BatchStream, epoch_batches
 from rocktune.data.packing import collate_packed, cut_segments
 from rocktune.data.preference import PairSet
 from rocktune.tasks.causal.feed import Step, StreamPosition
@@ -61,7 +61,7 @@ class PairFeed(StreamPosition):
     split = staticmethod(split_pairs)
 
     def __init__(self, pairs: PairSet, pairs_per_forward: int, grad_accum: int, seed: int, collate,
-                 share=(0, 1, None), epoch: int = 0, index: int = 0, order: str = "mixed"):
+                 share=(0, 1, None), epoch: int = 0, index: int = 0, order: BatchOrder = "mixed"):
         self.pairs, self.grad_accum, self.collate = pairs, grad_accum, collate
         self.rank, self.world, self.idle = share
         lengths = pairs.lengths()

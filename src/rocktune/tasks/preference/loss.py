@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -91,13 +92,13 @@ def pair_losses(objective: Objective, policy: SequenceLogps, reference: Sequence
         ac, ar = pc / nc, pr / nr  # ORPO's odds are of the per-token average probability
         log_odds = (ac - ar) - (log1mexp(ac) - log1mexp(ar))
         ratio = F.logsigmoid(log_odds)
-        nll = policy.nll * nll_scale
+        nll = cast(torch.Tensor, policy.nll) * cast(torch.Tensor, nll_scale)  # ORPO: both given
         losses = nll - o.beta * ratio
         chosen, rejected = o.beta * ac.detach(), o.beta * ar.detach()
         stats.update({"logps/chosen": ac.detach(), "logps/rejected": ar.detach(), "nll_loss": nll.detach(),
                       "log_odds_ratio": ratio.detach()})
     else:
-        rc, rr = reference.sums.unbind(1)
+        rc, rr = cast(SequenceLogps, reference).sums.unbind(1)  # DPO: the reference pass ran
         chosen_ratio, rejected_ratio = pc - rc, pr - rr
         if o.loss_type == "ipo":  # per-token average log-ratios, as TRL (the IPO authors' normalisation)
             losses = ((chosen_ratio / nc - rejected_ratio / nr) - 1 / (2 * o.beta)) ** 2

@@ -73,8 +73,9 @@ class PreferenceTask(TaskBase):
 
     def check(self, ctx: RunContext) -> None:
         cfg = ctx.cfg
-        self.vocab_size = preflight.check_run(cfg.model.name_or_path, cfg.data.train_file, cfg.data.eval_file,
-                                              ctx.device, cfg.model.liger, ctx.attn)
+        train_file = cast(str, cfg.data.train_file)  # RunConfig's validator requires it
+        self.vocab_size = preflight.check_run(cfg.model.name_or_path, train_file, cfg.data.eval_file, ctx.device,
+                                              cfg.model.liger, ctx.attn)
         m = cfg.model
         ctx.notes += check_quantization(m.quantization, m.name_or_path, ctx.precision, ctx.device,
                                         2 * cfg.data.max_length, cfg.lora.r, ctx.platform)
@@ -191,8 +192,9 @@ def _read_pairs(cfg: RunConfig, tokenizer, cache_root: Path):
 
 def _read_checked(cfg: RunConfig, tokenizer, cache_root: Path):
     d, policy = cfg.data, cfg.preference.no_signal
-    train_rows = prefdata.read_rows(d.train_file, d, cache_root, "data.train_file")
-    train, cut, notes = prefdata.encode_screened(train_rows, tokenizer, d, policy, d.train_file)
+    train_file = cast(str, d.train_file)  # RunConfig's validator requires it
+    train_rows = prefdata.read_rows(train_file, d, cache_root, "data.train_file")
+    train, cut, notes = prefdata.encode_screened(train_rows, tokenizer, d, policy, train_file)
     n_pairs = len(train)
     if d.eval_file:
         eval_rows = prefdata.read_rows(d.eval_file, d, cache_root, "data.eval_file", True)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from rocktune.models.load import apply_lora
 from rocktune.errors import UserError
+from rocktune.vision.families import Family
 from rocktune.vision.model import family, language_targets, load_vlm, patch_embed_as_linear
 
 
@@ -19,7 +22,8 @@ def patch_embed(model, setting: str, platform) -> list[str]:
         count = patch_embed_as_linear(model)
         if not count:
             raise UserError(f"model.vision_patch_embed=linear runs a Conv3d patch embedding as a matmul; "
-                            f"{family(model.config).name}'s vision tower has none (a Conv2d); set it to auto.")
+                            f"{cast(Family, family(model.config)).name}'s vision tower has none (a Conv2d); "
+                            "set it to auto.")
         return [f"vision patch embedding: {count} Conv3d run as one matmul each (model.vision_patch_embed=linear)"]
     if setting == "auto" and platform is not None:
         from rocktune.platform.advise import advise
@@ -47,7 +51,7 @@ def frozen_tower_input(model) -> int:
     its blocks' inputs and run its whole backward for a gradient nothing uses (the pixels are not trained; an adapter
     on the vision side needs no gradient of its input). The hook is removed from the vision side only; the language
     model's stays. Returns how many were removed."""
-    removed, fam = 0, family(model.get_base_model().config)
+    removed, fam = 0, cast(Family, family(model.get_base_model().config))  # a supported family
     for name, module in model.named_modules():
         if not fam.in_vision(name.removeprefix("base_model.model.")) or not hasattr(module, "get_input_embeddings"):
             continue
@@ -64,7 +68,7 @@ def frozen_tower_input(model) -> int:
 
 def adapted_note(model) -> str:
     """Which parts carry adapters, counted, and which stay frozen: the run log's statement of what trains."""
-    fam = family(model.get_base_model().config)
+    fam = cast(Family, family(model.get_base_model().config))  # a supported family
     parts = {"language": 0, "projector": 0, "tower": 0}
     for name, module in model.named_modules():
         if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and len(module.lora_A):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from rocktune.data.batching import BatchStream, epoch_batches
+from rocktune.data.batching import BatchOrder, BatchStream, epoch_batches
 from rocktune.data.packing import cut_forwards, epoch_packed_batches, epoch_steps, step_rows
 from rocktune.data.vision import VisionExample
 from rocktune.data.vision_batch import loss_count
@@ -52,7 +52,7 @@ class VisionFeed(StreamPosition):
     split = staticmethod(split_rows)
 
     def __init__(self, examples: list[VisionExample], shape: tuple[int, int, int], make_batch, prefetch: bool = False,
-                 share=(0, 1, None), pack_to: int = 0, epoch: int = 0, index: int = 0, order: str = "mixed"):
+                 share=(0, 1, None), pack_to: int = 0, epoch: int = 0, index: int = 0, order: BatchOrder = "mixed"):
         micro_batch_size, self.grad_accum, seed = shape
         self.examples, self.make_batch = examples, make_batch
         # several ranks (DDP): every rank walks the same stream and takes the step's micro-batches round-robin; a rank
@@ -66,9 +66,9 @@ class VisionFeed(StreamPosition):
         self._items_per_step = self.grad_accum
         self._position, self._epoch = self.stream.position(), self.stream.epoch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocktune-vision-feed") if prefetch else None
-        self._ahead = None  # (items, future of their batches, position, epoch) of the prefetched step
+        self._ahead: tuple | None = None  # (items, future of their batches, position, epoch) of the prefetched step
 
-    def _epochs(self, micro_batch_size: int, seed: int, pack_to: int, order: str):
+    def _epochs(self, micro_batch_size: int, seed: int, pack_to: int, order: BatchOrder):
         """The stream's ``make_epoch``: one epoch's micro-batches (of examples, or of packed rows)."""
         lengths = self.lengths
         if self.packed:
@@ -126,7 +126,7 @@ class TokenVisionFeed(VisionFeed):
         super().__init__(examples, shape, make_batch, prefetch, share, self.max_length, epoch, index)
         self._items_per_step = 1
 
-    def _epochs(self, micro_batch_size: int, seed: int, pack_to: int, order: str):
+    def _epochs(self, micro_batch_size: int, seed: int, pack_to: int, order: BatchOrder):
         lengths, per_step = self.lengths, micro_batch_size * self.grad_accum
         return lambda e: epoch_steps(lengths, per_step, seed, e)
 

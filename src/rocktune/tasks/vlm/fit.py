@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from rocktune.errors import UserError
-from rocktune.planner.estimate import Estimate
 from rocktune.planner.shapes import ModelShape
-from rocktune.planner.vlm import VisionShape, VLMSpec, estimate_vlm, facts
+from rocktune.planner.vlm import VisionShape, VLMEstimate, VLMSpec, estimate_vlm, facts
 
 # --- the fit: the largest resolution, then the fastest micro-batch and checkpointing --------------------------------
 
@@ -63,16 +63,17 @@ def fit_vlm(text: ModelShape, vision: VisionShape, base: VLMSpec, sizes: Sizes, 
     unit = vision.factor**2
     micro = [d for d in range(1, max(1, global_batch) + 1) if global_batch % d == 0]
 
-    def candidates(n: int) -> list[Estimate]:
+    def candidates(n: int) -> list[VLMEstimate]:
         return [estimate_vlm(text, vision, sized(base, sizes, n * unit, m, ckpt)) for m in micro
                 for ckpt in (False, True)]
 
-    def fits(n: int) -> list[Estimate]:
+    def fits(n: int) -> list[VLMEstimate]:
         return [e for e in candidates(n) if e.total_bytes <= usable]
 
     hi, lo = (0, 0) if limits is None else (limits.max_pixels // unit, max(1, -(-limits.min_pixels // unit)))
     if hi < lo:
-        raise UserError(f"data.max_pixels={limits.max_pixels} is below min_pixels={limits.min_pixels} (one token is "
+        given = cast(Resolution, limits)  # hi < lo only where limits were given
+        raise UserError(f"data.max_pixels={given.max_pixels} is below min_pixels={given.min_pixels} (one token is "
                         f"{vision.factor}x{vision.factor} pixels); raise data.max_pixels.")
     if not fits(lo):
         smallest = min(candidates(lo), key=lambda e: e.total_bytes)

@@ -103,12 +103,13 @@ class DataSizes:
         merge = self.shape.merge**2
         tokens = [p // merge for _, ps in rows for p in ps]
         longest = max(rows, key=lambda r: r[0])
-        stored = [s for c in self.conversations for s in c.images]
+        stored: list[tuple[int, int]] = [s for c in self.conversations for s in c.images]
         return {"conversations": len(rows), "images": len(tokens), "max_pixels": max_pixels or None,
                 "min_pixels": self.min_pixels if max_pixels else None, "pixels_per_token": self.shape.patch**2 * merge,
                 "tokens_per_image": {"min": min(tokens, default=0), "max": max(tokens, default=0)},
-                "image_sizes": {"smallest": list(min(stored, key=lambda s: s[0] * s[1], default=(0, 0))),
-                                "largest": list(max(stored, key=lambda s: s[0] * s[1], default=(0, 0)))},
+                # mypy takes the key's argument from list()'s Iterable context: ignored below
+                "image_sizes": {"smallest": list(min(stored, key=lambda s: s[0] * s[1], default=(0, 0))),  # type: ignore[index]
+                                "largest": list(max(stored, key=lambda s: s[0] * s[1], default=(0, 0)))},  # type: ignore[index]
                 "longest_conversation": {"tokens": longest[0], "image_tokens": sum(longest[1]) // merge}}
 
 

@@ -11,6 +11,7 @@ builds the block-diagonal mask from it (SDPA), or the conversations' bounds for 
 from __future__ import annotations
 
 import inspect
+from typing import cast
 
 import torch
 
@@ -34,7 +35,7 @@ def packed_positions(backbone, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                 tokens -= per_image[taken]
                 taken += 1
             out[1:, r, s:e] = _rope_index(backbone, ids[r : r + 1, s:e], kinds[r : r + 1, s:e],
-                                          grids[first:taken])[:, 0]
+                                          cast(torch.Tensor, grids)[first:taken])[:, 0]  # images: grids given
     return out
 
 

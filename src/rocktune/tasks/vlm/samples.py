@@ -29,7 +29,7 @@ class VisionSampler(Sampler):
     @classmethod
     def for_examples(cls, run_dir: Path, tokenizer, examples: list[VisionExample], vision: VisionTokens,
                      settings: SampleSettings, redo_from: int, write: bool = True) -> VisionSampler:
-        prompts = []
+        prompts: list[tuple[list[int], list[int] | None]] = []
         for e in examples:
             if len(prompts) == settings.count:
                 break
@@ -44,7 +44,7 @@ class VisionSampler(Sampler):
         stops = sorted({*checks.stop_token_ids(tokenizer, "messages"), tokenizer.eos_token_id} - {None})
         return cls(run_dir / "samples.jsonl", tokenizer, prompts, stops, settings, redo_from, write)
 
-    def _complete(self, model, ids: PromptIds) -> str:
+    def _complete(self, model, ids: PromptIds) -> str:  # type: ignore[override]  # for_examples makes every prompt a PromptIds
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         inputs = {k: v.to(self.device) for k, v in model_inputs(base, ids.inputs).items()}
         with self.autocast():

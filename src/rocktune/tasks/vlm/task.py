@@ -254,7 +254,7 @@ def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path, pen
     or the token cache's, when nothing that determines them changed (data/vision_cache.py)."""
     d = cfg.data
     read = (cache_root, pending)
-    train = _encode_source(d.train_file, d, (tokenizer, vision), read, "data.train_file")
+    train = _encode_source(cast(str, d.train_file), d, (tokenizer, vision), read, "data.train_file")
     if d.eval_file:
         return train, _encode_source(d.eval_file, d, (tokenizer, vision), read, "data.eval_file")
     order = list(range(len(train)))
@@ -288,7 +288,7 @@ def _fingerprint(examples: list[VisionExample]) -> str:
                 st = ref.path.stat()
                 h.update(f"{ref.path}:{st.st_size}:{st.st_mtime_ns}".encode())
             else:
-                h.update(hashlib.blake2b(ref.data, digest_size=16).digest())
+                h.update(hashlib.blake2b(cast(bytes, ref.data), digest_size=16).digest())
     return h.hexdigest()
 
 
