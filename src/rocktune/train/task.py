@@ -10,7 +10,7 @@ data, its model and loss, its evaluation and what it writes besides the adapter.
 from __future__ import annotations
 
 import contextlib
-
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -63,8 +63,11 @@ class Prepared:
 class Feed(Protocol):
     """One optimizer step at a time; ``position()`` is where a resumed run continues."""
 
-    steps_per_epoch: int
-    epoch: int
+    @property
+    def steps_per_epoch(self) -> int: ...  # read-only: feeds answer it from their stream (StreamPosition)
+
+    @property
+    def epoch(self) -> int: ...
 
     # -> an object with .forwards (host batches), .loss_tokens (the step's normaliser) and, optionally,
     # .zero_expected: what may be exactly zero by construction, which the silent-zeros guard then does not count
@@ -76,7 +79,7 @@ class Feed(Protocol):
     def close(self) -> None: ...
 
     # The OOM split asks the feed: it alone knows the batch's layout and what must stay in one forward.
-    def split(self, batch: dict, pieces: int) -> list[dict]: ...  # -> up to ``pieces`` smaller forwards
+    def split(self, batch: dict, pieces: int) -> Sequence[dict]: ...  # -> up to ``pieces`` smaller forwards
 
     def max_pieces(self, batch: dict) -> int: ...  # how finely ``split`` can cut this batch
 
