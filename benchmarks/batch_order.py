@@ -21,15 +21,9 @@ from pathlib import Path
 
 def score(model, tokenizer, vision, eval_file: Path) -> float:
     """Greedy exact match on the held-out rows, through the same reply path for every side."""
-    from rocktune.export.vision_generate import reply
+    from rocktune.bench.plain_loop import vlm_accuracy
 
-    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
-    right = 0
-    for row in rows:
-        question, answer = row["messages"][0]["content"], row["messages"][1]["content"]
-        image = str(eval_file.parent / question[0]["image_url"]["url"])
-        right += reply(model, tokenizer, vision, question[1]["text"], [image], (12, 0.0)).strip() == answer
-    return right / len(rows)
+    return vlm_accuracy(model, tokenizer, vision, eval_file)
 
 
 def rocktune_run(model_dir: Path, data: tuple[Path, Path], run: Path, seed: int, steps: int, order: str) -> float:

@@ -24,17 +24,12 @@ from pathlib import Path
 
 def accuracy(run: Path, eval_file: Path, device: str) -> float:
     """Held-out greedy exact match through export's loader and reply, as ``rocktune generate --image`` answers."""
+    from rocktune.bench.plain_loop import vlm_accuracy
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import load, reply
+    from rocktune.export.vision_generate import load
 
     model, tok, vision = load(resolve(str(run)), device)
-    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
-    right = 0
-    for row in rows:
-        question, answer = row["messages"][0]["content"], row["messages"][1]["content"]
-        image = str(eval_file.parent / question[0]["image_url"]["url"])
-        right += reply(model, tok, vision, question[1]["text"], [image], (8, 0.0)).strip() == answer
-    return right / len(rows)
+    return vlm_accuracy(model, tok, vision, eval_file, max_new_tokens=8)
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ def test_rng_states_that_do_not_fit_the_launch_are_named_before_use(monkeypatch)
     note = distributed.check_rng(Dist(rank=1, world=2, local_rank=1), [GPU_STATE, GPU_STATE], force=True)
     assert note.startswith("resume: rank 1 saved") and "fresh random numbers" in note
     distributed.restore_rng(Dist(rank=3, world=4), [CPU_STATE] * 2)  # forced: skipped, not an IndexError
+    distributed.restore_rng(Dist(rank=1, world=2), None)  # a one-process checkpoint: nothing to restore, no TypeError
 
 
 def test_a_refused_resume_applies_nothing(tiny_model_dir, data, tmp_path, monkeypatch):

@@ -27,6 +27,22 @@ class PlainSettings:
     seed: int = 0
 
 
+def vlm_accuracy(model, tokenizer, vision, eval_file: Path, max_new_tokens: int = 12) -> float:
+    """Held-out greedy exact match of a vision-language model (``messages`` rows with one image and the question),
+    through ``generate --image``'s own reply path, whatever trained the model."""
+    import json
+
+    from rocktune.export.vision_generate import reply
+
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
+    right = 0
+    for row in rows:
+        question, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+        image = str(eval_file.parent / question[0]["image_url"]["url"])
+        right += reply(model, tokenizer, vision, question[1]["text"], [image], (max_new_tokens, 0.0)).strip() == answer
+    return right / len(rows)
+
+
 def shuffled_batches(n: int, settings: PlainSettings) -> list[list[int]]:
     """``settings.steps`` micro-batches as torch's ``DataLoader(shuffle=True, drop_last=False)`` draws them, epoch
     after epoch (a reshuffle each epoch), seeded."""

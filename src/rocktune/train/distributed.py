@@ -363,7 +363,9 @@ def check_rng(dist: Dist, states: list[dict] | None, force: bool) -> str | None:
 
 
 def restore_rng(dist: Dist, states: list[dict] | None) -> None:
-    if not dist.enabled or rng_mismatch(dist, states) is not None:  # checked (or forced) before the resume applied
+    # nothing saved (a one-process checkpoint resumed by several with --resume-force: the seeded streams go on), or
+    # checked (or forced) before the resume applied
+    if not dist.enabled or not states or rng_mismatch(dist, states) is not None:
         return
     def tensor(text: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()

@@ -8,7 +8,7 @@ from rocktune.kernels.attention import VARLEN
 from rocktune.config import RunConfig
 from rocktune.data.flat import cu_slots, flat_width
 from rocktune.errors import UserError
-from rocktune.tasks.causal.feed import CPU_ROWS, Feeding, resolve_mode, rows_for_budget, rows_per_step
+from rocktune.tasks.causal.feed import Feeding, resolve_mode, rows_per_step, token_rows
 
 
 def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_bytes: int | None
@@ -133,15 +133,8 @@ def plan_feeding(cfg: RunConfig, choices, lengths: list[int], vram_bytes: int | 
         why = " (auto: small forwards are fastest on a CPU)" if t.batching == "auto" else ""
         return feeding, [feeding.describe() + why], None
     cap = rows_per_step(lengths, feeding.examples_per_step, d.max_length)
-    notes, peak = [], None
-    if t.micro_batch_tokens != "auto":
-        rows = min(rows_for_budget(t.micro_batch_tokens, d.max_length), cap)
-    elif device != "cuda":
-        rows = min(CPU_ROWS, cap)
-    else:
-        rows, peak, note = _planned_rows(cfg, (precision, attn_implementation, static_width), vram_bytes, cap, ranks,
-                                         parallel)
-        notes.append(note)
+    rows, peak, notes = token_rows(t.micro_batch_tokens, d.max_length, device, cap, lambda: _planned_rows(
+        cfg, (precision, attn_implementation, static_width), vram_bytes, cap, ranks, parallel))
     feeding = dataclasses.replace(feeding, rows_per_forward=rows, static_width=static_width)
     if attn == VARLEN:  # varlen reads document bounds, not rows: the same token budget as one flat row
         width = flat_width(rows * d.max_length, d.max_length)

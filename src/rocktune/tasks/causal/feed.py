@@ -80,6 +80,18 @@ def rows_for_budget(micro_batch_tokens: int, max_length: int) -> int:
     return max(1, micro_batch_tokens // max_length)
 
 
+def token_rows(micro_batch_tokens, max_length: int, device: str, cap: int, planned) -> tuple[int, int | None, list]:
+    """(rows of max_length per forward, the planner's predicted peak or None, notes) of token batching: the
+    configured budget, the CPU's CPU_ROWS, or on a GPU what ``planned()`` -> (rows, peak, note) sizes; at most
+    ``cap`` (rows_per_step) but for the planner's own choice."""
+    if micro_batch_tokens != "auto":
+        return min(rows_for_budget(micro_batch_tokens, max_length), cap), None, []
+    if device != "cuda":
+        return min(CPU_ROWS, cap), None, []
+    rows, peak, note = planned()
+    return rows, peak, [note]
+
+
 def rows_per_step(lengths: list[int], examples_per_step: int, max_length: int) -> int:
     """Rows a step of average examples packs into, plus one for packing slack: more rows per forward buy nothing."""
     mean = sum(lengths) / max(len(lengths), 1)

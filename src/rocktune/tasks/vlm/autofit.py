@@ -12,7 +12,7 @@ from rocktune.config import RunConfig
 from rocktune.data.encode import IGNORE
 from rocktune.data.vision import VisionExample, VisionTokens
 from rocktune.errors import UserError
-from rocktune.tasks.causal.feed import CPU_ROWS, Feeding, rows_for_budget, rows_per_step
+from rocktune.tasks.causal.feed import Feeding, rows_per_step, token_rows
 
 
 def apply_fit(cfg: RunConfig, precision: str, vram_bytes: int | None, data: tuple[list[VisionExample], VisionTokens],
@@ -78,14 +78,8 @@ def plan_feeding(cfg: RunConfig, device: str, precision: str, examples: list[Vis
         return feeding, [feeding.describe() + why], None
     lengths = [len(e.input_ids) for e in examples]
     cap = rows_per_step(lengths, feeding.examples_per_step, d.max_length)
-    notes, peak = [], None
-    if t.micro_batch_tokens != "auto":
-        rows = min(rows_for_budget(t.micro_batch_tokens, d.max_length), cap)
-    elif device != "cuda":
-        rows = min(CPU_ROWS, cap)
-    else:
-        rows, peak, note = _planned_rows(cfg, precision, examples, vram_bytes, cap)
-        notes.append(note)
+    rows, peak, notes = token_rows(t.micro_batch_tokens, d.max_length, device, cap,
+                                   lambda: _planned_rows(cfg, precision, examples, vram_bytes, cap))
     feeding = dataclasses.replace(feeding, rows_per_forward=rows)
     return feeding, [feeding.describe(), *notes], peak
 
