@@ -178,11 +178,12 @@ class DataConfig(_Section):
     )
     batch_order: Literal["mixed", "length", "shuffled"] = Field(
         "mixed", description="How an epoch's examples are cut into micro-batches (batching=examples, not packed). "
-        "mixed: examples within about 12.5% (+32 tokens) of each other in length share micro-batches at random, so "
-        "padding stays low where lengths differ widely while examples that differ by a word (a label, a class) "
-        "are mixed as a shuffled loop mixes them. length: sorted by length (the least padding; where the answer "
-        "decides the length, most micro-batches hold one answer and the model learns worse: docs/speed.md). "
-        "shuffled: uniformly random micro-batches.", json_schema_extra=only("sft", "preference", "vlm"))
+        "mixed: each length is blurred by a random amount (up to 64 tokens + 25% of itself, drawn each epoch) "
+        "before a length sort, so padding stays low where lengths differ widely while examples that differ by a "
+        "word (a label, a class) are mixed as a shuffled loop mixes them. length: sorted by length (the least "
+        "padding; where the answer decides the length, most micro-batches hold one answer and the model learns "
+        "worse: docs/speed.md). shuffled: uniformly random micro-batches.",
+        json_schema_extra=only("sft", "preference", "vlm"))
     cache_dir: str | None = Field(None, description="Tokenised-data cache; default: <output.dir>/../.rocktune_cache.")
     min_pixels: PositiveInt | None = Field(
         None, description="task=vlm: the fewest pixels an image is resized to (the image processor's min_pixels); "

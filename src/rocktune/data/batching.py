@@ -2,11 +2,12 @@
 
 ``data.batch_order`` chooses how an epoch's examples are cut into micro-batches:
 
-- ``mixed`` (the default): examples whose lengths lie within one bin share micro-batches at random, and bins are
-  kept apart. A bin spans about 12.5% of a length plus ``BIN_SLACK`` tokens, its edges moved at random each epoch.
-  Padding stays near the sorted order's where lengths differ widely (a 900-token chat never waits on a 60-token
-  one), and examples whose lengths differ by a few tokens (a label, a class, a short reply) are mixed as a shuffled
-  loop mixes them, so a micro-batch does not hold one answer.
+- ``mixed`` (the default): each length is blurred upward by a random amount, up to ``MIX_TOKENS`` plus
+  ``MIX_SHARE`` of itself and drawn anew each epoch, before each window is sorted. Examples whose lengths differ by
+  a few tokens (a label, a class, a short reply) then meet in micro-batches at random, as a shuffled loop mixes
+  them, so a micro-batch does not hold one answer; lengths far apart stay apart (a 900-token chat never waits on a
+  60-token one), so the padding stays near the sorted order's. Hard bins were tried first: their edges split
+  near-equal lengths about half the epochs and learned worse than shuffled (docs/speed.md).
 - ``length``: each window of examples sorted by length before it is cut (the least padding). Where the answer
   decides the length, most micro-batches hold a single answer and each step pushes toward it: docs/speed.md
   measures what that costs. Runs started before ``batch_order`` existed keep it on resume (train/resume.py).
