@@ -20,14 +20,14 @@ a run restarted at (epoch, batch index) sees the very batches an uninterrupted r
 from __future__ import annotations
 
 import random
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from rocktune.data.encode import IGNORE
 
 BatchOrder = Literal["mixed", "length", "shuffled"]
-BATCH_ORDERS: tuple[str, ...] = ("mixed", "length", "shuffled")
+BATCH_ORDERS: tuple[str, ...] = get_args(BatchOrder)
 BUCKET_FACTOR = 64  # batches per sorting window: large enough to group lengths, small enough to stay random
 # mixed: a length is blurred by up to MIX_TOKENS + MIX_SHARE of itself before the sort, so examples whose lengths
 # differ by much less than that meet in micro-batches at random, and a micro-batch spans about that much padding
