@@ -139,8 +139,14 @@ def check_weight_shapes(name_or_path: str) -> None:
                         "together.")
 
 
-def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, gradient_checkpointing: bool):
+def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, gradient_checkpointing: bool,
+               experts: str = "grouped",
+               train_router: bool = False):
+    """``experts``: the path of the MoE expert stacks' LoRA (rocktune.lora.moe.EXPERT_PATHS): ``grouped`` computes
+    it on the routed tokens only (docs/moe.md), ``peft`` leaves PEFT's parametrization (the reference)."""
     from peft import LoraConfig, get_peft_model
+
+    from rocktune.models import routers
 
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         from rocktune.models import quant
@@ -151,12 +157,19 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     targets, expert_params = lora_targets(model, target_modules)
+    if train_router:  # lora.train_router: the routers train as whole weights (PEFT's modules_to_save)
+        routers.refuse_train_router(model)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                        target_parameters=expert_params or None, task_type="CAUSAL_LM", bias="none")
+                        target_parameters=expert_params or None, task_type="CAUSAL_LM", bias="none",
+                        modules_to_save=routers.router_names(model) if train_router else None)
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"lora.target_modules={target_modules!r}: {first_line(exc)}") from None
+    if expert_params:
+        from rocktune.lora import moe
+
+        moe.patch(peft_model, experts)
     # PEFT keeps adapters in fp32 by default (autocast_adapter_dtype): these are the fp32 master weights.
     return peft_model
 
@@ -172,9 +185,11 @@ def lora_targets(model, target_modules) -> tuple[object, list[str]]:
     experts = moe_expert_parameters(model)
     if not experts:
         return target_modules, []
+    from rocktune.models.routers import is_router
+
     head = model.get_output_embeddings()
-    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and m is not head}
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()  # (Llama 4's router is a Linear)
+               if isinstance(m, torch.nn.Linear) and m is not head and not is_router(m)}
     return sorted(linears), experts
 
 
