@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.family_templates import GEMMA4, GLM45, HARMONY, LLAMA4, QWEN35
+
 # Chat-template shapes, one per family convention. Gemma and Mistral have no system role (their templates refuse
 # or fold it); the others accept one. Each turn ends in the family's end-of-turn special token.
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -60,6 +62,16 @@ TEMPLATES = {
                       "<|endoftext|>", bos="<|endoftext|>"),
     "granite": Template(GRANITE, ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>",
                         "<|end_of_text|>"),
+    "qwen3.5": Template(QWEN35, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+                        "<|im_end|>", "<|im_end|>"),
+    "harmony": Template(HARMONY, ("<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>",
+                                  "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"), "<|return|>", "<|return|>"),
+    "llama4": Template(LLAMA4, ("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>",
+                                "<|eot|>"), "<|eot|>", "<|eot|>", bos="<|begin_of_text|>"),
+    "gemma4": Template(GEMMA4, ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>",
+                                "<|tool_response>", "<tool_response|>"), "<turn|>", "<turn|>", bos="<bos>"),
+    "glm4.5": Template(GLM45, ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                               "<|observation|>"), "<|endoftext|>", "<|user|>"),
 }
 
 DIMS = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -106,6 +118,52 @@ FAMILIES = [
     Family("granite3", "GraniteConfig", "granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0,
                                                     "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
                                                     "tie_word_embeddings": True}),
+]
+# The 2025-26 families (issue 53): two layers each, so the hybrids have one layer of each kind (linear attention or
+# Mamba2 first, full attention second) and GLM-4.5 / Llama 4 one dense-MLP layer before an MoE one.
+GATED_DELTANET = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+                  "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                  "layer_types": ["linear_attention", "full_attention"]}
+SHARED = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 32}
+LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FAMILIES += [
+    Family("qwen3.5", "Qwen3_5TextConfig", "qwen3.5", GATED_DELTANET, LINEAR_ATTN + DENSE),
+    # shared_expert_gate (hidden -> 1) is left out: a 1-wide gate, like the router
+    Family("qwen3.5-moe", "Qwen3_5MoeTextConfig", "qwen3.5", {**GATED_DELTANET, **SHARED}, LINEAR_ATTN + DENSE, True),
+    Family("qwen3-next", "Qwen3NextConfig", "chatml", {**GATED_DELTANET, **SHARED},
+           ("in_proj_qkvz", "in_proj_ba", "out_proj") + DENSE, True),
+    Family("gpt-oss", "GptOssConfig", "harmony", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                                 "sliding_window": 16,
+                                                 "layer_types": ["sliding_attention", "full_attention"]},
+           ATTN_ONLY, True),
+    Family("glm4.5", "Glm4MoeConfig", "glm4.5", {"n_routed_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                                 "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                                 "first_k_dense_replace": 1, "partial_rotary_factor": 0.5},
+           DENSE, True),
+    Family("olmo3", "Olmo3Config", "chatml", {"pad_token_id": None, "sliding_window": 16,
+                                              "layer_types": ["sliding_attention", "full_attention"]}),
+    Family("llama4", "Llama4TextConfig", "llama4", {"num_local_experts": 4, "num_experts_per_tok": 1, "head_dim": 16,
+                                                    "intermediate_size": 32, "intermediate_size_mlp": 128,
+                                                    "interleave_moe_layer_step": 2, "attention_chunk_size": 64,
+                                                    "no_rope_layer_interval": 2, "pad_token_id": None},
+           DENSE, True),
+    Family("granite4", "GraniteMoeHybridConfig", "granite",
+           {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 64,
+            "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_state": 16, "mamba_d_head": 32,
+            "mamba_chunk_size": 16, "position_embedding_type": "rope", "embedding_multiplier": 12.0,
+            "logits_scaling": 8.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
+            "tie_word_embeddings": True},
+           ("in_proj", "out_proj", "input_linear", "output_linear") + ATTN_ONLY, True),
+    # per-layer embeddings kept tiny: 300 x (2 layers x 8)
+    Family("gemma4", "Gemma4TextConfig", "gemma4", {"head_dim": 16, "global_head_dim": 32, "sliding_window": 16,
+                                                    "vocab_size_per_layer_input": 300,
+                                                    "hidden_size_per_layer_input": 8,
+                                                    "layer_types": ["sliding_attention", "full_attention"],
+                                                    "rope_parameters": None, "tie_word_embeddings": True,
+                                                    "final_logit_softcapping": 30.0},
+           DENSE + ("per_layer_input_gate", "per_layer_projection")),
 ]
 BY_NAME = {f.name: f for f in FAMILIES}
 
