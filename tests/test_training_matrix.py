@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rocktune.lora import lean as lean_lora
+from rocktune.lora import moe as moe_lora
 from rocktune.lora import check as lora_check
 from rocktune.config import TrainingConfig
 from rocktune.models.load import apply_lora, load_model
@@ -37,6 +38,7 @@ def test_the_matrix_covers_every_optimizer_and_side_path():
     accepted = set(typing.get_args(TrainingConfig.model_fields["optimizer"].annotation)) - {"auto"}
     assert accepted == set(OPTIMIZERS)
     assert set(lean_lora.SIDE_PATHS) == set(SIDE_PATHS)
+    assert set(moe_lora.EXPERT_PATHS) == {"peft", *EXPERT_PATHS}  # the MoE rows below
     for device in ("cpu", "cuda"):  # what "auto" resolves to is one of them (the GPU's default: fused)
         opt = build.optimizer([torch.nn.Parameter(torch.zeros(1))], "auto", 1e-3, 0.0, device)
         assert opt.defaults.get("fused") or opt.defaults.get("foreach")
@@ -51,12 +53,14 @@ def _loss(model):
     return model(input_ids=ids, labels=ids).loss
 
 
-def build_model(model_dir, precision: str, checkpointing: bool, path: str, backend: str | None = None):
+def build_model(model_dir, precision: str, checkpointing: bool, path: str, backend: str | None = None,
+                experts: str = "grouped"):
     """The tiny model as a run builds it (rocktune's loader and LoRA), with lora_B non-zero so that A gets a
-    gradient at the first step too, then the side path and the compiled decoder under test."""
+    gradient at the first step too, then the side path and the compiled decoder under test. ``experts``: the MoE
+    expert path (an MoE model's reference is built with PEFT's, ``peft``; a dense model has none)."""
     torch.manual_seed(0)
     model = apply_lora(load_model(str(model_dir), precision, "sdpa", False, "cpu"), 8, 16, 0.0, "all-linear",
-                       checkpointing)
+                       checkpointing, experts=experts)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -77,19 +81,20 @@ _REFERENCE: dict = {}
 
 
 def reference(model_dir, precision: str) -> lora_check.Trace:
-    if precision not in _REFERENCE:
-        model = build_model(model_dir, precision, False, "peft")
+    key = (str(model_dir), precision)
+    if key not in _REFERENCE:
+        model = build_model(model_dir, precision, False, "peft", experts="peft")
         opt = lora_check.reference_optimizer(list(lora_check.adapter_params(model).values()), LR)
-        _REFERENCE[precision] = _trace(model, opt, precision)
-        ref = _REFERENCE[precision]
+        _REFERENCE[key] = _trace(model, opt, precision)
+        ref = _REFERENCE[key]
         assert ref.losses[-1] < ref.losses[0] - 0.05, ref.losses  # the reference itself learns on this batch
         assert all(g > 0 for g in ref.first_grads.values())
-    return _REFERENCE[precision]
+    return _REFERENCE[key]
 
 
 def run_case(model_dir, optimizer: str, path: str, precision: str, checkpointing: bool,
-             backend: str | None = None) -> list[lora_check.Problem]:
-    model = build_model(model_dir, precision, checkpointing, path, backend)
+             backend: str | None = None, experts: str = "grouped") -> list[lora_check.Problem]:
+    model = build_model(model_dir, precision, checkpointing, path, backend, experts)
     opt = build.optimizer(list(lora_check.adapter_params(model).values()), optimizer, LR, 0.0, "cpu")
     try:
         got = _trace(model, opt, precision)
@@ -139,6 +144,41 @@ def test_the_compiled_cases_pair_every_value():
 def test_inductor_fused_path_with_the_gpu_default_optimizer(tiny_model_dir, precision):
     """The GPU's default run: the fused side path compiled by Inductor, fused AdamW."""
     assert run_case(tiny_model_dir, "adamw_fused", "fused", precision, False, "inductor") == []
+
+
+# MoE: the expert stacks' LoRA on the routed tokens (rocktune.lora.moe) against PEFT's target_parameters
+# parametrization, on a tiny Qwen3-MoE (4 experts, top-2 with weights; the dense linears take the side path too):
+# every optimizer, precision and checkpointing eager, and a compiled case per optimizer.
+EXPERT_PATHS = ("grouped",)
+MOE_EAGER = list(itertools.product(OPTIMIZERS, EXPERT_PATHS, PRECISIONS, (False, True)))
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    from tests.family_fixtures import BY_NAME, build_family
+
+    return build_family(BY_NAME["qwen3-moe"], tmp_path_factory.mktemp("moe") / "model")
+
+
+@pytest.mark.parametrize("optimizer,experts,precision,checkpointing", MOE_EAGER,
+                         ids=["-".join(map(str, c)).replace("True", "ckpt").replace("False", "nockpt")
+                              for c in MOE_EAGER])
+def test_moe_experts_eager(moe_model_dir, optimizer, experts, precision, checkpointing):
+    assert run_case(moe_model_dir, optimizer, "fused", precision, checkpointing, experts=experts) == []
+
+
+MOE_COMPILED = [(opt, "grouped", PRECISIONS[i % 2], bool(i % 2)) for i, opt in enumerate(OPTIMIZERS)]
+
+
+@pytest.mark.slow  # three compilations of the MoE decoder
+@pytest.mark.parametrize("optimizer,experts,precision,checkpointing", MOE_COMPILED,
+                         ids=["-".join(map(str, c)).replace("True", "ckpt").replace("False", "nockpt")
+                              for c in MOE_COMPILED])
+def test_moe_experts_compiled(moe_model_dir, optimizer, experts, precision, checkpointing):
+    refused = compile_refusal(torch.__version__)
+    if refused:
+        pytest.skip(f"torch {torch.__version__}: {refused}")
+    assert run_case(moe_model_dir, optimizer, "fused", precision, checkpointing, "aot_eager", experts) == []
 
 
 # Mutants: the two failures that reached users, put back by hand; the matrix must see each with its cause.

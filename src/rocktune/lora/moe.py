@@ -62,6 +62,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs: torch.
     """Rows of ``x`` sorted by expert (``counts`` per expert) times their expert's ``w[e]`` [in, out]."""
     w = w.to(x.dtype)
     if _grouped_kernel(x):
+        if w.stride(0) < max(w.stride(1), w.stride(2)):  # B's expert-minor view: the kernel wants experts outermost
+            w = w.contiguous()  # the factor is small (E·r·out), never the stack
         return torch.nn.functional.grouped_mm(x, w, offs=offs)
     parts = [xe @ w[e] for e, xe in enumerate(x.split(counts)) if counts[e]]
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
