@@ -24,7 +24,9 @@ from rocktune.train import build, checkpoint, distributed, finish, memory, resum
 from rocktune.train.collector import Collector
 from rocktune.train.context import RunContext
 from rocktune.train.finish import save_adapter
+from rocktune.train.estimate import Estimate, MemoryFacts, machine_memory, memory_note
 from rocktune.train.guards import NumericGuard
+from rocktune.train.heartbeat import Heartbeat
 from rocktune.train.interrupt import InterruptFlag
 from rocktune.train.progress import MetricsLog, NullLog, ProgressBar
 from rocktune.train.rundir import STOP_FILE
@@ -71,6 +73,8 @@ class Run:
     fallback: str | None = None  # that failure, for the metrics row of the step it happened in (the bench reports it)
     tripwire: Tripwire = cast(Tripwire, None)  # set by _setup right after the Run is built
     collector: Collector = field(default_factory=Collector)  # the objects alive after the first step, never scanned
+    beat: Heartbeat = cast(Heartbeat, None)  # the run's heartbeat (heartbeat.py), set by run
+    estimate: Estimate = cast(Estimate, None)  # the time left, from the steps and evals timed so far
 
     @property
     def state(self) -> checkpoint.TrainState:
@@ -79,6 +83,19 @@ class Run:
 
 def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
     """Train ``task``; ``on_ready(model)`` (benchmarks) is called once the model with its adapter is built."""
+    # A line at least every Heartbeat.EVERY_S seconds from here on (rank 0): loading, tokenising, steps, evals.
+    with Heartbeat(_console_log(), enabled=ctx.dist.main and not ctx.quiet) as beat:
+        return _run(task, ctx, on_ready, beat)
+
+
+def _console_log():
+    from rich.console import Console
+
+    console = Console(stderr=True, soft_wrap=True)
+    return lambda line: console.print(line, highlight=False)
+
+
+def _run(task: Task, ctx: RunContext, on_ready, beat: Heartbeat) -> TrainResult:
     # The run directory first (seconds, no model touched) unless --auto, whose fitted config is what it compares.
     early = not ctx.options.auto_fit
     done = _check_run_dir(task, ctx) if early else None
@@ -91,15 +108,20 @@ def run(task: Task, ctx: RunContext, on_ready=None) -> TrainResult:
     resolved = cfg.model_dump(mode="json")
     build.seed_everything(cfg.training.seed)
     sinks.require(cfg.output.tensorboard, cfg.output.wandb, cfg.output.mlflow)
+    beat.phase("preparing the data and the model")  # a task may name its own parts (heartbeat.phase)
     parts = task.prepare(ctx)
     if on_ready is not None:
         on_ready(parts.model)
+    beat.phase("setting up the run")
     r = _setup(task, ctx, parts)
+    r.beat, r.estimate = beat, Estimate(r.total_steps, cfg.training.eval_every, done=r.start_step)
+    beat.estimate = r.estimate
     _begin(r, resolved)
     # The feed's collate thread and the metric sinks (TensorBoard, W&B, MLflow runs) end with the run, however it ends.
     with ProgressBar(r.total_steps, r.start_step, ctx.quiet, silent=not ctx.dist.main) as bar, \
             InterruptFlag() as stop, contextlib.closing(r.feed), contextlib.closing(r.metrics), \
             contextlib.closing(r.collector):
+        bar.estimate, bar.printed, beat.log = r.estimate, beat.said, bar.log
         for msg in ctx.notes:
             bar.log(f"[dim]{msg}[/]")
         if r.restored is not None:
@@ -199,14 +221,14 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
     first_step = r.start_step + 1
     r.tripwire.first = first_step
     for step in range(first_step, r.total_steps + 1):
-        t0 = time.perf_counter()
+        t0, compiling = time.perf_counter(), r.compiled and step == first_step
+        r.beat.phase(f"step {step}/{r.total_steps}{' (compiling the decoder)' if compiling else ''}")
         if ctx.device == "cuda":
             torch.cuda.reset_peak_memory_stats()  # the logged peak is this step's, not the eval pass's
         faults.slow_step()
         # Fetch the whole step first: the loss is normalised by the loss-bearing units of all its micro-batches.
         fed = r.feed.next()
         check = rel.transfer_check_every and (step <= 3 or step % rel.transfer_check_every == 0)
-        compiling = r.compiled and step == first_step
         if compiling:
             bar.log(f"step {step}: compiling the decoder (this step is left out of tokens/s)")
         try:
@@ -239,7 +261,13 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         mem = torch.cuda.max_memory_allocated() if ctx.device == "cuda" else None
         run_peak = max(run_peak, mem or 0)
         record = task.record(fed)
+        timed = r.estimate.left_s() is not None
+        r.estimate.stepped(step, elapsed, compiling)
         bar.update(step, update.loss, lr, record["tokens"] / elapsed, mem)
+        if not timed and r.estimate.left_s() is not None and step < r.total_steps:
+            bar.log(r.estimate.first_line())
+        if step == first_step:
+            bar.log(_memory_line(r, mem))
         if step % t.log_every == 0 or step == r.total_steps:
             r.metrics.write({"step": step, "loss": update.loss, "lr": lr, "grad_norm": update.grad_norm, **record,
                              "forwards": len(fed.forwards), "pieces": r.pieces,
@@ -279,13 +307,30 @@ def _compile_failed(r: Run, exc: BaseException, bar) -> None:
 def _evaluate(r: Run, bar) -> float | None:
     """The task's eval pass. The first forward of a compiled decoder is often the eval before step 1, so a compile
     failure there falls back to eager as one in a step does (one process: a rank of several cannot alone)."""
+    done, t0 = r.estimate.done, time.perf_counter()
+    r.beat.phase("the eval before step 1" if done == r.start_step == 0 else
+                 "the final eval" if done == r.total_steps else f"the eval at step {done}")
     try:
-        return r.task.evaluate()
+        loss = r.task.evaluate()
     except Exception as exc:  # noqa: BLE001 -- only the compiler's own failures are handled; the rest re-raised
         if not (r.compiled and not r.ctx.dist.enabled and is_compile_error(exc)):
             raise
         _compile_failed(r, exc, bar)
-    return r.task.evaluate()
+        loss = r.task.evaluate()
+    r.estimate.evaluated(time.perf_counter() - t0)
+    return loss
+
+
+def _memory_line(r: Run, device_peak: int | None) -> str:
+    """The first step's peak beside the machine's memory, with what lowers it when it takes most of it."""
+    cfg, gpu = r.ctx.cfg, device_peak is not None
+    # read by name: the engine knows no task, and not every task's sections have every key
+    return memory_note(MemoryFacts(
+        peak=device_peak if device_peak is not None else summary.peak_rss(),
+        machine=r.ctx.vram_bytes() if gpu else machine_memory(), gpu=gpu, model=cfg.model.name_or_path,
+        checkpointing=bool(getattr(cfg.model, "gradient_checkpointing", True)),
+        micro_batch=cfg.training.micro_batch_size, max_length=getattr(cfg.data, "max_length", None),
+        precision=r.ctx.precision))
 
 
 def _save_checkpoint(r: Run, step: int) -> None:
@@ -308,6 +353,7 @@ def _finish(r: Run, bar) -> None:
     ctx, task, run_dir, total = r.ctx, r.task, r.ctx.run_dir, r.total_steps
     r.result.eval_loss_after = _evaluate(r, bar)
     if ctx.dist.main:
+        r.beat.phase("writing the final metrics, files and the adapter")
         need = finish.adapter_bytes(r.params)
         kill_point("finish.evaluated")
         with finish.guarded(run_dir, "the final metrics" + task.samples_what, need):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from rocktune.atomic import kill_point
+from rocktune.train.estimate import Estimate
 
 
 class MetricsLog:
@@ -74,6 +76,8 @@ class ProgressBar:
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
         self.t0 = time.perf_counter()
+        self.estimate: Estimate | None = None  # the loop's: the time left, said in the plain lines
+        self.printed: Callable[[], None] = lambda: None  # told of every line (the heartbeat waits after one)
 
     def __enter__(self) -> ProgressBar:
         self.progress.start()
@@ -90,7 +94,9 @@ class ProgressBar:
         if not self.quiet and not self.console.is_terminal and (
                 now - self._last_plain >= self.PLAIN_EVERY_S or step == self.total):
             self._last_plain = now
-            self.log(f"step {step}/{self.total} {stats} ({now - self.t0:.0f} s)")
+            left = self.estimate.left_text() if self.estimate is not None and step < self.total else ""
+            self.log(f"step {step}/{self.total} {stats} ({now - self.t0:.0f} s{left})")
 
     def log(self, message: str) -> None:
         self.progress.console.print(message, highlight=False)
+        self.printed()
