@@ -90,6 +90,11 @@ class LoraConfig(_Section):
         "model only (the vision tower and projector frozen); projector: also the projector (the merger that maps "
         "image features into the language model); all: also every linear layer of the vision tower.",
         json_schema_extra=only("vlm"))
+    train_router: bool = Field(
+        False, description="Mixture-of-experts models: train the routers (the gates that pick each token's experts) "
+        "too, as full weights saved with the adapter. Off by default: a moved router re-routes tokens to experts the "
+        "adapter did not train for them, and the expert load (metrics, report) shows the shift.",
+        json_schema_extra=only("lm"))
 
 
 class DataConfig(_Section):

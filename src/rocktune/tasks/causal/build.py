@@ -76,7 +76,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     if use_liger:
         liger(model, m.liger, device)  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
-                       m.gradient_checkpointing)
+                       m.gradient_checkpointing, train_router=lora_cfg.train_router)
     notes += [n for n in (lean_lora(model),) if n]  # same parameters and files, fewer passes (docs/speed.md 6)
     if compile_:
         notes.append(compile_decoder(model))

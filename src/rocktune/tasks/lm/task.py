@@ -23,6 +23,7 @@ from rocktune.tasks.causal import autofit, build, preflight
 from rocktune.tasks.lm.evaluate import eval_sums
 from rocktune.tasks.causal.feed import Feeding, Share, StepFeed, resolve_mode
 from rocktune.tasks.causal.loss import LossModule
+from rocktune.tasks.causal.moe_metrics import RouterWatch
 from rocktune.tasks.causal.quant_gate import check_quantization
 from rocktune.tasks.causal.samples import SampleSettings, Sampler
 from rocktune.tasks.base import TaskBase
@@ -64,6 +65,7 @@ class LMTask(TaskBase):
         self.cfg = cfg
         self.vocab_size: int | None = None  # check's findings, which prepare uses
         self.predicted_peak: int | None = None
+        self.routers: RouterWatch | None = None  # set by start on an MoE model
         # prepare's result for the later hooks: the engine calls prepare before any of them (train/task.py)
         self.run: LMRun = cast(LMRun, None)
 
@@ -185,10 +187,14 @@ class LMTask(TaskBase):
                                   t.sample_max_new_tokens, r.ctx.device, r.autocast)
         self.sampler = Sampler.build(r.ctx.run_dir, r.tokenizer, r.shape, r.eval_set, settings,
                                      redo_from, write=dist.main, synced=r.strategy == "fsdp")
+        self.routers = RouterWatch.attach(r.model, log)  # MoE: expert load and router aux loss; None when dense
+        if self.routers is not None:
+            self.routers.keep_apart(r.loss)
 
     def record(self, fed) -> dict:
         return {"tokens": fed.loss_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),
-                "real_tokens": fed.real_tokens, "samples": _digest(fed.forwards)}
+                "real_tokens": fed.real_tokens, "samples": _digest(fed.forwards),
+                **(self.routers.step_metrics() if self.routers else {})}
 
     def after_eval(self, step: int, metrics, log) -> None:
         self.sampler.at(step, self.run.model, metrics, log)

@@ -1,0 +1,136 @@
+"""Router and balance on tiny Qwen3-MoE and Mixtral models: routers frozen unless lora.train_router, the expert load
+counted from the routers' own top-k, the auxiliary loss equal to transformers' load_balancing_loss_func, an idle
+expert said once, and the checkpointed recomputation not counted twice."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from rocktune.errors import UserError
+from rocktune.models.load import apply_lora
+from rocktune.models.routers import router_modules
+from rocktune.tasks.causal.moe_metrics import RouterWatch
+from tests.family_fixtures import BY_NAME, TEMPLATES, build_tokenizer, family_config
+
+MOE_FAMILIES = ("qwen3-moe", "mixtral")
+
+
+def tiny(name: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    fam = BY_NAME[name]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(fam, build_tokenizer(TEMPLATES[fam.template])),
+                                             dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def batch(b: int = 2, s: int = 24, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 300, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_routers_frozen_by_default_trained_on_request(name):
+    frozen = apply_lora(tiny(name), 4, 8, 0.0, "all-linear", False)
+    routers = router_modules(frozen)
+    assert len(routers) == 2  # one per layer
+    assert not any(p.requires_grad for _, m in routers for p in m.parameters())
+    assert [n for n, p in frozen.named_parameters() if p.requires_grad and "lora_" not in n] == []
+    trained = apply_lora(tiny(name), 4, 8, 0.0, "all-linear", False, train_router=True)
+    routers = router_modules(trained)
+    assert len(routers) == 2 and all(".modules_to_save." in n for n, _ in routers)
+    assert all(p.requires_grad for _, m in routers for p in m.parameters())
+    before = [m.weight.detach().clone() for _, m in routers]
+    opt = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=1.0)
+    ids = batch()
+    trained(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert all(not torch.equal(b, m.weight) for b, (_, m) in zip(before, routers))
+
+
+def test_train_router_on_a_dense_model_is_refused():
+    with pytest.raises(UserError, match="lora.train_router"):
+        apply_lora(tiny("qwen2.5"), 4, 8, 0.0, "all-linear", False, train_router=True)
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_expert_load_and_aux_loss_match_transformers(name):
+    model = apply_lora(tiny(name), 4, 8, 0.0, "all-linear", False)
+    watch = RouterWatch.attach(model)
+    ids = batch()
+    base = model.get_base_model()
+    out = base(input_ids=ids, output_router_logits=True)  # the family's own router logits, one per layer
+    logits = out.router_logits
+    cfg = base.config
+    k = cfg.num_experts_per_tok
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    want_load = sum(torch.bincount(g.topk(k, -1).indices.reshape(-1), minlength=experts) for g in logits)
+    lb = importlib.import_module(type(base).__module__).load_balancing_loss_func
+    want_aux = float(lb(logits, experts, k))
+    got = watch.step_metrics()
+    assert got["expert_load"] == want_load.tolist()
+    assert sum(got["expert_load"]) == 2 * ids.numel() * k  # 2 layers x tokens x top-k
+    assert got["experts_idle"] == sum(int((torch.bincount(g.topk(k, -1).indices.reshape(-1), minlength=experts)
+                                           == 0).sum()) for g in logits)
+    assert got["router_aux_loss"] == pytest.approx(want_aux, rel=1e-5)
+    assert watch.step_metrics() == {}  # reset: the next step starts from nothing
+
+
+def test_eval_and_checkpoint_recompute_are_not_counted():
+    model = apply_lora(tiny("qwen3-moe"), 4, 8, 0.0, "all-linear", True)
+    watch = RouterWatch.attach(model)
+    ids = batch()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert watch.step_metrics() == {}
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()  # each layer runs again in backward (checkpointing)
+    assert sum(watch.step_metrics()["expert_load"]) == 2 * ids.numel() * 2
+
+
+def test_idle_expert_said_once():
+    said = []
+    model = tiny("mixtral")
+    watch = RouterWatch.attach(model, log=said.append, patience=3)
+    for module in [m for _, m in router_modules(model)]:
+        with torch.no_grad():  # expert 3 of every layer never wins: its logit is far below the others
+            module.weight[3] = -module.weight[:3].abs().sum(0) * 100
+    x = torch.randn(1, 16, 64).abs()
+    for _ in range(5):
+        for module in [m for _, m in router_modules(model)]:
+            module(x.reshape(-1, 64))
+        metrics = watch.step_metrics()
+        assert metrics["expert_load"][3] == 0
+    assert len(said) == 1 and "received no token for 3 steps" in said[0]
+    assert "expert 3" in said[0]
+
+
+def test_train_logs_expert_load_and_aux_loss(tmp_path):
+    """`rocktune train` on a tiny Qwen3-MoE: every step's metrics line holds the expert load (the routers saw
+    every token of the step's forwards, padding included, top-k times in each of 2 layers) and the aux loss."""
+    import json
+
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from tests.conftest import tiny_run_config, write_jsonl
+    from tests.family_fixtures import build_family, chat_records
+
+    model_dir = build_family(BY_NAME["qwen3-moe"], tmp_path / "model")
+    data = write_jsonl(tmp_path / "train.jsonl", chat_records(32, True))
+    cfg = tiny_run_config(model_dir, data, None, tmp_path / "out", max_steps=3, micro_batch_size=4, grad_accum=1,
+                          lr=1e-2, warmup_steps=0)
+    cfg["data"].update(max_length=64, eval_fraction=0.0)
+    cfg["lora"]["r"] = 4
+    train(config_from_dict(cfg), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert len(r["expert_load"]) == 4
+        assert sum(r["expert_load"]) == r["batch_tokens"] * 2 * 2
+        assert 0 <= r["experts_idle"] <= 8
+        assert 0.5 < r["router_aux_loss"] < 4.0  # E x sum(share x prob): 1 when balanced, at most E
