@@ -140,7 +140,10 @@ def check_weight_shapes(name_or_path: str) -> None:
 
 
 def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, gradient_checkpointing: bool,
+               experts: str = "grouped",
                train_router: bool = False):
+    """``experts``: the path of the MoE expert stacks' LoRA (rocktune.lora.moe.EXPERT_PATHS): ``grouped`` computes
+    it on the routed tokens only (docs/moe.md), ``peft`` leaves PEFT's parametrization (the reference)."""
     from peft import LoraConfig, get_peft_model
 
     from rocktune.models import routers
@@ -163,6 +166,10 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
         peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"lora.target_modules={target_modules!r}: {first_line(exc)}") from None
+    if expert_params:
+        from rocktune.lora import moe
+
+        moe.patch(peft_model, experts)
     # PEFT keeps adapters in fp32 by default (autocast_adapter_dtype): these are the fp32 master weights.
     return peft_model
 
