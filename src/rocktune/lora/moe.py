@@ -191,9 +191,13 @@ def expert_path_note(model) -> str | None:
     wrapped = [m for m in model.modules() if isinstance(m, ParamWrapper)]
     if not wrapped:
         return None
-    grouped = sum(1 for m in wrapped if "forward" in vars(m) and hasattr(m, "_rt_experts"))
-    return (f"expert LoRA: grouped on the routed tokens ({grouped} MoE blocks)" if grouped
-            else "expert LoRA: PEFT's target_parameters path")
+    grouped = [m for m in wrapped if "forward" in vars(m) and hasattr(m, "_rt_experts")]
+    if not grouped:
+        return "expert LoRA: PEFT's target_parameters path"
+    config = getattr(grouped[0]._rt_experts[1], "config", None)
+    replaced = getattr(config, "_experts_implementation", None) or "eager"
+    return (f"expert LoRA: grouped on the routed tokens ({len(grouped)} MoE blocks, in place of transformers' "
+            f"{replaced} experts; torch grouped_mm for bf16, a loop over the routed experts otherwise)")
 
 
 def patch(model, path: str) -> str | None:

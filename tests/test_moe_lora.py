@@ -1,0 +1,175 @@
+"""Expert LoRA on the routed tokens (rocktune.lora.moe) against PEFT's target_parameters path, family by family:
+the same loss and adapter gradients from one forward and backward, the routing corner cases (an expert with no
+token, a token routed to no expert, top-k with weights, gpt-oss's expert biases), and the adapter files PEFT's own.
+The training matrix (tests/test_training_matrix.py, test_moe_experts_*) runs the optimizers, precisions,
+checkpointing and compiled cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from rocktune.lora import moe
+from rocktune.models.load import apply_lora
+
+DIMS = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, initializer_range=0.1, head_dim=16)
+# every MoE family of transformers 5 that rocktune's grouped path covers, as a tiny random model
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                     layer_types=["full_attention", "sliding_attention"], sliding_window=16)),
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       first_k_dense_replace=0, n_shared_experts=1, intermediate_size=64, n_group=1,
+                                       topk_group=1)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=32,
+                                                 layer_types=["linear_attention", "full_attention"])),
+}
+IDS = torch.randint(5, 290, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def build(family: str, experts: str, dtype=torch.float32, implementation: str = "grouped_mm"):
+    """The tiny model with LoRA on all-linear (expert stacks included), lora_B non-zero so A has a gradient, and
+    the expert biases (gpt-oss) non-zero so that they count. ``implementation``: transformers' experts forward
+    (grouped_mm is its default; the reference PEFT wraps)."""
+    cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**DIMS, **extra), dtype=dtype,
+                                                          experts_implementation=implementation)
+    model = apply_lora(model, 8, 16, 0.0, "all-linear", False, experts=experts)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or n.endswith("_proj_bias"):
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+    return model
+
+
+def loss_and_grads(model) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    return float(loss), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def relative(got: dict, want: dict) -> float:
+    num = sum(float((got[n] - want[n]).pow(2).sum()) for n in want)
+    return (num / sum(float(want[n].pow(2).sum()) for n in want)) ** 0.5
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list:
+    """Every call of the grouped experts forward (so a test knows the path it measures ran)."""
+    seen: list = []
+    real = moe.experts_forward
+    monkeypatch.setattr(moe, "experts_forward", lambda *a: seen.append(a[0]) or real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("implementation", ("eager", "grouped_mm"))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_grouped_path_gives_pefts_loss_and_gradients(family, implementation, calls):
+    ref_loss, ref_grads = loss_and_grads(build(family, "peft", implementation=implementation))
+    assert not calls
+    model = build(family, "grouped", implementation=implementation)
+    loss, grads = loss_and_grads(model)
+    assert len(calls) == 2  # both MoE blocks took the grouped path
+    note = moe.expert_path_note(model)
+    assert f"grouped on the routed tokens (2 MoE blocks, in place of transformers' {implementation}" in note
+    assert sorted(grads) == sorted(ref_grads)
+    expert_grads = [n for n in grads if ".experts." in n]
+    assert len(expert_grads) == 2 * 2 * 2  # gate_up and down, A and B, two layers
+    assert all(float(grads[n].abs().max()) > 0 for n in grads)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert relative(grads, ref_grads) < 1e-5
+
+
+def test_bf16_weights_take_the_grouped_kernel_within_the_matrix_tolerance(calls, monkeypatch):
+    kernel = []
+    real = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: kernel.append(1) or real(*a, **k))
+    ref_loss, ref_grads = loss_and_grads(build("qwen3_moe", "peft", torch.bfloat16))
+    kernel.clear()  # transformers' own grouped_mm experts (the reference) call it too
+    loss, grads = loss_and_grads(build("qwen3_moe", "grouped", torch.bfloat16))
+    assert calls and len(kernel) == 2 * 2 * 3  # two blocks: gate_up and down, each base, A and B
+    assert loss == pytest.approx(ref_loss, rel=5e-3)
+    assert relative(grads, ref_grads) < 1e-1  # rocktune.lora.check.TOLERANCE["bf16"]["grad"]
+
+
+def _experts_call(model, top_k_index: torch.Tensor, weights: torch.Tensor):
+    """The first MoE block's experts, called directly with a chosen routing."""
+    block = next(m for m in model.modules() if hasattr(m, "_rt_experts") or type(m).__name__ == "ParamWrapper")
+    hidden = torch.randn(top_k_index.shape[0], 64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    out = block(hidden, top_k_index, weights)
+    out.pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), hidden.grad, grads
+
+
+def test_an_expert_without_tokens_and_a_token_routed_to_none(calls):
+    """Expert 3 of 4 receives nothing; token 2 is routed to the sentinel 4 (no expert) in one slot; top-2 weights."""
+    index = torch.tensor([[0, 1], [1, 0], [2, 4], [0, 2], [1, 2]])
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.2, 0.8]])
+    # transformers' eager experts skip the sentinel; its grouped_mm ones assume there is none
+    want = _experts_call(build("mixtral", "peft", implementation="eager"), index, weights)
+    got = _experts_call(build("mixtral", "grouped", implementation="eager"), index, weights)
+    assert len(calls) == 1
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    assert sorted(got[2]) == sorted(want[2])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-6)
+    a = next(g for n, g in got[2].items() if "experts" in n and "lora_A" in n)  # [E·r, in]: expert 3's rows
+    assert float(a.view(4, 8, -1)[3].abs().max()) == 0.0 and float(a.view(4, 8, -1)[:3].abs().max()) > 0.0
+
+
+def test_the_saved_adapter_is_pefts_and_loads_merges_in_peft(tmp_path):
+    """After three AdamW steps on each path the adapters are equal within fp32 rounding, the files hold the same
+    tensors by name and shape, and PEFT loads the grouped path's adapter onto a fresh base with its logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    saved = {}
+    for path in ("peft", "grouped"):
+        model = build("qwen3_moe", path)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            model(input_ids=IDS, labels=IDS).loss.backward()
+            opt.step()
+        model.save_pretrained(tmp_path / path)
+        saved[path] = load_file(tmp_path / path / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in saved["grouped"].items()} == {k: v.shape for k, v in saved["peft"].items()}
+    for k, v in saved["peft"].items():
+        torch.testing.assert_close(saved["grouped"][k], v, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        want = model(input_ids=IDS).logits
+        base = transformers.AutoModelForCausalLM.from_config(model.get_base_model().config)
+        loaded = PeftModel.from_pretrained(base, tmp_path / "grouped")
+        model_sd = {k: v for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+        loaded.get_base_model().load_state_dict(model_sd, strict=False)
+        torch.testing.assert_close(loaded(input_ids=IDS).logits, want, rtol=1e-4, atol=1e-4)
+        merged = loaded.merge_and_unload()
+        torch.testing.assert_close(merged(input_ids=IDS).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_disabled_adapters_take_pefts_forward(calls):
+    model = build("qwen3_moe", "grouped")
+    base = build("qwen3_moe", "peft")
+    with torch.no_grad(), model.disable_adapter(), base.disable_adapter():
+        torch.testing.assert_close(model(input_ids=IDS).logits, base(input_ids=IDS).logits)
+    assert not calls
+
+
+def test_experts_without_the_traits_stay_on_pefts_path_with_a_note():
+    class PlainExperts(torch.nn.Module):  # e.g. Llama 4's dense-routed experts: no use_experts_implementation
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 32))
+
+    assert "no transformers experts-implementation traits" in moe.refusal(PlainExperts())
+    with pytest.raises(ValueError, match="unknown expert LoRA path"):
+        moe.patch(torch.nn.Module(), "fast")
