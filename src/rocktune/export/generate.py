@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.errors import UserError, first_line
+from rocktune.export import prompts_file
 from rocktune.export import style as styles
-from rocktune.export.source import Origin, Source, resolve
+from rocktune.export.source import Origin, Source, load_tokenizer, resolve
 from rocktune.models.load import stop_ids
 from rocktune.platform.environment import resolve_device
 from rocktune.vision.families import text_task_refusal, vision_checkpoint
@@ -31,8 +32,6 @@ def load(src: Source, device: str):
     from rocktune.platform.advise import device_precision
 
     dtype = DTYPES[device_precision(device)]  # the platform's policy: fp32 on gfx906, where bf16 is emulated
-    from rocktune.export.source import load_tokenizer
-
     tok = load_tokenizer(src)
     try:
         model = AutoModelForCausalLM.from_pretrained(src.base, dtype=dtype, trust_remote_code=src.trust_remote_code)
@@ -91,7 +90,11 @@ def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | Non
                  template: str, temperature: float, device: str, compare: bool) -> int:
     if sum(x is not None for x in (prompt, chat or None, file)) > 1:
         raise UserError("give one of --prompt TEXT, --chat or --file PROMPTS.jsonl (none: --chat).")
-    rows = _read_prompts(Path(file)) if file is not None else None  # checked before minutes of model loading
+    if compare and prompt is None and file is None:
+        raise UserError("--compare answers each prompt twice, with the adapter off and on: give it --prompt TEXT or "
+                        "--file PROMPTS.jsonl (the chat keeps one conversation, with the adapter on).")
+    if file is not None:
+        prompts_file.check_shape(Path(file))  # before minutes of model loading
     src = resolve(origin.path, origin.base, origin.trust_remote_code)
     found = vision_checkpoint(src.base)
     if found is not None:  # a text run's adapter with a vision-language --base: as train refuses it
@@ -104,13 +107,16 @@ def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | Non
     if context is not None and max_new_tokens > context:
         sys.stderr.write(f"note: --max-new-tokens {max_new_tokens} is more than the model's context holds "
                          f"({context} tokens, prompt included); each reply stops where the context is full.\n")
-    device = resolve_device(device)
-    model, tok = load(src, device)
+    tok = load_tokenizer(src)
     style = styles.resolve_style(template, src.run_config, tok)
+    rows = prompts_file.read_prompts(Path(file), style, tok) if file is not None else None  # rendered and checked
+    model, tok = load(src, resolve_device(device))
+
+    def reply(formatted: str) -> str:
+        return complete(model, tok, formatted, style, Budget(max_new_tokens, context), temperature)
 
     def answer(text=None, messages=None) -> str:
-        formatted = styles.render(style, tok, prompt=text, messages=messages)
-        return complete(model, tok, formatted, style, Budget(max_new_tokens, context), temperature)
+        return reply(styles.render(style, tok, prompt=text, messages=messages))
 
     if prompt is not None:
         if compare:
@@ -119,28 +125,17 @@ def run_generate(origin: Origin, prompt: str | None, chat: bool, file: str | Non
             sys.stdout.write(f"tuned: {answer(prompt)}\n")
         else:
             sys.stdout.write(answer(prompt) + "\n")
-    elif file is not None:
+    elif rows is not None:
         for row in rows:
-            sys.stdout.write(json.dumps({**row, "output": answer(row.get("prompt"), row.get("messages"))}) + "\n")
+            base = {}
+            if compare:  # side by side on one line: the base's answer, then the adapter's
+                with model.disable_adapter():
+                    base = {"base_output": reply(row.text)}
+            sys.stdout.write(json.dumps({**row.row, **base, "output": reply(row.text)}) + "\n")
+            sys.stdout.flush()
     else:
         _chat_loop(answer, style)
     return 0
-
-
-def _read_prompts(path: Path) -> list[dict]:
-    from rocktune.data.records import read_records
-
-    if not path.is_file():  # read_records' own message speaks of data.train_file, which generate does not read
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise UserError(f"generate --file {path} {what}; give a JSONL file of {{\"prompt\": ...}} or "
-                        "{\"messages\": [...]} lines.")
-
-    rows = []
-    for loc, rec in read_records(path):
-        if not isinstance(rec.get("prompt"), str) and not isinstance(rec.get("messages"), list):
-            raise UserError(f"{loc}: each line needs a 'prompt' string or a 'messages' list.")
-        rows.append(rec)
-    return rows
 
 
 def _chat_loop(answer, style: str) -> None:

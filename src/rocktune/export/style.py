@@ -63,8 +63,9 @@ def resolve_style(requested: str, run_config: dict, tokenizer) -> str:
     return "chat" if getattr(tokenizer, "chat_template", None) else "raw"
 
 
-def render(style: str, tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> str:
-    """The text to generate from: the prompt as training formatted it."""
+def render(style: str, tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
+           tools: list[dict] | None = None) -> str:
+    """The text to generate from: the prompt as training formatted it (``tools``: through the chat template)."""
     from rocktune.data.encode import ALPACA_NO_INPUT
     from rocktune.errors import UserError
 
@@ -72,7 +73,8 @@ def render(style: str, tokenizer, prompt: str | None = None, messages: list[dict
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--template chat: this tokenizer has no chat template; use --template raw.")
         msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
-        return render_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=True)
+        listed = {"tools": tools} if tools else {}
+        return render_chat_template(tokenizer, msgs, tokenize=False, add_generation_prompt=True, **listed)
     if prompt is None:
         if style != "raw":
             raise UserError(f"--template {style} takes a prompt, not a conversation.")
