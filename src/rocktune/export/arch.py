@@ -90,6 +90,19 @@ def _gemma_hparams(writer, cfg) -> None:
         writer.add_rope_freq_base_swa(float(rope_params(cfg, "sliding_attention")["rope_theta"]))
 
 
+def _check_olmo3(cfg) -> None:
+    # llama.cpp gives sliding layers their own rope base but the full layers' scaling
+    full, local = rope_params(cfg), rope_params(cfg, "sliding_attention")
+    _refuse_if({**local, "rope_theta": 0} != {**full, "rope_theta": 0}, cfg,
+               f"its sliding layers scale rope otherwise ({local['rope_type']}) than its full ones")
+
+
+def _olmo3_hparams(writer, cfg) -> None:
+    writer.add_sliding_window(int(cfg.sliding_window))
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in _layer_types(cfg)])
+    writer.add_rope_freq_base_swa(float(rope_params(cfg, "sliding_attention")["rope_theta"]))
+
+
 def _mrope_hparams(writer, cfg) -> None:
     # Qwen2-VL's 3-D rotary positions: how many of each head's rotary pairs follow time, height and width (llama.cpp
     # reads four sections, the fourth unused by this family)
@@ -159,6 +172,7 @@ ARCHS = {
     "mistral": Arch("llama", True),
     "phi3": Arch("phi3", False, hparams=_phi3_hparams),
     "olmo2": Arch("olmo2", False, output_required=True),
+    "olmo3": Arch("olmo2", False, output_required=True, check=_check_olmo3, hparams=_olmo3_hparams),
     "granite": Arch("granite", True, hparams=_granite_hparams),
     "smollm3": Arch("smollm3", True, check=_check_smollm3),
     "gemma2": Arch("gemma2", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),

@@ -1,0 +1,81 @@
+"""Our GGUF export against llama.cpp's own converter: for each family of the matrix, the tiny model is trained
+(random LoRA), merged (--to merged) and exported (--to gguf); llama.cpp's convert_hf_to_gguf.py converts the same
+merged directory, and the two files must hold the same tensors (names, types, shapes, bytes) and the same metadata.
+
+What we write beyond the converter is a closed list (EXTRA_KEYS): values llama.cpp's loader would otherwise derive
+the same way, and the merges key its BPE loader needs. Skipped, with the reason, when no llama.cpp source tree is
+found (tests/llama_cpp_converter.py says how to unpack one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rocktune.cli import main
+from rocktune.export.arch import ARCHS
+from tests.family_fixtures import BY_NAME, FAMILIES, build_family
+from tests.llama_cpp_converter import convert, converter_source
+
+pytestmark = pytest.mark.llama_cpp
+# keys of the converter's file that name the file, not the model
+NAMING = {"general.name", "general.size_label", "GGUF.kv_count", "GGUF.tensor_count"}
+# keys only we write: the head and rope widths and vocabulary size the loader would derive the same way, whether
+# the tokenizer adds BOS/EOS (read off the tokenizer), the BPE merges the loader requires
+EXTRA_KEYS = ("{a}.rope.dimension_count", "{a}.vocab_size", "{a}.attention.key_length", "{a}.attention.value_length",
+              "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.merges")
+# what the converter cannot do on the tiny fixture (it is no statement about our export)
+CONVERTER_CANNOT = {"phi3": "the converter reads Phi-3's vocabulary from tokenizer.model only; the fixture's is BPE"}
+
+
+def read(path) -> tuple[dict, dict]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    kv = {n: f.contents() for n, f in reader.fields.items() if n not in NAMING}
+    return kv, {t.name: t for t in reader.tensors}
+
+
+def assert_same_gguf(ours, theirs, arch: str) -> int:
+    """Every key and tensor of the converter's file, equal in ours; ours adds only EXTRA_KEYS. Returns the number of
+    tensors compared."""
+    kv, tensors = read(ours)
+    want_kv, want_tensors = read(theirs)
+    extra = set(kv) - set(want_kv)
+    assert extra <= {k.format(a=arch) for k in EXTRA_KEYS}, sorted(extra)
+    assert not set(want_kv) - set(kv), sorted(set(want_kv) - set(kv))
+    for key, value in want_kv.items():
+        assert kv[key] == value, key
+    assert set(tensors) == set(want_tensors), sorted(set(tensors) ^ set(want_tensors))
+    for name, t in want_tensors.items():
+        got = tensors[name]
+        assert (got.tensor_type, list(got.shape)) == (t.tensor_type, list(t.shape)), name
+        assert got.data.tobytes() == t.data.tobytes(), name
+    return len(want_tensors)
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_gguf_equals_llama_cpp_converter(tmp_path, record_property, name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rocktune.models.load import lora_targets
+    from tests.export_fixtures import make_run
+
+    src = converter_source()
+    if src is None:
+        pytest.skip("no llama.cpp source tree (set ROCKTUNE_LLAMA_CPP_SRC; tests/llama_cpp_converter.py says how)")
+    base = build_family(BY_NAME[name], tmp_path / "base")
+    model_type = AutoConfig.from_pretrained(base).model_type
+    if model_type not in ARCHS:
+        pytest.skip(f"export --to gguf refuses {model_type} (tests/test_families.py::test_gguf)")
+    if name in CONVERTER_CANNOT:
+        pytest.skip(CONVERTER_CANNOT[name])
+    targets, params = lora_targets(AutoModelForCausalLM.from_pretrained(base), "all-linear")
+    make_run(tmp_path / "run", base, targets, data_format="messages",
+             **({"target_parameters": params} if params else {}))
+    for argv in (["--to", "merged", "--dtype", "fp32"], ["--to", "gguf", "--quant", "f32"]):
+        assert main(["export", str(tmp_path / "run"), *argv]) == 0
+    ours = tmp_path / "run" / "export" / "model-f32.gguf"
+    pre = read(ours)[0]["tokenizer.ggml.pre"]
+    done = convert(src, tmp_path / "run" / "export" / "merged", tmp_path / "converter.gguf", "f32", pre)
+    assert done.returncode == 0, done.stderr[-3000:]
+    n = assert_same_gguf(ours, tmp_path / "converter.gguf", ARCHS[model_type].gguf_name)
+    record_property("cell", f"equal to convert_hf_to_gguf.py ({n} tensors)")
