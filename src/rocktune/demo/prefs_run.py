@@ -51,7 +51,9 @@ def run_dpo_demo(out_dir: str, sft_dir: str, as_json: bool, steps: int | None, o
     write_jsonl(out / "data" / "pairs_train.jsonl", train_rows)
     write_jsonl(out / "data" / "pairs_eval.jsonl", eval_rows)
     t0 = time.perf_counter()
-    result = train(config_from_dict(settings), RunOptions(overwrite=True), quiet=as_json)
+    # next: asks one of its own prompts beside the SFT model: the tiny model is no chat model (no --chat)
+    result = train(config_from_dict(settings), RunOptions(overwrite=True, next_prompt=eval_rows[0]["prompt"]),
+                   quiet=as_json)
     seconds = time.perf_counter() - t0
     model, tokenizer = result.model, result.tokenizer
     with model.disable_adapter():  # the SFT model: DPO's starting point and reference

@@ -42,7 +42,8 @@ def run_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: bool = F
     write_jsonl(out / "data" / "train.jsonl", train_rows)
     write_jsonl(out / "data" / "eval.jsonl", eval_rows)
     t0 = time.perf_counter()
-    result = train(cfg, RunOptions(overwrite=True), quiet=as_json)
+    # next: asks one of its own prompts beside the base model: the tiny model is no chat model (no --chat)
+    result = train(cfg, RunOptions(overwrite=True, next_prompt=eval_rows[0]["prompt"]), quiet=as_json)
     seconds = time.perf_counter() - t0
     samples = generate(result.model, result.tokenizer, eval_rows)
     exact = sum(s["output"] == s["expected"] for s in samples) / len(samples)
