@@ -1,10 +1,10 @@
-"""Validate the Wan planner (``rocktune.planner.wan``) against real training steps; prints one JSON object.
+"""Validate the Wan planner (``rocktune.tasks.wan.plan``) against real training steps; prints one JSON object.
 
     python benchmarks/planner_validation_wan.py            # CPU grid (tiny and small random transformers)
     python benchmarks/planner_validation_wan.py --markdown # the same as a table
 
 One real step of a random diffusers ``WanTransformer3DModel`` per grid point, built as the training loop builds it
-(``rocktune.diffusion.components``: frozen base loaded with diffusers' dtype rules, PEFT LoRA on the blocks'
+(``rocktune.tasks.wan.diffusion.components``: frozen base loaded with diffusers' dtype rules, PEFT LoRA on the blocks'
 attention and FFN linears, fp32 adapters) and trained with its flow-matching loss and AdamW. Bytes saved for backward
 are counted with
 ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded; with gradient
@@ -22,8 +22,8 @@ from contextlib import nullcontext
 
 import torch
 
-from rocktune.diffusion.objective import FlowMatchLoss
-from rocktune.planner.wan import LORA_TARGETS, WanSpec, estimate_wan, shape_from_config
+from rocktune.tasks.wan.diffusion.objective import FlowMatchLoss
+from rocktune.tasks.wan.plan import LORA_TARGETS, WanSpec, estimate_wan, shape_from_config
 
 TINY = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 16,
         "out_channels": 16, "text_dim": 32, "freq_dim": 256, "ffn_dim": 32, "num_layers": 2, "cross_attn_norm": True,
@@ -37,11 +37,12 @@ VAE = (8, 4)  # spatial, temporal compression of the Wan 2.1 VAE
 
 
 def build(config: dict, precision: str, r: int, ckpt: bool):
-    """The transformer as the training loop builds it (rocktune.diffusion.components): loaded with diffusers' dtype
-    rules (its fp32 modules stay fp32), LoRA on the blocks' attention and FFN linears, fp32 adapters."""
+    """The transformer as the training loop builds it (rocktune.tasks.wan.diffusion.components): loaded with
+    diffusers' dtype rules (its fp32 modules stay fp32), LoRA on the blocks' attention and FFN linears,
+    fp32 adapters."""
     from diffusers import WanTransformer3DModel
 
-    from rocktune.diffusion import components
+    from rocktune.tasks.wan.diffusion import components
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -289,7 +289,7 @@ def test_generate_option_refusals_name_the_option_before_loading(pristine, tmp_p
                                                    (0, (1,)), (-3, (1,))],
                          ids=["6", "8", "20", "50", "zero", "negative"])
 def test_wan_frames_refusal_suggests_valid_counts(frames, suggested):
-    from rocktune.diffusion.generate_cli import Request, _shot
+    from rocktune.tasks.wan.diffusion.generate_cli import Request, _shot
     from rocktune.errors import UserError
 
     with pytest.raises(UserError) as info:
@@ -403,8 +403,8 @@ RESOLUTIONS = [[64, 64], [128, 64], [64, 128]]
 def test_degenerate_media_is_named_per_file(tmp_path, case):
     from PIL import Image
 
-    from rocktune.diffusion.media import assign_buckets, list_items
-    from rocktune.diffusion.tiny import write_clips
+    from rocktune.tasks.wan.diffusion.media import assign_buckets, list_items
+    from rocktune.tasks.wan.diffusion.tiny import write_clips
     from rocktune.errors import UserError
 
     name, size, words = DEGENERATE_MEDIA[case]
@@ -427,7 +427,7 @@ def test_degenerate_media_is_named_per_file(tmp_path, case):
 def test_media_near_its_bucket_is_still_taken(tmp_path):
     from PIL import Image
 
-    from rocktune.diffusion.media import assign_buckets, list_items
+    from rocktune.tasks.wan.diffusion.media import assign_buckets, list_items
 
     for name, size in (("quarter.png", (16, 16)), ("wide.png", (200, 64)), ("big.png", (500, 480))):
         Image.new("RGB", size).save(tmp_path / name)

@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from rocktune.diffusion.comfy import _IN_BLOCK, _OUTSIDE, check_targets, comfy_state_dict, original_name, write_lora
+from rocktune.tasks.wan.diffusion.comfy import (_IN_BLOCK, _OUTSIDE, check_targets, comfy_state_dict, original_name,
+                                                 write_lora)
 from rocktune.errors import UserError
 
 BLOCKS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
@@ -20,7 +21,7 @@ PROMPT = "a red cube slides left"
 
 @pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> Path:
-    from rocktune.diffusion.tiny import build_tiny_wan
+    from rocktune.tasks.wan.diffusion.tiny import build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("wan") / "tiny")
 
@@ -245,7 +246,7 @@ def lora_file(tmp_path_factory, base_transformer) -> Path:
 
 
 def test_render_with_and_without_lora(tiny_wan, lora_file):
-    from rocktune.diffusion.render import Shot, render
+    from rocktune.tasks.wan.diffusion.render import Shot, render
 
     shot = Shot(PROMPT, width=32, height=32, frames=9, steps=2, seed=3, guidance=1.0)
     base = render(str(tiny_wan), None, shot, "cpu")
@@ -267,7 +268,7 @@ def read_video(path: Path) -> list[np.ndarray]:
 def test_write_media_mp4_and_png(tmp_path):
     from PIL import Image
 
-    from rocktune.diffusion.render import write_media
+    from rocktune.tasks.wan.diffusion.render import write_media
 
     rng = np.random.default_rng(0)
     clip = np.repeat(np.linspace(0, 255, 9, dtype=np.uint8)[:, None, None, None], 3, axis=3)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rocktune.diffusion.buckets import check_buckets
-from rocktune.diffusion.media import (
+from rocktune.tasks.wan.diffusion.buckets import check_buckets
+from rocktune.tasks.wan.diffusion.media import (
     Bucket,
     MediaItem,
     assign_buckets,
@@ -19,7 +19,7 @@ from rocktune.diffusion.media import (
     load_pixels,
     media_fingerprint,
 )
-from rocktune.diffusion.tiny import write_clips
+from rocktune.tasks.wan.diffusion.tiny import write_clips
 from rocktune.errors import UserError
 
 # PyAV (video decoding) is optional, and absent on the GPU test machine: skip this module there, never fail collection

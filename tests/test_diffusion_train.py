@@ -1,7 +1,7 @@
 """Wan LoRA training on tiny random components (CPU): the latent cache, the objective, exact resume, the output.
 
-The components are diffusers' own classes at the sizes of diffusers' Wan tests (rocktune.diffusion.tiny), the data a
-folder of generated clips with captions; every step runs the same loaders and numerics as a real checkpoint.
+The components are diffusers' own classes at the sizes of diffusers' Wan tests (rocktune.tasks.wan.diffusion.tiny),
+the data a folder of generated clips with captions; every step runs the same loaders and numerics as a real checkpoint.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ pytest.importorskip("diffusers")
 pytest.importorskip("av")
 
 from rocktune.config import config_from_dict
-from rocktune.diffusion import cache as cache_mod
-from rocktune.diffusion import components, media
-from rocktune.diffusion.steps import Noise, _batch
-from rocktune.diffusion.tiny import build_tiny_wan, write_clips
+from rocktune.tasks.wan.diffusion import cache as cache_mod
+from rocktune.tasks.wan.diffusion import components, media
+from rocktune.tasks.wan.diffusion.steps import Noise, _batch
+from rocktune.tasks.wan.diffusion.tiny import build_tiny_wan, write_clips
 from rocktune.errors import UserError
-from rocktune.diffusion.comfy import LORA_FILE
+from rocktune.tasks.wan.diffusion.comfy import LORA_FILE
 from rocktune.tasks import train
 from rocktune.train.request import RunOptions
 
@@ -229,7 +229,7 @@ def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
     transformer_2 on sigmas below the boundary only, and diffusers loads it into transformer_2."""
     from diffusers import WanPipeline
 
-    from rocktune.diffusion.objective import draw_sigma, item_generator
+    from rocktune.tasks.wan.diffusion.objective import draw_sigma, item_generator
 
     wan2 = build_tiny_wan(tmp_path / "a14b", boundary_ratio=0.875)
     cfg = run_config(wan2, clips, tmp_path / "run", max_steps=2, eval_every=0)
@@ -241,7 +241,7 @@ def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
     gen = item_generator(0, 0, 0)
     assert all(0.875 <= draw_sigma(gen, "shift", 3.0, (0.875, 1.0)) <= 1.0 for _ in range(200))
     cfg["diffusion"]["expert"] = "low_noise"
-    from rocktune.diffusion.objective import FlowMatchLoss
+    from rocktune.tasks.wan.diffusion.objective import FlowMatchLoss
 
     seen = []
     original = FlowMatchLoss.forward
@@ -269,7 +269,7 @@ def test_wan22_two_experts_train_one_on_its_own_noise_levels(clips, tmp_path):
 
 def test_the_tiny_example_config_trains_from_generated_clips(tmp_path, monkeypatch):
     from rocktune.config import load_config
-    from rocktune.diffusion import tiny
+    from rocktune.tasks.wan.diffusion import tiny
 
     example = Path(__file__).parents[1] / "examples" / "wan-tiny-video-lora.yaml"
     monkeypatch.chdir(tmp_path)

@@ -18,10 +18,11 @@ FORBIDDEN = {
     # the table of tasks: read by the config and the launching process, so standard library only
     "task_registry.py": {"*"},
     "dtypes.py": {"*"},  # dtype spellings: read by config, cli and the planner alike, so it imports nothing
+    "config_base.py": {"*"},  # the section base and field tag: below config.py and every task's own section
     "platform": {"train", "data", "models", "doctor", "planner", *ABOVE_ENGINE},
     "planner": {"train", "data", "models", "doctor", *ABOVE_ENGINE},
     # data reads hub ids through the hub probe (models/hub.py, data/sources.py), never model loading
-    "data": {"train", "models.load", "doctor", "planner", "diffusion", *ABOVE_ENGINE},
+    "data": {"train", "models.load", "doctor", "planner", *ABOVE_ENGINE},
     # models/: loading, the model-directory check, quantisation, the hub probe; below the engine
     "models": {"train", "doctor", *ABOVE_ENGINE},
     "models/check.py": {"train", "data", "models.load", "doctor", "planner", *ABOVE_ENGINE},
@@ -40,7 +41,7 @@ FORBIDDEN = {
     "lora/lean.py": {"lora.check"},
     "doctor": {"train", "data", "models.load", "planner", *ABOVE_ENGINE},
     # the engine: the one loop and its reliability parts know no task (no LM data code, no diffusers)
-    "train": {"report", "diffusion", "export", "data", *ABOVE_ENGINE},
+    "train": {"report", "export", "data", *ABOVE_ENGINE},
     # a task is set up from the engine's parts; it never starts processes or reads back reports
     "tasks": {"cli", "bench", "demo", "process", "report", "export"},
     # the causal-LM kit: inside the tasks layer, below every task that imports it
@@ -52,12 +53,14 @@ FORBIDDEN = {
     "report": {"train", "doctor", "export", *ABOVE_ENGINE},
     # export reads run directories (adapter, config) and never drives training or reporting.
     "export": {"train", "doctor", "report", *ABOVE_ENGINE},
-    # diffusion (Wan LoRA) is data, model and numerics for tasks/wan/task.py, which drives it: never upward.
-    "diffusion": {"train", "doctor", "report", "export", *ABOVE_ENGINE},
+    # Wan's media, latents, flow matching and ComfyUI file: data, model and numerics for tasks/wan/task.py, which
+    # drives them; they never reach the engine or another task.
+    "tasks/wan/diffusion": {"train", "doctor", "report", "export", "tasks.lm", "tasks.causal", "tasks.preference",
+                            "tasks.grpo", "tasks.vlm", *ABOVE_ENGINE - {"tasks"}},
     # the hardened readers of outside files sit under every layer that opens such files (models/check.py, data,
     # export, report, config), so they import nothing of rocktune but errors.
     "readers": {"train", "data", "models", "lora", "kernels", "vision", "doctor", "planner", "platform", "config",
-                "report", "export", "diffusion", "exits", "atomic", "tempdir", *ABOVE_ENGINE},
+                "report", "export", "exits", "atomic", "tempdir", *ABOVE_ENGINE},
     # the CLI enters the private temporary folder before anything else is imported: standard library only.
     "tempdir.py": {"*"},
 }

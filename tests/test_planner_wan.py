@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rocktune.errors import UserError
-from rocktune.planner.wan import WanSpec, estimate_wan, largest_frames, load_wan_shape
+from rocktune.tasks.wan.plan import WanSpec, estimate_wan, largest_frames, load_wan_shape
 
 _spec = importlib.util.spec_from_file_location(
     "planner_validation_wan", Path(__file__).parents[1] / "benchmarks" / "planner_validation_wan.py")
@@ -27,7 +27,7 @@ WAN21 = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 
 @pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory) -> Path:
-    from rocktune.diffusion.tiny import build_tiny_wan
+    from rocktune.tasks.wan.diffusion.tiny import build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("planner_wan") / "tiny-wan")
 

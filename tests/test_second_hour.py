@@ -365,7 +365,7 @@ def test_the_adapter_names_an_absolute_base_and_describes_itself(tmp_path, monke
 
 
 def test_the_tiny_wan_builder_has_help_instead_of_a_directory_named_help(tmp_path, monkeypatch, capsys):
-    from rocktune.diffusion import tiny
+    from rocktune.tasks.wan.diffusion import tiny
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exc:

@@ -70,8 +70,8 @@ def _wan_kind(tmp: Path) -> Kind:
         pytest.skip(f"torch {torch.__version__}: {task_refusal(torch.__version__, 'video-lora')}")
     pytest.importorskip("diffusers")
     pytest.importorskip("av")
-    from rocktune.diffusion.comfy import LORA_FILE
-    from rocktune.diffusion.tiny import build_tiny_wan, write_clips
+    from rocktune.tasks.wan.diffusion.comfy import LORA_FILE
+    from rocktune.tasks.wan.diffusion.tiny import build_tiny_wan, write_clips
 
     wan = build_tiny_wan(tmp / "tiny-wan")
     clips = tmp / "clips"

@@ -546,8 +546,8 @@ def _export(args) -> int:
     from rocktune.export.main import run_export
     from rocktune.export.source import Origin
 
-    from rocktune.diffusion.comfy import LORA_FILE
-    from rocktune.diffusion.generate_cli import run_config
+    from rocktune.tasks.wan.diffusion.comfy import LORA_FILE
+    from rocktune.tasks.wan.diffusion.generate_cli import run_config
 
     if run_config(args.run) is not None:
         raise UserError(f"{args.run} is a video-lora/image-lora run: its LoRA is already exported as "
@@ -598,7 +598,7 @@ def _run_generate(args) -> int:
 
 
 def _generate(args) -> int:
-    from rocktune.diffusion.generate_cli import run_config
+    from rocktune.tasks.wan.diffusion.generate_cli import run_config
 
     if run_config(args.run) is not None:
         return _run_generate_media(args)
@@ -629,7 +629,7 @@ def _run_generate_media(args) -> int:
     if args.prompt is None or args.chat or args.file:
         raise UserError(f"{args.run} is a video-lora/image-lora run: give --prompt TEXT (--chat and --file are for "
                         "language-model runs).")
-    from rocktune.diffusion.generate_cli import Request, main
+    from rocktune.tasks.wan.diffusion.generate_cli import Request, main
     from rocktune.platform.environment import resolve_device
 
     chosen = {name: getattr(args, name) for name in _DIFFUSION_OPTIONS if getattr(args, name) is not None}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, field_validator,
+from pydantic import (BaseModel, Field, PositiveInt, ValidationError, create_model, field_validator,
                       model_validator)
 
 from rocktune.dtypes import canonical
@@ -19,25 +19,7 @@ from rocktune.errors import UserError, first_line
 from rocktune.readers.yaml_file import read_yaml
 from rocktune import task_registry
 from rocktune.task_registry import TaskSpec
-
-
-def only(*tags: str, harmless: tuple = ()) -> dict:
-    """A field's tag: the tasks it applies to, by the tags of task_registry.TASKS (untagged: every task). Set for a
-    task it does not apply to, it is refused (``inapplicable``) unless its value is the default or ``harmless``."""
-    return {"tasks": list(tags), "harmless": list(harmless)}
-
-
-class _Section(BaseModel):
-    # Unknown keys are typos until proven otherwise; assignment is validated so overrides stay typed.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
-
-
-def home(value):
-    """``~/...`` as the shell would expand it: a path a user types in YAML or an override is not seen by a shell,
-    and an unexpanded one would be taken for a hub id."""
-    import os
-
-    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+from rocktune.config_base import _Section, home, only  # noqa: F401 (only: the tag, used by the sections)
 
 
 class ModelConfig(_Section):
@@ -333,140 +315,6 @@ class OutputConfig(_Section):
     @classmethod
     def expand_home(cls, value):
         return home(value)
-
-
-class DiffusionConfig(_Section):
-    """task: video-lora / image-lora only (docs/diffusion.md); the LM path ignores this section."""
-
-    resolutions: list[tuple[PositiveInt, PositiveInt]] = Field(
-        default_factory=lambda: [(832, 480), (480, 832), (624, 624)],
-        description="Resolution buckets as [width, height]. Each file goes to the bucket nearest its aspect ratio, "
-        "is resized to cover it and centre-cropped. Both sides must be multiples of the VAE's spatial factor times "
-        "the transformer's patch size (16 for Wan 2.1; 32 for the Wan 2.2 TI2V-5B VAE).",
-    )
-    frames: list[PositiveInt] = Field(
-        default_factory=lambda: [33], description="Frame-count buckets for video-lora: each must be 4k+1 (the VAE "
-        "compresses 4 frames into one latent frame after the first), e.g. 1, 17, 33, 49, 81. A clip takes the largest "
-        "bucket it can fill from its first frames; a clip shorter than the smallest bucket is reported. image-lora "
-        "uses 1.",
-    )
-    media_field: str = Field("path", description="JSONL manifest: the field with the media file (relative to the "
-                             "manifest's folder).")
-    caption_field: str = Field("caption", description="JSONL manifest: the field with the caption. In a folder the "
-                               "caption is the .txt file beside each media file.")
-    max_text_tokens: int = Field(
-        512, gt=0, le=512, description="Caption tokens kept; longer captions are cut. The transformer always sees "
-        "512 text positions, the caption's then zeros, as WanPipeline and ComfyUI feed it at inference.",
-    )
-    timestep_sampling: Literal["shift", "uniform", "logit_normal"] = Field(
-        "shift", description="How a training timestep is drawn. shift: u ~ U(0,1) mapped by the flow shift, "
-        "sigma = s*u / (1 + (s-1)*u), as Wan's scheduler spaces its inference timesteps; uniform: sigma = u; "
-        "logit_normal: sigma = sigmoid(N(0,1)), then shifted.",
-    )
-    shift: float | Literal["auto"] = Field(
-        "auto", description="Flow shift s. auto: the checkpoint's scheduler config (shift, or flow_shift for UniPC).",
-    )
-    expert: Literal["auto", "high_noise", "low_noise"] = Field(
-        "auto", description="Wan 2.2 A14B has two transformers: transformer/ denoises the high-noise timesteps (t >= "
-        "boundary_ratio x 1000) and transformer_2/ the rest. A LoRA trains one of them, on its own noise levels only: "
-        "high_noise or low_noise (train twice for both; ComfyUI loads one file per model). auto: the only transformer "
-        "of a one-transformer checkpoint; refused for a two-expert one.",
-    )
-    cache_device: Literal["auto", "cpu"] = Field(
-        "auto", description="Where the VAE and text encoder run to build the latent cache. auto: the training device "
-        "(on a GPU the first item is encoded again on the CPU in fp32 and compared); cpu: encode on the CPU "
-        "(slow, and the way around a device whose encodes fail the checks).",
-    )
-
-
-class PreferenceConfig(_Section):
-    """task: dpo / orpo only (docs/preference.md); TRL's names and defaults."""
-
-    beta: float = Field(0.1, gt=0, description="DPO: the strength of the pull towards the reference (the model with "
-                        "its adapter off); higher keeps closer to it. ORPO: the weight of the odds-ratio term "
-                        "(the paper's lambda) beside the chosen answer's likelihood.")
-    loss_type: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid", json_schema_extra=only("dpo"), description="DPO loss. sigmoid: -log sigmoid(beta x the margin of "
-        "log-ratios) (the DPO paper); ipo: (margin of per-token average log-ratios - 1/(2 beta))^2 (the IPO paper, "
-        "length-normalised as TRL does).")
-    label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, json_schema_extra=only("dpo"), description="sigmoid loss: the share of pairs assumed "
-        "mislabelled (conservative DPO): the loss mixes in -log sigmoid(-beta x margin) with this weight.")
-    no_signal: Literal["auto", "drop", "refuse"] = Field(
-        "auto", description="Pairs that teach nothing (chosen equal to rejected, or differing only in whitespace or "
-        "past max_length; answers that share no prompt), each kind named with its count and rows. auto: dropped "
-        "with a warning while they are at most half of the file, else the file is refused; drop: always dropped; "
-        "refuse: any one stops the run.")
-
-
-class RewardSpec(_Section):
-    """One reward function of task: grpo (docs/rl.md); the run's reward is the weighted sum."""
-
-    function: str = Field(description="exact (the completion's answer equals the reference), numeric (its last number "
-                          "within tolerance of the reference's), regex (matches pattern: a format reward), length "
-                          "(DAPO's overlong penalty), or module:function, the user's own reward with TRL's signature, "
-                          "imported by the training process only.")
-    weight: float = Field(1.0, description="Its weight in the sum (TRL's reward_weights).")
-    name: str | None = Field(None, description="Its name in the metrics (rewards/NAME/mean); default: the function's.")
-    pattern: str | None = Field(None, description="regex: the pattern a completion must contain (re.search, DOTALL).")
-    tolerance: float = Field(1e-6, ge=0.0, description="numeric: the largest absolute difference that still counts.")
-    max_tokens: PositiveInt | None = Field(None, description="length: the longest completion (default: "
-                                           "grpo.max_completion_length); reward -1 there.")
-    buffer: int | None = Field(None, ge=0, description="length: the tokens before max_tokens where the penalty grows "
-                               "linearly from 0 to -1 (default: max_tokens / 4).")
-
-    @model_validator(mode="after")
-    def _check(self) -> RewardSpec:
-        import re
-
-        built_in = ("exact", "numeric", "regex", "length")
-        if self.function not in built_in and (":" not in self.function or self.function.startswith(":")):
-            raise ValueError(f"function={self.function!r}: one of {', '.join(built_in)}, or module:function for a "
-                             "reward of your own")
-        if self.function == "regex":
-            if not self.pattern:
-                raise ValueError("function=regex needs pattern, the regular expression a completion must contain")
-            try:
-                re.compile(self.pattern)
-            except re.error as exc:
-                raise ValueError(f"pattern={self.pattern!r} is not a regular expression: {exc}") from None
-        return self
-
-
-class GRPOConfig(_Section):
-    """task: grpo only (docs/rl.md); TRL's GRPOConfig names and meanings."""
-
-    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group G); "
-                                 "training.micro_batch_size x grad_accum completions per step must be a multiple.")
-    max_completion_length: PositiveInt = Field(512, description="Most tokens a completion may have.")
-    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the rollouts.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the rollouts (1: off).")
-    top_k: int = Field(0, ge=0, description="Top-k sampling of the rollouts (0: off).")
-    stop: list[str] = Field(default_factory=list, description="Strings that end a completion (besides EOS and the "
-                            "chat template's end of turn); the completion keeps them.")
-    beta: float = Field(0.0, ge=0.0, description="Weight of the KL to the reference (the model with its adapter off); "
-                        "0: no reference forward at all (TRL's default).")
-    use_bias_correction_kl: bool = Field(True, description="Multiply the KL term by the probability ratio, which "
-                                         "makes its gradient the unbiased reverse-KL gradient (TRL's default).")
-    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Clipping of the probability ratio, below (and above "
-                           "unless epsilon_high).")
-    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clipping (DAPO's clip-higher, e.g. 0.28).")
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = Field(
-        "dapo", description="Aggregation of token losses: grpo (each sequence's token mean, then the mean), dapo (the "
-        "token mean over the step), dr_grpo (the sum over completions x max_completion_length).")
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Advantages divided by the reward std of the group, of the whole step, or not at all "
-        "(none: Dr. GRPO's fix).")
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(function="exact")],
-                                      description="The reward functions, summed with their weights.")
-    compile_rollout: bool = Field(False, description="torch.compile the rollout's decode step over a static KV cache "
-                                  "(data.max_length + max_completion_length positions): compiled once per batch size "
-                                  "(tens of seconds on a CPU, in the first step), then fewer, generated kernels per "
-                                  "token (docs/rl.md measures it). A compile failure falls back to eager.")
-    share_prompt: bool = Field(True, description="The update computes each prompt once for its group of completions "
-                               "(a KV cache indexed out to the group's rows) instead of once per completion: the same "
-                               "log-probabilities up to rounding, fewer positions. Models with sliding-window or "
-                               "non-attention layers, and gradient checkpointing, take the plain forward.")
 
 
 class _RunConfigBase(_Section):

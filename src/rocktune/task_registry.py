@@ -57,13 +57,13 @@ class ReportHooks:
 
 
 _LM_LAUNCH = "rocktune.tasks.causal.launch"  # the causal-LM kit's checks: lm, dpo, orpo
-_WAN_GENERATE = "rocktune.diffusion.generate_cli:main"  # Wan: video files, the ComfyUI LoRA
+_WAN_GENERATE = "rocktune.tasks.wan.diffusion.generate_cli:main"  # Wan: video files, the ComfyUI LoRA
 _VLM_GENERATE = "rocktune.export.vision_generate:run_generate_vision"  # generate --image
-_PREFERENCE: dict[str, Any] = dict(sections=("preference=rocktune.config:PreferenceConfig",),
+_PREFERENCE: dict[str, Any] = dict(sections=("preference=rocktune.tasks.preference.config:PreferenceConfig",),
                    preview="rocktune.report.pair_preview:run_pair_preview", plan="rocktune.tasks.preference.hooks:plan",
                    report="rocktune.tasks.preference.hooks:REPORT", docs="docs/preference.md")
-_WAN: dict[str, Any] = dict(sections=("diffusion=rocktune.config:DiffusionConfig",),
-                            preview="rocktune.diffusion.preview:run_media_preview",
+_WAN: dict[str, Any] = dict(sections=("diffusion=rocktune.tasks.wan.config:DiffusionConfig",),
+                            preview="rocktune.tasks.wan.diffusion.preview:run_media_preview",
                             plan="rocktune.tasks.wan.hooks:plan", report="rocktune.tasks.wan.hooks:REPORT",
             card="rocktune.tasks.wan.hooks:card", generate=_WAN_GENERATE, docs="docs/diffusion.md")
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
@@ -80,7 +80,8 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("grpo", "reinforcement learning of a causal LM's LoRA with verifiable rewards by GRPO (DAPO, Dr. GRPO): "
              "rollouts on rocktune's own generation path, no vLLM", frozenset({"lm", "grpo"}),
              "rocktune.tasks.grpo.task:GRPOTask", "rocktune.tasks.grpo.launch",
-             sections=("grpo=rocktune.config:GRPOConfig",), preview="rocktune.report.prompt_preview:run_prompt_preview",
+             sections=("grpo=rocktune.tasks.grpo.config:GRPOConfig",),
+             preview="rocktune.report.prompt_preview:run_prompt_preview",
              plan="rocktune.tasks.grpo.hooks:plan", demo="rocktune.demo.grpo_run:demo",
              report="rocktune.tasks.grpo.hooks:REPORT", style="rocktune.tasks.grpo.hooks:style", docs="docs/rl.md"),
     TaskSpec("vlm", "LoRA for a vision-language model's language model (Qwen2.5-VL, Qwen3-VL) on conversations "

@@ -55,3 +55,13 @@ def _read_int(path: str) -> int:
             return int(fh.read().strip())
     except (OSError, ValueError):
         return 0
+
+
+def parse_size(text: str, flag: str) -> tuple[int, int]:
+    """``WIDTHxHEIGHT`` of a plan's ``flag`` (Wan's --resolution, a VLM's --image-size)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if match is None:
+        raise UserError(f"{flag} {text!r}: write WIDTHxHEIGHT, e.g. 832x480.")
+    return int(match[1]), int(match[2])

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rocktune.config import RunConfig
 from rocktune.task_registry import load
 from rocktune.train.request import RunOptions
 
-if TYPE_CHECKING:  # the engine (and torch) only where a run starts: the launching process imports this package too
+if TYPE_CHECKING:  # the engine (and torch) only where a run starts: the launching process imports this package too;
+    # and the config only for its type: config.py composes its model from the task sections in these folders
+    from rocktune.config import RunConfig
     from rocktune.train.faults import Faults
     from rocktune.train.loop import TrainResult
 

@@ -10,13 +10,13 @@ def plan(args) -> int:
     from rocktune.errors import UserError
     from rocktune.planner.estimate import DTYPE_BYTES as DTYPES
     from rocktune.planner.vlm import VLMSpec
-    from rocktune.planner.wan import parse_resolution
+    from rocktune.planner.budget import parse_size
     from rocktune.tasks.vlm.plan import PlanRequest, run_vlm_plan
 
     if args.precision not in DTYPES or min(args.batch, args.global_batch, args.lora_r, args.max_length - 1) < 1:
         raise UserError(f"precision must be one of {', '.join(DTYPES)}; batch, global-batch and lora-r positive, "
                         "max-length at least 2.")
-    size = parse_resolution(args.image_size) if args.image_size else None
+    size = parse_size(args.image_size, "--image-size") if args.image_size else None
     req = PlanRequest(args.model, args.data, args.max_pixels, args.min_pixels, size, args.images, args.text_tokens,
                       args.max_length, args.vram, args.device, args.json)
     spec = VLMSpec(micro_batch=args.batch, lora_r=args.lora_r, precision=args.precision,

@@ -12,9 +12,10 @@ REPORT = ReportHooks(no_samples="<h2>Samples</h2><p>Render clips with the traine
 
 
 def plan(args) -> int:
-    from rocktune.planner.wan import WanSpec, parse_resolution, run_wan_plan
+    from rocktune.planner.budget import parse_size
+    from rocktune.tasks.wan.plan import WanSpec, run_wan_plan
 
-    width, height = parse_resolution(args.resolution)
+    width, height = parse_size(args.resolution, "--resolution")
     spec = WanSpec(width, height, args.frames, args.batch, args.text_tokens, args.lora_r, args.precision,
                    args.checkpointing)
     return run_wan_plan(args.model, args.task, spec, args.vram, args.json)

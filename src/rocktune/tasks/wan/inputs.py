@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from rocktune.config import RunConfig
-from rocktune.diffusion import components, media
+from rocktune.tasks.wan.diffusion import components, media
 from rocktune.errors import UserError
 
 
@@ -34,7 +34,7 @@ def predicted_peak(cfg: RunConfig, buckets: list[media.Bucket], precision: str,
                     device_bytes: int | None) -> tuple[int | None, str]:
     """The planner's estimate for the largest bucket in use, at the configured micro batch; when it exceeds the
     device (``device_bytes``), the note says so and what gradient checkpointing would need instead."""
-    from rocktune.planner.wan import WanSpec, estimate_wan, load_wan_shape
+    from rocktune.tasks.wan.plan import WanSpec, estimate_wan, load_wan_shape
 
     largest = max(buckets, key=lambda b: b.width * b.height * b.frames)
     try:

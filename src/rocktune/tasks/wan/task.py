@@ -1,6 +1,6 @@
 """The Wan LoRA task (task: video-lora / image-lora): LoRA on a Wan 2.1/2.2 transformer through diffusers.
 
-Media checked and assigned to buckets, latents and text embeddings cached once (diffusion/cache.py), then only the
+Media checked and assigned to buckets, latents and text embeddings cached once (diffusion/cache.py here), then only the
 transformer trains, with flow matching (diffusion/objective.py). The engine (train/loop.py) runs the steps with the
 same step, guard, checkpoint and interrupt code as the LM task. One process: several ranks are refused before
 anything is written.
@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from rocktune.config import RunConfig
-from rocktune.diffusion import comfy, components, media
-from rocktune.diffusion.cache import LatentSet, cache_latents
-from rocktune.diffusion.comfy import LORA_FILE
-from rocktune.diffusion.objective import FlowMatchLoss
-from rocktune.diffusion.steps import LatentFeed, Noise, eval_forwards
+from rocktune.tasks.wan.diffusion import comfy, components, media
+from rocktune.tasks.wan.diffusion.cache import LatentSet, cache_latents
+from rocktune.tasks.wan.diffusion.comfy import LORA_FILE
+from rocktune.tasks.wan.diffusion.objective import FlowMatchLoss
+from rocktune.tasks.wan.diffusion.steps import LatentFeed, Noise, eval_forwards
 from rocktune.errors import UserError
 from rocktune.tasks.wan import inputs
 from rocktune.tasks.wan import refuse as refusals

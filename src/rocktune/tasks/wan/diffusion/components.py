@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.errors import UserError, first_line
-from rocktune.planner.wan import LORA_TARGETS
+from rocktune.tasks.wan.plan import LORA_TARGETS
 
 # The blocks' attention and feed-forward linears: what Wan LoRAs in the wild adapt and what ComfyUI maps. The patch
 # embedding, time/text embedders, time projection, norms and the head are left out (PEFT matches the whole name).
@@ -172,7 +172,8 @@ def load_text_encoder(source: str, dtype, device: str):
     quiet()
     tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer")
     encoder = UMT5EncoderModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype)
-    return tokenizer, encoder.to(device).eval()
+    # transformers types ``to`` through a decorator that mypy reads as taking a model, not a device
+    return tokenizer, encoder.to(device).eval()  # type: ignore[arg-type]
 
 
 def targets(target_modules: str | list[str]) -> str | list[str]:
@@ -187,8 +188,9 @@ def apply_lora(transformer, r: int, alpha: float, dropout: float, target_modules
     if checkpointing:
         transformer.enable_gradient_checkpointing()
     try:
-        model = get_peft_model(transformer, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                                                       target_modules=targets(target_modules)))
+        config = LoraConfig(r=r, lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates int; it is alpha / r
+                            lora_dropout=dropout, target_modules=targets(target_modules))
+        model = get_peft_model(transformer, config)
     except ValueError as exc:  # PEFT: no module matched
         raise UserError(f"lora.target_modules={target_modules!r} matches no linear layer of the Wan transformer "
                         f"({first_line(exc, 160)}); use all-linear (the blocks' attention and "

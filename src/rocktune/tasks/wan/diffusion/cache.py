@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from rocktune.diffusion.components import Layout, load_text_encoder, load_vae
-from rocktune.diffusion.media import Bucket, MediaItem, load_pixels, media_fingerprint
+from rocktune.tasks.wan.diffusion.components import Layout, load_text_encoder, load_vae
+from rocktune.tasks.wan.diffusion.media import Bucket, MediaItem, load_pixels, media_fingerprint
 from rocktune.errors import UserError
 
 CACHE_VERSION = 1

@@ -319,14 +319,6 @@ def describe(est: WanEstimate) -> dict:
 MAX_FRAMES = 257  # the longest bucket searched: far past the 81 frames Wan was trained on
 
 
-def parse_resolution(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise UserError(f"--resolution {text!r}: write WIDTHxHEIGHT, e.g. 832x480.") from None
-    return width, height
-
-
 def largest_frames(shape: WanShape, spec: WanSpec, usable: int) -> int | None:
     """The largest frame bucket (temporal*k + 1) whose step of ``spec`` (its frames aside) fits ``usable`` bytes;
     None when one frame does not."""
@@ -376,9 +368,9 @@ def _render(est: WanEstimate, other: WanEstimate, doc: dict) -> None:
     table = Table(title=f"{doc['model']}: {doc['n_params'] / 1e9:.2f}B params, {doc['task']} {s['width']}x"
                   f"{s['height']} x {s['frames']} frames, micro-batch {s['batch']} ({est.tokens:,} latent tokens, "
                   f"{s['text_tokens']} text tokens), LoRA r={s['lora_r']}, {s['precision']}", title_justify="left")
-    for col, justify in (("term", "left"), ("no checkpointing", "right"), ("checkpointing", "right"),
-                         ("inputs", "left")):
-        table.add_column(col, justify=justify, overflow="fold" if col == "inputs" else "ellipsis")
+    for col in ("term", "no checkpointing", "checkpointing", "inputs"):
+        table.add_column(col, justify="left" if col in ("term", "inputs") else "right",
+                         overflow="fold" if col == "inputs" else "ellipsis")
     a, b = off.by_name(), on.by_name()
     details = {t.name: t.inputs for t in on.terms} | {t.name: t.inputs for t in off.terms}
     for name in dict.fromkeys([*a, *b]):

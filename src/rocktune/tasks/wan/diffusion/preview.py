@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from typing import Any
 
 from rocktune.config import RunConfig
-from rocktune.diffusion import components, media
+from rocktune.tasks.wan.diffusion import components, media
 
 
 def run_media_preview(cfg: RunConfig, n_show: int, as_json: bool, html: str | None = None) -> int:
@@ -19,10 +20,12 @@ def run_media_preview(cfg: RunConfig, n_show: int, as_json: bool, html: str | No
     layout = components.read_layout(cfg.model.name_or_path, diff.expert)
     frames = [1] if cfg.task == "image-lora" else diff.frames
     media.check_buckets(diff.resolutions, frames, layout.spatial_multiple, layout.temporal, cfg.task)
-    sources = {"train": cfg.data.train_file, **({"eval": cfg.data.eval_file} if cfg.data.eval_file else {})}
+    assert cfg.data.train_file is not None  # the config requires it
+    sources: dict[str, str] = {"train": cfg.data.train_file,
+                               **({"eval": cfg.data.eval_file} if cfg.data.eval_file else {})}
     found = {name: media.assign_buckets(media.list_items(src, diff.media_field, diff.caption_field),
                                         diff.resolutions, frames, cfg.task) for name, src in sources.items()}
-    doc = {name: {"source": sources[name], "files": len(pairs),
+    doc: dict[str, Any] = {name: {"source": sources[name], "files": len(pairs),
                   "videos": sum(media.is_video(m.path) for m, _ in pairs),
                   "buckets": dict(Counter(str(b) for _, b in pairs)),
                   "shown": [{"file": str(m.path), "bucket": str(b), "caption": m.caption} for m, b in pairs[:n_show]]}

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocktune.diffusion.comfy import LORA_FILE
+from rocktune.tasks.wan.diffusion.comfy import LORA_FILE
 from rocktune.errors import UserError
 from rocktune.readers.yaml_file import read_yaml
 from rocktune import task_registry
@@ -46,7 +46,7 @@ def run_config(path: str) -> dict | None:
 
 def generate(run: str, request: Request, device: str) -> list[Path]:
     """Render the prompt (and, with compare, the base alone) into RUN/samples/; returns the files written."""
-    from rocktune.diffusion.render import add_lora, load_pipeline, sample, write_media
+    from rocktune.tasks.wan.diffusion.render import add_lora, load_pipeline, sample, write_media
 
     config = run_config(run)
     if config is None:
@@ -56,7 +56,7 @@ def generate(run: str, request: Request, device: str) -> list[Path]:
     if not base:
         raise UserError(f"{Path(run) / CONFIG_NAME} names no model.name_or_path; pass the base Wan checkpoint as "
                         "--base.")
-    from rocktune.diffusion.components import read_layout
+    from rocktune.tasks.wan.diffusion.components import read_layout
 
     expert = (config.get("diffusion") or {}).get("expert", "auto")
     shot = _shot(request, config, read_layout(base, expert).spatial_multiple)
@@ -86,13 +86,14 @@ def _lora_file(run: Path) -> Path:
 
 def _shot(request: Request, config: dict, multiple: int = 16):
     """``multiple``: the checkpoint's side multiple (16 for Wan 2.1; 32 for the Wan 2.2 TI2V-5B VAE)."""
-    from rocktune.config import DiffusionConfig
-    from rocktune.diffusion.render import Shot
+    from rocktune.planner.budget import parse_size
+    from rocktune.tasks.wan.config import DiffusionConfig
+    from rocktune.tasks.wan.diffusion.render import Shot
 
     # Only the two bucket fields: a run written by another rocktune version may carry keys this one lacks.
     saved = config.get("diffusion") or {}
     buckets = DiffusionConfig(**{key: saved[key] for key in ("resolutions", "frames") if key in saved})
-    width, height = _parse_size(request.size) if request.size else buckets.resolutions[0]
+    width, height = parse_size(request.size, "--size") if request.size else buckets.resolutions[0]
     # `is None`, not `or`: --frames 0 is a mistake to name, not a request for the default
     frames = request.frames if request.frames is not None else (
         1 if config.get("task") == "image-lora" else buckets.frames[0])
@@ -114,13 +115,6 @@ def _nearest_frames(frames: int) -> str:
         return "1 (one image) or more"
     lower = (frames - 1) // 4 * 4 + 1
     return f"{lower} or {lower + 4}"
-
-
-def _parse_size(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if match is None:
-        raise UserError(f"--size {text}: give WIDTHxHEIGHT, e.g. 832x480.")
-    return int(match[1]), int(match[2])
 
 
 def _round(side: int, multiple: int) -> int:

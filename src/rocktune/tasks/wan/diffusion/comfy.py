@@ -111,7 +111,9 @@ def comfy_state_dict(peft_state: dict[str, torch.Tensor], r: int, alpha: float,
         if set(pair) != {"A", "B"}:
             raise UserError(f"LoRA module {module} has lora_{''.join(pair)} but not its other half; the adapter "
                             "state is incomplete (a damaged checkpoint?).")
-        name = PREFIX + original_name(module)
+        original = original_name(module)
+        assert original is not None  # check_targets refused every module without an original name
+        name = PREFIX + original
         down, up = pair["A"].float(), pair["B"].float()
         if _BLOCK.match(module):
             out[f"{name}.alpha"] = torch.tensor(float(alpha))

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rocktune.diffusion.cache import LatentItem, load_item
-from rocktune.diffusion.objective import draw_sigma, eval_sigma, item_generator
+from rocktune.tasks.wan.diffusion.cache import LatentItem, load_item
+from rocktune.tasks.wan.diffusion.objective import draw_sigma, eval_sigma, item_generator
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class LatentFeed:
         self.seed, self.noise, self.text_tokens = seed, noise, text_tokens
         self.epoch, self.index = epoch, index
         self.steps_per_epoch = math.ceil(len(items) / self.per_step)
-        self._order_of, self._epoch_order = None, []  # the epoch whose shuffled order is held, and that order
+        self._order_of: int | None = None
+        self._epoch_order: list[int] = []  # the epoch whose shuffled order is held, and that order
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}

@@ -16,7 +16,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rocktune.diffusion.buckets import (
+from rocktune.tasks.wan.diffusion.buckets import (
     Bucket,
     check_buckets,
     degenerate,

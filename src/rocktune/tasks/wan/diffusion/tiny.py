@@ -59,7 +59,7 @@ def build_tiny_wan(out: Path, seed: int = 0, boundary_ratio: float | None = None
     parts = build_components(seed, **shape)
     if boundary_ratio is not None:
         parts.update(transformer_2=build_components(seed + 1, **shape)["transformer"], boundary_ratio=boundary_ratio)
-    WanPipeline(**parts).save_pretrained(out)
+    WanPipeline(**parts).save_pretrained(out)  # type: ignore[attr-defined]  # diffusers adds it at runtime
     return out
 
 
@@ -102,14 +102,14 @@ CAPTIONS = ["a red square slides right across a blue gradient", "a small bright 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rocktune.diffusion.tiny [DIR]``: the tiny components and clips examples/wan-tiny-video-lora.yaml
-    trains on (default DIR: runs/wan-tiny)."""
+    """``python -m rocktune.tasks.wan.diffusion.tiny [DIR]``: the tiny components and clips
+    examples/wan-tiny-video-lora.yaml trains on (default DIR: runs/wan-tiny)."""
     import argparse
 
-    from rocktune.diffusion.components import quiet
+    from rocktune.tasks.wan.diffusion.components import quiet
     from rocktune.errors import quiet_libraries
 
-    parser = argparse.ArgumentParser(prog="python -m rocktune.diffusion.tiny",
+    parser = argparse.ArgumentParser(prog="python -m rocktune.tasks.wan.diffusion.tiny",
                                      description="Write the tiny Wan pipeline and captioned clips that "
                                                  "examples/wan-tiny-video-lora.yaml trains on (offline, seconds).")
     parser.add_argument("dir", nargs="?", default="runs/wan-tiny", help="output directory (default runs/wan-tiny)")
