@@ -85,39 +85,42 @@ class Family:
     config_class: str    # transformers' config class of the real architecture
     template: str        # key of TEMPLATES
     extra: dict = field(default_factory=dict)  # the family's own traits on top of DIMS
-    # What LoRA on "all-linear" trains in one layer (module names), and what stays frozen on purpose.
-    trained: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # What LoRA on "all-linear" adapts (module names, in every layer and outside them; the MoE experts' stacks
+    # apart): every family states it, test_every_family_states_its_targets fails on one that does not.
+    trained: tuple[str, ...] = ()
     moe: bool = False
 
 
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 ATTN_ONLY = ("q_proj", "k_proj", "v_proj", "o_proj")
+DENSE = ATTN_ONLY + ("gate_proj", "up_proj", "down_proj")
 FAMILIES = [
     Family("llama3", "LlamaConfig", "llama3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
                                                                    "factor": 8.0, "low_freq_factor": 1.0,
                                                                    "high_freq_factor": 4.0,
-                                                                   "original_max_position_embeddings": 128}}),
-    Family("qwen2.5", "Qwen2Config", "chatml", {"tie_word_embeddings": True}),
-    Family("qwen3", "Qwen3Config", "chatml", {"head_dim": 32, "tie_word_embeddings": True}),
+                                                                   "original_max_position_embeddings": 128}}, DENSE),
+    Family("qwen2.5", "Qwen2Config", "chatml", {"tie_word_embeddings": True}, DENSE),
+    Family("qwen3", "Qwen3Config", "chatml", {"head_dim": 32, "tie_word_embeddings": True}, DENSE),
     # norm_topk_prob as in the released Qwen3 MoE checkpoints (transformers' default is off)
     Family("qwen3-moe", "Qwen3MoeConfig", "chatml", {"num_experts": 4, "head_dim": 16, "norm_topk_prob": True, **MOE},
            ATTN_ONLY, True),
-    Family("mistral", "MistralConfig", "mistral", {"sliding_window": None}),
+    Family("mistral", "MistralConfig", "mistral", {"sliding_window": None}, DENSE),
     Family("mixtral", "MixtralConfig", "mistral", {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTN_ONLY,
            True),
     Family("gemma2", "Gemma2Config", "gemma", {"head_dim": 16, "tie_word_embeddings": True,
                                                "query_pre_attn_scalar": 16, "sliding_window": 16,
-                                               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+                                               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}, DENSE),
     Family("gemma3", "Gemma3TextConfig", "gemma", {"head_dim": 16, "tie_word_embeddings": True,
                                                    "query_pre_attn_scalar": 16, "sliding_window": 16,
-                                                   "final_logit_softcapping": 30.0}),
+                                                   "final_logit_softcapping": 30.0}, DENSE),
     Family("phi3", "Phi3Config", "phi3", {"pad_token_id": None}, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-    Family("smollm2", "LlamaConfig", "chatml", {"tie_word_embeddings": True}),
-    Family("smollm3", "SmolLM3Config", "chatml-generation", {"tie_word_embeddings": True, "pad_token_id": None}),
-    Family("olmo2", "Olmo2Config", "olmo2", {"pad_token_id": None}),
+    Family("smollm2", "LlamaConfig", "chatml", {"tie_word_embeddings": True}, DENSE),
+    Family("smollm3", "SmolLM3Config", "chatml-generation", {"tie_word_embeddings": True, "pad_token_id": None},
+           DENSE),
+    Family("olmo2", "Olmo2Config", "olmo2", {"pad_token_id": None}, DENSE),
     Family("granite3", "GraniteConfig", "granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0,
                                                     "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
-                                                    "tie_word_embeddings": True}),
+                                                    "tie_word_embeddings": True}, DENSE),
 ]
 # The 2025-26 families (issue 53): two layers each, so the hybrids have one layer of each kind (linear attention or
 # Mamba2 first, full attention second) and GLM-4.5 / Llama 4 one dense-MLP layer before an MoE one.
@@ -127,7 +130,6 @@ GATED_DELTANET = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_
 SHARED = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
           "shared_expert_intermediate_size": 32}
 LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FAMILIES += [
     Family("qwen3.5", "Qwen3_5TextConfig", "qwen3.5", GATED_DELTANET, LINEAR_ATTN + DENSE),
     # shared_expert_gate (hidden -> 1) is left out: a 1-wide gate, like the router
@@ -143,7 +145,7 @@ FAMILIES += [
                                                  "first_k_dense_replace": 1, "partial_rotary_factor": 0.5},
            DENSE, True),
     Family("olmo3", "Olmo3Config", "chatml", {"pad_token_id": None, "sliding_window": 16,
-                                              "layer_types": ["sliding_attention", "full_attention"]}),
+                                              "layer_types": ["sliding_attention", "full_attention"]}, DENSE),
     Family("llama4", "Llama4TextConfig", "llama4", {"num_local_experts": 4, "num_experts_per_tok": 1, "head_dim": 16,
                                                     "intermediate_size": 32, "intermediate_size_mlp": 128,
                                                     "interleave_moe_layer_step": 2, "attention_chunk_size": 64,
@@ -163,7 +165,7 @@ FAMILIES += [
                                                     "layer_types": ["sliding_attention", "full_attention"],
                                                     "rope_parameters": None, "tie_word_embeddings": True,
                                                     "final_logit_softcapping": 30.0},
-           DENSE + ("per_layer_input_gate", "per_layer_projection")),
+           DENSE + ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection")),
 ]
 BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -21,6 +21,8 @@ from rocktune.export.arch import ARCHS
 from tests.family_fixtures import BY_NAME, FAMILIES, TEMPLATES, build_family, chat_records
 
 NAMES = [f.name for f in FAMILIES]
+# MoE families whose tiny fixture has experts in both layers (GLM-4.5's and Llama 4's first layer is dense)
+MOE_EVERY_LAYER = {"qwen3-moe", "mixtral", "qwen3.5-moe", "qwen3-next", "gpt-oss", "granite4"}
 IDS = torch.arange(3, 40).reshape(1, -1)
 
 
@@ -65,27 +67,46 @@ def family_run(family_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_lora_targets(family_dir, record_property, name):
-    """all-linear adapts exactly the family's linear projections (Phi-3's fused ones as they are); on MoE families
-    also every expert (3-D parameters in transformers 5, through PEFT's parameter targeting), never the router."""
+    """all-linear adapts exactly the family's linear projections in every layer kind (attention, Gated DeltaNet's and
+    Mamba2's projections, dense MLPs, shared experts; Phi-3's fused ones as they are); on MoE families also every
+    expert stack (3-D parameters in transformers 5, through PEFT's parameter targeting); never a router or a 1-wide
+    gate, whatever its class. The saved adapter_config.json names the same set, and PEFT reloads it unchanged."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from rocktune.models.load import apply_lora
+    from rocktune.models.targets import router_modules
 
     fam = BY_NAME[name]
     model = apply_lora(AutoModelForCausalLM.from_pretrained(family_dir(name)), 4, 8.0, 0.0, "all-linear", False)
-    adapted = [n for n, _ in model.named_parameters() if ".layers.0." in n and "lora_A" in n]
-    layer0 = {n.split(".")[-4] for n in adapted if ".mlp.experts." not in n}  # linear modules by name
-    assert layer0 == set(fam.trained)
+    assert _adapted(model) == set(fam.trained)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert not [n for n in trainable if "lm_head" in n or "embed" in n]
-    if fam.moe:
-        assert not [n for n in trainable if ".gate." in n]  # the router stays frozen
-        experts = [m for m in model.base_model.model.model.layers[0].mlp.experts.modules() if hasattr(m, "lora_A")]
-        assert sorted(m.parameter_name for m in experts) == ["down_proj", "gate_up_proj"]
-        assert all(m.lora_A["default"].weight.requires_grad for m in experts)
+    base = model.get_base_model()
+    gates = [m for m in base.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1]
+    frozen = router_modules(base) + gates
+    assert len(router_modules(base)) == (2 if name in MOE_EVERY_LAYER else int(fam.moe))  # one per MoE layer
+    assert not [p for m in frozen for p in m.parameters() if p.requires_grad]
+    assert not [m for m in frozen if hasattr(m, "lora_A")]
+    stacks = {m.parameter_name for m in model.modules() if hasattr(m, "parameter_name") and hasattr(m, "lora_A")}
+    assert sorted(stacks) == (["down_proj", "gate_up_proj"] if fam.moe else [])
+    model.save_pretrained(family_dir(name).parent / f"{name}-adapter")
+    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(family_dir(name)),
+                                      family_dir(name).parent / f"{name}-adapter")
+    assert _adapted(again) == set(fam.trained)  # PEFT's own reload renames nothing (models.targets.keep_v5_names)
     short = ", ".join(m.removesuffix("_proj") for m in fam.trained)
     record_property("cell", short + (" + experts (router frozen)" if fam.moe else ""))
+
+
+def _adapted(model) -> set[str]:
+    """The adapted Linear modules' names (the expert stacks apart)."""
+    return {n.split(".")[-4] for n, _ in model.named_parameters() if "lora_A" in n and ".experts." not in n}
+
+
+def test_every_family_states_its_targets():
+    """A family joins the matrix with the target set its test_lora_targets cell asserts."""
+    assert [f.name for f in FAMILIES if not f.trained] == []
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -92,7 +92,10 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def _plain(module, linear_cls) -> bool:
-    return (type(module) is linear_cls and not module.lora_variant and len(module.active_adapters) == 1)
+    # a base whose class has a forward of its own may return something else than the product (Llama 4's router, an
+    # nn.Linear returning a tuple): the in-place add would fail on it, so it keeps PEFT's forward
+    return (type(module) is linear_cls and not module.lora_variant and len(module.active_adapters) == 1
+            and type(module.base_layer).forward is torch.nn.Linear.forward)
 
 
 def _groups(model, linear_cls) -> list[list]:

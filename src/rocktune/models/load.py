@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -40,6 +41,10 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+    if "peft" in sys.modules:  # an adapter is about to be loaded (export, generate): PEFT must keep its names
+        from rocktune.models.targets import keep_v5_names
+
+        keep_v5_names()
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool):
@@ -175,22 +180,19 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
 
 
 def lora_targets(model, target_modules) -> tuple[object, list[str]]:
-    """``(target_modules, target_parameters)`` for PEFT. A dense model: as configured. An MoE model with
-    ``all-linear``: every nn.Linear but the head by name, plus the experts' 3-D weights (transformers 5 stores them
-    as parameters, not Linear layers) through PEFT's parameter targeting. The router is left alone on purpose:
-    PEFT's own all-linear for MoE adapts it too, and a moved router re-routes tokens to experts the adapter never
-    trained on."""
+    """``(target_modules, target_parameters)`` for PEFT. Anything but ``all-linear``: as configured. ``all-linear``
+    (``rocktune.models.targets``): every nn.Linear but the head, the routers and the 1-wide gates, by role in the
+    model; on MoE models also the experts' 3-D weights (transformers 5 stores them as parameters, not Linear layers)
+    through PEFT's parameter targeting. A model with nothing to leave out keeps PEFT's own ``all-linear``."""
+    from rocktune.models.targets import keep_v5_names, plan_targets
+
+    keep_v5_names()  # a listed gate_proj/up_proj/down_proj too is the module of that name
     if target_modules != "all-linear":
         return target_modules, []
-    experts = moe_expert_parameters(model)
-    if not experts:
+    plan = plan_targets(model, moe_expert_parameters(model))
+    if not plan.experts and not plan.left_out:
         return target_modules, []
-    from rocktune.models.routers import is_router
-
-    head = model.get_output_embeddings()
-    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()  # (Llama 4's router is a Linear)
-               if isinstance(m, torch.nn.Linear) and m is not head and not is_router(m)}
-    return sorted(linears), experts
+    return plan.module_targets(), plan.experts
 
 
 def moe_expert_parameters(model) -> list[str]:
