@@ -249,7 +249,7 @@ def test_columns_map_a_renamed_conversation(tmp_path):
 
 
 def test_preview_shows_the_trained_tool_call(tmp_path):
-    from rocktune.report.preview import build_preview
+    from rocktune.data.preview import build_preview
 
     tok = real("qwen2.5")
     f = write_jsonl(tmp_path / "d.jsonl", [SHAREGPT_TOOLS, dict(SHAREGPT_TOOLS, id=1)])

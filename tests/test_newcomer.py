@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 from rocktune.cli import DEMO_TIME
-from rocktune.report.preview import build_preview
+from rocktune.data.preview import build_preview
 from rocktune.report.preview_view import CLOSE, OPEN, plain_runs, print_preview
 from rocktune.tasks.causal.samples import _markdown, _short, visible
 from tests.conftest import write_jsonl

@@ -13,7 +13,7 @@ from rocktune.data.checks import check_training_data, enforce
 from rocktune.data.dataset import Examples
 from rocktune.data.encode import IGNORE
 from rocktune.errors import UserError
-from rocktune.report.preview import build_preview
+from rocktune.data.preview import build_preview
 from tests.conftest import tiny_run_config, write_jsonl
 
 EOS = 256  # the tiny tokenizer's <|endoftext|>

@@ -14,7 +14,7 @@ from rocktune.data.dataset import tokenize_file
 from rocktune.data.encode import IGNORE
 from rocktune.data.textstream import stride_for, windows
 from rocktune.errors import UserError
-from rocktune.report.preview import build_preview
+from rocktune.data.preview import build_preview
 from rocktune.tasks import train
 from rocktune.train.request import RunOptions
 from tests.conftest import write_jsonl

@@ -14,7 +14,7 @@ from pathlib import Path
 from rocktune.data import pair_signal
 from rocktune.data.preference import encode_kinds, read_rows
 from rocktune.errors import UserError
-from rocktune.report.preview import runs
+from rocktune.data.preview import runs
 
 
 def build_pair_preview(data, tokenizer, n_show: int, no_signal: str = "auto") -> dict:

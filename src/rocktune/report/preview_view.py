@@ -1,4 +1,4 @@
-"""``rocktune data preview``: the preview (report/preview.py) shown in a terminal with rich colours, or written as one
+"""``rocktune data preview``: the preview (data/preview.py) shown in a terminal with rich colours, or written as one
 HTML page (``--html``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rocktune.atomic import write_atomic
 from rocktune.report import page
-from rocktune.report.preview import Preview, build_preview, histogram
+from rocktune.data.preview import Preview, build_preview, histogram
 
 BAR = 40
 OPEN, CLOSE = "⟦", "⟧"  # trained tokens, where colours cannot be shown

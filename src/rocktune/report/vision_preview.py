@@ -14,7 +14,7 @@ from rocktune.data.encode import IGNORE
 from rocktune.data.images import load
 from rocktune.data.vision import VisionExample, VisionTokens, encode
 from rocktune.data.vision_source import read_rows
-from rocktune.report.preview import runs
+from rocktune.data.preview import runs
 from rocktune.report.vision_page import thumbnail_png, vision_preview_html
 
 
