@@ -19,9 +19,10 @@ pytestmark = pytest.mark.llama_cpp
 # keys of the converter's file that name the file, not the model
 NAMING = {"general.name", "general.size_label", "GGUF.kv_count", "GGUF.tensor_count"}
 # keys only we write: the head and rope widths and vocabulary size the loader would derive the same way, whether
-# the tokenizer adds BOS/EOS (read off the tokenizer), the BPE merges the loader requires
+# the tokenizer adds BOS/EOS (read off the tokenizer), the BPE merges the loader requires, what it was made from
 EXTRA_KEYS = ("{a}.rope.dimension_count", "{a}.vocab_size", "{a}.attention.key_length", "{a}.attention.value_length",
-              "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.merges")
+              "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.merges",
+              "rocktune.source_digest")
 # what the converter cannot do on the tiny fixture (it is no statement about our export)
 CONVERTER_CANNOT = {"phi3": "the converter reads Phi-3's vocabulary from tokenizer.model only; the fixture's is BPE"}
 

@@ -23,6 +23,7 @@ class Arch:
     output_required: bool = False  # the loader has no tied head (OLMo 2): output.weight is written even when tied
     check: Callable | None = None  # refuses configurations llama.cpp's graph for this arch would compute otherwise
     hparams: Callable | None = None  # the family's own metadata keys, on top of the common ones
+    nextn: bool = False  # the block count includes the multi-token-prediction layers (absent after a merge)
 
 
 def _refuse_if(condition: bool, cfg, what: str) -> None:
@@ -138,14 +139,30 @@ def _check_qwen3_moe(cfg) -> None:
 
 
 def _moe_hparams(writer, cfg) -> None:
-    writer.add_expert_count(int(getattr(cfg, "num_local_experts", None) or cfg.num_experts))
+    writer.add_expert_count(n_experts(cfg))
     writer.add_expert_used_count(int(cfg.num_experts_per_tok))
     if getattr(cfg, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
 
 
+def _glm4_moe_hparams(writer, cfg) -> None:
+    import gguf
+
+    _moe_hparams(writer, cfg)
+    writer.add_expert_group_count(int(cfg.n_group))
+    writer.add_expert_group_used_count(int(cfg.topk_group))
+    writer.add_expert_shared_count(int(cfg.n_shared_experts))
+    writer.add_leading_dense_block_count(int(cfg.first_k_dense_replace))
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # GLM's router scores by sigmoid
+    writer.add_expert_weights_scale(float(cfg.routed_scaling_factor))
+    writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    # the MTP layer is not part of transformers' model, so a merge drops it: llama.cpp then runs the trunk alone
+    writer.add_nextn_predict_layers(int(getattr(cfg, "num_nextn_predict_layers", 0)))
+
+
 def n_experts(cfg) -> int:
-    return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0)
+    return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+               or getattr(cfg, "n_routed_experts", None) or 0)
 
 
 def expert_ff(cfg) -> int:
@@ -179,6 +196,7 @@ ARCHS = {
     "gemma3_text": Arch("gemma3", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
+    "glm4_moe": Arch("glm4moe", False, hparams=_glm4_moe_hparams, nextn=True),
     # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (export/gguf_vision.py writes their eyes beside)
     "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
     "qwen2_5_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
@@ -228,7 +246,7 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
     rope = rope_params(cfg)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_block_count(cfg.num_hidden_layers + (getattr(cfg, "num_nextn_predict_layers", 0) if arch.nextn else 0))
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -295,6 +313,8 @@ def tensor_namer(cfg, arch: Arch):
     table = gguf.get_tensor_name_map(enum, cfg.num_hidden_layers)
 
     def name(hf_name: str) -> str | None:
+        # a router's score-correction bias (GLM-4.5, DeepSeek-V3) is a bias of the table's e_score_correction
+        hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
         return table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
     return name

@@ -20,6 +20,9 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 # its loader needs the merges key, and tokenizers with no merges at all (rocktune's demo) have none to write.
 NEVER_FIRING_MERGE = "<|never|> <|merge|>"
 SHIPPED_TOKENIZER = "tokenizer.shipped.json"  # the base's own tokenizer.json, when the export copied it
+# (role, token) where a llama.cpp architecture expects other special tokens than the tokenizer names: GLM's turns
+# start with [gMASK] and one ends where the next <|user|> (or a tool's <|observation|>) begins
+ROLES = {"glm4moe": (("bos", "[gMASK]"), ("eot", "<|user|>"), ("unk", "<|endoftext|>"), ("eom", "<|observation|>"))}
 
 
 def pre_tokenizer_name(tokenizer_json: dict) -> str:
@@ -65,7 +68,7 @@ def add_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> None:
         raise UserError(f"{tj_path}: GGUF export supports byte-level BPE tokenizers and SentencePiece ones with "
                         f"tokenizer.model; this one is {model.get('type')} "
                         f"{'with byte fallback ' if model.get('byte_fallback') else ''}without tokenizer.model.")
-    _add_specials(writer, tokenizer_dir, vocab_size, byte_bpe)
+    _add_specials(writer, tokenizer_dir, vocab_size, byte_bpe, ROLES.get(writer.arch, ()))
 
 
 def _add_byte_bpe(writer, tokenizer_dir: Path, tj: dict, vocab_size: int) -> None:
@@ -136,7 +139,7 @@ def _adds_space_prefix(model_file: Path) -> bool:
     return bool(pieces) and pieces[0].startswith("\u2581")
 
 
-def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) -> None:
+def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool, roles) -> None:
     import gguf
 
     # gguf-py logs guesses about post-processor templates it half-parses; the add_* flags are measured below instead
@@ -148,6 +151,10 @@ def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool) 
     ids = tok("a", add_special_tokens=True)["input_ids"]
     special.add_special_token["bos"] = tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id]
     special.add_special_token["eos"] = tok.eos_token_id is not None and ids[-1:] == [tok.eos_token_id]
+    added = tok.get_added_vocab()
+    for role, text in roles:
+        if text in added:
+            special.special_token_ids[role] = added[text]
     special.add_to_gguf(writer, quiet=True)
 
 
