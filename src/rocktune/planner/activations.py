@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rocktune.errors import UserError
-from rocktune.planner import varlen
+from rocktune.planner import moe, varlen
 from rocktune.planner.shapes import ModelShape
 
 GROUP = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
@@ -78,7 +78,9 @@ def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> di
     out["norms"] = norm * (int(input_grad) + int(after_attn_grad) * (shape.norms_per_layer - 1))
     if attn_grad:
         varlen.attention(shape, tok, out) if tok.attn == "varlen" else _attention(shape, tok, out)
-    if mlp_grad:  # gate out (act input), act out, up out; fused gate_up 2i + i
+    if mlp_grad and shape.experts:  # the routed rows, the shared expert, the router (planner/moe.py)
+        out["mlp"] = moe.saved(shape, tok)
+    elif mlp_grad:  # gate out (act input), act out, up out; fused gate_up 2i + i
         out["mlp"] = varlen.mlp_bytes(shape, tok) if lean else 3 * t * shape.mlp_width * (tok.stream or dt)
     grad_in = {"attn_in": input_grad, "attn_out": attn_grad, "mlp_in": after_attn_grad, "mlp_mid": mlp_grad}
     _lora(shape, tok, mods, grad_in, out)

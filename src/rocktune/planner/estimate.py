@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from rocktune.planner import moe
 from rocktune.planner.activations import Tokens, layer_saved, lora_modules
 from rocktune.planner.shapes import ModelShape
 
@@ -117,11 +118,14 @@ def lora_param_count(shape: ModelShape, spec: RunSpec) -> int:
 
 def expert_lora_count(shape: ModelShape, spec: RunSpec) -> int:
     """all-linear on an MoE model also adapts every expert (model.lora_targets): PEFT's parameter LoRA gives each
-    3-D weight an (r x experts, in) A and an (out, r x experts) B, for gate_up (h -> 2 x width) and down."""
+    3-D weight an (r x experts, in) A and an (out, r x experts) B, for gate_up (h -> 2 x width) and down. The layers
+    that keep a dense MLP adapt it instead of a shared expert (``linears`` lists the MoE layer's)."""
     if not shape.experts or spec.targets not in ("all-linear", "all", None):
         return 0
-    h, w = shape.hidden, shape.expert_intermediate
-    return shape.layers * spec.lora_r * shape.experts * ((h + 2 * w) + (w + h))
+    h, w, d = shape.hidden, shape.expert_intermediate, shape.dense_intermediate
+    shared = sum(i + o for _, i, o, _ in moe.shared_linears(shape))
+    dense = shape.dense_layers * spec.lora_r * ((3 * h + 3 * d if d else 0) - shared)
+    return shape.moe_layers * spec.lora_r * shape.experts * ((h + 2 * w) + (w + h)) + dense
 
 
 def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
@@ -210,11 +214,15 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
         linear, quantised = shape.layers * sum(i * o for _, i, o, _ in shape.linears()), 0
         for _, n_in, n_out, _ in shape.linears():
             quantised += shape.layers * quantised_bytes(n_in, n_out, spec.quant, spec.double_quant)
+        if shape.experts:  # the expert stacks stored in 4 bit too (lora/moe.py); dense layers' MLPs are Linears
+            extra = moe.quantised_values(shape)
+            linear += extra
+            quantised += quantised_bytes(extra, 1, spec.quant, spec.double_quant)
         rest = shape.n_params - linear
         # PEFT's k-bit preparation casts every weight it did not quantise (embeddings, head, norms, biases) to fp32
         add("base_weights", quantised + rest * 4, "static",
-            f"{linear:,} linear params as {spec.quant} ({quantised / linear:.3f} B each with scales) + {rest:,} "
-            "others x 4 B (fp32 after k-bit preparation)")
+            f"{linear:,} linear{' and expert' if shape.experts else ''} params as {spec.quant} "
+            f"({quantised / linear:.3f} B each with scales) + {rest:,} others x 4 B (fp32 after k-bit preparation)")
     n = lora_param_count(shape, spec)
     mods = [m for m, _, _ in lora_modules(shape, spec.targets)]
     add("lora_params", n * 4, "static", f"{n:,} params (r={spec.lora_r} on {', '.join(mods)}) x 4 B fp32")
@@ -297,4 +305,7 @@ def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, laye
         cdt = DTYPE_BYTES[spec.precision] if spec.quant != "int8" else 2  # int8 works on fp16 copies
         add("dequantised_weight", big * cdt, "backward", f"largest linear ({big:,} values) dequantised, {cdt} B each")
     n = lora_param_count(shape, spec)
-    add("optimizer_step", 3 * n * 4, "step", "foreach AdamW temporaries, 3 x LoRA params x 4 B")
+    if spec.device == "gpu":  # training.optimizer auto: fused AdamW on a GPU updates in place, tensor by tensor
+        add("optimizer_step", 0, "step", "fused AdamW (the GPU default): no temporaries")
+    else:
+        add("optimizer_step", 3 * n * 4, "step", "foreach AdamW temporaries (the CPU default), 3 x LoRA params x 4 B")

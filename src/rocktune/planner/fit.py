@@ -12,12 +12,14 @@ from dataclasses import dataclass, field, replace
 
 from rocktune.errors import UserError
 from rocktune.planner.budget import detect_budget
-from rocktune.planner.estimate import GIB, Estimate, RunSpec, estimate
+from rocktune.planner.estimate import GIB, Estimate, RunSpec, estimate, lora_param_count
 from rocktune.planner.shapes import ModelShape, load_shape
 
 MARGIN = 0.05  # of the budget, kept free
 SATURATION_TOKENS = 2048  # tokens per micro-batch at which a GPU is about half busy
 MIN_LENGTH = 128
+MIN_RANK = 4  # the lowest LoRA rank the planner proposes (MoE models, whose expert adapters dominate)
+RANK_REASON = "the adapters of r="
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Suggestion:
     total_bytes: int = 0  # with allocator overhead and device context: what must fit the budget
     budget_bytes: int = 0
     quant: str = "none"  # "nf4" when the planner proposes a quantised base because nothing else fits
+    lora_r: int = 0  # the LoRA rank: lower than asked only for an MoE model whose expert adapters do not fit
 
 
 def suggest_settings(model: str, vram_bytes: int | None, base: RunSpec, global_batch: int,
@@ -62,6 +65,10 @@ def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_ba
         proposal = _propose_nf4(shape, base, budget, precision, global_batch, source, cands)
         if proposal is not None:
             return proposal
+    if shape.experts and (not fitting or length < base.seq_len):
+        proposal = _propose_rank(shape, base, budget, precision, global_batch, source)
+        if proposal is not None:
+            return proposal
     if not fitting:
         smallest = min(cands, key=lambda e: e.total_bytes)
         raise UserError(f"{shape.name} does not fit in {_gib(budget)} ({source}) with any micro-batch, "
@@ -80,7 +87,7 @@ def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_ba
     return Suggestion(micro_batch_size=s.micro_batch, grad_accum=global_batch // s.micro_batch,
                       gradient_checkpointing=s.checkpointing, precision=s.precision, max_length=s.seq_len,
                       predicted_peak_bytes=best.peak_allocated, reasons=reasons, total_bytes=best.total_bytes,
-                      budget_bytes=budget, quant=s.quant)
+                      budget_bytes=budget, quant=s.quant, lora_r=s.lora_r)
 
 
 def _propose_nf4(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_batch: int, source: str,
@@ -96,6 +103,28 @@ def _propose_nf4(shape: ModelShape, base: RunSpec, budget: int, precision: str, 
     sug.reasons.insert(0, f"nothing fits {_gib(budget)} at max_length {base.seq_len} without quantisation (the "
                        f"smallest, {_describe(smallest.spec)}, needs {_gib(smallest.total_bytes)}): proposing an "
                        "nf4 base (QLoRA, model.quantization=nf4, needs bitsandbytes >= 0.50 and a supported GPU)")
+    return sug
+
+
+def _propose_rank(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_batch: int,
+                  source: str) -> Suggestion | None:
+    """An MoE model's expert adapters hold a rank-r pair per expert (PEFT's target_parameters): when nothing fits at
+    the asked length, the highest lower rank (halved, down to MIN_RANK) that does, with an nf4 base if need be."""
+    r = base.lora_r // 2
+    if r < MIN_RANK:
+        return None
+    try:  # (which halves again, down to MIN_RANK, when r does not fit either)
+        sug = fit(shape, replace(base, lora_r=r), budget, precision, global_batch, source)
+    except UserError:
+        return None
+    if sug.max_length < base.seq_len:
+        return None  # shortening anyway: keep the rank
+    n_asked = lora_param_count(shape, base)
+    sug.reasons = [x for x in sug.reasons if not x.startswith(RANK_REASON)]  # a lower rank's: said once, here
+    sug.reasons.insert(0, f"{RANK_REASON}{base.lora_r} ({n_asked:,} params with every expert's, "
+                       f"{_gib(16 * n_asked)} with gradients and AdamW states) leave no room at max_length "
+                       f"{base.seq_len}: proposing lora.r={sug.lora_r} (lora.alpha scaled with it, so the update's "
+                       "scale alpha/r stays)")
     return sug
 
 
@@ -115,6 +144,7 @@ def throughput(est: Estimate) -> float:
     """Relative useful tokens per second of a candidate (see the module docstring)."""
     sh, s = est.shape, est.spec
     linear = sum(n_in * n_out for _, n_in, n_out, _ in sh.linears()) * sh.layers
+    linear += sh.moe_layers * sh.experts_per_token * 3 * sh.hidden * sh.expert_intermediate  # the routed experts
     layer_fwd = 2 * linear + 2 * s.seq_len * sh.q_dim * sh.layers  # matmuls + causal attention
     head = 2 * sh.hidden * sh.vocab * s.loss_fraction
     work = 2 * layer_fwd + 2 * head + (layer_fwd if s.checkpointing else 0)

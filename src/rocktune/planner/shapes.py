@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 
 from rocktune.errors import UserError
+from rocktune.planner import moe
 
 # Per model_type: how the decoder layer is built in transformers, and the class defaults that apply when a
 # config.json leaves a field out (tie_word_embeddings, attention_bias). qk_norm: "head" normalises each head
@@ -28,6 +29,10 @@ ARCH_TRAITS: dict[str, dict] = {
     "qwen3": {**_DENSE, "qk_norm": "head"},
     "qwen3_moe": {**_DENSE, "qk_norm": "head", "moe": True},
     "mixtral": {**_DENSE, "moe": True},
+    # gpt-oss: biased q/k/v/o, a learned attention sink per head, biased experts and router (planner/moe.py)
+    "gpt_oss": {**_DENSE, "qkv_bias": True, "o_bias": True, "sinks": True, "moe": True},
+    "glm4_moe": {**_DENSE, "moe": True},  # q/k norms per head when use_qk_norm (GLM-4.5), read from the config
+    "llama4_text": {**_DENSE, "moe": True},  # (its q/k norm is an L2 norm without weights)
     "olmo2": {**_DENSE, "qk_norm": "full"},
     "phi3": {**_DENSE, "fused_qkv": True, "fused_gate_up": True},
     "gemma2": {**_DENSE, "norms": 4, "tie": True},
@@ -67,6 +72,14 @@ class ModelShape:
     experts: int = 0            # MoE: routed experts per layer (0: a dense MLP)
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    shared_intermediate: int = 0  # MoE: the always-on shared expert's width; the rest as planner/moe.MoeShape
+    shared_gate: bool = False
+    dense_layers: int = 0       # MoE models: layers with a dense MLP (of dense_intermediate) instead of experts
+    dense_intermediate: int = 0
+    expert_bias: bool = False
+    router_bias: bool = False
+    o_bias: bool = False        # the attention output projection has a bias (gpt-oss)
+    attn_sinks: bool = False    # a learned sink logit per head and layer (gpt-oss)
 
     @property
     def q_dim(self) -> int:
@@ -78,34 +91,45 @@ class ModelShape:
 
     @property
     def mlp_width(self) -> int:
-        """Intermediate activations per token: a dense MLP's width, or the routed experts' together (MoE; the
-        per-expert dispatch buffers are not counted)."""
-        return self.experts_per_token * self.expert_intermediate if self.experts else self.intermediate
+        """Intermediate activations per token: a dense MLP's width, or the routed experts' and the shared expert's
+        together (MoE; what the routed rows save besides is planner/moe.saved)."""
+        if self.experts:
+            return self.experts_per_token * self.expert_intermediate + self.shared_intermediate
+        return self.intermediate
 
     def linears(self) -> list[tuple[str, int, int, bool]]:
         """The linear modules of one decoder layer as (name, in, out, bias), named as in transformers. An MoE
-        layer's experts are not nn.Linear (LoRA's all-linear and bitsandbytes leave them alone): attention only."""
+        layer's experts are not nn.Linear (LoRA's all-linear and bitsandbytes leave them alone): attention and the
+        shared expert's projections only (its 1-wide gate and the router are never adapted)."""
         h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
         attn = [("qkv_proj", h, q + 2 * kv, self.qkv_bias)] if self.fused_qkv else [
             ("q_proj", h, q, self.qkv_bias), ("k_proj", h, kv, self.qkv_bias), ("v_proj", h, kv, self.qkv_bias)]
         if self.experts:
-            return attn + [("o_proj", q, h, False)]
+            return attn + [("o_proj", q, h, self.o_bias)] + moe.shared_linears(self)
         mlp = [("gate_up_proj", h, 2 * i, False)] if self.fused_gate_up else [
             ("gate_proj", h, i, False), ("up_proj", h, i, False)]
         return attn + [("o_proj", q, h, False)] + mlp + [("down_proj", i, h, False)]
 
     def param_counts(self) -> dict[str, int]:
         layer = sum(n_in * n_out + (n_out if bias else 0) for _, n_in, n_out, bias in self.linears())
-        layer += self.norms_per_layer * self.hidden + self._qk_norm_params()
-        layer += self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)  # experts + router
+        layer += self.norms_per_layer * self.hidden + self._qk_norm_params() + (self.heads if self.attn_sinks else 0)
+        layers = layer * self.layers
+        if self.experts:  # linears() holds the shared expert: MoE blocks add the rest, dense layers their MLP
+            block, dense = moe.mlp_params(self)
+            shared = sum(i * o for _, i, o, _ in moe.shared_linears(self))
+            layers += self.moe_layers * (block - shared) + self.dense_layers * (dense - shared)
         embed = self.vocab * self.hidden
-        return {"embed_tokens": embed, "layers": layer * self.layers, "final_norm": self.hidden,
+        return {"embed_tokens": embed, "layers": layers, "final_norm": self.hidden,
                 "lm_head": 0 if self.tie_embeddings else embed}
 
     def _qk_norm_params(self) -> int:
         if not self.qk_norm:
             return 0
         return self.q_dim + self.kv_dim if self.qk_norm_full else 2 * self.head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
 
     @property
     def n_params(self) -> int:
@@ -115,7 +139,9 @@ class ModelShape:
     def active_params(self) -> int:
         """Parameters one token computes with: all of a dense model; an MoE's routed share of its experts."""
         idle = self.experts - self.experts_per_token
-        return self.n_params - self.layers * idle * 3 * self.hidden * self.expert_intermediate
+        per_expert = 3 * self.hidden * self.expert_intermediate + (2 * self.expert_intermediate + self.hidden
+                                                                   if self.expert_bias else 0)
+        return self.n_params - self.moe_layers * idle * per_expert
 
 
 @cache
@@ -166,34 +192,26 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     if heads % kv_heads:
         raise UserError(f"{name}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}.")
     qkv_bias = traits["qkv_bias"] or bool(config.get("attention_bias", False))
-    moe = _moe(config, name) if traits["moe"] else (0, 0, 0)
+    mo = moe.moe_shape(config, name) if traits["moe"] else None
+    qk_norm = traits["qk_norm"] or ("head" if config.get("use_qk_norm") and model_type == "glm4_moe" else None)
     return ModelShape(
         name=name, model_type=model_type, vocab=config["vocab_size"], hidden=config["hidden_size"],
         intermediate=config["intermediate_size"], layers=config["num_hidden_layers"], heads=heads,
         kv_heads=kv_heads, head_dim=head_dim,
         tie_embeddings=bool(config.get("tie_word_embeddings", traits["tie"])), qkv_bias=qkv_bias,
-        fused_qkv=traits["fused_qkv"], fused_gate_up=traits["fused_gate_up"], qk_norm=bool(traits["qk_norm"]),
+        fused_qkv=traits["fused_qkv"], fused_gate_up=traits["fused_gate_up"], qk_norm=bool(qk_norm),
         norms_per_layer=traits["norms"], attn_softcap=config.get("attn_logit_softcapping"),
-        final_softcap=config.get("final_logit_softcapping"), qk_norm_full=traits["qk_norm"] == "full",
-        experts=moe[0], experts_per_token=moe[1], expert_intermediate=moe[2],
+        final_softcap=config.get("final_logit_softcapping"), qk_norm_full=qk_norm == "full",
+        o_bias=traits.get("o_bias", False), attn_sinks=traits.get("sinks", False), **_moe_fields(mo),
     )
 
 
-def _moe(config: dict, name: str) -> tuple[int, int, int]:
-    """(experts, experts per token, expert width): Qwen3-MoE's hub configs say num_experts and
-    moe_intermediate_size, Mixtral's num_local_experts and intermediate_size (transformers 5 saves both as
-    num_local_experts)."""
-    experts = config.get("num_local_experts") or config.get("num_experts")
-    per_token = config.get("num_experts_per_tok")
-    width = config.get("moe_intermediate_size") or config.get("intermediate_size")
-    if not all(isinstance(v, int) and v > 0 for v in (experts, per_token, width)) or per_token > experts:
-        raise UserError(f"{name}: this {config.get('model_type')} (mixture-of-experts) config.json lacks a positive "
-                        "num_local_experts/num_experts, num_experts_per_tok (at most the experts) or the expert width "
-                        "(moe_intermediate_size / intermediate_size); pass the model's own config.json.")
-    if config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) != 1:
-        raise UserError(f"{name}: dense layers between MoE layers (mlp_only_layers / decoder_sparse_step) are not "
-                        "sized by the planner yet; plan from a config whose every layer is MoE.")
-    return experts, per_token, width
+def _moe_fields(mo: moe.MoeShape | None) -> dict:
+    if mo is None:
+        return {}
+    return {"experts": mo.experts, "experts_per_token": mo.per_token, "expert_intermediate": mo.width,
+            "shared_intermediate": mo.shared, "shared_gate": mo.shared_gate, "dense_layers": mo.dense_layers,
+            "dense_intermediate": mo.dense_width, "expert_bias": mo.expert_bias, "router_bias": mo.router_bias}
 
 
 def read_config(path: Path) -> dict:

@@ -29,14 +29,18 @@ def apply_fit(cfg: RunConfig, precision: str, attn_implementation: str, vram_byt
     fitted.training.grad_accum = sug.grad_accum
     fitted.model.gradient_checkpointing = sug.gradient_checkpointing
     fitted.data.max_length = sug.max_length
-    chosen = (f"--auto: {'model.quantization=nf4 ' if sug.quant != cfg.model.quantization else ''}"
+    rank = ""
+    if sug.lora_r and sug.lora_r != cfg.lora.r:  # an MoE model's expert adapters did not fit: alpha/r is kept
+        fitted.lora.r, fitted.lora.alpha = sug.lora_r, cfg.lora.alpha * sug.lora_r / cfg.lora.r
+        rank = f"lora.r={fitted.lora.r} lora.alpha={fitted.lora.alpha:g} "
+    chosen = (f"--auto: {'model.quantization=nf4 ' if sug.quant != cfg.model.quantization else ''}{rank}"
               f"micro_batch_size={sug.micro_batch_size} grad_accum={sug.grad_accum} "
               f"gradient_checkpointing={sug.gradient_checkpointing} max_length={sug.max_length}: needs "
               f"{_gib(sug.total_bytes)} of the {_gib(sug.budget_bytes)} budget ({_gib(sug.predicted_peak_bytes)} peak "
               f"allocated, the figure the run measures, + {_gib(sug.total_bytes - sug.predicted_peak_bytes)} "
               "allocator overhead and device context)")
     # The planner's own "chosen:" line states the same choice with the total alone: one figure, said once.
-    return fitted, [chosen, *sug.reasons[1:]], sug.predicted_peak_bytes
+    return fitted, [chosen, *[x for x in sug.reasons if not x.startswith("chosen:")]], sug.predicted_peak_bytes
 
 
 def _gib(n: int) -> str:

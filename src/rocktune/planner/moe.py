@@ -1,0 +1,117 @@
+"""Mixture-of-experts shapes from config.json, and what their experts cost in a LoRA step.
+
+Each family names its MoE fields its own way (transformers 5 config classes): the experts are ``num_local_experts``
+(Mixtral, gpt-oss, Llama 4; transformers 5's own saves of every family), ``num_experts`` (Qwen3-MoE, Qwen3.5-MoE,
+Qwen3-Next hub files) or ``n_routed_experts`` (GLM-4.5); an expert's width is ``moe_intermediate_size`` where the
+family has one, else ``intermediate_size``. Some layers keep a dense MLP (GLM's ``first_k_dense_replace``, Llama 4's
+``moe_layers``, Qwen3-MoE's ``mlp_only_layers``/``decoder_sparse_step``), some MoE blocks add an always-on shared
+expert (GLM, Llama 4, Qwen3.5, Qwen3-Next; the last two gate it with a 1-wide linear), gpt-oss biases every expert
+and its router.
+
+What one MoE layer saves for backward on rocktune's grouped expert LoRA path (``lora/moe.py``; counted with
+``saved_tensors_hooks`` in ``benchmarks/planner_validation.py``): R = top-k x tokens routed rows; the gathered input
+of each row (read by the gate/up adapters' A), the gate/up output, the activation, the down projection's input
+and output (the output is scaled by the routing weight), each adapter's rank-r product, and the router's softmax
+over all experts (fp32), its top-k indices and weights. No expert weight, no adapted stack, no stack gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rocktune.errors import UserError
+
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    experts: int
+    per_token: int
+    width: int                 # one expert's intermediate width
+    shared: int = 0            # the always-on shared expert's width (0: none)
+    shared_gate: bool = False  # the shared expert's 1-wide sigmoid gate (Qwen3.5-MoE, Qwen3-Next)
+    dense_layers: int = 0      # layers with a dense MLP instead of experts
+    dense_width: int = 0
+    expert_bias: bool = False  # gpt-oss: a bias on each expert's gate_up and down
+    router_bias: bool = False  # gpt-oss
+
+
+def moe_shape(config: dict, name: str) -> MoeShape:
+    """The MoE fields of a text config (see the module docstring), or a UserError that names what is missing."""
+    kind, layers = config.get("model_type"), config["num_hidden_layers"]
+    experts = next((config[k] for k in EXPERT_FIELDS if config.get(k)), None)
+    per_token = config.get("num_experts_per_tok")
+    width = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if not all(isinstance(v, int) and v > 0 for v in (experts, per_token, width)) or per_token > experts:
+        raise UserError(f"{name}: this {kind} (mixture-of-experts) config.json lacks a positive "
+                        f"{'/'.join(EXPERT_FIELDS)}, num_experts_per_tok (at most the experts) or the expert width "
+                        "(moe_intermediate_size / intermediate_size); pass the model's own config.json.")
+    dense, dense_width = _dense_layers(config, layers)
+    shared = config.get("shared_expert_intermediate_size") or 0
+    if kind == "glm4_moe":
+        shared = (config.get("n_shared_experts") or 0) * width
+    elif kind == "llama4_text":
+        shared = width  # Llama 4's shared expert is as wide as a routed one
+    return MoeShape(experts, per_token, width, shared=shared, shared_gate=bool(shared) and kind in
+                    ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"), dense_layers=dense, dense_width=dense_width,
+                    expert_bias=kind == "gpt_oss", router_bias=kind == "gpt_oss")
+
+
+def _dense_layers(config: dict, layers: int) -> tuple[int, int]:
+    """(layers with a dense MLP, its width), as the family's decoder layer decides it."""
+    kind = config.get("model_type")
+    if kind == "glm4_moe":
+        first = config.get("first_k_dense_replace")
+        return min(layers, 1 if first is None else first), config["intermediate_size"]
+    if kind == "llama4_text":
+        step = config.get("interleave_moe_layer_step") or 1
+        moe = config.get("moe_layers")
+        moe = list(range(step - 1, layers, step)) if moe is None else moe
+        return layers - len(set(moe) & set(range(layers))), config.get("intermediate_size_mlp") or 0
+    only, step = set(config.get("mlp_only_layers") or []), config.get("decoder_sparse_step") or 1
+    dense = sum(1 for i in range(layers) if i in only or (i + 1) % step)
+    return dense, config.get("intermediate_size") or 0
+
+
+def mlp_params(shape) -> tuple[int, int]:
+    """(parameters of one MoE block, of one dense MLP) of ``shape`` (a ModelShape)."""
+    h, w, e = shape.hidden, shape.expert_intermediate, shape.experts
+    block = e * 3 * h * w + e * h  # the expert stacks (gate, up, down) and the router
+    block += e * (2 * w + h) if shape.expert_bias else 0
+    block += e if shape.router_bias else 0
+    block += 3 * h * shape.shared_intermediate + (h if shape.shared_gate else 0)
+    return block, 3 * h * shape.dense_intermediate
+
+
+def shared_linears(shape) -> list[tuple[str, int, int, bool]]:
+    """The shared expert's linear modules (what all-linear adapts in an MoE block besides the expert stacks)."""
+    h, s = shape.hidden, shape.shared_intermediate
+    return [("gate_proj", h, s, False), ("up_proj", h, s, False), ("down_proj", s, h, False)] if s else []
+
+
+def stack_values(shape) -> int:
+    """Values of one layer's expert stacks (gate, up and down of every expert)."""
+    return shape.experts * 3 * shape.hidden * shape.expert_intermediate
+
+
+def quantised_values(shape) -> int:
+    """Weight values a 4-bit MoE base stores quantised beyond ``linears`` x layers: every layer's expert stacks, and
+    the dense layers' MLP in place of the shared expert ``linears`` counted for them."""
+    shared = sum(i * o for _, i, o, _ in shared_linears(shape))
+    return shape.moe_layers * stack_values(shape) + shape.dense_layers * (3 * shape.hidden * shape.dense_intermediate
+                                                                          - shared)
+
+
+def saved(shape, tok) -> int:
+    """Bytes one MoE block saves for backward on the grouped path (module docstring); ``tok``: activations.Tokens."""
+    t, dt, h, w, r = tok.t, tok.dt, shape.hidden, shape.expert_intermediate, tok.rank
+    rows = t * shape.experts_per_token
+    width = tok.stream or dt
+    routed = rows * (h + 2 * w + w + w + h) * width  # input, gate/up out, activation, down input, down out
+    ranks = rows * 2 * r * dt + rows * (8 + 4)  # the two adapters' rank-r products; row index and routing weight
+    if tok.amp:  # the fp32 factors cast to the compute dtype, per stack
+        ranks += shape.experts * r * ((h + 2 * w) + (w + h)) * dt
+    router = t * shape.experts * 4 + t * shape.experts_per_token * (8 + 4)  # softmax (fp32), top-k indices, weights
+    shared = 3 * t * shape.shared_intermediate * width if shape.shared_intermediate else 0
+    return routed + ranks + router + shared
