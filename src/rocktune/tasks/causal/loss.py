@@ -32,8 +32,9 @@ def decoder_and_head(base):
     scales)."""
     config = getattr(base, "config", None)
     plain = not any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS)
-    if plain and hasattr(base, "get_decoder") and base.get_output_embeddings() is not None:
-        return base.get_decoder(), base.get_output_embeddings()
+    if plain and hasattr(base, "get_decoder") and base.get_output_embeddings() is not None \
+            and decoder(base) is not base:
+        return decoder(base), base.get_output_embeddings()
     return None
 
 
@@ -72,7 +73,7 @@ def causal_lm_loss_sum(model, batch: dict[str, torch.Tensor], chunk_size: int = 
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
                                reduction="sum")
         return loss, n_tokens
-    hidden = base.get_decoder()(**inputs).last_hidden_state[:, :-1]
+    hidden = decoder(base)(**inputs).last_hidden_state[:, :-1]
     if index is not None:
         hidden, targets = hidden.flatten(0, 1).index_select(0, index), batch["loss_targets"]
     else:
@@ -101,10 +102,18 @@ def varlen_inputs(batch: dict[str, torch.Tensor], max_document: int | None = Non
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, **bound}
 
 
+def decoder(base):
+    """The causal LM's decoder. Llama 4's text model keeps it as ``model`` while its base_model_prefix names
+    ``language_model``: transformers' get_decoder then answers the causal LM itself, whose output has no hidden
+    states to take."""
+    found = base.get_decoder()
+    return getattr(base, "model", found) if found is base else found
+
+
 def _fast_path_ok(base) -> bool:
     config = getattr(base, "config", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if config is None or head is None or not hasattr(base, "get_decoder"):
+    if config is None or head is None or not hasattr(base, "get_decoder") or decoder(base) is base:
         return False
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in HEAD_TRANSFORMS):
         return False
