@@ -47,25 +47,30 @@ def row_lengths(cfg) -> dict[str, int]:
 
 
 def write_model_gguf(tensors: dict[str, np.ndarray], cfg, arch: archs.Arch, tokenizer_dir: Path, path: Path,
-                     quant: str, name: str) -> None:
-    """Write ``tensors`` (from ``gguf_tensors``) as a GGUF model file at ``path`` (k-quants via llama.cpp)."""
+                     quant: str, name: str, source: str | None = None) -> None:
+    """Write ``tensors`` (from ``gguf_tensors``) as a GGUF model file at ``path`` (k-quants via llama.cpp);
+    ``source``: the digest of what it was made from (export/reuse.py), kept in its metadata."""
     if quants.QUANTS[quant][2]:
         f32 = path.with_name(path.name + ".f32")
         try:
-            _write(tensors, cfg, arch, tokenizer_dir, f32, "f32", name)
-            quants.llama_cpp_quantize(str(f32), str(path), quant)
+            _write(tensors, cfg, arch, tokenizer_dir, f32, "f32", name, source)
+            quants.llama_cpp_quantize(str(f32), str(path), quant)  # llama-quantize copies the metadata
         finally:
             f32.unlink(missing_ok=True)
         return
-    _write(tensors, cfg, arch, tokenizer_dir, path, quant, name)
+    _write(tensors, cfg, arch, tokenizer_dir, path, quant, name, source)
 
 
-def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name: str) -> None:
+def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name: str, source: str | None) -> None:
     import gguf
+
+    from rocktune.export.reuse import KEY
 
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(loader_safe_name(name, tokenizer_dir))
+    if source is not None:
+        writer.add_string(KEY, source)
     writer.add_file_type(quants.file_type(quant))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     archs.add_hparams(writer, cfg, arch)

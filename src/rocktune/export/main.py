@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.export import (gguf_lora, gguf_model, gguf_vision, merge, next_command, ollama, output, quant, style,
-                             vocab)
+from rocktune.export import (gguf_lora, gguf_model, gguf_vision, merge, next_command, ollama, output, quant, reuse,
+                             style, vocab)
 from rocktune.export.source import Origin, Source, load_config, load_tokenizer, resolve
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
@@ -31,8 +31,9 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
     resolved = Path(path).resolve()
     name = resolved.parent.name if resolved.name in ("run", "adapter") else resolved.name  # runs/demo/run -> demo
     # the export goes beside adapter/, also when the adapter directory itself was given
-    root = Path(out) if out else (src.adapter.parent if src.adapter == Path(path) else Path(path)) / "export"
-    t0 = time.perf_counter()
+    default = (src.adapter.parent if src.adapter == Path(path) else Path(path)) / "export"
+    root = Path(out) if out else default
+    t0, kept = time.perf_counter(), []
     if to == "merged":
         written = [_merged(src, root if out else root / "merged", dtype, overwrite)]
     elif to == "gguf-lora":
@@ -45,14 +46,17 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
         elif vision:
             written = _gguf_vision(src, root if out else root / f"model-{q}.gguf", q, overwrite, name, bool(out))
         elif to == "ollama":
-            written = [_gguf(src, Path("model.gguf"), q, overwrite, name, root if out else root / "ollama", template)]
+            written = [_gguf(_GgufJob(src, Path("model.gguf"), q, overwrite, name, _siblings(default, q), kept,
+                                      root if out else root / "ollama", template))]
         else:
-            written = [_gguf(src, root if out else root / f"model-{q}.gguf", q, overwrite, name)]
+            written = [_gguf(_GgufJob(src, root if out else root / f"model-{q}.gguf", q, overwrite, name,
+                                      _siblings(default, q), kept))]
             _notes([next_command.then(next_command.llama_argv(written[0]))])
     seconds = round(time.perf_counter() - t0, 1)
     report = [{"path": str(p), "bytes": output.size_of(p), "seconds": seconds} for p in written]
     for r in report:
-        sys.stdout.write(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB)\n")
+        done = "kept (up to date)" if Path(r["path"]) in kept else "wrote"
+        sys.stdout.write(f"{done} {r['path']} ({r['bytes'] / 2**20:.1f} MiB)\n")
     sys.stdout.write(f"export --to {to} took {seconds} s\n")
     return report
 
@@ -77,31 +81,80 @@ def _fp32_model(src: Source):
     return merge.merged_model(src, "fp32")
 
 
-def _gguf(src: Source, path: Path, q: str, overwrite: bool, name: str, ollama_dir: Path | None = None,
-          template: str = "auto") -> Path:
-    """One GGUF file at ``path``; with ``ollama_dir``, the directory holding it (named ``path``) and a Modelfile."""
+@dataclass
+class _GgufJob:
+    """One GGUF file at ``path``; with ``ollama_dir``, the directory holding it (named ``path``) and a Modelfile.
+    ``siblings``: where the run's other exports keep the same GGUF (reused when it carries the same digest)."""
+    src: Source
+    path: Path
+    q: str
+    overwrite: bool
+    name: str
+    siblings: list[Path]
+    kept: list[Path]  # filled with the output when it was up to date and left as it was
+    ollama_dir: Path | None = None
+    template: str = "auto"
+
+
+def _siblings(default: Path, q: str) -> list[Path]:
+    """The GGUF files ``--to gguf`` and ``--to ollama`` write by default for ``q``: either may serve the other."""
+    return [default / f"model-{q}.gguf", default / "ollama" / "model.gguf"]
+
+
+def _gguf(job: _GgufJob) -> Path:
+    src, path, q, ollama_dir = job.src, job.path, job.q, job.ollama_dir
     _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
     arch = archs.arch_for(cfg)
     quant.check_quant(q, gguf_model.row_lengths(cfg))
-    output.check_target(ollama_dir or path, overwrite, is_dir=ollama_dir is not None)
+    source = reuse.digest(src, {"gguf": q, "name": job.name})
+    target, own = ollama_dir or path, (ollama_dir / path.name if ollama_dir else path)
+    if not job.overwrite and reuse.recorded(own) == source:
+        _notes([f"{target} is up to date (written from this adapter, base and settings): nothing written"])
+        job.kept.append(target)
+        return target
+    output.check_target(target, job.overwrite, is_dir=ollama_dir is not None)
+    found = reuse.find(source, [own, *job.siblings])
+    if found is not None:
+        return _reuse_gguf(job, found)
     model, notes = _fp32_model(src)
     tensors = gguf_model.gguf_tensors(model.state_dict(), model.config, arch)
     sys.stderr.write(f"writing GGUF ({q})\n")
-    with output.scratch(ollama_dir or path) as tok_dir:  # beside the output: a kill leaves nothing in the system's temp
+    with output.scratch(target) as tok_dir:  # beside the output: a kill leaves nothing in the system's temp
         tokenizer = _tokenizer(src, model.config, tok_dir)
         if ollama_dir is None:
-            with output.staged(path, overwrite, is_dir=False) as tmp:
-                gguf_model.write_model_gguf(tensors, model.config, arch, tok_dir, tmp, q, name)
+            with output.staged(path, job.overwrite, is_dir=False) as tmp:
+                gguf_model.write_model_gguf(tensors, model.config, arch, tok_dir, tmp, q, job.name, source)
             _notes([n for n in notes if "tied" in n])
             return path
-        with output.staged(ollama_dir, overwrite, is_dir=True) as tmp:
-            gguf_model.write_model_gguf(tensors, model.config, arch, tok_dir, tmp / path.name, q, name)
-            text, more = ollama.modelfile(path.name, style.resolve_style(template, src.run_config, tokenizer),
-                                          tokenizer, getattr(model, "generation_config", None))
-            (tmp / "Modelfile").write_text(text, encoding="utf-8")
-    _notes(more + [f"then: ollama create {name} -f {ollama_dir / 'Modelfile'}"])
+        with output.staged(ollama_dir, job.overwrite, is_dir=True) as tmp:
+            gguf_model.write_model_gguf(tensors, model.config, arch, tok_dir, tmp / path.name, q, job.name, source)
+            more = _write_modelfile(job, tmp, tokenizer, getattr(model, "generation_config", None))
+    _notes(more + [f"then: ollama create {job.name} -f {ollama_dir / 'Modelfile'}"])
     return ollama_dir
+
+
+def _write_modelfile(job: _GgufJob, folder: Path, tokenizer, generation_config) -> list[str]:
+    text, more = ollama.modelfile(job.path.name, style.resolve_style(job.template, job.src.run_config, tokenizer),
+                                  tokenizer, generation_config)
+    (folder / "Modelfile").write_text(text, encoding="utf-8")
+    return more
+
+
+def _reuse_gguf(job: _GgufJob, found: Path) -> Path:
+    """The export made of ``found``, a GGUF written from the same adapter, base and settings: no merge."""
+    how = f"reused {found} (same adapter, base and settings: no merge)"
+    if job.ollama_dir is None:
+        with output.staged(job.path, job.overwrite, is_dir=False) as tmp:
+            how += "; " + reuse.link(found, tmp)
+        _notes([how])
+        return job.path
+    tokenizer = load_tokenizer(job.src)  # the Modelfile's template and stops: no weights needed
+    with output.staged(job.ollama_dir, job.overwrite, is_dir=True) as tmp:
+        how += "; " + reuse.link(found, tmp / job.path.name)
+        more = _write_modelfile(job, tmp, tokenizer, reuse.generation_config(job.src))
+    _notes([how, *more, f"then: ollama create {job.name} -f {job.ollama_dir / 'Modelfile'}"])
+    return job.ollama_dir
 
 
 @dataclass
@@ -239,7 +292,7 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
         base_src = Source(src.base, None, src.run_config, src.trust_remote_code)
         base_path = path.with_name("base-f16.gguf")
         written += _gguf_vision(base_src, base_path, "f16", overwrite, name + "-base", True, lora=path) if vision \
-            else [_gguf(base_src, base_path, "f16", overwrite, name + "-base")]
+            else [_gguf(_GgufJob(base_src, base_path, "f16", overwrite, name + "-base", [], []))]
     with output.staged(path, overwrite, is_dir=False) as tmp:
         gguf_lora.write_lora_gguf(tensors, alpha, arch, tmp, dtype, name)
     if not with_base:
