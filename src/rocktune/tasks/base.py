@@ -31,6 +31,9 @@ class TaskBase:
     def after_eval(self, step: int, metrics, log) -> None:
         """Nothing besides the engine's eval metrics."""
 
+    def progress(self, record: dict) -> str:
+        return ""  # the loss says how the step went
+
     def final_files(self, run_dir: Path) -> list[tuple[str, Callable[[], None]]]:
         return []
 

@@ -263,7 +263,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         record = task.record(fed)
         timed = r.estimate.left_s() is not None
         r.estimate.stepped(step, elapsed, compiling)
-        bar.update(step, update.loss, lr, record["tokens"] / elapsed, mem)
+        bar.update(step, update.loss, lr, record["tokens"] / elapsed, mem, task.progress(record))
         if not timed and r.estimate.left_s() is not None and step < r.total_steps:
             bar.log(r.estimate.first_line())
         if step == first_step:

@@ -86,9 +86,11 @@ class ProgressBar:
     def __exit__(self, *exc) -> None:
         self.progress.stop()
 
-    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, mem_bytes: int | None) -> None:
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, mem_bytes: int | None,
+               task: str = "") -> None:
+        """``task``: the task's own figures after the loss (GRPO's reward: its loss is near 0 by construction)."""
         mem = f" mem {mem_bytes / 2**30:.2f}GiB" if mem_bytes is not None else ""
-        stats = f"loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s{mem}"
+        stats = f"loss {loss:.4f}{' ' + task if task else ''} lr {lr:.2e} {tokens_per_s:,.0f} tok/s{mem}"
         self.progress.update(self.task, completed=step, stats=stats)
         now = time.perf_counter()
         if not self.quiet and not self.console.is_terminal and (

@@ -112,6 +112,8 @@ class Task(Protocol):
 
     def record(self, fed) -> dict: ...  # a logged step's task metrics; "tokens" is the throughput's unit
 
+    def progress(self, record: dict) -> str: ...  # the task's figures on the progress line ("": loss alone)
+
     def after_eval(self, step: int, metrics, log) -> None: ...  # e.g. sample generations
 
     def final_files(self, run_dir: Path) -> list[tuple[str, Callable[[], None]]]: ...  # written before adapter/
