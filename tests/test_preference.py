@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from rocktune.config import config_from_dict
 from rocktune.data.encode import IGNORE
-from rocktune.data.preference import PairText, encode_pair, pair_set, read_pair
+from rocktune.tasks.preference.pairs import PairText, encode_pair, pair_set, read_pair
 from rocktune.errors import UserError
 from rocktune.tasks.preference.feed import PairFeed, collate_pairs, split_pairs
 from rocktune.tasks.preference.loss import Objective, SequenceLogps, pair_losses
@@ -54,7 +54,8 @@ def test_every_format_gives_the_same_pair(tokenizer):
 
 def test_data_columns_map_other_names(tmp_path, tokenizer):
     from rocktune.config import DataConfig
-    from rocktune.data.preference import encode_rows, read_rows
+    from rocktune.data.rows import read_rows
+    from rocktune.tasks.preference.pairs import encode_rows
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"question": "add 1 2 =", "good": " 03", "bad": " 04"}])
     d = DataConfig(train_file=str(f), columns={"prompt": "question", "chosen": "good", "rejected": "bad"})
@@ -72,7 +73,8 @@ def test_data_columns_map_other_names(tmp_path, tokenizer):
 ])
 def test_a_bad_row_is_named(tmp_path, tokenizer, row, words):
     from rocktune.config import DataConfig
-    from rocktune.data.preference import encode_rows, read_rows
+    from rocktune.data.rows import read_rows
+    from rocktune.tasks.preference.pairs import encode_rows
 
     good = {"prompt": "p", "chosen": " a", "rejected": " b"}
     f = tmp_path / "p.jsonl"

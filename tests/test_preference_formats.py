@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from rocktune.config import DataConfig
-from rocktune.data import pair_signal
-from rocktune.data.preference import PairText, encode_kinds, encode_screened, read_pair, read_rows
+from rocktune.tasks.preference import signal as pair_signal
+from rocktune.data.rows import read_rows
+from rocktune.tasks.preference.pairs import PairText, encode_kinds, encode_screened, read_pair
 from rocktune.errors import UserError
 from tests.conftest import write_jsonl
 
@@ -80,7 +81,7 @@ def _tool_pair() -> dict:
 def test_a_pair_with_tools_renders_them_or_is_refused(tokenizer):
     """input.tools and a tool call in an answer go to the chat template; a template that drops either is refused
     (meaning never lost), as in SFT."""
-    from rocktune.data.preference import encode_pair
+    from rocktune.tasks.preference.pairs import encode_pair
     from tests.test_chat_data import real
 
     pair = read_pair(_tool_pair(), "r0")

@@ -9,7 +9,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from rocktune.data.preference import PairText, encode_pair, pair_set  # noqa: E402 -- after the importorskip
+from rocktune.tasks.preference.pairs import PairText, encode_pair, pair_set  # noqa: E402 -- after the importorskip
 from rocktune.tasks.preference.feed import collate_pairs  # noqa: E402
 from rocktune.tasks.preference.loss import Objective, PreferenceLoss  # noqa: E402
 

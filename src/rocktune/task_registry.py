@@ -60,7 +60,8 @@ _LM_LAUNCH = "rocktune.tasks.causal.launch"  # the causal-LM kit's checks: lm, d
 _WAN_GENERATE = "rocktune.tasks.wan.diffusion.generate_cli:main"  # Wan: video files, the ComfyUI LoRA
 _VLM_GENERATE = "rocktune.export.vision_generate:run_generate_vision"  # generate --image
 _PREFERENCE: dict[str, Any] = dict(sections=("preference=rocktune.tasks.preference.config:PreferenceConfig",),
-                   preview="rocktune.report.pair_preview:run_pair_preview", plan="rocktune.tasks.preference.hooks:plan",
+                   preview="rocktune.tasks.preference.preview:run_pair_preview",
+                   plan="rocktune.tasks.preference.hooks:plan",
                    report="rocktune.tasks.preference.hooks:REPORT", docs="docs/preference.md")
 _WAN: dict[str, Any] = dict(sections=("diffusion=rocktune.tasks.wan.config:DiffusionConfig",),
                             preview="rocktune.tasks.wan.diffusion.preview:run_media_preview",

@@ -20,7 +20,7 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
-from rocktune.data.preference import _message
+from rocktune.data.rows import message as _message
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
@@ -113,7 +113,7 @@ def encode_prompt(row: PromptRow, tokenizer, max_length: int, where: str) -> Pro
 
 
 def encode_rows(rows, tokenizer, max_length: int) -> list[Prompt]:
-    """``rows``: ``(where, row)`` pairs as data/preference.read_rows gives them."""
+    """``rows``: ``(where, row)`` pairs as data/rows.read_rows gives them."""
     return [encode_prompt(read_prompt(row, str(where)), tokenizer, max_length, str(where)) for where, row in rows]
 
 

@@ -77,7 +77,7 @@ def preference_figures(model, tokenizer, pairs: list[dict]) -> dict:
     ``styled``: the share of greedy answers that end in the preferred style."""
     import torch
 
-    from rocktune.data.preference import PairText, encode_pair, pair_set
+    from rocktune.tasks.preference.pairs import PairText, encode_pair, pair_set
     from rocktune.tasks.preference.feed import collate_pairs
     from rocktune.tasks.preference.loss import sequence_logps
 

@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from rocktune.data.preference import read_rows
+from rocktune.data.rows import read_rows
 from rocktune.data.prompts import encode_prompt, read_prompt
 
 

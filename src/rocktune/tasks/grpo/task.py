@@ -22,7 +22,7 @@ from typing import Any, Callable, cast
 import torch
 
 from rocktune.config import RunConfig, refuse_inapplicable
-from rocktune.data import preference as rows_reader
+from rocktune.data import rows as rows_reader
 from rocktune.data import prompts as promptdata
 from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError

@@ -12,7 +12,7 @@ import torch
 
 from rocktune.data.batching import BatchOrder, BatchStream, epoch_batches
 from rocktune.data.packing import collate_packed, cut_segments
-from rocktune.data.preference import PairSet
+from rocktune.tasks.preference.pairs import PairSet
 from rocktune.tasks.causal.feed import Step, StreamPosition
 
 

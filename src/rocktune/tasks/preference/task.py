@@ -1,9 +1,9 @@
 """The preference task (task: dpo / orpo): a causal LM's LoRA trained on chosen/rejected pairs.
 
 It reuses the LM task's model building (tokenizer, kernels, QLoRA, LoRA, attention) and the engine's everything
-else (steps, OOM split, guards, checkpoints, resume, several ranks); what is its own is the data (pairs,
-data/preference.py), the feed (one pair per row, feed.py) and the loss (loss.py). The reference DPO compares with is
-the same model with the adapter switched off.
+else (steps, OOM split, guards, checkpoints, resume, several ranks); what is its own is the data (pairs.py,
+screened by signal.py), the feed (one pair per row, feed.py) and the loss (loss.py). The reference DPO compares
+with is the same model with the adapter switched off.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from rocktune.kernels.attention import VARLEN
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.readers.template import use_template
-from rocktune.data import preference as prefdata
+from rocktune.data.rows import read_rows
+from rocktune.tasks.preference import pairs as prefdata
 from rocktune.data.dataset import Pending
 from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
@@ -193,11 +194,11 @@ def _read_pairs(cfg: RunConfig, tokenizer, cache_root: Path):
 def _read_checked(cfg: RunConfig, tokenizer, cache_root: Path):
     d, policy = cfg.data, cfg.preference.no_signal
     train_file = cast(str, d.train_file)  # RunConfig's validator requires it
-    train_rows = prefdata.read_rows(train_file, d, cache_root, "data.train_file")
+    train_rows = read_rows(train_file, d, cache_root, "data.train_file")
     train, cut, notes = prefdata.encode_screened(train_rows, tokenizer, d, policy, train_file)
     n_pairs = len(train)
     if d.eval_file:
-        eval_rows = prefdata.read_rows(d.eval_file, d, cache_root, "data.eval_file", True)
+        eval_rows = read_rows(d.eval_file, d, cache_root, "data.eval_file", True)
         held, cut_eval, eval_notes = prefdata.encode_screened(eval_rows, tokenizer, d, policy, d.eval_file)
         cut, notes, n_pairs = cut + cut_eval, notes + eval_notes, n_pairs + len(held)
     else:

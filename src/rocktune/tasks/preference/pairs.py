@@ -20,8 +20,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from rocktune.data import chat, fidelity, pair_signal, toolcalls
-from rocktune.data.chat import Where, content_text
+from rocktune.data import fidelity, rows, toolcalls
+from rocktune.tasks.preference import signal as pair_signal
 from rocktune.data.encode import ALPACA_NO_INPUT, ALPACA_WITH_INPUT, IGNORE
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
@@ -98,9 +98,9 @@ def _read(row: dict, where: str) -> PairText:
                         [_sharegpt(_one(rejected), f"{where}: rejected")], True)
     if row.get("instruction") is not None:
         template = ALPACA_WITH_INPUT if row.get("input") else ALPACA_NO_INPUT
-        prompt = template.format(instruction=_text(row["instruction"], where, "instruction"),
+        alpaca = template.format(instruction=_text(row["instruction"], where, "instruction"),
                                  input=row.get("input") or "")
-        return PairText(prompt, _text(chosen, where, "chosen"), _text(rejected, where, "rejected"), False)
+        return PairText(alpaca, _text(chosen, where, "chosen"), _text(rejected, where, "rejected"), False)
     chat = isinstance(chosen, list)
     if isinstance(rejected, list) != chat:
         raise UserError(f"{where}: 'chosen' and 'rejected' must both be text or both be lists of messages.")
@@ -151,7 +151,7 @@ def _one(turn):
 
 def _sharegpt(msg, where: str) -> dict:
     if isinstance(msg, dict) and "role" in msg and "content" in msg:
-        return _message(msg, where)
+        return rows.message(msg, where)
     if not (isinstance(msg, dict) and isinstance(msg.get("value"), str) and msg.get("from") in SHAREGPT_ROLES):
         raise UserError(f"{where} must be a {{'from', 'value'}} turn with 'from' one of "
                         f"{', '.join(SHAREGPT_ROLES)}, got {msg!r:.80}.")
@@ -162,20 +162,7 @@ def _messages(value, where: str, key: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise UserError(f"{where}: '{key}' must be a non-empty list of {{'role', 'content'}} messages here (the "
                         "other fields of this pair are messages).")
-    return [_message(m, f"{where}: {key}[{i}]") for i, m in enumerate(value)]
-
-
-def _message(msg, where: str) -> dict:
-    if isinstance(msg, dict) and (msg.get("tool_calls") or msg.get("function_call")
-                                  or msg.get("role") in ("tool", "function")):
-        return chat.message(msg, Where(where, "message"))  # a call or a result, in the layout templates take
-    if not (isinstance(msg, dict) and isinstance(msg.get("content"), (str, list))
-            and msg.get("role") in ("system", "developer", "user", "assistant")):
-        raise UserError(f"{where} must be an object with 'role' (system, user, assistant) and string 'content'.")
-    # content parts (OpenAI's and HF's lists of text parts) are joined as SFT joins them; OpenAI's developer role
-    # is its newer name for the system role
-    role = "system" if msg["role"] == "developer" else msg["role"]
-    return {"role": role, "content": content_text(msg["content"], Where(where, "message"))}
+    return [rows.message(m, f"{where}: {key}[{i}]") for i, m in enumerate(value)]
 
 
 def _text(value, where: str, key: str) -> str:
@@ -213,12 +200,13 @@ def _render(pair: PairText, tokenizer, where: str) -> tuple[list[int], list[int]
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         prompt = tokenizer(pair.prompt, add_special_tokens=True)["input_ids"] if pair.prompt else []
 
-        def answer(text):
+        def text_answer(text):
             return tokenizer(text, add_special_tokens=not prompt)["input_ids"] + eos
-        return prompt, answer(pair.chosen), answer(pair.rejected)
+        return prompt, text_answer(pair.chosen), text_answer(pair.rejected)
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{where}: conversational pairs need the tokenizer's chat template, and this tokenizer has "
                         "none; use an instruct model's tokenizer or give the pairs as text.")
+    assert isinstance(pair.prompt, list)  # a chat pair's prompt is its messages
     extra = {"tools": pair.tools} if pair.tools else {}
     start = render_chat_template(tokenizer, pair.prompt, tokenize=False, add_generation_prompt=True, **extra) \
         if pair.prompt else ""
@@ -284,45 +272,3 @@ def split_pairs(pairs: list[Pair], fraction: float, seed: int) -> tuple[list[Pai
     n_eval = min(len(pairs) - 1, max(1, round(len(pairs) * fraction)))
     held = set(order[:n_eval])
     return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
-
-
-def read_rows(spec: str, d, cache_dir, key: str, eval_side: bool = False) -> list[tuple[object, dict]]:
-    """``(where, row)`` of every row of a source, opened as SFT opens it (files, save_to_disk folders, hub ids,
-    ``data.columns``); ``where`` formats as the file:line (JSONL) or row an error names. JSON and JSONL are read by
-    rocktune's own reader: a pair's fields may differ in kind from row to row (text here, messages there, a wrong
-    type to be named), which a table's columns cannot hold."""
-    from pathlib import Path
-
-    from rocktune.data.dataset import source_settings
-    from rocktune.data.records import read_records
-    from rocktune.data.sources import RowLoc, open_source
-
-    if Path(spec).is_file() and Path(spec).suffix.lower() in (".json", ".jsonl"):
-        rows = read_records(spec)
-        missing = {src for src in d.columns.values() if nested(rows[0][1], src) is None}
-        if missing:
-            raise UserError(f"data.columns maps to {sorted(missing)}, which {rows[0][0]} does not have (its keys: "
-                            f"{sorted(rows[0][1])}; a nested field is named with dots, e.g. input.messages); fix "
-                            "data.columns.")
-        return [(where, _mapped(row, d.columns)) for where, row in rows]
-    src = open_source(spec, source_settings(d, cache_dir, eval_side), key)
-    return [(RowLoc(src.name, src.kind, i), row) for i, row in enumerate(src.dataset)]
-
-
-def nested(row: dict, path: str):
-    """``row``'s field at ``path``: a key, or keys joined by dots for a nested field (``input.messages``)."""
-    if path in row:
-        return row[path]
-    value = row
-    for key in path.split("."):
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
-    return value
-
-
-def _mapped(row: dict, columns: dict[str, str]) -> dict:
-    """``row`` with each mapped field under its record key (a top-level source key renamed, a nested one copied)."""
-    out = {k: v for k, v in row.items() if k not in columns.values()}
-    out.update({key: nested(row, src) for key, src in columns.items()})
-    return out

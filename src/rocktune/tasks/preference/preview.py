@@ -1,6 +1,6 @@
 """``rocktune data preview -c CONFIG`` for task: dpo / orpo: each pair side by side, as training reads it.
 
-The rows go through the same reader, format detection, template and truncation as training (data/preference.py),
+The rows go through the same reader, format detection, template and truncation as training (pairs.py),
 so the tokens marked trained here are the ones whose log-probabilities the loss compares: the prompt (shared, never
 trained) and then the chosen and the rejected answer, each with its trained tokens in brackets.
 """
@@ -11,8 +11,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from rocktune.data import pair_signal
-from rocktune.data.preference import encode_kinds, read_rows
+from rocktune.tasks.preference import signal as pair_signal
+from rocktune.data.rows import read_rows
+from rocktune.tasks.preference.pairs import encode_kinds
 from rocktune.errors import UserError
 from rocktune.data.preview import runs
 
@@ -24,7 +25,9 @@ def build_pair_preview(data, tokenizer, n_show: int, no_signal: str = "auto") ->
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         rows = read_rows(data.train_file, data, Path(tmp) / "cache", "data.train_file")
     special = set(tokenizer.all_special_ids)
-    shown, lengths, truncated = [], [], 0
+    shown: list[dict] = []
+    lengths: list[int] = []
+    truncated = 0
     encoded = encode_kinds(rows, tokenizer, data.max_length, data.truncation)
     kinds = [(where, k) for (where, _), (_, k) in zip(rows, encoded)]
     for (where, _), (pair, _) in zip(rows, encoded):
