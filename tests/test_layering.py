@@ -18,6 +18,7 @@ FORBIDDEN = {
     # the table of tasks: read by the config and the launching process, so standard library only
     "task_registry.py": {"*"},
     "dtypes.py": {"*"},  # dtype spellings: read by config, cli and the planner alike, so it imports nothing
+    "builtin_templates.py": {"*"},  # rocktune's own chat template text: read by readers/template.py and export
     "config_base.py": {"*"},  # the section base and field tag: below config.py and every task's own section
     "platform": {"train", "data", "models", "doctor", "planner", *ABOVE_ENGINE},
     "planner": {"train", "data", "models", "doctor", *ABOVE_ENGINE},

@@ -104,8 +104,10 @@ class DataConfig(_Section):
         "auto", description="Render Alpaca and prompt/completion records through the model's chat template as "
         "single-turn conversations. auto: Alpaca yes where the tokenizer has a template (as LLaMA-Factory does), "
         "prompt/completion no (as TRL does); always; never. Or a .jinja file: the chat template to use instead of "
-        "the tokenizer's (e.g. one that renders tools), as auto otherwise; export and generate follow what was "
-        "trained.", json_schema_extra=only("lm"),
+        "the tokenizer's (e.g. one that renders tools), as auto otherwise; or builtin-tools: rocktune's own "
+        "tool-calling template in the model's turn format (ChatML, Llama 3 or Gemma turns), for a model whose "
+        "template ignores tools; it adds no system prompt or identity of its own (docs/data.md). Export and "
+        "generate follow what was trained.", json_schema_extra=only("lm"),
     )
     tools: Literal["render", "drop"] = Field(
         "render", description="Tool lists, assistant tool calls and tool results of conversations. render: through "
@@ -183,10 +185,10 @@ class DataConfig(_Section):
     @field_validator("chat_template", mode="after")
     @classmethod
     def template_file(cls, value: str) -> str:
-        if value in ("auto", "always", "never"):
+        if value in ("auto", "always", "never", "builtin-tools"):
             return value
         if not value.endswith(".jinja"):
-            raise ValueError("must be auto, always, never, or a chat template file ending in .jinja")
+            raise ValueError("must be auto, always, never, builtin-tools, or a chat template file ending in .jinja")
         # absolute, so that export and generate, run from elsewhere, find the template the run trained with
         return str(Path(home(value)).absolute())
 

@@ -17,11 +17,11 @@ import re
 from rocktune.errors import UserError
 
 _NOT_WORD = re.compile(r"[\W_]+")
-FIX_TOOLS = ("Use a chat template that renders tools and tool calls: data.chat_template naming a .jinja file that does "
-             "(for a ChatML model such as SmolLM2 or the demo model, a ChatML tool-calling template such as Qwen2.5's "
-             "chat_template.jinja; training, generate, export and the Ollama TEMPLATE all use it), or a model whose "
-             "own template does; or train without them, explicitly: data.tools: drop (the tool list, the calls and "
-             "the tool results are removed, and a conversation left without an answer is dropped).")
+FIX_TOOLS = ("The one-line fix: data.chat_template: builtin-tools, rocktune's own tool-calling template in the "
+             "model's turn format (ChatML, Llama 3 or Gemma turns; it adds no system prompt, and training, generate, "
+             "export and the Ollama TEMPLATE all use it); or data.chat_template naming a .jinja file written for the "
+             "model that renders tools; or train without them, explicitly: data.tools: drop (the tool list, the "
+             "calls and the tool results are removed, and a conversation left without an answer is dropped).")
 FIX_TEXT = ("Use a chat template that renders it (data.chat_template naming a .jinja file that does, or a model whose "
             "own template does), or remove that part from the records if the model is meant to learn without it.")
 

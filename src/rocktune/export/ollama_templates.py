@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rocktune import builtin_templates
+
 PREV = '{{ $prev := "" }}'
 GEN_UNLESS_ASSISTANT = '{{ if ne $prev "assistant" }}{gen}{{ end }}'
 
@@ -149,6 +151,11 @@ FAMILIES = {
     "olmo2": Family("<|assistant|>", OLMO2, "<|endoftext|>"),
     "mistral": Family("[INST]", MISTRAL, "</s>"),
 }
+# rocktune's own tool-calling template (data.chat_template: builtin-tools), recognised by its tag before the family
+# whose turn markers it shares; its TEMPLATE is built from the same turn parts as its Jinja text, and it has no
+# default system prompt, so the Modelfile gets no SYSTEM from it
+FAMILIES = {**{f"{builtin_templates.NAME}:{s.name}": Family(builtin_templates.TAG % s.name, builtin_templates.ollama(s),
+                                                            s.stop) for s in builtin_templates.SHAPES}, **FAMILIES}
 
 
 def family_of(chat_template: str | None) -> str | None:

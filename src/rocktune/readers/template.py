@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rocktune import builtin_templates
 from rocktune.errors import UserError, first_line
 
 
@@ -57,6 +58,8 @@ def use_template(tokenizer, setting: str | None):
     tokenizer's own template otherwise. The file is read, and proven to render, here."""
     if not setting or setting in MODES:
         return tokenizer
+    if setting == builtin_templates.NAME:
+        return _builtin(tokenizer)
     path = Path(setting)
     try:
         text = path.read_text(encoding="utf-8")
@@ -67,6 +70,22 @@ def use_template(tokenizer, setting: str | None):
     tokenizer.chat_template = text
     tokenizer.rocktune_template_file = str(path)  # errors name the file the template came from
     check_chat_template(tokenizer)
+    return tokenizer
+
+
+def _builtin(tokenizer):
+    """``tokenizer`` with rocktune's tool-calling template in its own template's turn format
+    (``builtin_templates``); refused, with the alternatives, for a format it does not come in."""
+    own = getattr(tokenizer, "chat_template", None)
+    shape = builtin_templates.shape_of(own if isinstance(own, str) else None)
+    if shape is None:
+        formats = ", ".join(s.name for s in builtin_templates.SHAPES)
+        raise UserError(f"data.chat_template={builtin_templates.NAME}: rocktune's tool-calling template comes in "
+                        f"the turn formats {formats}, and the chat template in {template_file(tokenizer)} uses none "
+                        "of them; name a .jinja tool-calling template written for this model's turns in "
+                        "data.chat_template, or train without tools: data.tools: drop.")
+    tokenizer.chat_template = builtin_templates.jinja(shape)
+    tokenizer.rocktune_template_file = f"rocktune's {builtin_templates.NAME} template ({shape.name} turns)"
     return tokenizer
 
 
