@@ -104,3 +104,20 @@ def reuse_source(run):
     from rocktune.export.source import resolve
 
     return resolve(str(run))
+
+
+def test_gguf_after_an_fp32_merge_loads_it_instead_of_merging(base, tmp_path, merges, capsys):
+    run = tmp_path / "demo" / "run"
+    make_run(run, base, ["q_proj", "down_proj"])
+    fresh = tmp_path / "elsewhere" / "demo" / "run"
+    shutil.copytree(run, fresh)
+    assert export(run, "--to", "merged", "--dtype", "fp32") == 0 and len(merges) == 1
+    capsys.readouterr()
+    assert export(run, "--to", "merged", "--dtype", "fp32") == 0 and len(merges) == 1
+    assert f"kept (up to date) {run / 'export' / 'merged'}" in capsys.readouterr().out
+    assert export(run, "--to", "gguf") == 0 and len(merges) == 1  # loaded from export/merged
+    assert "(merged in fp32 from this adapter and base: no merge)" in capsys.readouterr().err
+    assert export(fresh, "--to", "gguf") == 0 and len(merges) == 2
+    assert (run / "export" / "model-f16.gguf").read_bytes() == (fresh / "export" / "model-f16.gguf").read_bytes()
+    assert export(run, "--to", "merged", "--dtype", "bf16", "--out", str(tmp_path / "bf16")) == 0
+    assert len(merges) == 3  # another dtype is another merge

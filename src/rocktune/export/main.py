@@ -35,7 +35,7 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
     root = Path(out) if out else default
     t0, kept = time.perf_counter(), []
     if to == "merged":
-        written = [_merged(src, root if out else root / "merged", dtype, overwrite)]
+        written = [_merged(src, root if out else root / "merged", dtype, overwrite, kept)]
     elif to == "gguf-lora":
         written = _gguf_lora(src, root, quant_name or "f32", overwrite, with_base, name, bool(out))
     else:
@@ -61,19 +61,32 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
     return report
 
 
-def _merged(src: Source, target: Path, dtype: str, overwrite: bool) -> Path:
+def _merged(src: Source, target: Path, dtype: str, overwrite: bool, kept: list[Path]) -> Path:
     if src.adapter is None:
         raise UserError(f"{src.base} is a model directory without an adapter: there is nothing to merge.")
+    chosen = merge.base_dtype(src.base, src.trust_remote_code) if dtype == "auto" else dtype
+    source = reuse.digest(src, reuse.merged_settings(chosen))
+    if not overwrite and reuse.recorded_dir(target) == source:
+        _notes([f"{target} is up to date (merged from this adapter and base as {chosen}): nothing written"])
+        kept.append(target)
+        return target
     output.check_target(target, overwrite, is_dir=True)
     sys.stderr.write(f"loading {src.base} in fp32 and merging {src.adapter}\n")
-    model, notes = merge.merged_model(src, dtype)
+    model, notes = merge.merged_model(src, chosen)
     with output.staged(target, overwrite, is_dir=True) as tmp:
         merge.save_merged(model, load_tokenizer(src), tmp, src.base)
+        reuse.record_dir(tmp, source)  # an fp32 merge is what a GGUF export loads instead of merging again
     _notes(notes)
     return target
 
 
-def _fp32_model(src: Source):
+def _fp32_model(src: Source, merged: Path | None = None):
+    """The base merged with the adapter in fp32; ``merged``: an ``--to merged --dtype fp32`` directory of the same
+    adapter and base, loaded instead of merging again."""
+    if merged is not None and src.adapter is not None and \
+            reuse.recorded_dir(merged) == reuse.digest(src, reuse.merged_settings("fp32")):
+        sys.stderr.write(f"loading {merged} (merged in fp32 from this adapter and base: no merge)\n")
+        return merge.load_base_fp32(str(merged), src.trust_remote_code), []
     # a 7B base takes minutes to load and merge on a CPU: say what is happening (stderr keeps stdout for results)
     sys.stderr.write(f"loading {src.base} in fp32{' and merging ' + str(src.adapter) if src.adapter else ''}\n")
     if src.adapter is None:
@@ -117,7 +130,7 @@ def _gguf(job: _GgufJob) -> Path:
     found = reuse.find(source, [own, *job.siblings])
     if found is not None:
         return _reuse_gguf(job, found)
-    model, notes = _fp32_model(src)
+    model, notes = _fp32_model(src, job.siblings[0].parent / "merged" if job.siblings else None)
     tensors = gguf_model.gguf_tensors(model.state_dict(), model.config, arch)
     sys.stderr.write(f"writing GGUF ({q})\n")
     with output.scratch(target) as tok_dir:  # beside the output: a kill leaves nothing in the system's temp

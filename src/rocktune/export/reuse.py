@@ -21,6 +21,7 @@ from rocktune import __version__
 from rocktune.export.source import Source, load_config
 
 KEY = "rocktune.source_digest"
+RECORD = "rocktune_source.json"  # a merged model directory's digest, inside it (staged and renamed with it)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".model")  # named by size and time, not read
 SMALL = 8 * 2**20  # bigger files are named by size and time too: hashing a base's weights would take minutes
 
@@ -67,6 +68,23 @@ def recorded(path: Path) -> str | None:
         return str(field.contents()) if field is not None else None
     except Exception:  # noqa: BLE001 -- a damaged or foreign file is simply not reused
         return None
+
+
+def recorded_dir(path: Path) -> str | None:
+    """The digest a merged model directory records, or None."""
+    try:
+        value = json.loads((path / RECORD).read_text(encoding="utf-8")).get("digest")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def record_dir(path: Path, source: str) -> None:
+    (path / RECORD).write_text(json.dumps({"digest": source}) + "\n", encoding="utf-8")
+
+
+def merged_settings(dtype: str) -> dict:
+    return {"merged": dtype}
 
 
 def find(source: str, candidates: list[Path]) -> Path | None:
