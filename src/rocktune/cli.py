@@ -563,7 +563,8 @@ def _add_generate(sub) -> None:
     p.add_argument("run", help="run directory (holding adapter/) or a model directory")
     p.add_argument("--prompt", help="one prompt; prints the reply")
     p.add_argument("--chat", action="store_true", help="a short interactive loop on the terminal (the default)")
-    p.add_argument("--file", help="JSONL of {\"prompt\": ...} or {\"messages\": [...]}; prints JSONL with \"output\"")
+    p.add_argument("--file", help="JSONL of {\"prompt\": ...} or {\"messages\": [...], \"tools\": [...]} (tools go "
+                   "through the chat template); prints each line back with \"output\"")
     p.add_argument("--base", help="base model directory or hub id (default: the one the run trained on)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit in tokens (default 128)")
     p.add_argument("--template", default="auto", choices=STYLES,
@@ -572,8 +573,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (GPU when present), cpu or cuda (ROCm builds too)")
     p.add_argument("--image", action="append", help="task=vlm runs: an image the --prompt asks about (a path, file:// "
                    "or data: URL); repeat for several")
-    p.add_argument("--compare", action="store_true", help="with --prompt: also answer with the adapter switched off "
-                   "(video-lora/image-lora: also render the base alone from the same seed, as NAME-base.mp4)")
+    p.add_argument("--compare", action="store_true", help="with --prompt or --file: also answer with the adapter "
+                   "switched off (--file: \"base_output\" beside \"output\"; video-lora/image-lora: also render "
+                   "the base alone from the same seed, as NAME-base.mp4)")
     _add_trust_remote_code(p)
     d = p.add_argument_group("video-lora / image-lora runs (renders RUN/wan_lora.safetensors)")
     d.add_argument("--out", help="output file, .mp4 or .png (default RUN/samples/<prompt>-seed<N>.mp4, .png for 1 "
