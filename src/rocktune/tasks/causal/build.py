@@ -16,6 +16,7 @@ from rocktune.lora.lean import lean_lora
 from rocktune.kernels.attention import choose as choose_attention
 from rocktune.models.load import DTYPES, apply_lora, load_model, sdpa_supported
 from rocktune.tasks.causal.preflight import liger_gate
+from rocktune.train.heartbeat import phase
 
 
 def make_collate(examples: Examples, packing: bool, pad_id: int, one_row: bool = False, pin: bool = False,
@@ -69,6 +70,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     """Base model on the device (quantised when asked, after ``quant_gate``), kernels patched, LoRA applied;
     returns it with notes on what was done. ``model_cfg``/``lora_cfg``: the config's ``model`` and ``lora``."""
     m = model_cfg
+    phase(f"loading the model {m.name_or_path}")  # minutes for a large base: the heartbeat says so (train/heartbeat)
     model = load_model(m.name_or_path, precision, attn_implementation, m.trust_remote_code, device, m.quantization,
                        m.double_quant)
     use_liger, fusion_note = fusion(m.liger, device, compile_)

@@ -30,6 +30,7 @@ from rocktune.tasks.base import TaskBase
 from rocktune.train import build as engine_build
 from rocktune.train import distributed, resume
 from rocktune.train.context import RunContext
+from rocktune.train.heartbeat import phase
 from rocktune.train.prelaunch import refuse_layout
 from rocktune.train.request import RunOptions
 from rocktune.train.task import Prepared
@@ -101,6 +102,7 @@ class LMTask(TaskBase):
         # that the others then read. prepare_data writes its cache only after every file and data_checks passed.
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
+        phase("reading and tokenising the data (or its cache)")  # the heartbeat names it while it lasts
         train_set, eval_set, stats = distributed.main_first(dist, lambda: prepare_data(
             d, tokenizer, ctx.cache_root, t.seed, self.vocab_size, check=data_checks), "preparing the data")
         distributed.same_run(dist, stats.fingerprint)
