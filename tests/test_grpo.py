@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rocktune.config import config_from_dict
-from rocktune.data.prompts import encode_prompt, gsm8k_answer, read_prompt
+from rocktune.tasks.grpo.prompts import encode_prompt, gsm8k_answer, read_prompt
 from rocktune.errors import UserError
 from rocktune.tasks.grpo import rewards as R
 from rocktune.tasks.grpo.feed import advantages, row_weights

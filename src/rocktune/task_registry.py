@@ -82,7 +82,7 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
              "rollouts on rocktune's own generation path, no vLLM", frozenset({"lm", "grpo"}),
              "rocktune.tasks.grpo.task:GRPOTask", "rocktune.tasks.grpo.launch",
              sections=("grpo=rocktune.tasks.grpo.config:GRPOConfig",),
-             preview="rocktune.report.prompt_preview:run_prompt_preview",
+             preview="rocktune.tasks.grpo.preview:run_prompt_preview",
              plan="rocktune.tasks.grpo.hooks:plan", demo="rocktune.demo.grpo_run:demo",
              report="rocktune.tasks.grpo.hooks:REPORT", style="rocktune.tasks.grpo.hooks:style", docs="docs/rl.md"),
     TaskSpec("vlm", "LoRA for a vision-language model's language model (Qwen2.5-VL, Qwen3-VL) on conversations "

@@ -15,7 +15,7 @@ def plan(args) -> int:
 
 
 def style(run_config: dict) -> str | None:
-    """Prompts as data/prompts.py reads them: messages rendered through the chat template, text raw."""
+    """Prompts as tasks/grpo/prompts.py reads them: messages rendered through the chat template, text raw."""
     from rocktune.readers.json_file import first_record
 
     data = run_config.get("data") or {}

@@ -2,7 +2,7 @@
 
 It reuses the LM task's model building (tokenizer, kernels, QLoRA, LoRA, attention) and the engine's everything
 else (steps, OOM split of the update, guards, checkpoints, resume); what is its own is the data (prompts with their
-reference answers, data/prompts.py), the rollouts (rollout.py: sampled on rocktune's own generation path, inside
+reference answers, prompts.py), the rollouts (rollout.py: sampled on rocktune's own generation path, inside
 the feed, so the engine sees an ordinary step), the rewards (rewards.py) and the loss (loss.py). The reference the
 KL is taken to is the same model with the adapter switched off. Each completion samples from uniforms keyed by the
 seed, the step, its prompt and its number (feed.row_keys), so a resumed run, the rollout's OOM split and a run over
@@ -23,7 +23,7 @@ import torch
 
 from rocktune.config import RunConfig, refuse_inapplicable
 from rocktune.data import rows as rows_reader
-from rocktune.data import prompts as promptdata
+from rocktune.tasks.grpo import prompts as promptdata
 from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
 from rocktune.models.load import stop_ids

@@ -1,6 +1,6 @@
 """``rocktune data preview -c CONFIG`` for task: grpo: each prompt as the rollouts will see it.
 
-The rows go through the same reader and rendering as training (data/prompts.py): the prompt as the data gives it,
+The rows go through the same reader and rendering as training (tasks/grpo/prompts.py): the prompt as the data gives it,
 its reference answer (what the built-in rewards compare with; none for a prompt-only row) and the generation prompt
 rendered (the chat template with its generation prompt for messages; the text with the tokenizer's specials for
 plain prompts), which is exactly what the model continues.
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from rocktune.data.rows import read_rows
-from rocktune.data.prompts import encode_prompt, read_prompt
+from rocktune.tasks.grpo.prompts import encode_prompt, read_prompt
 
 
 def build_prompt_preview(data, tokenizer, n_show: int) -> dict:
