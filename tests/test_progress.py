@@ -109,7 +109,8 @@ def test_memory_note_high_names_what_lowers_it():
                            "model.gradient_checkpointing=true")
     assert "training.micro_batch_size (now 4" in note and "data.max_length (now 1200)" in note
     assert note.endswith("`rocktune plan /m/SmolLM2-135M-Instruct --max-length 1200 --batch 4 --precision fp32 "
-                         "--vram 16GiB` breaks the peak down and lists settings that fit")
+                         "--vram 16GiB` breaks the peak down and lists settings that fit; `rocktune train --auto` "
+                         "applies the planner's choice")
 
 
 def test_memory_note_low_or_unknown_is_the_figure_alone():

@@ -99,7 +99,8 @@ def memory_note(f: MemoryFacts) -> str:
     lower.append(f"a shorter data.max_length (now {f.max_length}) if the examples allow it")
     plan = (f"rocktune plan {f.model} --max-length {f.max_length} --batch {f.micro_batch} --precision {f.precision}"
             f"{' --vram ' + str(round(f.machine / 2**30)) + 'GiB' if not f.gpu else ''}")
-    return f"{line}; to lower it: {'; '.join(lower)}. `{plan}` breaks the peak down and lists settings that fit"
+    return (f"{line}; to lower it: {'; '.join(lower)}. `{plan}` breaks the peak down and lists settings that fit; "
+            "`rocktune train --auto` applies the planner's choice")
 
 
 def machine_memory() -> int | None:
