@@ -89,13 +89,37 @@ def breaks(imported: str, forbidden: set[str]) -> bool:
     return any(imported == rule or imported.startswith(rule + ".") for rule in forbidden)
 
 
+# A task's data preview (its registry ``preview`` hook, and the page it draws) sits at the report layer inside the
+# task's folder: it may draw with report's primitives, and nothing of the task imports it (the registry loads it).
+PREVIEW_FILES = ("preview.py", "page.py")
+DRAWING = {"report.page", "report.preview_view"}
+
+
+def _preview_exception(f: Path, imported: str) -> bool:
+    rel = f.relative_to(SRC).parts
+    return len(rel) == 3 and rel[0] == "tasks" and rel[2] in PREVIEW_FILES and breaks(imported, DRAWING)
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_no_upward_imports(layer):
     files = [SRC / layer] if layer.endswith(".py") else sorted((SRC / layer).rglob("*.py"))
     assert files
     forbidden = FORBIDDEN[layer]
     bad = {f"{f.relative_to(SRC)} imports rocktune.{m}" for f in files for m in rocktune_imports(f)
-           if breaks(m, forbidden)}
+           if breaks(m, forbidden) and not _preview_exception(f, m)}
+    assert not bad, sorted(bad)
+
+
+def test_no_task_code_imports_a_preview():
+    """The preview files are above their task: only another preview file of the same task may import them."""
+    bad = set()
+    for f in sorted((SRC / "tasks").rglob("*.py")):
+        rel = f.relative_to(SRC).parts
+        for m in rocktune_imports(f):
+            parts = m.split(".")
+            if len(parts) >= 3 and parts[0] == "tasks" and f"{parts[2]}.py" in PREVIEW_FILES and \
+                    not (rel[-1] in PREVIEW_FILES and rel[1] == parts[1]):
+                bad.add(f"{f.relative_to(SRC)} imports rocktune.{m}")
     assert not bad, sorted(bad)
 
 

@@ -1,4 +1,4 @@
-"""``rocktune data preview --html`` for task=vlm (report/vision_page.py): one self-contained page with each shown
+"""``rocktune data preview --html`` for task=vlm (tasks/vlm/page.py): one self-contained page with each shown
 image as an embedded thumbnail (decoded back here), its original and processed sizes, grid and token count, the
 trained tokens highlighted, each image's tokens one labelled block, all text escaped; a bad image is the usual
 error naming its row and no page is written. On a tiny random-init Qwen2.5-VL built offline."""

@@ -88,7 +88,8 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("vlm", "LoRA for a vision-language model's language model (Qwen2.5-VL, Qwen3-VL) on conversations "
              "with images; the vision tower and projector frozen", frozenset({"vlm"}),
              "rocktune.tasks.vlm.task:VLMTask", "rocktune.tasks.vlm.launch",
-             preview="rocktune.report.vision_preview:run_vision_preview", plan="rocktune.tasks.vlm.hooks:plan",
+             preview="rocktune.tasks.vlm.preview:run_vision_preview",
+             plan="rocktune.tasks.vlm.hooks:plan",
              card="rocktune.tasks.vlm.hooks:card", generate=_VLM_GENERATE, docs="docs/vision.md"),
     TaskSpec("video-lora", "LoRA for a Wan 2.1/2.2 text-to-video transformer on clips with captions",
              frozenset({"diffusion"}), "rocktune.tasks.wan.task:WanTask", "rocktune.tasks.wan.refuse", **_WAN),

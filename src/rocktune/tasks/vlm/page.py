@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 
-from rocktune.report import page
+import rocktune.report.page as page
 from rocktune.report.preview_view import example_html
 
 THUMB = 160  # pixels on the longer side: enough to recognise an image, small enough for a page of many

@@ -15,7 +15,7 @@ from rocktune.data.images import load
 from rocktune.data.vision import VisionExample, VisionTokens, encode
 from rocktune.data.vision_source import read_rows
 from rocktune.data.preview import runs
-from rocktune.report.vision_page import thumbnail_png, vision_preview_html
+from rocktune.tasks.vlm.page import thumbnail_png, vision_preview_html
 
 
 def build_vision_preview(data, tokenizer, vision: VisionTokens, n_show: int, thumbnails: bool = False) -> dict:
