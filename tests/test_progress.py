@@ -143,3 +143,12 @@ def test_a_run_with_slow_steps_keeps_talking(tiny_model_dir, data, tmp_path, mon
     assert "estimate: " in err and "left for 2 steps and 1 eval" in err
     assert "memory: peak RSS " in err
     assert "s left[/]" not in err  # markup is rendered, never printed raw
+
+
+def test_a_quiet_rank_never_speaks():
+    """Ranks other than 0 (and --json runs) get a heartbeat without its thread: phases are set, nothing is said."""
+    lines: list[str] = []
+    with Heartbeat(lines.append, enabled=False, every_s=0.01) as beat:
+        beat.phase("step 1/2")
+        time.sleep(0.1)
+    assert lines == [] and beat._thread is None
