@@ -42,9 +42,11 @@ class Template:
     text: str
     specials: tuple[str, ...]  # added special tokens, in id order after the 256 byte tokens
     eos: str
-    end_of_turn: str           # the token after each assistant reply: the one that must be trained
-    bos: str | None = None
+    end_of_turn: str | None    # the token after each assistant reply: the one that must be trained (None: GLM-4.5's
+    bos: str | None = None     # template writes none, the model ends a reply by writing the next turn's role)
     system: bool = True        # does the template take a system turn
+    reply_head: str = ""       # what the template writes before the reply's text inside the trained reply
+    trims: bool = False        # the template strips the reply's surrounding whitespace
 
 
 TEMPLATES = {
@@ -63,15 +65,18 @@ TEMPLATES = {
     "granite": Template(GRANITE, ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>",
                         "<|end_of_text|>"),
     "qwen3.5": Template(QWEN35, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
-                        "<|im_end|>", "<|im_end|>"),
+                        "<|im_end|>", "<|im_end|>", reply_head="<think>\n\n</think>\n\n"),
     "harmony": Template(HARMONY, ("<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>",
-                                  "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"), "<|return|>", "<|return|>"),
+                                  "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"), "<|return|>", "<|return|>",
+                        reply_head="<|channel|>final<|message|>"),
     "llama4": Template(LLAMA4, ("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>",
-                                "<|eot|>"), "<|eot|>", "<|eot|>", bos="<|begin_of_text|>"),
+                                "<|eot|>"), "<|eot|>", "<|eot|>", bos="<|begin_of_text|>", trims=True),
     "gemma4": Template(GEMMA4, ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>",
-                                "<|tool_response>", "<tool_response|>"), "<turn|>", "<turn|>", bos="<bos>"),
+                                "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>"), "<turn|>", "<turn|>",
+                       bos="<bos>",
+                       trims=True),
     "glm4.5": Template(GLM45, ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                               "<|observation|>"), "<|endoftext|>", "<|user|>"),
+                               "<|observation|>"), "<|endoftext|>", None, reply_head="\n<think></think>\n"),
 }
 
 DIMS = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -68,9 +68,12 @@ HARMONY = (
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 
-# Llama 4: header tokens around the role, <|eot|> after every turn; tool calls as JSON, results as ipython turns.
+# Llama 4: header tokens around the role, <|eot|> after every turn; the tool list in a system turn of its own, tool
+# calls as JSON, results as ipython turns.
 LLAMA4 = (
-    "{{ bos_token }}{% for m in messages %}"
+    "{{ bos_token }}{% if tools %}<|header_start|>system<|header_end|>\n\nYou have access to these functions; call "
+    "one as JSON {\"name\": ..., \"parameters\": ...}.{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
+    "<|eot|>{% endif %}{% for m in messages %}"
     "<|header_start|>{{ 'ipython' if m['role'] == 'tool' else m['role'] }}<|header_end|>\n\n"
     "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
     "{\"name\": \"{{ c['function']['name'] }}\", \"parameters\": {{ c['function']['arguments'] | tojson }}}"
@@ -78,10 +81,11 @@ LLAMA4 = (
     "{% endfor %}{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{% endif %}"
 )
 
-# Gemma 4: <|turn>ROLE ... <turn|> (the assistant is "model"); a system turn of its own; tool calls and results in
-# their own token pairs.
+# Gemma 4: <|turn>ROLE ... <turn|> (the assistant is "model"); a system turn of its own; tool declarations, calls
+# and results in their own token pairs.
 GEMMA4 = (
-    "{{ bos_token }}{% for m in messages %}"
+    "{{ bos_token }}{% if tools %}<|turn>system\n{% for t in tools %}<|tool>{{ t | tojson }}<tool|>{% endfor %}"
+    "<turn|>\n{% endif %}{% for m in messages %}"
     "<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{% if m['role'] == 'tool' %}<|tool_response>{{ m['content'] }}<tool_response|>"
     "{% else %}{{ (m['content'] or '') | trim }}{% endif %}"
@@ -93,7 +97,8 @@ GEMMA4 = (
 # GLM-4.5: [gMASK]<sop>, role tokens opening each turn and nothing closing it (the model ends a reply by writing
 # the next role token, <|user|> or <|observation|>); replies carry a think block, empty in history.
 GLM45 = (
-    "[gMASK]<sop>"
+    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
+    "{% endif %}"
     "{% set ns = namespace(last_user=-1) %}"
     "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
     "{% endfor %}"

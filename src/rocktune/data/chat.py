@@ -23,6 +23,9 @@ ROLE_TAGS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "
 TARGETS = ("system", "user", "assistant", "tool", "function_call")
 TEXT_PARTS = ("text", "input_text", "output_text")  # HF's and OpenAI's text part types
 WEIGHT_KEYS = ("loss_weight", "weight", "train")  # per-message: LLaMA-Factory/TRL, Axolotl's weight and train
+# An assistant turn's reasoning, under each ecosystem's key: Qwen's and DeepSeek's templates read reasoning_content,
+# gpt-oss's Harmony template thinking; both are set from whichever the record has, so the template finds its own.
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 class Where:
@@ -120,6 +123,9 @@ def _message(turn, where: Where, roles: dict[str, str]) -> tuple[dict, bool]:
     for extra in ("tool_call_id", "name"):  # a tool result names the call it answers (Mistral's template needs it)
         if role == "tool" and isinstance(turn.get(extra), str):
             msg[extra] = turn[extra]
+    reasoning = next((turn[k] for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k].strip()), None)
+    if role == "assistant" and reasoning is not None:
+        msg.update(dict.fromkeys(REASONING_KEYS[:2], reasoning))
     return msg, trained
 
 
@@ -194,4 +200,4 @@ def has_tools(rec: dict) -> bool:
     turns): it is rendered prefix by prefix instead."""
     return bool(rec.get("tools") or rec.get("untrained")
                 or any(m["role"] not in ("system", "user", "assistant") or m.get("tool_calls")
-                       for m in rec["messages"]))
+                       or m.get("reasoning_content") for m in rec["messages"]))

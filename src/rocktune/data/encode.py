@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rocktune.data import fidelity
+from rocktune.data.chat import REASONING_KEYS
 from rocktune.data.truncate import fit, tokenize_bounded, uncut_calls
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
@@ -86,6 +87,19 @@ def _turn_end(full: str, start: str, render) -> str | None:
     return full[:at + len(eot)] if at >= 0 else None
 
 
+def reasoning_split(before: list[dict], msg: dict, start: str, reply: str, render) -> str:
+    """The head of ``reply`` that is the turn's reasoning written as a message of its own: what rendering the turn
+    without its reasoning leaves off the front (Harmony's ``<|channel|>analysis<|message|>...<|end|><|start|>assistant``
+    before the final answer or the tool call); "" where the reasoning sits inside the reply (Qwen's think block, kept
+    as the template renders it), where the template drops it, or where the turn has none."""
+    if not msg.get("reasoning_content"):
+        return ""
+    plain = {k: v for k, v in msg.items() if k not in REASONING_KEYS}
+    bare = render([*before, plain], False)
+    answer = bare[len(start):] if bare.startswith(start) else ""
+    return reply[:-len(answer)] if answer and answer != reply and reply.endswith(answer) else ""
+
+
 def call_segments(record: dict) -> set[int]:
     """The segments (of ``_chat_segments``: a prompt and a reply per assistant turn) that are tool calls."""
     replies = [m for m in record["messages"] if m["role"] == "assistant"]
@@ -118,13 +132,14 @@ def _chat_segments(record: dict, tokenizer, loc: str) -> list[tuple[str, bool]]:
 
 
 def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None = None,
-                  untrained=()) -> list[tuple[str, bool]]:
+                  untrained=(), train_reasoning: bool = False) -> list[tuple[str, bool]]:
     """Split the rendered conversation at each assistant turn by rendering growing prefixes of it.
 
     The text between "prefix + generation prompt" and "prefix + assistant turn" is exactly what the model must
     produce for that turn (its text or its tool calls), end-of-turn marker included; that is what carries loss.
     Tool results and the tool list are prompt. ``tools`` go to the template as ``tools=``; the assistant turns at
-    ``untrained`` (loss_weight 0) are prompt too.
+    ``untrained`` (loss_weight 0) are prompt too. Reasoning the template writes as a message of its own ahead of
+    the answer (gpt-oss's analysis channel) is prompt unless ``train_reasoning`` (``reasoning_split``).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
@@ -154,7 +169,9 @@ def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None 
                 f"{loc}: the chat template does not render conversations prefix-consistently, so assistant "
                 "turns cannot be located; set data.train_on_prompt=true to train on the whole conversation."
             )
-        segments += [(start[len(done):], False), (end[len(start):], i not in untrained)]
+        reply = end[len(start):]
+        thought = "" if train_reasoning else reasoning_split(messages[:i], msg, start, reply, render)
+        segments += [(start[len(done):] + thought, False), (reply[len(thought):], i not in untrained)]
         done = end
     if full.startswith(done) and len(full) > len(done):
         segments.append((full[len(done):], False))

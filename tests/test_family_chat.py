@@ -1,0 +1,110 @@
+"""The chat formats of the 2025-26 families, masked right (tests/family_templates.py's shapes of the real templates):
+gpt-oss's Harmony channels (the final answer trained, the analysis channel prompt unless asked for, tool calls in
+Harmony's own syntax), Qwen3.5's thinking blocks (kept for the turns after the last user query, stripped from earlier
+ones, as its template does), Gemma 4's and Llama 4's turns with tool calls. Every example is the template's own
+rendering token for token, and no tool call is dropped (data/fidelity.py's check runs inside encode)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rocktune.data.chat import to_chat
+from rocktune.data.encode import IGNORE, chat_segments, encode
+from tests.family_fixtures import BY_NAME, TEMPLATES, build_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+def _tok(family: str):
+    return build_tokenizer(TEMPLATES[BY_NAME[family].template])
+
+
+def _encode(tok, rec: dict):
+    """(input ids, the trained spans decoded) of a record, checked to be the template's own rendering."""
+    chat = to_chat(rec, "row 1", {})
+    enc = encode(chat, "messages", tok, 4096, False, "row 1")
+    extra = {"tools": chat["tools"]} if chat.get("tools") else {}
+    own = tok.apply_chat_template(chat["messages"], tokenize=True, return_dict=True, **extra)["input_ids"]
+    assert enc.input_ids == list(own)
+    spans, run = [], []
+    for i, label in zip(enc.input_ids, enc.labels, strict=True):
+        if label != IGNORE:
+            run.append(i)
+        elif run:
+            spans, run = spans + [tok.decode(run)], []
+    return enc, spans + ([tok.decode(run)] if run else [])
+
+
+def test_harmony_trains_the_final_answer_not_the_analysis_channel():
+    tok = _tok("gpt-oss")
+    rec = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "thinking": "Add two and two.", "content": "4"}]}
+    enc, spans = _encode(tok, rec)
+    assert spans == ["<|channel|>final<|message|>4<|return|>"]
+    assert "<|channel|>analysis<|message|>Add two and two.<|end|>" in tok.decode(enc.input_ids)  # shown, not trained
+
+
+def test_harmony_analysis_is_trained_when_asked():
+    tok = _tok("gpt-oss")
+    msgs = to_chat({"messages": [{"role": "user", "content": "2+2?"},
+                                 {"role": "assistant", "reasoning_content": "Add them.", "content": "4"}]}, "r", {})
+    segments = chat_segments(msgs["messages"], tok, "r", train_reasoning=True)
+    assert [text for text, trained in segments if trained] == [
+        "<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>"]
+
+
+def test_harmony_tool_calls_are_trained_in_harmony_syntax():
+    tok = _tok("gpt-oss")
+    rec = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "thinking": "I need the tool.", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}]}
+    enc, spans = _encode(tok, rec)
+    assert spans == [' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+                     "<|channel|>final<|message|>Sunny.<|return|>"]
+    text = tok.decode(enc.input_ids)
+    assert "type get_weather = (_: " in text and "<|start|>functions.get_weather to=assistant" in text
+
+
+def test_qwen35_keeps_thinking_after_the_last_query_and_strips_it_before():
+    tok = _tok("qwen3.5")
+    rec = {"messages": [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "reasoning_content": "old thought", "content": "one"},
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "<think>\nnew thought\n</think>\n\ntwo"}]}
+    enc, spans = _encode(tok, rec)
+    text = tok.decode(enc.input_ids)
+    assert "old thought" not in text  # a past turn's reasoning: stripped by the template, so by training
+    assert spans == ["one<|im_end|>\n", "<think>\nnew thought\n</think>\n\ntwo<|im_end|>\n"]
+
+
+def test_qwen35_tool_call_and_result():
+    tok = _tok("qwen3.5")
+    rec = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}]}
+    _, spans = _encode(tok, rec)
+    # the call is not the last turn and has no reasoning: no think block; the answer, the last turn, opens one
+    assert spans == ['\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+                     "<think>\n\n</think>\n\nSunny.<|im_end|>\n"]
+
+
+@pytest.mark.parametrize(("family", "call", "end"), [
+    ("gemma4", '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|><turn|>\n', "Sunny.<turn|>\n"),
+    ("llama4", '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot|>', "Sunny.<|eot|>"),
+])
+def test_tool_calls_of_gemma4_and_llama4(family, call, end):
+    tok = _tok(family)
+    rec = {"messages": [
+        {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": " Sunny. "}]}
+    _, spans = _encode(tok, rec)
+    assert spans == [call, end]
