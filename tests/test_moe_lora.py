@@ -87,16 +87,32 @@ def test_the_grouped_path_gives_pefts_loss_and_gradients(family, implementation,
     assert relative(grads, ref_grads) < 1e-5
 
 
-def test_bf16_weights_take_the_grouped_kernel_within_the_matrix_tolerance(calls, monkeypatch):
+@pytest.mark.parametrize("layout", ("padded", "grouped_mm"))
+def test_bf16_weights_in_both_layouts_within_the_matrix_tolerance(layout, calls, monkeypatch):
+    """bf16: the padded batched matmul (the CPU's) and torch's grouped_mm (a GPU's; forced here, torch's CPU kernel
+    is slow but computes the same) against PEFT's path, within the matrix's bf16 tolerance."""
     kernel = []
     real = torch.nn.functional.grouped_mm
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: kernel.append(1) or real(*a, **k))
     ref_loss, ref_grads = loss_and_grads(build("qwen3_moe", "peft", torch.bfloat16))
     kernel.clear()  # transformers' own grouped_mm experts (the reference) call it too
+    monkeypatch.setattr(moe, "_grouped_kernel", lambda x: layout == "grouped_mm")
     loss, grads = loss_and_grads(build("qwen3_moe", "grouped", torch.bfloat16))
-    assert calls and len(kernel) == 2 * 2 * 3  # two blocks: gate_up and down, each base, A and B
+    assert calls and len(kernel) == (2 * 2 * 3 if layout == "grouped_mm" else 0)  # blocks x stacks x (W, A, B)
     assert loss == pytest.approx(ref_loss, rel=5e-3)
     assert relative(grads, ref_grads) < 1e-1  # rocktune.lora.check.TOLERANCE["bf16"]["grad"]
+
+
+def test_the_grouped_kernel_layout_equals_pefts_in_fp32_on_the_corner_cases(calls, monkeypatch):
+    """The grouped layout's bookkeeping (offsets, sentinel, no-token expert) in fp32: torch's kernel is bf16-only on
+    the CPU, so its fp32 stand-in here is a per-group matmul over the same offsets."""
+    def per_group(x, w, offs):
+        starts = [0, *offs[:-1].tolist()]
+        return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, offs.tolist()))])
+
+    monkeypatch.setattr(moe, "_grouped_kernel", lambda x: True)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", per_group)
+    test_an_expert_without_tokens_and_a_token_routed_to_none(calls)
 
 
 def _experts_call(model, top_k_index: torch.Tensor, weights: torch.Tensor):

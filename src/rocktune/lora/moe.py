@@ -5,8 +5,8 @@ PEFT 0.21 adapts transformers 5's 3-D expert stacks (``gate_up_proj`` [E, out, i
 forms that whole stack's gradient before it reaches A and B, while a token visits only top-k of E experts. Here the
 experts module of a wrapped MoE block computes, per expert e and only for the tokens routed to it,
 ``x·Wₑᵀ + s·(x·Aₑᵀ)·Bₑᵀ``: tokens sorted by expert, one grouped matmul per factor (``torch.nn.functional.grouped_mm``
-where torch has a kernel for the dtype: bf16 on this CPU, bf16 on CUDA sm80+; a loop over the experts that received
-tokens otherwise). No adapted weight and no weight gradient of the stack is ever formed.
+in bf16 on CUDA/ROCm sm80+; otherwise one batched matmul over the experts' rows padded to the busiest expert's
+count, the CPU included). No adapted weight and no weight gradient of the stack is ever formed.
 
 The parameters are PEFT's own (``lora_A``/``lora_B`` of each ParamWrapper, their names, shapes and init untouched),
 read in PEFT's layout (``ParamWrapper.get_delta_factors``: A rows are expert-major ``e·r + j``, B columns
@@ -49,30 +49,58 @@ def factors(wrapper, base: torch.Tensor, transposed: bool) -> Factors:
 
 
 def _grouped_kernel(x: torch.Tensor) -> bool:
-    """torch's grouped matmul has a kernel here: bf16 on the CPU (torch 2.13 refuses fp32 there), bf16/fp16 on
-    CUDA from sm80 (what transformers' own grouped_mm experts check)."""
-    if not hasattr(torch.nn.functional, "grouped_mm") or x.dtype not in (torch.bfloat16,):
+    """torch's grouped matmul pays here: bf16 on CUDA/ROCm from sm80 (what transformers' own grouped_mm experts
+    check). torch 2.13's CPU kernel takes bf16 only (fp32 is refused) and is a reference loop, measured 100x slower
+    than a matmul of the same size, so the CPU (and fp32) takes the padded batched matmul."""
+    if not hasattr(torch.nn.functional, "grouped_mm") or x.dtype is not torch.bfloat16 or x.device.type != "cuda":
         return False
-    if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device) >= (8, 0)
-    return x.device.type == "cpu"
+    return torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], offs: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` sorted by expert (``counts`` per expert) times their expert's ``w[e]`` [in, out]."""
+@dataclass(frozen=True)
+class Routing:
+    """The (token, slot) pairs routed to an expert, sorted by expert. ``offs``: the grouped kernel's group ends;
+    ``rows``: without it, each pair's row in an [E, M] padding (M: the most pairs an expert got), where one batched
+    matmul per factor replaces E small ones (a loop of per-expert matmuls measured 5x slower on the CPU)."""
+
+    kept: torch.Tensor  # index into the flattened top-k of each routed pair
+    tokens: torch.Tensor  # the token of each pair
+    expert_of: torch.Tensor
+    offs: torch.Tensor | None
+    rows: torch.Tensor | None
+    width: int  # M
+
+
+def route(top_k_index: torch.Tensor, num: int, grouped: bool) -> Routing:
+    """Pairs whose expert id is >= E (a token routed to no expert) are dropped, as transformers' eager loop skips
+    them."""
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=num + 1)[:num]
+    kept = order[:int(counts.sum())]  # sentinel ids sort to the tail
+    expert_of = ids[kept]
+    ends = torch.cumsum(counts, 0)
+    if grouped:
+        return Routing(kept, kept // top_k_index.shape[-1], expert_of, ends.to(torch.int32), None, 0)
+    width = int(counts.max()) if num else 0
+    slot = torch.arange(kept.numel(), device=ids.device) - (ends - counts)[expert_of]
+    return Routing(kept, kept // top_k_index.shape[-1], expert_of, None, expert_of * width + slot, width)
+
+
+def mm(x: torch.Tensor, w: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Each expert's rows times its ``w[e]`` [in, out]: ``x`` is [pairs, in] sorted (grouped) or [E, M, in]."""
     w = w.to(x.dtype)
-    if _grouped_kernel(x):
-        if w.stride(0) < max(w.stride(1), w.stride(2)):  # B's expert-minor view: the kernel wants experts outermost
-            w = w.contiguous()  # the factor is small (E·r·out), never the stack
-        return torch.nn.functional.grouped_mm(x, w, offs=offs)
-    parts = [xe @ w[e] for e, xe in enumerate(x.split(counts)) if counts[e]]
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+    if routing.offs is None:
+        return torch.bmm(x, w)
+    if w.stride(0) < max(w.stride(1), w.stride(2)):  # B's expert-minor view: the kernel wants experts outermost
+        w = w.contiguous()  # the factor is small (E·r·out), never the stack
+    return torch.nn.functional.grouped_mm(x, w, offs=routing.offs)
 
 
-def project(x: torch.Tensor, f: Factors, counts: list[int], offs: torch.Tensor) -> torch.Tensor:
+def project(x: torch.Tensor, f: Factors, routing: Routing) -> torch.Tensor:
     """``x·Wₑᵀ + s·(x·Aₑᵀ)·Bₑᵀ`` for each expert's rows."""
-    base = grouped_mm(x, f.base, counts, offs)
-    side = grouped_mm(grouped_mm(x, f.a, counts, offs), f.b, counts, offs)
+    base = mm(x, f.base, routing)
+    side = mm(mm(x, f.a, routing), f.b, routing)
     return base.add_(side.to(base.dtype), alpha=f.scaling)
 
 
@@ -85,39 +113,35 @@ def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 
 def experts_forward(experts, wrappers: dict, hidden: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts module's output with the LoRA of ``wrappers`` (parameter name -> ParamWrapper) on its stacks.
-    ``top_k_index`` entries >= E (a token routed to no expert) contribute nothing, as in transformers' eager loop."""
+    """The experts module's output with the LoRA of ``wrappers`` (parameter name -> ParamWrapper) on its stacks."""
     num = experts.num_experts
     up_name = "gate_up_proj" if experts.has_gate else "up_proj"
-    ids = top_k_index.reshape(-1)
-    order = torch.argsort(ids, stable=True)
-    counts_all = torch.bincount(ids, minlength=num + 1)
-    counts = counts_all[:num].tolist()  # host sizes for the loop (and the kept rows); one sync per block
-    kept = order[:sum(counts)]  # sentinel ids sort to the tail and are dropped
-    tokens = kept // top_k_index.shape[-1]
-    expert_of = ids[kept]
-    offs = torch.cumsum(counts_all[:num], 0).to(torch.int32)
     dtype = _compute_dtype(hidden, getattr(experts, up_name))
-    x = hidden[tokens].to(dtype)
-    h = _stack(experts, wrappers, up_name, x, (counts, offs, expert_of))
+    routing = route(top_k_index, num, _grouped_kernel(hidden.to(dtype)[:0]))
+    x = hidden[routing.tokens].to(dtype)
+    if routing.rows is not None:  # padding rows are zeros; their outputs are never read back
+        x = x.new_zeros(num * routing.width, x.shape[-1]).index_copy(0, routing.rows, x).view(num, routing.width, -1)
+    h = _stack(experts, wrappers, up_name, x, routing)
     h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
-    h = _stack(experts, wrappers, "down_proj", h, (counts, offs, expert_of))
+    h = _stack(experts, wrappers, "down_proj", h, routing)
     if getattr(experts, "has_post_expert_norm", False):
         h = experts.post_expert_norm(h)
-    h = h * top_k_weights.reshape(-1)[kept].unsqueeze(-1).to(h.dtype)
+    if routing.rows is not None:
+        h = h.reshape(-1, h.shape[-1])[routing.rows]
+    h = h * top_k_weights.reshape(-1)[routing.kept].unsqueeze(-1).to(h.dtype)
     out = torch.zeros(hidden.shape, dtype=h.dtype, device=hidden.device)
-    return out.index_add_(0, tokens, h).to(hidden.dtype)
+    return out.index_add_(0, routing.tokens, h).to(hidden.dtype)
 
 
-def _stack(experts, wrappers: dict, name: str, x: torch.Tensor, groups: tuple) -> torch.Tensor:
-    counts, offs, expert_of = groups
+def _stack(experts, wrappers: dict, name: str, x: torch.Tensor, routing: Routing) -> torch.Tensor:
     weight = getattr(experts, name)
     if name in wrappers:
-        y = project(x, factors(wrappers[name], weight, experts.is_transposed), counts, offs)
+        y = project(x, factors(wrappers[name], weight, experts.is_transposed), routing)
     else:  # a stack the adapter does not target: the base only
-        y = grouped_mm(x, weight if experts.is_transposed else weight.transpose(1, 2), counts, offs)
+        y = mm(x, weight if experts.is_transposed else weight.transpose(1, 2), routing)
     if getattr(experts, "has_bias", False):
-        y = y + getattr(experts, f"{name}_bias")[expert_of].to(y.dtype)
+        bias = getattr(experts, f"{name}_bias")
+        y = y + (bias[routing.expert_of] if routing.rows is None else bias.unsqueeze(1)).to(y.dtype)
     return y
 
 
@@ -178,7 +202,7 @@ def grouped_experts(model) -> str | None:
         return None
     notes = []
     if done:
-        kind = "torch grouped_mm where the dtype has a kernel (bf16), a loop over the routed experts otherwise"
+        kind = "torch grouped_mm for bf16 on a GPU, a padded batched matmul otherwise"
         notes.append(f"expert LoRA: grouped on the routed tokens in {done} MoE blocks ({kind})")
     notes += [f"expert LoRA: PEFT's target_parameters path in {n} MoE blocks: {why}" for why, n in refused.items()]
     return "; ".join(notes)
@@ -197,7 +221,7 @@ def expert_path_note(model) -> str | None:
     config = getattr(grouped[0]._rt_experts[1], "config", None)
     replaced = getattr(config, "_experts_implementation", None) or "eager"
     return (f"expert LoRA: grouped on the routed tokens ({len(grouped)} MoE blocks, in place of transformers' "
-            f"{replaced} experts; torch grouped_mm for bf16, a loop over the routed experts otherwise)")
+            f"{replaced} experts; torch grouped_mm for bf16 on a GPU, a padded batched matmul otherwise)")
 
 
 def patch(model, path: str) -> str | None:
