@@ -12,6 +12,7 @@ from rocktune.config import config_from_dict
 from rocktune.tasks.grpo.prompts import encode_prompt, gsm8k_answer, read_prompt
 from rocktune.errors import UserError
 from rocktune.tasks.grpo import rewards as R
+from rocktune.tasks.grpo import scoring as S
 from rocktune.tasks.grpo.feed import advantages, row_weights
 from rocktune.tasks.grpo.rollout import Sampling, new_generator, row_draws, sample
 from tests.conftest import write_jsonl
@@ -58,7 +59,7 @@ def test_built_in_rewards():
 
 
 def _batch(n=2):
-    return R.Batch(["p"] * n, ["a"] * n, [[1]] * n, [{"answer": "a"}] * n, [f"train.jsonl:{i + 1}" for i in range(n)])
+    return S.Batch(["p"] * n, ["a"] * n, [[1]] * n, [{"answer": "a"}] * n, [f"train.jsonl:{i + 1}" for i in range(n)])
 
 
 def test_user_rewards_checked_and_named(tmp_path, monkeypatch):
@@ -71,14 +72,14 @@ def test_user_rewards_checked_and_named(tmp_path, monkeypatch):
     cfg = config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [
         {"function": "my_rewards:good", "weight": 0.5}, {"function": "exact", "weight": 2.0}]}})
     built = R.build(cfg.grpo.rewards, 16)
-    table = R.score(built, _batch())
+    table = S.score(built, _batch())
     assert [r.name for r in built] == ["good", "exact"] and table == [[1.0, 1.0], [1.0, 1.0]]
-    assert R.weighted(built, table) == [2.5, 2.5]
+    assert S.weighted(built, table) == [2.5, 2.5]
     for fn, words in (("nan", "train.jsonl:2: the reward 'nan' returned nan"), ("boom", "raised KeyError"),
-                      ("short", "one number per completion")):
+                      ("short", r"one number \(or None\) per completion")):
         with pytest.raises(UserError, match=words):
-            R.score([R.Reward(fn, 1.0, getattr(sys.modules["my_rewards"], fn))], _batch())
-    with pytest.raises(UserError, match="could not import"):
+            S.score([R.Reward(fn, 1.0, getattr(sys.modules["my_rewards"], fn))], _batch())
+    with pytest.raises(UserError, match="no_such_module:f: no module 'no_such_module'"):
         R.build(config_from_dict({"task": "grpo", "data": {"train_file": "x"}, "grpo": {"rewards": [
             {"function": "no_such_module:f"}]}}).grpo.rewards, 16)
 

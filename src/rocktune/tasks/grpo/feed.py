@@ -15,6 +15,7 @@ are one process's whatever the split.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Callable, cast
 
@@ -27,13 +28,34 @@ from rocktune.train.step import split_by_rows
 
 def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
     """Each reward minus its group's mean, divided by the std (unbiased, as torch.std) of its group (``group``),
-    of the whole step (``batch``), or not (``none``); 1e-4 keeps a group of equal rewards finite (TRL's choice)."""
+    of the whole step (``batch``), or not (``none``); 1e-4 keeps a group of equal rewards finite (TRL's choice).
+    A NaN reward (no reward function applied: every one returned None) is left out of the means and stds and gets
+    advantage 0, as TRL does."""
+    if bool(rewards.isnan().any()):
+        return _nan_advantages(rewards, group, scale)
     grouped = rewards.view(-1, group)
     centred = (grouped - grouped.mean(1, keepdim=True)).reshape(-1)
     if scale == "none":
         return centred
     std = grouped.std(1).repeat_interleave(group) if scale == "group" else rewards.std().expand_as(rewards)
     return centred / (std + 1e-4)
+
+
+def nan_std(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """torch.std (unbiased) over the values that are not NaN (TRL's nanstd)."""
+    kept = (~x.isnan()).sum() if dim is None else (~x.isnan()).sum(dim)
+    mean = x.nanmean() if dim is None else x.nanmean(dim, keepdim=True)
+    var = ((x - mean) ** 2).nanmean() if dim is None else ((x - mean) ** 2).nanmean(dim)
+    return (var * kept / (kept - 1)).sqrt()
+
+
+def _nan_advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    grouped = rewards.view(-1, group)
+    centred = (grouped - grouped.nanmean(1, keepdim=True)).reshape(-1)
+    if scale != "none":
+        std = nan_std(grouped, 1).repeat_interleave(group) if scale == "group" else nan_std(rewards)
+        centred = centred / (std + 1e-4)
+    return torch.nan_to_num(centred, nan=0.0)
 
 
 def row_weights(lengths: list[int], loss_type: str, max_completion_length: int) -> tuple[list[float], int]:
@@ -102,21 +124,23 @@ def merged(shares: list[Rollout]) -> Rollout:
 
 
 def rollout_stats(out: Rollout, group: int) -> dict[str, float]:
-    """TRL's metric names, over the whole step."""
+    """TRL's metric names, over the whole step (NaN rewards, which no function applied to, left out; a figure with
+    no value at all left out of the line)."""
     total = torch.tensor(out.rewards, dtype=torch.float32)
     lengths = torch.tensor([len(c) for c in out.completions], dtype=torch.float32)
     stats = {}
     for name, col in out.columns.items():
-        values = torch.tensor(col)
-        stats[f"rewards/{name}/mean"] = float(values.mean())
-        stats[f"rewards/{name}/std"] = float(values.std()) if len(col) > 1 else 0.0
-    stats.update({"reward": float(total.mean()), "reward_std": float(total.std()),
-                  "frac_reward_zero_std": float((total.view(-1, group).std(1) < 1e-6).float().mean()),
+        values = torch.tensor(col, dtype=torch.float32)
+        stats[f"rewards/{name}/mean"] = float(values.nanmean())
+        stats[f"rewards/{name}/std"] = float(nan_std(values)) if len(col) > 1 else 0.0
+    stats.update({"reward": float(total.nanmean()), "reward_std": float(nan_std(total)),
+                  "frac_reward_zero_std": float((nan_std(total.view(-1, group), 1).nan_to_num(0.0) < 1e-6)
+                                                .float().mean()),
                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                   "completions/max_length": float(lengths.max()),
                   "completions/clipped_ratio": 1.0 - sum(out.ended) / len(out.ended), "rollout_s": out.seconds,
                   "rollout_tokens_per_s": float(lengths.sum()) / max(out.seconds, 1e-9)})
-    return stats
+    return {k: v for k, v in stats.items() if math.isfinite(v)}
 
 
 def row_keys(seed: int, step: tuple[int, int], idx: list[int], group: int) -> list[int]:

@@ -20,5 +20,9 @@ def style(run_config: dict) -> str | None:
 
     data = run_config.get("data") or {}
     first = first_record(data.get("train_file"))
-    key = (data.get("columns") or {}).get("prompt", "prompt")
-    return None if first is None else "chat" if isinstance(first.get(key), list) else "raw"
+    columns = data.get("columns") or {}
+    if first is None:
+        return None
+    chat = isinstance(first.get(columns.get("prompt", "prompt")), list) or \
+        isinstance(first.get(columns.get("messages", "messages")), list)  # a conversation: its turns are the prompt
+    return "chat" if chat else "raw"

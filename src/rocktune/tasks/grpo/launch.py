@@ -1,12 +1,14 @@
 """What the launching process refuses for task: grpo before the supervisor or any worker starts (torch-free): the
 LM tasks' checks (the number of processes a resumed run was written with included), and what GRPO alone rules out.
-The worker decides the same again (``GRPOTask.refuse``)."""
+The worker decides the same again (``GRPOTask.refuse``). A user's reward module that cannot be found or does not
+compile is refused here too, before anything starts (user_reward.precheck: compiled, never run)."""
 
 from __future__ import annotations
 
 from rocktune.config import RunConfig
 from rocktune.errors import UserError
 from rocktune.tasks.causal import launch as lm_launch
+from rocktune.tasks.grpo import user_reward
 from rocktune.train.request import RunOptions
 
 precheck = lm_launch.precheck
@@ -15,6 +17,9 @@ precheck = lm_launch.precheck
 def refuse(cfg: RunConfig, options: RunOptions) -> None:
     lm_launch.refuse(cfg, options)
     refuse_grpo(cfg, options)
+    for i, spec in enumerate(cfg.grpo.rewards):
+        if ":" in spec.function:  # the built-ins have no module
+            user_reward.precheck(spec.function, f"grpo.rewards[{i}]")
 
 
 def refuse_grpo(cfg: RunConfig, options: RunOptions) -> None:

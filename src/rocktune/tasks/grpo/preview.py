@@ -21,7 +21,8 @@ def build_prompt_preview(data, tokenizer, n_show: int) -> dict:
     ``n_show`` prompts are returned."""
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         rows = read_rows(data.train_file, data, Path(tmp) / "cache", "data.train_file")
-    shown, lengths, truncated, with_answer = [], [], 0, 0
+    shown: list[dict] = []
+    lengths, truncated, with_answer = [], 0, 0
     for where, row in rows:
         read = read_prompt(row, str(where))
         prompt = encode_prompt(read, tokenizer, data.max_length, str(where))

@@ -7,6 +7,11 @@ Record shapes, detected per row from its keys (``data.columns`` renames source c
   other column travels to the reward functions, as TRL passes them (``answer``, ``solution``, ``ground_truth`` ...).
 - GSM8K's ``question``/``answer``: the answer's text after the last ``####`` is the reference (``#### 1,234`` ->
   ``1234``); the worked solution before it is never shown to the model.
+- A conversation, ``messages`` (OpenAI's chat format and SFT's: content parts, the developer role, tool calls and
+  results as data/rows.py reads them; a row's ``tools`` go to the chat template): every turn before its final
+  assistant turn is the prompt, and that turn is the reference (after its last ``####`` where it has one, as
+  GSM8K's), so GSM8K as chat rows just works; a conversation that does not end with an assistant turn is a
+  prompt-only row.
 - A reference answer under ``answer``, ``solution``, ``ground_truth`` or ``completion`` (the first present, in that
   order) is what the built-in answer rewards compare with; a prompt-only row has none (format rewards still work).
 
@@ -26,7 +31,9 @@ from rocktune.readers.template import render_chat_template
 
 ANSWER_KEYS = ("answer", "solution", "ground_truth", "completion")
 SHAPES = ("prompt (TRL prompt-only: text or messages), with any answer/solution/ground_truth column",
-          "question/answer (GSM8K, the reference after '####')")
+          "question/answer (GSM8K, the reference after '####')",
+          "messages (a conversation: the turns before its final assistant turn are the prompt, that turn the "
+          "reference)")
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class PromptRow:
     answer: str | None
     chat: bool
     fields: dict = field(default_factory=dict)
+    tools: list | None = None  # the row's tool definitions (OpenAI's format), rendered by the chat template
 
 
 @dataclass(frozen=True)
@@ -77,9 +85,12 @@ def read_prompt(row: dict, where: str) -> PromptRow:
         prompt = row["question"]
         if isinstance(row.get("answer"), str):
             row = {**row, "answer": gsm8k_answer(row["answer"])}
+    elif "messages" in row:
+        prompt, row = _conversation(row, where)
     else:
-        raise UserError(f"{where}: a GRPO row needs 'prompt' (or GSM8K's 'question'); this row has {sorted(row)}. "
-                        f"Shapes: {'; '.join(SHAPES)}. Map other column names with data.columns.")
+        raise UserError(f"{where}: a GRPO row needs 'prompt', 'messages' or GSM8K's 'question'; this row has "
+                        f"{sorted(row)}. Shapes: {'; '.join(SHAPES)}. Map other column names with data.columns "
+                        "(e.g. data.columns: {messages: conversations}).")
     chat = isinstance(prompt, list)
     if chat:
         if not prompt:
@@ -91,19 +102,41 @@ def read_prompt(row: dict, where: str) -> PromptRow:
     answer = next((row[k] for k in ANSWER_KEYS if k in row), None)
     if answer is not None and not isinstance(answer, (str, int, float)):
         raise UserError(f"{where}: the reference answer must be text or a number, got {type(answer).__name__}.")
+    tools = row.get("tools")
+    if tools is not None and not (chat and isinstance(tools, list)):
+        raise UserError(f"{where}: 'tools' must be a list of tool definitions, for a conversational prompt.")
     fields = {k: v for k, v in row.items() if k not in ("prompt", "question")}
     if answer is not None:
         fields["answer"] = str(answer)  # the built-in rewards' reference, whichever column held it
-    return PromptRow(prompt, None if answer is None else str(answer), chat, fields)
+    return PromptRow(prompt, None if answer is None else str(answer), chat, fields, tools)
+
+
+def _conversation(row: dict, where: str) -> tuple[list, dict]:
+    """(the prompt: the turns before the final assistant turn, the row with that turn as its reference answer)."""
+    turns = row["messages"]
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} messages.")
+    rest = {k: v for k, v in row.items() if k != "messages"}
+    last = turns[-1]
+    if not (isinstance(last, dict) and last.get("role") == "assistant"):
+        return turns, rest  # no reference: a prompt-only row (format and length rewards still apply)
+    if len(turns) == 1:
+        raise UserError(f"{where}: 'messages' holds only an assistant turn; the prompt is the turns before the final "
+                        "assistant turn, so give at least one user message before it.")
+    reference = _message(last, f"{where}: messages[{len(turns) - 1}]")["content"]
+    if not any(k in rest for k in ANSWER_KEYS):  # an answer column of the row's own wins
+        rest["answer"] = gsm8k_answer(reference) if "####" in reference else reference
+    return turns[:-1], rest
 
 
 def encode_prompt(row: PromptRow, tokenizer, max_length: int, where: str) -> Prompt:
     """Token ids of the prompt; one longer than ``max_length`` keeps its end (the question next to the answer)."""
-    if row.chat:
+    if isinstance(row.prompt, list):  # row.chat
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{where}: conversational prompts need the tokenizer's chat template, and this tokenizer "
                             "has none; use an instruct model's tokenizer or give the prompts as text.")
-        text = render_chat_template(tokenizer, row.prompt, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": row.tools} if row.tools else {}
+        text = render_chat_template(tokenizer, row.prompt, tokenize=False, add_generation_prompt=True, **extra)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         text = row.prompt

@@ -28,6 +28,7 @@ from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
 from rocktune.models.load import stop_ids
 from rocktune.tasks.grpo import rewards as rewardfns
+from rocktune.tasks.grpo import scoring, watch
 from rocktune.tasks.grpo.launch import refuse_grpo
 from rocktune.tasks.grpo.feed import Rollout, RolloutFeed, Share, StepShape
 from rocktune.tasks.grpo.loss import GRPOLoss, Objective
@@ -65,6 +66,7 @@ class GRPORun:
 
 class GRPOTask(TaskBase):
     kind = "grpo"
+    samples_what = " and the rollout samples"
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -74,6 +76,11 @@ class GRPOTask(TaskBase):
         self.rollout_pieces = 1  # the rollout's OOM split: batches it samples in (kept by checkpoints)
         self.fallback_told = False
         self.log = print
+        self.metrics = None  # the run's metrics log (start): the warnings go there too
+        self.done = 0  # optimizer steps done: TRL's trainer_state.global_step for the rewards
+        self.watch = watch.Watch(cfg.grpo.max_completion_length, cfg.grpo.temperature)
+        self.reward_log = scoring.RewardLog()  # what the rewards logged through log_extra / log_metric
+        self.samples: dict[str, list[dict]] = {"rollout": [], "eval": []}  # samples.jsonl's next lines
 
     def refuse(self, options: RunOptions) -> None:
         refuse_inapplicable(self.cfg)
@@ -145,7 +152,10 @@ class GRPOTask(TaskBase):
         t0 = time.perf_counter()
         completions = self._generate(rows, r.sampling, row_draws(keys, r.sampling.max_new_tokens), r.static)
         seconds = time.perf_counter() - t0
-        total, table = self._score(rows, completions)
+        total, table, texts = self._score(rows, completions)
+        G = self.cfg.grpo.num_generations
+        self.samples["rollout"] = watch.sample_rows(self.done + 1, "rollout", rows[:G], texts[:G], total[:G],
+                                                    {rw.name: col[:G] for rw, col in zip(r.rewards, table)})
         ended = [bool(c) and c[-1] in r.sampling.stop_ids for c in completions]
         return Rollout([p.ids for p in rows], completions, total, {rw.name: col for rw, col in zip(r.rewards, table)},
                        ended, seconds)
@@ -192,14 +202,20 @@ class GRPOTask(TaskBase):
         finally:
             model.train(was_training)
 
-    def _score(self, rows: list, completions: list[list[int]]) -> tuple[list[float], list[list[float]]]:
-        """(each completion's weighted reward, each reward function's column)."""
-        r = self.run
+    def _score(self, rows: list, completions: list[list[int]]) -> tuple[list[float], list[list[float]], list[str]]:
+        """(each completion's weighted reward, each reward function's column, the completions' text), the rewards
+        called as TRL calls them (scoring.py)."""
+        from transformers import TrainerState
+
+        r, t = self.run, self.cfg.training
         texts = r.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        batch = rewardfns.Batch([p.row.prompt for p in rows], texts, completions, [p.row.fields for p in rows],
-                                [p.where for p in rows])
-        table = rewardfns.score(r.rewards, batch)
-        return [float(x) for x in rewardfns.weighted(r.rewards, table)], table
+        prompts = [p.row.prompt for p in rows]
+        steps = t.max_steps or 0
+        batch = scoring.Batch(prompts, scoring.completions_for(prompts, texts), completions,
+                              [p.row.fields for p in rows], [p.where for p in rows],
+                              TrainerState(global_step=self.done, max_steps=steps))
+        table = scoring.score(r.rewards, batch, self.reward_log)
+        return [float(x) for x in scoring.weighted(r.rewards, table)], table, texts
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -214,13 +230,17 @@ class GRPOTask(TaskBase):
         completions = []
         for i in range(0, len(rows), EVAL_ROWS):
             completions += self._generate(rows[i : i + EVAL_ROWS], greedy, None)  # greedy: the split changes nothing
-        total, table = self._score(rows, completions) if rows else ([], [[] for _ in r.rewards])
+        total, table, texts = self._score(rows, completions) if rows else ([], [[] for _ in r.rewards], [])
+        k = watch.EVAL_SAMPLES  # rank 0's share starts with the first held-out prompts
+        self.samples["eval"] = watch.sample_rows(self.done, "eval", rows[:k], texts[:k], total[:k],
+                                                 {rw.name: col[:k] for rw, col in zip(r.rewards, table)})
         shares = distributed.gather_objects(dist, (total, table)) if dist.enabled else [(total, table)]
         every = [x for t, _ in shares for x in t]
-        self.eval_stats = {"eval_reward": sum(every) / len(every)}
-        for k, rw in enumerate(r.rewards):
-            col = [x for _, tab in shares for x in tab[k]]
-            self.eval_stats[f"eval_rewards/{rw.name}/mean"] = sum(col) / len(col)
+        self.eval_stats = {"eval_reward": scoring.nan_mean(every)}  # None values (NaN) left out, as TRL's nanmean
+        for j, rw in enumerate(r.rewards):
+            col = [x for _, tab in shares for x in tab[j]]
+            self.eval_stats[f"eval_rewards/{rw.name}/mean"] = scoring.nan_mean(col)
+        self.eval_stats = {k: v for k, v in self.eval_stats.items() if v == v}  # a figure no reward applied to
         return None
 
     def check_resume(self, restored, force: bool) -> None:
@@ -243,26 +263,43 @@ class GRPOTask(TaskBase):
         return {"world_size": dist.world, "sampler": SAMPLER, "rank_rng": distributed.gather_rng(dist),
                 "rollout_pieces": self.rollout_pieces}
 
-    def start(self, start_step: int, metrics, log) -> None:
-        """Nothing to open (the eval's greedy completions are scored, not written); the rollout's OOM split
-        reports through the run's log."""
-        self.log = log
+    def start(self, redo_from: int, metrics, log) -> None:
+        """The run's log for the rollout's OOM split and the warnings; samples.jsonl keeps only what was logged
+        before ``redo_from`` (a resume logs the rest again)."""
+        from rocktune.tasks.causal.samples import _keep_before
+
+        self.log, self.metrics, self.done = log, metrics, max(redo_from - 1, 0)
+        if self.run.ctx.dist.main:
+            _keep_before(self.run.ctx.run_dir / "samples.jsonl", redo_from)
 
     def record(self, fed) -> dict:
         """The step's rollout statistics and the update's (TRL's names), the whole step's over every rank; tokens:
-        the completion tokens scored."""
+        the completion tokens scored. A rollout that cannot teach is said (watch.py)."""
         dist = self.run.ctx.dist
+        self.done += 1
         padded = float(sum(b["input_ids"].numel() for b in fed.forwards))
+        for line in self.watch.check(self.done, fed.stats):
+            self.log(f"[yellow]warning: {line}[/]")
+            if self.metrics is not None:
+                self.metrics.write({"step": self.done, "warning": line})
+        logged, self.reward_log = self.reward_log.means(), scoring.RewardLog()
         return {"tokens": fed.completion_tokens, "real_tokens": fed.real_tokens, "completions": fed.completions,
-                "rollout_pieces": self.rollout_pieces, "samples": fed.samples, **fed.stats,
+                "rollout_pieces": self.rollout_pieces, "samples": fed.samples, **fed.stats, **logged,
                 **self.run.loss.take_stats(lambda v: distributed.sum_over_ranks(dist, v), fed.completion_tokens),
                 "batch_tokens": int(distributed.sum_over_ranks(dist, torch.tensor([padded]))[0])}
+
+    def progress(self, record: dict) -> str:
+        return watch.progress(record)
 
     def after_eval(self, step: int, metrics, log) -> None:
         if self.eval_stats:
             metrics.write({"step": step, **self.eval_stats})
-            log(f"step {step}: held-out reward {self.eval_stats['eval_reward']:.3f} (greedy)")
+            log(f"step {step}: held-out reward {self.eval_stats.get('eval_reward', float('nan')):.3f} (greedy)")
             self.eval_stats = {}
+        rows = [*self.samples["eval"], *(x for x in self.samples["rollout"] if x["step"] == step)]
+        self.samples = {"rollout": [], "eval": []}
+        if rows and self.run.ctx.dist.main:
+            watch.append(self.run.ctx.run_dir / "samples.jsonl", [{**x, "step": step} for x in rows])
 
     def oom_message(self, step: int, exc: BaseException) -> str:
         return (f"out of memory at step {step} even with one completion per forward ({exc}); lower "
