@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from rocktune.cli import main
-from rocktune.config import config_from_dict
+from rocktune.config import DataConfig, config_from_dict
 from rocktune.data.checks import check_training_data, enforce
 from rocktune.data.dataset import Examples
 from rocktune.data.encode import IGNORE
@@ -172,12 +172,13 @@ def _conversations(n: int, seed: int = 0) -> list[dict]:
 
 def test_truncated_multi_turn_chat_is_not_a_template_difference(tmp_path, tokenizer):
     data = write_jsonl(tmp_path / "chat.jsonl", _conversations(24))
-    pv = build_preview(str(data), "auto", tokenizer, 128, False)
+    keep = DataConfig(lossy_truncation="keep")  # the cut loses system prompts: a warning here, not the subject
+    pv = build_preview(str(data), "auto", tokenizer, 128, False, data=keep)
     assert pv.n_truncated >= 16  # the comparison really sees truncated examples
-    assert pv.problems == []
+    assert [(p["level"], p["code"]) for p in pv.problems] == [("warning", "truncation-loses")]
     # The check itself still fires on a real difference, truncated or not.
-    pv = build_preview(str(data), "auto", _OwnRenderDiffers(tokenizer), 128, False)
-    assert {p["code"] for p in pv.problems} == {"template-differs"}
+    pv = build_preview(str(data), "auto", _OwnRenderDiffers(tokenizer), 128, False, data=keep)
+    assert {p["code"] for p in pv.problems if p["level"] == "error"} == {"template-differs"}
 
 
 def test_preview_shows_source_mapping_rate_and_cache_size(tmp_path, tiny_model_dir, capsys):

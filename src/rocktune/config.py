@@ -158,6 +158,13 @@ class DataConfig(_Section):
         "alone does not fit (the prompt then keeps its last max_length/4 tokens). end: keep the first max_length "
         "tokens.", json_schema_extra=only("lm")
     )
+    lossy_truncation: Literal["error", "drop", "keep"] = Field(
+        "error", description="An example whose cut to max_length removes its system prompt, its tool list or any "
+        "part of its last trained answer (what it was written to teach). error: a check failure (train stops; data "
+        "preview names them, the lengths and the max_length that keeps them whole); drop: such examples are left out "
+        "(counted in the notes); keep: trained as cut, with a warning. Shortening only older turns or a long prompt's "
+        "start is not judged.", json_schema_extra=only("sft")
+    )
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.",
         json_schema_extra=only("sft"))
     packing: bool = Field(

@@ -65,6 +65,7 @@ class DataStats:
     n_empty: int = 0  # records without any target, dropped before tokenising (not in n_records)
     n_windows: int = 0  # text: the examples its documents were cut into (textstream); 0 for other shapes
     stride: int = 0  # text: tokens between window starts
+    cuts: truncate.Judged = field(default_factory=truncate.Judged)  # examples whose cut removed what they teach
 
 
 @dataclass
@@ -139,7 +140,8 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
                             truncation=d.truncation, empty_targets="dropped", columns=src.columns,
                             split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision,
                             roles=settings.roles, templated=settings.templated, text_split=d.text_split,
-                            tools=d.tools, records="chat-v4", text_stride=settings.stride)
+                            tools=d.tools, records="chat-v5", text_stride=settings.stride,
+                            lossy=d.lossy_truncation)
     probes = []
     if settings.shape == "messages":
         pairs = [(src.where(i), rec) for i, rec in enumerate(head)]
@@ -176,7 +178,8 @@ def encode_settings(d, shape: str, tokenizer) -> fastencode.EncodeSettings:
     templated = instruct.uses_template(d.chat_template, shape, tokenizer)
     stride = textstream.stride_for(d.max_length, d.text_stride) if shape == "text" else 0
     return fastencode.EncodeSettings("messages" if templated else shape, d.max_length, d.train_on_prompt,
-                                     d.truncation, shape, tuple(sorted(d.roles.items())), d.tools, stride)
+                                     d.truncation, shape, tuple(sorted(d.roles.items())), d.tools, stride,
+                                     d.lossy_truncation)
 
 
 def describe_shape(settings: fastencode.EncodeSettings, chat_template: str) -> str:
@@ -203,9 +206,15 @@ def _summarise(out, src: sources.Source, settings: fastencode.EncodeSettings, vo
         row = int(np.flatnonzero(max_id >= vocab_size)[0])
         raise UserError(_beyond_vocab(src.where(int(record[row])), int(max_id[row]), vocab_size))
     if not kept.any():
+        if settings.lossy == "drop" and (_column(out, "lost") > 0).any():
+            need = int(_column(out, "length").max())
+            raise UserError(f"{src.name}: data.lossy_truncation=drop left out every example: cut to data.max_length="
+                            f"{d.max_length}, each would lose its system prompt, tool list or part of its answer; "
+                            f"data.max_length={need} keeps them whole.")
         raise UserError(f"{src.name}: no record has anything to learn from: "
                         + truncate.why_empty(d.max_length, d.truncation))
     tokenised = ~empty
+    left_out = (_column(out, "lost") > 0) & (settings.lossy == "drop")  # counted by data.lossy_truncation's note
     docs = first & tokenised  # a record's first row: a text document's first window, any other record's example
     notes = []
     if n_empty:
@@ -223,11 +232,25 @@ def _summarise(out, src: sources.Source, settings: fastencode.EncodeSettings, vo
         notes.append(f"{src.name}: " + textstream.describe(int(docs.sum()), int(kept.sum()), d.max_length,
                                                            settings.stride))
     return {"n_records": int(docs.sum()), "n_truncated": int(_column(out, "truncated").sum()),
-            "n_dropped": int((tokenised & ~kept).sum()), "shape": shape,
+            "n_dropped": int((tokenised & ~kept & ~left_out).sum()), "shape": shape,
             "n_windows": int(kept.sum()) if shape == "text" else 0, "stride": settings.stride,
             "n_prompt_cut": int((_column(out, "prompt_cut") > 0).sum()),
             "n_completion_cut": int((_column(out, "completion_cut") > 0).sum()), "max_id": top, "n_empty": n_empty,
-            "notes": notes}
+            "notes": notes, "cuts": _cuts(out, src, record, tokenised, d.max_length)}
+
+
+def _cuts(out, src: sources.Source, record: np.ndarray, tokenised: np.ndarray, max_length: int) -> dict:
+    """``truncate.Judged`` of the tokenised rows, as the cache's meta keeps it: the examples whose cut removed
+    their system prompt, tool list or part of their last answer, and the uncut lengths of all of them."""
+    lost, length = _column(out, "lost"), _column(out, "length")[tokenised]
+    bad = np.flatnonzero(lost > 0)
+    xs = np.sort(length) if len(length) else np.zeros(1, dtype=np.int64)
+    lengths = {"min": int(xs[0]), "median": float(np.median(xs)), "p95": int(xs[min(len(xs) - 1, int(0.95 * len(xs)))]),
+               "max": int(xs[-1]), "over": int((xs > max_length).sum())}
+    return {"n_lossy": len(bad), "n_head": int((lost & truncate.HEAD > 0).sum()),
+            "n_answer": int((lost & truncate.ANSWER > 0).sum()),
+            "needed": int(_column(out, "length")[bad].max()) if len(bad) else 0,
+            "first": str(src.where(int(record[bad[0]]))) if len(bad) else "", "lengths": lengths}
 
 
 def _write(out, entry: cache.Entry, meta: dict) -> None:
@@ -260,7 +283,7 @@ def _stats(meta: dict, hit: bool, key: str, source: str, rate: float, size: int)
     return DataStats(meta["shape"], meta["n_records"], meta["n_truncated"], meta["n_dropped"], hit, key,
                      list(meta.get("notes", [])), meta.get("n_prompt_cut", 0), meta.get("n_completion_cut", 0),
                      source, rate, size, n_empty=meta.get("n_empty", 0), n_windows=meta.get("n_windows", 0),
-                     stride=meta.get("stride", 0))
+                     stride=meta.get("stride", 0), cuts=truncate.Judged(**meta.get("cuts", {})))
 
 
 def _beyond_vocab(where, token_id: int, vocab_size: int) -> str:
@@ -301,6 +324,7 @@ def prepare_data(d, tokenizer, cache_dir: Path, seed: int, vocab_size: int | Non
             train, evals = split(train, d.eval_fraction, seed, _yield(d.train_file, stats))
         stats.notes += truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
                                          stats.n_completion_cut, stats.n_dropped, d.max_length, d.truncation)
+        stats.notes += _judged(stats, d)
         if check is not None:
             stats.notes += check(train, stats)
     except BaseException:
@@ -308,6 +332,18 @@ def prepare_data(d, tokenizer, cache_dir: Path, seed: int, vocab_size: int | Non
         raise
     pending.commit()
     return train, evals, stats
+
+
+def _judged(stats: DataStats, d) -> list[str]:
+    """data.lossy_truncation on the examples whose cut removed what they teach: an error stops the run here, before
+    anything is committed; a warning or a note goes into the run's notes."""
+    found = truncate.judge(stats.cuts, d.max_length, d.lossy_truncation)
+    if found is None:
+        return []
+    level, message = found
+    if level == "error":
+        raise UserError(f"{d.train_file}: {message}. (rocktune data preview -c CONFIG shows the lengths.)")
+    return [f"warning: {message}." if level == "warning" else f"{message}."]
 
 
 def _yield(path: str, stats: DataStats) -> str:

@@ -45,6 +45,7 @@ class EncodeSettings:
     roles: tuple[tuple[str, str], ...] = ()  # data.roles: (tag, role) pairs
     tools: str = "render"  # data.tools: render | drop
     stride: int = 0  # text: tokens between window starts (data.text_stride; textstream.stride_for)
+    lossy: str = "error"  # data.lossy_truncation: error | drop | keep (drop: such examples are not kept)
 
     @property
     def source_shape(self) -> str:

@@ -37,6 +37,8 @@ class Preview:
     records_per_s: float = 0.0  # tokenisation rate, imports done
     cache_bytes: int = 0  # what the token cache of this data takes
     n_windows: int = 0  # text: the windows its documents were cut into (the examples trained); 0 otherwise
+    uncut: dict | None = None  # tokens per example before any cut (truncate.Judged.lengths); None for text
+    needed: int = 0  # the max_length that keeps whole every example whose cut removes what it teaches (0: none)
 
     @property
     def loss_share(self) -> float:
@@ -65,10 +67,14 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         seen, stats = dataset.tokenize_file(data_file, d, tokenizer, Path(tmp) / "cache")
         src = sources.open_source(data_file, dataset.source_settings(d, Path(tmp) / "cache"))
-        pairs = [(src.where(i), tokenise.row(r)) for i, r in enumerate(src.head(n_show))]
+        pairs = [(src.where(i), tokenise.row(r)) for i, r in enumerate(src.head(max(n_show, 1)))]
         settings = dataset.encode_settings(d, records.detect_shape(pairs[:1], d.format), tokenizer)
+        pairs = pairs[:n_show]  # -n 0: the figures alone (the first record still names the shape)
         shown = list(zip([loc for loc, _ in pairs], tokenise.prepare_rows(pairs, settings)))
         problems = checks.check_training_data(seen, tokenizer, stats.shape, train_on_prompt, stats.probes)
+        judged = truncate.judge(stats.cuts, max_length, d.lossy_truncation)
+        if judged is not None and judged[0] != "note":  # a note (drop) goes with the truncation notes
+            problems.insert(0, checks.Problem(judged[0], "truncation-loses", judged[1] + "."))
         lengths = seen.lengths()
         loss = seen.labels.loss_counts().sum() if hasattr(seen.labels, "loss_counts") else \
             sum(checks.loss_positions(lab) for lab in seen.labels)
@@ -78,6 +84,7 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
         n_kept = len(seen) if stats.shape != "text" else n_rows - stats.n_dropped
     notes = stats.notes + truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
                                             stats.n_completion_cut, stats.n_dropped, max_length, truncation)
+    notes += [judged[1]] if judged is not None and judged[0] == "note" else []
     return Preview(
         data_file=str(data_file), shape=dataset.describe_shape(settings, d.chat_template), max_length=max_length,
         train_on_prompt=train_on_prompt,
@@ -87,7 +94,8 @@ def build_preview(data_file: str, shape: str, tokenizer, max_length: int, train_
         examples=[{"loc": loc, "truncated": e.truncated, "runs": runs(e.input_ids, e.labels, tokenizer, special)}
                   for loc, e in encoded],
         problems=[asdict(p) for p in problems], source=stats.source, records_per_s=stats.records_per_s,
-        cache_bytes=stats.cache_bytes, n_windows=stats.n_windows)
+        cache_bytes=stats.cache_bytes, n_windows=stats.n_windows,
+        uncut=stats.cuts.lengths if stats.shape != "text" else None, needed=stats.cuts.needed)
 
 
 def _shown(shown: list[tuple[str, dict]], stats, tokenizer, d, n_show: int) -> list[tuple[str, encode.Encoded]]:

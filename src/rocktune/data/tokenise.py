@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocktune.data import checks, fastencode, meaning, records, sources, textstream
+from rocktune.data import checks, fastencode, meaning, records, sources, textstream, truncate
 
 ROWS_PER_PROC = 4000  # below this a worker process costs more to start than it saves
 BATCH = 1000  # rows per tokenizer call
@@ -67,10 +67,15 @@ class _Encode:
         for j, encoded in zip(todo, self._encode([rows[j] for j in todo], [locs[j] for j in todo])):
             per_record[j] = encoded
         out = {name: [] for name in COLUMNS}
+        s = self.settings
         for j, encoded in enumerate(per_record):
             unused = meaning.unused(raw[j], self.used)
+            head = shape != "text" and truncate.has_head(rows[j], shape)
             for k, enc in enumerate(encoded or [None]):
-                _append(out, enc, empty=empty[j] and k == 0, first=k == 0, unused=unused if k == 0 else [])
+                lost = truncate.lost(head, enc.prompt_cut, enc.completion_cut, s.truncation) \
+                    if enc is not None and shape != "text" else 0
+                _append(out, enc, empty=empty[j] and k == 0, first=k == 0, unused=unused if k == 0 else [],
+                        lost=lost, drop=bool(lost) and s.lossy == "drop")
         return _table(out)
 
     def _encode(self, recs: list[dict], locs: list) -> list[list]:
@@ -81,12 +86,14 @@ class _Encode:
 
 
 COLUMNS = ("input_ids", "labels", "truncated", "prompt_cut", "completion_cut", "empty", "kept", "max_id", "unused",
-           "first")
+           "first", "lost", "length")
 
 
-def _append(out: dict, enc, empty: bool, first: bool, unused: list) -> None:
-    """One output row: an example (``enc``), or a record without one (empty targets)."""
-    kept = enc is not None and checks.loss_positions(enc.labels) > 0  # list.count: no per-token Python loop
+def _append(out: dict, enc, empty: bool, first: bool, unused: list, lost: int = 0, drop: bool = False) -> None:
+    """One output row: an example (``enc``), or a record without one (empty targets). ``lost``: what its cut removed
+    (``truncate.lost``); ``drop``: left out for it (data.lossy_truncation=drop). ``length``: its tokens before any
+    cut (every token a cut removed is counted on one side or the other)."""
+    kept = enc is not None and not drop and checks.loss_positions(enc.labels) > 0  # list.count: no Python loop
     out["input_ids"].append(enc.input_ids if kept else [])  # a dropped example (nothing left to learn from after
     out["labels"].append(enc.labels if kept else [])  # truncation) stores no tokens
     out["truncated"].append(enc is not None and enc.truncated)
@@ -97,6 +104,8 @@ def _append(out: dict, enc, empty: bool, first: bool, unused: list) -> None:
     out["kept"].append(kept)
     out["unused"].append(unused)
     out["first"].append(first)
+    out["lost"].append(lost)
+    out["length"].append(len(enc.input_ids) + enc.prompt_cut + enc.completion_cut if enc is not None else 0)
 
 
 def _table(out: dict):
@@ -126,7 +135,8 @@ def features():
                               "prompt_cut": datasets.Value("int32"), "completion_cut": datasets.Value("int32"),
                               "empty": datasets.Value("bool"), "kept": datasets.Value("bool"),
                               "max_id": datasets.Value("int64"), "unused": datasets.List(datasets.Value("string")),
-                              "first": datasets.Value("bool")})
+                              "first": datasets.Value("bool"), "lost": datasets.Value("int8"),
+                              "length": datasets.Value("int64")})
 
 
 def workers(num_proc: int | None, n_rows: int) -> int:

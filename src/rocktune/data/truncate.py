@@ -129,3 +129,57 @@ def why_empty(max_length: int, mode: str) -> str:
         return (f"with data.truncation=end their prompt fills all data.max_length={max_length} tokens, so no "
                 "completion token is left; data.truncation=prompt cuts the start of the prompt instead.")
     return "no token in them carries loss (an empty text or completion); remove them or give them a completion."
+
+
+# What a cut removed that the example was written to teach (bits of the "lost" column): its system prompt or tool
+# list (the head of a conversation, which data.truncation=prompt cuts first), part of its last trained answer.
+HEAD, ANSWER = 1, 2
+
+
+def has_head(rec: dict, shape: str) -> bool:
+    """A conversation that opens with a system prompt or carries a tool list: what its answers are conditioned on."""
+    msgs = rec.get("messages") if shape == "messages" else None
+    return bool(msgs) and (msgs[0]["role"] == "system" or bool(rec.get("tools")))
+
+
+def lost(head: bool, prompt_cut: int, completion_cut: int, mode: str) -> int:
+    """``HEAD | ANSWER`` bits of one example's cut. The prompt side is cut from its start, so with
+    ``truncation=prompt`` any prompt cut removes the head first; the end is cut last, so any completion token cut is
+    the end of the last trained answer. Older turns or a long prompt's start going is the cut working as meant."""
+    return (HEAD if head and prompt_cut and mode == "prompt" else 0) | (ANSWER if completion_cut else 0)
+
+
+@dataclass
+class Judged:
+    """The examples whose cut removed what they teach (``lost``), over one source."""
+
+    n_lossy: int = 0
+    n_head: int = 0  # lost their system prompt or tool list
+    n_answer: int = 0  # lost part of their last answer
+    needed: int = 0  # the max_length that keeps every one of them whole: the longest one's length
+    first: str = ""  # where the first of them is
+    lengths: dict | None = None  # uncut tokens per example: min, median, p95, max, and how many exceed max_length
+
+
+def judge(j: Judged, max_length: int, policy: str) -> tuple[str, str] | None:
+    """(level, message without its full stop) for data.lossy_truncation's ``policy``, or None when no cut removed
+    anything the examples teach."""
+    if not j.n_lossy:
+        return None
+    what = "; ".join(p for p in (f"{j.n_head} lose their system prompt or tool list" if j.n_head else "",
+                                 f"{j.n_answer} lose part of their last answer" if j.n_answer else "") if p)
+    msg = (f"{j.n_lossy} examples are longer than data.max_length={max_length} and cutting them removes what they "
+           f"teach: {what} (the first: {j.first}). {spread(j.lengths)}data.max_length={j.needed} keeps every one "
+           "of them whole (the longest is "
+           f"{j.needed} tokens); or data.lossy_truncation=drop leaves them out, keep trains them as cut")
+    if policy == "drop":
+        return "note", msg.replace(" are longer", " were left out (data.lossy_truncation=drop): longer", 1)
+    return ("error" if policy == "error" else "warning"), msg
+
+
+def spread(lengths: dict | None) -> str:
+    """The uncut lengths in words, for the messages above and the preview."""
+    if not lengths:
+        return ""
+    return (f"Tokens per example before any cut: min {lengths['min']}, median {lengths['median']:g}, p95 "
+            f"{lengths['p95']}, max {lengths['max']}; {lengths['over']} longer than data.max_length. ")

@@ -30,16 +30,31 @@ def _summary(pv: Preview) -> list[tuple[str, str]]:
         ("documents" if text else "records", f"{pv.n_records}"),
         ("kept for training", f"{pv.n_windows} windows" if text else f"{pv.n_kept}"),
         ("truncated", f"{pv.n_truncated} (longer than data.max_length={pv.max_length})"),
-        ("dropped", f"{pv.n_dropped} (no loss-bearing token left after truncation)"),
+        ("dropped", f"{pv.n_dropped} (no loss-bearing token left after truncation, or data.lossy_truncation=drop)"),
         *(("", note) for note in pv.truncation_notes),
         ("tokens per window" if text else "tokens per example",
          f"min {s['min']}, median {s['median']:g}, mean {s['mean']:.1f}, p95 {s['p95']}, max {s['max']}"),
+        *_uncut(pv),
         ("loss-bearing tokens", f"{pv.loss_tokens:,} of {pv.total_tokens:,} ({pv.loss_share:.1%})"),
         ("trained on prompts", "yes" if pv.train_on_prompt else "no (completions / assistant turns only)"),
         ("end token", (" / ".join(pv.stop_tokens) or "none") + (TEXT_END if text else "")),
         ("tokenised", f"{pv.records_per_s:,.0f} records/s"),
         ("token cache", f"{pv.cache_bytes / 2**20:,.1f} MiB"),
     ]
+
+
+def _uncut(pv: Preview) -> list[tuple[str, str]]:
+    """The lengths before the cut, where a cut happened, and the max_length that keeps whole the examples whose
+    cut removes their system prompt, tool list or answer (issue 55: the cut lengths alone hid it)."""
+    u = pv.uncut
+    if not u or not u["over"]:
+        return []
+    rows = [("before the cut", f"min {u['min']}, median {u['median']:g}, p95 {u['p95']}, max {u['max']}; "
+             f"{u['over']} longer than data.max_length={pv.max_length}")]
+    if pv.needed:
+        rows.append(("keeps them whole", f"data.max_length={pv.needed} (the examples whose cut removes their "
+                     "system prompt, tool list or part of their last answer)"))
+    return rows
 
 
 def print_preview(pv: Preview) -> None:
