@@ -132,8 +132,9 @@ FAMILIES = [
 GATED_DELTANET = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                   "layer_types": ["linear_attention", "full_attention"]}
-SHARED = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-          "shared_expert_intermediate_size": 32}
+# expert widths of 64: bitsandbytes' CPU nf4 kernel is wrong on rows of 32, and the QLoRA gate refuses such a model
+SHARED = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+          "shared_expert_intermediate_size": 64}
 LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 FAMILIES += [
     Family("qwen3.5", "Qwen3_5TextConfig", "qwen3.5", GATED_DELTANET, LINEAR_ATTN + DENSE),
@@ -146,13 +147,13 @@ FAMILIES += [
                                                  "layer_types": ["sliding_attention", "full_attention"]},
            ATTN_ONLY, True),
     Family("glm4.5", "Glm4MoeConfig", "glm4.5", {"n_routed_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
-                                                 "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                                 "moe_intermediate_size": 64, "n_shared_experts": 1,
                                                  "first_k_dense_replace": 1, "partial_rotary_factor": 0.5},
            DENSE, True),
     Family("olmo3", "Olmo3Config", "chatml", {"pad_token_id": None, "sliding_window": 16,
                                               "layer_types": ["sliding_attention", "full_attention"]}, DENSE),
     Family("llama4", "Llama4TextConfig", "llama4", {"num_local_experts": 4, "num_experts_per_tok": 1, "head_dim": 16,
-                                                    "intermediate_size": 32, "intermediate_size_mlp": 128,
+                                                    "intermediate_size": 64, "intermediate_size_mlp": 128,
                                                     "interleave_moe_layer_step": 2, "attention_chunk_size": 64,
                                                     "no_rope_layer_interval": 2, "pad_token_id": None},
            DENSE, True),
