@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from rocktune.atomic import write_atomic
-from rocktune.report import page, plots
+from rocktune.report import page, plots, rollouts
 from rocktune.report.rundata import RunData, load_run
 from rocktune import task_registry
 
@@ -147,6 +147,8 @@ def _events(runs: list[RunData]) -> str:
 
 
 def _samples(run: RunData) -> str:
+    if rollouts.has_rewards(run.samples):  # GRPO's: completions with their rewards
+        return rollouts.section(run.samples)
     steps = run.sample_steps()
     note = plots.report_hooks(run.config.get("task")).no_samples  # the task's own (task_registry.py)
     if not steps and note:

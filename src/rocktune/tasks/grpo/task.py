@@ -278,10 +278,11 @@ class GRPOTask(TaskBase):
         dist = self.run.ctx.dist
         self.done += 1
         padded = float(sum(b["input_ids"].numel() for b in fed.forwards))
-        for line in self.watch.check(self.done, fed.stats):
+        said = self.watch.check(self.done, fed.stats)
+        for line in said:
             self.log(f"[yellow]warning: {line}[/]")
-            if self.metrics is not None:
-                self.metrics.write({"step": self.done, "warning": line})
+        if said and self.metrics is not None:
+            self.metrics.write({"step": self.done, "warnings": said})  # one line per step (the log's key)
         logged, self.reward_log = self.reward_log.means(), scoring.RewardLog()
         return {"tokens": fed.completion_tokens, "real_tokens": fed.real_tokens, "completions": fed.completions,
                 "rollout_pieces": self.rollout_pieces, "samples": fed.samples, **fed.stats, **logged,

@@ -4,7 +4,7 @@ rollouts cannot teach, and a sample of prompts, completions and rewards kept in 
 A rollout teaches through the spread of rewards inside each group. Two ways it has none are common and silent: the
 completions are cut at ``grpo.max_completion_length`` before their answer (``completions/clipped_ratio``), or every
 completion of every group gets the same reward (``frac_reward_zero_std`` 1: every advantage 0, no update). Either
-for ``PATIENCE`` steps in a row is said once, on the console and in metrics.jsonl (``{"step", "warning"}``), with
+for ``PATIENCE`` steps in a row is said once, on the console and in metrics.jsonl (``{"step", "warnings"}``), with
 the settings that change it.
 
 ``samples.jsonl`` gets, at each eval point (start, every ``training.eval_every`` steps, end), the greedy completions

@@ -1,0 +1,89 @@
+"""GRPO from conversations (issue 55 point 4): ``messages`` rows (OpenAI's chat format; GSM8K as chat rows) read as
+prompt + reference, the reward and its spread on the progress line, a warning when the completions are cut at
+``grpo.max_completion_length`` or no group has any reward spread, and rollouts with their rewards kept in
+samples.jsonl and shown by ``rocktune report``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rocktune.config import config_from_dict
+from rocktune.errors import UserError
+from rocktune.tasks.grpo import watch
+from rocktune.tasks.grpo.prompts import encode_prompt, read_prompt
+from tests.conftest import write_jsonl
+
+
+def _gsm8k_chat(a: int, b: int) -> dict:
+    return {"messages": [{"role": "system", "content": "Answer after ####."},
+                         {"role": "user", "content": [{"type": "text", "text": f"What is {a} + {b}?"}]},
+                         {"role": "assistant", "content": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b:,}"}]}
+
+
+def test_a_conversation_is_its_turns_before_the_last_answer_and_that_answer(tokenizer):
+    row = read_prompt(_gsm8k_chat(1200, 34), "chat.jsonl:1")
+    assert row.chat and row.answer == "1234"  # after '####', thousands separator dropped, as GSM8K's shape
+    assert row.prompt == [{"role": "system", "content": "Answer after ####."},
+                          {"role": "user", "content": "What is 1200 + 34?"}]  # OpenAI's content parts joined
+    assert "messages" not in row.fields and row.fields["answer"] == "1234"
+    text = encode_prompt(row, tokenizer, 128, "chat.jsonl:1").text
+    assert text.endswith("What is 1200 + 34?<|im_end|>\n<|im_start|>assistant\n") and "1234" not in text
+    plain = read_prompt({"messages": [{"role": "developer", "content": "be brief"},
+                                      {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                         "solution": "HELLO"}, "f:2")
+    assert plain.prompt[0]["role"] == "system" and plain.answer == "HELLO"  # the row's own answer column wins
+    open_ended = read_prompt({"messages": [{"role": "user", "content": "tell a story"}]}, "f:3")
+    assert open_ended.answer is None and len(open_ended.prompt) == 1  # no final answer: prompt-only
+    with pytest.raises(UserError, match="f:4: 'messages' holds only an assistant turn"):
+        read_prompt({"messages": [{"role": "assistant", "content": "x"}]}, "f:4")
+    with pytest.raises(UserError, match="f:5: a GRPO row needs 'prompt', 'messages'.*data.columns"):
+        read_prompt({"conversations": []}, "f:5")
+
+
+def test_the_watch_says_each_failure_once_after_a_few_steps():
+    w = watch.Watch(max_completion_length=6, temperature=0.9)
+    cut = {"completions/clipped_ratio": 0.75, "frac_reward_zero_std": 0.5}
+    assert w.check(1, cut) == [] and w.check(2, cut) == []
+    said = w.check(3, cut)
+    assert len(said) == 1 and "75% of the completions hit grpo.max_completion_length=6" in said[0]
+    assert "grpo.temperature (now 0.9)" in said[0]
+    assert w.check(4, cut) == []  # once
+    flat = {"completions/clipped_ratio": 0.0, "frac_reward_zero_std": 1.0}
+    assert w.check(5, flat) == [] and w.check(6, {"frac_reward_zero_std": 0.9}) == []  # the streak restarts
+    assert w.check(7, flat) == [] and w.check(8, flat) == []
+    assert "frac_reward_zero_std 1.0" in w.check(9, flat)[0]
+    assert watch.progress({"reward": 0.25, "reward_std": 0.5}) == "reward 0.250±0.500"
+    assert watch.progress({"loss": 0.0}) == ""
+
+
+def test_a_run_from_gsm8k_chat_rows_warns_keeps_rollouts_and_reports_them(tiny_model_dir, tmp_path, capsys):
+    from rocktune.tasks import train
+
+    data = write_jsonl(tmp_path / "chat.jsonl", [_gsm8k_chat(i + 2, 3 * i + 1) for i in range(24)])
+    cfg = {"task": "grpo", "model": {"name_or_path": str(tiny_model_dir)}, "lora": {"r": 8, "alpha": 16},
+           "data": {"train_file": str(data), "max_length": 64, "eval_fraction": 0.2},
+           "grpo": {"num_generations": 4, "max_completion_length": 3, "rewards": [{"function": "exact"}]},
+           "training": {"max_steps": 4, "micro_batch_size": 4, "grad_accum": 2, "eval_every": 2, "device": "cpu",
+                        "precision": "fp32", "seed": 0}, "output": {"dir": str(tmp_path / "run")}}
+    result = train(config_from_dict(cfg), quiet=False)
+    err = capsys.readouterr().err
+    assert "step 1/4 loss" in err and " reward 0.000±0.000 " in err  # a log file's first progress line
+    assert err.count("hit grpo.max_completion_length=3") == 1 and err.count("frac_reward_zero_std 1.0") == 1
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    warned = [r for r in lines if "warnings" in r]
+    assert [r["step"] for r in warned] == [3] and len(warned[0]["warnings"]) == 2
+    samples = [json.loads(x) for x in (result.run_dir / "samples.jsonl").read_text().splitlines()]
+    rollouts = [s for s in samples if s["kind"] == "rollout"]
+    assert sorted({s["step"] for s in rollouts}) == [2, 4] and len(rollouts) == 2 * 4  # one group per eval point
+    held = [s for s in samples if s["kind"] == "eval"]
+    assert sorted({s["step"] for s in held}) == [0, 2, 4]
+    assert all(s["reward"] == 0.0 and s["rewards"] == {"exact": 0.0} for s in samples)
+    assert all(s["expected"].isdigit() and s["prompt"].startswith("What is") for s in samples)
+    pytest.importorskip("matplotlib")
+    from rocktune.report.rundata import load_run
+    from rocktune.report.run_report import write_report
+
+    page = write_report([load_run(result.run_dir)]).read_text()
+    assert "Rollouts of step 4" in page and "No samples" not in page and held[-1]["prompt"] in page
