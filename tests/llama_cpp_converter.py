@@ -29,9 +29,16 @@ def converter_source() -> Path | None:
     return next((p for p in reversed(found) if (p / "convert_hf_to_gguf.py").is_file()), None)
 
 
-def convert(src: Path, model_dir: Path, out: Path, outtype: str, pre: str) -> subprocess.CompletedProcess:
+# families whose checkpoints carry multi-token-prediction layers that transformers' model leaves out: a merge has
+# none, so the converter is told so (without it, it counts layers the file does not hold, or fails)
+NO_MTP = {"glm4_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+
+
+def convert(src: Path, model_dir: Path, out: Path, outtype: str, pre: str,
+            model_type: str) -> subprocess.CompletedProcess:
     """The converter on ``model_dir`` (this venv's python; the converter's own gguf-py, as it loads by default)."""
     argv = [sys.executable, __file__, str(src), pre, str(model_dir), "--outtype", outtype, "--outfile", str(out)]
+    argv += ["--no-mtp"] if model_type in NO_MTP else []
     return subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -76,7 +76,8 @@ def test_gguf_equals_llama_cpp_converter(tmp_path, record_property, name):
         assert main(["export", str(tmp_path / "run"), *argv]) == 0
     ours = tmp_path / "run" / "export" / "model-f32.gguf"
     pre = read(ours)[0]["tokenizer.ggml.pre"]
-    done = convert(src, tmp_path / "run" / "export" / "merged", tmp_path / "converter.gguf", "f32", pre)
+    done = convert(src, tmp_path / "run" / "export" / "merged", tmp_path / "converter.gguf", "f32", pre,
+                   model_type)
     assert done.returncode == 0, done.stderr[-3000:]
     n = assert_same_gguf(ours, tmp_path / "converter.gguf", ARCHS[model_type].gguf_name)
     record_property("cell", f"equal to convert_hf_to_gguf.py ({n} tensors)")

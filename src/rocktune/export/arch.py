@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rocktune.errors import UserError
+from rocktune.export import linear_attn
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class Arch:
     output_required: bool = False  # the loader has no tied head (OLMo 2): output.weight is written even when tied
     check: Callable | None = None  # refuses configurations llama.cpp's graph for this arch would compute otherwise
     hparams: Callable | None = None  # the family's own metadata keys, on top of the common ones
-    nextn: bool = False  # the block count includes the multi-token-prediction layers (absent after a merge)
+    transform: Callable | None = None  # (HF name, data, cfg) -> [(name the GGUF table knows, data)]: the layout
+    lora_order: Callable | None = None  # (module, A, B, cfg) -> (A, B) in that layout
 
 
 def _refuse_if(condition: bool, cfg, what: str) -> None:
@@ -156,8 +158,15 @@ def _glm4_moe_hparams(writer, cfg) -> None:
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # GLM's router scores by sigmoid
     writer.add_expert_weights_scale(float(cfg.routed_scaling_factor))
     writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
-    # the MTP layer is not part of transformers' model, so a merge drops it: llama.cpp then runs the trunk alone
-    writer.add_nextn_predict_layers(int(getattr(cfg, "num_nextn_predict_layers", 0)))
+    # no nextn_predict_layers: the MTP layers are not part of transformers' model, so the merge has none (what the
+    # converter writes with --no-mtp)
+
+
+def _qwen35_hparams(writer, cfg) -> None:
+    linear_attn.add_hparams(writer, cfg)
+    if n_experts(cfg):
+        _moe_hparams(writer, cfg)
+        writer.add_expert_shared_feed_forward_length(int(cfg.shared_expert_intermediate_size))
 
 
 def n_experts(cfg) -> int:
@@ -167,6 +176,14 @@ def n_experts(cfg) -> int:
 
 def expert_ff(cfg) -> int:
     return int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+
+
+def hf_parts(key: str, data: np.ndarray, cfg, arch: Arch) -> list[tuple[str, np.ndarray]]:
+    """One HF tensor as the tensors GGUF keeps (still HF-named): experts apart, the family's own layout."""
+    parts = split_experts(key, data)
+    if arch.transform is None:
+        return parts
+    return [out for part, d in parts for out in arch.transform(part, d, cfg)]
 
 
 def split_experts(key: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -196,10 +213,13 @@ ARCHS = {
     "gemma3_text": Arch("gemma3", False, 1.0, check=_check_gemma, hparams=_gemma_hparams),
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
-    "glm4_moe": Arch("glm4moe", False, hparams=_glm4_moe_hparams, nextn=True),
+    "glm4_moe": Arch("glm4moe", False, hparams=_glm4_moe_hparams),
     # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (export/gguf_vision.py writes their eyes beside)
     "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
     "qwen2_5_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
+    # Gated DeltaNet + gated full attention (export/linear_attn.py)
+    "qwen3_5_text": Arch("qwen35", False, hparams=_qwen35_hparams, transform=linear_attn.to_llama_cpp,
+                         lora_order=linear_attn.lora_order),
     "qwen3_vl_text": Arch("qwen3vl", False, check=_check_interleaved_mrope, hparams=_qwen3vl_hparams),
 }
 
@@ -246,7 +266,7 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
     rope = rope_params(cfg)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers + (getattr(cfg, "num_nextn_predict_layers", 0) if arch.nextn else 0))
+    writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -315,6 +335,7 @@ def tensor_namer(cfg, arch: Arch):
     def name(hf_name: str) -> str | None:
         # a router's score-correction bias (GLM-4.5, DeepSeek-V3) is a bias of the table's e_score_correction
         hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
+        hf_name = hf_name.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")  # Gated DeltaNet's dt bias
         return table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
     return name

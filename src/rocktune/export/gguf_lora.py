@@ -77,6 +77,8 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch,
         if base is None:
             _refuse(adapter, f"the adapter adapts {module}, which has no GGUF tensor")
         rank = a.shape[0]
+        if arch.lora_order is not None:
+            a, b = arch.lora_order(module, a, b, model_cfg)
         b = b * (module_scale(module, cfg, rank) / (alpha / rank))
         out[base + ".lora_a"] = a
         out[base + ".lora_b"] = archs.to_gguf_layout(base, b, model_cfg, arch)

@@ -26,7 +26,7 @@ def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
             continue  # recomputed by llama.cpp / the head reuses token_embd when tied
         if tied and arch.output_required and name_of(key) == "token_embd.weight":
             out["output.weight"] = tensor.detach().float().cpu().numpy()  # this loader has no tied head
-        for part, data in archs.split_experts(key, tensor.detach().float().cpu().numpy()):
+        for part, data in archs.hf_parts(key, tensor.detach().float().cpu().numpy(), cfg, arch):
             name = name_of(part)
             if name is None:
                 raise UserError(f"GGUF export does not know where the tensor {key} of this {cfg.model_type} model "
