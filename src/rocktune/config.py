@@ -569,13 +569,51 @@ def _explain(exc: ValidationError, path: str | None, lines: dict[tuple[str, ...]
         if err["type"] == "extra_forbidden":
             section = _section_for(loc[:-1])
             allowed = ", ".join(section.model_fields) if section else ""
-            close = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1) if section and loc else []
-            guess = f"did you mean '{close[0]}'? " if close else ""
+            close = _near_miss(loc)
+            guess = f"did you mean '{close}'? " if close else ""
             problems.append(f"{where}unknown key '{key}'; {guess}allowed here: {allowed}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(f"{where}{key}: {msg} (got {err.get('input')!r})")
     return "invalid config: " + "; ".join(problems)
+
+
+# The names other fine-tuning tools (transformers' TrainingArguments, PEFT, TRL, Axolotl, LLaMA-Factory) give
+# rocktune's keys: a key under any section with one of these names is pointed at rocktune's, wherever it lives.
+ALIASES = {
+    "learning_rate": "training.lr", "batch_size": "training.micro_batch_size",
+    "per_device_train_batch_size": "training.micro_batch_size", "micro_batch": "training.micro_batch_size",
+    "gradient_accumulation_steps": "training.grad_accum", "gradient_accumulation": "training.grad_accum",
+    "num_train_epochs": "training.epochs", "num_epochs": "training.epochs", "epoch": "training.epochs",
+    "lr_scheduler_type": "training.scheduler", "lr_scheduler": "training.scheduler",
+    "max_seq_length": "data.max_length", "sequence_len": "data.max_length", "cutoff_len": "data.max_length",
+    "max_seq_len": "data.max_length", "dataset": "data.train_file", "data_path": "data.train_file",
+    "lora_r": "lora.r", "rank": "lora.r", "lora_rank": "lora.r", "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout", "lora_target_modules": "lora.target_modules", "lora_target": "lora.target_modules",
+    "model_name": "model.name_or_path", "base_model": "model.name_or_path",
+    "model_name_or_path": "model.name_or_path", "output_dir": "output.dir",
+}
+
+
+def _near_miss(loc: tuple[str, ...]) -> str | None:
+    """The key an unknown one most likely meant: another tool's name for it (``ALIASES``), the same name in another
+    section (``training.max_length`` -> ``data.max_length``), or a spelling close to one of the section's keys."""
+    name = loc[-1] if loc else ""
+    target = ALIASES.get(name.lower().replace("-", "_"))
+    if target is not None:  # named bare when it is in the same section, as a close spelling is
+        return target.split(".", 1)[1] if target.split(".")[0] == ".".join(loc[:-1]) else target
+    section = _section_for(loc[:-1])
+    if section is None:
+        return None
+    close = difflib.get_close_matches(name, list(section.model_fields), n=1)
+    if close:
+        return close[0]
+    if len(loc) > 1:  # the right key in the wrong section
+        for other in RunConfig.model_fields:
+            sub = _section_for((other,))
+            if sub is not None and name in sub.model_fields:
+                return f"{other}.{name}"
+    return None
 
 
 def _section_for(loc: tuple[str, ...]) -> type[BaseModel] | None:

@@ -36,14 +36,37 @@ def refuse(rec: dict, loc) -> None:
             raise UserError(f"{loc}: the record is a preference pair ({whose}'{good}' and '{bad}'); supervised "
                             "fine-tuning would learn from both sides alike. Train it with a preference method, "
                             "DPO/ORPO (task: dpo or task: orpo; docs/preference.md; `rocktune data preview` shows "
-                            f"it as pairs with task=dpo), or map the preferred side alone with data.columns (e.g. "
-                            f"{{messages: {good}}}) and drop '{bad}'.")
+                            f"it as pairs with task=dpo), or {_preferred_alone(rec, good, bad)}")
     for key in RECORD_WEIGHTS:
         value = rec.get(key)
         if value is not None and (isinstance(value, (str, bool)) or value != 1):
             raise UserError(f"{loc}: the record has {key}={value!r}; rocktune weights every example equally and "
                             "does not scale its loss. Repeat records to weight them up, remove the ones weighted "
                             "0, or drop the key (per-message loss_weight 0/1 in a conversation is honoured).")
+
+
+def _preferred_alone(rec: dict, good: str, bad: str) -> str:
+    """How to fine-tune on the preferred answers alone, keeping the question: a side that is a whole conversation
+    (TRL's implicit prompt) is mapped as it is; an answer whose question is elsewhere (OpenAI's ``input``, TRL's
+    ``prompt``) has to be joined to it first, which a column mapping cannot do (mapping the answer alone would train
+    answers to no question)."""
+    side = rec.get(good)
+    whole = isinstance(side, list) and any(isinstance(m, dict) and m.get("role") == "user" for m in side)
+    if whole and "prompt" not in rec and "input" not in rec:
+        return (f"fine-tune on the preferred conversations alone: data.columns: {{messages: {good}}} (each holds its "
+                f"question; '{bad}' is then left unused, and said so).")
+    if isinstance(side, str) and isinstance(rec.get("prompt"), str):  # TRL's explicit prompt, as plain text
+        return (f"fine-tune on the preferred answers alone: data.columns: {{completion: {good}}} (the 'prompt' stays "
+                f"the question; '{bad}' is then left unused, and said so).")
+    question = "input.messages" if "input" in rec else "prompt"
+    return (f"fine-tune on the preferred answers alone by writing each pair as one conversation, the question and its "
+            f"preferred answer: {{\"messages\": {question} + {good}}} (e.g. datasets' .map(lambda r: {{'messages': "
+            f"r{_path(question)} + r['{good}']}}, remove_columns=[...])); mapping '{good}' alone with data.columns "
+            "would train answers without their question.")
+
+
+def _path(dotted: str) -> str:
+    return "".join(f"['{k}']" for k in dotted.split("."))
 
 
 def unused(rec: dict, used: frozenset[str]) -> list[str]:

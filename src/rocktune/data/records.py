@@ -151,11 +151,14 @@ def detect_shape(records: list[tuple[str, dict]], requested: str) -> str:
     if any(k in first for k in SHAPES[near]):  # e.g. a prompt without its completion: name what is missing
         missing = [k for k in SHAPES[near] if k not in first]
         raise UserError(f"{loc}: record is missing {', '.join(repr(k) for k in missing)} (the {near} shape needs "
-                        f"{list(SHAPES[near])}; this record has {sorted(first)}).")
+                        f"{list(SHAPES[near])}; this record has {sorted(first)}); if the data holds it under another "
+                        f"name, map it with data.columns, e.g. data.columns: {{{missing[0]}: <its column>}}.")
     known = "; ".join(f"{s}: {{{', '.join(repr(k) for k in keys)}}}" for s, keys in SHAPES.items())
     raise UserError(
-        f"{loc}: unknown record shape with keys {sorted(first)}; expected one of {known} "
-        "(or set data.format explicitly)."
+        f"{loc}: unknown record shape with keys {sorted(first)}; expected one of {known} (a conversation may also be "
+        "ShareGPT's 'conversations' of {'from', 'value'} turns). Map your columns to these keys with data.columns, "
+        "e.g. data.columns: {prompt: question, completion: answer} or {messages: dialog}; docs/data.md lists the "
+        "shapes."
     )
 
 
