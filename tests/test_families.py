@@ -373,10 +373,10 @@ def test_ollama(family_run, family_dir, capsys, record_property, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_plan(family_dir, capsys, name):
+def test_plan(family_dir, capsys, record_property, name):
     """`rocktune plan` reads the family's config.json: total parameters equal the real model's; for MoE the
     active count is attention + the routed share of the experts; the LoRA it sizes is the LoRA training builds
-    (all-linear, experts included)."""
+    (all-linear, experts included). An architecture the planner does not know yet is refused naming it (exit 2)."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -385,7 +385,14 @@ def test_plan(family_dir, capsys, name):
     from rocktune.planner.estimate import RunSpec, lora_param_count
     from rocktune.planner.shapes import load_shape
 
-    shape = load_shape(str(family_dir(name)))
+    try:
+        shape = load_shape(str(family_dir(name)))
+    except UserError as exc:
+        kind = json.loads((family_dir(name) / "config.json").read_text())["model_type"]
+        assert f"model_type '{kind}' is not supported by the planner" in str(exc)
+        assert main(["plan", str(family_dir(name)), "--json"]) == 2
+        record_property("cell", f"refused: the planner does not know {kind} yet")
+        return
     model = AutoModelForCausalLM.from_pretrained(family_dir(name))
     total = sum(p.numel() for p in model.parameters())
     assert shape.n_params == total
