@@ -15,7 +15,8 @@ demo: $(STAMP)
 	$(BIN)/rocktune demo
 
 # The linter and the type check first (seconds warm, about a minute cold): style, import and type mistakes fail
-# before the 11-13-minute suite starts. mypy: the engine, the tasks, the registry, the config (docs/testing.md).
+# before the suite starts (about 17-20 minutes on 2 cores, as README says). mypy: the engine, the tasks, the
+# registry, the config (docs/testing.md).
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m mypy src/rocktune/train src/rocktune/tasks src/rocktune/task_registry.py src/rocktune/config.py
