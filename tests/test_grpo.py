@@ -267,6 +267,8 @@ def test_generate_prompts_a_grpo_run_as_it_was_trained(tmp_path):
     chat = write_jsonl(tmp_path / "c.jsonl", [{"q": [{"role": "user", "content": "hi"}]}])
     assert training_style({"task": "grpo", "data": {"train_file": str(text)}}) == "raw"
     assert training_style({"task": "grpo", "data": {"train_file": str(chat), "columns": {"prompt": "q"}}}) == "chat"
+    talk = write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    assert training_style({"task": "grpo", "data": {"train_file": str(talk)}}) == "chat"  # a conversation's turns
 
 
 def test_a_rollout_out_of_memory_samples_in_smaller_batches(tiny_model_dir, prompt_file, tmp_path, monkeypatch):

@@ -269,8 +269,9 @@ class GRPOTask(TaskBase):
         from rocktune.tasks.causal.samples import _keep_before
 
         self.log, self.metrics, self.done = log, metrics, max(redo_from - 1, 0)
-        if self.run.ctx.dist.main:
-            _keep_before(self.run.ctx.run_dir / "samples.jsonl", redo_from)
+        path = self.run.ctx.run_dir / "samples.jsonl"
+        if self.run.ctx.dist.main and path.is_file():  # none yet: the first eval point writes it
+            _keep_before(path, redo_from)
 
     def record(self, fed) -> dict:
         """The step's rollout statistics and the update's (TRL's names), the whole step's over every rank; tokens:
