@@ -186,7 +186,9 @@ def test_merged(family_run, name):
     merged = AutoModelForCausalLM.from_pretrained(run / "export" / "merged", dtype=torch.float32)
     with torch.no_grad():
         got = merged(IDS).logits
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # Gated DeltaNet's chunked recurrence sums over the sequence: the merge's fp32 rounding grows a little more there
+    recurrent = "linear_attention" in (getattr(merged.config, "layer_types", None) or ())
+    torch.testing.assert_close(got, want, atol=3e-5 if recurrent else 1e-5, rtol=0)
     assert not [k for k in merged.state_dict() if "lora_" in k]
 
 
