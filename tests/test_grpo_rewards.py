@@ -225,14 +225,14 @@ def test_built_ins_read_conversational_completions():
     assert R.regex("####")(comps) == [1.0, 0.0]
 
 
-def test_a_users_reward_module_is_documented_as_run(tmp_path):
-    """docs/rl.md's reward example, as printed there, runs through the scorer."""
+def test_a_users_reward_module_is_documented_as_run():
+    """docs/rl.md's reward examples, as printed there, run through the scorer."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "rl.md").read_text()
-    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    block = text.split("### Your own reward function", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
     exec(textwrap.dedent(block), namespace)  # noqa: S102 -- our own documentation's example
-    fn = next(v for k, v in namespace.items() if callable(v) and not k.startswith("_") and k != "re")
-    got = S.score([R.Reward("doc", 1.0, fn, "docs:example")], _batch())
-    assert len(got[0]) == 2 and all(isinstance(x, float) for x in got[0])
+    fns = [namespace["format_reward"], namespace["brevity"]]
+    got = S.score([R.Reward(f.__name__, 1.0, f, f"docs:{f.__name__}") for f in fns], _batch())
+    assert got == [[1.0, 0.0], [-3 / 512, -1 / 512]]
