@@ -62,9 +62,13 @@ def test_heartbeat_carries_the_estimate_and_the_task_names_its_phase():
         phase("tokenising the data")  # what a task calls, without holding the heartbeat
         clock.now += 30
         beat.beat()
+        beat.phase("step 2/24", counted=True)  # a step the estimate counts: its time so far comes off
+        clock.now += 30
+        beat.beat()
     phase("after the run")  # no heartbeat active: nothing happens
     # 23 steps at 120 s, no eval timed yet
-    assert lines == ["[dim]… tokenising the data: 30 s so far; about 46 min 00 s left[/]"]
+    assert lines == ["[dim]… tokenising the data: 30 s so far; about 46 min 00 s left[/]",
+                     "[dim]… step 2/24: 30 s so far; about 45 min 30 s left[/]"]
 
 
 def test_heartbeat_thread_prints_during_a_long_phase():
@@ -90,6 +94,7 @@ def test_estimate_counts_steps_and_evals_left():
     assert est.evals_left() == 3
     assert est.left_s() == pytest.approx(7 * 12 + 3 * 20)
     assert est.first_line() == "estimate: 12 s a step; about 2 min 24 s left for 7 steps and 3 evals"
+    assert est.left_text(running=30) == "; about 1 min 54 s left" and est.left_text(running=999) == "; about 0 s left"
     est.stepped(10, 12.0, compiling=False)
     assert est.evals_left() == 0 and est.left_s() == 0
 

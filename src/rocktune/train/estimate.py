@@ -55,17 +55,19 @@ class Estimate:
         pace = sum(self._steps) / len(self._steps)
         return (self.total - self.done) * pace + self.evals_left() * (self.eval_s or 0.0)
 
-    def left_text(self) -> str:
+    def left_text(self, running: float = 0.0) -> str:
+        """``running``: seconds already spent in a step the estimate still counts."""
         left = self.left_s()
-        return "" if left is None else f"; about {duration(left)} left"
+        return "" if left is None else f"; about {duration(max(0.0, left - running))} left"
 
     def first_line(self) -> str:
         """Said once, when the first step was timed: the pace and the run's time left."""
         pace = sum(self._steps) / len(self._steps)
         evals = self.evals_left()
         with_evals = f" and {evals} eval{'s' if evals != 1 else ''}" if evals and self.eval_s else ""
+        steps = self.total - self.done
         return (f"estimate: {duration(pace)} a step; about {duration(self.left_s() or 0.0)} left for "
-                f"{self.total - self.done} steps{with_evals}")
+                f"{steps} step{'s' if steps != 1 else ''}{with_evals}")
 
 
 @dataclass(frozen=True)

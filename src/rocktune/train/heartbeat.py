@@ -33,14 +33,15 @@ class Heartbeat:
         self.every = every_s if every_s is not None else self.EVERY_S
         self.estimate: Estimate | None = None  # set once the run knows its steps
         self._lock = threading.Lock()
-        self._name, self._since = "starting", clock()
+        self._name, self._since, self._counted = "starting", clock(), False
         self._said = self._since  # when a line last went out: phase changes and heartbeats alike
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def phase(self, name: str) -> None:
+    def phase(self, name: str, counted: bool = False) -> None:
+        """``counted``: the estimate's time left includes this phase (a step), so its time so far comes off it."""
         with self._lock:
-            self._name, self._since = name, self.clock()
+            self._name, self._since, self._counted = name, self.clock(), counted
 
     def said(self) -> None:
         """Something was printed: the next heartbeat is due ``every`` seconds from now."""
@@ -54,8 +55,8 @@ class Heartbeat:
             if now - self._since < self.every or now - self._said < self.every:
                 return None
             self._said = now
-            name, since = self._name, self._since
-        left = self.estimate.left_text() if self.estimate is not None else ""
+            name, since, counted = self._name, self._since, self._counted
+        left = self.estimate.left_text(now - since if counted else 0.0) if self.estimate is not None else ""
         return f"[dim]… {name}: {duration(now - since)} so far{left}[/]"
 
     def beat(self) -> None:

@@ -222,7 +222,7 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
     r.tripwire.first = first_step
     for step in range(first_step, r.total_steps + 1):
         t0, compiling = time.perf_counter(), r.compiled and step == first_step
-        r.beat.phase(f"step {step}/{r.total_steps}{' (compiling the decoder)' if compiling else ''}")
+        r.beat.phase(f"step {step}/{r.total_steps}{' (compiling the decoder)' if compiling else ''}", counted=True)
         if ctx.device == "cuda":
             torch.cuda.reset_peak_memory_stats()  # the logged peak is this step's, not the eval pass's
         faults.slow_step()
