@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from rocktune.planner.estimate import RunSpec, estimate
 from rocktune.planner.shapes import shape_from_config
+from rocktune.tasks.causal.moe_metrics import RouterWatch
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
@@ -29,7 +30,23 @@ QWEN3 = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 384, "n
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024}
 PHI3 = {"model_type": "phi3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1024, "pad_token_id": 0}
-MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3}
+# mixture-of-experts shapes (rocktune's grouped expert LoRA, lora/moe.py): routed experts, a shared expert and a
+# dense first layer (GLM-4.5), expert and router biases (gpt-oss)
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+             "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "num_local_experts": 4,
+           "num_experts_per_tok": 2}
+GLM4_MOE = {"model_type": "glm4_moe", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+            "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "partial_rotary_factor": 0.5}
+GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"]}
+MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3,
+          "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS}
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
@@ -55,6 +72,21 @@ def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt:
         model.get_base_model().get_decoder().compile()
     model.train()
     return model
+
+
+@contextmanager
+def grouped_experts(on: bool):
+    """lora/moe.py's grouped expert path (torch's grouped_mm, a GPU's in bf16) on the CPU, whose bf16 kernel is a
+    slow reference: what it saves is what the GPU's saves."""
+    from rocktune.lora import moe
+
+    own = moe._grouped_kernel
+    if on:
+        moe._grouped_kernel = lambda x: x.dtype is torch.bfloat16
+    try:
+        yield
+    finally:
+        moe._grouped_kernel = own
 
 
 def cpu_varlen(kv_copies: bool) -> str:
@@ -173,6 +205,7 @@ def measure_step(model, batch: dict, precision: str, device: str = "cpu") -> dic
             layer._gradient_checkpointing_func = _counting(fn, keep)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3, foreach=True)
+    routers = RouterWatch.attach(model)  # MoE: the routing decides the padded expert path's size
     amp = precision != "fp32"
     ctx = torch.autocast(device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision]) if amp \
         else nullcontext()
@@ -181,12 +214,21 @@ def measure_step(model, batch: dict, precision: str, device: str = "cpu") -> dic
     (loss_sum / n_tokens).backward()
     opt.step()
     state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
-    return {"saved_bytes": sum(saved.values()),
+    return {"saved_bytes": sum(saved.values()), "expert_imbalance": _imbalance(routers),
             "lora_params_bytes": sum(p.numel() * p.element_size() for p in trainable),
             "lora_grads_bytes": sum(p.grad.numel() * p.grad.element_size() for p in trainable),
             "adamw_states_bytes": sum(t.numel() * t.element_size() for t in state),
             "base_weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad),
             "loss_tokens": n_tokens}
+
+
+def _imbalance(routers) -> float | None:
+    """The busiest expert's routed rows over the mean, averaged over the MoE layers (None: a dense model)."""
+    if routers is None:
+        return None
+    sums = list(routers.sums.values())
+    routers.close()
+    return sum(float(s.picks.max()) / (float(s.picks.sum()) / routers.experts) for s in sums) / len(sums)
 
 
 def _counting(fn, keep):
@@ -200,23 +242,30 @@ def _counting(fn, keep):
 
 
 def predict(config: dict, b: int, s: int, r: int, precision: str, attn: str, ckpt: bool, dropout: float,
-            loss_fraction: float, device: str):
+            loss_fraction: float, device: str, imbalance: float | None = None):
     spec = RunSpec(micro_batch=b, seq_len=s, lora_r=r, precision=precision, attn=attn.split("-")[0],
                    checkpointing=ckpt, lora_dropout=dropout, loss_fraction=loss_fraction,
                    device="cpu" if device == "cpu" else "gpu", kv_copies="-kv-copies" in attn,
-                   compiled=attn.endswith("-compiled"))
+                   compiled=attn.endswith("-compiled"), expert_imbalance=imbalance or 1.0)
     return estimate(shape_from_config(config), spec)
 
 
 def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt: bool, dropout: float) -> dict:
+    """``attn`` "...-grouped" (MoE, bf16): the GPU's grouped expert path, through torch's CPU grouped_mm kernel."""
     torch.manual_seed(0)
     config = MODELS[name]
-    model = build(config, precision, attn, r, dropout, ckpt)
-    batch = make_batch(config["vocab_size"], b, s, packed=attn.startswith("varlen"))
-    if attn.endswith("-compiled"):
-        measure_step(model, batch, precision)  # compiles; the second step is the one counted
-    got = measure_step(model, batch, precision)
-    est = predict(config, b, s, r, precision, attn, ckpt, dropout, got["loss_tokens"] / (b * (s - 1)), "cpu")
+    grouped = attn.endswith("-grouped")
+    attn = attn.removesuffix("-grouped")
+    with grouped_experts(grouped):
+        model = build(config, precision, attn, r, dropout, ckpt)
+        batch = make_batch(config["vocab_size"], b, s, packed=attn.startswith("varlen"))
+        if attn.endswith("-compiled"):
+            measure_step(model, batch, precision)  # compiles; the second step is the one counted
+        got = measure_step(model, batch, precision)
+    # the planner takes the grouped path for a GPU in bf16 (saved bytes do not depend on the device otherwise)
+    est = predict(config, b, s, r, precision, attn, ckpt, dropout, got["loss_tokens"] / (b * (s - 1)),
+                  "cuda" if grouped else "cpu", got["expert_imbalance"])
+    attn += "-grouped" if grouped else ""
     terms = est.by_name()
     row = {"model": name, "batch": b, "seq": s, "rank": r, "precision": precision, "attn": attn,
            "checkpointing": ckpt, "dropout": dropout, "saved_measured": got["saved_bytes"],
@@ -235,6 +284,13 @@ VARLEN_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen2", "small-llama
 VARLEN_POINTS += [("tiny-qwen3", 2, 64, 8, "bf16", "varlen", False, 0.0),
                   ("tiny-phi3", 2, 64, 8, "bf16", "varlen", False, 0.0),
                   ("tiny-qwen2", 4, 64, 4, "bf16", "varlen", False, 0.1)]
+# mixture-of-experts (lora/moe.py's expert LoRA): the padded path (fp32, the CPU) sized by the measured routing,
+# the GPU's grouped path (bf16) through torch's CPU grouped_mm kernel; GLM-4.5's shared expert and dense first layer
+MOE_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe")
+              for b, s in ((1, 128), (4, 64)) for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("bf16", "sdpa-grouped"))
+              for r, c in ((8, False), (4, True))]
+# gpt-oss runs eager attention only (its sinks): its MoE block is counted, its eager attention is not modelled yet
+GPT_OSS_POINTS = [("tiny-gpt-oss", 1, 128, 8, p, "eager", False, 0.0) for p in ("fp32", "bf16")]
 # compiled (about 2.5 minutes each on 2 cores): `--compiled`
 COMPILED_POINTS = [("tiny-qwen2", 3, 64, 8, "bf16", "varlen-compiled", False, 0.0),
                    ("tiny-qwen2", 3, 64, 8, "bf16", "varlen-kv-copies-compiled", False, 0.0),
@@ -257,7 +313,7 @@ def cpu_grid(quick: bool = False):
                   for a in ("eager", "sdpa") for c in (False, True)]
         points += [(m, 2, 64, 8, p, a, c, 0.0) for m in ("tiny-qwen3", "tiny-phi3") for p in ("fp32", "bf16")
                    for a in ("eager", "sdpa") for c in (False, True)]
-        points += VARLEN_POINTS
+        points += VARLEN_POINTS + MOE_POINTS + GPT_OSS_POINTS
     return [run_point(*pt) for pt in points]
 
 
@@ -295,8 +351,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", action="store_true", help="also compare peaks on the GPU (needs one)")
     ap.add_argument("--markdown", action="store_true", help="print the CPU table as markdown instead of JSON")
     ap.add_argument("--compiled", action="store_true", help="only the compiled varlen points (slow: compilation)")
+    ap.add_argument("--moe", action="store_true", help="only the mixture-of-experts points (~1 minute)")
     args = ap.parse_args(argv)
-    rows = [run_point(*p) for p in COMPILED_POINTS] if args.compiled else cpu_grid(args.quick)
+    points = COMPILED_POINTS if args.compiled else MOE_POINTS + GPT_OSS_POINTS if args.moe else None
+    rows = [run_point(*p) for p in points] if points else cpu_grid(args.quick)
     out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
            "state_exact": all(r["state_exact"] for r in rows)}
     if args.gpu and torch.cuda.is_available():

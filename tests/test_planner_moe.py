@@ -163,3 +163,33 @@ def test_train_auto_applies_the_moe_fit(tmp_path):
                    checkpointing=fitted.model.gradient_checkpointing)
     assert estimate(load_shape(str(model)), spec).total_bytes <= 0.95 * 24 * GIB
     assert peak == estimate(load_shape(str(model)), spec).peak_allocated
+
+
+def _validation():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "planner_validation", Path(__file__).parents[1] / "benchmarks" / "planner_validation.py")
+    pv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pv)
+    return pv
+
+
+# every MoE family validated, both expert paths (padded: fp32 and the CPU; grouped: bf16 on a GPU, here through
+# torch's CPU grouped_mm), checkpointing on and off (benchmarks/planner_validation.py --moe runs all 38 points)
+VALIDATION = [("tiny-qwen3-moe", 4, 64, 8, "fp32", "sdpa", False, 0.0),
+              ("tiny-qwen3-moe", 1, 128, 8, "bf16", "sdpa-grouped", False, 0.0),
+              ("tiny-mixtral", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0),
+              ("tiny-mixtral", 1, 128, 4, "bf16", "sdpa", True, 0.0),
+              ("tiny-glm4-moe", 1, 128, 8, "fp32", "sdpa", False, 0.0),
+              ("tiny-glm4-moe", 4, 64, 4, "bf16", "sdpa-grouped", True, 0.0)]
+
+
+@pytest.mark.parametrize("point", VALIDATION, ids=lambda p: "-".join(map(str, p)))
+def test_saved_activations_of_moe_steps(point):
+    """A real training step of a random-init MoE model: the bytes autograd saves within 3% of the planner's count
+    (the padded path sized by the step's own routing), parameters, gradients and AdamW states exact."""
+    row = _validation().run_point(*point)
+    assert abs(row["saved_error"]) < 0.03, row
+    assert row["state_exact"], row

@@ -43,6 +43,7 @@ class Tokens:
     stream: int = 0  # bytes of the residual stream and the linears' outputs when not ``dt``: 4 on a QLoRA base
     compiled: bool = False  # varlen: the decoder runs under torch.compile (Inductor decides what is kept)
     kv_copies: bool = False  # varlen: the kernel has no grouped-query K/V, so K/V are repeated per query head
+    expert_pad: float = 0.0  # MoE: 0 on the grouped expert path, else the busiest expert's rows over the mean
 
     @property
     def t(self) -> int:
@@ -125,7 +126,8 @@ def _lora(shape: ModelShape, tok: Tokens, mods, grad_in: dict[str, bool], out: d
         # Without dropout lora_A saves one fp32 input per group, or its own cast under autocast.
         if tok.amp:
             plain += t * n_in * dt
-        elif group not in seen and not (group == "attn_out" and tok.attn != "eager" and not shape.fused_qkv):
+        elif group not in seen and not (group == "attn_out" and tok.attn != "eager" and not shape.fused_qkv
+                                        and not shape.o_input_copy):
             # (sdpa/flash write their output as (b, s, heads, d): it is the o_proj input, counted under attention;
             # measured: with a fused qkv projection the output is copied first)
             plain += t * n_in * 4

@@ -50,6 +50,8 @@ class RunSpec:
     rollout_rows: int = 0  # task grpo: completions sampled together (one batch, a KV cache row each)
     rollout_prompt: int = 0  # task grpo: prompt tokens per row (the prefill)
     rollout_new: int = 0  # task grpo: the most tokens a completion adds to its row's KV cache
+    # MoE off the grouped kernel (fp32, the CPU): the busiest expert's routed rows over the mean (planner/moe.py)
+    expert_imbalance: float = 1.5
 
     def __post_init__(self):
         # Accept the config's forms: a list of module names, one name, "auto" attention (SDPA where it runs).
@@ -149,6 +151,7 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
                 "saved", "4-D attention mask, kept by the checkpoints for recomputation")
     else:
         per = {k: first[k] + rest[k] * (shape.layers - 1) for k in rest}
+        per["mlp"] += moe.dense_delta(shape, tok)  # an MoE model's dense-MLP layers (GLM's first, Llama 4's)
         drop = per.pop("lora_dropout")
         scores = per.pop("attention_scores") + per.pop("attention_mask")
         add("activations", sum(per.values()), "saved", f"{shape.layers} layers, {dims}, {spec.attn}: {_parts(per)}")
@@ -197,7 +200,12 @@ def _tokens(spec: RunSpec) -> Tokens:
                   stream=4 if spec.quant != "none" else 0,
                   padded=_padded(spec), rank=spec.lora_r, dropout=spec.lora_dropout,
                   mask_bytes=1 if spec.device == "gpu" else 4, compiled=spec.compiled and spec.attn == "varlen",
-                  kv_copies=spec.kv_copies)
+                  kv_copies=spec.kv_copies, expert_pad=0.0 if grouped_experts(spec) else spec.expert_imbalance)
+
+
+def grouped_experts(spec: RunSpec) -> bool:
+    """lora/moe.py's expert path: torch's grouped matmul in bf16 on a GPU; a padded batched matmul otherwise."""
+    return spec.device == "gpu" and spec.precision == "bf16"
 
 
 def _parts(parts: dict[str, int]) -> str:
@@ -209,7 +217,10 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
     if spec.quant == "none" and spec.ranks > 1 and spec.parallel == "fsdp":
         _fsdp_weights(shape, spec, dt, add)
     elif spec.quant == "none":
-        add("base_weights", shape.n_params * dt, "static", f"{shape.n_params:,} params x {dt} B ({spec.precision})")
+        fp32 = moe.fp32_router_values(shape)
+        add("base_weights", shape.n_params * dt + fp32 * (4 - dt), "static",
+            f"{shape.n_params:,} params x {dt} B ({spec.precision})" + (f", {fp32:,} router weights fp32" if fp32
+                                                                         else ""))
     else:
         linear, quantised = shape.layers * sum(i * o for _, i, o, _ in shape.linears()), 0
         for _, n_in, n_out, _ in shape.linears():
@@ -262,7 +273,7 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
     if tok.compiled:  # compiled, a norm keeps its input in the stream's dtype and the rsqrt (planner/varlen.py)
         norm = tok.t * ((tok.stream or dt) * h + 4)
     # cos/sin per position id: one row of positions for padded batches, one per packed row (positions restart)
-    rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * shape.head_dim * dt
+    rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * int(shape.head_dim * shape.rotary_fraction) * dt
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm input {tok.t} x {h} + cos/sin")
     if _loss_mode(shape, spec) == "chunked":
         # The fused loss keeps d(loss)/d(hidden) in the hidden dtype, except fp16 (fp32: it would underflow there);

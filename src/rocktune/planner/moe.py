@@ -8,20 +8,30 @@ family has one, else ``intermediate_size``. Some layers keep a dense MLP (GLM's 
 expert (GLM, Llama 4, Qwen3.5, Qwen3-Next; the last two gate it with a 1-wide linear), gpt-oss biases every expert
 and its router.
 
-What one MoE layer saves for backward on rocktune's grouped expert LoRA path (``lora/moe.py``; counted with
-``saved_tensors_hooks`` in ``benchmarks/planner_validation.py``): R = top-k x tokens routed rows; the gathered input
+What one MoE layer saves for backward on rocktune's expert LoRA path (``lora/moe.py``; counted with
+``saved_tensors_hooks`` in ``benchmarks/planner_validation.py``). Grouped (torch's grouped matmul: bf16 on a GPU):
+R = top-k x tokens routed rows; the gathered input
 of each row (read by the gate/up adapters' A), the gate/up output, the activation, the down projection's input
-and output (the output is scaled by the routing weight), each adapter's rank-r product, and the router's softmax
-over all experts (fp32), its top-k indices and weights. No expert weight, no adapted stack, no stack gradient.
+and output, the weighted output (``index_add_`` keeps its source), each adapter's rank-r product, the sort order and
+row indices, and the router's softmax over all experts (fp32), its top-k indices and weights. No expert weight, no
+adapted stack, no stack gradient. Padded (every other case, the CPU included): the per-expert tensors are
+[experts, M] with M the busiest expert's rows, so they scale with the routing's imbalance (``RunSpec.expert_imbalance``,
+the busiest expert's rows over the mean: an assumption, since the planner cannot see the routing), and the gathered
+input, the output read back and the weighted rows are kept at R rows besides.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rocktune.errors import UserError
 
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+FP32_ROUTERS = {"glm4_moe"}  # families whose router weight is created in fp32 whatever the model's dtype
+# expert-width tensors a family's gating saves per routed row beyond SwiGLU's one activation: gpt-oss's clamped GLU
+# (clamps, the scaled gate's sigmoid, the product)
+GATE_EXTRA = {"gpt_oss": 3}
 
 
 @dataclass(frozen=True)
@@ -104,14 +114,37 @@ def quantised_values(shape) -> int:
 
 
 def saved(shape, tok) -> int:
-    """Bytes one MoE block saves for backward on the grouped path (module docstring); ``tok``: activations.Tokens."""
+    """Bytes one MoE block saves for backward (module docstring); ``tok``: activations.Tokens."""
     t, dt, h, w, r = tok.t, tok.dt, shape.hidden, shape.expert_intermediate, tok.rank
     rows = t * shape.experts_per_token
     width = tok.stream or dt
-    routed = rows * (h + 2 * w + w + w + h) * width  # input, gate/up out, activation, down input, down out
-    ranks = rows * 2 * r * dt + rows * (8 + 4)  # the two adapters' rank-r products; row index and routing weight
+    mid = (4 + GATE_EXTRA.get(shape.model_type, 0)) * w  # gate/up out, activation(s), down input
+    if tok.expert_pad:  # padded path: the [experts, busiest] tensors, and the gather, output and weighted rows
+        padded = shape.experts * math.ceil(rows / shape.experts * tok.expert_pad)
+        routed = padded * (h + mid) * width + rows * 3 * h * width
+        ranks = padded * 2 * r * dt + rows * (3 * 8 + 4)  # rank-r products; the sort, slots, rows, weights
+    else:  # grouped: the gathered input, gate/up out, activation, down input and output, the weighted rows
+        routed = rows * (3 * h + mid) * width
+        ranks = rows * 2 * r * dt + rows * (2 * 8 + 4)  # the two adapters' rank-r products; the sort, rows, weights
     if tok.amp:  # the fp32 factors cast to the compute dtype, per stack
         ranks += shape.experts * r * ((h + 2 * w) + (w + h)) * dt
-    router = t * shape.experts * 4 + t * shape.experts_per_token * (8 + 4)  # softmax (fp32), top-k indices, weights
+    # softmax over the experts (fp32), the top-k indices and weights, and the weights' sum (norm_topk_prob)
+    router = t * shape.experts * 4 + t * shape.experts_per_token * (8 + 4) + t * 4
     shared = 3 * t * shape.shared_intermediate * width if shape.shared_intermediate else 0
     return routed + ranks + router + shared
+
+
+def fp32_router_values(shape) -> int:
+    """Router weights kept in fp32 in a half-precision model (GLM-4.5's)."""
+    return shape.moe_layers * shape.experts * shape.hidden if shape.model_type in FP32_ROUTERS else 0
+
+
+def dense_delta(shape, tok) -> int:
+    """What the layers with a dense MLP save beyond an MoE layer's count (negative: less): their MLP (gate out,
+    activation, up out) in place of the MoE block, and the down adapter's input at the dense width."""
+    if not shape.dense_layers:
+        return 0
+    width = tok.stream or tok.dt
+    dense = 3 * tok.t * shape.dense_intermediate * width
+    down_in = tok.t * (shape.dense_intermediate - shape.shared_intermediate) * (tok.dt if tok.amp else 4)
+    return shape.dense_layers * (dense + down_in - saved(shape, tok))

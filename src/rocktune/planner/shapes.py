@@ -31,7 +31,9 @@ ARCH_TRAITS: dict[str, dict] = {
     "mixtral": {**_DENSE, "moe": True},
     # gpt-oss: biased q/k/v/o, a learned attention sink per head, biased experts and router (planner/moe.py)
     "gpt_oss": {**_DENSE, "qkv_bias": True, "o_bias": True, "sinks": True, "moe": True},
-    "glm4_moe": {**_DENSE, "moe": True},  # q/k norms per head when use_qk_norm (GLM-4.5), read from the config
+    # q/k norms per head when use_qk_norm (GLM-4.5), read from the config; the attention output is copied
+    # (.contiguous()) before o_proj, so an fp32 o_proj adapter saves its own input
+    "glm4_moe": {**_DENSE, "moe": True, "o_copy": True},
     "llama4_text": {**_DENSE, "moe": True},  # (its q/k norm is an L2 norm without weights)
     "olmo2": {**_DENSE, "qk_norm": "full"},
     "phi3": {**_DENSE, "fused_qkv": True, "fused_gate_up": True},
@@ -80,6 +82,8 @@ class ModelShape:
     router_bias: bool = False
     o_bias: bool = False        # the attention output projection has a bias (gpt-oss)
     attn_sinks: bool = False    # a learned sink logit per head and layer (gpt-oss)
+    o_input_copy: bool = False  # the attention output reaches o_proj as a copy, not the kernel's own tensor
+    rotary_fraction: float = 1.0  # of each head's dimensions that rotary embeddings turn (GLM-4.5: 0.5)
 
     @property
     def q_dim(self) -> int:
@@ -202,8 +206,16 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         fused_qkv=traits["fused_qkv"], fused_gate_up=traits["fused_gate_up"], qk_norm=bool(qk_norm),
         norms_per_layer=traits["norms"], attn_softcap=config.get("attn_logit_softcapping"),
         final_softcap=config.get("final_logit_softcapping"), qk_norm_full=qk_norm == "full",
-        o_bias=traits.get("o_bias", False), attn_sinks=traits.get("sinks", False), **_moe_fields(mo),
+        o_bias=traits.get("o_bias", False), attn_sinks=traits.get("sinks", False),
+        o_input_copy=traits.get("o_copy", False), rotary_fraction=_rotary_fraction(config), **_moe_fields(mo),
     )
+
+
+def _rotary_fraction(config: dict) -> float:
+    """partial_rotary_factor: top level in hub files, in rope_parameters in transformers 5's own saves."""
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    value = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    return float(value) if isinstance(value, (int, float)) and 0 < value <= 1 else 1.0
 
 
 def _moe_fields(mo: moe.MoeShape | None) -> dict:
