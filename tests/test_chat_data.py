@@ -175,7 +175,7 @@ BROKEN = [
                    "label": False}, r"KTO-style 'label'.*undesirable ones included"),
     ("kto-tag", {"prompt": "q", "completion": "a", "kto_tag": True}, r"KTO-style 'kto_tag'"),
     ("preference-pair", {"prompt": "q", "completion": "a", "chosen": "a", "rejected": "b"},
-     r"preference pair.*DPO/ORPO.*\{messages: chosen\}"),
+     r"preference pair.*DPO/ORPO.*\{completion: chosen\} \(the 'prompt' stays the question"),
     ("record-weight", {"prompt": "q", "completion": "a", "weight": 2.0}, r"weight=2\.0; rocktune weights every"),
     ("trl-conversational-preference", {"prompt": [{"role": "user", "content": "q"}],
                                        "chosen": [{"role": "assistant", "content": "a"}],
