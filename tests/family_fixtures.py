@@ -132,14 +132,19 @@ FAMILIES = [
 GATED_DELTANET = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                   "layer_types": ["linear_attention", "full_attention"]}
+# Qwen3.5's interleaved multimodal rope, its sections scaled to the tiny head's 2 rotary pairs (llama.cpp asserts
+# that the sections fit; the released [11, 11, 10] fit 256-wide heads)
+QWEN35 = {**GATED_DELTANET, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                                                "mrope_interleaved": True}}
 # expert widths of 64: bitsandbytes' CPU nf4 kernel is wrong on rows of 32, and the QLoRA gate refuses such a model
 SHARED = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
           "shared_expert_intermediate_size": 64}
 LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 FAMILIES += [
-    Family("qwen3.5", "Qwen3_5TextConfig", "qwen3.5", GATED_DELTANET, LINEAR_ATTN + DENSE),
+    Family("qwen3.5", "Qwen3_5TextConfig", "qwen3.5", QWEN35, LINEAR_ATTN + DENSE),
     # shared_expert_gate (hidden -> 1) is left out: a 1-wide gate, like the router
-    Family("qwen3.5-moe", "Qwen3_5MoeTextConfig", "qwen3.5", {**GATED_DELTANET, **SHARED}, LINEAR_ATTN + DENSE, True),
+    Family("qwen3.5-moe", "Qwen3_5MoeTextConfig", "qwen3.5", {**QWEN35, **SHARED}, LINEAR_ATTN + DENSE, True),
     Family("qwen3-next", "Qwen3NextConfig", "chatml", {**GATED_DELTANET, **SHARED},
            ("in_proj_qkvz", "in_proj_ba", "out_proj") + DENSE, True),
     Family("gpt-oss", "GptOssConfig", "harmony", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,

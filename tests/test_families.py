@@ -154,6 +154,12 @@ def test_train(family_dir, tmp_path, name):
     assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
     assert result.losses[-1] < result.losses[0]
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    import json
+
+    notes = json.loads((tmp_path / "out" / "run_info.json").read_text())["notes"]
+    said = [n for n in notes if n.startswith("lora targets: ")]  # the run log says what was adapted, by kind
+    assert len(said) == 1 and all(t in said[0] for t in BY_NAME[name].trained)
+    assert ("left out: router" in said[0]) == BY_NAME[name].moe
 
 
 def _train(family_dir, tmp_path, name: str, steps: int, quantization: str = "none"):
@@ -219,7 +225,7 @@ FAMILY_KEYS = {
     "glm4.5": {"glm4moe.expert_count": 4, "glm4moe.expert_shared_count": 1, "glm4moe.leading_dense_block_count": 1,
                "glm4moe.expert_gating_func": 2, "glm4moe.rope.dimension_count": 8},
     "qwen3.5": {"qwen35.ssm.group_count": 2, "qwen35.ssm.time_step_rank": 4, "qwen35.ssm.inner_size": 64,
-                "qwen35.attention.recurrent_layers": [True, False], "qwen35.rope.dimension_sections": [11, 11, 10, 0]},
+                "qwen35.attention.recurrent_layers": [True, False], "qwen35.rope.dimension_sections": [1, 1, 0, 0]},
 }
 # llama.cpp rotates adjacent pairs in these graphs (HF: halves), so their q/k rows are stored interleaved
 PAIRWISE_ROPE = {"llama", "granite", "smollm3"}
