@@ -56,7 +56,8 @@ def _child(kind: str, data: str, shape: str, num_proc: int | None, work: str, to
     start, cpu = time.perf_counter(), _cpu_seconds()
     if kind == "rocktune":
         # the Alpaca prompt, as the reference renders it (data.chat_template=auto would use the chat template)
-        d = DataConfig(max_length=1024, num_proc=num_proc, chat_template="never")
+        # lossy_truncation=keep: long synthetic chats are cut as before (a speed figure, not a training set)
+        d = DataConfig(max_length=1024, num_proc=num_proc, chat_template="never", lossy_truncation="keep")
         ex, stats = tokenize_file(data, d, tok, Path(work) / "cache")
         out = {"examples": len(ex), "records_read": stats.n_records + stats.n_empty,
                "cache_bytes": stats.cache_bytes, "tokens": int(sum(ex.lengths()))}
