@@ -58,13 +58,22 @@ def test_the_watch_says_each_failure_once_after_a_few_steps():
     assert watch.progress({"loss": 0.0}) == ""
 
 
-def test_a_run_from_gsm8k_chat_rows_warns_keeps_rollouts_and_reports_them(tiny_model_dir, tmp_path, capsys):
+def test_a_run_from_gsm8k_chat_rows_warns_keeps_rollouts_and_reports_them(tiny_model_dir, tmp_path, capsys,
+                                                                          monkeypatch):
     from rocktune.tasks import train
+
+    (tmp_path / "logging_rw.py").write_text(  # TRL's log_extra / log_metric hooks, used as TRL documents them
+        "def logs(completions, log_extra, log_metric, **kw):\n"
+        "    log_extra('chars', [len(c[0]['content']) for c in completions])\n"
+        "    log_metric('seen', float(len(completions)))\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
 
     data = write_jsonl(tmp_path / "chat.jsonl", [_gsm8k_chat(i + 2, 3 * i + 1) for i in range(24)])
     cfg = {"task": "grpo", "model": {"name_or_path": str(tiny_model_dir)}, "lora": {"r": 8, "alpha": 16},
            "data": {"train_file": str(data), "max_length": 64, "eval_fraction": 0.2},
-           "grpo": {"num_generations": 4, "max_completion_length": 3, "rewards": [{"function": "exact"}]},
+           "grpo": {"num_generations": 4, "max_completion_length": 3, "rewards": [{"function": "exact"},
+                                                                                {"function": "logging_rw:logs"}]},
            "training": {"max_steps": 4, "micro_batch_size": 4, "grad_accum": 2, "eval_every": 2, "device": "cpu",
                         "precision": "fp32", "seed": 0}, "output": {"dir": str(tmp_path / "run")}}
     result = train(config_from_dict(cfg), quiet=False)
@@ -79,7 +88,9 @@ def test_a_run_from_gsm8k_chat_rows_warns_keeps_rollouts_and_reports_them(tiny_m
     assert sorted({s["step"] for s in rollouts}) == [2, 4] and len(rollouts) == 2 * 4  # one group per eval point
     held = [s for s in samples if s["kind"] == "eval"]
     assert sorted({s["step"] for s in held}) == [0, 2, 4]
-    assert all(s["reward"] == 0.0 and s["rewards"] == {"exact": 0.0} for s in samples)
+    assert all(s["reward"] == 0.0 and s["rewards"] == {"exact": 0.0, "logs": 0.0} for s in samples)
+    assert all(s["extra"]["chars"] == len(s["output"]) for s in samples)  # log_extra's column, per completion
+    assert all(r["seen"] == 8.0 for r in lines if "loss" in r)  # log_metric: the step's 8 completions
     assert all(s["expected"].isdigit() and s["prompt"].startswith("What is") for s in samples)
     pytest.importorskip("matplotlib")
     from rocktune.report.rundata import load_run

@@ -152,10 +152,14 @@ class GRPOTask(TaskBase):
         t0 = time.perf_counter()
         completions = self._generate(rows, r.sampling, row_draws(keys, r.sampling.max_new_tokens), r.static)
         seconds = time.perf_counter() - t0
-        total, table, texts = self._score(rows, completions)
+        log = scoring.RewardLog()
+        total, table, texts = self._score(rows, completions, log)
+        for name, values in log.metrics.items():  # log_metric: in this step's line
+            self.reward_log.metrics[name] += values
         G = self.cfg.grpo.num_generations
         self.samples["rollout"] = watch.sample_rows(self.done + 1, "rollout", rows[:G], texts[:G], total[:G],
-                                                    {rw.name: col[:G] for rw, col in zip(r.rewards, table)})
+                                                    {rw.name: col[:G] for rw, col in zip(r.rewards, table)},
+                                                    log.extra)
         ended = [bool(c) and c[-1] in r.sampling.stop_ids for c in completions]
         return Rollout([p.ids for p in rows], completions, total, {rw.name: col for rw, col in zip(r.rewards, table)},
                        ended, seconds)
@@ -202,7 +206,8 @@ class GRPOTask(TaskBase):
         finally:
             model.train(was_training)
 
-    def _score(self, rows: list, completions: list[list[int]]) -> tuple[list[float], list[list[float]], list[str]]:
+    def _score(self, rows: list, completions: list[list[int]],
+               log: scoring.RewardLog) -> tuple[list[float], list[list[float]], list[str]]:
         """(each completion's weighted reward, each reward function's column, the completions' text), the rewards
         called as TRL calls them (scoring.py)."""
         from transformers import TrainerState
@@ -214,7 +219,7 @@ class GRPOTask(TaskBase):
         batch = scoring.Batch(prompts, scoring.completions_for(prompts, texts), completions,
                               [p.row.fields for p in rows], [p.where for p in rows],
                               TrainerState(global_step=self.done, max_steps=steps))
-        table = scoring.score(r.rewards, batch, self.reward_log)
+        table = scoring.score(r.rewards, batch, log)
         return [float(x) for x in scoring.weighted(r.rewards, table)], table, texts
 
     @torch.no_grad()
@@ -230,10 +235,11 @@ class GRPOTask(TaskBase):
         completions = []
         for i in range(0, len(rows), EVAL_ROWS):
             completions += self._generate(rows[i : i + EVAL_ROWS], greedy, None)  # greedy: the split changes nothing
-        total, table, texts = self._score(rows, completions) if rows else ([], [[] for _ in r.rewards], [])
+        log = scoring.RewardLog()  # log_extra's columns go with the samples; log_metric is the rollouts' only
+        total, table, texts = self._score(rows, completions, log) if rows else ([], [[] for _ in r.rewards], [])
         k = watch.EVAL_SAMPLES  # rank 0's share starts with the first held-out prompts
         self.samples["eval"] = watch.sample_rows(self.done, "eval", rows[:k], texts[:k], total[:k],
-                                                 {rw.name: col[:k] for rw, col in zip(r.rewards, table)})
+                                                 {rw.name: col[:k] for rw, col in zip(r.rewards, table)}, log.extra)
         shares = distributed.gather_objects(dist, (total, table)) if dist.enabled else [(total, table)]
         every = [x for t, _ in shares for x in t]
         self.eval_stats = {"eval_reward": scoring.nan_mean(every)}  # None values (NaN) left out, as TRL's nanmean

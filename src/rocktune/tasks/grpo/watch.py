@@ -76,15 +76,21 @@ def prompt_text(prompt) -> str:
     return str(users[-1] if users else prompt[-1].get("content", ""))
 
 
-def sample_rows(step: int, kind: str, rows: list, texts: list[str], total: list[float], table: dict) -> list[dict]:
-    """samples.jsonl lines: ``rows`` the Prompt objects, ``table`` each reward function's values by name."""
+def sample_rows(step: int, kind: str, rows: list, texts: list[str], total: list[float], table: dict,
+                extra: dict[str, list] | None = None) -> list[dict]:
+    """samples.jsonl lines: ``rows`` the Prompt objects, ``table`` each reward function's values by name, ``extra``
+    the columns the rewards logged with TRL's ``log_extra`` (one value per completion of the batch)."""
     def number(x: float) -> float | None:
         return None if math.isnan(x) else x
-    return [{"step": step, "kind": kind, "prompt": prompt_text(p.row.prompt), "output": t,
-             "expected": p.row.answer, "reward": number(r), "rewards": {k: number(v[i]) for k, v in table.items()}}
-            for i, (p, t, r) in enumerate(zip(rows, texts, total))]
+    out = []
+    for i, (p, t, r) in enumerate(zip(rows, texts, total)):
+        row = {"step": step, "kind": kind, "prompt": prompt_text(p.row.prompt), "output": t, "expected": p.row.answer,
+               "reward": number(r), "rewards": {k: number(v[i]) for k, v in table.items()}}
+        logged = {k: v[i] for k, v in (extra or {}).items() if i < len(v)}
+        out.append({**row, "extra": logged} if logged else row)
+    return out
 
 
 def append(path: Path, rows: list[dict]) -> None:
     with open(path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json.dumps(r, default=str) + "\n" for r in rows)  # log_extra's values may be any object
