@@ -133,4 +133,23 @@ def test_train_logs_expert_load_and_aux_loss(tmp_path):
         assert len(r["expert_load"]) == 4
         assert sum(r["expert_load"]) == r["batch_tokens"] * 2 * 2
         assert 0 <= r["experts_idle"] <= 8
-        assert 0.5 < r["router_aux_loss"] < 4.0  # E x sum(share x prob): 1 when balanced, at most E
+        assert 1.0 < r["router_aux_loss"] < 4.0  # E x sum(share x prob): top-k (2) when even, at most E
+    # rocktune report draws the expert load (a heat map) and the aux loss
+    from rocktune.report.run_report import run_report
+
+    assert run_report([str(tmp_path / "out")]) == 0
+    plots = tmp_path / "out" / "report_plots"
+    assert (plots / "expert_load.png").read_bytes()[:4] == b"\x89PNG"
+    assert (plots / "router_aux_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Expert load (mixture of experts)" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_expert_load_shares_leave_out_bad_lines():
+    from rocktune.report.plots import expert_loads
+    from rocktune.report.rundata import RunData
+
+    steps = [{"step": 1, "expert_load": [2, 6, 0, 0]}, {"step": 2, "expert_load": [1, 1]},
+             {"step": 3, "expert_load": ["x", 1, 1, 1]}, {"step": 4, "expert_load": [0, 0, 0, 0]},
+             {"step": 5, "expert_load": [1, 1, 1, 1]}, {"step": 6}]
+    run = RunData(path=None, name="r", steps=steps, evals=[])
+    assert expert_loads(run) == ([1, 5], [[0.25, 0.75, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])

@@ -207,6 +207,43 @@ def held_memory_plot(runs: list[RunData]) -> bytes | None:
     return _png(fig)
 
 
+def expert_loads(run: RunData) -> tuple[list[int], list[list[float]]]:
+    """(steps, each step's share of the routed tokens per expert) of an MoE run's ``expert_load`` lines; lines whose
+    list is not numbers, or not as long as the first one's, are left out."""
+    steps, rows = [], []
+    for r in run.steps:
+        load = r.get("expert_load")
+        if not isinstance(load, list) or not load or (rows and len(load) != len(rows[0])) or \
+                not all(_number(x) and x >= 0 for x in load) or not sum(load):
+            continue
+        steps.append(r["step"])
+        rows.append([x / sum(load) for x in load])
+    return steps, rows
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def expert_load_plot(runs: list[RunData]) -> bytes | None:
+    """An MoE run's expert load: each expert's share of the step's routed tokens (summed over the MoE layers), a
+    row per expert, a column per logged step. A dark row is an expert the router starves; an even shade is
+    balance. The first run with the metric is drawn (one heat map per page)."""
+    run, (steps, rows) = next(((r, expert_loads(r)) for r in runs if expert_loads(r)[0]), (None, ([], [])))
+    if run is None:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3.6), layout="constrained")
+    experts = len(rows[0])
+    image = ax.imshow(list(map(list, zip(*rows))), aspect="auto", interpolation="nearest", origin="lower",
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, experts - 0.5), cmap="viridis", vmin=0)
+    fig.colorbar(image, ax=ax, label="share of routed tokens")
+    ax.set_title(f"expert load{f' ({run.name})' if len(runs) > 1 else ''}: even shares are 1/{experts}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("expert")
+    return _png(fig)
+
+
 def all_plots(runs: list[RunData]) -> dict[str, bytes]:
     """name -> PNG, in the order the report shows them; plots without data are left out."""
     plots = {
@@ -223,5 +260,8 @@ def all_plots(runs: list[RunData]) -> dict[str, bytes]:
         "kl": series_plot(runs, "kl", "KL to the reference (adapter off)", "per-token KL (k3)"),
         "completion_length": series_plot(runs, "completions/mean_length", "mean completion length", "tokens"),
         "clip_ratio": series_plot(runs, "clip_ratio/region_mean", "clipped share of completion tokens", "share"),
+        "expert_load": expert_load_plot(runs),
+        "router_aux_loss": series_plot(runs, "router_aux_loss", "router load-balancing loss (logged, not trained; "
+                                       "even routing gives top-k)", "aux loss"),
     }
     return {k: v for k, v in plots.items() if v is not None}

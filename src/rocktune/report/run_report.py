@@ -31,7 +31,8 @@ PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm"
                "tokens_per_s": "Throughput", "memory": "Device memory", "rewards": "Preference rewards",
                "accuracy": "Reward accuracy", "memory_over_steps": "Memory over the run", "reward": "Rollout rewards",
                "kl": "KL to the reference", "completion_length": "Completion length",
-               "clip_ratio": "Clipped ratio"}
+               "clip_ratio": "Clipped ratio", "expert_load": "Expert load (mixture of experts)",
+               "router_aux_loss": "Router balance"}
 
 
 def run_report(run_dirs: list[str], out: str | None = None) -> int:
