@@ -15,6 +15,7 @@ from rocktune.data.packing import collate_packed
 from rocktune.lora.lean import lean_lora
 from rocktune.kernels.attention import choose as choose_attention
 from rocktune.models.load import DTYPES, apply_lora, load_model, sdpa_supported
+from rocktune.models.targets import targets_note
 from rocktune.tasks.causal.preflight import liger_gate
 from rocktune.train.heartbeat import phase
 
@@ -79,7 +80,8 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
         liger(model, m.liger, device)  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
                        m.gradient_checkpointing, train_router=lora_cfg.train_router)
-    notes += [n for n in (lean_lora(model),) if n]  # same parameters and files, fewer passes (docs/speed.md 6)
+    # what LoRA adapted and left out, by kind (models/targets.py), before lean_lora patches the forwards
+    notes += [n for n in (targets_note(model), lean_lora(model)) if n]  # lean: fewer passes (docs/speed.md 6)
     if compile_:
         notes.append(compile_decoder(model))
     return model, notes
