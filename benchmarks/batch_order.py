@@ -29,7 +29,7 @@ def score(model, tokenizer, vision, eval_file: Path) -> float:
 def rocktune_run(model_dir: Path, data: tuple[Path, Path], run: Path, seed: int, steps: int, order: str) -> float:
     from rocktune.config import config_from_dict
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import load
+    from rocktune.tasks.vlm.export.vision_generate import load
     from rocktune.tasks import train
 
     data_section = {"train_file": str(data[0]), "eval_fraction": 0.0, "max_length": 64}
@@ -57,8 +57,8 @@ def main() -> None:
     a = p.parse_args()
 
     from rocktune.bench.plain_loop import PlainSettings, plain_vlm
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_shape_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_shape_task
 
     results: dict[str, list] = {}
     seconds: dict[str, float] = {}

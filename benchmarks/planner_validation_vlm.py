@@ -1,13 +1,14 @@
-"""Validate the vision-language planner (``rocktune.planner.vlm``) against real training steps; prints one JSON object.
+"""Validate the vision-language planner (``rocktune.tasks.vlm.planner.vlm``) against real training steps; prints one
+JSON object.
 
     python benchmarks/planner_validation_vlm.py            # CPU grid: tiny Qwen-VLs, Gemma 3, SmolVLM; 3 sizes
     python benchmarks/planner_validation_vlm.py --markdown # the same as a table
 
-One real step of a random-init tiny Qwen2.5-VL (``rocktune.demo.tiny_vlm``: 2 text layers, 2 vision blocks, the
-first with full attention, the second with window attention; a narrow and a wide tower) per grid point, built and
+One real step of a random-init tiny Qwen2.5-VL (``rocktune.tasks.vlm.demo.tiny_vlm``: 2 text layers, 2 vision blocks,
+the first with full attention, the second with window attention; a narrow and a wide tower) per grid point, built and
 trained as task=vlm builds and trains it (``tasks/vlm/build.py``'s LoRA on the language model, the vision side
-frozen; ``VisionLoss``; AdamW), and of a tiny Gemma 3 and SmolVLM (``rocktune.demo.tiny_vlm_families``, a
-256-wide SigLIP tower), on conversations encoded by the data code (``data/vision.py``) from PNG images of the
+frozen; ``VisionLoss``; AdamW), and of a tiny Gemma 3 and SmolVLM (``rocktune.tasks.vlm.demo.tiny_vlm_families``, a
+256-wide SigLIP tower), on conversations encoded by the data code (``tasks/vlm/data/vision.py``) from PNG images of the
 given size. Three figures:
 
 - saved for backward: ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded
@@ -44,8 +45,8 @@ MODELS = {"tiny": {"vision_hidden": 64, "vision_depth": 2}, "wide-vision": {"vis
           "qwen3-vl-wide": {"family": "qwen3_vl", "vision_hidden": 256, "vision_depth": 2},
           "qwen2-vl": {"family": "qwen2_vl", "vision_depth": 2}}
 SIZES = ((112, 112), (224, 168), (448, 336))
-# Gemma 3 and SmolVLM (``rocktune.demo.tiny_vlm_families``: 2 text layers, a SigLIP tower of 32-pixel views in 8-pixel
-# patches) with a wide tower; SmolVLM's processor here splits images of up to 128 pixels a side into 32-pixel tiles
+# Gemma 3 and SmolVLM (``rocktune.tasks.vlm.demo.tiny_vlm_families``: 2 text layers, a SigLIP tower of 32-pixel views
+# in 8-pixel patches) with a wide tower; SmolVLM's processor here splits images of up to 128 pixels a side into 32-pixel tiles
 # (up to 4 x 4 and the global view). Gemma 3 resizes every image to its one size: the three sizes make the same step.
 FAMILY_MODELS = {"gemma3-wide": {"family": "gemma3", "vision_hidden": 256, "vision_depth": 2},
                  "smolvlm-wide": {"family": "smolvlm", "vision_hidden": 256, "vision_depth": 2}}
@@ -62,13 +63,13 @@ GRID += [(m, 448, 336, 1, "bf16", False) for m in ("tiny", "wide-vision")]
 
 
 def build_model_dir(folder: Path, name: str) -> Path:
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     if name not in FAMILY_MODELS:
         return build_tiny_vlm(folder / name, **MODELS[name])
     import transformers
 
-    from rocktune.demo.tiny_vlm_families import build_family_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm_families import build_family_vlm
 
     shape = dict(MODELS[name])
     out = build_family_vlm(folder / name, 0, shape.pop("family"), **shape)
@@ -87,7 +88,7 @@ def write_data(folder: Path, width: int, height: int, rows: int) -> Path:
     """``rows`` conversations, each one image of ``width`` x ``height`` and the same question and answer."""
     from PIL import Image
 
-    from rocktune.demo.vision_task import row
+    from rocktune.tasks.vlm.demo.vision_task import row
 
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -133,12 +134,12 @@ def measure(model_dir: Path, data: Path, b: int, precision: str, ckpt: bool) -> 
 
     from rocktune.config import LoraConfig, ModelConfig
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.vision import encode
+    from rocktune.tasks.vlm.data.vision_batch import collate
     from rocktune.models.load import load_tokenizer
     from rocktune.tasks.vlm.build import model_with_adapter
     from rocktune.tasks.vlm.loss import VisionLoss
-    from rocktune.vision.model import vision_tokens
+    from rocktune.tasks.vlm.vision.model import vision_tokens
 
     tok = load_tokenizer(str(model_dir), False)
     config = AutoConfig.from_pretrained(model_dir)
@@ -227,7 +228,7 @@ def patches(vision, grid) -> int:
 
 
 def predict(model_dir: Path, got: dict, b: int, precision: str, ckpt: bool):
-    from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
+    from rocktune.tasks.vlm.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
 
     text, vision = load_vlm_shape(str(model_dir))
     tokens = [patches(vision, g) for g in got["grids"]]
@@ -267,8 +268,8 @@ def tower_point(folder: Path, family: str, hidden: int, views: int) -> dict:
     freezes them, under the profiler: the highest point of what it allocates, against ``vision_forward``."""
     import transformers
 
-    from rocktune.demo.tiny_vlm_families import build_family_vlm
-    from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
+    from rocktune.tasks.vlm.demo.tiny_vlm_families import build_family_vlm
+    from rocktune.tasks.vlm.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
 
     model_dir = build_family_vlm(folder / f"tower-{family}-{hidden}", 0, family, vision_hidden=hidden, vision_depth=2)
     name = {"gemma3": "Gemma3", "smolvlm": "SmolVLM"}[family]

@@ -20,8 +20,8 @@ def main() -> None:
     ap.add_argument("--n-train", type=int, default=320)
     args = ap.parse_args()
     from rocktune.config import config_from_dict
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
     from rocktune.tasks import train
     from tests.test_vlm_train import vlm_config
 

@@ -1,6 +1,6 @@
 """How long task=vlm's data takes to read at a first start (every image opened, verified and processed, the token
 cache written) and at a second start (the token cache read back), on random-noise photos and the tiny Qwen2.5-VL's
-image processor (demo/tiny_vlm.py). Prints one JSON object.
+image processor (tasks/vlm/demo/tiny_vlm.py). Prints one JSON object.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/vlm_data_cache.py --images 40 --max-pixels 401408
 """
@@ -39,7 +39,7 @@ def _read_once(model: Path, cfg, cache_dir: Path) -> tuple[float, list]:
     from rocktune.data.dataset import Pending
     from rocktune.models.load import load_tokenizer
     from rocktune.tasks.vlm import task
-    from rocktune.vision.model import vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import vision_tokens, with_processor_template
 
     d = cfg.data
     tokenizer = with_processor_template(load_tokenizer(str(model), False), str(model))
@@ -53,7 +53,7 @@ def _read_once(model: Path, cfg, cache_dir: Path) -> tuple[float, list]:
 
 def main() -> None:
     from rocktune.config import config_from_dict
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     p = argparse.ArgumentParser()
     p.add_argument("--images", type=int, default=40)

@@ -1,5 +1,5 @@
 """The vision-language task on one device: a tiny random-init Qwen2.5-VL learns the colour of a shape drawn in
-generated images (rocktune.demo.vision_task), and the run's speed. Prints one JSON object.
+generated images (rocktune.tasks.vlm.demo.vision_task), and the run's speed. Prints one JSON object.
 
     PYTHONPATH=src python benchmarks/vlm_learns.py [--device cpu|cuda] [--precision fp32|bf16] [--steps 300]
         [--family qwen2_5_vl|qwen3_vl|qwen2_vl]
@@ -26,7 +26,7 @@ def accuracy(run: Path, eval_file: Path, device: str) -> float:
     """Held-out greedy exact match through export's loader and reply, as ``rocktune generate --image`` answers."""
     from rocktune.bench.plain_loop import vlm_accuracy
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import load
+    from rocktune.tasks.vlm.export.vision_generate import load
 
     model, tok, vision = load(resolve(str(run)), device)
     return vlm_accuracy(model, tok, vision, eval_file, max_new_tokens=8)
@@ -43,8 +43,8 @@ def main() -> None:
     a = p.parse_args()
 
     from rocktune.config import config_from_dict
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
     from rocktune.tasks import train
 
     with tempfile.TemporaryDirectory(prefix="rocktune-vlm-learns-") as tmp:

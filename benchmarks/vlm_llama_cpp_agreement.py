@@ -1,5 +1,5 @@
 """How often llama.cpp's answer equals transformers' on held-out images, for a tiny Qwen2.5-VL that learned which
-shape is drawn or its colour (rocktune.demo.vision_task, 56 x 56 images: 4 image tokens to its processor): the
+shape is drawn or its colour (rocktune.tasks.vlm.demo.vision_task, 56 x 56 images: 4 image tokens to its processor): the
 exported f32 files run in llama.cpp's mtmd (llama-cpp-python, `make llama-cpp`) as `export --to gguf` prints
 them (with the run's image-token limits) and with mtmd's own limits (8 to 4096 tokens: 9 tokens an image), greedy,
 against `rocktune generate`'s answer from the run.
@@ -45,8 +45,8 @@ def main() -> None:
 def _trained_and_exported(tmp: Path, steps: int, task: tuple[str, int]) -> tuple[Path, list[str], Path]:
     from rocktune.cli import main as cli
     from rocktune.config import config_from_dict
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_colour_task, write_shape_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task, write_shape_task
     from rocktune.tasks import train
 
     base = build_tiny_vlm(tmp / "base")
@@ -75,7 +75,7 @@ def _limits(flags: list[str]) -> tuple[int, int]:
 
 def _transformers_answers(run: Path, folder: Path, rows: list[dict]) -> list[str]:
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import load, reply
+    from rocktune.tasks.vlm.export.vision_generate import load, reply
 
     model, tok, vision = load(resolve(str(run)), "cpu")
     return [reply(model, tok, vision, _question(r), [str(folder / _image(r))], (8, 0.0)).strip() for r in rows]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rocktune.demo.tiny_vlm import build_tiny_vlm
+from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 from rocktune.tasks.vlm import loss as vlm_loss
 from tests.test_vlm_packing import _loss_and_grads, _model
 from tests.test_vlm_train import FAMILIES

@@ -104,7 +104,7 @@ def reference(tiny_model_dir, data, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vlm_dirs(tmp_path_factory):
     """family -> a tiny random-init model directory of it, built once per module when first asked for."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     built: dict[str, Path] = {}
 

@@ -167,7 +167,7 @@ def make_vlm_run(run: Path, base: Path, targets: str = VLM_TARGETS):
 
     from transformers import AutoConfig
 
-    from rocktune.vision.model import model_class
+    from rocktune.tasks.vlm.vision.model import model_class
 
     model = model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(1)

@@ -201,8 +201,8 @@ def test_vlm_default_order_learns_which_shape_as_well_as_a_plain_shuffled_loop(t
     from batch_order import rocktune_run, score
 
     from rocktune.bench.plain_loop import PlainSettings, plain_vlm
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_shape_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_shape_task
 
     model_dir = build_tiny_vlm(tmp_path / "model")
     data = write_shape_task(tmp_path / "data", 1000, 200, seed=0)

@@ -1,4 +1,4 @@
-"""``rocktune bench --suite vlm`` (bench/vlm.py, bench/hf_vlm.py): task=vlm against the HF Trainer + PEFT on the same
+"""``rocktune bench --suite vlm`` (tasks/vlm/bench/vlm.py, tasks/vlm/bench/hf_vlm.py): task=vlm against the HF Trainer + PEFT on the same
 tiny Qwen2.5-VL. The HF side's collator gives the model exactly the inputs rocktune's gives (same tokens, labels,
 pixels and grids), and the whole bench reports both rows as JSON with their speed, memory and ratios."""
 
@@ -15,8 +15,8 @@ pytest.importorskip("PIL")
 
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     root = tmp_path_factory.mktemp("bench-vlm")
     train, _ = write_colour_task(root / "data", n_train=6, n_eval=0, seed=1)
@@ -24,8 +24,8 @@ def colours(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_the_hf_collator_feeds_the_model_what_rocktune_feeds_it(colours):
-    from rocktune.bench.hf_vlm import ImageCollator, _Conversations, encoded
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.bench.hf_vlm import ImageCollator, _Conversations, encoded
+    from rocktune.tasks.vlm.data.vision_batch import collate
 
     model, data = colours
     examples, tokenizer, vision = encoded(str(model), str(data), 128)

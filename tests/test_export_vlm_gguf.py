@@ -27,7 +27,7 @@ SHAPES = {"qwen3_vl": {"layers": 3, "vision_depth": 3, "vision": {"deepstack_vis
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """family -> (run directory, merged model (fp32), its state dict)."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     built = {}
 
@@ -204,9 +204,9 @@ def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
     refused with the reason, before any weight is loaded."""
     from transformers import AutoConfig
 
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from rocktune.errors import UserError
-    from rocktune.export import gguf_vision
+    from rocktune.tasks.vlm.export import gguf_vision
 
     qwen3 = build_tiny_vlm(tmp_path / "qwen3", family="qwen3_vl")  # mrope_section [2, 3, 3] over 8 pairs
     with pytest.raises(UserError, match=r"sections \[2, 3, 3\] leave pairs \[6\] to a position llama.cpp"):
@@ -254,7 +254,7 @@ def test_ollama_gets_both_files_and_a_modelfile_naming_both(runs):
 def test_gguf_lora_is_the_language_model_s_and_the_base_keeps_its_eyes(tmp_path):
     """--to gguf-lora: the language model's LoRA (llama.cpp's names), --with-base the base model and its mmproj; an
     adapter with LoRA on the vision tower is refused (llama.cpp applies a LoRA to the language model only)."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from tests.export_fixtures import VLM_LM_TARGETS
 
     base = build_tiny_vlm(tmp_path / "base", family="qwen2_vl")
@@ -338,7 +338,7 @@ def test_siglip_families_gguf_and_mmproj_hold_the_merged_weights(runs, family, c
 def test_siglip_families_to_ollama_and_gguf_lora(runs, tmp_path):
     """--to ollama: both files and a Modelfile (Gemma's turns); --to gguf-lora: the language model's LoRA under
     llama.cpp's gemma3 / llama names (an adapter on the tower is refused)."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from tests.export_fixtures import SIGLIP_LM_TARGETS
 
     run, _, _ = runs("gemma3")
@@ -404,7 +404,7 @@ def test_the_run_s_pixel_limits_win_and_limits_between_tokens_are_said(tmp_path,
     """data.min_pixels / data.max_pixels are what training resized by: the export takes them, not the base's
     preprocessor_config.json; limits that are not whole 28 x 28 tokens are rounded so that mtmd resizes the same
     images (min up, max down) and a note says what cannot be exact."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     base = build_tiny_vlm(tmp_path / "base")
     make_vlm_run(tmp_path / "run", base)
@@ -424,7 +424,7 @@ def test_the_run_s_pixel_limits_win_and_limits_between_tokens_are_said(tmp_path,
 def test_the_printed_gguf_lora_command_applies_the_lora(tmp_path, capsys):
     """gguf-lora --with-base printed `llama-mtmd-cli -m base-f16.gguf --mmproj ...`, the untrained base: the command
     names the LoRA (and the run's image-token limits); without --with-base, placeholders for the base's files."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from tests.export_fixtures import VLM_LM_TARGETS
 
     base = build_tiny_vlm(tmp_path / "base")

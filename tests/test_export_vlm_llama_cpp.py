@@ -135,12 +135,12 @@ def with_text_norm_eps(model, eps: float | None) -> None:
 def hf_greedy(model, run: Path, image: Path, n: int) -> tuple[np.ndarray, str, int]:
     """The merged model's greedy continuation of the same chat turn, encoded as rocktune generate --image does
     (the run's pixel limits), the prompt with mtmd's marker for the image, and the image tokens the processor made."""
-    from rocktune.data.images import resolve as image_ref
-    from rocktune.data.vision import encode_prompt
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.images import resolve as image_ref
+    from rocktune.tasks.vlm.data.vision import encode_prompt
+    from rocktune.tasks.vlm.data.vision_batch import collate
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import load
-    from rocktune.vision.model import model_inputs
+    from rocktune.tasks.vlm.export.vision_generate import load
+    from rocktune.tasks.vlm.vision.model import model_inputs
 
     _, tok, vision = load(resolve(str(run)), "cpu")
     parts = [{"type": "image"}, {"type": "text", "text": PROMPT}]
@@ -196,7 +196,7 @@ def _with_double_newline(base: Path) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case, capsys):
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     shape, size = CASES[case]
     family = case.split("-")[0]
@@ -239,7 +239,7 @@ def test_the_printed_command_makes_the_processor_s_image_tokens_at_every_size(tm
     exported model then agreed with transformers on half the held-out images. The export's printed command carries
     the run's limits (mtmd reads none from the mmproj for Qwen), and with them llama.cpp makes transformers' count
     and logits at small, large and shrunk images."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     base = build_tiny_vlm(tmp_path / "base", family=family, max_image_tokens=64, **CASES[family][0])
     merged = make_vlm_run(tmp_path / "run", base)
@@ -305,7 +305,7 @@ def _image_tokens(config, size: tuple[int, int]) -> int:
 def test_llama_cpp_base_with_the_gguf_lora_and_the_base_mmproj_sees_as_the_merged_model(tmp_path, family):
     """--to gguf-lora on a language-model LoRA: llama.cpp's base + --lora + the base's mmproj computes the merged
     model's logits on an image prompt."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from tests.export_fixtures import SIGLIP_LM_TARGETS, VLM_LM_TARGETS
 
     base = build_tiny_vlm(tmp_path / "base", family=family)
@@ -333,7 +333,7 @@ def test_the_printed_gguf_lora_command_answers_as_the_trained_model(tmp_path, fa
     without --lora, which runs the untrained base. The printed command, parsed and run in llama.cpp, must give the
     merged model's answer (its greedy tokens, its logits), and the same command without its --lora the base's,
     which differs."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from tests.export_fixtures import VLM_LM_TARGETS
 
     base = build_tiny_vlm(tmp_path / "base", family=family, **CASES[family][0])

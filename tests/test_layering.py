@@ -67,6 +67,24 @@ FORBIDDEN = {
 }
 
 
+# A task's folder holds its part of the layers below and above it, each in a sub-folder named after the layer
+# (tasks/vlm/data/, tasks/vlm/vision/, tasks/vlm/planner/, tasks/vlm/export/, tasks/vlm/bench/, tasks/vlm/demo/):
+# such a file is at that layer, obeys its rules, and is named by its role path ("data/vision.py") in them.
+ROLE_LAYERS = ("data", "vision", "planner", "export", "bench", "demo")
+
+
+def role(dotted: str) -> str:
+    """``tasks.vlm.data.vision`` -> ``data.vision``: the layer a task's sub-folder module is at; others unchanged."""
+    parts = dotted.split(".")
+    if len(parts) >= 3 and parts[0] == "tasks" and parts[2] in ROLE_LAYERS:
+        return ".".join(parts[2:])
+    return dotted
+
+
+def role_path(f: Path) -> str:
+    return role(".".join(f.relative_to(SRC).with_suffix("").parts)).replace(".", "/") + ".py"
+
+
 def rocktune_imports(path: Path) -> set[str]:
     """What a file imports of rocktune, by dotted path under rocktune: ``from rocktune.models.load import x`` gives
     "models.load" (and "models.load.x"), ``from rocktune.models import quant`` "models" and "models.quant"."""
@@ -100,14 +118,42 @@ def _preview_exception(f: Path, imported: str) -> bool:
     return len(rel) == 3 and rel[0] == "tasks" and rel[2] in PREVIEW_FILES and breaks(imported, DRAWING)
 
 
+def layer_files(layer: str) -> list[Path]:
+    """The files a FORBIDDEN key governs, by role path: a task's ``data/`` sub-folder is governed by "data"."""
+    key = layer if layer.endswith(".py") else layer + "/"
+    return [f for f in sorted(SRC.rglob("*.py")) if role_path(f) == key or role_path(f).startswith(key)]
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_no_upward_imports(layer):
-    files = [SRC / layer] if layer.endswith(".py") else sorted((SRC / layer).rglob("*.py"))
+    files = layer_files(layer)
     assert files
     forbidden = FORBIDDEN[layer]
     bad = {f"{f.relative_to(SRC)} imports rocktune.{m}" for f in files for m in rocktune_imports(f)
-           if breaks(m, forbidden) and not _preview_exception(f, m)}
+           if breaks(role(m), forbidden) and not _preview_exception(f, m)}
     assert not bad, sorted(bad)
+
+
+def test_a_task_layer_part_stays_in_its_layer():
+    """A task's sub-folder below the tasks layer (its data, vision, planner, export parts) never imports the task
+    itself or another task's code; only its bench and demo parts, which sit above the tasks, may."""
+    bad = set()
+    for f in sorted((SRC / "tasks").rglob("*.py")):
+        parts = f.relative_to(SRC).parts
+        if len(parts) < 4 or parts[2] not in ROLE_LAYERS or parts[2] in ("bench", "demo"):
+            continue
+        for m in rocktune_imports(f):
+            if m.startswith("tasks.") and role(m) == m and m not in ("tasks", "tasks.__init__"):
+                bad.add(f"{f.relative_to(SRC)} imports rocktune.{m}")
+    assert not bad, sorted(bad)
+
+
+def test_role_paths():
+    assert role("tasks.vlm.data.vision") == "data.vision" and role("tasks.vlm.task") == "tasks.vlm.task"
+    assert role_path(SRC / "tasks" / "vlm" / "vision" / "table.py") == "vision/table.py"
+    assert SRC / "tasks" / "vlm" / "vision" / "table.py" in layer_files("vision/table.py")
+    assert SRC / "tasks" / "vlm" / "task.py" in layer_files("tasks")
+    assert SRC / "tasks" / "vlm" / "data" / "vision.py" not in layer_files("tasks")
 
 
 def test_no_task_code_imports_a_preview():

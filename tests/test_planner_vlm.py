@@ -131,7 +131,7 @@ def test_train_auto_lowers_max_pixels_to_the_budget(tiny, tmp_path):
     from PIL import Image
 
     from rocktune.config import config_from_dict
-    from rocktune.demo.vision_task import row
+    from rocktune.tasks.vlm.demo.vision_task import row
     from rocktune.tasks import train
     from rocktune.train.request import RunOptions
 
@@ -222,14 +222,14 @@ def test_gemma3_and_smolvlm_plans_hold_with_checkpointing(models, point):
 @pytest.fixture(scope="module")
 def smolvlm(models) -> Path:
     """The demo's tiny SmolVLM as built (its processor: longest_edge 64, tiles of 32)."""
-    from rocktune.demo.tiny_vlm_families import build_family_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm_families import build_family_vlm
 
     return build_family_vlm(models / "smolvlm-demo", 0, "smolvlm")
 
 
 @pytest.fixture(scope="module")
 def gemma3(models) -> Path:
-    from rocktune.demo.tiny_vlm_families import build_family_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm_families import build_family_vlm
 
     return build_family_vlm(models / "gemma3-demo", 0, "gemma3")
 
@@ -237,7 +237,7 @@ def gemma3(models) -> Path:
 def _image_rows(folder: Path, sizes) -> Path:
     from PIL import Image
 
-    from rocktune.demo.vision_task import row
+    from rocktune.tasks.vlm.demo.vision_task import row
 
     folder.mkdir(exist_ok=True)
     lines = []

@@ -135,8 +135,8 @@ def _grpo_kind(request, tmp: Path) -> Kind:
 def _vlm_kind(tmp: Path) -> Kind:
     """task=vlm on a tiny Qwen2.5-VL over the colour task's images, dropout on."""
     pytest.importorskip("PIL")
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
     from tests.test_vlm_train import vlm_config
 
     model, data = build_tiny_vlm(tmp / "tiny-vlm"), write_colour_task(tmp / "colours", 32, 8, seed=1)

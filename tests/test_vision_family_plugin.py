@@ -1,5 +1,5 @@
 """A vision-language family is one entry of one table (issue 52, item 2): a test adds an entry to
-``vision/table.py:FAMILIES`` for a family rocktune has never heard of (Qwen2-VL's architecture under a new model_type,
+``tasks/vlm/vision/table.py:FAMILIES`` for a family rocktune has never heard of (Qwen2-VL's architecture under a new model_type,
 registered with transformers here as a user's own model would be), plus its tiny-model builder, and shows that the
 tiny-model builder, the data encoder, the planner (``rocktune plan --task vlm``), the export's family lookup and the
 adapter card pick it up, with no other file changed: the alias encodes, plans and exports as the family it copies."""
@@ -24,8 +24,8 @@ BASE = "qwen2_vl"
 @pytest.fixture(scope="module")
 def plugged():
     """The new family: one table entry (a copy of Qwen2-VL's under the alias) and its tiny-model builder."""
-    from rocktune.demo import tiny_vlm
-    from rocktune.vision import table
+    from rocktune.tasks.vlm.demo import tiny_vlm
+    from rocktune.tasks.vlm.vision import table
 
     class PluginVLConfig(transformers.Qwen2VLConfig):
         model_type = ALIAS
@@ -40,7 +40,7 @@ def plugged():
 
 @pytest.fixture(scope="module")
 def dirs(plugged, tmp_path_factory) -> dict[str, Path]:
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     root = tmp_path_factory.mktemp("plugin")
     return {kind: build_tiny_vlm(root / kind, seed=0, family=kind) for kind in (ALIAS, BASE)}
@@ -48,15 +48,15 @@ def dirs(plugged, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=4, n_eval=2, seed=0)
 
 
 def test_the_tiny_model_builder_makes_the_new_family(dirs):
-    from rocktune.planner.vlm import vlm_model_type
-    from rocktune.vision.families import vision_checkpoint
-    from rocktune.vision.model import model_type
+    from rocktune.tasks.vlm.planner.vlm import vlm_model_type
+    from rocktune.tasks.vlm.vision.families import vision_checkpoint
+    from rocktune.tasks.vlm.vision.model import model_type
 
     assert json.loads((dirs[ALIAS] / "config.json").read_text())["model_type"] == ALIAS
     assert model_type(str(dirs[ALIAS])) == ALIAS
@@ -69,9 +69,9 @@ def test_the_data_encoder_widens_its_images_by_the_entry_s_rule(dirs, colours):
     from transformers import AutoConfig
 
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
+    from rocktune.tasks.vlm.data.vision import encode
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import vision_tokens, with_processor_template
 
     def encoded(model: Path):
         tok = with_processor_template(load_tokenizer(str(model), False), str(model))
@@ -100,8 +100,8 @@ def test_the_planner_plans_it(dirs, capsys):
 def test_export_finds_its_projector(dirs):
     from transformers import AutoConfig
 
-    from rocktune.export import gguf_vision
-    from rocktune.vision import table
+    from rocktune.tasks.vlm.export import gguf_vision
+    from rocktune.tasks.vlm.vision import table
 
     cfg = AutoConfig.from_pretrained(dirs[ALIAS])
     assert gguf_vision.is_vision(cfg)
@@ -113,6 +113,6 @@ def test_export_finds_its_projector(dirs):
 
 
 def test_the_adapter_card_names_it(plugged):
-    from rocktune.vision.table import names
+    from rocktune.tasks.vlm.vision.table import names
 
     assert "Plugin-VL" in names().split(", ")

@@ -1,4 +1,4 @@
-"""The token cache of task=vlm (data/vision_cache.py): a second start reads the encoded conversations back (the same
+"""The token cache of task=vlm (tasks/vlm/data/vision_cache.py): a second start reads the encoded conversations back (the same
 ids, labels, grids and image references, no image processed again, the same losses), and whatever determines them
 (an image file, data.max_pixels / max_length, the chat template, the data) changes the key, so it is encoded again.
 On a tiny random-init Qwen2.5-VL built offline."""
@@ -22,7 +22,7 @@ pytest.importorskip("PIL")
 @pytest.fixture()
 def data(tmp_path) -> Path:
     """12 colour-task rows with image files, and one with its image embedded as a data URL."""
-    from rocktune.demo.vision_task import draw, write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import draw, write_colour_task
 
     train, _ = write_colour_task(tmp_path / "data", n_train=12, n_eval=0, seed=3)
     png = tmp_path / "embedded.png"
@@ -63,7 +63,7 @@ def _read(model: Path, data: Path, tmp: Path, template: str | None = None, **dat
     from transformers import AutoConfig
 
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import vision_tokens, with_processor_template
 
     cfg = config_from_dict(_config(model, data, tmp, **data_settings))
     tokenizer = with_processor_template(load_tokenizer(str(model), False), str(model))
@@ -103,7 +103,7 @@ def test_what_determines_the_tokens_changes_the_key(vlm_dir, data, tmp_path, enc
         settings = {"columns": {"messages": "messages"}}
     elif change == "template":
         from rocktune.models.load import load_tokenizer
-        from rocktune.vision.model import with_processor_template
+        from rocktune.tasks.vlm.vision.model import with_processor_template
 
         base = with_processor_template(load_tokenizer(str(vlm_dir), False), str(vlm_dir)).chat_template
         template = base.replace("<|im_start|>", "<|im_start|> ")  # a space after each turn marker

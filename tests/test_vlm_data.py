@@ -1,7 +1,7 @@
-"""Vision-language data (data/images.py, data/vision.py): every shape the ecosystem writes gives the same tokens,
+"""Vision-language data (tasks/vlm/data/images.py, tasks/vlm/data/vision.py): every shape the ecosystem writes gives the same tokens,
 loss sits on the assistant's tokens only (never on image tokens), the pixel limits reach the image processor, and
 every bad image is a UserError naming its row. The tokenizer and Qwen's image processor are built offline
-(demo/tiny_vlm.py); no model weights are needed."""
+(tasks/vlm/demo/tiny_vlm.py); no model weights are needed."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import pytest
 
 from rocktune.data.encode import IGNORE
 from rocktune.data.records import read_records
-from rocktune.data.vision import encode
-from rocktune.demo.tiny_vlm import build_image_processor, build_vl_tokenizer
-from rocktune.demo.vision_task import QUESTION, draw
+from rocktune.tasks.vlm.data.vision import encode
+from rocktune.tasks.vlm.demo.tiny_vlm import build_image_processor, build_vl_tokenizer
+from rocktune.tasks.vlm.demo.vision_task import QUESTION, draw
 from rocktune.errors import UserError
-from rocktune.vision.model import vision_tokens
+from rocktune.tasks.vlm.vision.model import vision_tokens
 
 pytest.importorskip("PIL")
 
@@ -93,7 +93,7 @@ def test_every_format_gives_the_same_tokens_labels_and_grid(folder, tok, vision)
         assert (e.input_ids, e.labels, e.grids) == (first.input_ids, first.labels, first.grids)
     assert first.images[0].path == folder / "images" / "red.png"
     assert out[3].images[0].data == png and len(out) == 9
-    from rocktune.data.images import ImageRef, resolve
+    from rocktune.tasks.vlm.data.images import ImageRef, resolve
 
     assert resolve({"bytes": png, "path": None}, folder, "x") == ImageRef(data=png)  # a datasets Image's bytes
 
@@ -238,8 +238,8 @@ def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, t
     import transformers
     from transformers.processing_utils import ProcessorMixin
 
-    from rocktune.data.images import load
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.images import load
+    from rocktune.tasks.vlm.data.vision_batch import collate
 
     build_image_processor(patch).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -270,7 +270,7 @@ def test_a_template_kept_only_by_the_processor_is_used(tmp_path, tok):
     """Vision-language checkpoints may keep the chat template in the processor's chat_template.json."""
     from transformers import AutoTokenizer
 
-    from rocktune.vision.model import with_processor_template
+    from rocktune.tasks.vlm.vision.model import with_processor_template
 
     tok.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
@@ -289,7 +289,7 @@ def test_parquet_and_save_to_disk_image_columns_give_the_same_tokens(folder, tok
     from datasets import Dataset, Features, Image, Sequence, Value
 
     from rocktune.config import DataConfig
-    from rocktune.data.vision_source import read_rows
+    from rocktune.tasks.vlm.data.vision_source import read_rows
 
     png = (folder / "images" / "red.png").read_bytes()
     part = {"type": Value("string"), "text": Value("string")}
@@ -316,7 +316,7 @@ def test_data_columns_split_and_eval_split_reach_vision_sources(folder, tok, vis
     from datasets import Dataset, DatasetDict, Features, Image, Sequence, Value
 
     from rocktune.config import DataConfig
-    from rocktune.data.vision_source import read_rows
+    from rocktune.tasks.vlm.data.vision_source import read_rows
 
     import random
 

@@ -1,6 +1,6 @@
 """task=vlm on the families beyond Qwen: Gemma 3 (fixed soft tokens per image, token_type_ids for its bidirectional
 image attention) and SmolVLM / Idefics3 (images split into tiles, pixels batched per conversation). Tiny random-init
-models built offline (demo/tiny_vlm_families.py) with the families' real image processors: the tokens and pixels
+models built offline (tasks/vlm/demo/tiny_vlm_families.py) with the families' real image processors: the tokens and pixels
 equal transformers' own combined processors', every data shape encodes, the OOM split cuts the per-conversation
 pixels right, a run trains, exports merged (the same logits) and answers with ``generate --image``, and what is not
 supported is refused with its reason; the chunked loss and adapter gradients equal PEFT's forward with torch's
@@ -18,13 +18,14 @@ import pytest
 from rocktune.config import config_from_dict
 from rocktune.data.encode import IGNORE
 from rocktune.data.records import read_records
-from rocktune.data.vision import encode
-from rocktune.data.vision_batch import collate
-from rocktune.demo.tiny_vlm_families import build_family_image_processor, build_family_tokenizer, tiny_family_config
-from rocktune.demo.vision_task import draw
+from rocktune.tasks.vlm.data.vision import encode
+from rocktune.tasks.vlm.data.vision_batch import collate
+from rocktune.tasks.vlm.demo.tiny_vlm_families import (build_family_image_processor, build_family_tokenizer,
+                                                       tiny_family_config)
+from rocktune.tasks.vlm.demo.vision_task import draw
 from rocktune.errors import UserError
 from rocktune.tasks import train
-from rocktune.vision.model import vision_tokens
+from rocktune.tasks.vlm.vision.model import vision_tokens
 from tests.test_vlm_train import _metrics, chunked_loss_matches, learns_the_colour, vlm_config
 
 pytest.importorskip("PIL")
@@ -86,7 +87,7 @@ def test_the_tokens_and_pixels_are_those_of_transformers_own_processor(folder, t
     attention mask) and Gemma 3's token_type_ids equal the processor's for the batch."""
     import torch
 
-    from rocktune.data.images import load
+    from rocktune.tasks.vlm.data.images import load
 
     tok, vision, config = _vision(family, tmp_path / "model")
     data = folder / "rows.jsonl"
@@ -117,7 +118,7 @@ def _plain(messages: list[dict]) -> list[dict]:
 
 
 def test_an_image_processor_of_another_family_is_refused(tmp_path):
-    from rocktune.demo.tiny_vlm import build_image_processor
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_image_processor
 
     tok = build_family_tokenizer("gemma3")
     build_image_processor().save_pretrained(tmp_path)  # Qwen's
@@ -145,11 +146,11 @@ def test_the_oom_split_gives_the_whole_batch_loss(tmp_path, folder, family):
     (zero images padding the shorter rows); the pieces' summed loss is the batch's."""
     import torch
 
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from rocktune.models.load import apply_lora, load_tokenizer
     from rocktune.tasks.vlm.feed import split_rows
     from rocktune.tasks.vlm.loss import VisionLoss
-    from rocktune.vision.model import language_targets, load_vlm
+    from rocktune.tasks.vlm.vision.model import language_targets, load_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family=family)
     tok = load_tokenizer(str(model_dir), False)
@@ -180,7 +181,7 @@ def _config(model: Path, data, out: Path, **training) -> dict:
 
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=64, n_eval=8, seed=0)
 
@@ -197,10 +198,10 @@ def test_a_run_trains_exports_merged_and_answers_about_an_image(tmp_path, colour
     from safetensors import safe_open
 
     from rocktune.cli import main
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import is_vision_dir, load
-    from rocktune.vision.model import model_inputs
+    from rocktune.tasks.vlm.export.vision_generate import is_vision_dir, load
+    from rocktune.tasks.vlm.vision.model import model_inputs
 
     run = tmp_path / "run"
     model_dir = build_tiny_vlm(tmp_path / "m", family=family)
@@ -240,7 +241,7 @@ def test_a_run_trains_exports_merged_and_answers_about_an_image(tmp_path, colour
 def test_gemma3_lora_on_the_vision_side(tmp_path, colours):
     """Gemma 3's projector is a bare weight matrix: lora.vision=projector is refused with the reason; ``all`` adapts
     the vision tower's linear layers and says the projector stays frozen."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family="gemma3")
     cfg = _config(model_dir, colours, tmp_path / "a", max_steps=2)
@@ -255,7 +256,7 @@ def test_gemma3_lora_on_the_vision_side(tmp_path, colours):
 
 
 def test_smolvlm_lora_on_its_connector(tmp_path, colours):
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family="smolvlm")
     cfg = _config(model_dir, colours, tmp_path / "run", max_steps=2)
@@ -273,7 +274,7 @@ def test_smolvlm_lora_on_its_connector(tmp_path, colours):
     ({"data": {"packing": True}}, r"data.packing with task=vlm packs Qwen-VL conversations .* Gemma 3 would need"),
 ])
 def test_what_gemma3_cannot_do_is_refused(tmp_path, colours, change, message):
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family="gemma3")
     cfg = _config(model_dir, colours, tmp_path / "run", max_steps=2)
@@ -287,7 +288,7 @@ def test_what_gemma3_cannot_do_is_refused(tmp_path, colours, change, message):
 
 def test_data_preview_shows_each_split_image_and_its_tokens(tmp_path, capsys):
     from rocktune.cli import main
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family="smolvlm")
     data = Path(__file__).parents[1] / "examples" / "vision" / "chat.jsonl"
@@ -310,14 +311,14 @@ def test_data_preview_shows_each_split_image_and_its_tokens(tmp_path, capsys):
 @pytest.mark.parametrize("family", NEW)
 def test_the_chunked_loss_is_hf_own_forward_loss_and_gradients(tmp_path, colours, family):
     """Gemma 3 with its token_type_ids, SmolVLM/Idefics3 with their tiles' pixels batched per conversation."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     chunked_loss_matches(build_tiny_vlm(tmp_path / "m", family=family), colours, max_length=128)
 
 
 @pytest.fixture(scope="module")
 def colour_task(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     return write_colour_task(tmp_path_factory.mktemp("colour-task"), n_train=256, n_eval=32, seed=0)
 
@@ -326,7 +327,7 @@ def colour_task(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
 def test_a_tiny_model_learns_the_colour_of_a_shape(tmp_path, colour_task, capsys, family):
     """Held-out accuracy 1.0 measured for both (docs/vision.md); 30-80 s each beside other jobs."""
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     learns_the_colour(build_tiny_vlm(tmp_path / "m", family=family), colour_task, tmp_path, capsys, max_length=128)
 
@@ -337,7 +338,7 @@ def test_plan_models_the_families(tmp_path, capsys):
     import json
 
     from rocktune.cli import main
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     model_dir = build_tiny_vlm(tmp_path / "m", family="gemma3")
     capsys.readouterr()

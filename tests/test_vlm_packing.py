@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(transformers_major() < 5, reason="data.packing f
 
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=48, n_eval=8, seed=0)
 
@@ -38,9 +38,9 @@ def _examples(vlm_dir: Path):
     from transformers import AutoConfig
 
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
+    from rocktune.tasks.vlm.data.vision import encode
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import vision_tokens
+    from rocktune.tasks.vlm.vision.model import vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
@@ -54,7 +54,7 @@ def _model(vlm_dir: Path, attn: str = "sdpa", checkpointing: bool = False):
     import torch
 
     from rocktune.models.load import apply_lora
-    from rocktune.vision.model import language_targets, load_vlm
+    from rocktune.tasks.vlm.vision.model import language_targets, load_vlm
 
     base = load_vlm(str(vlm_dir), "fp32", attn, "cpu")
     model = apply_lora(base, 8, 16, 0.0, language_targets(base), checkpointing)
@@ -78,8 +78,8 @@ def _loss_and_grads(model, batch, varlen: bool = False):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_packed_batch_is_the_same_conversations_one_per_row(vlm_dirs, family):
-    from rocktune.data.vision_batch import collate
-    from rocktune.data.vision_pack import collate_packed
+    from rocktune.tasks.vlm.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.vision_pack import collate_packed
 
     examples, tok, vision = _examples(vlm_dirs(family))
     model = _model(vlm_dirs(family))
@@ -99,8 +99,8 @@ def test_without_restarting_positions_the_conversations_would_see_each_other(vlm
     second conversation attend to the first, and its loss moves."""
     import torch
 
-    from rocktune.data.vision_batch import collate
-    from rocktune.data.vision_pack import collate_packed
+    from rocktune.tasks.vlm.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.vision_pack import collate_packed
 
     examples, tok, vision = _examples(vlm_dirs())
     model = _model(vlm_dirs())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rocktune.vision.model import patch_embed_as_linear
+from rocktune.tasks.vlm.vision.model import patch_embed_as_linear
 
 PLATFORMS = Path(__file__).parent / "data" / "platforms"
 
@@ -53,9 +53,9 @@ def _platform(name: str):
 
 
 def test_the_rocm_report_is_shown_for_auto_and_nothing_changes_by_itself(tmp_path):
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
     from rocktune.tasks.vlm.build import patch_embed
-    from rocktune.vision.model import load_vlm
+    from rocktune.tasks.vlm.vision.model import load_vlm
 
     model = load_vlm(str(build_tiny_vlm(tmp_path / "m")), "fp32", "sdpa", "cpu")
     conv = model.model.visual.patch_embed.proj
@@ -72,8 +72,8 @@ def test_the_rocm_report_is_shown_for_auto_and_nothing_changes_by_itself(tmp_pat
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2_vl"])
 def test_training_with_the_matmul_gives_the_same_losses(tmp_path, family):
     from rocktune.config import config_from_dict
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
     from rocktune.tasks import train
     from tests.test_vlm_train import vlm_config
 

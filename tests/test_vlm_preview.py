@@ -24,7 +24,7 @@ def data(tmp_path) -> Path:
     """Two conversations: a 300x200 photo-like image with text that needs escaping, then two small images."""
     from PIL import Image
 
-    from rocktune.demo.vision_task import draw
+    from rocktune.tasks.vlm.demo.vision_task import draw
 
     (tmp_path / "images").mkdir()
     Image.new("RGB", (300, 200), (200, 30, 30)).save(tmp_path / "images" / "wide.png")

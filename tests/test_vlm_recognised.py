@@ -20,7 +20,7 @@ pytest.importorskip("PIL")
 
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=16, n_eval=4, seed=0)
 
@@ -39,9 +39,9 @@ def _config(tmp_path: Path, model: Path, data: tuple[Path, Path], task: str | No
 
 
 def test_the_planner_and_the_family_table_know_the_same_families():
-    """planner/vlm.py sits below the table (it imports no data code), so it keeps its own list: the two must agree."""
-    from rocktune.planner.vlm import FAMILIES as PLANNED
-    from rocktune.vision.families import FAMILIES
+    """tasks/vlm/planner/vlm.py sits below the table (it imports no data code), so it keeps its own list: the two must agree."""
+    from rocktune.tasks.vlm.planner.vlm import FAMILIES as PLANNED
+    from rocktune.tasks.vlm.vision.families import FAMILIES
 
     assert set(PLANNED) == set(FAMILIES)
 
@@ -50,9 +50,9 @@ def test_a_vl_model_without_task_trains_as_vlm_and_says_so(vlm_dir, colours, tmp
     """No task in the config: the run is task=vlm (its saved config says so), one note says why, and the
     conversations cut at data.max_length are counted in the run log at the start with the key to raise."""
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
+    from rocktune.tasks.vlm.data.vision import encode
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import vision_tokens, with_processor_template
 
     from transformers import AutoConfig
 
@@ -147,7 +147,7 @@ def test_the_adapter_card_names_every_family_and_what_autoprocessor_needs(vlm_di
     import torch
 
     from rocktune.train.model_card import _load_vision, torchvision_for
-    from rocktune.vision.families import FAMILIES
+    from rocktune.tasks.vlm.vision.families import FAMILIES
 
     assert (torchvision_for("2.4.1"), torchvision_for("2.6.0"), torchvision_for("2.13.0")) == \
         ("0.19.1", "0.21.0", "0.28.0")
@@ -247,17 +247,17 @@ def test_a_merged_gemma3_loads_with_autoprocessor_and_widens_as_rocktune(vlm_dir
     import torch
     from transformers import AutoConfig, AutoProcessor
 
-    from rocktune.data.images import load
-    from rocktune.data.vision import encode
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.images import load
+    from rocktune.tasks.vlm.data.vision import encode
+    from rocktune.tasks.vlm.data.vision_batch import collate
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import vision_tokens, with_processor_template
 
     model = vlm_dirs("gemma3")
     config = AutoConfig.from_pretrained(model)
     assert json.loads((model / "processor_config.json").read_text()) == {"image_seq_length":
                                                                         config.mm_tokens_per_image}
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     train, _ = write_colour_task(tmp_path / "data", 2, 1)
     tok = with_processor_template(load_tokenizer(str(model), False), str(model))

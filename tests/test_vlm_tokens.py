@@ -27,7 +27,7 @@ needs_5 = pytest.mark.skipif(transformers_major() < 5, reason="packed vlm rows n
 
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=48, n_eval=8, seed=0)
 
@@ -44,9 +44,9 @@ def _encoded(vlm_dir: Path, file: Path, max_length: int = 240):
     from transformers import AutoConfig
 
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
+    from rocktune.tasks.vlm.data.vision import encode
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import vision_tokens
+    from rocktune.tasks.vlm.vision.model import vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
@@ -128,7 +128,7 @@ def test_the_token_feed_prefetches_resumes_and_deals_rows_to_ranks(vlm_dir, colo
     process's rows dealt round-robin, with the same normaliser, and a rank without rows runs the idle batch."""
     import torch
 
-    from rocktune.data.vision_pack import collate_packed
+    from rocktune.tasks.vlm.data.vision_pack import collate_packed
     from rocktune.tasks.vlm.feed import TokenVisionFeed
 
     examples, tok, vision = _encoded(vlm_dir, colours[0])
@@ -188,7 +188,7 @@ def test_micro_batch_tokens_is_whole_rows_given_or_two_on_a_cpu_and_sized_by_the
     assert "sized by the vlm planner as SDPA with a materialised mask" in notes[1]
     # a budget between one row's need and the whole step's: fewer rows, still within it
     from rocktune.planner.fit import MARGIN
-    from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
+    from rocktune.tasks.vlm.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
 
     text, shape = load_vlm_shape(str(vlm_dir))
 
@@ -234,7 +234,7 @@ def test_token_batching_is_taken_for_vlm_and_still_refused_where_it_cannot_work(
 
 
 def test_what_token_batching_cannot_do_is_refused(monkeypatch, tmp_path):
-    from rocktune.vision.model import check_data_settings
+    from rocktune.tasks.vlm.vision.model import check_data_settings
 
     cfg = vlm_config(Path("m"), (Path("t.jsonl"), Path("e.jsonl")), tmp_path / "run", batching="tokens")
     with pytest.raises(UserError, match=r"--auto plans task=vlm's rows one conversation each; with "
@@ -254,7 +254,7 @@ def test_what_token_batching_cannot_do_is_refused(monkeypatch, tmp_path):
 def test_the_oom_split_cuts_a_token_forward_between_rows(vlm_dir, colours):
     """An out-of-memory retry runs a forward of packed rows as pieces of whole rows, each with its own images: their
     summed loss and loss-token count are the whole forward's."""
-    from rocktune.data.vision_pack import collate_packed
+    from rocktune.tasks.vlm.data.vision_pack import collate_packed
     from rocktune.tasks.vlm.feed import TokenVisionFeed
     from rocktune.tasks.vlm.loss import VisionLoss
     from tests.test_vlm_packing import _model

@@ -1,4 +1,4 @@
-"""task=vlm end to end on a tiny random-init Qwen2.5-VL built offline (demo/tiny_vlm.py), loaded back through
+"""task=vlm end to end on a tiny random-init Qwen2.5-VL built offline (tasks/vlm/demo/tiny_vlm.py), loaded back through
 rocktune's normal loading: the loss falls with LoRA on the language model only, the model learns the colour of a
 drawn shape (held-out accuracy far above the 25% of chance, by greedy generation), ``rocktune generate --image``
 answers from the run directory, and what task=vlm cannot do is refused before anything is loaded."""
@@ -24,7 +24,7 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen2_vl"]
 
 @pytest.fixture(scope="module")
 def colours(tmp_path_factory) -> tuple[Path, Path]:
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
 
     return write_colour_task(tmp_path_factory.mktemp("colours"), n_train=256, n_eval=32, seed=0)
 
@@ -78,11 +78,11 @@ def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
 
     from rocktune.cli import main
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.vision import encode
+    from rocktune.tasks.vlm.data.vision_batch import collate
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import is_vision_dir, load
-    from rocktune.vision.model import model_inputs
+    from rocktune.tasks.vlm.export.vision_generate import is_vision_dir, load
+    from rocktune.tasks.vlm.vision.model import model_inputs
 
     assert main(["export", str(run), "--to", "merged"]) == 0
     merged = run / "export" / "merged"
@@ -107,7 +107,7 @@ def _merged_sees_as_the_adapter_did(run: Path, eval_file: Path) -> None:
 
 
 def _accuracy(model, tok, vision, eval_file: Path, n: int) -> float:
-    from rocktune.export.vision_generate import reply
+    from rocktune.tasks.vlm.export.vision_generate import reply
 
     rows = [json.loads(line) for line in eval_file.read_text().splitlines()][:n]
     right = 0
@@ -137,7 +137,7 @@ def learns_the_colour(vlm_dir: Path, colours, tmp_path: Path, capsys, max_length
     assert [s["step"] for s in final] == [300] * 8  # the samples at the last eval answer from the image
     assert sum(s["output"].strip() == s["expected"].strip() for s in final) >= 7
     from rocktune.export.source import resolve
-    from rocktune.export.vision_generate import load
+    from rocktune.tasks.vlm.export.vision_generate import load
 
     evals = [r["eval_loss"] for r in _metrics(run) if "eval_loss" in r]
     assert evals[-1] < 0.1
@@ -217,11 +217,11 @@ def chunked_loss_matches(vlm_dir: Path, colours, max_length: int = 64) -> None:
     from transformers import AutoConfig
 
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.vision import encode
+    from rocktune.tasks.vlm.data.vision_batch import collate
     from rocktune.models.load import apply_lora, load_tokenizer
     from rocktune.tasks.vlm.loss import VisionLoss
-    from rocktune.vision.model import language_targets, load_vlm, model_inputs, vision_tokens
+    from rocktune.tasks.vlm.vision.model import language_targets, load_vlm, model_inputs, vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)
@@ -302,11 +302,11 @@ def test_the_prefetching_feed_hands_out_the_same_steps_and_positions(vlm_dir, co
     from transformers import AutoConfig
 
     from rocktune.data.records import read_records
-    from rocktune.data.vision import encode
-    from rocktune.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.vision import encode
+    from rocktune.tasks.vlm.data.vision_batch import collate
     from rocktune.models.load import load_tokenizer
     from rocktune.tasks.vlm.feed import VisionFeed
-    from rocktune.vision.model import vision_tokens
+    from rocktune.tasks.vlm.vision.model import vision_tokens
 
     tok = load_tokenizer(str(vlm_dir), False)
     vision = vision_tokens(str(vlm_dir), AutoConfig.from_pretrained(vlm_dir), tok, None, None)

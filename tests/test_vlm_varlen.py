@@ -49,8 +49,8 @@ def _assert_same(got, want, rel=1e-5):
 
 
 def _batches(vlm_dir):
-    from rocktune.data.vision_batch import collate
-    from rocktune.data.vision_pack import collate_packed
+    from rocktune.tasks.vlm.data.vision_batch import collate
+    from rocktune.tasks.vlm.data.vision_pack import collate_packed
 
     examples, tok, vision = _examples(vlm_dir)
     packed = collate_packed([[examples[i] for i in row] for row in ROWS], tok.pad_token_id, vision)

@@ -170,7 +170,7 @@ def vision_task(cfg):
     task: vlm, before transformers' "Unrecognized configuration class" or a preview that reads ``<image>`` as text."""
     if cfg.task not in task_registry.TEXT:  # a vision-language or diffusion task already
         return cfg
-    from rocktune.vision.families import text_task_refusal, vision_checkpoint
+    from rocktune.tasks.vlm.vision.families import text_task_refusal, vision_checkpoint
 
     found = vision_checkpoint(cfg.model.name_or_path)
     if found is None:
@@ -614,7 +614,7 @@ def _generate(args) -> int:
                         "(0.7 is usual).")
     from rocktune.export.generate import run_generate
     from rocktune.export.source import Origin
-    from rocktune.export.vision_generate import is_vision_dir, run_generate_vision
+    from rocktune.tasks.vlm.export.vision_generate import is_vision_dir, run_generate_vision
 
     if args.image or is_vision_dir(args.run):
         if args.chat or args.file:

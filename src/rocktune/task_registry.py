@@ -58,7 +58,7 @@ class ReportHooks:
 
 _LM_LAUNCH = "rocktune.tasks.causal.launch"  # the causal-LM kit's checks: lm, dpo, orpo
 _WAN_GENERATE = "rocktune.tasks.wan.diffusion.generate_cli:main"  # Wan: video files, the ComfyUI LoRA
-_VLM_GENERATE = "rocktune.export.vision_generate:run_generate_vision"  # generate --image
+_VLM_GENERATE = "rocktune.tasks.vlm.export.vision_generate:run_generate_vision"  # generate --image
 _PREFERENCE: dict[str, Any] = dict(sections=("preference=rocktune.tasks.preference.config:PreferenceConfig",),
                    preview="rocktune.tasks.preference.preview:run_pair_preview",
                    plan="rocktune.tasks.preference.hooks:plan",

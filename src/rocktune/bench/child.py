@@ -166,7 +166,7 @@ def _run(spec: dict) -> dict:
     if spec["kind"] == "rocktune":
         steps, resolved = run_rocktune(spec, probe)
     elif spec["settings"].get("task") == "vlm":
-        from rocktune.bench.hf_vlm import run_hf_vlm
+        from rocktune.tasks.vlm.bench.hf_vlm import run_hf_vlm
 
         steps, resolved = run_hf_vlm(spec, probe)
     else:

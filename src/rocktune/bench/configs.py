@@ -87,7 +87,7 @@ PARITY = {
                              "micro-batches in rocktune's order", {**HF_TUNED, "precision": "fp32",
                                                                     "sampler": "rocktune-order"}),
 }
-# ``rocktune bench --suite vlm`` (bench/vlm.py): task=vlm against the HF Trainer on a vision-language model. Apart
+# ``rocktune bench --suite vlm`` (tasks/vlm/bench/vlm.py): task=vlm against the HF Trainer on a vision-language model. Apart
 # from the text rows: they need that model and data, so neither --configs all nor a default set includes them.
 VLM_CONFIGS = {c.name: c for c in [
     BenchConfig("vlm-hf", "hf", "HF Trainer + PEFT on the vision-language model: fp32, sdpa, LoRA on the language "

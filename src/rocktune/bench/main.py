@@ -26,7 +26,7 @@ def run_bench_command(req: BenchRequest, as_json: bool, pick: bool, write_config
         print(msg, file=sys.stderr, flush=True)
 
     if suite == "vlm":
-        from rocktune.bench.vlm import run_vlm_bench
+        from rocktune.tasks.vlm.bench.vlm import run_vlm_bench
 
         return _reported(run_vlm_bench(req, log), req.out, as_json)
     if suite is not None:

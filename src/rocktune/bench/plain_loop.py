@@ -32,7 +32,7 @@ def vlm_accuracy(model, tokenizer, vision, eval_file: Path, max_new_tokens: int 
     through ``generate --image``'s own reply path, whatever trained the model."""
     import json
 
-    from rocktune.export.vision_generate import reply
+    from rocktune.tasks.vlm.export.vision_generate import reply
 
     rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
     right = 0
@@ -84,8 +84,8 @@ def plain_vlm(model_dir: Path, train_file: Path, settings: PlainSettings, order:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    from rocktune.bench.hf_vlm import ImageCollator, encoded
-    from rocktune.vision.model import language_targets
+    from rocktune.tasks.vlm.bench.hf_vlm import ImageCollator, encoded
+    from rocktune.tasks.vlm.vision.model import language_targets
 
     torch.manual_seed(settings.seed)
     examples, tokenizer, vision = encoded(str(model_dir), str(train_file), settings.max_length)

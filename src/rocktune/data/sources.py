@@ -239,7 +239,7 @@ def _from_hub(repo_id: str, settings: SourceSettings, key: str):
 KEYS = ("text", "prompt", "completion", "instruction", "input", "output", "messages", "conversations", "system",
         "tools", "history")
 KEYS += ("chosen", "rejected")  # preference pairs (tasks/preference/pairs.py)
-KEYS += ("images", "image")  # a vision-language row's images (data/vision.py)
+KEYS += ("images", "image")  # a vision-language row's images (tasks/vlm/data/vision.py)
 
 
 def _rename(ds, columns: dict[str, str], spec: str):

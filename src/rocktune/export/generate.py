@@ -18,7 +18,7 @@ from rocktune.export import style as styles
 from rocktune.export.source import Origin, Source, load_tokenizer, resolve
 from rocktune.models.load import stop_ids
 from rocktune.platform.environment import resolve_device
-from rocktune.vision.families import text_task_refusal, vision_checkpoint
+from rocktune.tasks.vlm.vision.families import text_task_refusal, vision_checkpoint
 
 
 def load(src: Source, device: str):

@@ -17,8 +17,8 @@ import numpy as np
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.export.gguf_vision import VisionFamily
-from rocktune.vision.table import FAMILIES
+from rocktune.tasks.vlm.export.gguf_vision import VisionFamily
+from rocktune.tasks.vlm.vision.table import FAMILIES
 from rocktune.readers.adapter import read_adapter_config
 
 TEXT = FAMILIES["qwen2_vl"].gguf  # a text model's modules match neither side; Qwen's names were the first vlm adapters'

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
-from rocktune.export import (gguf_lora, gguf_model, gguf_vision, merge, next_command, ollama, output, quant, reuse,
-                             style, vocab)
+from rocktune.export import (gguf_lora, gguf_model, merge, next_command, ollama, output, quant, reuse, style,
+                             vocab)
 from rocktune.export.source import Origin, Source, load_config, load_tokenizer, resolve
+from rocktune.tasks.vlm.export import gguf_vision
 
 TARGETS = ("merged", "gguf", "gguf-lora", "ollama")
 
@@ -271,13 +272,13 @@ def _preprocessor(src: Source) -> dict:
     own preprocessing: with the run's data.min_pixels / data.max_pixels, as training loaded the processor."""
     from transformers import AutoImageProcessor
 
-    from rocktune.vision.families import processor_pixels, size_of
+    from rocktune.tasks.vlm.vision.families import processor_pixels, size_of
 
     data = src.run_config.get("data") or {}
     limits = {k: data[k] for k in ("min_pixels", "max_pixels") if data.get(k) is not None}
     proc = AutoImageProcessor.from_pretrained(src.base, **limits)
     # Idefics3/SmolVLM's longest_edge: the side an image is resized to before tiling; Qwen's pixel limits as the
-    # adapter card reads them too (vision/families.py: processor_pixels)
+    # adapter card reads them too (tasks/vlm/vision/families.py: processor_pixels)
     return {"image_mean": list(proc.image_mean), "image_std": list(proc.image_std),
             "longest_edge": size_of(getattr(proc, "size", None), "longest_edge"), **processor_pixels(proc)}
 
@@ -330,7 +331,7 @@ def _tokenizer(src: Source, model_config, tok_dir: Path):
     """Save the base's tokenizer and the model config where gguf-py's vocabulary helpers read them."""
     tok = load_tokenizer(src)
     if gguf_vision.is_vision(model_config):  # task=vlm: the processor's chat template (image parts) goes in the GGUF
-        from rocktune.vision.model import with_processor_template
+        from rocktune.tasks.vlm.vision.model import with_processor_template
 
         tok = with_processor_template(tok, src.base)
     tok.save_pretrained(tok_dir)

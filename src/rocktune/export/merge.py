@@ -39,7 +39,7 @@ def load_base_fp32(name_or_path: str, trust_remote_code: bool):
 
     from rocktune.models.load import quiet_transformers
 
-    from rocktune.vision.model import model_class
+    from rocktune.tasks.vlm.vision.model import model_class
 
     quiet_transformers()
     vision = model_class(load_config(name_or_path, trust_remote_code))  # task=vlm: the vision tower comes along
@@ -101,7 +101,7 @@ def save_merged(model, tok, out: Path, base: str | None = None) -> None:
     vision-language model also gets its base's image processor (``preprocessor_config.json``) and the combined
     processor's settings (``processor_config.json``), so that the merged directory sees as the base did, also through
     transformers' ``AutoProcessor``."""
-    from rocktune.vision.model import model_class, save_processor_settings, with_processor_template
+    from rocktune.tasks.vlm.vision.model import model_class, save_processor_settings, with_processor_template
 
     model.save_pretrained(out, safe_serialization=True)
     if base is not None and model_class(model.config) is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from rocktune.export.gguf_vision import ImageTokens
+from rocktune.tasks.vlm.export.gguf_vision import ImageTokens
 
 # what the command leaves to the user: the picture and the question (llama-mtmd-cli), the prompt (llama-cli)
 PHOTO = "PHOTO.png"

@@ -135,7 +135,7 @@ def check_shapes(src: Source) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from rocktune.vision.model import model_class
+    from rocktune.tasks.vlm.vision.model import model_class
 
     weights = read_adapter(src.adapter, f"{RETRAIN}.").weights
     config = load_config(src.base, src.trust_remote_code)

@@ -104,7 +104,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
 def _refuse_vision_checkpoint(name_or_path: str) -> None:
     """A text task's model load of a vision-language checkpoint: the CLI refuses it first (``cli.vision_task``);
     this holds for every other way in (a hub id not yet in the cache then, the Python API)."""
-    from rocktune.vision.families import text_task_refusal, vision_checkpoint
+    from rocktune.tasks.vlm.vision.families import text_task_refusal, vision_checkpoint
 
     found = vision_checkpoint(name_or_path)
     if found is not None:

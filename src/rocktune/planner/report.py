@@ -10,7 +10,7 @@ from rocktune.planner.budget import detect_budget, parse_budget
 from rocktune.planner.estimate import ATTN, DTYPE_BYTES, GIB, QUANT, Estimate, RunSpec, estimate
 from rocktune.planner.fit import MARGIN, fit
 from rocktune.planner.shapes import load_shape
-from rocktune.planner.vlm import is_qwen, is_vlm_config
+from rocktune.tasks.vlm.planner.vlm import is_qwen, is_vlm_config
 
 WIDE_COLUMNS = 120  # a terminal this wide shows each term's inputs in the table; a narrower one, below it
 
@@ -74,7 +74,9 @@ def _render(est: Estimate, other: Estimate, doc: dict) -> None:
     if "error" in fit:
         console.print(f"[bold red]no fit:[/] {fit['error']}")
         return
-    console.print(f"[bold]suggested[/] for global batch {fit['micro_batch_size'] * fit['grad_accum']}: "
+    changed = ("model.quantization=nf4 " if fit["quant"] != s.quant else "") + \
+        (f"lora.r={fit['lora_r']} " if fit["lora_r"] and fit["lora_r"] != s.lora_r else "")  # MoE: see the reasons
+    console.print(f"[bold]suggested[/] for global batch {fit['micro_batch_size'] * fit['grad_accum']}: {changed}"
                   f"micro_batch_size={fit['micro_batch_size']} grad_accum={fit['grad_accum']} "
                   f"gradient_checkpointing={fit['gradient_checkpointing']} precision={fit['precision']} "
                   f"{_length(fit['max_length'], s.rollout_new if s.rollout_rows else 0)}")

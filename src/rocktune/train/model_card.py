@@ -78,8 +78,8 @@ def _use_it(config: dict, base: str, run_dir: Path, data: dict) -> str:
 
 def _load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
     # The table of families task=vlm trains (each exports to llama.cpp), named as the card's reader knows them.
-    from rocktune.vision.families import vision_checkpoint
-    from rocktune.vision.table import names
+    from rocktune.tasks.vlm.vision.families import vision_checkpoint
+    from rocktune.tasks.vlm.vision.table import names
 
     found = vision_checkpoint(base)
     return (f"## Use it\n\n```bash\nrocktune generate {run_dir} --image PHOTO.png --prompt \"...\" --compare\n```\n\n"
@@ -102,9 +102,9 @@ def _load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
 def _llama_cpp(base: str, run_dir: Path, family: str | None, data: dict) -> str:
     """The commands ``rocktune export`` prints after ``then:`` for this run's GGUF files (``--to gguf``, and
     ``--to gguf-lora --with-base``: the base, the LoRA applied, and the base's mmproj), with the run's image-token
-    limits, which llama.cpp reads from no file for Qwen (``vision/families.py``: ``ImageTokens``, export's own)."""
+    limits, which llama.cpp reads from no file for Qwen (``tasks/vlm/vision/families.py``: ``ImageTokens``, export's own)."""
     from rocktune.errors import UserError, first_line
-    from rocktune.vision.families import run_image_tokens
+    from rocktune.tasks.vlm.vision.families import run_image_tokens
 
     out = run_dir / "export"
     refused = ""

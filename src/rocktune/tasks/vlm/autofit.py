@@ -10,7 +10,7 @@ import math
 
 from rocktune.config import RunConfig
 from rocktune.data.encode import IGNORE
-from rocktune.data.vision import VisionExample, VisionTokens
+from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens
 from rocktune.errors import UserError
 from rocktune.tasks.causal.feed import Feeding, rows_per_step, token_rows
 
@@ -21,7 +21,7 @@ def apply_fit(cfg: RunConfig, precision: str, vram_bytes: int | None, data: tupl
     ``data``: the examples as encoded at the config's pixel limits, and the processor they were encoded with."""
     from rocktune.planner.budget import detect_budget
     from rocktune.planner.report import fmt_bytes as _gib
-    from rocktune.planner.vlm import VLMSpec, load_vlm_shape
+    from rocktune.tasks.vlm.planner.vlm import VLMSpec, load_vlm_shape
     from rocktune.tasks.vlm.fit import fit_vlm
     from rocktune.tasks.causal.autofit import loss_chunk
     from rocktune.tasks.vlm.plan import DataSizes, from_examples, resolution
@@ -106,7 +106,7 @@ def _planned_rows(cfg: RunConfig, precision: str, examples: list[VisionExample],
     model is sized as SDPA with a materialised mask (varlen attention keeps none)."""
     from rocktune.planner.budget import detect_budget
     from rocktune.planner.fit import MARGIN
-    from rocktune.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
+    from rocktune.tasks.vlm.planner.vlm import VLMSpec, estimate_vlm, load_vlm_shape
     from rocktune.tasks.causal.autofit import FALLBACK_TOKENS, loss_chunk
 
     d = cfg.data

@@ -8,8 +8,8 @@ import torch
 
 from rocktune.models.load import apply_lora
 from rocktune.errors import UserError
-from rocktune.vision.families import Family
-from rocktune.vision.model import family, language_targets, load_vlm, patch_embed_as_linear
+from rocktune.tasks.vlm.vision.families import Family
+from rocktune.tasks.vlm.vision.model import family, language_targets, load_vlm, patch_embed_as_linear
 
 
 PATCH_RULE = "rocm-conv3d-patch-embed"  # platform/knowledge.yaml

@@ -1,5 +1,5 @@
 """What each optimizer step of a vision-language run feeds the model: micro-batches of whole examples, collated by
-data/vision_batch.py, or with ``data.packing`` micro-batches of packed rows of examples (data/vision_pack.py), or with
+tasks/vlm/data/vision_batch.py, or with ``data.packing`` micro-batches of packed rows of examples (tasks/vlm/data/vision_pack.py), or with
 ``training.batching: tokens`` the step's examples packed into rows and cut into forwards of rows (``TokenVisionFeed``,
 the text tasks' token batching, tasks/causal/feed.py); the OOM split cuts between examples or rows (each with its own
 pixels and grids), never through one.
@@ -13,8 +13,8 @@ import torch
 
 from rocktune.data.batching import BatchOrder, BatchStream, epoch_batches
 from rocktune.data.packing import cut_forwards, epoch_packed_batches, epoch_steps, step_rows
-from rocktune.data.vision import VisionExample
-from rocktune.data.vision_batch import loss_count
+from rocktune.tasks.vlm.data.vision import VisionExample
+from rocktune.tasks.vlm.data.vision_batch import loss_count
 from rocktune.tasks.causal.feed import Step, StreamPosition
 
 ROW_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids", "pixel_rows",
@@ -115,7 +115,7 @@ class TokenVisionFeed(VisionFeed):
     """``training.batching: tokens`` for task=vlm, as tasks/causal/feed.py's token batching: a step's
     ``micro_batch_size x grad_accum`` conversations drawn uniformly (``epoch_steps``: no length sort, packing removes
     the padding that sorting avoids), packed longest-first best-fit into rows of ``max_length`` tokens (each row one
-    long conversation to the collate, data/vision_pack.py), then cut into as few forwards of at most
+    long conversation to the collate, tasks/vlm/data/vision_pack.py), then cut into as few forwards of at most
     ``rows_per_forward`` rows as possible. With several ranks the rows are dealt round-robin before the cut; a rank
     whose share is empty runs ``idle``. The stream's item is a whole step, so a checkpoint's position counts steps.
     ``rows``: (max_length, rows_per_forward)."""

@@ -1,6 +1,6 @@
 """task=vlm's fit (``train --auto``, ``plan --task vlm``'s ``fit``): the largest resolution at which some micro-batch
 fits the budget, then the fastest micro-batch and checkpointing at it, by the vision-language planner's estimate
-(planner/vlm.py, which sizes one step from config.json alone). Used by the vlm task only (tasks/vlm/plan.py,
+(tasks/vlm/planner/vlm.py, which sizes one step from config.json alone). Used by the vlm task only (tasks/vlm/plan.py,
 tasks/vlm/autofit.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import cast
 
 from rocktune.errors import UserError
 from rocktune.planner.shapes import ModelShape
-from rocktune.planner.vlm import VisionShape, VLMEstimate, VLMSpec, estimate_vlm, facts
+from rocktune.tasks.vlm.planner.vlm import VisionShape, VLMEstimate, VLMSpec, estimate_vlm, facts
 
 # --- the fit: the largest resolution, then the fastest micro-batch and checkpointing --------------------------------
 

@@ -9,7 +9,7 @@ from pathlib import Path
 def plan(args) -> int:
     from rocktune.errors import UserError
     from rocktune.planner.estimate import DTYPE_BYTES as DTYPES
-    from rocktune.planner.vlm import VLMSpec
+    from rocktune.tasks.vlm.planner.vlm import VLMSpec
     from rocktune.planner.budget import parse_size
     from rocktune.tasks.vlm.plan import PlanRequest, run_vlm_plan
 

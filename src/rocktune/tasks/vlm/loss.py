@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from rocktune.data.encode import IGNORE
 from rocktune.tasks.causal.loss import LinearCrossEntropy
 from rocktune.tasks.vlm.positions import document_bounds, packed_positions
-from rocktune.vision.model import model_inputs
+from rocktune.tasks.vlm.vision.model import model_inputs
 
 
 class VisionLoss(torch.nn.Module):
@@ -36,7 +36,7 @@ class VisionLoss(torch.nn.Module):
     def sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         base = self.model.get_base_model()
         inputs = model_inputs(base.model, batch)
-        if "text_position_ids" in batch:  # packed rows (data/vision_pack.py): no mask, positions that restart
+        if "text_position_ids" in batch:  # packed rows (tasks/vlm/data/vision_pack.py): no mask, positions that restart
             inputs["position_ids"] = packed_positions(base.model, batch)
         # no KV cache: training reads none, and with one transformers would not read packed positions as packed
         with self._bounds(base.model, batch):

@@ -2,7 +2,7 @@
 tokens each image makes by the model's own image processor (its smart resize under min/max_pixels, asked through
 ``get_number_of_image_patches``), from the data's images when a data file is given (read and checked as training
 reads them, then each image's size from its header) or from an assumed image size, and the micro-batch those give
-the planner (``planner/vlm.py``)."""
+the planner (``tasks/vlm/planner/vlm.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from rocktune.data.encode import IGNORE
-from rocktune.data.images import size
-from rocktune.data.vision import VisionExample, VisionTokens
-from rocktune.data.vision_rules import PatchGrid, SplitTiles
+from rocktune.tasks.vlm.data.images import size
+from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens
+from rocktune.tasks.vlm.data.vision_rules import PatchGrid, SplitTiles
 from rocktune.errors import UserError
 
 
@@ -47,7 +47,7 @@ class DataSizes:
     """``(max_pixels, micro_batch) -> (tokens of the longest conversation, patches of each image of the heaviest
     micro-batch, the most loss-bearing tokens of a conversation)``: the ``Sizes`` the planner's fit asks for. The
     heaviest micro-batch is taken whole: the ``micro_batch`` conversations with the most patches, at the longest
-    conversation's length (rows are padded). ``shape``: the vision tower's (planner/vlm.py), for the patches of a view
+    conversation's length (rows are padded). ``shape``: the vision tower's (tasks/vlm/planner/vlm.py), for the patches of a view
     where the resolution is the processor's own (Gemma 3, Idefics3, SmolVLM: ``max_pixels`` is not used)."""
 
     def __init__(self, conversations: list[Conversation], vision: VisionTokens, limits: tuple[int, int], shape):
@@ -136,7 +136,7 @@ class PlanRequest:
 def conversations(req: PlanRequest, vision: VisionTokens) -> list[Conversation]:
     """The data's conversations, every row and image read and checked as training reads them; or the assumed one."""
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import with_processor_template
+    from rocktune.tasks.vlm.vision.model import with_processor_template
 
     tokenizer = with_processor_template(load_tokenizer(req.model, False), req.model)
     if req.data is None:
@@ -147,8 +147,8 @@ def conversations(req: PlanRequest, vision: VisionTokens) -> list[Conversation]:
     from pathlib import Path
 
     from rocktune.config import DataConfig
-    from rocktune.data.vision import encode
-    from rocktune.data.vision_source import read_rows
+    from rocktune.tasks.vlm.data.vision import encode
+    from rocktune.tasks.vlm.data.vision_source import read_rows
 
     d = DataConfig(train_file=req.data, max_length=req.max_length)
     with tempfile.TemporaryDirectory(prefix="rocktune-plan-") as tmp:
@@ -199,9 +199,9 @@ def run_vlm_plan(req: PlanRequest, spec, global_batch: int) -> int:
     from rocktune.planner.budget import detect_budget, parse_budget
     from rocktune.planner.fit import MARGIN
     from rocktune.models.load import load_tokenizer
-    from rocktune.planner.vlm import estimate_vlm, load_vlm_shape
+    from rocktune.tasks.vlm.planner.vlm import estimate_vlm, load_vlm_shape
     from rocktune.tasks.vlm.fit import fit_vlm, sized
-    from rocktune.vision.model import model_type, vision_tokens
+    from rocktune.tasks.vlm.vision.model import model_type, vision_tokens
 
     model_type(req.model)
     text, vshape = load_vlm_shape(req.model)

@@ -1,4 +1,4 @@
-"""The positions of a packed vision-language batch (data/vision_pack.py), as the model's forward reads packed input:
+"""The positions of a packed vision-language batch (tasks/vlm/data/vision_pack.py), as the model's forward reads packed input:
 ``[text; temporal; height; width]`` of shape (4, rows, tokens).
 
 Each conversation's 3-D rotary positions come from the model's own ``get_rope_index`` on that conversation alone,

@@ -1,5 +1,5 @@
 """``rocktune data preview -c CONFIG`` for task: vlm: every row read, every image opened and encoded as training
-does (data/vision.py), then the first examples shown with each image's size, its token count and where its tokens
+does (tasks/vlm/data/vision.py), then the first examples shown with each image's size, its token count and where its tokens
 sit, the trained tokens in [brackets] (``--html``: the same as one page with thumbnails, report/vision_page.py). A bad
 row or image stops the preview with the error training would give, before the page is written."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from rocktune.atomic import write_atomic
 from rocktune.data.encode import IGNORE
-from rocktune.data.images import load
-from rocktune.data.vision import VisionExample, VisionTokens, encode
-from rocktune.data.vision_source import read_rows
+from rocktune.tasks.vlm.data.images import load
+from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens, encode
+from rocktune.tasks.vlm.data.vision_source import read_rows
 from rocktune.data.preview import runs
 from rocktune.tasks.vlm.page import thumbnail_png, vision_preview_html
 
@@ -101,7 +101,7 @@ def run_vision_preview(cfg, n_show: int, as_json: bool, html: str | None = None)
     from transformers import AutoConfig
 
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import model_type, vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import model_type, vision_tokens, with_processor_template
 
     m, d = cfg.model, cfg.data
     model_type(m.name_or_path)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from rocktune.data import checks
 from rocktune.data.encode import IGNORE
-from rocktune.data.vision import VisionExample, VisionTokens
-from rocktune.data.vision_batch import collate
+from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens
+from rocktune.tasks.vlm.data.vision_batch import collate
 from rocktune.tasks.causal.samples import Sampler, SampleSettings, prompts_from_examples
-from rocktune.vision.model import model_inputs
+from rocktune.tasks.vlm.vision.model import model_inputs
 
 
 class PromptIds(list):

@@ -1,5 +1,5 @@
 """The vision-language task (task: vlm): LoRA on a vision-language model's language model, trained on conversations
-with images (data/vision.py). The vision tower and projector stay frozen unless lora.target_modules reaches them.
+with images (tasks/vlm/data/vision.py). The vision tower and projector stay frozen unless lora.target_modules reaches them.
 
 Everything a run does the same way whatever it trains (steps, OOM split, guards, the training-path tripwire,
 checkpoints, exact resume, Ctrl-C, the final writes) is the engine's; this task brings the data (every row and
@@ -21,19 +21,20 @@ import torch
 
 from rocktune.kernels.attention import VARLEN, choose
 from rocktune.config import RunConfig, refuse_inapplicable
-from rocktune.data import sources, vision_cache
+from rocktune.data import sources
+from rocktune.tasks.vlm.data import vision_cache
 from rocktune.data.dataset import Pending
 from rocktune.data.truncate import cut_note
-from rocktune.data.vision import VisionExample, VisionTokens, encode, to_conversation
-from rocktune.data.vision_batch import collate, idle_batch
-from rocktune.data.vision_pack import collate_packed
-from rocktune.data.vision_source import read_rows
+from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens, encode, to_conversation
+from rocktune.tasks.vlm.data.vision_batch import collate, idle_batch
+from rocktune.tasks.vlm.data.vision_pack import collate_packed
+from rocktune.tasks.vlm.data.vision_source import read_rows
 from rocktune.errors import UserError
 from rocktune.models.load import DTYPES
 from rocktune.tasks.causal import autofit, preflight
 from rocktune.tasks.vlm import autofit as vlm_autofit
 from rocktune.tasks.vlm import build, launch
-from rocktune.vision.model import check_data_settings, model_type, vision_tokens, with_processor_template
+from rocktune.tasks.vlm.vision.model import check_data_settings, model_type, vision_tokens, with_processor_template
 from rocktune.tasks.causal.feed import Feeding
 from rocktune.tasks.vlm.feed import TokenVisionFeed, VisionFeed
 from rocktune.tasks.causal.samples import SampleSettings
@@ -251,7 +252,7 @@ class VLMTask(TaskBase):
 
 def _read(cfg: RunConfig, tokenizer, vision: VisionTokens, cache_root: Path, pending: Pending):
     """(train, eval) examples: every row of every source encoded, every image opened, before anything is written;
-    or the token cache's, when nothing that determines them changed (data/vision_cache.py)."""
+    or the token cache's, when nothing that determines them changed (tasks/vlm/data/vision_cache.py)."""
     d = cfg.data
     read = (cache_root, pending)
     train = _encode_source(cast(str, d.train_file), d, (tokenizer, vision), read, "data.train_file")

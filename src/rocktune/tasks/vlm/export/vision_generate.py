@@ -2,7 +2,7 @@
 
 The base vision-language model with the run's adapter (unmerged, so ``--compare`` can switch it off), the prompt
 rendered by the model's chat template with one image part per ``--image`` and widened exactly as training widened
-it (data/vision.py), greedy decoding unless a temperature is given.
+it (tasks/vlm/data/vision.py), greedy decoding unless a temperature is given.
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rocktune.data.images import check
-from rocktune.data.images import resolve as image_ref
-from rocktune.data.vision import VisionTokens, encode_prompt
-from rocktune.data.vision_batch import collate
+from rocktune.tasks.vlm.data.images import check
+from rocktune.tasks.vlm.data.images import resolve as image_ref
+from rocktune.tasks.vlm.data.vision import VisionTokens, encode_prompt
+from rocktune.tasks.vlm.data.vision_batch import collate
 from rocktune.errors import UserError, first_line
 from rocktune.export.source import Origin, Source, load_tokenizer, resolve
 from rocktune.models.load import stop_ids
 from rocktune.platform.environment import resolve_device
 from rocktune.readers.yaml_file import read_yaml
 from rocktune import task_registry
-from rocktune.vision.families import vision_checkpoint
-from rocktune.vision.model import model_inputs
+from rocktune.tasks.vlm.vision.families import vision_checkpoint
+from rocktune.tasks.vlm.vision.model import model_inputs
 
 
 def is_vision_run(src: Source) -> bool:
@@ -46,7 +46,7 @@ def load(src: Source, device: str):
 
     from rocktune.models.load import quiet_transformers
     from rocktune.platform.advise import device_precision
-    from rocktune.vision.model import load_vlm, patch_embed_as_linear, vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import load_vlm, patch_embed_as_linear, vision_tokens, with_processor_template
 
     quiet_transformers()
     data = src.run_config.get("data") or {}

@@ -25,17 +25,17 @@ from rocktune.export import arch as archs
 from rocktune.export import quant as quants
 # the run's image-token range (ImageTokens, for next_command.py and main.py): below the trainer too, whose adapter card
 # writes the same llama.cpp flags
-from rocktune.vision.families import ImageTokens as ImageTokens
-from rocktune.vision.families import image_tokens
-from rocktune.vision import table as vision_table
-from rocktune.vision.table import GgufFacts
+from rocktune.tasks.vlm.vision.families import ImageTokens as ImageTokens
+from rocktune.tasks.vlm.vision.families import image_tokens
+from rocktune.tasks.vlm.vision import table as vision_table
+from rocktune.tasks.vlm.vision.table import GgufFacts
 
 LLAMA_CPP_WINDOW = 112  # pixels: mtmd's Qwen2.5-VL window attention ignores the config's window_size
 VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed epsilon
 GEMMA3_POOL = 4  # mtmd's Gemma 3 pooling kernel when the mmproj does not say
 
 
-# one entry per family in the one table (vision/table.py, read live): llama.cpp's projector type, where the vision side
+# one entry per family in the one table (tasks/vlm/vision/table.py, read live): llama.cpp's projector type, where the vision side
 # sits in the state dict, and the flags that change what is written
 VisionFamily = GgufFacts
 

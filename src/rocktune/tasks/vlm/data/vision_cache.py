@@ -18,8 +18,8 @@ import hashlib
 from pathlib import Path
 
 from rocktune.data import cache
-from rocktune.data.images import ImageRef
-from rocktune.data.vision import VisionExample
+from rocktune.tasks.vlm.data.images import ImageRef
+from rocktune.tasks.vlm.data.vision import VisionExample
 
 RECORDS = "vlm-v2"  # bump when the encoding of a conversation changes (v2: image_tokens kept)
 

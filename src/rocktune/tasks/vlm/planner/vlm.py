@@ -32,11 +32,11 @@ from rocktune.errors import UserError
 from rocktune.planner.estimate import DTYPE_BYTES, FRAGMENTATION, MIB, Estimate, RunSpec, Term, estimate
 from rocktune.planner.shapes import ModelShape, read_config, shape_from_config
 # the families and their facts: the one table (standard library only), read live, so an entry added there is planned
-from rocktune.vision.table import FAMILIES, PlanFacts
+from rocktune.tasks.vlm.vision.table import FAMILIES, PlanFacts
 
 
 def facts(family: str) -> PlanFacts:
-    """The planner's facts of a family of vision/table.py."""
+    """The planner's facts of a family of tasks/vlm/vision/table.py."""
     return FAMILIES[family].plan
 
 

@@ -14,11 +14,11 @@ import re
 
 import torch
 
-from rocktune.data.vision import VisionTokens
+from rocktune.tasks.vlm.data.vision import VisionTokens
 from rocktune.errors import UserError, first_line
 from rocktune.models.load import DTYPES, check_model_source
-from rocktune.vision import families as vision_families
-from rocktune.vision.families import FAMILIES, Family
+from rocktune.tasks.vlm.vision import families as vision_families
+from rocktune.tasks.vlm.vision.families import FAMILIES, Family
 
 
 def model_type(name_or_path: str) -> str:
@@ -115,7 +115,7 @@ def with_processor_template(tokenizer, name_or_path: str):
 
 def save_processor_settings(config, out) -> None:
     """``out``/processor_config.json with the combined processor's settings that match ``config``'s model
-    (``vision/families.py``: ``processor_settings``); nothing for a family that needs none."""
+    (``tasks/vlm/vision/families.py``: ``processor_settings``); nothing for a family that needs none."""
     import json
     from pathlib import Path
 

@@ -1,7 +1,7 @@
 """The Hugging Face Trainer + PEFT recipe for a vision-language model, as users write it, measured as the text
 baseline is (bench/hf_baseline.py's ``measured_training``).
 
-Both sides get identical token ids and labels from rocktune's encoder (data/vision.py: loss on the assistant's
+Both sides get identical token ids and labels from rocktune's encoder (tasks/vlm/data/vision.py: loss on the assistant's
 tokens only), so the tokens are the same. From there the HF side uses its own pieces: ``AutoModelForImageTextToText``,
 ``get_peft_model`` with LoRA on the same modules as rocktune (the language model's linear layers: the usual recipe
 freezes the vision tower), a collator that pads the rows and runs the image processor on the batch's images (what a
@@ -41,7 +41,7 @@ class ImageCollator:
         self.image_processor, self.pad_id, self.image_token_id = image_processor, pad_id, image_token_id
 
     def __call__(self, rows: list[dict]) -> dict:
-        from rocktune.data.images import load
+        from rocktune.tasks.vlm.data.images import load
 
         width = max(len(r["input_ids"]) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -62,10 +62,10 @@ def encoded(model_dir: str, data_file: str, max_length: int) -> tuple[list, obje
     from transformers import AutoConfig
 
     from rocktune.config import DataConfig
-    from rocktune.data.vision import encode
-    from rocktune.data.vision_source import read_rows
+    from rocktune.tasks.vlm.data.vision import encode
+    from rocktune.tasks.vlm.data.vision_source import read_rows
     from rocktune.models.load import load_tokenizer
-    from rocktune.vision.model import vision_tokens, with_processor_template
+    from rocktune.tasks.vlm.vision.model import vision_tokens, with_processor_template
 
     tokenizer = with_processor_template(load_tokenizer(model_dir, False), model_dir)
     vision = vision_tokens(model_dir, AutoConfig.from_pretrained(model_dir), tokenizer, None, None)
@@ -85,7 +85,7 @@ def run_hf_vlm(spec: dict, probe) -> tuple[list[dict], dict]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
 
-    from rocktune.vision.model import language_targets
+    from rocktune.tasks.vlm.vision.model import language_targets
 
     c, device = spec["common"], spec["device"]
     set_seed(c["seed"])

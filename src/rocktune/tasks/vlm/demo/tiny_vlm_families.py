@@ -1,5 +1,5 @@
 """Tiny random-init Gemma 3 and SmolVLM / Idefics3 models, built offline as HF model directories (the Qwen families
-are demo/tiny_vlm.py's): a few layers of language model, one vision block, the demo's byte-level tokenizer with the
+are tasks/vlm/demo/tiny_vlm.py's): a few layers of language model, one vision block, the demo's byte-level tokenizer with the
 family's image tokens and a chat template in its style, and transformers' own image processor of the family
 (``Gemma3ImageProcessor``; ``SmolVLMImageProcessor`` / ``Idefics3ImageProcessor``, which split an image into tiles).
 """
@@ -10,19 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.demo.tiny import EOS_ID, SPECIALS, build_tokenizer
-from rocktune.vision import table
+from rocktune.tasks.vlm.vision import table
 
 
 @dataclass(frozen=True)
 class SiglipTiny:
     """A SigLIP-tower family's tiny model: its style ("gemma": Gemma 3's tokens, template and pooled projector;
     "tiles": Idefics3/SmolVLM's tiles) and transformers' image processor class. The config class is transformers'
-    for the family's model_type, the model class its vision/table.py entry's."""
+    for the family's model_type, the model class its tasks/vlm/vision/table.py entry's."""
     style: str
     image_processor: str
 
 
-# keyed by model_type as vision/table.py's entries (the Qwen-style ones are demo/tiny_vlm.py's FAMILIES)
+# keyed by model_type as tasks/vlm/vision/table.py's entries (the Qwen-style ones are tasks/vlm/demo/tiny_vlm.py's FAMILIES)
 TINY: dict[str, SiglipTiny] = {"gemma3": SiglipTiny("gemma", "Gemma3ImageProcessor"),
                                "smolvlm": SiglipTiny("tiles", "SmolVLMImageProcessor"),
                                "idefics3": SiglipTiny("tiles", "Idefics3ImageProcessor")}
@@ -116,7 +116,7 @@ def build_family_vlm(out: Path, seed: int, family: str, **shape) -> Path:
     import torch
     import transformers
 
-    from rocktune.vision.model import save_processor_settings
+    from rocktune.tasks.vlm.vision.model import save_processor_settings
 
     tokenizer = build_family_tokenizer(family)
     torch.manual_seed(seed)

@@ -5,12 +5,12 @@ data/ and models/) included:
 - the model: its display name, transformers' model class, the image processor classes it takes, where the vision
   tower and the projector sit in its module tree, whether its image processor takes ``min_pixels``/``max_pixels``,
   the lowest transformers major it is tested with, whether its conversations may be packed in a row;
-- the placeholder rule (``Placeholder``): which of data/vision_rules.py's rules widens an image placeholder, and the
-  config keys of its token ids; vision/families.py builds the runtime rule and ``VisionTokens`` from it;
-- the planner's facts (``PlanFacts``): which kind of tower planner/vlm.py sizes and how its image tokens are made;
+- the placeholder rule (``Placeholder``): which of tasks/vlm/data/vision_rules.py's rules widens an image placeholder, and the
+  config keys of its token ids; tasks/vlm/vision/families.py builds the runtime rule and ``VisionTokens`` from it;
+- the planner's facts (``PlanFacts``): which kind of tower tasks/vlm/planner/vlm.py sizes and how its image tokens are made;
 - the GGUF export's facts (``GgufFacts``): llama.cpp's projector type and how the state dict is split and named.
 
-A new family is one entry here (plus its tiny-model builder in demo/tiny_vlm.py, keyed by the same name, and its
+A new family is one entry here (plus its tiny-model builder in tasks/vlm/demo/tiny_vlm.py, keyed by the same name, and its
 tests). A family not listed is refused with the list; nothing is trained half-understood.
 """
 
@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Placeholder:
-    """How the family's processor widens an image placeholder (data/vision_rules.py)."""
+    """How the family's processor widens an image placeholder (tasks/vlm/data/vision_rules.py)."""
     kind: str  # "patch_grid" (Qwen: PatchGrid) | "fixed_tokens" (Gemma 3: FixedTokens) | "split_tiles" (SplitTiles)
     token_keys: tuple[str, ...] = ()  # the config's keys of the image token ids, the image token's first
 
 
 @dataclass(frozen=True)
 class PlanFacts:
-    """What planner/vlm.py needs to size the vision side from config.json alone."""
+    """What tasks/vlm/planner/vlm.py needs to size the vision side from config.json alone."""
     tower: str  # "qwen": the processor's own patch grid, rotary positions | "siglip": one fixed size per view
     embed_dim: bool = False  # Qwen2-VL: the tower's width is vision_config.embed_dim, hidden_size is its output's
     windows: bool = False  # Qwen2.5-VL: window-attention blocks (window_size pixels a side) between full ones
@@ -41,7 +41,7 @@ class PlanFacts:
 
 @dataclass(frozen=True)
 class GgufFacts:
-    """How the GGUF export writes the family for llama.cpp (export/gguf_vision.py)."""
+    """How the GGUF export writes the family for llama.cpp (tasks/vlm/export/gguf_vision.py)."""
     projector: str  # gguf.VisionProjectorType attribute
     vision: tuple[str, ...] = ("model.visual.", "visual.")  # the vision side's names in transformers' state dict
     text: str = "model.language_model."  # the language model's (-> a causal LM's model.*)

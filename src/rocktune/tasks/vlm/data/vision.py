@@ -14,7 +14,7 @@ the order the images come) plus the list of images:
 The conversation is rendered by the tokenizer's chat template and cut at the assistant turns as text conversations
 are (``encode.chat_segments``): loss is on the assistant's tokens only. The template writes one image placeholder
 token per image; it is widened to the image's tokens as the model's processor does, by its family's rule
-(data/vision_rules.py: Qwen's patches / merge_size^2 from the image processor's own grid, Gemma 3's fixed soft
+(tasks/vlm/data/vision_rules.py: Qwen's patches / merge_size^2 from the image processor's own grid, Gemma 3's fixed soft
 tokens, Idefics3's tiles), and image tokens never carry loss.
 """
 
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from rocktune.data.encode import IGNORE, chat_segments
-from rocktune.data.images import ImageRef, load, resolve
-from rocktune.data.vision_rules import ImageRule
+from rocktune.tasks.vlm.data.images import ImageRef, load, resolve
+from rocktune.tasks.vlm.data.vision_rules import ImageRule
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
@@ -38,7 +38,7 @@ MARKER = "<image>"
 @dataclass(frozen=True)
 class VisionTokens:
     """What the encoder needs of the model's processor: its image processor, its vision tokens and its family's
-    rule for widening a placeholder (data/vision_rules.py)."""
+    rule for widening a placeholder (tasks/vlm/data/vision_rules.py)."""
 
     image_processor: Any  # transformers' image processor, pixel limits applied
     image_token_id: int  # the token whose embeddings the image features replace

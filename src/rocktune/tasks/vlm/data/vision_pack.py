@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from rocktune.data.encode import IGNORE
-from rocktune.data.vision import VisionExample, VisionTokens
-from rocktune.data.vision_batch import collate
+from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens
+from rocktune.tasks.vlm.data.vision_batch import collate
 
 
 def join(row: list[VisionExample]) -> VisionExample:

@@ -1,5 +1,5 @@
 """Build a tiny random-init Qwen2.5-VL (or Qwen3-VL, Qwen2-VL; Gemma 3, SmolVLM and Idefics3 through
-demo/tiny_vlm_families.py) and its processor offline, saved as an HF model directory.
+tasks/vlm/demo/tiny_vlm_families.py) and its processor offline, saved as an HF model directory.
 
 The language model is a few layers wide and deep, the vision tower one block; the tokenizer is the demo's byte-level
 one (``demo/tiny.py``) with Qwen's vision special tokens added, and the processor is transformers' own
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rocktune.demo.tiny import EOS_ID, SPECIALS, build_tokenizer
-from rocktune.vision import table
+from rocktune.tasks.vlm.vision import table
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -48,14 +48,14 @@ def _token_ids(tokenizer) -> dict[str, int]:
 @dataclass(frozen=True)
 class QwenTiny:
     """A Qwen-style family's tiny model: the vision config's family keys, the mrope keys, the patch size. The config
-    class is transformers' for the family's model_type, the model class its vision/table.py entry's."""
+    class is transformers' for the family's model_type, the model class its tasks/vlm/vision/table.py entry's."""
     vision: dict
     rope: dict
     patch: int
 
 
-# the Qwen-style families' tiny models, keyed by model_type as vision/table.py's entries (the others' are
-# demo/tiny_vlm_families.py's TINY); the language model's mrope splits half the head dimension (8 of 16) into
+# the Qwen-style families' tiny models, keyed by model_type as tasks/vlm/vision/table.py's entries (the others' are
+# tasks/vlm/demo/tiny_vlm_families.py's TINY); the language model's mrope splits half the head dimension (8 of 16) into
 # temporal, height and width sections
 FAMILIES: dict[str, QwenTiny] = {
     "qwen2_5_vl": QwenTiny({"window_size": 56, "fullatt_block_indexes": [0]}, {}, 14),
@@ -103,7 +103,7 @@ def build_image_processor(patch: int = 14, min_tokens: int = 4, max_tokens: int 
 
 def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl", max_image_tokens: int = 16,
                    **shape) -> Path:
-    """Write a random-init tiny vision-language model of ``family`` (a model_type of vision/table.py), its
+    """Write a random-init tiny vision-language model of ``family`` (a model_type of tasks/vlm/vision/table.py), its
     tokenizer and its image processor (Qwen's: at most ``max_image_tokens`` an image) to ``out_dir`` and return the
     path."""
     import torch
@@ -114,7 +114,7 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0, family: str = "qwen2_5_vl
     quiet_transformers()
     out = Path(out_dir)
     if family not in FAMILIES:
-        from rocktune.demo.tiny_vlm_families import build_family_vlm
+        from rocktune.tasks.vlm.demo.tiny_vlm_families import build_family_vlm
 
         return build_family_vlm(out, seed, family, **shape)
     tokenizer = build_vl_tokenizer()

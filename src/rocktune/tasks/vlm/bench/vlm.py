@@ -1,5 +1,5 @@
-"""``rocktune bench --suite vlm``: task=vlm against the Hugging Face Trainer + PEFT (bench/hf_vlm.py) on the same
-tiny random-init Qwen2.5-VL (demo/tiny_vlm.py), the same conversations (the colour task, demo/vision_task.py), the
+"""``rocktune bench --suite vlm``: task=vlm against the Hugging Face Trainer + PEFT (tasks/vlm/bench/hf_vlm.py) on the same
+tiny random-init Qwen2.5-VL (tasks/vlm/demo/tiny_vlm.py), the same conversations (the colour task, tasks/vlm/demo/vision_task.py), the
 same LoRA on the language model, batch, schedule and steps, both in fp32. Each side runs in its own process as the
 text rows do (bench/runner.py), and the report has the same shape: useful (loss-bearing) tokens/s, the peak memory,
 and the ratios against the HF row.
@@ -18,9 +18,9 @@ VLM_COMMON = {**COMMON, "micro_batch_size": 4, "grad_accum": 2, "max_length": 12
 
 
 def run_vlm_bench(req: BenchRequest, log=print) -> dict:
-    from rocktune.bench.hf_vlm import encoded
-    from rocktune.demo.tiny_vlm import build_tiny_vlm
-    from rocktune.demo.vision_task import write_colour_task
+    from rocktune.tasks.vlm.bench.hf_vlm import encoded
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
     from rocktune.platform.environment import resolve_device
 
     device = resolve_device(req.device)
@@ -46,7 +46,7 @@ def run_vlm_bench(req: BenchRequest, log=print) -> dict:
             runs[cfg.name].append(run_one(cfg, base, out, req.timeout))
     results = [merge_rounds(r, req.warmup) for r in runs.values()]
     report = summarise(results, 0, lengths, device, common)
-    report["workload"] = {"model": "tiny Qwen2.5-VL (demo/tiny_vlm.py)", "model_dir": str(model_dir),
+    report["workload"] = {"model": "tiny Qwen2.5-VL (tasks/vlm/demo/tiny_vlm.py)", "model_dir": str(model_dir),
                           "data_file": str(data_file), "examples": len(examples),
                           "mean_tokens": sum(lengths) / len(lengths),
                           "images_per_example": sum(len(e.images) for e in examples) / len(examples),

@@ -1,8 +1,8 @@
 """The vision-language families task=vlm trains, one typed entry each (keyed by transformers' ``model_type``): the
 model class, where the vision tower and the projector sit in its module tree (LoRA targets, ``lora.vision``, the
 freeze log), whether its image processor takes ``min_pixels``/``max_pixels``, and how its processor widens an image
-placeholder (a rule of data/vision_rules.py, with the token strings read from the model's own config and tokenizer).
-The facts are vision/table.py's entries (standard library only, read by the planner and the export too); this module
+placeholder (a rule of tasks/vlm/data/vision_rules.py, with the token strings read from the model's own config and tokenizer).
+The facts are tasks/vlm/vision/table.py's entries (standard library only, read by the planner and the export too); this module
 builds their runtime objects (the placeholder rule, ``VisionTokens``) from them.
 Below the trainer and the export alike, it also holds a run's image-token range in llama.cpp's terms (``ImageTokens``):
 the export prints it on llama.cpp's command line and the adapter card (train/model_card.py) writes the same flags.
@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from rocktune.data.vision import VisionTokens
-from rocktune.data.vision_rules import FixedTokens, PatchGrid, SplitTiles
+from rocktune.tasks.vlm.data.vision import VisionTokens
+from rocktune.tasks.vlm.data.vision_rules import FixedTokens, PatchGrid, SplitTiles
 from rocktune.errors import UserError
-from rocktune.vision import table
-from rocktune.vision.table import FamilyEntry
+from rocktune.tasks.vlm.vision import table
+from rocktune.tasks.vlm.vision.table import FamilyEntry
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def run_image_tokens(name_or_path: str, data: dict) -> ImageTokens | None:
 
 @dataclass(frozen=True)
 class Family:
-    """A family's runtime view: its entry of vision/table.py with the placeholder rule that widens its images."""
+    """A family's runtime view: its entry of tasks/vlm/vision/table.py with the placeholder rule that widens its images."""
     entry: FamilyEntry
 
     def __getattr__(self, key: str):  # name, model_class, image_processors, roots, projector, pixel_limits, ...
@@ -161,7 +161,7 @@ def _split_tiles(keys: tuple[str, ...], config, tokenizer, images) -> VisionToke
                         SplitTiles(image, around, whole, count))
 
 
-# the placeholder rules of vision/table.py's entries (Placeholder.kind), built from the model's config and tokenizer
+# the placeholder rules of tasks/vlm/vision/table.py's entries (Placeholder.kind), built from the model's config and tokenizer
 RULES: dict[str, Callable[[tuple[str, ...], object, object, object], VisionTokens]] = {
     "patch_grid": _patch_grid, "fixed_tokens": _fixed_tokens, "split_tiles": _split_tiles}
 
@@ -184,7 +184,7 @@ def processor_settings(config) -> dict:
 
 
 class _Families(Mapping[str, Family]):
-    """vision/table.py's entries as ``Family`` objects, read live (an entry added to the table is a family here)."""
+    """tasks/vlm/vision/table.py's entries as ``Family`` objects, read live (an entry added to the table is a family here)."""
 
     def __getitem__(self, kind: str) -> Family:
         return Family(table.FAMILIES[kind])
@@ -203,7 +203,7 @@ def vision_checkpoint(name_or_path: str) -> tuple[str, Family] | None:
     """(model_type, family) when ``name_or_path`` is a vision-language checkpoint of this table, read from its
     config.json (a local directory, or a hub id's cached copy) by the planner's own test (``plan`` refuses a text
     plan of one); None for any other model."""
-    from rocktune.planner.vlm import vlm_model_type
+    from rocktune.tasks.vlm.planner.vlm import vlm_model_type
 
     kind = vlm_model_type(name_or_path)
     return (kind, FAMILIES[kind]) if kind in FAMILIES else None

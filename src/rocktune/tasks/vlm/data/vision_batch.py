@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from rocktune.data.encode import IGNORE
-from rocktune.data.images import load
-from rocktune.data.vision import VisionExample, VisionTokens
+from rocktune.tasks.vlm.data.images import load
+from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens
 from rocktune.errors import UserError
 
 
