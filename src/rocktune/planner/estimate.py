@@ -236,6 +236,7 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
             f"({quantised / linear:.3f} B each with scales) + {rest:,} others x 4 B (fp32 after k-bit preparation)")
     n = lora_param_count(shape, spec)
     mods = [m for m, _, _ in lora_modules(shape, spec.targets)]
+    mods += ["every expert's gate_up and down"] if expert_lora_count(shape, spec) else []
     add("lora_params", n * 4, "static", f"{n:,} params (r={spec.lora_r} on {', '.join(mods)}) x 4 B fp32")
     add("lora_grads", n * 4, "static", f"{n:,} fp32 gradients (the frozen base gets none)")
     add("adamw_states", n * 8, "static", f"{n:,} x 2 fp32 states (exp_avg, exp_avg_sq), LoRA params only")
