@@ -10,7 +10,7 @@ from rocktune.planner.budget import detect_budget, parse_budget
 from rocktune.planner.estimate import ATTN, DTYPE_BYTES, GIB, QUANT, Estimate, RunSpec, estimate
 from rocktune.planner.fit import MARGIN, fit
 from rocktune.planner.shapes import load_shape
-from rocktune.planner.vlm import is_qwen, is_vlm_config
+from rocktune.tasks.vlm.planner.vlm import is_qwen, is_vlm_config
 
 WIDE_COLUMNS = 120  # a terminal this wide shows each term's inputs in the table; a narrower one, below it
 
