@@ -285,6 +285,8 @@ def _steps(r: Run, bar, stop: InterruptFlag) -> bool:
         if step == first_step:
             r.collector.settle()  # model, optimizer and compiled graphs in place: out of later collections' scans
         due = (rel.save_every and step % rel.save_every == 0) or step == r.total_steps or stop.requested
+        if due:
+            r.beat.phase(f"saving the checkpoint of step {step}")
         saved = due and r.guard.nonfinite_in_row == 0 and checkpoint.save_or_warn(
             lambda at: _save_checkpoint(r, at), step, bar.log)
         if stop.requested:  # a rollback point must precede a non-finite streak, so none is written inside one
