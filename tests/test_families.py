@@ -226,6 +226,8 @@ FAMILY_KEYS = {
                "glm4moe.expert_gating_func": 2, "glm4moe.rope.dimension_count": 8},
     "qwen3.5": {"qwen35.ssm.group_count": 2, "qwen35.ssm.time_step_rank": 4, "qwen35.ssm.inner_size": 64,
                 "qwen35.attention.recurrent_layers": [True, False], "qwen35.rope.dimension_sections": [1, 1, 0, 0]},
+    "qwen3.5-moe": {"qwen35moe.expert_count": 4, "qwen35moe.expert_shared_feed_forward_length": 64,
+                    "qwen35moe.attention.recurrent_layers": [True, False]},
 }
 # llama.cpp rotates adjacent pairs in these graphs (HF: halves), so their q/k rows are stored interleaved
 PAIRWISE_ROPE = {"llama", "granite", "smollm3"}

@@ -63,7 +63,11 @@ def to_llama_cpp(key: str, data: np.ndarray, cfg) -> list[tuple[str, np.ndarray]
         return _split_ba(module, data, cfg)
     if key.endswith((".A_log", ".dt_bias")):
         data = data[v_order(cfg, 1)]
-        return [(f"{module}.A_log", -np.exp(data))] if key.endswith(".A_log") else [(f"{module}.dt_proj.bias", data)]
+        if key.endswith(".dt_bias"):
+            return [(f"{module}.dt_proj.bias", data)]
+        import torch  # torch's exp, as llama.cpp's converter computes it: numpy's differs in the last bit
+
+        return [(f"{module}.A_log", -torch.exp(torch.from_numpy(data)).numpy())]
     if key.endswith("conv1d.weight"):
         return [(key, data.reshape(data.shape[0], -1)[_qkv_order(cfg)])]
     rows, cols = row_order(module, cfg), col_order(module, cfg)
