@@ -125,8 +125,8 @@ def test_text_files_export_as_raw(tmp_path, tokenizer):
 @pytest.mark.parametrize("data,error", [
     ({"roles": {"bot": "robot"}}, r"data\.roles\.bot: Input should be 'system', 'user', 'assistant', 'tool' or "
                                   r"'function_call' \(got 'robot'\)"),
-    ({"chat_template": "sometimes"}, r"data\.chat_template: .*must be auto, always, never, or a chat template file "
-                                     r"ending in \.jinja"),
+    ({"chat_template": "sometimes"}, r"data\.chat_template: .*must be auto, always, never, builtin-tools, or a chat "
+                                     r"template file ending in \.jinja"),
     ({"text_split": "sentence"}, r"data\.text_split: Input should be"),
 ])
 def test_new_data_settings_are_checked(data, error):

@@ -185,7 +185,8 @@ def test_a_template_file_trains_tool_data_and_export_follows_it(tiny_model_dir, 
 
     cfg = tiny_run_config(tiny_model_dir, DATA / "openai_chat_tools.jsonl", None, tmp_path / "out", max_steps=1,
                           micro_batch_size=2, grad_accum=1)
-    cfg["data"].update(max_length=1400, eval_fraction=0.2, chat_template=str(QWEN_FILE))
+    # 1,869 tokens: the longest conversation whole (at 1,400 the cut removed six system prompts and tool lists)
+    cfg["data"].update(max_length=1869, eval_fraction=0.2, chat_template=str(QWEN_FILE))
     train(config_from_dict(cfg), quiet=True)
     tok = load_tokenizer(resolve(str(tmp_path / "out")))
     assert tok.chat_template == QWEN_FILE.read_text()
@@ -199,8 +200,8 @@ def test_a_template_file_that_is_missing_or_not_jinja_is_refused(tokenizer, tmp_
     from rocktune.config import load_config
     from rocktune.readers.template import use_template
 
-    with pytest.raises(UserError, match=r"data.chat_template: .*must be auto, always, never, or a chat template "
-                                        r"file ending in \.jinja"):
+    with pytest.raises(UserError, match=r"data.chat_template: .*must be auto, always, never, builtin-tools, or a chat "
+                                        r"template file ending in \.jinja"):
         load_config(None, ["data.train_file=x.jsonl", "data.chat_template=chatml"])
     missing = load_config(None, ["data.train_file=x.jsonl", f"data.chat_template={tmp_path / 'none.jinja'}"])
     with pytest.raises(UserError, match=r"data.chat_template=.*none.jinja cannot be read"):
