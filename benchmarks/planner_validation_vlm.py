@@ -46,8 +46,9 @@ MODELS = {"tiny": {"vision_hidden": 64, "vision_depth": 2}, "wide-vision": {"vis
           "qwen2-vl": {"family": "qwen2_vl", "vision_depth": 2}}
 SIZES = ((112, 112), (224, 168), (448, 336))
 # Gemma 3 and SmolVLM (``rocktune.tasks.vlm.demo.tiny_vlm_families``: 2 text layers, a SigLIP tower of 32-pixel views
-# in 8-pixel patches) with a wide tower; SmolVLM's processor here splits images of up to 128 pixels a side into 32-pixel tiles
-# (up to 4 x 4 and the global view). Gemma 3 resizes every image to its one size: the three sizes make the same step.
+# in 8-pixel patches) with a wide tower; SmolVLM's processor here splits images of up to 128 pixels a side into 32-pixel
+# tiles (up to 4 x 4 and the global view). Gemma 3 resizes every image to its one size: the three sizes make the same
+# step.
 FAMILY_MODELS = {"gemma3-wide": {"family": "gemma3", "vision_hidden": 256, "vision_depth": 2},
                  "smolvlm-wide": {"family": "smolvlm", "vision_hidden": 256, "vision_depth": 2}}
 TILE_EDGE = 128

@@ -80,8 +80,9 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def pair_files(tmp_path_factory) -> tuple[Path, Path]:
-    """Preference pairs of the demo task (demo/pairs.py): 64 train and 8 eval pairs, TRL's prompt/chosen/rejected."""
-    from rocktune.demo.pairs import make_pairs
+    """Preference pairs of the demo task (tasks/preference/demo/pairs.py): 64 train and 8 eval pairs, TRL's
+    prompt/chosen/rejected."""
+    from rocktune.tasks.preference.demo.pairs import make_pairs
 
     tmp = tmp_path_factory.mktemp("pairs")
     tr, ev = make_pairs(n_train=64, n_eval=8, seed=3)

@@ -1,6 +1,6 @@
-"""``rocktune bench --suite vlm`` (tasks/vlm/bench/vlm.py, tasks/vlm/bench/hf_vlm.py): task=vlm against the HF Trainer + PEFT on the same
-tiny Qwen2.5-VL. The HF side's collator gives the model exactly the inputs rocktune's gives (same tokens, labels,
-pixels and grids), and the whole bench reports both rows as JSON with their speed, memory and ratios."""
+"""``rocktune bench --suite vlm`` (tasks/vlm/bench/vlm.py, tasks/vlm/bench/hf_vlm.py): task=vlm against the HF Trainer +
+PEFT on the same tiny Qwen2.5-VL. The HF side's collator gives the model exactly the inputs rocktune's gives (same
+tokens, labels, pixels and grids), and the whole bench reports both rows as JSON with their speed, memory and ratios."""
 
 from __future__ import annotations
 

@@ -84,14 +84,15 @@ def test_notes_say_how_many_were_cut_on_which_side(tmp_path, tokenizer):
     rows = [{"prompt": "x" * 50, "completion": "y"}, {"prompt": "p", "completion": "long" * 20},
             {"prompt": "p", "completion": "ok"}]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
-    d = DataConfig(train_file=str(f), eval_fraction=0.0, max_length=20)
+    # keep: the cut answer is trained as cut (data.lossy_truncation's default stops the run: test_truncation_judged)
+    d = DataConfig(train_file=str(f), eval_fraction=0.0, max_length=20, lossy_truncation="keep")
     tr, _, stats = prepare_data(d, tokenizer, tmp_path / "c", 0)
     assert (stats.n_truncated, stats.n_prompt_cut, stats.n_completion_cut, stats.n_dropped) == (2, 1, 1, 0)
     assert len(tr) == 3
     note = stats.notes[0]
     assert "2 of 3 examples were longer than data.max_length=20" in note
     assert "1 lost the start of their prompt" in note and "1 had their completion cut at its end" in note
-    _, hit = tokenize_file(str(f), DataConfig(max_length=20), tokenizer, tmp_path / "c")
+    _, hit = tokenize_file(str(f), DataConfig(max_length=20, lossy_truncation="keep"), tokenizer, tmp_path / "c")
     assert hit.cache_hit and (hit.n_prompt_cut, hit.n_completion_cut) == (1, 1)
 
 
@@ -372,7 +373,7 @@ def test_the_grpo_demo_run_again_is_the_same_demo(tmp_path):
     """Its saved config writes every field of each reward (weights, defaults): the same demo, not a different one
     (a second `rocktune demo --task grpo` was refused as 'differs in grpo.rewards')."""
     from rocktune.config import config_from_dict
-    from rocktune.demo.grpo_run import grpo_config
+    from rocktune.tasks.grpo.demo.run import grpo_config
     from rocktune.demo.run import check_demo_dir
     from rocktune.errors import UserError
     from rocktune.train.rundir import write_config

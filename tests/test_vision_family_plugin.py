@@ -1,8 +1,9 @@
 """A vision-language family is one entry of one table (issue 52, item 2): a test adds an entry to
-``tasks/vlm/vision/table.py:FAMILIES`` for a family rocktune has never heard of (Qwen2-VL's architecture under a new model_type,
-registered with transformers here as a user's own model would be), plus its tiny-model builder, and shows that the
-tiny-model builder, the data encoder, the planner (``rocktune plan --task vlm``), the export's family lookup and the
-adapter card pick it up, with no other file changed: the alias encodes, plans and exports as the family it copies."""
+``tasks/vlm/vision/table.py:FAMILIES`` for a family rocktune has never heard of (Qwen2-VL's architecture under a new
+model_type, registered with transformers here as a user's own model would be), plus its tiny-model builder, and shows
+that the tiny-model builder, the data encoder, the planner (``rocktune plan --task vlm``), the export's family lookup
+and the adapter card pick it up, with no other file changed: the alias encodes, plans and exports as the family it
+copies."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The token cache of task=vlm (tasks/vlm/data/vision_cache.py): a second start reads the encoded conversations back (the same
-ids, labels, grids and image references, no image processed again, the same losses), and whatever determines them
-(an image file, data.max_pixels / max_length, the chat template, the data) changes the key, so it is encoded again.
+"""The token cache of task=vlm (tasks/vlm/data/vision_cache.py): a second start reads the encoded conversations back
+(the same ids, labels, grids and image references, no image processed again, the same losses), and whatever determines
+them (an image file, data.max_pixels / max_length, the chat template, the data) changes the key, so it is encoded again.
 On a tiny random-init Qwen2.5-VL built offline."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Vision-language data (tasks/vlm/data/images.py, tasks/vlm/data/vision.py): every shape the ecosystem writes gives the same tokens,
-loss sits on the assistant's tokens only (never on image tokens), the pixel limits reach the image processor, and
-every bad image is a UserError naming its row. The tokenizer and Qwen's image processor are built offline
+"""Vision-language data (tasks/vlm/data/images.py, tasks/vlm/data/vision.py): every shape the ecosystem writes gives the
+same tokens, loss sits on the assistant's tokens only (never on image tokens), the pixel limits reach the image
+processor, and every bad image is a UserError naming its row. The tokenizer and Qwen's image processor are built offline
 (tasks/vlm/demo/tiny_vlm.py); no model weights are needed."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """task=vlm on the families beyond Qwen: Gemma 3 (fixed soft tokens per image, token_type_ids for its bidirectional
 image attention) and SmolVLM / Idefics3 (images split into tiles, pixels batched per conversation). Tiny random-init
-models built offline (tasks/vlm/demo/tiny_vlm_families.py) with the families' real image processors: the tokens and pixels
-equal transformers' own combined processors', every data shape encodes, the OOM split cuts the per-conversation
+models built offline (tasks/vlm/demo/tiny_vlm_families.py) with the families' real image processors: the tokens and
+pixels equal transformers' own combined processors', every data shape encodes, the OOM split cuts the per-conversation
 pixels right, a run trains, exports merged (the same logits) and answers with ``generate --image``, and what is not
 supported is refused with its reason; the chunked loss and adapter gradients equal PEFT's forward with torch's
 cross-entropy, and a tiny Gemma 3 and SmolVLM learn the colour task (make test-long), by test_vlm_train.py's checks.

@@ -39,7 +39,8 @@ def _config(tmp_path: Path, model: Path, data: tuple[Path, Path], task: str | No
 
 
 def test_the_planner_and_the_family_table_know_the_same_families():
-    """tasks/vlm/planner/vlm.py sits below the table (it imports no data code), so it keeps its own list: the two must agree."""
+    """tasks/vlm/planner/vlm.py sits below the table (it imports no data code), so it keeps its own list: the two must
+    agree."""
     from rocktune.tasks.vlm.planner.vlm import FAMILIES as PLANNED
     from rocktune.tasks.vlm.vision.families import FAMILIES
 

@@ -74,7 +74,7 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
     TaskSpec("dpo", "preference tuning of a causal LM's LoRA on chosen/rejected pairs by DPO (the reference is the "
              "model with its adapter switched off)", frozenset({"lm", "preference", "dpo"}),
              "rocktune.tasks.preference.task:PreferenceTask", _LM_LAUNCH, **_PREFERENCE,
-             demo="rocktune.demo.prefs_run:demo"),
+             demo="rocktune.tasks.preference.demo.run:demo"),
     TaskSpec("orpo", "preference tuning of a causal LM's LoRA on chosen/rejected pairs by ORPO (odds ratio plus the "
              "chosen answer's likelihood; no reference)", frozenset({"lm", "preference"}),
              "rocktune.tasks.preference.task:PreferenceTask", _LM_LAUNCH, **_PREFERENCE),
@@ -83,7 +83,7 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (
              "rocktune.tasks.grpo.task:GRPOTask", "rocktune.tasks.grpo.launch",
              sections=("grpo=rocktune.tasks.grpo.config:GRPOConfig",),
              preview="rocktune.tasks.grpo.preview:run_prompt_preview",
-             plan="rocktune.tasks.grpo.hooks:plan", demo="rocktune.demo.grpo_run:demo",
+             plan="rocktune.tasks.grpo.hooks:plan", demo="rocktune.tasks.grpo.demo.run:demo",
              report="rocktune.tasks.grpo.hooks:REPORT", style="rocktune.tasks.grpo.hooks:style", docs="docs/rl.md"),
     TaskSpec("vlm", "LoRA for a vision-language model's language model (Qwen2.5-VL, Qwen3-VL) on conversations "
              "with images; the vision tower and projector frozen", frozenset({"vlm"}),

@@ -87,8 +87,8 @@ PARITY = {
                              "micro-batches in rocktune's order", {**HF_TUNED, "precision": "fp32",
                                                                     "sampler": "rocktune-order"}),
 }
-# ``rocktune bench --suite vlm`` (tasks/vlm/bench/vlm.py): task=vlm against the HF Trainer on a vision-language model. Apart
-# from the text rows: they need that model and data, so neither --configs all nor a default set includes them.
+# ``rocktune bench --suite vlm`` (tasks/vlm/bench/vlm.py): task=vlm against the HF Trainer on a vision-language model.
+# Apart from the text rows: they need that model and data, so neither --configs all nor a default set includes them.
 VLM_CONFIGS = {c.name: c for c in [
     BenchConfig("vlm-hf", "hf", "HF Trainer + PEFT on the vision-language model: fp32, sdpa, LoRA on the language "
                 "model, a collator that pads and runs the image processor, random sampler", {"task": "vlm"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -160,3 +161,12 @@ def write_run_report(run_dir: Path) -> str | None:
 def demo(args) -> int:
     """``rocktune demo`` (task lm's registry ``demo`` hook): the tiny model learns a synthetic task."""
     return run_demo(out_dir=args.out or "runs/demo", as_json=args.json, steps=args.steps, overwrite=args.overwrite)
+
+
+def merge_adapter(run: Path, target: Path, overwrite: bool) -> None:
+    """A demo run's adapter merged into its base (the next stage starts from it), by ``rocktune export`` itself (what
+    a user would run)."""
+    cmd = [sys.executable, "-m", "rocktune", "export", str(run), "--to", "merged", "--out", str(target)]
+    res = subprocess.run(cmd + (["--overwrite"] if overwrite else []), capture_output=True, text=True)
+    if res.returncode != 0:
+        raise UserError(f"merging the demo's SFT adapter failed: {res.stderr.strip()[-600:]}")

@@ -129,7 +129,8 @@ def _check_interleaved_mrope(cfg) -> None:
 
 def _qwen3vl_hparams(writer, cfg) -> None:
     _mrope_hparams(writer, cfg)
-    writer.add_num_deepstack_layers(int(getattr(cfg, "num_deepstack_layers", 0)))  # set by tasks/vlm/export/gguf_vision.py
+    # set by tasks/vlm/export/gguf_vision.py
+    writer.add_num_deepstack_layers(int(getattr(cfg, "num_deepstack_layers", 0)))
 
 
 def _check_qwen3_moe(cfg) -> None:
@@ -214,7 +215,8 @@ ARCHS = {
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
     "glm4_moe": Arch("glm4moe", False, hparams=_glm4_moe_hparams),
-    # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (tasks/vlm/export/gguf_vision.py writes their eyes beside)
+    # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (tasks/vlm/export/gguf_vision.py writes their eyes
+    # beside)
     "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
     "qwen2_5_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
     # Gated DeltaNet + gated full attention (export/linear_attn.py)

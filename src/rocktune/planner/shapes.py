@@ -39,8 +39,8 @@ ARCH_TRAITS: dict[str, dict] = {
     "phi3": {**_DENSE, "fused_qkv": True, "fused_gate_up": True},
     "gemma2": {**_DENSE, "norms": 4, "tie": True},
     "gemma3_text": {**_DENSE, "norms": 4, "tie": True, "qk_norm": "head"},
-    # vision-language models' language models (task=vlm; tasks/vlm/planner/vlm.py sizes the vision side): a hub config.json
-    # is flat (Qwen2-VL, Qwen2.5-VL) or nests a text_config (Qwen3-VL, transformers 5's own saves)
+    # vision-language models' language models (task=vlm; tasks/vlm/planner/vlm.py sizes the vision side): a hub
+    # config.json is flat (Qwen2-VL, Qwen2.5-VL) or nests a text_config (Qwen3-VL, transformers 5's own saves)
     "qwen2_vl": {**_DENSE, "qkv_bias": True},
     "qwen2_vl_text": {**_DENSE, "qkv_bias": True},
     "qwen2_5_vl": {**_DENSE, "qkv_bias": True},

@@ -102,7 +102,8 @@ def _load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
 def _llama_cpp(base: str, run_dir: Path, family: str | None, data: dict) -> str:
     """The commands ``rocktune export`` prints after ``then:`` for this run's GGUF files (``--to gguf``, and
     ``--to gguf-lora --with-base``: the base, the LoRA applied, and the base's mmproj), with the run's image-token
-    limits, which llama.cpp reads from no file for Qwen (``tasks/vlm/vision/families.py``: ``ImageTokens``, export's own)."""
+    limits, which llama.cpp reads from no file for Qwen (``tasks/vlm/vision/families.py``: ``ImageTokens``, export's
+    own)."""
     from rocktune.errors import UserError, first_line
     from rocktune.tasks.vlm.vision.families import run_image_tokens
 

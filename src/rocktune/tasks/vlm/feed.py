@@ -1,8 +1,8 @@
 """What each optimizer step of a vision-language run feeds the model: micro-batches of whole examples, collated by
-tasks/vlm/data/vision_batch.py, or with ``data.packing`` micro-batches of packed rows of examples (tasks/vlm/data/vision_pack.py), or with
-``training.batching: tokens`` the step's examples packed into rows and cut into forwards of rows (``TokenVisionFeed``,
-the text tasks' token batching, tasks/causal/feed.py); the OOM split cuts between examples or rows (each with its own
-pixels and grids), never through one.
+tasks/vlm/data/vision_batch.py, or with ``data.packing`` micro-batches of packed rows of examples
+(tasks/vlm/data/vision_pack.py), or with ``training.batching: tokens`` the step's examples packed into rows and cut into
+forwards of rows (``TokenVisionFeed``, the text tasks' token batching, tasks/causal/feed.py); the OOM split cuts between
+examples or rows (each with its own pixels and grids), never through one.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def refuse(cfg: RunConfig, options: RunOptions) -> None:
 
 
 def packing_setting(cfg: RunConfig) -> str:
-    """The setting that packs conversations into rows (tasks/vlm/data/vision_pack.py), as the refusals name it; "" for none.
-    Token batching packs every step, so whatever refuses packing refuses it too."""
+    """The setting that packs conversations into rows (tasks/vlm/data/vision_pack.py), as the refusals name it; "" for
+    none. Token batching packs every step, so whatever refuses packing refuses it too."""
     if cfg.training.batching == "tokens":
         return "training.batching=tokens"
     return "data.packing" if cfg.data.packing else ""

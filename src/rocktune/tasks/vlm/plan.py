@@ -47,8 +47,8 @@ class DataSizes:
     """``(max_pixels, micro_batch) -> (tokens of the longest conversation, patches of each image of the heaviest
     micro-batch, the most loss-bearing tokens of a conversation)``: the ``Sizes`` the planner's fit asks for. The
     heaviest micro-batch is taken whole: the ``micro_batch`` conversations with the most patches, at the longest
-    conversation's length (rows are padded). ``shape``: the vision tower's (tasks/vlm/planner/vlm.py), for the patches of a view
-    where the resolution is the processor's own (Gemma 3, Idefics3, SmolVLM: ``max_pixels`` is not used)."""
+    conversation's length (rows are padded). ``shape``: the vision tower's (tasks/vlm/planner/vlm.py), for the patches
+    of a view where the resolution is the processor's own (Gemma 3, Idefics3, SmolVLM: ``max_pixels`` is not used)."""
 
     def __init__(self, conversations: list[Conversation], vision: VisionTokens, limits: tuple[int, int], shape):
         if not conversations:

@@ -1,5 +1,5 @@
-"""The positions of a packed vision-language batch (tasks/vlm/data/vision_pack.py), as the model's forward reads packed input:
-``[text; temporal; height; width]`` of shape (4, rows, tokens).
+"""The positions of a packed vision-language batch (tasks/vlm/data/vision_pack.py), as the model's forward reads packed
+input: ``[text; temporal; height; width]`` of shape (4, rows, tokens).
 
 Each conversation's 3-D rotary positions come from the model's own ``get_rope_index`` on that conversation alone,
 so they are exactly those of an unpacked forward; text-only stretches (and the padding) keep 1-D positions on all

@@ -1,7 +1,7 @@
 """``rocktune data preview -c CONFIG`` for task: vlm: every row read, every image opened and encoded as training
-does (tasks/vlm/data/vision.py), then the first examples shown with each image's size, its token count and where its tokens
-sit, the trained tokens in [brackets] (``--html``: the same as one page with thumbnails, report/vision_page.py). A bad
-row or image stops the preview with the error training would give, before the page is written."""
+does (tasks/vlm/data/vision.py), then the first examples shown with each image's size, its token count and where its
+tokens sit, the trained tokens in [brackets] (``--html``: the same as one page with thumbnails, report/vision_page.py).
+A bad row or image stops the preview with the error training would give, before the page is written."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The vision-language task (task: vlm): LoRA on a vision-language model's language model, trained on conversations
-with images (tasks/vlm/data/vision.py). The vision tower and projector stay frozen unless lora.target_modules reaches them.
+with images (tasks/vlm/data/vision.py). The vision tower and projector stay frozen unless lora.target_modules reaches
+them.
 
 Everything a run does the same way whatever it trains (steps, OOM split, guards, the training-path tripwire,
 checkpoints, exact resume, Ctrl-C, the final writes) is the engine's; this task brings the data (every row and

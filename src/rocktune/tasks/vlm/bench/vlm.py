@@ -1,8 +1,8 @@
-"""``rocktune bench --suite vlm``: task=vlm against the Hugging Face Trainer + PEFT (tasks/vlm/bench/hf_vlm.py) on the same
-tiny random-init Qwen2.5-VL (tasks/vlm/demo/tiny_vlm.py), the same conversations (the colour task, tasks/vlm/demo/vision_task.py), the
-same LoRA on the language model, batch, schedule and steps, both in fp32. Each side runs in its own process as the
-text rows do (bench/runner.py), and the report has the same shape: useful (loss-bearing) tokens/s, the peak memory,
-and the ratios against the HF row.
+"""``rocktune bench --suite vlm``: task=vlm against the Hugging Face Trainer + PEFT (tasks/vlm/bench/hf_vlm.py) on the
+same tiny random-init Qwen2.5-VL (tasks/vlm/demo/tiny_vlm.py), the same conversations (the colour task,
+tasks/vlm/demo/vision_task.py), the same LoRA on the language model, batch, schedule and steps, both in fp32. Each side
+runs in its own process as the text rows do (bench/runner.py), and the report has the same shape: useful (loss-bearing)
+tokens/s, the peak memory, and the ratios against the HF row.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ are laid out), one small typed rule per kind of family.
 - ``SplitTiles`` (Idefics3, SmolVLM): an image is split into rows x cols tiles plus a global view, each tile a fixed
   run of image tokens after a row/col tag; the pixels are batched per conversation, ``(rows, images, 3, H, W)``.
 
-The data layer widens placeholders and collates with a rule (tasks/vlm/data/vision.py, vision_batch.py); which rule a model
-takes is decided by its family (tasks/vlm/vision/families.py).
+The data layer widens placeholders and collates with a rule (tasks/vlm/data/vision.py, vision_batch.py); which rule a
+model takes is decided by its family (tasks/vlm/vision/families.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The rows of a vision-language source: JSON/JSONL by rocktune's own reader (file:line in errors; a row's content
 may be text here and parts there), parquet, Arrow, ``save_to_disk`` folders and hub ids through ``datasets`` as the
 LM's sources are opened (data/sources.py). Image columns (``datasets.Image``, alone or in a list, as TRL's vision
-sets store them) are read undecoded: ``{"bytes", "path"}`` values that tasks/vlm/data/images.py opens and checks itself."""
+sets store them) are read undecoded: ``{"bytes", "path"}`` values that tasks/vlm/data/images.py opens and checks
+itself."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tiny random-init Gemma 3 and SmolVLM / Idefics3 models, built offline as HF model directories (the Qwen families
-are tasks/vlm/demo/tiny_vlm.py's): a few layers of language model, one vision block, the demo's byte-level tokenizer with the
-family's image tokens and a chat template in its style, and transformers' own image processor of the family
+are tasks/vlm/demo/tiny_vlm.py's): a few layers of language model, one vision block, the demo's byte-level tokenizer
+with the family's image tokens and a chat template in its style, and transformers' own image processor of the family
 (``Gemma3ImageProcessor``; ``SmolVLMImageProcessor`` / ``Idefics3ImageProcessor``, which split an image into tiles).
 """
 
@@ -22,7 +22,8 @@ class SiglipTiny:
     image_processor: str
 
 
-# keyed by model_type as tasks/vlm/vision/table.py's entries (the Qwen-style ones are tasks/vlm/demo/tiny_vlm.py's FAMILIES)
+# keyed by model_type as tasks/vlm/vision/table.py's entries (the Qwen-style ones are tasks/vlm/demo/tiny_vlm.py's
+# FAMILIES)
 TINY: dict[str, SiglipTiny] = {"gemma3": SiglipTiny("gemma", "Gemma3ImageProcessor"),
                                "smolvlm": SiglipTiny("tiles", "SmolVLMImageProcessor"),
                                "idefics3": SiglipTiny("tiles", "Idefics3ImageProcessor")}

@@ -35,8 +35,8 @@ VISION_EPS = 1e-6  # transformers' Qwen2-VL/2.5-VL vision norms use this fixed e
 GEMMA3_POOL = 4  # mtmd's Gemma 3 pooling kernel when the mmproj does not say
 
 
-# one entry per family in the one table (tasks/vlm/vision/table.py, read live): llama.cpp's projector type, where the vision side
-# sits in the state dict, and the flags that change what is written
+# one entry per family in the one table (tasks/vlm/vision/table.py, read live): llama.cpp's projector type, where the
+# vision side sits in the state dict, and the flags that change what is written
 VisionFamily = GgufFacts
 
 

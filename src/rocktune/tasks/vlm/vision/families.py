@@ -1,9 +1,9 @@
 """The vision-language families task=vlm trains, one typed entry each (keyed by transformers' ``model_type``): the
 model class, where the vision tower and the projector sit in its module tree (LoRA targets, ``lora.vision``, the
 freeze log), whether its image processor takes ``min_pixels``/``max_pixels``, and how its processor widens an image
-placeholder (a rule of tasks/vlm/data/vision_rules.py, with the token strings read from the model's own config and tokenizer).
-The facts are tasks/vlm/vision/table.py's entries (standard library only, read by the planner and the export too); this module
-builds their runtime objects (the placeholder rule, ``VisionTokens``) from them.
+placeholder (a rule of tasks/vlm/data/vision_rules.py, with the token strings read from the model's own config and
+tokenizer). The facts are tasks/vlm/vision/table.py's entries (standard library only, read by the planner and the export
+too); this module builds their runtime objects (the placeholder rule, ``VisionTokens``) from them.
 Below the trainer and the export alike, it also holds a run's image-token range in llama.cpp's terms (``ImageTokens``):
 the export prints it on llama.cpp's command line and the adapter card (train/model_card.py) writes the same flags.
 
@@ -101,7 +101,8 @@ def run_image_tokens(name_or_path: str, data: dict) -> ImageTokens | None:
 
 @dataclass(frozen=True)
 class Family:
-    """A family's runtime view: its entry of tasks/vlm/vision/table.py with the placeholder rule that widens its images."""
+    """A family's runtime view: its entry of tasks/vlm/vision/table.py with the placeholder rule that widens its
+    images."""
     entry: FamilyEntry
 
     def __getattr__(self, key: str):  # name, model_class, image_processors, roots, projector, pixel_limits, ...
@@ -161,7 +162,8 @@ def _split_tiles(keys: tuple[str, ...], config, tokenizer, images) -> VisionToke
                         SplitTiles(image, around, whole, count))
 
 
-# the placeholder rules of tasks/vlm/vision/table.py's entries (Placeholder.kind), built from the model's config and tokenizer
+# the placeholder rules of tasks/vlm/vision/table.py's entries (Placeholder.kind), built from the model's config and
+# tokenizer
 RULES: dict[str, Callable[[tuple[str, ...], object, object, object], VisionTokens]] = {
     "patch_grid": _patch_grid, "fixed_tokens": _fixed_tokens, "split_tiles": _split_tiles}
 
@@ -184,7 +186,8 @@ def processor_settings(config) -> dict:
 
 
 class _Families(Mapping[str, Family]):
-    """tasks/vlm/vision/table.py's entries as ``Family`` objects, read live (an entry added to the table is a family here)."""
+    """tasks/vlm/vision/table.py's entries as ``Family`` objects, read live (an entry added to the table is a family
+    here)."""
 
     def __getitem__(self, kind: str) -> Family:
         return Family(table.FAMILIES[kind])

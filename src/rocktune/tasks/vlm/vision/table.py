@@ -5,13 +5,15 @@ data/ and models/) included:
 - the model: its display name, transformers' model class, the image processor classes it takes, where the vision
   tower and the projector sit in its module tree, whether its image processor takes ``min_pixels``/``max_pixels``,
   the lowest transformers major it is tested with, whether its conversations may be packed in a row;
-- the placeholder rule (``Placeholder``): which of tasks/vlm/data/vision_rules.py's rules widens an image placeholder, and the
+- the placeholder rule (``Placeholder``): which of tasks/vlm/data/vision_rules.py's rules widens an image placeholder,
+and the
   config keys of its token ids; tasks/vlm/vision/families.py builds the runtime rule and ``VisionTokens`` from it;
-- the planner's facts (``PlanFacts``): which kind of tower tasks/vlm/planner/vlm.py sizes and how its image tokens are made;
+- the planner's facts (``PlanFacts``): which kind of tower tasks/vlm/planner/vlm.py sizes and how its image tokens are
+made;
 - the GGUF export's facts (``GgufFacts``): llama.cpp's projector type and how the state dict is split and named.
 
-A new family is one entry here (plus its tiny-model builder in tasks/vlm/demo/tiny_vlm.py, keyed by the same name, and its
-tests). A family not listed is refused with the list; nothing is trained half-understood.
+A new family is one entry here (plus its tiny-model builder in tasks/vlm/demo/tiny_vlm.py, keyed by the same name, and
+its tests). A family not listed is refused with the list; nothing is trained half-understood.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 It starts from the SFT demo's adapter (``rocktune demo``'s run in ``--from``, trained first when there is none),
 merged into its base: that merged model is what DPO improves and, with the new adapter off, its reference. The pairs
 are the SFT task's prompts with two right answers in two styles, the preferred one ending with "!"
-(demo/pairs.py). On held-out prompts it shows how often the preferred answer wins — has the higher log-probability
-under the model — before and after, and how many greedy answers now take the preferred style.
+(tasks/preference/demo/pairs.py). On held-out prompts it shows how often the preferred answer wins — has the higher
+log-probability under the model — before and after, and how many greedy answers now take the preferred style.
 """
 
 from __future__ import annotations
@@ -12,16 +12,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from rocktune.config import config_from_dict
-from rocktune.demo.pairs import STYLE, make_pairs
-from rocktune.demo.run import check_demo_dir, generate, write_run_report
+from rocktune.demo.run import check_demo_dir, generate, merge_adapter, write_run_report
 from rocktune.demo.task import DEMO_SKILLS, write_jsonl
-from rocktune.errors import UserError
+from rocktune.tasks.preference.demo.pairs import STYLE, make_pairs
 
 DPO_STEPS = 30
 SFT_STEPS = 400  # when there is no SFT demo run to start from: enough for the task's answer shapes
@@ -46,7 +44,7 @@ def run_dpo_demo(out_dir: str, sft_dir: str, as_json: bool, steps: int | None, o
     check_demo_dir(out, settings, overwrite)
     if not (sft / "run" / "adapter").is_dir():
         _sft_demo(sft, as_json)
-    _merge(sft / "run", out / "sft_merged", overwrite=True)
+    merge_adapter(sft / "run", out / "sft_merged", overwrite=True)
     train_rows, eval_rows = make_pairs(n_train=512, n_eval=64, seed=0, skills=DEMO_SKILLS)  # the SFT demo's skills
     write_jsonl(out / "data" / "pairs_train.jsonl", train_rows)
     write_jsonl(out / "data" / "pairs_eval.jsonl", eval_rows)
@@ -101,14 +99,6 @@ def _sft_demo(sft: Path, as_json: bool) -> None:
         print(f"no SFT demo run in {sft}: training one first ({SFT_STEPS} steps)", file=sys.stderr)
     with contextlib.redirect_stdout(io.StringIO()):  # its JSON line is not this demo's
         run_demo(str(sft), True, SFT_STEPS)
-
-
-def _merge(run: Path, target: Path, overwrite: bool) -> None:
-    """The SFT adapter merged into its base, by ``rocktune export`` itself (what a user would run)."""
-    cmd = [sys.executable, "-m", "rocktune", "export", str(run), "--to", "merged", "--out", str(target)]
-    res = subprocess.run(cmd + (["--overwrite"] if overwrite else []), capture_output=True, text=True)
-    if res.returncode != 0:
-        raise UserError(f"merging the SFT demo's adapter failed: {res.stderr.strip()[-600:]}")
 
 
 def _print_summary(fig: dict, before: list[dict]) -> None:

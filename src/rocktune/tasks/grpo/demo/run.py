@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from rocktune.config import config_from_dict
-from rocktune.demo.prefs_run import _merge
-from rocktune.demo.run import MODEL_SHAPE, by_skill, check_demo_dir, demo_config, generate, write_run_report
+from rocktune.demo.run import (MODEL_SHAPE, by_skill, check_demo_dir, demo_config, generate, merge_adapter,
+                               write_run_report)
 from rocktune.demo.task import make_task, write_jsonl
 from rocktune.demo.tiny import build_tiny_model
 
@@ -98,7 +98,7 @@ def _partial_sft(out: Path, train_rows: list[dict], eval_rows: list[dict], steps
         print(f"SFT first, {steps} steps (a partly trained adapter for GRPO to start from)", file=sys.stderr)
     with contextlib.redirect_stdout(io.StringIO()):
         train(config_from_dict(cfg), RunOptions(overwrite=True), quiet=True)
-    _merge(out / "sft", out / "sft_merged", overwrite=True)
+    merge_adapter(out / "sft", out / "sft_merged", overwrite=True)
 
 
 def _print_summary(fig: dict) -> None:
