@@ -105,3 +105,50 @@ def test_tool_set_on_a_template_without_tools_is_refused_and_the_fix_works(tmp_p
     assert "<tools>" in text and '"name": "get_weather"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in trained
     assert not any(word in text for word in IDENTITY)
+
+
+@pytest.mark.real_model
+def test_smollm2_with_the_builtin_template_trains_tools_without_its_default_identity(request):
+    """SmolLM2-135M-Instruct's own template ignores tools and writes "You are a helpful AI assistant named SmolLM"
+    into a conversation without a system prompt; the built-in template keeps its ChatML turns and neither."""
+    from tests.test_demo_real import _real_model_wanted
+
+    _real_model_wanted(request)
+    from transformers import AutoTokenizer
+
+    from rocktune.demo import gguf_model
+
+    gguf = gguf_model.find_gguf()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    user = [{"role": "user", "content": "Who are you?"}]
+    assert "SmolLM" in tok.apply_chat_template(user, tokenize=False)  # its own template's default
+    tok = use_template(tok, bt.NAME)
+    enc = encode(_rec(OPENAI_TOOLS), "messages", tok, 4096, False, "r")
+    text = tok.decode(enc.input_ids)
+    trained = tok.decode([t for i, (t, lab) in enumerate(zip(enc.input_ids, enc.labels)) if lab != IGNORE and i])
+    assert "<tools>" in text and '"arguments": {"city": "Paris"}' in trained and "It is 21 degrees." in trained
+    assert "SmolLM" not in text and not any(word in text for word in IDENTITY)
+    assert tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_run_trained_with_the_builtin_template_exports_it_without_a_system_line(tiny_model_dir, tmp_path):
+    """Trained end to end through data.chat_template: builtin-tools: the run's tokenizer (what generate and export
+    load) carries the built-in template, a question to the model renders with no system turn, and the Modelfile has
+    the built-in TEMPLATE and no SYSTEM."""
+    from rocktune.config import config_from_dict
+    from rocktune.export.source import load_tokenizer, resolve
+    from rocktune.tasks import train
+
+    data = write_jsonl(tmp_path / "tools.jsonl", [OPENAI_TOOLS] * 6)
+    cfg = tiny_run_config(tiny_model_dir, data, None, tmp_path / "out", max_steps=1, micro_batch_size=2,
+                          grad_accum=1)
+    cfg["data"].update(max_length=700, eval_fraction=0.0, chat_template=bt.NAME)
+    train(config_from_dict(cfg), quiet=True)
+    tok = load_tokenizer(resolve(str(tmp_path / "out")))
+    assert tok.chat_template == bt.jinja(bt.SHAPES[0])  # ChatML turns, as the demo model's own template
+    asked = tok.apply_chat_template([{"role": "user", "content": "Who are you?"}], tokenize=False,
+                                    add_generation_prompt=True)
+    assert asked == "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n"
+    text, notes = modelfile("model.gguf", "chat", tok, None)
+    assert f'TEMPLATE """{bt.ollama(bt.SHAPES[0])}"""' in text and "SYSTEM" not in text and not notes
