@@ -411,10 +411,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--out", default="runs/bench", help="scratch runs, cache and report.json (default runs/bench)")
     p.add_argument("--nproc", type=int, default=1,
                    help="also run rocktune's defaults on N processes (rocktune train --nproc N, same global batch)")
-    p.add_argument("--suite", choices=("gpu", "vlm"),
+    p.add_argument("--suite", choices=("gpu", "vlm", "moe"),
                    help="a named suite: gpu = both Qwen2.5 shapes, 64 examples of 50-2,000 tokens per step, rocktune "
                         "vs hf-seed and hf-best, MFU targets (--model replaces the shapes, e.g. tiny for a CPU dry "
-                        "run); vlm = task=vlm vs the HF Trainer + PEFT on a tiny Qwen2.5-VL (docs/vision.md)")
+                        "run); vlm = task=vlm vs the HF Trainer + PEFT on a tiny Qwen2.5-VL (docs/vision.md); moe = "
+                        "the expert LoRA vs HF + PEFT target_parameters on a tiny Qwen3-MoE and a Qwen3-30B-A3B layer "
+                        "(--model tiny-moe or qwen3-30b-a3b-layer for one; docs/moe.md)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before one configuration is killed")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole set this many times, alternating the order; medians pool all rounds")

@@ -29,6 +29,15 @@ def run_bench_command(req: BenchRequest, as_json: bool, pick: bool, write_config
         from rocktune.tasks.vlm.bench.vlm import run_vlm_bench
 
         return _reported(run_vlm_bench(req, log), req.out, as_json)
+    if suite == "moe":
+        from rocktune.bench.moe import run_moe_bench
+
+        result = run_moe_bench(req, log)
+        Path(req.out).mkdir(parents=True, exist_ok=True)
+        (Path(req.out) / "report.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1) if as_json else
+              "\n".join(f"{shape}: {json.dumps(v['vs_hf_peft'])}" for shape, v in result["shapes"].items()))
+        return 0
     if suite is not None:
         from rocktune.bench.suites import run_suite
 

@@ -184,44 +184,47 @@ def grouped_experts(model) -> str | None:
     says which expert path runs where (None: the model has no adapted expert stacks)."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    inner_ids = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
-    outer = [m for m in model.modules() if isinstance(m, ParamWrapper) and id(m) not in inner_ids]
-    done, refused = 0, {}
+    outer = _outer_wrappers(model, ParamWrapper)
     for wrapper in outer:
         chain, experts = _chain(wrapper, ParamWrapper)
         why = refusal(experts)
         if why:
-            refused.setdefault(why, 0)
-            refused[why] += 1
+            setattr(wrapper, "_rt_refused", why)  # noqa: B010 -- read by expert_path_note
             continue
-        wrapper._rt_experts = (chain, experts)
-        wrapper._peft_forward = wrapper.forward  # PEFT's, for the calls this path leaves to it and the reference
-        wrapper.forward = types.MethodType(_grouped_forward, wrapper)
-        done += 1
-    if not outer:
-        return None
-    notes = []
-    if done:
-        kind = "torch grouped_mm for bf16 on a GPU, a padded batched matmul otherwise"
-        notes.append(f"expert LoRA: grouped on the routed tokens in {done} MoE blocks ({kind})")
-    notes += [f"expert LoRA: PEFT's target_parameters path in {n} MoE blocks: {why}" for why, n in refused.items()]
-    return "; ".join(notes)
+        setattr(wrapper, "_rt_experts", (chain, experts))  # noqa: B010
+        # PEFT's forward, for the calls this path leaves to it and for the reference (lean.peft_forward)
+        setattr(wrapper, "_peft_forward", wrapper.forward)  # noqa: B010
+        setattr(wrapper, "forward", types.MethodType(_grouped_forward, wrapper))  # noqa: B010
+    return expert_path_note(model)
+
+
+def _outer_wrappers(model, wrapper_cls) -> list:
+    inner_ids = {id(m.base_layer) for m in model.modules() if isinstance(m, wrapper_cls)}
+    return [m for m in model.modules() if isinstance(m, wrapper_cls) and id(m) not in inner_ids]
 
 
 def expert_path_note(model) -> str | None:
-    """Which expert path ``model`` runs now, for the run log (None: no adapted expert stacks)."""
+    """Which expert path each adapted MoE block of ``model`` runs now, for the run log (None: no adapted stacks)."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    wrapped = [m for m in model.modules() if isinstance(m, ParamWrapper)]
-    if not wrapped:
+    outer = _outer_wrappers(model, ParamWrapper)
+    if not outer:
         return None
-    grouped = [m for m in wrapped if "forward" in vars(m) and hasattr(m, "_rt_experts")]
-    if not grouped:
-        return "expert LoRA: PEFT's target_parameters path"
-    config = getattr(grouped[0]._rt_experts[1], "config", None)
-    replaced = getattr(config, "_experts_implementation", None) or "eager"
-    return (f"expert LoRA: grouped on the routed tokens ({len(grouped)} MoE blocks, in place of transformers' "
-            f"{replaced} experts; torch grouped_mm for bf16 on a GPU, a padded batched matmul otherwise)")
+    grouped = [m for m in outer if "forward" in vars(m) and hasattr(m, "_rt_experts")]
+    notes = []
+    if grouped:
+        config = getattr(grouped[0]._rt_experts[1], "config", None)
+        replaced = getattr(config, "_experts_implementation", None) or "eager"
+        notes.append(f"expert LoRA: grouped on the routed tokens ({len(grouped)} MoE blocks, in place of "
+                     f"transformers' {replaced} experts; torch grouped_mm for bf16 on a GPU, a padded batched "
+                     "matmul otherwise)")
+    refused: dict[str, int] = {}
+    for m in outer:
+        if m not in grouped:
+            why = getattr(m, "_rt_refused", "the expert path asked for is PEFT's")
+            refused[why] = refused.get(why, 0) + 1
+    notes += [f"expert LoRA: PEFT's target_parameters path in {n} MoE blocks ({why})" for why, n in refused.items()]
+    return "; ".join(notes)
 
 
 def patch(model, path: str) -> str | None:

@@ -13,6 +13,7 @@ from rocktune.data.dataset import Examples
 from rocktune.data.flat import collate_flat
 from rocktune.data.packing import collate_packed
 from rocktune.lora.lean import lean_lora
+from rocktune.lora.moe import expert_path_note
 from rocktune.kernels.attention import choose as choose_attention
 from rocktune.models.load import DTYPES, apply_lora, load_model, sdpa_supported
 from rocktune.models.targets import targets_note
@@ -82,6 +83,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
                        m.gradient_checkpointing, train_router=lora_cfg.train_router)
     # what LoRA adapted and left out, by kind (models/targets.py), before lean_lora patches the forwards
     notes += [n for n in (targets_note(model), lean_lora(model)) if n]  # lean: fewer passes (docs/speed.md 6)
+    notes += [n for n in (expert_path_note(model),) if n]  # which path the MoE expert stacks' LoRA takes
     if compile_:
         notes.append(compile_decoder(model))
     return model, notes
