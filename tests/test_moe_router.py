@@ -153,3 +153,20 @@ def test_expert_load_shares_leave_out_bad_lines():
              {"step": 5, "expert_load": [1, 1, 1, 1]}, {"step": 6}]
     run = RunData(path=None, name="r", steps=steps, evals=[])
     assert expert_loads(run) == ([1, 5], [[0.25, 0.75, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+
+
+@pytest.mark.parametrize("name", sorted(f.name for f in BY_NAME.values() if f.moe))
+def test_every_moe_family_counts_each_routed_token(name):
+    """Every MoE family of the fixtures (their routers' own classes and outputs, Llama 4's (scores, logits)
+    included): top-k picks per token in each MoE layer, one count per expert."""
+    model = tiny(name)
+    watch = RouterWatch.attach(model)
+    ids = batch(2, 16)
+    model(input_ids=ids)
+    got = watch.step_metrics()
+    cfg = model.config
+    experts = next(getattr(cfg, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                   if getattr(cfg, k, None))
+    assert len(got["expert_load"]) == experts == watch.experts
+    assert sum(got["expert_load"]) == len(watch.names) * ids.numel() * cfg.num_experts_per_tok
+    assert ("router_aux_loss" in got) == (name not in ("glm4.5", "llama4"))
