@@ -72,3 +72,12 @@ def test_preference_pairs_in_sft_get_advice_that_keeps_the_question(tmp_path, ti
     text = "".join(run[0] for run in pv["examples"][0]["runs"])
     assert pv["problems"] == [] and "q0?" in text and "yes" in text
     assert _preview(data, tiny_model_dir, "task=dpo") == 0  # the other advice: DPO takes the file as it is
+
+
+def test_a_record_missing_a_key_names_data_columns_and_the_mapping_works(tmp_path, tiny_model_dir, capsys):
+    data = write_jsonl(tmp_path / "pa.jsonl", [{"prompt": f"add {i} {i} =", "answer": f" {2 * i}"} for i in range(4)])
+    assert _preview(data, tiny_model_dir) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "record is missing 'completion'" in err and "data.columns: {completion: <its column>}" in err
+    assert _preview(data, tiny_model_dir, "data.columns={completion: answer}") == 0
+    assert json.loads(capsys.readouterr().out)["problems"] == []
