@@ -189,3 +189,39 @@ def test_experts_without_the_traits_stay_on_pefts_path_with_a_note():
     assert "no transformers experts-implementation traits" in moe.refusal(PlainExperts())
     with pytest.raises(ValueError, match="unknown expert LoRA path"):
         moe.patch(torch.nn.Module(), "fast")
+
+
+def test_the_reference_mode_runs_pefts_expert_path(calls):
+    """lora.check.reference_mode (the matrix, doctor --model, the run's tripwire) puts PEFT's forward back."""
+    from rocktune.lora.check import reference_mode
+
+    model = build("qwen3_moe", "grouped")
+    with torch.no_grad():
+        with reference_mode(model):
+            ref = model(input_ids=IDS).logits
+        assert not calls
+        got = model(input_ids=IDS).logits
+    assert len(calls) == 2
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_moe_bench_sides_train_alike_and_the_ratios_follow():
+    from rocktune.bench import moe as bench_moe
+    from rocktune.bench.moe_step import run
+
+    spec = {"shape": "tiny-moe", "device": "cpu", "precision": "bf16", "tokens": (2, 16), "warmup": 0, "steps": 2,
+            "seed": 0}
+    rt, hf = ({"status": "ok", **run({**spec, "side": side})} for side in bench_moe.SIDES)
+    assert rt["path"].startswith("expert LoRA: grouped on the routed tokens (2 MoE blocks")
+    assert "PEFT target_parameters" in hf["path"] and rt["adapter_parameters"] == hf["adapter_parameters"]
+    got = bench_moe.compare(rt, hf)
+    assert got["loss_max_rel_diff"] < bench_moe.LOSS_TOLERANCE
+    assert got["tokens_per_s"] == pytest.approx(rt["tokens_per_s"] / hf["tokens_per_s"])
+    fake = {"status": "ok", "losses": [2.0, 1.0], "model_bytes": 100, "useful_tokens_per_step": 10}
+    ratios = bench_moe.compare({**fake, "tokens_per_s": 40.0, "peak_bytes": 150},
+                               {**fake, "tokens_per_s": 10.0, "peak_bytes": 300})
+    assert ratios["tokens_per_s"] == 4.0 and ratios["peak"] == 0.5 and ratios["peak_above_model"] == 0.25
+    assert ratios["valid"] and ratios["goal_met"] == {"tokens_per_s": True, "peak": True}
+    stale = bench_moe.compare({**fake, "losses": [2.0, 2.0], "tokens_per_s": 1.0, "peak_bytes": 1},
+                              {**fake, "tokens_per_s": 1.0, "peak_bytes": 1})
+    assert not stale["valid"]  # a side whose loss did not fall has no speed figure
