@@ -228,6 +228,8 @@ FAMILY_KEYS = {
                 "qwen35.attention.recurrent_layers": [True, False], "qwen35.rope.dimension_sections": [1, 1, 0, 0]},
     "qwen3.5-moe": {"qwen35moe.expert_count": 4, "qwen35moe.expert_shared_feed_forward_length": 64,
                     "qwen35moe.attention.recurrent_layers": [True, False]},
+    "qwen3-next": {"qwen3next.ssm.inner_size": 64, "qwen3next.expert_shared_feed_forward_length": 64,
+                   "qwen3next.attention.recurrent_layers": [True, False], "qwen3next.rope.dimension_count": 4},
 }
 # llama.cpp rotates adjacent pairs in these graphs (HF: halves), so their q/k rows are stored interleaved
 PAIRWISE_ROPE = {"llama", "granite", "smollm3"}

@@ -224,6 +224,8 @@ ARCHS = {
                          lora_order=linear_attn.lora_order),
     "qwen3_5_moe_text": Arch("qwen35moe", False, hparams=_qwen35_hparams, transform=linear_attn.to_llama_cpp,
                              lora_order=linear_attn.lora_order),
+    "qwen3_next": Arch("qwen3next", False, hparams=_qwen35_hparams, transform=linear_attn.to_llama_cpp,
+                       lora_order=linear_attn.lora_order),
     "qwen3_vl_text": Arch("qwen3vl", False, check=_check_interleaved_mrope, hparams=_qwen3vl_hparams),
 }
 

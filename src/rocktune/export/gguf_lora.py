@@ -73,15 +73,14 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch,
         if ".experts" in module:
             out.update(_expert_lora(adapter, module, (a, b), cfg, model_cfg, name_of))
             continue
-        base = name_of(module + ".weight")
-        if base is None:
-            _refuse(adapter, f"the adapter adapts {module}, which has no GGUF tensor")
-        rank = a.shape[0]
-        if arch.lora_order is not None:
-            a, b = arch.lora_order(module, a, b, model_cfg)
-        b = b * (module_scale(module, cfg, rank) / (alpha / rank))
-        out[base + ".lora_a"] = a
-        out[base + ".lora_b"] = archs.to_gguf_layout(base, b, model_cfg, arch)
+        scale = module_scale(module, cfg, a.shape[0]) / (alpha / a.shape[0])
+        parts = [(module, a, b)] if arch.lora_order is None else arch.lora_order(module, a, b, model_cfg)
+        for part, part_a, part_b in parts:  # a fused projection llama.cpp keeps as several tensors: one pair each
+            base = name_of(part + ".weight")
+            if base is None:
+                _refuse(adapter, f"the adapter adapts {module}, which has no GGUF tensor")
+            out[base + ".lora_a"] = part_a
+            out[base + ".lora_b"] = archs.to_gguf_layout(base, part_b * scale, model_cfg, arch)
     if not out:
         _refuse(adapter, "the adapter has no LoRA matrices")
     return out, alpha

@@ -6,7 +6,7 @@ RMSNorm but the gated one inside the linear attention scales by (1 + w), so w + 
 key heads than value heads, HF groups the value heads by key head ([k0: v0 v1, k1: v0 v1]) and llama.cpp broadcasts
 them tiled ([k0 v0, k1 v0, k0 v1, k1 v1]): every value-head axis (the V rows of in_proj_qkv, in_proj_z, in_proj_a/b,
 A, dt, the V channels of the conv, the columns of out_proj) is reordered so. Qwen3-Next's fused in_proj_qkvz
-(per key head [q k v z]) is split into the qkv and z tensors, and in_proj_ba (per key head [b a]) into beta and alpha.
+(per key head [q k v z]) is split into the qkv and z tensors (its in_proj_ba stays one tensor).
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ def to_llama_cpp(key: str, data: np.ndarray, cfg) -> list[tuple[str, np.ndarray]
     module = key.rsplit(".", 1)[0]
     if key.endswith("in_proj_qkvz.weight"):
         return _split_qkvz(module, data, cfg)
-    if key.endswith("in_proj_ba.weight"):
-        return _split_ba(module, data, cfg)
     if key.endswith((".A_log", ".dt_bias")):
         data = data[v_order(cfg, 1)]
         if key.endswith(".dt_bias"):
@@ -79,28 +77,24 @@ def to_llama_cpp(key: str, data: np.ndarray, cfg) -> list[tuple[str, np.ndarray]
 
 
 def _split_qkvz(module: str, data: np.ndarray, cfg) -> list[tuple[str, np.ndarray]]:
-    """Qwen3-Next: rows per key head [q k v z] -> the qkv rows (q of all heads, k, v) and the z rows apart."""
+    """Qwen3-Next: rows per key head [q k v z] -> the qkv rows (q of all heads, k, v) and the z rows apart (a LoRA
+    B the same way: its rows are the projection's)."""
     nk, nv, dk, dv = _dims(cfg)
     per = nv // nk * dv
     heads = data.reshape(nk, 2 * dk + 2 * per, -1)
     q, k, v, z = np.split(heads, [dk, 2 * dk, 2 * dk + per], axis=1)
     flat = [x.reshape(-1, data.shape[1]) for x in (q, k, v, z)]
-    return [(f"{module.rsplit('.', 1)[0]}.in_proj_qkv.weight", np.concatenate(flat[:3])),
-            (f"{module.rsplit('.', 1)[0]}.in_proj_z.weight", flat[3])]
-
-
-def _split_ba(module: str, data: np.ndarray, cfg) -> list[tuple[str, np.ndarray]]:
-    """Qwen3-Next: rows per key head [b a] -> beta and alpha apart."""
-    nk, nv, _, _ = _dims(cfg)
-    b, a = np.split(data.reshape(nk, 2 * (nv // nk), -1), 2, axis=1)
     base = module.rsplit(".", 1)[0]
-    return [(f"{base}.in_proj_b.weight", b.reshape(nv, -1)), (f"{base}.in_proj_a.weight", a.reshape(nv, -1))]
+    return [(f"{base}.in_proj_qkv.weight", np.concatenate(flat[:3])), (f"{base}.in_proj_z.weight", flat[3])]
 
 
-def lora_order(module: str, a: np.ndarray, b: np.ndarray, cfg) -> tuple[np.ndarray, np.ndarray]:
-    """A LoRA pair on a linear-attention projection in the base tensor's layout: B's rows, A's columns reordered."""
+def lora_order(module: str, a: np.ndarray, b: np.ndarray, cfg) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """A LoRA pair on a linear-attention projection in the base tensors' layout: B's rows, A's columns reordered;
+    Qwen3-Next's fused qkvz as two pairs sharing A."""
+    if module.endswith("in_proj_qkvz"):
+        return [(name.removesuffix(".weight"), a, part) for name, part in _split_qkvz(module, b, cfg)]
     rows, cols = row_order(module, cfg), col_order(module, cfg)
-    return (a if cols is None else a[:, cols]), (b if rows is None else b[rows])
+    return [(module, a if cols is None else a[:, cols], b if rows is None else b[rows])]
 
 
 def add_hparams(writer, cfg) -> None:
