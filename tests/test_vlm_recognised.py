@@ -147,7 +147,7 @@ def test_the_adapter_card_names_every_family_and_what_autoprocessor_needs(vlm_di
     the card says (Qwen's processor builds a torchvision video processor), with the release the card names."""
     import torch
 
-    from rocktune.train.model_card import _load_vision, torchvision_for
+    from rocktune.tasks.vlm.card import load_vision, torchvision_for
     from rocktune.tasks.vlm.vision.families import FAMILIES
 
     assert (torchvision_for("2.4.1"), torchvision_for("2.6.0"), torchvision_for("2.13.0")) == \
@@ -159,11 +159,11 @@ def test_the_adapter_card_names_every_family_and_what_autoprocessor_needs(vlm_di
 
     base = AutoModelForImageTextToText.from_pretrained(vlm_dir)
     get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(run / "adapter")
-    card = " ".join(_load_vision(str(vlm_dir), run).split())
+    card = " ".join(load_vision(str(vlm_dir), run).split())
     assert f"({', '.join(f.name for f in FAMILIES.values())})" in card
     release = torch.__version__.split("+")[0]
     assert f"pip install torchvision=={torchvision_for(release)}" in card and "Qwen2_5_VLProcessor" in card
-    code = _load_vision(str(vlm_dir), run).split("```python\n")[1].split("```")[0]
+    code = load_vision(str(vlm_dir), run).split("```python\n")[1].split("```")[0]
     head, processor_line = code.split("processor = ")[0], "processor = " + code.split("processor = ")[1].split("\n")[0]
     scope: dict = {}
     exec(head, scope)  # noqa: S102 -- the card's own snippet, the thing under test
@@ -223,10 +223,10 @@ def test_the_card_of_a_siglip_family_gives_no_image_token_flags_and_what_its_pro
     import transformers
     from transformers.processing_utils import ProcessorMixin
 
-    from rocktune.train.model_card import _load_vision
+    from rocktune.tasks.vlm.card import load_vision
 
     base = vlm_dirs(family)
-    card = " ".join(_load_vision(str(base), tmp_path / "run").split())
+    card = " ".join(load_vision(str(base), tmp_path / "run").split())
     commands = _card_commands(card)
     assert len(commands) == 2 and all("--image-min-tokens" not in c and "--image-max-tokens" not in c
                                       for c in commands)

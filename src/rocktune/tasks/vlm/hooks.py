@@ -26,6 +26,6 @@ def plan(args) -> int:
 
 
 def card(base: str, run_dir: Path, data: dict) -> str:
-    from rocktune.train.model_card import _load_vision
+    from rocktune.tasks.vlm.card import load_vision
 
-    return _load_vision(base, run_dir, data)
+    return load_vision(base, run_dir, data)
