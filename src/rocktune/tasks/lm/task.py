@@ -25,6 +25,7 @@ from rocktune.tasks.causal.feed import Feeding, Share, StepFeed, resolve_mode
 from rocktune.tasks.causal.loss import LossModule
 from rocktune.tasks.causal.moe_metrics import RouterWatch
 from rocktune.tasks.causal.quant_gate import check_quantization
+from rocktune.tasks.causal.recurrent import unpacked
 from rocktune.tasks.causal.samples import SampleSettings, Sampler
 from rocktune.tasks.base import TaskBase
 from rocktune.train import build as engine_build
@@ -84,6 +85,8 @@ class LMTask(TaskBase):
             ctx.cfg, fit_notes, self.predicted_peak = autofit.apply_fit(cfg, ctx.precision, ctx.attn,
                                                                         ctx.options.vram_bytes)
             ctx.notes += fit_notes
+        ctx.cfg, packing_notes = unpacked(ctx.cfg, ctx.device)  # recurrent layers: no packed rows
+        ctx.notes += packing_notes
         m, d = ctx.cfg.model, ctx.cfg.data
         ctx.notes += check_quantization(m.quantization, m.name_or_path, ctx.precision, ctx.device, d.max_length,
                                         ctx.cfg.lora.r, ctx.platform)

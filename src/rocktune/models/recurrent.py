@@ -1,0 +1,27 @@
+"""Layers that carry state along the sequence (Gated DeltaNet's linear attention in Qwen3.5 / Qwen3-Next, Mamba2 in
+Granite 4): read from config.json's ``layer_types``, for what rocktune must not do with them yet."""
+
+from __future__ import annotations
+
+# layer_types values that are attention (each token attends to the tokens before it, masks keep documents apart)
+ATTENTION = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+
+
+def recurrent_layers(name_or_path: str, trust_remote_code: bool) -> dict[str, list[int]]:
+    """{layer kind: layer indices} of the model's layers that are not attention (empty for a plain transformer, an
+    unreadable config or custom code: the loader reports those)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code).get_text_config()
+    except Exception:  # noqa: BLE001 -- an unknown architecture, a missing file: model loading says what is wrong
+        return {}
+    found: dict[str, list[int]] = {}
+    for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if isinstance(kind, str) and kind not in ATTENTION:
+            found.setdefault(kind, []).append(i)
+    return found
+
+
+def describe(layers: dict[str, list[int]]) -> str:
+    return "; ".join(f"{kind} in layers {', '.join(map(str, idx))}" for kind, idx in layers.items())
