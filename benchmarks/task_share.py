@@ -5,10 +5,10 @@ one JSON object.
     python benchmarks/task_share.py --list     # and the definitions outside its folder that mention it
 
 A task's lines inside are every line of the files under ``src/rocktune/tasks/<folder>/``. Its lines outside are the
-lines of the top-level definitions (functions and classes, whole) outside every task's folder (the causal-LM kit,
-``tasks/causal``, counts as outside) whose code, docstrings and comments left out, names one of the task's words: a
-crude but strict reading, since a shared definition that merely names the task counts against it whole. The share is
-inside / (inside + outside).
+lines of the top-level functions (whole) and of the members of top-level classes (methods, fields) outside every
+task's folder (the causal-LM kit, ``tasks/causal``, counts as outside) whose code, docstrings and comments left out,
+names one of the task's words: a crude but strict reading, since a shared function that merely names the task
+counts against it whole. The share is inside / (inside + outside).
 """
 
 from __future__ import annotations
@@ -39,13 +39,23 @@ def _code(node: ast.AST) -> str:
     return ast.unparse(node)
 
 
+def _lines(node: ast.AST) -> int:
+    return (getattr(node, "end_lineno", None) or node.lineno) - node.lineno + 1  # type: ignore[attr-defined]
+
+
 def _defs(path: Path) -> list[tuple[str, int, str]]:
-    """(name, lines, code) of each top-level function and class of a file."""
+    """(name, lines, code) of each top-level function, and of each member of a top-level class (a method, a field:
+    a config section's field tagged for one task counts for it, not the whole section)."""
     out = []
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            lines = (node.end_lineno or node.lineno) - node.lineno + 1
-            out.append((node.name, lines, _code(node)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.append((node.name, _lines(node), _code(node)))
+        elif isinstance(node, ast.ClassDef):
+            for member in node.body:
+                if isinstance(member, ast.Expr) and isinstance(member.value, ast.Constant):
+                    continue  # the class's docstring
+                name = getattr(member, "name", None) or ast.unparse(getattr(member, "target", member))[:40]
+                out.append((f"{node.name}.{name}", _lines(member), _code(member)))
     return out
 
 
