@@ -170,3 +170,31 @@ def test_every_moe_family_counts_each_routed_token(name):
     assert len(got["expert_load"]) == experts == watch.experts
     assert sum(got["expert_load"]) == len(watch.names) * ids.numel() * cfg.num_experts_per_tok
     assert ("router_aux_loss" in got) == (name not in ("glm4.5", "llama4"))
+
+
+def test_train_router_end_to_end(tmp_path):
+    """lora.train_router: true in a real `rocktune train`: the routers move and are saved in the adapter file
+    beside the LoRA pairs."""
+    from safetensors import safe_open
+
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from tests.conftest import tiny_run_config, write_jsonl
+    from tests.family_fixtures import build_family, chat_records
+
+    model_dir = build_family(BY_NAME["qwen3-moe"], tmp_path / "model")
+    data = write_jsonl(tmp_path / "train.jsonl", chat_records(16, True))
+    cfg = tiny_run_config(model_dir, data, None, tmp_path / "out", max_steps=2, micro_batch_size=4, grad_accum=1,
+                          lr=1e-2, warmup_steps=0)
+    cfg["data"].update(max_length=64, eval_fraction=0.0)
+    cfg["lora"].update(r=4, train_router=True)
+    train(config_from_dict(cfg), quiet=True)
+    from safetensors.torch import load_file
+
+    base = load_file(str(next(model_dir.glob("*.safetensors"))))
+    with safe_open(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        gates = {k: f.get_tensor(k) for k in f.keys() if k.endswith("mlp.gate.weight")}
+    assert sorted(gates) == [f"base_model.model.model.layers.{i}.mlp.gate.weight" for i in (0, 1)]
+    for i in (0, 1):
+        assert not torch.equal(gates[f"base_model.model.model.layers.{i}.mlp.gate.weight"],
+                               base[f"model.layers.{i}.mlp.gate.weight"])
