@@ -96,3 +96,12 @@ def test_preview_prints_the_lengths_before_the_cut_and_the_length_that_keeps_the
     out = " ".join(capsys.readouterr().out.split())
     assert "before the cut" in out and "keeps them whole" in out  # rows of the summary table (its cells wrap)
     assert "error 3 examples are longer than data.max_length=64" in out and "checks passed" not in out
+
+
+def test_an_eval_file_is_judged_too(tmp_path, tok):
+    short = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+             for i in range(4)]
+    d = DataConfig(train_file=str(write_jsonl(tmp_path / "t.jsonl", short)), max_length=128,
+                   eval_file=str(write_jsonl(tmp_path / "e.jsonl", [_drone(0), _drone(1)])))
+    with pytest.raises(UserError, match=r"e\.jsonl: 2 examples are longer than data.max_length=128"):
+        prepare_data(d, tok, tmp_path / "cache", 0)

@@ -318,13 +318,13 @@ def prepare_data(d, tokenizer, cache_dir: Path, seed: int, vocab_size: int | Non
         if d.eval_file:
             evals, eval_stats = tokenize_file(d.eval_file, d, tokenizer, cache_dir, vocab_size, pending,
                                               eval_side=True)
-            stats.notes += eval_stats.notes
+            stats.notes += eval_stats.notes + _judged(eval_stats, d, d.eval_file)
             stats.cache_bytes += eval_stats.cache_bytes
         else:
             train, evals = split(train, d.eval_fraction, seed, _yield(d.train_file, stats))
         stats.notes += truncate.describe(stats.n_records, stats.n_truncated, stats.n_prompt_cut,
                                          stats.n_completion_cut, stats.n_dropped, d.max_length, d.truncation)
-        stats.notes += _judged(stats, d)
+        stats.notes += _judged(stats, d, d.train_file)
         if check is not None:
             stats.notes += check(train, stats)
     except BaseException:
@@ -334,15 +334,15 @@ def prepare_data(d, tokenizer, cache_dir: Path, seed: int, vocab_size: int | Non
     return train, evals, stats
 
 
-def _judged(stats: DataStats, d) -> list[str]:
-    """data.lossy_truncation on the examples whose cut removed what they teach: an error stops the run here, before
-    anything is committed; a warning or a note goes into the run's notes."""
+def _judged(stats: DataStats, d, source: str) -> list[str]:
+    """data.lossy_truncation on the examples of ``source`` whose cut removed what they teach: an error stops the run
+    here, before anything is committed; a warning or a note goes into the run's notes."""
     found = truncate.judge(stats.cuts, d.max_length, d.lossy_truncation)
     if found is None:
         return []
     level, message = found
     if level == "error":
-        raise UserError(f"{d.train_file}: {message}. (rocktune data preview -c CONFIG shows the lengths.)")
+        raise UserError(f"{source}: {message}. (rocktune data preview -c CONFIG shows the lengths.)")
     return [f"warning: {message}." if level == "warning" else f"{message}."]
 
 
