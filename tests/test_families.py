@@ -96,7 +96,9 @@ def test_lora_targets(family_dir, record_property, name):
                                       family_dir(name).parent / f"{name}-adapter")
     assert _adapted(again) == set(fam.trained)  # PEFT's own reload renames nothing (models.targets.keep_v5_names)
     short = ", ".join(m.removesuffix("_proj") for m in fam.trained)
-    record_property("cell", short + (" + experts (router frozen)" if fam.moe else ""))
+    frozen_kinds = ", ".join(k for k, found in (("router", fam.moe), ("1-wide gate", gates)) if found)
+    record_property("cell", short + (" + experts" if fam.moe else "") + (f" ({frozen_kinds} frozen)" if frozen_kinds
+                                                                        else ""))
 
 
 def _adapted(model) -> set[str]:
