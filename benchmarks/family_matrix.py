@@ -53,9 +53,45 @@ QUIRKS = [
     "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless the "
     "adapter changed it (docs/export.md).",
     "- **Chat templates**: every family's template shape is exercised by `test_chat_masking` (with a system turn "
-    "where the template takes one; Mistral's and Gemma's have none). SmolLM3's row uses a template with "
+    "where the template takes one; Mistral's and Gemma 2/3's have none). SmolLM3's row uses a template with "
     "`{% generation %}` markers: rocktune finds the reply by rendering the template turn by turn, and the tokens it "
     "trains are exactly the ones the markers enclose.",
+    "- **LoRA targets by role** (`src/rocktune/models/targets.py`): `all-linear` adapts every linear layer but the "
+    "head, whatever the layer kind: attention, Gated DeltaNet's `in_proj_*`/`out_proj` (Qwen3.5, Qwen3-Next), "
+    "Mamba2's `in_proj`/`out_proj` and the shared MLP (Granite 4), dense-layer MLPs and shared experts (GLM-4.5, "
+    "Llama 4, Qwen3.5-MoE), Gemma 4's per-layer projections. Never a router (the child of an expert-stack block "
+    "with one output per expert, whatever its class: Llama 4's is an `nn.Linear` returning a tuple, which crashed "
+    "the first step when adapted) nor a 1-wide gate (Qwen3.5-MoE's and Qwen3-Next's `shared_expert_gate`). The run "
+    "log's `lora targets:` line lists what was adapted and left out, by kind. PEFT 0.21 rewrites a config's "
+    "`gate_proj`/`up_proj`/`down_proj` targets onto the fused experts for models on Qwen2-MoE's v4 pattern (GLM-4.5, "
+    "Qwen3-Next), dropping their dense MLPs and shared experts; rocktune keeps a target that names a real linear "
+    "layer (`keep_v5_names`), in training and when an adapter is loaded for export. A plain PEFT load of such an "
+    "adapter outside rocktune still applies the rewrite.",
+    "- **Recurrent layers** (Qwen3.5, Qwen3-Next: Gated DeltaNet; Granite 4: Mamba2): packed rows are refused "
+    "(`data.packing`, `training.batching: tokens`) because the layer's state runs on from one packed example into "
+    "the next; `batching: auto` keeps padded micro-batches for them. Without flash-linear-attention / mamba-ssm "
+    "transformers runs its torch reference kernels: at the matrix's size a Granite 4 step takes 0.3 s on one CPU "
+    "thread (8 x 96 tokens, 4 Mamba2 heads of 32, state 16, chunk 16), but a config that keeps transformers' "
+    "defaults (128 heads of width 1, state 256, chunk 256 > the sequence) takes 80 s per step: the reference scan "
+    "costs chunk^2 x heads x state whatever the sequence length. Real Granite 4 shapes are the former kind.",
+    "- **gpt-oss (Harmony)**: a reply's reasoning (`thinking` or `reasoning_content`) renders on the analysis "
+    "channel as a message of its own before the final answer; it is prompt, not loss: the final channel and tool "
+    "calls (`to=functions.NAME` on the commentary channel) are trained. Harmony's fixed system header is ~150 "
+    "tokens, so the matrix trains it with `max_length` 320.",
+    "- **Qwen3.5 thinking blocks**: the template keeps a reply's reasoning only after the last user turn and an "
+    "empty `<think>` block on the last reply; rocktune trains what it renders (the last reply's think block "
+    "included), and reasoning given as `reasoning_content` on earlier turns is dropped as the template drops it "
+    "(reasoning inside an earlier turn's `content` is refused: the template would cut the text).",
+    "- **GLM-4.5**: its template writes nothing after a reply (the model ends it by writing the next role token), "
+    "so chat data is refused before training: no end-of-turn token would carry loss. Prompt/completion data "
+    "(EOS appended) trains it.",
+    "- **Llama 4**: its text model keeps the decoder as `model` while its `base_model_prefix` says "
+    "`language_model`; rocktune's loss finds it (the first step failed before).",
+    "- **Gemma 4**: per-layer embeddings (`hidden_size_per_layer_input` per layer and token) are adapted through "
+    "their projections (`per_layer_input_gate`, `per_layer_projection`, `per_layer_model_projection`); the "
+    "embedding table itself is frozen like every embedding.",
+    "- **QLoRA on the CPU**: bitsandbytes' CPU nf4 is wrong on rows of 32 and the QLoRA gate refuses such a model; "
+    "the matrix's MoE expert widths are 64.",
 ]
 
 
@@ -142,13 +178,16 @@ def render_doc(results: dict[str, dict]) -> str:
         "## Cells that are not a plain pass", "",
         "| test | outcome | why |", "|---|---|---|", *rows, "",
         "## What the columns check", "",
-        "- **LoRA targets**: the modules `lora.target_modules: all-linear` adapts in each layer (Phi-3's fused "
-        "`qkv_proj`/`gate_up_proj` as they are; on MoE models also every expert's weights through PEFT's parameter "
-        "targeting, with the router left alone).",
-        "- **chat masking**: only the assistant reply, the family's end-of-turn token and the template's whitespace "
-        "after it bear loss; the tokens equal the template's own rendering.",
+        "- **LoRA targets**: the modules `lora.target_modules: all-linear` adapts in every layer kind (Phi-3's "
+        "fused `qkv_proj`/`gate_up_proj` as they are; on MoE models also every expert's weights through PEFT's "
+        "parameter targeting), never a router or a 1-wide gate; PEFT reloads the saved adapter with the same set.",
+        "- **chat masking**: only the assistant reply (with what the template writes ahead of its text: Qwen3.5's "
+        "think block, Harmony's final-channel header), the family's end-of-turn token and the template's whitespace "
+        "after it bear loss; the tokens equal the template's own rendering (`tests/test_family_chat.py`: Harmony "
+        "channels and tool calls, Qwen3.5 thinking, Gemma 4 and Llama 4 tool calls).",
         "- **train / QLoRA**: a few steps of the real `rocktune train` on chat data (QLoRA: an nf4 base).",
-        "- **merged**: `export --to merged` reloads in transformers with the PEFT model's logits (fp32, 1e-5).",
+        "- **merged**: `export --to merged` reloads in transformers with the PEFT model's logits (fp32, 1e-5; "
+        "3e-5 on Gated DeltaNet models, whose chunked recurrence accumulates the rounding).",
         "- **GGUF**: the file is read back with gguf-py's `GGUFReader`: the family's own metadata keys, and every "
         "tensor equal to the merged weights in llama.cpp's layout (derived in the test itself: q/k rows "
         "interleaved for llama-style rope, Gemma's norms as 1 + w, MoE experts as gate/up/down stacks), exactly "
@@ -163,7 +202,8 @@ def render_doc(results: dict[str, dict]) -> str:
         "GGUF with the GGUF LoRA gives the same tokens, and without it the base's. Skipped where llama-cpp-python "
         "is not installed (`make llama-cpp`).",
         "- **plan**: `rocktune plan` reads the family's config.json; its parameter count equals the model's (MoE: "
-        "total and active) and its LoRA count equals PEFT's.", "",
+        "total and active) and its LoRA count equals PEFT's; an architecture it does not know is refused naming "
+        "it.", "",
         "## Family quirks, and where they are handled", "",
         *QUIRKS, "",
     ])
