@@ -262,12 +262,13 @@ class GRPOTask(TaskBase):
 
     def resumed(self, restored) -> None:
         self.rollout_pieces = max(self.rollout_pieces, restored.extra.get("rollout_pieces", 1))
+        self.watch.restore(restored.extra.get("watch"))  # a resumed run warns where the uninterrupted one does
         distributed.restore_rng(self.run.ctx.dist, restored.extra.get("rank_rng"))
 
     def checkpoint_extra(self) -> dict:
         dist = self.run.ctx.dist
         return {"world_size": dist.world, "sampler": SAMPLER, "rank_rng": distributed.gather_rng(dist),
-                "rollout_pieces": self.rollout_pieces}
+                "rollout_pieces": self.rollout_pieces, "watch": self.watch.state()}
 
     def start(self, redo_from: int, metrics, log) -> None:
         """The run's log for the rollout's OOM split and the warnings; samples.jsonl keeps only what was logged

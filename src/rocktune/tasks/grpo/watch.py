@@ -52,6 +52,15 @@ class Watch:
                 out.append(self._clipped(step, stats) if kind == "clipped" else self._flat(step))
         return out
 
+    def state(self) -> dict:
+        """What a checkpoint keeps: the streaks and what was said."""
+        return {"streak": dict(self.streak), "told": sorted(self.told)}
+
+    def restore(self, state: dict | None) -> None:
+        if state:  # None: a checkpoint of a version without the watch
+            self.streak.update(state["streak"])
+            self.told = set(state["told"])
+
     def _clipped(self, step: int, stats: dict) -> str:
         return (f"step {step}: {stats['completions/clipped_ratio']:.0%} of the completions hit "
                 f"grpo.max_completion_length={self.max_completion_length} for {PATIENCE} steps in a row: they are "
