@@ -19,6 +19,9 @@
 #                                      # prepare.sh), the tiny VL model learning its colour task in bf16
 #     bash benchmarks/gpu_check.sh tests   # not in the plan: the slow gpu-marked tests command 1 leaves out (the
 #                                      # real loop's OOM split and exact resume; the planner's peaks)
+#     bash benchmarks/gpu_check.sh moe     # a command of its own (issue 54, <= 9 min): the expert LoRA's tests on
+#                                      # this torch (grouped_mm against PEFT's target_parameters), then the moe
+#                                      # suite: rocktune vs HF + PEFT on the tiny Qwen3-MoE and a Qwen3-30B-A3B layer
 #
 # What comes back (at most 8 files from $OUT): summary.txt (one line per stage: status, loss first -> last, MFU,
 # tokens/s, peak, attention, fusion, recompiles; then the ratios), report.json (every bench row of the command in
@@ -30,9 +33,9 @@
 # Dry run on a CPU (tiny model, the same stages; pytest only collects): add --dry-run (or DRY=1).
 set -u
 PART=${1:-}
-USAGE="usage: gpu_check.sh {1|2|extra|tasks|tests} [--dry-run]"
+USAGE="usage: gpu_check.sh {1|2|extra|tasks|tests|moe} [--dry-run]"
 case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "$USAGE" >&2; exit 2 ;; esac
-case "$PART" in 1|2|extra|tasks|tests) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
+case "$PART" in 1|2|extra|tasks|tests|moe) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/rocktune-gpu-check}
 WORK=${GPU_CHECK_WORK:-}  # archived into $OUT, never left there; a temporary folder unless given
 [ -n "$WORK" ] || { WORK=$(mktemp -d /tmp/rocktune-gpu-check-work.XXXXXX); MADE_WORK=1; }
@@ -139,7 +142,7 @@ if [ -n "${DRY:-}" ]; then
   # compiles a layer in about 2 minutes)
   PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; COLLECT="--collect-only"; SLACK=3
   LOSS="--dtype fp32 --rows 300 --chunk 128 --vocab 512 --hidden 64 --repeat 1"
-  GRPO="--steps 1 --warmup 0 --rounds 1"; VLM="--precision fp32 --steps 40"
+  GRPO="--steps 1 --warmup 0 --rounds 1"; VLM="--precision fp32 --steps 40"; MOE="--model tiny-moe --steps 1"
 else
   if [ -d .whl ]; then
     note "install begins (timeout 30s)"
@@ -149,7 +152,7 @@ else
   fi
   PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; COLLECT=""; SLACK=1
   LOSS="--dtype bf16 --chunk 2048 --rows 8192 --repeat 5"
-  GRPO="--steps 6 --warmup 1 --rounds 2"; VLM="--precision bf16 --steps 300"
+  GRPO="--steps 6 --warmup 1 --rounds 2"; VLM="--precision bf16 --steps 300"; MOE="--steps 5 --rounds 2"
 fi
 : > "$OUT/summary.txt"
 note "gpu_check.sh $PART${DRY:+ --dry-run} in $PWD, work folder $WORK"
@@ -191,6 +194,16 @@ case "$PART" in
     plain vlm-learns 120 vlm-learns.json $PY benchmarks/vlm_learns.py --device $DEVICE $VLM
     # packed rows: on the GPU, auto takes the varlen kernel for the language model where its self-test passes
     plain vlm-packed 120 vlm-packed.json $PY benchmarks/vlm_learns.py --device $DEVICE $VLM --packing
+    ;;
+  moe)
+    # the expert LoRA on the routed tokens (issue 54): equal to PEFT's target_parameters path here first (the
+    # gpu-marked test takes torch's grouped_mm in bf16), then its speed and peak beside HF + PEFT, both shapes
+    tests moe-correctness 120 $PY -m pytest -x -q -p no:cacheprovider $COLLECT tests/test_moe_lora.py "$MATRIX" -k moe
+    if gated moe-bench; then
+      plain moe-bench 360 moe-bench.json $PY -m rocktune bench --suite moe --device $DEVICE --json \
+        --out "$WORK/moe-bench" --warmup 1 --timeout 150 $MOE
+      say "$($PY -m rocktune.bench.moe "$WORK/moe-bench/report.json" 2>&1 | tail -n 2)"
+    fi
     ;;
   tests)
     tests gpu-slow 450 $PY -m pytest -q -p no:cacheprovider $COLLECT -m gpu tests/test_gpu_train.py \

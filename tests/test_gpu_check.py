@@ -22,7 +22,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 # The device's 15 minutes: a start-up of up to 1.5 minutes, command 1 and command 2 (at most 10 minutes each);
 # the extra and tests commands are outside the plan, one command each.
 DEVICE_S, START_UP_S, COMMAND_MAX_S = 15 * 60, 90, 600
-LIMIT_S = {"1": 9 * 60, "2": 4.5 * 60, "extra": COMMAND_MAX_S, "tasks": COMMAND_MAX_S, "tests": COMMAND_MAX_S}
+LIMIT_S = {"1": 9 * 60, "2": 4.5 * 60, "extra": COMMAND_MAX_S, "tasks": COMMAND_MAX_S, "tests": COMMAND_MAX_S,
+           "moe": 9 * 60}
 INSTALL_S = 30
 PER_STAGE_S = 2  # a stage's line (python -m rocktune.bench.check) and the archive rebuilt after it
 MAX_FILES = 8  # what the device machine brings back from $OUT (16 MiB each)
@@ -39,7 +40,7 @@ def _stages(part: str) -> list[tuple[str, int]]:
     return [(a or b, int(s)) for a, b, s in STAGE.findall(_body(part))]
 
 
-@pytest.mark.parametrize("part", ["1", "2", "extra", "tasks", "tests"])
+@pytest.mark.parametrize("part", ["1", "2", "extra", "tasks", "tests", "moe"])
 def test_each_command_of_the_gpu_check_ends_in_time(part):
     stages = _stages(part)
     spent = INSTALL_S + sum(s for _, s in stages) + PER_STAGE_S * len(stages)
@@ -292,6 +293,15 @@ def test_extra_dry_runs_the_explaining_rows_the_loss_and_the_compiled_layer(tmp_
         layers = json.load(tar.extractfile("./compiled-layer.json"))["layers"]
     assert loss["compiled"]["aten_calls_per_chunk"] < loss["eager"]["aten_calls_per_chunk"]
     assert [x["graph_breaks"] for x in layers] == [0, 0] and all(x["forward"]["generated"] > 0 for x in layers)
+
+
+@pytest.mark.long  # its dry run: the MoE tests collected, the moe suite's tiny shape one step a side (about 1 min)
+def test_moe_dry_runs_the_expert_lora_tests_then_the_moe_suite(tmp_path):
+    proc = _dry_run("moe", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert [x.split(":", 1)[0] for x in lines] == ["moe-correctness", "moe-bench", "moe tiny-moe"], lines
+    assert lines[1].startswith("moe-bench: ok") and "grouped on the routed tokens" in lines[2], lines
 
 
 @pytest.mark.long  # outside the plan; its dry run trains GRPO on both sides and the VL task (about 2 minutes)

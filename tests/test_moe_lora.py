@@ -225,3 +225,23 @@ def test_the_moe_bench_sides_train_alike_and_the_ratios_follow():
     stale = bench_moe.compare({**fake, "losses": [2.0, 2.0], "tokens_per_s": 1.0, "peak_bytes": 1},
                               {**fake, "tokens_per_s": 1.0, "peak_bytes": 1})
     assert not stale["valid"]  # a side whose loss did not fall has no speed figure
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_bf16_takes_torchs_grouped_mm_and_equals_pefts_path(calls, monkeypatch):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs a CUDA/ROCm device of sm80 or later")
+    kernel = []
+    real = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: kernel.append(1) or real(*a, **k))
+    ids = IDS.cuda()
+    out = {}
+    for path in ("peft", "grouped"):
+        model = build("qwen3_moe", path, torch.bfloat16).cuda()
+        kernel.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[path] = float(loss), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    assert len(calls) == 2 and len(kernel) == 2 * 2 * 3  # the grouped side: blocks x stacks x (W, A, B)
+    assert out["grouped"][0] == pytest.approx(out["peft"][0], rel=5e-3)
+    assert relative(out["grouped"][1], out["peft"][1]) < 1e-1

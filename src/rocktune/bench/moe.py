@@ -88,3 +88,22 @@ def _fastest(results: list[dict]) -> dict:
     """The round with the best median step (the machine's load only ever slows a side down)."""
     ok = [r for r in results if r.get("status") == "ok"]
     return min(ok, key=lambda r: r["step_s"]) if ok else results[0]
+
+
+def summary(report: dict) -> str:
+    """One line per shape: the ratios against HF + PEFT, for gpu_check.sh's summary."""
+    lines = []
+    for shape, row in report["shapes"].items():
+        v = row["vs_hf_peft"]
+        if "tokens_per_s" not in v:
+            lines.append(f"moe {shape}: INVALID ({v.get('reason')})")
+            continue
+        verdict = "" if v["valid"] else "INVALID (the losses differ or did not fall) "
+        lines.append(f"moe {shape}: {verdict}tokens/s x{v['tokens_per_s']:.2f} (goal >= {GOAL['tokens_per_s']}), "
+                     f"peak x{v['peak']:.2f} (goal <= {GOAL['peak']}), above the model x{v['peak_above_model']:.2f}; "
+                     f"losses within {v['loss_max_rel_diff']:.1e}; {row['rocktune'].get('path', '')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m rocktune.bench.moe REPORT.json: the summary lines
+    print(summary(json.loads(Path(sys.argv[1]).read_text())))
