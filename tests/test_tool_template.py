@@ -152,3 +152,19 @@ def test_a_run_trained_with_the_builtin_template_exports_it_without_a_system_lin
     assert asked == "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n"
     text, notes = modelfile("model.gguf", "chat", tok, None)
     assert f'TEMPLATE """{bt.ollama(bt.SHAPES[0])}"""' in text and "SYSTEM" not in text and not notes
+
+
+def test_a_preference_pair_with_tools_is_refused_with_the_builtin_fix_and_the_fix_works():
+    """DPO's pairs: the same refusal names the same one-line fix, and with it the call is the trained answer."""
+    from rocktune.demo.tiny import build_tokenizer as tiny_tokenizer
+    from rocktune.tasks.preference.pairs import encode_pair, read_pair
+    from tests.test_preference_formats import _tool_pair
+
+    pair = read_pair(_tool_pair(), "r0")
+    with pytest.raises(UserError, match=r"r0: .*does not render the pair's tool list.*data.chat_template: builtin"):
+        encode_pair(pair, tiny_tokenizer(), 2048, "prompt", "r0")
+    tok = use_template(tiny_tokenizer(), bt.NAME)
+    ids, labels = encode_pair(pair, tok, 2048, "prompt", "r0").chosen
+    assert "<tools>" in tok.decode(ids) and not any(word in tok.decode(ids) for word in IDENTITY)
+    assert tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE]) == (
+        '<tool_call>\n{"name": "lookup_plant", "arguments": {"name": "snake plant"}}\n</tool_call><|im_end|>\n')

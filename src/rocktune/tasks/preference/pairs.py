@@ -214,9 +214,11 @@ def _render(pair: PairText, tokenizer, where: str) -> tuple[list[int], list[int]
                                                     add_generation_prompt=True):
         names = ", ".join(t["function"]["name"] for t in pair.tools)
         raise UserError(f"{where}: the model's chat template does not render the pair's tool list ({names}): the "
-                        "prompt renders the same with and without it. Use a template that renders tools "
-                        "(data.chat_template naming a .jinja file that does, or a model whose own template does), or "
-                        "remove the tools from the pairs if the answers do not depend on them.")
+                        "prompt renders the same with and without it. The one-line fix: data.chat_template: "
+                        "builtin-tools (rocktune's own tool-calling template in the model's turn format; it adds no "
+                        "system prompt); or data.chat_template naming a .jinja file that renders tools, or a model "
+                        "whose own template does; or remove the tools from the pairs if the answers do not depend on "
+                        "them.")
 
     def answer(msgs):
         full = render_chat_template(tokenizer, pair.prompt + msgs, tokenize=False, add_generation_prompt=False,
