@@ -232,6 +232,8 @@ FAMILY_KEYS = {
                     "qwen35moe.attention.recurrent_layers": [True, False]},
     "qwen3-next": {"qwen3next.ssm.inner_size": 64, "qwen3next.expert_shared_feed_forward_length": 64,
                    "qwen3next.attention.recurrent_layers": [True, False], "qwen3next.rope.dimension_count": 4},
+    "gpt-oss": {"gpt-oss.expert_count": 4, "gpt-oss.attention.sliding_window": 16,
+                "gpt-oss.expert_feed_forward_length": 128},
 }
 # llama.cpp rotates adjacent pairs in these graphs (HF: halves), so their q/k rows are stored interleaved
 PAIRWISE_ROPE = {"llama", "granite", "smollm3"}
@@ -242,8 +244,10 @@ def expected_gguf(state: dict, cfg, arch: str) -> dict:
     gguf-py's table, q/k rows interleaved for pairwise-rope graphs, Gemma's norms as 1 + w, OLMo 2's head untied."""
     import gguf
 
-    if getattr(cfg, "linear_num_key_heads", None):  # Gated DeltaNet: the exporter's layout, which
-        from rocktune.export.gguf_model import gguf_tensors  # test_gguf_converter.py proves equal to llama.cpp's
+    # Gated DeltaNet's reorders, gpt-oss's transposed interleaved experts: the exporter's layout, which
+    # test_gguf_converter.py proves equal to llama.cpp's own converter
+    if getattr(cfg, "linear_num_key_heads", None) or cfg.model_type == "gpt_oss":
+        from rocktune.export.gguf_model import gguf_tensors
 
         return gguf_tensors(state, cfg, ARCHS[cfg.model_type])
     enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rocktune.errors import UserError
-from rocktune.export import linear_attn
+from rocktune.export import gpt_oss, linear_attn
 
 
 @dataclass(frozen=True)
@@ -181,10 +181,8 @@ def expert_ff(cfg) -> int:
 
 def hf_parts(key: str, data: np.ndarray, cfg, arch: Arch) -> list[tuple[str, np.ndarray]]:
     """One HF tensor as the tensors GGUF keeps (still HF-named): experts apart, the family's own layout."""
-    parts = split_experts(key, data)
-    if arch.transform is None:
-        return parts
-    return [out for part, d in parts for out in arch.transform(part, d, cfg)]
+    parts = [(key, data)] if arch.transform is None else arch.transform(key, data, cfg)
+    return [out for part, d in parts for out in split_experts(part, d)]
 
 
 def split_experts(key: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -215,6 +213,7 @@ ARCHS = {
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
     "glm4_moe": Arch("glm4moe", False, hparams=_glm4_moe_hparams),
+    "gpt_oss": Arch("gpt-oss", False, check=gpt_oss.check, hparams=gpt_oss.add_hparams, transform=gpt_oss.to_llama_cpp),
     # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (tasks/vlm/export/gguf_vision.py writes their eyes
     # beside)
     "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),

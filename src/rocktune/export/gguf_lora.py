@@ -116,8 +116,10 @@ def _expert_lora(adapter: Path, module: str, ab: tuple[np.ndarray, np.ndarray], 
     lora_a = a.reshape(n_exp, rank, a.shape[1])  # PEFT's A rows: expert-major
     lora_b = b.reshape(b.shape[0], rank, n_exp).transpose(2, 0, 1)  # PEFT's B columns: rank-major
     lora_b = lora_b * (module_scale(f"{path}.{param}", cfg, rank) / (alpha / rank))
-    parts = ({"gate_proj": lora_b[:, :ff], "up_proj": lora_b[:, ff:]} if param == "gate_up_proj"
-             else {"down_proj": lora_b})
+    # gate and up: the two halves of the fused rows, or every other row (gpt-oss)
+    gate, up = ((lora_b[:, ::2], lora_b[:, 1::2]) if model_cfg.model_type == "gpt_oss"
+                else (lora_b[:, :ff], lora_b[:, ff:]))
+    parts = {"gate_proj": gate, "up_proj": up} if param == "gate_up_proj" else {"down_proj": lora_b}
     out = {}
     for part, part_b in parts.items():
         base = name_of(f"{path}.{part}.weight")
