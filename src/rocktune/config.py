@@ -112,8 +112,9 @@ class DataConfig(_Section):
     tools: Literal["render", "drop"] = Field(
         "render", description="Tool lists, assistant tool calls and tool results of conversations. render: through "
         "the chat template, and a record whose tools or calls the template does not render is refused (it would "
-        "train empty answers); drop: removed before rendering (a conversation left without an answer is dropped, "
-        "counted), to train a template without tool support on the text turns alone.",
+        "train empty answers; chat_template: builtin-tools renders them for a model whose template does not); "
+        "drop: removed before rendering (a conversation left without an answer is dropped, counted), to train a "
+        "template without tool support on the text turns alone.",
         json_schema_extra=only("sft"),
     )
     text_split: Literal["auto", "document", "paragraph", "line"] = Field(
