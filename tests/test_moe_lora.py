@@ -245,3 +245,47 @@ def test_on_the_gpu_bf16_takes_torchs_grouped_mm_and_equals_pefts_path(calls, mo
     assert len(calls) == 2 and len(kernel) == 2 * 2 * 3  # the grouped side: blocks x stacks x (W, A, B)
     assert out["grouped"][0] == pytest.approx(out["peft"][0], rel=5e-3)
     assert relative(out["grouped"][1], out["peft"][1]) < 1e-1
+
+
+def _fixture_family(name: str, experts: str):
+    """tests/family_fixtures.py's tiny model of ``name`` (the families test_families.py trains), LoRA on
+    all-linear, lora_B non-zero."""
+    from tests.family_fixtures import BY_NAME, TEMPLATES, build_tokenizer, family_config
+
+    fam = BY_NAME[name]
+    torch.manual_seed(0)
+    config = family_config(fam, build_tokenizer(TEMPLATES[fam.template]))
+    model = apply_lora(transformers.AutoModelForCausalLM.from_config(config), 8, 16, 0.0, "all-linear", False,
+                       experts=experts)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+def _fixture_moe_families() -> list[str]:
+    from tests.family_fixtures import FAMILIES as ALL
+
+    return [f.name for f in ALL if f.moe]
+
+
+@pytest.mark.parametrize("name", _fixture_moe_families())
+def test_every_moe_family_of_the_matrix_takes_its_path(name, calls):
+    """Each MoE family rocktune trains: the grouped path with PEFT's loss and gradients, or, where the experts have
+    no transformers experts-implementation traits (Llama 4's dense-routed experts), PEFT's path, said in the note."""
+    ids = torch.randint(5, 290, (2, 24), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for experts in ("peft", "grouped"):
+        model = _fixture_family(name, experts)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[experts] = float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    note = moe.expert_path_note(model)
+    if name == "llama4":
+        assert not calls and "PEFT's target_parameters path in 1 MoE blocks (Llama4TextExperts has no" in note
+    else:
+        assert calls and note.startswith("expert LoRA: grouped on the routed tokens"), note
+    assert out["grouped"][0] == pytest.approx(out["peft"][0], rel=1e-6)
+    assert relative(out["grouped"][1], out["peft"][1]) < 1e-5
