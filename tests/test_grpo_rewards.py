@@ -105,6 +105,9 @@ def level_reward(completions, level, trainer_state, **kwargs):
 def only_math(prompts, completions, level, **kwargs):
     return [None if x == 2 else 1.0 for x in level]
 
+async def judged(completions, **kwargs):
+    return [0.5 for _ in completions]
+
 def logs(completions, log_extra, log_metric, **kwargs):
     log_extra("note", ["n"] * len(completions))
     log_metric("my_metric", 0.5)
@@ -127,6 +130,7 @@ def test_documented_examples_and_none(docs_module):
                     TrainerState(global_step=3))
     fmt, length, level = (_reward(f"{docs_module}:{n}") for n in ("format_reward_func", "reward_len", "level_reward"))
     assert S.score([fmt, length, level], batch) == [[1.0, 0.0], [-abs(20 - len(TEXTS[0])), -18], [4.0, 4.0]]
+    assert S.score([_reward(f"{docs_module}:judged")], batch) == [[0.5, 0.5]]  # an async reward, awaited
     log = S.RewardLog()
     S.score([_reward(f"{docs_module}:logs")], batch, log)
     assert log.extra == {"note": ["n", "n"]} and log.means() == {"my_metric": 0.5}

@@ -12,6 +12,8 @@ is a UserError naming the reward's ``module:function``, the line of the user's c
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 from collections import defaultdict
@@ -71,6 +73,8 @@ def score(rewards: list[Reward], batch: Batch, log: RewardLog | None = None) -> 
         try:
             got = r.fn(prompts=batch.prompts, completions=batch.completions, completion_ids=batch.completion_ids,
                        **kwargs)
+            if inspect.isawaitable(got):  # an async reward (TRL awaits those; e.g. a judge over the network)
+                got = asyncio.run(_awaited(got))
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 -- the user's function: any failure is reported with its rows
@@ -79,6 +83,10 @@ def score(rewards: list[Reward], batch: Batch, log: RewardLog | None = None) -> 
                             "the function.") from None
         table.append(_checked(r, got, batch.where))
     return table
+
+
+async def _awaited(pending):
+    return await pending
 
 
 def _name(r: Reward) -> str:
