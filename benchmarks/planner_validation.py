@@ -45,8 +45,13 @@ GLM4_MOE = {"model_type": "glm4_moe", "hidden_size": 128, "intermediate_size": 2
 GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
            "num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"]}
+LLAMA4 = {"model_type": "llama4_text", "hidden_size": 128, "intermediate_size": 64, "intermediate_size_mlp": 256,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+          "vocab_size": 1024, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+          "moe_layers": None}
 MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3,
-          "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS}
+          "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS,
+          "tiny-llama4": LLAMA4}
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
@@ -285,8 +290,9 @@ VARLEN_POINTS += [("tiny-qwen3", 2, 64, 8, "bf16", "varlen", False, 0.0),
                   ("tiny-phi3", 2, 64, 8, "bf16", "varlen", False, 0.0),
                   ("tiny-qwen2", 4, 64, 4, "bf16", "varlen", False, 0.1)]
 # mixture-of-experts (lora/moe.py's expert LoRA): the padded path (fp32, the CPU) sized by the measured routing,
-# the GPU's grouped path (bf16) through torch's CPU grouped_mm kernel; GLM-4.5's shared expert and dense first layer
-MOE_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe")
+# the GPU's grouped path (bf16) through torch's CPU grouped_mm kernel; GLM-4.5's shared expert and dense first layer;
+# Llama 4's dense routing on PEFT's own expert path (lora/moe.py leaves it; "-grouped" changes nothing there)
+MOE_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe", "tiny-llama4")
               for b, s in ((1, 128), (4, 64)) for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("bf16", "sdpa-grouped"))
               for r, c in ((8, False), (4, True))]
 # gpt-oss runs eager attention only (its sinks): its MoE block is counted, its eager attention is not modelled yet

@@ -177,13 +177,14 @@ def _validation():
 
 
 # every MoE family validated, both expert paths (padded: fp32 and the CPU; grouped: bf16 on a GPU, here through
-# torch's CPU grouped_mm), checkpointing on and off (benchmarks/planner_validation.py --moe runs all 38 points)
+# torch's CPU grouped_mm), checkpointing on and off (benchmarks/planner_validation.py --moe runs all 50 points)
 VALIDATION = [("tiny-qwen3-moe", 4, 64, 8, "fp32", "sdpa", False, 0.0),
               ("tiny-qwen3-moe", 1, 128, 8, "bf16", "sdpa-grouped", False, 0.0),
               ("tiny-mixtral", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0),
               ("tiny-mixtral", 1, 128, 4, "bf16", "sdpa", True, 0.0),
               ("tiny-glm4-moe", 1, 128, 8, "fp32", "sdpa", False, 0.0),
-              ("tiny-glm4-moe", 4, 64, 4, "bf16", "sdpa-grouped", True, 0.0)]
+              ("tiny-glm4-moe", 4, 64, 4, "bf16", "sdpa-grouped", True, 0.0),
+              ("tiny-llama4", 1, 128, 8, "bf16", "sdpa", False, 0.0)]
 
 
 @pytest.mark.parametrize("point", VALIDATION, ids=lambda p: "-".join(map(str, p)))

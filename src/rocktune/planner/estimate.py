@@ -275,6 +275,8 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
         norm = tok.t * ((tok.stream or dt) * h + 4)
     # cos/sin per position id: one row of positions for padded batches, one per packed row (positions restart)
     rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * int(shape.head_dim * shape.rotary_fraction) * dt
+    if shape.model_type == "llama4_text":  # one complex64 rotation per pair of dimensions, in any precision
+        rope = rope // (2 * dt) * 4
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm input {tok.t} x {h} + cos/sin")
     if _loss_mode(shape, spec) == "chunked":
         # The fused loss keeps d(loss)/d(hidden) in the hidden dtype, except fp16 (fp32: it would underflow there);
@@ -310,6 +312,7 @@ def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, laye
             f"logits {tok.t} x {v} x {dt} B + fp32 copy and its gradient")
     # One layer's backward: gradients of the residual stream, the MLP intermediates and (eager) the scores.
     grads = tok.t * (3 * h + 3 * i) * dt + (layer["attention_scores"] if spec.attn == "eager" else 0)
+    grads += moe.adapted_stack(shape, dt)  # PEFT's expert path (Llama 4): the adapted stacks' gradient
     add("layer_backward", grads, "backward", f"one layer's activation gradients: {tok.t} x (3 x {h} + 3 x {i}) x "
         f"{dt} B" + (" + s x s score gradients" if spec.attn == "eager" else ""))
     if spec.quant != "none":  # bitsandbytes dequantises a whole weight for each matmul, backward included

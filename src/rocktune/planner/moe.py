@@ -29,6 +29,9 @@ from rocktune.errors import UserError
 
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 FP32_ROUTERS = {"glm4_moe"}  # families whose router weight is created in fp32 whatever the model's dtype
+# Llama 4 routes densely: every expert computes every token (scaled by its router score, 0 where not chosen), and
+# lora/moe.py leaves its experts to PEFT's target_parameters path, which forms the adapted stacks W + s·B·A
+DENSE_ROUTED = {"llama4_text"}
 # expert-width tensors a family's gating saves per routed row beyond SwiGLU's one activation: gpt-oss's clamped GLU
 # (clamps, the scaled gate's sigmoid, the product)
 GATE_EXTRA = {"gpt_oss": 3}
@@ -119,6 +122,13 @@ def saved(shape, tok) -> int:
     rows = t * shape.experts_per_token
     width = tok.stream or dt
     mid = (4 + GATE_EXTRA.get(shape.model_type, 0)) * w  # gate/up out, activation(s), down input
+    shared = 3 * t * shape.shared_intermediate * width if shape.shared_intermediate else 0
+    # the fp32 factors cast to the compute dtype, per stack
+    casts = shape.experts * r * ((h + 2 * w) + (w + h)) * dt if tok.amp else 0
+    if shape.model_type in DENSE_ROUTED:  # experts x tokens rows: the repeated input, it scaled, gate/up, act, product
+        dense = shape.experts * t
+        return dense * ((2 * h + mid) * width + width) + adapted_stack(shape, tok.dt) + casts \
+            + t * (8 + shape.experts * 4) + shared
     if tok.expert_pad:  # padded path: the [experts, busiest] tensors, and the gather, output and weighted rows
         padded = shape.experts * math.ceil(rows / shape.experts * tok.expert_pad)
         routed = padded * (h + mid) * width + rows * 3 * h * width
@@ -126,11 +136,9 @@ def saved(shape, tok) -> int:
     else:  # grouped: the gathered input, gate/up out, activation, down input and output, the weighted rows
         routed = rows * (3 * h + mid) * width
         ranks = rows * 2 * r * dt + rows * (2 * 8 + 4)  # the two adapters' rank-r products; the sort, rows, weights
-    if tok.amp:  # the fp32 factors cast to the compute dtype, per stack
-        ranks += shape.experts * r * ((h + 2 * w) + (w + h)) * dt
+    ranks += casts
     # softmax over the experts (fp32), the top-k indices and weights, and the weights' sum (norm_topk_prob)
     router = t * shape.experts * 4 + t * shape.experts_per_token * (8 + 4) + t * 4
-    shared = 3 * t * shape.shared_intermediate * width if shape.shared_intermediate else 0
     return routed + ranks + router + shared
 
 
@@ -148,3 +156,9 @@ def dense_delta(shape, tok) -> int:
     dense = 3 * tok.t * shape.dense_intermediate * width
     down_in = tok.t * (shape.dense_intermediate - shape.shared_intermediate) * (tok.dt if tok.amp else 4)
     return shape.dense_layers * (dense + down_in - saved(shape, tok))
+
+
+def adapted_stack(shape, dt: int) -> int:
+    """PEFT's adapted expert stacks of one layer (W + s·B·A, gate_up and down), where its path runs (Llama 4): saved
+    for the batched matmul's input gradient, and as large again as their gradient in backward."""
+    return stack_values(shape) * dt if shape.model_type in DENSE_ROUTED else 0

@@ -34,7 +34,7 @@ ARCH_TRAITS: dict[str, dict] = {
     # q/k norms per head when use_qk_norm (GLM-4.5), read from the config; the attention output is copied
     # (.contiguous()) before o_proj, so an fp32 o_proj adapter saves its own input
     "glm4_moe": {**_DENSE, "moe": True, "o_copy": True},
-    "llama4_text": {**_DENSE, "moe": True},  # (its q/k norm is an L2 norm without weights)
+    "llama4_text": {**_DENSE, "moe": True},  # q/k L2 norms (no weights) when use_qk_norm, read from the config
     "olmo2": {**_DENSE, "qk_norm": "full"},
     "phi3": {**_DENSE, "fused_qkv": True, "fused_gate_up": True},
     "gemma2": {**_DENSE, "norms": 4, "tie": True},
@@ -127,7 +127,7 @@ class ModelShape:
                 "lm_head": 0 if self.tie_embeddings else embed}
 
     def _qk_norm_params(self) -> int:
-        if not self.qk_norm:
+        if not self.qk_norm or self.model_type == "llama4_text":  # Llama 4's is an L2 norm: saves, holds nothing
             return 0
         return self.q_dim + self.kv_dim if self.qk_norm_full else 2 * self.head_dim
 
@@ -197,7 +197,8 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         raise UserError(f"{name}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}.")
     qkv_bias = traits["qkv_bias"] or bool(config.get("attention_bias", False))
     mo = moe.moe_shape(config, name) if traits["moe"] else None
-    qk_norm = traits["qk_norm"] or ("head" if config.get("use_qk_norm") and model_type == "glm4_moe" else None)
+    qk_norm = traits["qk_norm"] or ("head" if config.get("use_qk_norm", model_type == "llama4_text") and
+                                    model_type in ("glm4_moe", "llama4_text") else None)
     return ModelShape(
         name=name, model_type=model_type, vocab=config["vocab_size"], hidden=config["hidden_size"],
         intermediate=config["intermediate_size"], layers=config["num_hidden_layers"], heads=heads,
