@@ -241,6 +241,8 @@ def test_data_preview_shows_prompt_answer_and_generation_prompt(tiny_model_dir, 
     first, second = pv["prompts"]
     assert (first["prompt"], first["answer"], first["fields"]) == ("How many apples?", "7", ["level"])
     assert first["rendered"].endswith("How many apples?") and second["answer"] is None
+    ref = pv["reference_tokens"]  # the worked solution as written, not only the final '7'
+    assert ref["min"] == ref["max"] > 3 and pv["max_completion_length"] == 512 and pv["completion_note"] is None
 
 
 @pytest.mark.parametrize("change, options, words", [

@@ -56,6 +56,10 @@ def test_the_watch_says_each_failure_once_after_a_few_steps():
     assert "frac_reward_zero_std 1.0" in w.check(9, flat)[0]
     assert watch.progress({"reward": 0.25, "reward_std": 0.5}) == "reward 0.250±0.500"
     assert watch.progress({"loss": 0.0}) == ""
+    note = watch.length_note([2] + [10] * 19, 5)
+    assert "grpo.max_completion_length=5: 19 of the 20 reference answers" in note and "median 10 tokens" in note
+    assert "grpo.max_completion_length: 10 keeps 95%" in note
+    assert watch.length_note([2] * 19 + [10], 5) is None  # few are longer: nothing to say
 
 
 def test_a_run_from_gsm8k_chat_rows_warns_keeps_rollouts_and_reports_them(tiny_model_dir, tmp_path, capsys,
@@ -79,6 +83,9 @@ def test_a_run_from_gsm8k_chat_rows_warns_keeps_rollouts_and_reports_them(tiny_m
     result = train(config_from_dict(cfg), quiet=False)
     err = capsys.readouterr().err
     assert "step 1/4 loss" in err and " reward 0.000±0.000 " in err  # a log file's first progress line
+    assert "reference answers in the data are longer" in err  # said before the first step, from the data alone
+    info = json.loads((result.run_dir / "run_info.json").read_text())
+    assert any("grpo.max_completion_length=3" in n for n in info["notes"])
     assert err.count("hit grpo.max_completion_length=3") == 1 and err.count("frac_reward_zero_std 1.0") == 1
     lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     warned = [r for r in lines if "warnings" in r]

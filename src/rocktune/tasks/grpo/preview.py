@@ -13,19 +13,21 @@ import tempfile
 from pathlib import Path
 
 from rocktune.data.rows import read_rows
-from rocktune.tasks.grpo.prompts import encode_prompt, read_prompt
+from rocktune.tasks.grpo.prompts import encode_prompt, read_prompt, reference_lengths
+from rocktune.tasks.grpo.watch import length_note
 
 
-def build_prompt_preview(data, tokenizer, n_show: int) -> dict:
+def build_prompt_preview(data, tokenizer, n_show: int, max_completion_length: int = 512) -> dict:
     """``data``: the config's data section. Every row is read and rendered (an error names the row); the first
-    ``n_show`` prompts are returned."""
+    ``n_show`` prompts are returned, with the reference answers' lengths against ``grpo.max_completion_length``."""
     with tempfile.TemporaryDirectory(prefix="rocktune-preview-") as tmp:
         rows = read_rows(data.train_file, data, Path(tmp) / "cache", "data.train_file")
     shown: list[dict] = []
-    lengths, truncated, with_answer = [], 0, 0
+    lengths, truncated, with_answer, every = [], 0, 0, []
     for where, row in rows:
         read = read_prompt(row, str(where))
         prompt = encode_prompt(read, tokenizer, data.max_length, str(where))
+        every.append(prompt)
         lengths.append(len(prompt.ids))
         truncated += prompt.truncated
         with_answer += read.answer is not None
@@ -34,7 +36,12 @@ def build_prompt_preview(data, tokenizer, n_show: int) -> dict:
                           "fields": sorted(k for k in read.fields if k != "answer"),
                           "rendered": tokenizer.decode(list(prompt.ids)), "tokens": len(prompt.ids),
                           "truncated": prompt.truncated})
+    answers = sorted(reference_lengths(every, tokenizer))
     return {"data_file": data.train_file, "n_prompts": len(lengths), "n_with_answer": with_answer,
+            "reference_tokens": {"min": answers[0], "median": answers[len(answers) // 2], "max": answers[-1],
+                                 "over_max_completion_length": sum(n > max_completion_length for n in answers)}
+            if answers else None, "max_completion_length": max_completion_length,
+            "completion_note": length_note(answers, max_completion_length),
             "n_truncated": truncated, "max_length": data.max_length,
             "tokens_per_prompt": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
             "prompts": shown}
@@ -47,7 +54,7 @@ def run_prompt_preview(cfg, n_show: int, as_json: bool, html: str | None = None)
     from rocktune.models.load import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
-    pv = build_prompt_preview(cfg.data, tokenizer, n_show)
+    pv = build_prompt_preview(cfg.data, tokenizer, n_show, cfg.grpo.max_completion_length)
     if as_json:
         print(json.dumps(pv, indent=1))
         return 0
@@ -57,6 +64,13 @@ def run_prompt_preview(cfg, n_show: int, as_json: bool, html: str | None = None)
                   f"reference answer; {pv['n_truncated']} cut to data.max_length={pv['max_length']} (their start "
                   f"dropped); tokens per prompt {lengths['min']}-{lengths['max']}, mean {lengths['mean']:.1f}.",
                   markup=False)
+    ref = pv["reference_tokens"]
+    if ref:
+        console.print(f"reference answers (as written): {ref['min']}-{ref['max']} tokens, median {ref['median']}; "
+                      f"{ref['over_max_completion_length']} longer than grpo.max_completion_length="
+                      f"{pv['max_completion_length']}.", markup=False)
+    if pv["completion_note"]:
+        console.print(f"warning: {pv['completion_note']}", style="yellow", markup=False)
     for p in pv["prompts"]:
         table = Table(title=f"{p['loc']}{' (cut)' if p['truncated'] else ''}", show_lines=True, show_header=False)
         table.add_column("what")

@@ -46,6 +46,7 @@ class PromptRow:
     chat: bool
     fields: dict = field(default_factory=dict)
     tools: list | None = None  # the row's tool definitions (OpenAI's format), rendered by the chat template
+    written: str | None = None  # the reference as the data wrote it (a worked solution): how long an answer runs
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,15 @@ def gsm8k_answer(text: str) -> str:
 def read_prompt(row: dict, where: str) -> PromptRow:
     """The prompt a source row holds, in whichever shape it comes; a row of no known shape is named."""
     row = {k: v for k, v in row.items() if v is not None}  # a table gives every row every column
+    written = None
     if "prompt" in row:
         prompt = row["prompt"]
     elif "question" in row:
         prompt = row["question"]
         if isinstance(row.get("answer"), str):
-            row = {**row, "answer": gsm8k_answer(row["answer"])}
+            written, row = row["answer"], {**row, "answer": gsm8k_answer(row["answer"])}
     elif "messages" in row:
-        prompt, row = _conversation(row, where)
+        prompt, row, written = _conversation(row, where)
     else:
         raise UserError(f"{where}: a GRPO row needs 'prompt', 'messages' or GSM8K's 'question'; this row has "
                         f"{sorted(row)}. Shapes: {'; '.join(SHAPES)}. Map other column names with data.columns "
@@ -108,25 +110,27 @@ def read_prompt(row: dict, where: str) -> PromptRow:
     fields = {k: v for k, v in row.items() if k not in ("prompt", "question")}
     if answer is not None:
         fields["answer"] = str(answer)  # the built-in rewards' reference, whichever column held it
-    return PromptRow(prompt, None if answer is None else str(answer), chat, fields, tools)
+    reference = None if answer is None else str(answer)
+    return PromptRow(prompt, reference, chat, fields, tools, written or reference)
 
 
-def _conversation(row: dict, where: str) -> tuple[list, dict]:
-    """(the prompt: the turns before the final assistant turn, the row with that turn as its reference answer)."""
+def _conversation(row: dict, where: str) -> tuple[list, dict, str | None]:
+    """(the prompt: the turns before the final assistant turn, the row with that turn as its reference answer, that
+    turn's text)."""
     turns = row["messages"]
     if not isinstance(turns, list) or not turns:
         raise UserError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} messages.")
     rest = {k: v for k, v in row.items() if k != "messages"}
     last = turns[-1]
     if not (isinstance(last, dict) and last.get("role") == "assistant"):
-        return turns, rest  # no reference: a prompt-only row (format and length rewards still apply)
+        return turns, rest, None  # no reference: a prompt-only row (format and length rewards still apply)
     if len(turns) == 1:
         raise UserError(f"{where}: 'messages' holds only an assistant turn; the prompt is the turns before the final "
                         "assistant turn, so give at least one user message before it.")
     reference = _message(last, f"{where}: messages[{len(turns) - 1}]")["content"]
     if not any(k in rest for k in ANSWER_KEYS):  # an answer column of the row's own wins
         rest["answer"] = gsm8k_answer(reference) if "####" in reference else reference
-    return turns[:-1], rest
+    return turns[:-1], rest, reference
 
 
 def encode_prompt(row: PromptRow, tokenizer, max_length: int, where: str) -> Prompt:
@@ -165,3 +169,9 @@ def split_prompts(prompts: list[Prompt], fraction: float, seed: int) -> tuple[li
     random.Random(f"eval-prompts:{seed}").shuffle(order)
     held = set(order[:min(len(prompts) - 1, max(1, round(len(prompts) * fraction)))])
     return [p for i, p in enumerate(prompts) if i not in held], [p for i, p in enumerate(prompts) if i in held]
+
+
+def reference_lengths(prompts, tokenizer) -> list[int]:
+    """Tokens of each reference as the data wrote it (the rows that have one): about what an answer like it needs."""
+    texts = [p.row.written for p in prompts if p.row.written]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []

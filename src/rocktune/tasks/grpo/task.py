@@ -113,6 +113,8 @@ class GRPOTask(TaskBase):
         ctx.notes += model_notes + cut_note(sum(p.truncated for p in prompts), len(prompts), "prompts",
                                             cfg.data.max_length, "each loses its start (its end, the question next "
                                             "to the completion, is kept)")
+        note = watch.length_note(promptdata.reference_lengths(train.prompts, tokenizer), g.max_completion_length)
+        ctx.notes += [note] if note else []
         loss = GRPOLoss(model, Objective(g.beta, g.epsilon, g.epsilon_high, g.loss_type, g.max_completion_length,
                                          g.temperature, g.use_bias_correction_kl), g.share_prompt)
         sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k,

@@ -77,6 +77,20 @@ class Watch:
                 "reward (a format reward: {function: regex, pattern: ...}).")
 
 
+def length_note(lengths: list[int], max_completion_length: int) -> str | None:
+    """Before any step: the share of the data's reference answers longer than ``grpo.max_completion_length`` (a
+    completion that answers like them is cut before its answer); None when few are (under a tenth)."""
+    over = sorted(n for n in lengths if n > max_completion_length)
+    if not lengths or len(over) * 10 < len(lengths):
+        return None
+    ordered = sorted(lengths)
+    keep = ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))]  # what keeps 95% of them whole
+    return (f"grpo.max_completion_length={max_completion_length}: {len(over)} of the {len(lengths)} reference "
+            f"answers in the data are longer (median {ordered[len(ordered) // 2]} tokens, longest {ordered[-1]}); a "
+            f"completion that answers like them is cut before its answer. grpo.max_completion_length: {keep} keeps "
+            "95% of them whole (or ask for shorter answers in the prompt).")
+
+
 def prompt_text(prompt) -> str:
     """A prompt as the report shows it: its text, or a conversation's last user turn."""
     if isinstance(prompt, str):
