@@ -108,3 +108,25 @@ def test_tool_calls_of_gemma4_and_llama4(family, call, end):
         {"role": "assistant", "content": " Sunny. "}]}
     _, spans = _encode(tok, rec)
     assert spans == [call, end]
+
+
+@pytest.mark.parametrize("train_reasoning", [False, True])
+def test_data_train_reasoning_reaches_the_pipeline(tmp_path, train_reasoning):
+    """data.train_reasoning through the tokenising pipeline (the one train runs, its cache keyed by the setting):
+    off, the analysis channel is prompt; on, it is trained with the answer."""
+    import json
+
+    from rocktune.config import DataConfig
+    from rocktune.data import dataset
+
+    tok = _tok("gpt-oss")
+    data = tmp_path / "harmony.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "2+2?"}, {
+        "role": "assistant", "thinking": "Add them.", "content": "4"}]}) + "\n", encoding="utf-8")
+    d = DataConfig(train_file=str(data), max_length=512, train_reasoning=train_reasoning)
+    seen, _ = dataset.tokenize_file(str(data), d, tok, tmp_path / "cache")
+    ids, labels = list(seen.input_ids[0]), list(seen.labels[0])
+    trained = tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab != IGNORE])
+    answer = "<|channel|>final<|message|>4<|return|>"
+    assert trained == ("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant" + answer
+                       if train_reasoning else answer)

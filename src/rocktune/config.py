@@ -168,6 +168,11 @@ class DataConfig(_Section):
     )
     train_on_prompt: bool = Field(False, description="Put loss on prompt/user tokens too, not only on completions.",
         json_schema_extra=only("sft"))
+    train_reasoning: bool = Field(
+        False, description="Also train the reasoning a chat template writes as a message of its own ahead of the "
+        "answer (gpt-oss's Harmony analysis channel, from a turn's thinking / reasoning_content). Off: the final "
+        "answer and tool calls bear loss, the analysis is prompt. Reasoning inside the reply (Qwen3.5's think "
+        "block) is trained as the template renders it either way (docs/data.md).", json_schema_extra=only("sft"))
     packing: bool = Field(
         False, description="Pack several examples per row (block-diagonal attention) instead of padded micro-batches; "
         "task=vlm: conversations with their images, rows of data.max_length tokens.",

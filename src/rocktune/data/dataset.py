@@ -137,6 +137,7 @@ def _tokenize_source(spec, d, tokenizer, cache_dir, vocab_size, pending: Pending
     settings = encode_settings(d, shape, tokenizer)
     key = cache.fingerprint(spec if Path(spec).is_file() else src.fingerprint, cache.tokenizer_fingerprint(tokenizer),
                             shape=shape, max_length=d.max_length, train_on_prompt=d.train_on_prompt,
+                            **({"train_reasoning": True} if d.train_reasoning else {}),  # old caches stay valid
                             truncation=d.truncation, empty_targets="dropped", columns=src.columns,
                             split=d.eval_split if eval_side else d.split, subset=d.subset, revision=d.revision,
                             roles=settings.roles, templated=settings.templated, text_split=d.text_split,
@@ -179,7 +180,7 @@ def encode_settings(d, shape: str, tokenizer) -> fastencode.EncodeSettings:
     stride = textstream.stride_for(d.max_length, d.text_stride) if shape == "text" else 0
     return fastencode.EncodeSettings("messages" if templated else shape, d.max_length, d.train_on_prompt,
                                      d.truncation, shape, tuple(sorted(d.roles.items())), d.tools, stride,
-                                     d.lossy_truncation)
+                                     d.lossy_truncation, d.train_reasoning)
 
 
 def describe_shape(settings: fastencode.EncodeSettings, chat_template: str) -> str:

@@ -38,8 +38,8 @@ class Encoded:
 
 
 def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt: bool, loc: str,
-           truncation: str = "prompt") -> Encoded:
-    segments = _segments(record, shape, tokenizer, loc)
+           truncation: str = "prompt", train_reasoning: bool = False) -> Encoded:
+    segments = _segments(record, shape, tokenizer, loc, train_reasoning)
     ids: list[int] = []
     labels: list[int] = []
     is_prompt: list[bool] = []
@@ -106,7 +106,7 @@ def call_segments(record: dict) -> set[int]:
     return {2 * k + 1 for k, m in enumerate(replies) if m.get("tool_calls")}
 
 
-def _segments(record: dict, shape: str, tokenizer, loc: str) -> list[tuple[str, bool]]:
+def _segments(record: dict, shape: str, tokenizer, loc: str, train_reasoning: bool = False) -> list[tuple[str, bool]]:
     if shape == "text":
         return [(record["text"], True)]
     if shape == "prompt_completion":
@@ -115,14 +115,14 @@ def _segments(record: dict, shape: str, tokenizer, loc: str) -> list[tuple[str, 
         template = ALPACA_WITH_INPUT if record.get("input") else ALPACA_NO_INPUT
         prompt = template.format(instruction=record["instruction"], input=record.get("input", ""))
         return [(prompt, False), (record["output"], True)]
-    return _chat_segments(record, tokenizer, loc)
+    return _chat_segments(record, tokenizer, loc, train_reasoning)
 
 
-def _chat_segments(record: dict, tokenizer, loc: str) -> list[tuple[str, bool]]:
+def _chat_segments(record: dict, tokenizer, loc: str, train_reasoning: bool = False) -> list[tuple[str, bool]]:
     """``chat_segments`` of a canonical conversation, checked against the record (``fidelity``): a part of it the
     template does not render (tool calls, the tool list, a system prompt) is refused, not trained as if absent."""
     tools = record.get("tools")
-    segments = chat_segments(record["messages"], tokenizer, loc, tools, record.get("untrained", ()))
+    segments = chat_segments(record["messages"], tokenizer, loc, tools, record.get("untrained", ()), train_reasoning)
     shown = True
     if tools:  # a template that ignores tools= renders the same text without them
         shown = len({render_chat_template(tokenizer, record["messages"], tokenize=False, add_generation_prompt=False,

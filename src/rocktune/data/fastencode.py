@@ -46,6 +46,7 @@ class EncodeSettings:
     tools: str = "render"  # data.tools: render | drop
     stride: int = 0  # text: tokens between window starts (data.text_stride; textstream.stride_for)
     lossy: str = "error"  # data.lossy_truncation: error | drop | keep (drop: such examples are not kept)
+    train_reasoning: bool = False  # data.train_reasoning
 
     @property
     def source_shape(self) -> str:
@@ -67,7 +68,7 @@ def encode_many(recs: list[dict], tokenizer, s: EncodeSettings, locs: list[str],
                 layout: ChatLayout | None = None) -> list[Encoded]:
     """``encode.encode`` of each record, batched; ``locs`` name the records in errors. ``layout``: from
     ``chat_layout`` (chat data), learned by the caller once for all batches."""
-    segs = [_segments(rec, s.shape, tokenizer, loc, layout) for rec, loc in zip(recs, locs)]
+    segs = [_segments(rec, s, tokenizer, loc, layout) for rec, loc in zip(recs, locs)]
     window = (s.max_length + MARGIN) * CHARS_PER_TOKEN
     toks = _tokenize(segs, tokenizer, s, window, locs)
     out = []
@@ -96,14 +97,15 @@ def encode_many(recs: list[dict], tokenizer, s: EncodeSettings, locs: list[str],
     return out
 
 
-def _segments(rec: dict, shape: str, tokenizer, loc: str, layout: ChatLayout | None) -> list[tuple[str, bool]]:
+def _segments(rec: dict, s: EncodeSettings, tokenizer, loc: str, layout: ChatLayout | None) -> list[tuple[str, bool]]:
+    shape = s.shape
     try:
         if shape == "messages" and layout is not None and not has_tools(rec):
             found = chat_segments(rec["messages"], tokenizer, layout)
             if found is not None:
                 fidelity.check(rec, found, loc, located=True)
                 return found
-        return encode._segments(rec, shape, tokenizer, loc)
+        return encode._segments(rec, shape, tokenizer, loc, s.train_reasoning)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - templates raise many types; the record is the cause

@@ -102,7 +102,8 @@ def _shown(shown: list[tuple[str, dict]], stats, tokenizer, d, n_show: int) -> l
     """The examples to show, encoded by the per-record reference; a text set's first windows, named by document
     and window."""
     if stats.shape != "text":
-        return [(loc, encode.encode(rec, stats.shape, tokenizer, d.max_length, d.train_on_prompt, loc, d.truncation))
+        return [(loc, encode.encode(rec, stats.shape, tokenizer, d.max_length, d.train_on_prompt, loc, d.truncation,
+                                      d.train_reasoning))
                 for loc, rec in shown]
     docs = textstream.encode_documents([rec["text"] for _, rec in shown], tokenizer, d.max_length, stats.stride,
                                        [loc for loc, _ in shown])
