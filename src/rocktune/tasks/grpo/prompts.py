@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass, field
 
 from rocktune.data.rows import message as _message
+from rocktune.data.rows import read_rows
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
@@ -175,3 +176,17 @@ def reference_lengths(prompts, tokenizer) -> list[int]:
     """Tokens of each reference as the data wrote it (the rows that have one): about what an answer like it needs."""
     texts = [p.row.written for p in prompts if p.row.written]
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
+
+def read_sets(cfg, tokenizer, cache_root) -> tuple[PromptSet, PromptSet]:
+    """(train prompts, eval prompts) of the run config ``cfg``: every row read and checked before anything is
+    trained."""
+    d = cfg.data
+    train = encode_rows(read_rows(d.train_file, d, cache_root, "data.train_file"), tokenizer, d.max_length)
+    if not train:
+        raise UserError(f"data.train_file={d.train_file} holds no prompts.")
+    if d.eval_file:
+        held = encode_rows(read_rows(d.eval_file, d, cache_root, "data.eval_file", True), tokenizer, d.max_length)
+    else:
+        train, held = split_prompts(train, d.eval_fraction, cfg.training.seed)
+    return prompt_set(train), prompt_set(held)

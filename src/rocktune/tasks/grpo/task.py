@@ -16,13 +16,11 @@ import gc
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, cast
 
 import torch
 
 from rocktune.config import RunConfig, refuse_inapplicable
-from rocktune.data import rows as rows_reader
 from rocktune.tasks.grpo import prompts as promptdata
 from rocktune.data.truncate import cut_note
 from rocktune.errors import UserError
@@ -101,7 +99,7 @@ class GRPOTask(TaskBase):
         rel, dist = cfg.reliability, ctx.dist
         distributed.init(dist, device, rel.collective_timeout_s, rel.preflight_timeout_s)
         ctx.notes += distributed.preflight(dist, device, rel.preflight_timeout_s)
-        train, held = read_prompts(cfg, tokenizer, ctx.cache_root)
+        train, held = promptdata.read_sets(cfg, tokenizer, ctx.cache_root)
         distributed.same_run(dist, train.fingerprint)
         strategy = distributed.strategy(dist, "ddp", m.quantization)  # fsdp is refused (launch.refuse_grpo)
         # Rollouts decode from a KV cache over padded rows: attention that needs packed rows does not apply.
@@ -317,18 +315,3 @@ class GRPOTask(TaskBase):
                 "grpo.max_completion_length or data.max_length, turn on model.gradient_checkpointing, or use "
                 "model.quantization=nf4.")
 
-
-def read_prompts(cfg: RunConfig, tokenizer, cache_root: Path):
-    """(train prompts, eval prompts): every row read and checked before anything is trained."""
-    d = cfg.data
-    train_file = cast(str, d.train_file)  # RunConfig's validator requires it
-    train = promptdata.encode_rows(rows_reader.read_rows(train_file, d, cache_root, "data.train_file"), tokenizer,
-                                   d.max_length)
-    if not train:
-        raise UserError(f"data.train_file={d.train_file} holds no prompts.")
-    if d.eval_file:
-        held = promptdata.encode_rows(rows_reader.read_rows(d.eval_file, d, cache_root, "data.eval_file", True),
-                                      tokenizer, d.max_length)
-    else:
-        train, held = promptdata.split_prompts(train, d.eval_fraction, cfg.training.seed)
-    return promptdata.prompt_set(train), promptdata.prompt_set(held)
