@@ -105,3 +105,14 @@ def test_an_eval_file_is_judged_too(tmp_path, tok):
                    eval_file=str(write_jsonl(tmp_path / "e.jsonl", [_drone(0), _drone(1)])))
     with pytest.raises(UserError, match=r"e\.jsonl: 2 examples are longer than data.max_length=128"):
         prepare_data(d, tok, tmp_path / "cache", 0)
+
+
+def test_drop_that_leaves_nothing_names_the_max_length_and_it_works(tmp_path, tok):
+    d = DataConfig(train_file=str(write_jsonl(tmp_path / "d.jsonl", [_drone(0), _drone(1)])), max_length=128,
+                   eval_fraction=0.0, lossy_truncation="drop")
+    with pytest.raises(UserError, match=r"data.lossy_truncation=drop left out every example.*data.max_length=(\d+) "
+                                        r"keeps them whole") as err:
+        prepare_data(d, tok, tmp_path / "cache", 0)
+    needed = int(str(err.value).split("data.max_length=")[-1].split()[0])
+    train, _, _ = prepare_data(d.model_copy(update={"max_length": needed}), tok, tmp_path / "cache", 0)
+    assert len(train) == 2 and max(train.lengths()) == needed
