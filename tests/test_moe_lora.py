@@ -289,3 +289,16 @@ def test_every_moe_family_of_the_matrix_takes_its_path(name, calls):
         assert calls and note.startswith("expert LoRA: grouped on the routed tokens"), note
     assert out["grouped"][0] == pytest.approx(out["peft"][0], rel=1e-6)
     assert relative(out["grouped"][1], out["peft"][1]) < 1e-5
+
+
+def test_the_run_log_names_the_expert_path(tmp_path):
+    """A run's model building (tasks/causal/build.py) returns the expert-path note with its other notes."""
+    from rocktune.config import LoraConfig, ModelConfig
+    from rocktune.tasks.causal.build import model_with_adapter
+    from tests.family_fixtures import BY_NAME, build_family
+
+    model_dir = build_family(BY_NAME["qwen3-moe"], tmp_path / "model")
+    model, notes = model_with_adapter(ModelConfig(name_or_path=str(model_dir)), LoraConfig(), "fp32", "sdpa", "cpu",
+                                      False)
+    assert [n for n in notes if n.startswith("expert LoRA: grouped on the routed tokens (2 MoE blocks, in place of "
+                                             "transformers' grouped_mm experts")], notes
