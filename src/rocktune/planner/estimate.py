@@ -225,15 +225,18 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
         linear, quantised = shape.layers * sum(i * o for _, i, o, _ in shape.linears()), 0
         for _, n_in, n_out, _ in shape.linears():
             quantised += shape.layers * quantised_bytes(n_in, n_out, spec.quant, spec.double_quant)
-        if shape.experts:  # the expert stacks stored in 4 bit too (lora/moe.py); dense layers' MLPs are Linears
+        if shape.experts:  # dense layers' MLPs are Linears; the expert stacks only with moe.EXPERTS_4BIT
             extra = moe.quantised_values(shape)
             linear += extra
-            quantised += quantised_bytes(extra, 1, spec.quant, spec.double_quant)
+            quantised += quantised_bytes(extra, 1, spec.quant, spec.double_quant) if extra else 0
         rest = shape.n_params - linear
+        stacks = "" if moe.EXPERTS_4BIT or not shape.experts else \
+            f", the expert stacks among them ({shape.moe_layers * moe.stack_values(shape):,}: not quantised)"
         # PEFT's k-bit preparation casts every weight it did not quantise (embeddings, head, norms, biases) to fp32
         add("base_weights", quantised + rest * 4, "static",
-            f"{linear:,} linear{' and expert' if shape.experts else ''} params as {spec.quant} "
-            f"({quantised / linear:.3f} B each with scales) + {rest:,} others x 4 B (fp32 after k-bit preparation)")
+            f"{linear:,} linear{' and expert' if moe.EXPERTS_4BIT and shape.experts else ''} params as {spec.quant} "
+            f"({quantised / linear:.3f} B each with scales) + {rest:,} others x 4 B (fp32 after k-bit preparation"
+            f"{stacks})")
     n = lora_param_count(shape, spec)
     mods = [m for m, _, _ in lora_modules(shape, spec.targets)]
     mods += ["every expert's gate_up and down"] if expert_lora_count(shape, spec) else []

@@ -75,7 +75,7 @@ def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_ba
                         f"checkpointing or precision, even at max_length {length}: the smallest configuration "
                         f"({_describe(smallest.spec)}) needs {_gib(smallest.total_bytes)}, so a budget of at least "
                         f"{_gib(smallest.total_bytes / (1 - MARGIN))} would work. Use a smaller model, QLoRA, or "
-                        "a shorter max_length.")
+                        f"a shorter max_length.{_moe_note(shape)}")
     best = max(fitting, key=throughput)
     s = best.spec
     reasons = [f"chosen: {_describe(s)}, accumulation {global_batch // s.micro_batch} -> global batch "
@@ -104,6 +104,18 @@ def _propose_nf4(shape: ModelShape, base: RunSpec, budget: int, precision: str, 
                        f"smallest, {_describe(smallest.spec)}, needs {_gib(smallest.total_bytes)}): proposing an "
                        "nf4 base (QLoRA, model.quantization=nf4, needs bitsandbytes >= 0.50 and a supported GPU)")
     return sug
+
+
+def _moe_note(shape: ModelShape) -> str:
+    """Why QLoRA does not rescue an MoE model yet (planner/moe.py's EXPERTS_4BIT)."""
+    from rocktune.planner import moe
+
+    if not shape.experts or moe.EXPERTS_4BIT:
+        return ""
+    stacks = shape.moe_layers * moe.stack_values(shape)
+    return (f" This mixture-of-experts model's expert stacks ({stacks:,} values, {_gib(stacks * 2)} in bf16) stay "
+            "unquantised under model.quantization (bitsandbytes quantises linear layers only, and k-bit preparation "
+            "holds the stacks in fp32): rocktune cannot store them in 4 bit yet.")
 
 
 def _propose_rank(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_batch: int,

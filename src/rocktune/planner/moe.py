@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from rocktune.errors import UserError
 
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# Does model.quantization (nf4/fp4/int8) store the expert stacks quantised? Not yet (issue 54 item 3): bitsandbytes
+# quantises nn.Linear only, so the 3-D stacks load unquantised and PEFT's k-bit preparation casts them to fp32
+# (tests/test_planner_moe.py checks it on a real load). True once the 4-bit expert storage lands.
+EXPERTS_4BIT = False
 FP32_ROUTERS = {"glm4_moe"}  # families whose router weight is created in fp32 whatever the model's dtype
 # Llama 4 routes densely: every expert computes every token (scaled by its router score, 0 where not chosen), and
 # lora/moe.py leaves its experts to PEFT's target_parameters path, which forms the adapted stacks W + s·B·A
@@ -109,11 +113,11 @@ def stack_values(shape) -> int:
 
 
 def quantised_values(shape) -> int:
-    """Weight values a 4-bit MoE base stores quantised beyond ``linears`` x layers: every layer's expert stacks, and
-    the dense layers' MLP in place of the shared expert ``linears`` counted for them."""
+    """Weight values a quantised MoE base stores quantised beyond ``linears`` x layers: the dense layers' MLP in
+    place of the shared expert ``linears`` counted for them, and the expert stacks once ``EXPERTS_4BIT``."""
     shared = sum(i * o for _, i, o, _ in shared_linears(shape))
-    return shape.moe_layers * stack_values(shape) + shape.dense_layers * (3 * shape.hidden * shape.dense_intermediate
-                                                                          - shared)
+    dense = shape.dense_layers * (3 * shape.hidden * shape.dense_intermediate - shared)
+    return dense + (shape.moe_layers * stack_values(shape) if EXPERTS_4BIT else 0)
 
 
 def saved(shape, tok) -> int:
