@@ -157,10 +157,13 @@ FAMILIES += [
            DENSE, True),
     Family("olmo3", "Olmo3Config", "chatml", {"pad_token_id": None, "sliding_window": 16,
                                               "layer_types": ["sliding_attention", "full_attention"]}, DENSE),
+    # Llama 4's own chunk size and NoPE interval (llama.cpp's llama4 graph fixes both; export refuses others), and
+    # 4 layers so that one is a NoPE layer (llama.cpp's graph fails on a model without one)
     Family("llama4", "Llama4TextConfig", "llama4", {"num_local_experts": 4, "num_experts_per_tok": 1, "head_dim": 16,
                                                     "intermediate_size": 64, "intermediate_size_mlp": 128,
-                                                    "interleave_moe_layer_step": 2, "attention_chunk_size": 64,
-                                                    "no_rope_layer_interval": 2, "pad_token_id": None},
+                                                    "interleave_moe_layer_step": 2, "attention_chunk_size": 8192,
+                                                    "no_rope_layer_interval": 4, "pad_token_id": None,
+                                                    "num_hidden_layers": 4},
            DENSE, True),
     Family("granite4", "GraniteMoeHybridConfig", "granite",
            {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 64,

@@ -86,7 +86,8 @@ def test_lora_targets(family_dir, record_property, name):
     base = model.get_base_model()
     gates = [m for m in base.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1]
     frozen = router_modules(base) + gates
-    assert len(router_modules(base)) == (2 if name in MOE_EVERY_LAYER else int(fam.moe))  # one per MoE layer
+    layers = base.config.num_hidden_layers  # one router per MoE layer: every layer, or every other one
+    assert len(router_modules(base)) == (layers if name in MOE_EVERY_LAYER else layers // 2 if fam.moe else 0)
     assert not [p for m in frozen for p in m.parameters() if p.requires_grad]
     assert not [m for m in frozen if hasattr(m, "lora_A")]
     stacks = {m.parameter_name for m in model.modules() if hasattr(m, "parameter_name") and hasattr(m, "lora_A")}
@@ -234,6 +235,8 @@ FAMILY_KEYS = {
                    "qwen3next.attention.recurrent_layers": [True, False], "qwen3next.rope.dimension_count": 4},
     "gpt-oss": {"gpt-oss.expert_count": 4, "gpt-oss.attention.sliding_window": 16,
                 "gpt-oss.expert_feed_forward_length": 128},
+    "llama4": {"llama4.interleave_moe_layer_step": 2, "llama4.feed_forward_length": 128,
+               "llama4.expert_feed_forward_length": 64},
 }
 # llama.cpp rotates adjacent pairs in these graphs (HF: halves), so their q/k rows are stored interleaved
 PAIRWISE_ROPE = {"llama", "granite", "smollm3"}
@@ -244,9 +247,9 @@ def expected_gguf(state: dict, cfg, arch: str) -> dict:
     gguf-py's table, q/k rows interleaved for pairwise-rope graphs, Gemma's norms as 1 + w, OLMo 2's head untied."""
     import gguf
 
-    # Gated DeltaNet's reorders, gpt-oss's transposed interleaved experts: the exporter's layout, which
+    # Gated DeltaNet's reorders, gpt-oss's and Llama 4's transposed experts: the exporter's layout, which
     # test_gguf_converter.py proves equal to llama.cpp's own converter
-    if getattr(cfg, "linear_num_key_heads", None) or cfg.model_type == "gpt_oss":
+    if getattr(cfg, "linear_num_key_heads", None) or cfg.model_type in ("gpt_oss", "llama4_text"):
         from rocktune.export.gguf_model import gguf_tensors
 
         return gguf_tensors(state, cfg, ARCHS[cfg.model_type])
@@ -304,7 +307,7 @@ def test_gguf(family_run, family_dir, capsys, record_property, name):
     reader = gguf.GGUFReader(out)
     kv = {n: f.contents() for n, f in reader.fields.items() if not n.startswith("GGUF.")}
     arch = ARCHS[cfg.model_type].gguf_name
-    assert kv["general.architecture"] == arch and kv[f"{arch}.block_count"] == 2
+    assert kv["general.architecture"] == arch and kv[f"{arch}.block_count"] == cfg.num_hidden_layers
     assert kv["tokenizer.chat_template"] == TEMPLATES[BY_NAME[name].template].text
     for key, value in FAMILY_KEYS.get(name, {}).items():
         assert kv[key] == pytest.approx(value), key

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rocktune.errors import UserError
-from rocktune.export import gpt_oss, linear_attn
+from rocktune.export import gpt_oss, linear_attn, llama4
 
 
 @dataclass(frozen=True)
@@ -213,6 +213,8 @@ ARCHS = {
     "qwen3_moe": Arch("qwen3moe", False, check=_check_qwen3_moe, hparams=_moe_hparams),
     "mixtral": Arch("llama", True, hparams=_moe_hparams),  # llama's graph with experts (expert_count > 0)
     "glm4_moe": Arch("glm4moe", False, hparams=_glm4_moe_hparams),
+    # Llama 4's language model: its dense MLPs are intermediate_size_mlp wide, its experts intermediate_size
+    "llama4_text": Arch("llama4", False, check=llama4.check, hparams=llama4.add_hparams, transform=llama4.to_llama_cpp),
     "gpt_oss": Arch("gpt-oss", False, check=gpt_oss.check, hparams=gpt_oss.add_hparams, transform=gpt_oss.to_llama_cpp),
     # the language models of task=vlm's Qwen2-VL and Qwen2.5-VL (tasks/vlm/export/gguf_vision.py writes their eyes
     # beside)
@@ -272,7 +274,8 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    # Llama 4 calls its dense MLPs' width intermediate_size_mlp (intermediate_size is its experts')
+    writer.add_feed_forward_length(getattr(cfg, "intermediate_size_mlp", None) or cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     writer.add_key_length(head_dim(cfg))

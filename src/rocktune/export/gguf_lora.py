@@ -21,6 +21,8 @@ from rocktune.tasks.vlm.export.gguf_vision import VisionFamily
 from rocktune.tasks.vlm.vision.table import FAMILIES
 from rocktune.readers.adapter import read_adapter_config
 
+# families whose expert stacks PEFT adapts in transformers' x @ W storage (gpt-oss's it adapts as W @ x)
+XW_EXPERTS = {"llama4_text"}
 TEXT = FAMILIES["qwen2_vl"].gguf  # a text model's modules match neither side; Qwen's names were the first vlm adapters'
 
 
@@ -105,8 +107,11 @@ def _expert_lora(adapter: Path, module: str, ab: tuple[np.ndarray, np.ndarray], 
     path = module.replace(".base_layer", "")
     n_exp, ff, hidden = archs.n_experts(model_cfg), archs.expert_ff(model_cfg), model_cfg.hidden_size
     # which parameter a wrapper adapts: its (in, out), never the same for the two (hidden = ff and 2 ff = hidden
-    # cannot both hold); the wrappers' nesting follows PEFT's own order, not adapter_config's list
-    shapes = {(hidden, 2 * ff): "gate_up_proj", (ff, hidden): "down_proj"}
+    # cannot both hold); the wrappers' nesting follows PEFT's own order, not adapter_config's list. Llama 4's x @ W
+    # stacks are adapted as stored: B·A is the transpose of what llama.cpp's W @ x tensors take
+    transposed = model_cfg.model_type in XW_EXPERTS
+    shapes = ({(2 * ff, hidden): "gate_up_proj", (hidden, ff): "down_proj"} if transposed
+              else {(hidden, 2 * ff): "gate_up_proj", (ff, hidden): "down_proj"})
     param = shapes.get((a.shape[1], b.shape[0]))
     if param is None or not n_exp or a.shape[0] % n_exp or b.shape[1] != a.shape[0]:
         _refuse(adapter, f"the adapter adapts the experts of {path} in a layout rocktune does not map to llama.cpp's "
@@ -115,6 +120,8 @@ def _expert_lora(adapter: Path, module: str, ab: tuple[np.ndarray, np.ndarray], 
     alpha = float(cfg.get("lora_alpha", 8))
     lora_a = a.reshape(n_exp, rank, a.shape[1])  # PEFT's A rows: expert-major
     lora_b = b.reshape(b.shape[0], rank, n_exp).transpose(2, 0, 1)  # PEFT's B columns: rank-major
+    if transposed:  # (B·A)^T = A^T·B^T
+        lora_a, lora_b = lora_b.transpose(0, 2, 1), lora_a.transpose(0, 2, 1)
     lora_b = lora_b * (module_scale(f"{path}.{param}", cfg, rank) / (alpha / rank))
     # gate and up: the two halves of the fused rows, or every other row (gpt-oss)
     gate, up = ((lora_b[:, ::2], lora_b[:, 1::2]) if model_cfg.model_type == "gpt_oss"
