@@ -284,7 +284,7 @@ def test_every_moe_family_of_the_matrix_takes_its_path(name, calls):
         out[experts] = float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     note = moe.expert_path_note(model)
     if name == "llama4":
-        assert not calls and "PEFT's target_parameters path in 1 MoE blocks (Llama4TextExperts has no" in note
+        assert not calls and "PEFT's target_parameters path in " in note and "(Llama4TextExperts has no" in note
     else:
         assert calls and note.startswith("expert LoRA: grouped on the routed tokens"), note
     assert out["grouped"][0] == pytest.approx(out["peft"][0], rel=1e-6)
