@@ -33,7 +33,7 @@ def _origin(module: str) -> str | None:
         if spec is None:
             return None
         search = list(spec.submodule_search_locations or [])
-    return None if spec is None else spec.origin
+    return None if spec is None else spec.origin or ""  # "": found, with no source file (a namespace package)
 
 
 def precheck(target: str, key: str) -> None:
