@@ -105,3 +105,4 @@ def test_a_run_from_gsm8k_chat_rows_warns_keeps_rollouts_and_reports_them(tiny_m
 
     page = write_report([load_run(result.run_dir)]).read_text()
     assert "Rollouts of step 4" in page and "No samples" not in page and held[-1]["prompt"] in page
+    assert "hit grpo.max_completion_length=3" in page  # the warnings among the run's incidents

@@ -141,6 +141,7 @@ def _events(runs: list[RunData]) -> str:
                   f"{i.get('restart')}/{i.get('max_restarts')}") for i in run.incidents]
         rows += [(run.name, s, "update skipped", "non-finite loss or gradient") for s in run.skipped_steps()]
         rows += [(run.name, s, "OOM split", f"micro-batches split in {p}") for s, p in run.oom_splits()]
+        rows += [(run.name, w.get("step"), "warning", str(text)) for w in run.warnings for text in w["warnings"]]
     if not rows:
         return "<h2>Incidents</h2><p>None: no restart, no skipped update, no OOM split.</p>"
     return "<h2>Incidents</h2>" + page.table(sorted(rows, key=lambda r: (r[0], r[1] or 0)),

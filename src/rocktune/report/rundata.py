@@ -38,6 +38,7 @@ class RunData:
     incidents: list[dict] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     skipped_lines: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, why) of each left out
+    warnings: list[dict] = field(default_factory=list)  # {"step", "warnings": [text]} lines (GRPO's rollout watch)
 
     def series(self, key: str, scale: float = 1.0, skip_compiling: bool = False) -> tuple[list[int], list[float]]:
         rows = [r for r in self.steps if _finite(r.get(key)) and not (skip_compiling and r.get("compiling"))]
@@ -87,7 +88,7 @@ def load_run(path: str | Path) -> RunData:
                                and isinstance(r.get("step"), int) and any(k.startswith("eval_") for k in r)],
                    config=config or {}, info=info, samples=_jsonl(run / "samples.jsonl", skipped, _sample_problem),
                    incidents=_jsonl(run / "incidents.jsonl", skipped, _incident_problem), checkpoints=ckpts,
-                   skipped_lines=skipped)
+                   skipped_lines=skipped, warnings=[r for r in rows if isinstance(r.get("warnings"), list)])
 
 
 def _unique(numbered: list[tuple[int, dict]], path: Path, skipped: list[tuple[str, int, str]]) -> list[dict]:
