@@ -389,7 +389,8 @@ def test_ollama(family_run, family_dir, capsys, record_property, name):
     bundle = run / "export" / "ollama"
     text = (bundle / "Modelfile").read_text(encoding="utf-8")
     assert (bundle / "model.gguf").is_file() and text.startswith("FROM ./model.gguf")
-    assert TEMPLATES[BY_NAME[name].template].end_of_turn in text
+    # the stop: the end-of-turn token, or where GLM-4.5's next user turn begins (its replies have no end token)
+    assert f'PARAMETER stop "{TEMPLATES[BY_NAME[name].template].end_of_turn or "<|user|>"}"' in text
     assert 'TEMPLATE """' in text  # every family's chat template is translated (export/ollama_templates.py)
 
 

@@ -130,6 +130,35 @@ GRANITE = (
     + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|start_of_role|>assistant<|end_of_role|>")
 )
 
+# The 2025-26 families, their turns without tools (their tool syntaxes are not translated yet: a Modelfile for them
+# renders conversations, not tool lists). Llama 4: header tokens, <|eot|> after each turn.
+LLAMA4 = (PREV + '{{ if .System }}<|header_start|>system<|header_end|>\n\n{{ .System }}<|eot|>{{ end }}'
+          '{{ range .Messages }}{{ if ne .Role "system" }}<|header_start|>{{ .Role }}<|header_end|>\n\n'
+          '{{ .Content }}<|eot|>{{ end }}{{ $prev = .Role }}{{ end }}'
+          + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|header_start|>assistant<|header_end|>\n\n"))
+
+# Gemma 4: <|turn>ROLE ... <turn|>, the assistant as "model", a system turn of its own
+GEMMA4 = (PREV + '{{ if .System }}<|turn>system\n{{ .System }}<turn|>\n{{ end }}'
+          '{{ range .Messages }}{{ if eq .Role "user" }}<|turn>user\n{{ .Content }}<turn|>\n'
+          '{{ else if eq .Role "assistant" }}<|turn>model\n{{ .Content }}<turn|>\n{{ end }}{{ $prev = .Role }}{{ end }}'
+          + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|turn>model\n"))
+
+# GLM-4.5: [gMASK]<sop> (the template writes it; the GGUF adds no BOS), role tokens opening turns and none closing
+# them; a past reply with its (empty) think block
+GLM45 = ('[gMASK]<sop>{{ if .System }}<|system|>\n{{ .System }}{{ end }}' + PREV +
+         '{{ range .Messages }}{{ if eq .Role "user" }}<|user|>\n{{ .Content }}'
+         '{{ else if eq .Role "assistant" }}<|assistant|>\n<think></think>\n{{ .Content }}{{ end }}'
+         '{{ $prev = .Role }}{{ end }}' + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|assistant|>"))
+
+# gpt-oss's Harmony: the fixed system header, the system prompt as a developer message's instructions, past replies
+# on the final channel
+HARMONY = ('<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n'
+           'Reasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every '
+           'message.<|end|>{{ if .System }}<|start|>developer<|message|># Instructions\n\n{{ .System }}<|end|>{{ end }}'
+           + PREV + '{{ range .Messages }}{{ if eq .Role "user" }}<|start|>user<|message|>{{ .Content }}<|end|>'
+           '{{ else if eq .Role "assistant" }}<|start|>assistant<|channel|>final<|message|>{{ .Content }}<|end|>'
+           '{{ end }}{{ $prev = .Role }}{{ end }}' + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|start|>assistant"))
+
 
 @dataclass(frozen=True)
 class Family:
@@ -140,6 +169,13 @@ class Family:
 
 
 FAMILIES = {
+    # before ChatML and OLMo 2, whose markers their templates share
+    "harmony": Family("<|channel|>", HARMONY, "<|return|>"),
+    "glm4.5": Family("[gMASK]<sop>", GLM45, "<|user|>"),
+    "llama4": Family("<|header_start|>", LLAMA4, "<|eot|>"),
+    "gemma4": Family("<|turn>", GEMMA4, "<turn|>"),
+    # Qwen3.5's ChatML: its own tool block (not Qwen2.5's) is not translated, so its turns alone
+    "qwen3.5": Family("# Tools\n<tools>", CHATML_PLAIN, "<|im_end|>"),
     "chatml": Family("<|im_start|>", CHATML, "<|im_end|>", r"<\|im_start\|>system\n(.*?)<\|im_end\|>"),
     "llama3.1": Family("Cutting Knowledge Date", LLAMA31, "<|eot_id|>"),
     "llama3": Family("<|start_header_id|>", LLAMA3, "<|eot_id|>",
