@@ -67,6 +67,7 @@ class RouterWatch:
         return watch
 
     def _hook(self, layer: int):
+        @torch.compiler.disable  # a compiled decoder runs the hook eagerly (a graph break per router), not traced
         def hook(module, args, output):
             if not torch.is_grad_enabled() or _in_backward():
                 return
