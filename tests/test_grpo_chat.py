@@ -36,10 +36,18 @@ def test_a_conversation_is_its_turns_before_the_last_answer_and_that_answer(toke
     assert plain.prompt[0]["role"] == "system" and plain.answer == "HELLO"  # the row's own answer column wins
     open_ended = read_prompt({"messages": [{"role": "user", "content": "tell a story"}]}, "f:3")
     assert open_ended.answer is None and len(open_ended.prompt) == 1  # no final answer: prompt-only
+    share = read_prompt({"conversations": [{"from": "human", "value": "2+2?"}, {"from": "bot", "value": "#### 4"}],
+                         "system": "Be brief.", "tools": [{"name": "calc", "parameters": {"type": "object"}}]},
+                        "f:6", {"bot": "assistant"})  # ShareGPT, a system column, data.roles, bare tool schemas
+    assert share.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert share.answer == "4" and share.tools[0]["function"]["name"] == "calc"  # tools in the templates' layout
+    assert set(share.fields) == {"answer", "tools"}  # the conversation and system became the prompt
     with pytest.raises(UserError, match="f:4: 'messages' holds only an assistant turn"):
         read_prompt({"messages": [{"role": "assistant", "content": "x"}]}, "f:4")
     with pytest.raises(UserError, match="f:5: a GRPO row needs 'prompt', 'messages'.*data.columns"):
-        read_prompt({"conversations": []}, "f:5")
+        read_prompt({"dialog": []}, "f:5")
+    with pytest.raises(UserError, match="f:7: 'conversations' must be a non-empty list"):
+        read_prompt({"conversations": []}, "f:7")
 
 
 def test_the_watch_says_each_failure_once_after_a_few_steps():

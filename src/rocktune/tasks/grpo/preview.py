@@ -25,7 +25,7 @@ def build_prompt_preview(data, tokenizer, n_show: int, max_completion_length: in
     shown: list[dict] = []
     lengths, truncated, with_answer, every = [], 0, 0, []
     for where, row in rows:
-        read = read_prompt(row, str(where))
+        read = read_prompt(row, str(where), data.roles)
         prompt = encode_prompt(read, tokenizer, data.max_length, str(where))
         every.append(prompt)
         lengths.append(len(prompt.ids))

@@ -7,8 +7,9 @@ Record shapes, detected per row from its keys (``data.columns`` renames source c
   other column travels to the reward functions, as TRL passes them (``answer``, ``solution``, ``ground_truth`` ...).
 - GSM8K's ``question``/``answer``: the answer's text after the last ``####`` is the reference (``#### 1,234`` ->
   ``1234``); the worked solution before it is never shown to the model.
-- A conversation, ``messages`` (OpenAI's chat format and SFT's: content parts, the developer role, tool calls and
-  results as data/rows.py reads them; a row's ``tools`` go to the chat template): every turn before its final
+- A conversation, ``messages`` or ShareGPT's ``conversations``, read as SFT reads one (data/chat.py: OpenAI's
+  content parts, the developer role, tool calls and results, a ``system`` column, data.roles; a row's ``tools`` go
+  to the chat template): every turn before its final
   assistant turn is the prompt, and that turn is the reference (after its last ``####`` where it has one, as
   GSM8K's), so GSM8K as chat rows just works; a conversation that does not end with an assistant turn is a
   prompt-only row.
@@ -25,6 +26,7 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
+from rocktune.data.chat import ROLE_TAGS, conversation_key, to_chat
 from rocktune.data.rows import message as _message
 from rocktune.data.rows import read_rows
 from rocktune.errors import UserError
@@ -33,8 +35,8 @@ from rocktune.readers.template import render_chat_template
 ANSWER_KEYS = ("answer", "solution", "ground_truth", "completion")
 SHAPES = ("prompt (TRL prompt-only: text or messages), with any answer/solution/ground_truth column",
           "question/answer (GSM8K, the reference after '####')",
-          "messages (a conversation: the turns before its final assistant turn are the prompt, that turn the "
-          "reference)")
+          "messages or ShareGPT's conversations (the turns before the final assistant turn are the prompt, that "
+          "turn the reference)")
 
 
 @dataclass(frozen=True)
@@ -78,27 +80,30 @@ def gsm8k_answer(text: str) -> str:
     return text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in text else text.strip()
 
 
-def read_prompt(row: dict, where: str) -> PromptRow:
-    """The prompt a source row holds, in whichever shape it comes; a row of no known shape is named."""
+def read_prompt(row: dict, where: str, roles: dict[str, str] | None = None) -> PromptRow:
+    """The prompt a source row holds, in whichever shape it comes; a row of no known shape is named. ``roles``:
+    data.roles, a conversation's role tags."""
     row = {k: v for k, v in row.items() if v is not None}  # a table gives every row every column
-    written = None
+    written, canonical = None, False
     if "prompt" in row:
         prompt = row["prompt"]
     elif "question" in row:
         prompt = row["question"]
         if isinstance(row.get("answer"), str):
             written, row = row["answer"], {**row, "answer": gsm8k_answer(row["answer"])}
-    elif "messages" in row:
-        prompt, row, written = _conversation(row, where)
+    elif "messages" in row or "conversations" in row:
+        prompt, row, written = _conversation(row, where, roles or {})
+        canonical = True
     else:
-        raise UserError(f"{where}: a GRPO row needs 'prompt', 'messages' or GSM8K's 'question'; this row has "
-                        f"{sorted(row)}. Shapes: {'; '.join(SHAPES)}. Map other column names with data.columns "
-                        "(e.g. data.columns: {messages: conversations}).")
+        raise UserError(f"{where}: a GRPO row needs 'prompt', 'messages' (or ShareGPT's 'conversations') or GSM8K's "
+                        f"'question'; this row has {sorted(row)}. Shapes: {'; '.join(SHAPES)}. Map other column "
+                        "names with data.columns (e.g. data.columns: {messages: dialog}).")
     chat = isinstance(prompt, list)
     if chat:
         if not prompt:
             raise UserError(f"{where}: 'prompt' is an empty list of messages; give at least one user message.")
-        prompt = [_message(m, f"{where}: prompt[{i}]") for i, m in enumerate(prompt)]
+        if not canonical:  # a conversation's turns are already in the template's layout (data/chat.py)
+            prompt = [_message(m, f"{where}: prompt[{i}]") for i, m in enumerate(prompt)]
     elif not isinstance(prompt, str) or not prompt.strip():
         raise UserError(f"{where}: 'prompt' must be non-empty text or a list of {{'role', 'content'}} messages, got "
                         f"{prompt!r:.60}.")
@@ -115,23 +120,32 @@ def read_prompt(row: dict, where: str) -> PromptRow:
     return PromptRow(prompt, reference, chat, fields, tools, written or reference)
 
 
-def _conversation(row: dict, where: str) -> tuple[list, dict, str | None]:
+def _conversation(row: dict, where: str, roles: dict[str, str]) -> tuple[list, dict, str | None]:
     """(the prompt: the turns before the final assistant turn, the row with that turn as its reference answer, that
-    turn's text)."""
-    turns = row["messages"]
+    turn's text), read as SFT reads a conversation (data/chat.py: ShareGPT or OpenAI messages, a system column, the
+    tools). A conversation that does not end with an assistant turn is all prompt, with no reference."""
+    key = conversation_key(row)
+    turns = row[key]
     if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} messages.")
-    rest = {k: v for k, v in row.items() if k != "messages"}
+        raise UserError(f"{where}: '{key}' must be a non-empty list of messages ({{'role', 'content'}}).")
     last = turns[-1]
-    if not (isinstance(last, dict) and last.get("role") == "assistant"):
-        return turns, rest, None  # no reference: a prompt-only row (format and length rewards still apply)
-    if len(turns) == 1:
-        raise UserError(f"{where}: 'messages' holds only an assistant turn; the prompt is the turns before the final "
+    tag = last.get("role", last.get("from")) if isinstance(last, dict) else None
+    answered = (roles.get(tag) or ROLE_TAGS.get(tag)) == "assistant" if isinstance(tag, str) else False
+    # an empty final assistant turn stands in for the answer to come: to_chat wants one, and it is dropped
+    read = to_chat(row if answered else {**row, key: [*turns, {"role": "assistant", "content": ""}]}, where, roles)
+    *prompt, final = read["messages"]
+    if not prompt:
+        raise UserError(f"{where}: '{key}' holds only an assistant turn; the prompt is the turns before the final "
                         "assistant turn, so give at least one user message before it.")
-    reference = _message(last, f"{where}: messages[{len(turns) - 1}]")["content"]
+    rest = {k: v for k, v in row.items() if k not in (key, "system", "functions", "tools")}
+    if read.get("tools"):
+        rest["tools"] = read["tools"]  # in the layout chat templates take
+    if not answered:
+        return prompt, rest, None  # no reference: a prompt-only row (format and length rewards still apply)
+    reference = final["content"]
     if not any(k in rest for k in ANSWER_KEYS):  # an answer column of the row's own wins
         rest["answer"] = gsm8k_answer(reference) if "####" in reference else reference
-    return turns[:-1], rest, reference
+    return prompt, rest, reference
 
 
 def encode_prompt(row: PromptRow, tokenizer, max_length: int, where: str) -> Prompt:
@@ -150,9 +164,10 @@ def encode_prompt(row: PromptRow, tokenizer, max_length: int, where: str) -> Pro
     return Prompt(tuple(ids[len(ids) - max_length:] if truncated else ids), text, row, where, truncated)
 
 
-def encode_rows(rows, tokenizer, max_length: int) -> list[Prompt]:
-    """``rows``: ``(where, row)`` pairs as data/rows.read_rows gives them."""
-    return [encode_prompt(read_prompt(row, str(where)), tokenizer, max_length, str(where)) for where, row in rows]
+def encode_rows(rows, tokenizer, max_length: int, roles: dict[str, str] | None = None) -> list[Prompt]:
+    """``rows``: ``(where, row)`` pairs as data/rows.read_rows gives them; ``roles``: data.roles."""
+    return [encode_prompt(read_prompt(row, str(where), roles), tokenizer, max_length, str(where))
+            for where, row in rows]
 
 
 def prompt_set(prompts: list[Prompt]) -> PromptSet:
@@ -182,11 +197,12 @@ def read_sets(cfg, tokenizer, cache_root) -> tuple[PromptSet, PromptSet]:
     """(train prompts, eval prompts) of the run config ``cfg``: every row read and checked before anything is
     trained."""
     d = cfg.data
-    train = encode_rows(read_rows(d.train_file, d, cache_root, "data.train_file"), tokenizer, d.max_length)
+    train = encode_rows(read_rows(d.train_file, d, cache_root, "data.train_file"), tokenizer, d.max_length, d.roles)
     if not train:
         raise UserError(f"data.train_file={d.train_file} holds no prompts.")
     if d.eval_file:
-        held = encode_rows(read_rows(d.eval_file, d, cache_root, "data.eval_file", True), tokenizer, d.max_length)
+        held = encode_rows(read_rows(d.eval_file, d, cache_root, "data.eval_file", True), tokenizer, d.max_length,
+                           d.roles)
     else:
         train, held = split_prompts(train, d.eval_fraction, cfg.training.seed)
     return prompt_set(train), prompt_set(held)
