@@ -51,7 +51,9 @@ class RewardLog:
         self.metrics[name].append(float(value))
 
     def means(self) -> dict[str, float]:
-        return {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
+        """Each logged metric's mean (a non-finite one left out: metrics.jsonl holds finite numbers)."""
+        out = {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
+        return {k: x for k, x in out.items() if math.isfinite(x)}
 
 
 def completions_for(prompts: list, texts: list[str]) -> list:

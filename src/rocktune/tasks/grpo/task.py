@@ -156,7 +156,6 @@ class GRPOTask(TaskBase):
         total, table, texts = self._score(rows, completions, log)
         for name, values in log.metrics.items():  # log_metric: in this step's line
             self.reward_log.metrics[name] += values
-        G = self.cfg.grpo.num_generations
         self.samples["rollout"] = watch.sample_rows(self.done + 1, "rollout", rows[:G], texts[:G], total[:G],
                                                     {rw.name: col[:G] for rw, col in zip(r.rewards, table)},
                                                     log.extra)
