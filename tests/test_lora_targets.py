@@ -67,7 +67,9 @@ def test_routers_and_one_wide_gates_are_found_by_role():
     assert plan.left_out == {"router": ["layers.0.chooser", "layers.1.chooser"],
                              "1-wide gate": ["layers.0.mix", "layers.1.mix"]}
     assert sorted(plan.adapted) == sorted(f"layers.{i}.{n}" for i in (0, 1) for n in ("common.0", "common.2", "proj"))
-    assert plan.module_targets() == ["0", "2", "proj"]
+    # "0" also names the first layer (layers.0): short names would catch it, so the targets are qualified
+    assert plan.module_targets() == sorted(plan.adapted)
+    assert plan_targets(Toy().layers[0], []).module_targets() == ["0", "2", "proj"]  # one block: no clash
 
 
 def test_a_left_out_name_that_an_adapted_module_shares_is_targeted_by_qualified_names():
@@ -112,3 +114,25 @@ def test_lean_forward_leaves_a_base_that_returns_a_tuple_to_peft():
     assert note is not None and "of 2 adapted" in note
     patched = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if "forward" in vars(m)}
     assert patched == {"proj"}
+
+
+def test_a_multimodal_checkpoint_for_a_text_task_adapts_the_text_decoder_only(tmp_path):
+    """Gemma 4 ships as Gemma4ForConditionalGeneration (vision tower, projector): all-linear on a text task adapts
+    the language model's linears (the text-only family's set) and nothing text never runs through."""
+    import transformers
+
+    from tests.family_fixtures import BY_NAME, TEMPLATES, build_tokenizer, family_config
+
+    fam = BY_NAME["gemma4"]
+    text = family_config(fam, build_tokenizer(TEMPLATES[fam.template])).to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16}
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    plan_left = plan_targets(model, []).left_out["outside the text decoder"]
+    assert plan_left and all(n.startswith(("model.vision_tower.", "model.embed_vision.")) for n in plan_left)
+    peft_model = apply_lora(model, 4, 8.0, 0.0, "all-linear", False)
+    adapted = {n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and ".lora_" not in n}
+    assert adapted and all(".language_model." in n for n in adapted)
+    assert {n.rsplit(".", 1)[-1] for n in adapted} == set(fam.trained)
+    assert "left out: outside the text decoder model.embed_vision" in targets_note(peft_model)

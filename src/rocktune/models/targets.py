@@ -10,6 +10,9 @@ or what their forward returns:
   adapter never trained on (and Llama 4's, an ``nn.Linear`` returning a tuple, cannot take a LoRA add at all).
 - a 1-wide gate (``out_features == 1``, e.g. Qwen3.5-MoE's ``shared_expert_gate``): one scalar per token that mixes
   the shared expert in; a rank-r update of a single row is the same kind of switch as a router.
+- a layer outside the text decoder (``get_decoder()``): a multimodal checkpoint loaded for a text task (Gemma 4's
+  ``Gemma4ForConditionalGeneration``) has a vision tower and projector that text never runs through, so adapters
+  there would train nothing and still be saved and exported.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ class TargetPlan:
     adapted: list[str] = field(default_factory=list)  # qualified names of the Linear modules LoRA wraps
     left_out: dict[str, list[str]] = field(default_factory=dict)  # why ("router", "1-wide gate") -> qualified names
     experts: list[str] = field(default_factory=list)  # the expert stacks' parameter names (target_parameters)
+    others: set[str] = field(default_factory=set)  # the last names of every module not adapted
 
     def module_targets(self) -> list[str]:
         """``target_modules`` for PEFT: the adapted modules' last names, or their qualified names where a module
-        left out shares a last name with an adapted one (PEFT matches a name by its suffix)."""
+        not adapted (left out, or of another kind: Gemma 4's vision ``q_proj`` wrappers) shares a last name with an
+        adapted one (PEFT matches a name by its suffix)."""
         short = {n.rsplit(".", 1)[-1] for n in self.adapted}
-        clash = {n.rsplit(".", 1)[-1] for names in self.left_out.values() for n in names} & short
-        return sorted(self.adapted) if clash else sorted(short)
+        return sorted(self.adapted) if short & self.others else sorted(short)
 
 
 def plan_targets(model, experts: list[str]) -> TargetPlan:
@@ -41,16 +45,27 @@ def plan_targets(model, experts: list[str]) -> TargetPlan:
     (``models.load.moe_expert_parameters``)."""
     plan = TargetPlan(experts=experts)
     routers = {id(m) for m in router_modules(model)}
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    text = _text_modules(model)
     for name, module in model.named_modules():
-        if id(module) in routers:
+        if isinstance(module, torch.nn.Linear) and module is not head and id(module) not in text:
+            plan.left_out.setdefault("outside the text decoder", []).append(name)
+        elif id(module) in routers:
             plan.left_out.setdefault("router", []).append(name)
         elif isinstance(module, torch.nn.Linear) and module is not head:
             if module.out_features == 1:
                 plan.left_out.setdefault("1-wide gate", []).append(name)
             else:
                 plan.adapted.append(name)
+    taken = set(plan.adapted)
+    plan.others = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n not in taken}
     return plan
+
+
+def _text_modules(model) -> set[int]:
+    """The ids of the modules text runs through: the decoder's (transformers' ``get_decoder``), or all of them."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    return {id(m) for m in (decoder if isinstance(decoder, torch.nn.Module) else model).modules()}
 
 
 def router_modules(model) -> list[torch.nn.Module]:
@@ -119,9 +134,11 @@ def targets_note(model) -> str | None:
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     routers = {id(m) for m in router_modules(base)}
+    text, head = _text_modules(base), base.get_output_embeddings()
+    linears = [(n, m) for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
     out = {"router": {_in_layer(n) for n, m in base.named_modules() if id(m) in routers},
-           "1-wide gate": {_in_layer(n) for n, m in base.named_modules()
-                           if isinstance(m, torch.nn.Linear) and m.out_features == 1}}
+           "1-wide gate": {_in_layer(n) for n, m in linears if m.out_features == 1 and id(m) in text},
+           "outside the text decoder": {n.split(".layers.")[0] for n, m in linears if id(m) not in text}}
     said = "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(adapted.items()))
     left = "; ".join(f"{why} {', '.join(sorted(names))}" for why, names in out.items() if names)
     return f"lora targets: {said}" + (f" (left out: {left})" if left else "")
