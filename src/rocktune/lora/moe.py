@@ -23,29 +23,30 @@ from dataclasses import dataclass
 
 import torch
 
+from rocktune.lora.moe_nf4 import Nf4Matmul
+
 # The expert paths, by name: PEFT's parametrization (the reference) and the grouped one here.
 EXPERT_PATHS = ("peft", "grouped")
 
 
 @dataclass(frozen=True)
 class Factors:
-    """One adapted expert projection in ``x @ w`` form: base [E, in, out], A [E, in, r], B [E, r, out], scaling."""
+    """One expert stack's LoRA in ``x @ w`` form: A [E, in, r], B [E, r, out], scaling."""
 
-    base: torch.Tensor
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
 
 
-def factors(wrapper, base: torch.Tensor, transposed: bool) -> Factors:
-    """PEFT's A/B of ``wrapper`` (a ParamWrapper over ``base``) as per-expert factors, views only (no copy)."""
+def factors(wrapper) -> Factors:
+    """PEFT's A/B of ``wrapper`` (a ParamWrapper) as per-expert factors, views only (no copy)."""
     name = wrapper.active_adapters[0]
     experts = wrapper.num_experts
     a = wrapper.lora_A[name].weight  # [E·r, in], row e·r + j
     b = wrapper.lora_B[name].weight  # [out, r·E], column j·E + e
     a_io = a.view(experts, -1, a.shape[-1]).transpose(1, 2)
     b_io = b.view(b.shape[0], -1, experts).permute(2, 1, 0)
-    return Factors(base if transposed else base.transpose(1, 2), a_io, b_io, float(wrapper.scaling[name]))
+    return Factors(a_io, b_io, float(wrapper.scaling[name]))
 
 
 def _grouped_kernel(x: torch.Tensor) -> bool:
@@ -97,13 +98,6 @@ def mm(x: torch.Tensor, w: torch.Tensor, routing: Routing) -> torch.Tensor:
     return torch.nn.functional.grouped_mm(x, w, offs=routing.offs)
 
 
-def project(x: torch.Tensor, f: Factors, routing: Routing) -> torch.Tensor:
-    """``x·Wₑᵀ + s·(x·Aₑᵀ)·Bₑᵀ`` for each expert's rows."""
-    base = mm(x, f.base, routing)
-    side = mm(mm(x, f.a, routing), f.b, routing)
-    return base.add_(side.to(base.dtype), alpha=f.scaling)
-
-
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     """What transformers' eager experts compute in: autocast's dtype where it is on, the weights' otherwise."""
     if torch.is_autocast_enabled(x.device.type):
@@ -134,11 +128,16 @@ def experts_forward(experts, wrappers: dict, hidden: torch.Tensor, top_k_index: 
 
 
 def _stack(experts, wrappers: dict, name: str, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-    weight = getattr(experts, name)
-    if name in wrappers:
-        y = project(x, factors(wrappers[name], weight, experts.is_transposed), routing)
-    else:  # a stack the adapter does not target: the base only
+    """``x·Wₑᵀ + s·(x·Aₑᵀ)·Bₑᵀ`` for each expert's rows (the base alone where ``wrappers`` has no LoRA for it)."""
+    nf4 = getattr(experts, "_rt_nf4", {}).get(name)
+    if nf4 is not None:  # 4-bit stack: one expert dequantised at a time (lora/moe_nf4.py)
+        y = Nf4Matmul.apply(x, nf4, routing.offs)
+    else:
+        weight = getattr(experts, name)
         y = mm(x, weight if experts.is_transposed else weight.transpose(1, 2), routing)
+    if name in wrappers:
+        f = factors(wrappers[name])
+        y = y.add_(mm(mm(x, f.a, routing), f.b, routing).to(y.dtype), alpha=f.scaling)
     if getattr(experts, "has_bias", False):
         bias = getattr(experts, f"{name}_bias")
         y = y + (bias[routing.expert_of] if routing.rows is None else bias.unsqueeze(1)).to(y.dtype)
@@ -153,9 +152,15 @@ def _covered(wrapper) -> bool:
 
 def _grouped_forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     chain, experts = self._rt_experts
-    if kwargs or len(args) != 2 or getattr(experts, "_is_expert_parallel", False) or not all(map(_covered, chain)):
+    plain = not kwargs and len(args) == 2 and not getattr(experts, "_is_expert_parallel", False)
+    if plain and all(map(_covered, chain)):
+        return experts_forward(experts, {w.parameter_name: w for w in chain}, hidden, *args)
+    if not hasattr(experts, "_rt_nf4"):
         return self._peft_forward(hidden, *args, **kwargs)
-    return experts_forward(experts, {w.parameter_name: w for w in chain}, hidden, *args)
+    # 4-bit stacks: PEFT's forward has no full-precision stack to parametrize
+    if plain and all(w.disable_adapters for w in chain):  # e.g. a preference task's reference pass: the base alone
+        return experts_forward(experts, {}, hidden, *args)
+    raise RuntimeError("4-bit expert stacks (lora/moe_nf4.py) run with one active, unmerged adapter or none")
 
 
 def _chain(wrapper, wrapper_cls) -> tuple[list, torch.nn.Module]:
@@ -215,9 +220,10 @@ def expert_path_note(model) -> str | None:
     if grouped:
         config = getattr(grouped[0]._rt_experts[1], "config", None)
         replaced = getattr(config, "_experts_implementation", None) or "eager"
+        nf4 = " (stacks in 4 bit, dequantised per expert)" if hasattr(grouped[0]._rt_experts[1], "_rt_nf4") else ""
         notes.append(f"expert LoRA: grouped on the routed tokens ({len(grouped)} MoE blocks, in place of "
                      f"transformers' {replaced} experts; torch grouped_mm for bf16 on a GPU, a padded batched "
-                     "matmul otherwise)")
+                     f"matmul otherwise){nf4}")
     refused: dict[str, int] = {}
     for m in outer:
         if m not in grouped:

@@ -175,8 +175,19 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules, grad
         from rocktune.lora import moe
 
         moe.patch(peft_model, experts)
+        if experts == "grouped" and getattr(model, "is_loaded_in_4bit", False):  # bitsandbytes holds no 3-D weight
+            from rocktune.lora import moe_nf4
+
+            moe_nf4.quantize_experts(peft_model, _bnb_4bit_type(model))
     # PEFT keeps adapters in fp32 by default (autocast_adapter_dtype): these are the fp32 master weights.
     return peft_model
+
+
+def _bnb_4bit_type(model) -> str:
+    """nf4 or fp4: the 4-bit format the dense linears were loaded in, for the expert stacks too."""
+    qc = getattr(model.config, "quantization_config", None)
+    found = qc.get("bnb_4bit_quant_type") if isinstance(qc, dict) else getattr(qc, "bnb_4bit_quant_type", None)
+    return found or "nf4"
 
 
 def lora_targets(model, target_modules) -> tuple[object, list[str]]:
