@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from rocktune.config import config_from_dict
 from rocktune.demo.run import (MODEL_SHAPE, by_skill, check_demo_dir, demo_config, generate, merge_adapter,
@@ -59,7 +60,7 @@ def run_grpo_demo(out_dir: str, as_json: bool, steps: int | None, overwrite: boo
     result = train(config_from_dict(settings), RunOptions(overwrite=True, next_prompt=eval_rows[0]["prompt"]),
                    quiet=as_json)
     seconds = time.perf_counter() - t0
-    model, tokenizer = result.model, result.tokenizer
+    model, tokenizer = cast(Any, result.model), result.tokenizer  # the PEFT model the run trained
     with model.disable_adapter():  # the SFT model: where GRPO started, and its reference
         before = generate(model, tokenizer, eval_rows)
     after = generate(model, tokenizer, eval_rows)
