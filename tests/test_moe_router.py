@@ -125,10 +125,18 @@ def test_train_logs_expert_load_and_aux_loss(tmp_path):
                           lr=1e-2, warmup_steps=0)
     cfg["data"].update(max_length=64, eval_fraction=0.0)
     cfg["lora"]["r"] = 4
+    cfg["reliability"] = {"save_every": 2, "min_free_disk_mb": 0}
     train(config_from_dict(cfg), quiet=True)
+    # the checkpoint keeps the idle streaks (layers x experts) for a resume; resuming it to 4 steps runs on from them
+    meta = json.loads(next((tmp_path / "out" / "checkpoints").glob("step-*/meta.json")).read_text())
+    assert [len(row) for row in meta["extra"]["router_watch"]["idle_steps"]] == [4, 4]
+    cfg["training"]["max_steps"] = 4
+    from rocktune.train.request import RunOptions
+
+    train(config_from_dict(cfg), RunOptions(resume=True, resume_force=True), quiet=True)
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert len(r["expert_load"]) == 4
         assert sum(r["expert_load"]) == r["batch_tokens"] * 2 * 2
@@ -198,3 +206,36 @@ def test_train_router_end_to_end(tmp_path):
     for i in (0, 1):
         assert not torch.equal(gates[f"base_model.model.model.layers.{i}.mlp.gate.weight"],
                                base[f"model.layers.{i}.mlp.gate.weight"])
+
+
+def test_idle_streaks_survive_a_checkpoint():
+    """A resumed run keeps the idle streaks and says no expert twice (the state goes through the checkpoint's JSON)."""
+    import json
+
+    said = []
+    model = tiny("mixtral")
+    routers = [m for _, m in router_modules(model)]
+    for module in routers:
+        with torch.no_grad():
+            module.weight[3] = -module.weight[:3].abs().sum(0) * 100
+    x = torch.randn(16, 64).abs()
+
+    def steps(watch, n):
+        for _ in range(n):
+            for module in routers:
+                module(x)
+            watch.step_metrics()
+
+    first = RouterWatch.attach(model, log=said.append, patience=3)
+    steps(first, 2)
+    state = json.loads(json.dumps(first.state()))
+    first.close()
+    second = RouterWatch.attach(model, log=said.append, patience=3)
+    second.load_state(state)
+    steps(second, 1)  # the third step without a token: said now, as an uninterrupted run would
+    assert len(said) == 1 and "expert 3" in said[0]
+    third = RouterWatch.attach(model, log=said.append, patience=3)
+    third.load_state(json.loads(json.dumps(second.state())))
+    second.close()
+    steps(third, 3)
+    assert len(said) == 1  # never twice

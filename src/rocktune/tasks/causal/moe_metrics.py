@@ -115,6 +115,17 @@ class RouterWatch:
                      "Their adapters do not train; the expert load is in metrics.jsonl and rocktune report.[/]")
         self.said.update(new)
 
+    def state(self) -> dict:
+        """The idle streaks and the experts already said, for a checkpoint (JSON): a resumed run says what the
+        uninterrupted one does."""
+        return {"idle_steps": None if self.idle_steps is None else self.idle_steps.tolist(),
+                "said": sorted(list(pair) for pair in self.said)}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("idle_steps") is not None:
+            self.idle_steps = torch.tensor(state["idle_steps"], dtype=torch.int64)
+        self.said = {(int(layer), int(e)) for layer, e in state.get("said", [])}
+
     @contextlib.contextmanager
     def separate(self):
         """Forwards that are not the step's own (the training-path tripwire's probe) count apart and are dropped."""

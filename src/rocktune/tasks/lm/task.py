@@ -68,6 +68,7 @@ class LMTask(TaskBase):
         self.vocab_size: int | None = None  # check's findings, which prepare uses
         self.predicted_peak: int | None = None
         self.routers: RouterWatch | None = None  # set by start on an MoE model
+        self.router_state: dict | None = None  # a resumed checkpoint's idle streaks, applied by start
         # prepare's result for the later hooks: the engine calls prepare before any of them (train/task.py)
         self.run: LMRun = cast(LMRun, None)
 
@@ -178,11 +179,13 @@ class LMTask(TaskBase):
 
     def resumed(self, restored) -> None:
         distributed.restore_rng(self.run.ctx.dist, restored.extra.get("rank_rng"))
+        self.router_state = restored.extra.get("router_watch")
 
     def checkpoint_extra(self) -> dict:
         r = self.run
         rank_rng = distributed.gather_rng(r.ctx.dist)  # every rank takes part; rank 0 writes the checkpoint
-        return {"batching": r.feeding.mode, "world_size": r.ctx.dist.world, "rank_rng": rank_rng}
+        routers = {"router_watch": self.routers.state()} if self.routers is not None else {}
+        return {"batching": r.feeding.mode, "world_size": r.ctx.dist.world, "rank_rng": rank_rng, **routers}
 
     def start(self, redo_from: int, metrics, log) -> None:
         r = self.run
@@ -195,6 +198,8 @@ class LMTask(TaskBase):
         self.routers = RouterWatch.attach(r.model, log)  # MoE: expert load and router aux loss; None when dense
         if self.routers is not None:
             self.routers.keep_apart(r.loss)
+            if self.router_state:
+                self.routers.load_state(self.router_state)
 
     def record(self, fed) -> dict:
         return {"tokens": fed.loss_tokens, "batch_tokens": sum(b["input_ids"].numel() for b in fed.forwards),
