@@ -23,5 +23,21 @@ def recurrent_layers(name_or_path: str, trust_remote_code: bool) -> dict[str, li
     return found
 
 
+# layer kind -> the packages whose kernels transformers uses for it when importable (else its torch reference path)
+KERNELS = {"linear_attention": ("fla", "causal_conv1d"), "mamba": ("mamba_ssm", "causal_conv1d")}
+
+
+def kernel_note(layers: dict[str, list[int]]) -> str | None:
+    """The run log's line when a recurrent layer kind runs on transformers' torch reference kernels (its own warning
+    is silenced with the rest of its logging): correct, much slower (benchmarks/mamba_reference_scan.py)."""
+    import importlib.util
+
+    missing = sorted({p for kind in layers for p in KERNELS.get(kind, ()) if importlib.util.find_spec(p) is None})
+    if not missing:
+        return None
+    return (f"kernels: the {', '.join(layers)} layers run transformers' torch reference path ({', '.join(missing)} "
+            "not installed): correct, slower")
+
+
 def describe(layers: dict[str, list[int]]) -> str:
     return "; ".join(f"{kind} in layers {', '.join(map(str, idx))}" for kind, idx in layers.items())

@@ -10,18 +10,19 @@ reference path refuses them), a path rocktune does not drive or prove yet.
 from __future__ import annotations
 
 from rocktune.errors import UserError
-from rocktune.models.recurrent import describe, recurrent_layers
+from rocktune.models.recurrent import describe, kernel_note, recurrent_layers
 from rocktune.tasks.causal.feed import resolve_mode
 
 
 def unpacked(cfg, device: str):
     """``(cfg, notes)``: ``cfg`` as given, or with ``training.batching=examples`` where auto would pack on this
-    device; a UserError where the config asks for packed rows explicitly."""
+    device; a UserError where the config asks for packed rows explicitly. The notes also say when the layers run
+    on transformers' reference kernels."""
     m, t, d = cfg.model, cfg.training, cfg.data
-    packs = d.packing or resolve_mode(t.batching, device) == "tokens"
-    layers = recurrent_layers(m.name_or_path, m.trust_remote_code) if packs else {}
-    if not layers:
-        return cfg, []
+    layers = recurrent_layers(m.name_or_path, m.trust_remote_code)
+    notes = [n for n in (kernel_note(layers),) if n]
+    if not (layers and (d.packing or resolve_mode(t.batching, device) == "tokens")):
+        return cfg, notes
     why = (f"{m.name_or_path} has recurrent layers ({describe(layers)}) whose state and short convolution would run "
            "on from one packed example into the next (rocktune does not keep packed examples apart in them yet)")
     if d.packing:
@@ -32,4 +33,4 @@ def unpacked(cfg, device: str):
                         "(or auto).")
     fitted = cfg.model_copy(deep=True)
     fitted.training.batching = "examples"
-    return fitted, [f"batching: examples, not the packed rows auto picks on this device: {why}"]
+    return fitted, notes + [f"batching: examples, not the packed rows auto picks on this device: {why}"]
