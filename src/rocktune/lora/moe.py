@@ -111,7 +111,7 @@ def experts_forward(experts, wrappers: dict, hidden: torch.Tensor, top_k_index: 
     num = experts.num_experts
     up_name = "gate_up_proj" if experts.has_gate else "up_proj"
     dtype = _compute_dtype(hidden, getattr(experts, up_name))
-    routing = route(top_k_index, num, _grouped_kernel(hidden.to(dtype)[:0]))
+    routing = route(top_k_index, num, _grouped_kernel(hidden[:0].to(dtype)))
     x = hidden[routing.tokens].to(dtype)
     if routing.rows is not None:  # padding rows are zeros; their outputs are never read back
         x = x.new_zeros(num * routing.width, x.shape[-1]).index_copy(0, routing.rows, x).view(num, routing.width, -1)
