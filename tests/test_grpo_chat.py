@@ -62,6 +62,9 @@ def test_the_watch_says_each_failure_once_after_a_few_steps():
     assert w.check(5, flat) == [] and w.check(6, {"frac_reward_zero_std": 0.9}) == []  # the streak restarts
     assert w.check(7, flat) == [] and w.check(8, flat) == []
     assert "frac_reward_zero_std 1.0" in w.check(9, flat)[0]
+    solved = watch.Watch(6, 1.0)
+    said = [solved.check(s, {"frac_reward_zero_std": 1.0, "reward": 1.0}) for s in (1, 2, 3)][-1][0]
+    assert "mean reward is 1.000: if that is the best score, the prompts are solved" in said
     assert watch.progress({"reward": 0.25, "reward_std": 0.5}) == "reward 0.250±0.500"
     assert watch.progress({"loss": 0.0}) == ""
     note = watch.length_note([2] + [10] * 19, 5)

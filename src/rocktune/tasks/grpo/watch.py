@@ -49,7 +49,7 @@ class Watch:
             self.streak[kind] = self.streak[kind] + 1 if bad else 0
             if self.streak[kind] >= PATIENCE and kind not in self.told:
                 self.told.add(kind)
-                out.append(self._clipped(step, stats) if kind == "clipped" else self._flat(step))
+                out.append(self._clipped(step, stats) if kind == "clipped" else self._flat(step, stats))
         return out
 
     def state(self) -> dict:
@@ -68,9 +68,12 @@ class Watch:
                 f"lower grpo.temperature (now {self.temperature:g}), end them earlier with grpo.stop, or ask for "
                 "shorter answers in the prompt; a length reward ({function: length}) penalises the long ones.")
 
-    def _flat(self, step: int) -> str:
+    def _flat(self, step: int, stats: dict) -> str:
+        mean = stats.get("reward")
+        easy = "" if mean is None else (f" The step's mean reward is {mean:.3f}: if that is the best score, the "
+                                        "prompts are solved already and harder ones would teach more.")
         return (f"step {step}: every group's completions got the same reward for {PATIENCE} steps in a row "
-                "(frac_reward_zero_std 1.0): every advantage is 0, so the updates teach nothing. Check that the "
+                f"(frac_reward_zero_std 1.0): every advantage is 0, so the updates teach nothing.{easy} Check that the "
                 "rewards can score these completions (the rollouts in samples.jsonl or `rocktune report`; the "
                 "references in `rocktune data preview`), raise grpo.temperature or grpo.num_generations for more "
                 "varied completions, raise grpo.max_completion_length if they are cut, or add a partial-credit "
