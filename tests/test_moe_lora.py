@@ -96,7 +96,7 @@ def test_bf16_weights_in_both_layouts_within_the_matrix_tolerance(layout, calls,
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: kernel.append(1) or real(*a, **k))
     ref_loss, ref_grads = loss_and_grads(build("qwen3_moe", "peft", torch.bfloat16))
     kernel.clear()  # transformers' own grouped_mm experts (the reference) call it too
-    monkeypatch.setattr(moe, "_grouped_kernel", lambda x: layout == "grouped_mm")
+    monkeypatch.setattr(moe, "_grouped_kernel", lambda x, widths=(): layout == "grouped_mm")
     loss, grads = loss_and_grads(build("qwen3_moe", "grouped", torch.bfloat16))
     assert calls and len(kernel) == (2 * 2 * 3 if layout == "grouped_mm" else 0)  # blocks x stacks x (W, A, B)
     assert loss == pytest.approx(ref_loss, rel=5e-3)
@@ -110,7 +110,7 @@ def test_the_grouped_kernel_layout_equals_pefts_in_fp32_on_the_corner_cases(call
         starts = [0, *offs[:-1].tolist()]
         return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, offs.tolist()))])
 
-    monkeypatch.setattr(moe, "_grouped_kernel", lambda x: True)
+    monkeypatch.setattr(moe, "_grouped_kernel", lambda x, widths=(): True)
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", per_group)
     test_an_expert_without_tokens_and_a_token_routed_to_none(calls)
 
@@ -331,7 +331,7 @@ def test_4bit_expert_stacks_compute_what_their_dequantised_values_do(family, lay
             starts = [0, *offs[:-1].tolist()]
             return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, offs.tolist()))])
 
-        monkeypatch.setattr(moe, "_grouped_kernel", lambda x: True)
+        monkeypatch.setattr(moe, "_grouped_kernel", lambda x, widths=(): True)
         monkeypatch.setattr(torch.nn.functional, "grouped_mm", per_group)
     q, twin = _dequantised_twin(family)
     assert all(getattr(m, n).numel() == 0 for m in q.modules() if hasattr(m, "_rt_nf4") for n in m._rt_nf4)
@@ -383,3 +383,9 @@ def test_an_nf4_moe_run_follows_the_full_precision_run_with_a_quarter_of_the_exp
     assert losses["nf4"][-1] < losses["nf4"][0] - 1.0
     assert {k: v.shape for k, v in files["nf4"].items()} == {k: v.shape for k, v in files["none"].items()}
     assert moe_nf4.quantize_experts(torch.nn.Linear(2, 2)) is None  # nothing on the grouped path: no note
+
+
+def test_the_cpu_and_fp32_take_the_padded_layout():
+    """torch's CPU grouped_mm refuses fp32 and is a slow reference loop in bf16; fp32 has no kernel anywhere."""
+    assert not moe._grouped_kernel(torch.empty(0, 8, dtype=torch.bfloat16), (16, 64))
+    assert not moe._grouped_kernel(torch.empty(0, 8, dtype=torch.float32), (16, 64))

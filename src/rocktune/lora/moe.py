@@ -49,13 +49,14 @@ def factors(wrapper) -> Factors:
     return Factors(a_io, b_io, float(wrapper.scaling[name]))
 
 
-def _grouped_kernel(x: torch.Tensor) -> bool:
+def _grouped_kernel(x: torch.Tensor, widths: tuple[int, ...] = ()) -> bool:
     """torch's grouped matmul pays here: bf16 on CUDA/ROCm from sm80 (what transformers' own grouped_mm experts
     check). torch 2.13's CPU kernel takes bf16 only (fp32 is refused) and is a reference loop, measured 100x slower
-    than a matmul of the same size, so the CPU (and fp32) takes the padded batched matmul."""
+    than a matmul of the same size, so the CPU (and fp32) takes the padded batched matmul. ``widths``: the LoRA ranks
+    and stack widths, whose rows the kernel wants 16-byte aligned (a multiple of 8 in bf16)."""
     if not hasattr(torch.nn.functional, "grouped_mm") or x.dtype is not torch.bfloat16 or x.device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return all(w % 8 == 0 for w in widths) and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,9 @@ def experts_forward(experts, wrappers: dict, hidden: torch.Tensor, top_k_index: 
     num = experts.num_experts
     up_name = "gate_up_proj" if experts.has_gate else "up_proj"
     dtype = _compute_dtype(hidden, getattr(experts, up_name))
-    routing = route(top_k_index, num, _grouped_kernel(hidden[:0].to(dtype)))
+    widths = tuple(w.r[w.active_adapters[0]] for w in wrappers.values()) + tuple(
+        getattr(experts, up_name).shape[1:]) + tuple(experts.down_proj.shape[1:])
+    routing = route(top_k_index, num, _grouped_kernel(hidden[:0].to(dtype), widths))
     x = hidden[routing.tokens].to(dtype)
     if routing.rows is not None:  # padding rows are zeros; their outputs are never read back
         x = x.new_zeros(num * routing.width, x.shape[-1]).index_copy(0, routing.rows, x).view(num, routing.width, -1)
