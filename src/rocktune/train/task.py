@@ -6,9 +6,9 @@ data, its model and loss, its evaluation and what it writes besides the adapter.
 ``refuse`` (config only) -> ``check`` (inputs, nothing written) -> the engine's run-directory checks -> ``prepare``
 (data, model: may write caches) -> ``start`` -> per step ``new_feed``/``record``/``after_eval`` -> ``final_files``.
 
-``Task`` below is the protocol mypy checks every task against (tests/test_types.py): a task missing a hook fails the
-type check, not a run. ``tasks/base.py``'s ``TaskBase`` gives the hooks most tasks share (the configured attention, nothing of its own to
-resume or checkpoint, no extra files) so a task writes only what is its own.
+``Task`` below is the protocol mypy checks every task against (tests/test_types.py): a task missing a hook fails
+the type check, not a run. ``tasks/base.py``'s ``TaskBase`` gives the hooks most tasks share (the configured
+attention, nothing of its own to resume or checkpoint, no extra files) so a task writes only what is its own.
 """
 
 from __future__ import annotations
