@@ -135,7 +135,7 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     def add(name, n, phase, inputs):
         return est.terms.append(Term(name, int(n), phase, inputs))
     _static(shape, spec, add)
-    tok = _tokens(spec)
+    tok = _tokens(spec, shape)
     n_loss = max(1, round(spec.loss_fraction * spec.micro_batch * (spec.seq_len - 1)))
     dims = f"b={spec.micro_batch} s={spec.seq_len} ({tok.t} tokens), {spec.precision} activations"
     first = layer_saved(shape, tok, spec.targets, input_grad=spec.checkpointing)
@@ -191,7 +191,7 @@ def _padded(spec: RunSpec) -> bool:
     return spec.micro_batch > 1 if spec.padded is None else spec.padded
 
 
-def _tokens(spec: RunSpec) -> Tokens:
+def _tokens(spec: RunSpec, shape: ModelShape) -> Tokens:
     dt = DTYPE_BYTES[spec.precision]
     # PEFT's k-bit preparation keeps embeddings and norms in fp32, and a 4/8-bit linear returns its input's dtype:
     # a quantised run's residual stream and linear outputs stay fp32 under half autocast; only what autocast
@@ -200,12 +200,14 @@ def _tokens(spec: RunSpec) -> Tokens:
                   stream=4 if spec.quant != "none" else 0,
                   padded=_padded(spec), rank=spec.lora_r, dropout=spec.lora_dropout,
                   mask_bytes=1 if spec.device == "gpu" else 4, compiled=spec.compiled and spec.attn == "varlen",
-                  kv_copies=spec.kv_copies, expert_pad=0.0 if grouped_experts(spec) else spec.expert_imbalance)
+                  kv_copies=spec.kv_copies, expert_pad=0.0 if grouped_experts(spec, shape) else spec.expert_imbalance)
 
 
-def grouped_experts(spec: RunSpec) -> bool:
-    """lora/moe.py's expert path: torch's grouped matmul in bf16 on a GPU; a padded batched matmul otherwise."""
-    return spec.device == "gpu" and spec.precision == "bf16"
+def grouped_experts(spec: RunSpec, shape: ModelShape) -> bool:
+    """lora/moe.py's expert path: torch's grouped matmul in bf16 on a GPU, its rows 16-byte aligned (the rank and the
+    stacks' widths multiples of 8); a padded batched matmul otherwise."""
+    widths = (spec.lora_r, shape.hidden, shape.expert_intermediate)
+    return spec.device == "gpu" and spec.precision == "bf16" and all(w % 8 == 0 for w in widths)
 
 
 def _parts(parts: dict[str, int]) -> str:
@@ -225,16 +227,19 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
         linear, quantised = shape.layers * sum(i * o for _, i, o, _ in shape.linears()), 0
         for _, n_in, n_out, _ in shape.linears():
             quantised += shape.layers * quantised_bytes(n_in, n_out, spec.quant, spec.double_quant)
-        if shape.experts:  # dense layers' MLPs are Linears; the expert stacks only with moe.EXPERTS_4BIT
-            extra = moe.quantised_values(shape)
-            linear += extra
-            quantised += quantised_bytes(extra, 1, spec.quant, spec.double_quant) if extra else 0
+        extra = moe.quantised_values(shape) if shape.experts else 0  # dense layers' MLPs are Linears too
+        linear += extra
+        quantised += quantised_bytes(extra, 1, spec.quant, spec.double_quant) if extra else 0
+        four_bit = moe.stacks_4bit(shape, spec.quant, spec.targets in ("all-linear", "all", None))
+        if four_bit:  # lora/moe_nf4.py
+            linear += shape.moe_layers * moe.stack_values(shape)
+            quantised += moe.stack_bytes_4bit(shape, quantised_bytes)
         rest = shape.n_params - linear
-        stacks = "" if moe.EXPERTS_4BIT or not shape.experts else \
-            f", the expert stacks among them ({shape.moe_layers * moe.stack_values(shape):,}: not quantised)"
+        stacks = "" if four_bit or not shape.experts else \
+            f", the expert stacks among them ({shape.moe_layers * moe.stack_values(shape):,}: not quantised here)"
         # PEFT's k-bit preparation casts every weight it did not quantise (embeddings, head, norms, biases) to fp32
         add("base_weights", quantised + rest * 4, "static",
-            f"{linear:,} linear{' and expert' if moe.EXPERTS_4BIT and shape.experts else ''} params as {spec.quant} "
+            f"{linear:,} linear{' and expert' if four_bit else ''} params as {spec.quant} "
             f"({quantised / linear:.3f} B each with scales) + {rest:,} others x 4 B (fp32 after k-bit preparation"
             f"{stacks})")
     n = lora_param_count(shape, spec)

@@ -66,7 +66,7 @@ def fit(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_ba
         if proposal is not None:
             return proposal
     if shape.experts and (not fitting or length < base.seq_len):
-        proposal = _propose_rank(shape, base, budget, precision, global_batch, source)
+        proposal = _propose_rank(shape, base, budget, precision, global_batch, source, bool(fitting))
         if proposal is not None:
             return proposal
     if not fitting:
@@ -97,8 +97,9 @@ def _propose_nf4(shape: ModelShape, base: RunSpec, budget: int, precision: str, 
         sug = fit(shape, replace(base, quant="nf4"), budget, precision, global_batch, source)
     except UserError:
         return None
-    if sug.max_length < base.seq_len:
-        return None  # shortening anyway: keep the unquantised weights
+    usable = int(budget * (1 - MARGIN))
+    if sug.max_length < base.seq_len and any(e.total_bytes <= usable for e in unquantised):
+        return None  # shortening anyway: keep the unquantised weights (unless they fit at no length)
     smallest = min(unquantised, key=lambda e: e.total_bytes)
     sug.reasons.insert(0, f"nothing fits {_gib(budget)} at max_length {base.seq_len} without quantisation (the "
                        f"smallest, {_describe(smallest.spec)}, needs {_gib(smallest.total_bytes)}): proposing an "
@@ -110,18 +111,19 @@ def _moe_note(shape: ModelShape) -> str:
     """Why QLoRA does not rescue an MoE model yet (planner/moe.py's EXPERTS_4BIT)."""
     from rocktune.planner import moe
 
-    if not shape.experts or moe.EXPERTS_4BIT:
+    if not shape.experts or moe.stacks_4bit(shape, "nf4", True):
         return ""
     stacks = shape.moe_layers * moe.stack_values(shape)
     return (f" This mixture-of-experts model's expert stacks ({stacks:,} values, {_gib(stacks * 2)} in bf16) stay "
             "unquantised under model.quantization (bitsandbytes quantises linear layers only, and k-bit preparation "
-            "holds the stacks in fp32): rocktune cannot store them in 4 bit yet.")
+            "holds the stacks in fp32): rocktune cannot store them in 4 bit for this family.")
 
 
 def _propose_rank(shape: ModelShape, base: RunSpec, budget: int, precision: str, global_batch: int,
-                  source: str) -> Suggestion | None:
+                  source: str, fits_shorter: bool) -> Suggestion | None:
     """An MoE model's expert adapters hold a rank-r pair per expert (PEFT's target_parameters): when nothing fits at
-    the asked length, the highest lower rank (halved, down to MIN_RANK) that does, with an nf4 base if need be."""
+    the asked length, the highest lower rank (halved, down to MIN_RANK) that does, with an nf4 base if need be; at a
+    shorter length too when the asked rank fits at none (``fits_shorter`` False)."""
     r = base.lora_r // 2
     if r < MIN_RANK:
         return None
@@ -129,13 +131,13 @@ def _propose_rank(shape: ModelShape, base: RunSpec, budget: int, precision: str,
         sug = fit(shape, replace(base, lora_r=r), budget, precision, global_batch, source)
     except UserError:
         return None
-    if sug.max_length < base.seq_len:
+    if sug.max_length < base.seq_len and fits_shorter:
         return None  # shortening anyway: keep the rank
     n_asked = lora_param_count(shape, base)
     sug.reasons = [x for x in sug.reasons if not x.startswith(RANK_REASON)]  # a lower rank's: said once, here
     sug.reasons.insert(0, f"{RANK_REASON}{base.lora_r} ({n_asked:,} params with every expert's, "
                        f"{_gib(16 * n_asked)} with gradients and AdamW states) leave no room at max_length "
-                       f"{base.seq_len}: proposing lora.r={sug.lora_r} (lora.alpha scaled with it, so the update's "
+                       f"{sug.max_length}: proposing lora.r={sug.lora_r} (lora.alpha scaled with it, so the update's "
                        "scale alpha/r stays)")
     return sug
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from rocktune.errors import UserError
 
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-# Does model.quantization (nf4/fp4/int8) store the expert stacks quantised? Not yet (issue 54 item 3): bitsandbytes
-# quantises nn.Linear only, so the 3-D stacks load unquantised and PEFT's k-bit preparation casts them to fp32
-# (tests/test_planner_moe.py checks it on a real load). True once the 4-bit expert storage lands.
-EXPERTS_4BIT = False
+# model.quantization nf4/fp4 stores the expert stacks in 4 bit (lora/moe_nf4.py: bitsandbytes' quantize_4bit per
+# expert, blocks of 64 with an fp32 absmax each, no double quantisation) where the grouped expert path runs and
+# all-linear adapts the experts; elsewhere (int8, Llama 4's PEFT path, other targets) bitsandbytes leaves the 3-D
+# stacks as they are and PEFT's k-bit preparation casts them to fp32. tests/test_planner_moe.py checks both on a load.
+EXPERTS_4BIT = True
 FP32_ROUTERS = {"glm4_moe"}  # families whose router weight is created in fp32 whatever the model's dtype
 # Llama 4 routes densely: every expert computes every token (scaled by its router score, 0 where not chosen), and
 # lora/moe.py leaves its experts to PEFT's target_parameters path, which forms the adapted stacks W + s·B·A
@@ -113,11 +114,24 @@ def stack_values(shape) -> int:
 
 
 def quantised_values(shape) -> int:
-    """Weight values a quantised MoE base stores quantised beyond ``linears`` x layers: the dense layers' MLP in
-    place of the shared expert ``linears`` counted for them, and the expert stacks once ``EXPERTS_4BIT``."""
+    """Linear weight values a quantised MoE base stores beyond ``linears`` x layers: the dense layers' MLP in place
+    of the shared expert ``linears`` counted for them."""
     shared = sum(i * o for _, i, o, _ in shared_linears(shape))
-    dense = shape.dense_layers * (3 * shape.hidden * shape.dense_intermediate - shared)
-    return dense + (shape.moe_layers * stack_values(shape) if EXPERTS_4BIT else 0)
+    return shape.dense_layers * (3 * shape.hidden * shape.dense_intermediate - shared)
+
+
+def stacks_4bit(shape, quant: str, all_linear: bool) -> bool:
+    """Whether a quantised run stores this model's expert stacks in 4 bit (``EXPERTS_4BIT``)."""
+    return EXPERTS_4BIT and bool(shape.experts) and quant in ("nf4", "fp4") and all_linear \
+        and shape.model_type not in DENSE_ROUTED
+
+
+def stack_bytes_4bit(shape, quantised_bytes) -> int:
+    """lora/moe_nf4.py's storage of every layer's stacks: each expert's gate_up and down packed two values a byte,
+    an fp32 absmax per 64 values (``quantised_bytes``: estimate's, passed in to keep this module below it)."""
+    h, w = shape.hidden, shape.expert_intermediate
+    per_expert = quantised_bytes(2 * w * h, 1, "nf4", False) + quantised_bytes(w * h, 1, "nf4", False)
+    return shape.moe_layers * shape.experts * per_expert
 
 
 def saved(shape, tok) -> int:
