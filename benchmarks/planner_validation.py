@@ -323,6 +323,37 @@ def cpu_grid(quick: bool = False):
     return [run_point(*pt) for pt in points]
 
 
+def run_nf4_point(name: str, b: int, s: int, r: int, ckpt: bool, tmp: str) -> dict:
+    """An MoE model loaded as a run loads it with model.quantization nf4 (bitsandbytes' linear layers, lora/moe_nf4.py's
+    expert stacks), bf16 autocast: saved bytes against the planner's (``tmp``: where the random model is saved)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rocktune.models.load import apply_lora, load_model
+
+    config = MODELS[name]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32).save_pretrained(tmp)
+    model = apply_lora(load_model(str(Path(tmp)), "bf16", "sdpa", False, "cpu", "nf4"), r, 2 * r, 0.0, "all-linear",
+                       ckpt)
+    model.train()
+    got = measure_step(model, make_batch(config["vocab_size"], b, s), "bf16")
+    spec = RunSpec(micro_batch=b, seq_len=s, lora_r=r, precision="bf16", quant="nf4", checkpointing=ckpt,
+                   device="cpu", loss_fraction=got["loss_tokens"] / (b * (s - 1)),
+                   expert_imbalance=got["expert_imbalance"] or 1.0)
+    est = estimate(shape_from_config(config), spec)
+    return {"model": name, "batch": b, "seq": s, "rank": r, "precision": "bf16", "attn": "sdpa-nf4",
+            "checkpointing": ckpt, "dropout": 0.0, "saved_measured": got["saved_bytes"],
+            "saved_predicted": est.saved_bytes,
+            "saved_error": (est.saved_bytes - got["saved_bytes"]) / got["saved_bytes"], "state_exact": None}
+
+
+# nf4 (a QLoRA base: the linear layers and, on the grouped path, the expert stacks in 4 bit; bf16 autocast)
+NF4_POINTS = [(m, b, s, 8, c) for m in ("tiny-qwen3-moe", "tiny-glm4-moe") for b, s in ((1, 128), (4, 64))
+              for c in (False, True)]
+
+
 def gpu_check(preset: str, b: int, s: int, precision: str = "bf16", ckpt: bool = False) -> dict:
     """Random-init model of a preset's shape on the GPU: predicted allocated peak vs max_memory_allocated."""
     from rocktune.planner.shapes import presets
@@ -361,8 +392,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     points = COMPILED_POINTS if args.compiled else MOE_POINTS + GPT_OSS_POINTS if args.moe else None
     rows = [run_point(*p) for p in points] if points else cpu_grid(args.quick)
+    if args.moe:
+        import tempfile
+
+        rows += [run_nf4_point(*p, tempfile.mkdtemp()) for p in NF4_POINTS]
     out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
-           "state_exact": all(r["state_exact"] for r in rows)}
+           "state_exact": all(r["state_exact"] for r in rows if r["state_exact"] is not None)}
     if args.gpu and torch.cuda.is_available():
         out["gpu"] = [gpu_check(p, b, s, prec, c) for p in ("Qwen2.5-0.5B", "Qwen2.5-1.5B")
                       for b, s, prec, c in ((1, 1024, "bf16", False), (4, 512, "bf16", True), (2, 512, "fp32", False))]

@@ -282,9 +282,11 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
     if tok.compiled:  # compiled, a norm keeps its input in the stream's dtype and the rsqrt (planner/varlen.py)
         norm = tok.t * ((tok.stream or dt) * h + 4)
     # cos/sin per position id: one row of positions for padded batches, one per packed row (positions restart)
-    rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * int(shape.head_dim * shape.rotary_fraction) * dt
+    # cos/sin are computed in the embeddings' dtype: fp32 on a QLoRA base (k-bit preparation)
+    rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * int(shape.head_dim * shape.rotary_fraction) \
+        * (tok.stream or dt)
     if shape.model_type == "llama4_text":  # one complex64 rotation per pair of dimensions, in any precision
-        rope = rope // (2 * dt) * 4
+        rope = rope // (2 * (tok.stream or dt)) * 4
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm input {tok.t} x {h} + cos/sin")
     if _loss_mode(shape, spec) == "chunked":
         # The fused loss keeps d(loss)/d(hidden) in the hidden dtype, except fp16 (fp32: it would underflow there);

@@ -138,9 +138,11 @@ def saved(shape, tok) -> int:
     """Bytes one MoE block saves for backward (module docstring); ``tok``: activations.Tokens."""
     t, dt, h, w, r = tok.t, tok.dt, shape.hidden, shape.expert_intermediate, tok.rank
     rows = t * shape.experts_per_token
-    width = tok.stream or dt
+    # the routed rows are cast to the compute dtype (lora/moe.py), even off a QLoRA base's fp32 stream; the shared
+    # expert's Linear4bit layers return the stream's dtype
+    width, stream = dt, tok.stream or dt
     mid = (4 + GATE_EXTRA.get(shape.model_type, 0)) * w  # gate/up out, activation(s), down input
-    shared = 3 * t * shape.shared_intermediate * width if shape.shared_intermediate else 0
+    shared = 3 * t * shape.shared_intermediate * stream if shape.shared_intermediate else 0
     # the fp32 factors cast to the compute dtype, per stack
     casts = shape.experts * r * ((h + 2 * w) + (w + h)) * dt if tok.amp else 0
     if shape.model_type in DENSE_ROUTED:  # experts x tokens rows: the repeated input, it scaled, gate/up, act, product
