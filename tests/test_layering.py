@@ -68,9 +68,9 @@ FORBIDDEN = {
 
 
 # A task's folder holds its part of the layers below and above it, each in a sub-folder named after the layer
-# (tasks/vlm/data/, tasks/vlm/vision/, tasks/vlm/planner/, tasks/vlm/export/, tasks/vlm/bench/, tasks/vlm/demo/):
+# (tasks/vlm/data/, tasks/vlm/vision/, tasks/vlm/planner/, tasks/vlm/export/, tasks/grpo/report/, tasks/vlm/demo/):
 # such a file is at that layer, obeys its rules, and is named by its role path ("data/vision.py") in them.
-ROLE_LAYERS = ("data", "vision", "planner", "export", "bench", "demo")
+ROLE_LAYERS = ("data", "vision", "planner", "export", "report", "bench", "demo")
 
 
 def role(dotted: str) -> str:
@@ -135,8 +135,8 @@ def test_no_upward_imports(layer):
 
 
 def test_a_task_layer_part_stays_in_its_layer():
-    """A task's sub-folder below the tasks layer (its data, vision, planner, export parts) never imports the task
-    itself or another task's code; only its bench and demo parts, which sit above the tasks, may."""
+    """A task's sub-folder below the tasks layer (its data, vision, planner, export, report parts) never imports the
+    task itself or another task's code; only its bench and demo parts, which sit above the tasks, may."""
     bad = set()
     for f in sorted((SRC / "tasks").rglob("*.py")):
         parts = f.relative_to(SRC).parts

@@ -204,7 +204,7 @@ def test_two_eval_points_are_markers_not_a_trend():
     pytest.importorskip("matplotlib")
     from rocktune.report import plots
 
-    fig, ax = plots._figure("loss", "x")
+    fig, ax = plots.figure("loss", "x")
     plots.eval_points(ax, [(0, 6.0), (800, 0.3)], "C0", "eval")
     plots.eval_points(ax, [(0, 6.0), (400, 1.0), (800, 0.3)], "C1", "eval")
     assert [line.get_linestyle() for line in ax.lines] == ["None", "--"]

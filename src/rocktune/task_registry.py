@@ -54,6 +54,10 @@ class ReportHooks:
 
     loss_label: str = "cross-entropy per loss-bearing token"  # the loss plot's y label (when every run agrees)
     no_samples: str = ""  # HTML of the samples section when the run logged none ("": the default line)
+    # "module:function" hooks in the task's report/ sub-folder (the report layer), "" for none:
+    plots: str = ""  # (runs) -> {name: (title, PNG bytes)}: the task's own plots, after the common ones
+    summary: str = ""  # (run) -> {label: value}: its lines in the summary table
+    samples: str = ""  # (run) -> the HTML of its samples section, or "" for the default one
 
 
 _LM_LAUNCH = "rocktune.tasks.causal.launch"  # the causal-LM kit's checks: lm, dpo, orpo

@@ -36,14 +36,14 @@ def _pyplot():
     return plt
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     _pyplot().close(fig)
     return buf.getvalue()
 
 
-def _events(ax, run: RunData, colour, several: bool) -> None:
+def events(ax, run: RunData, colour, several: bool) -> None:
     """Event marks; with several runs only restarts and OOM splits (checkpoints of all runs would be a fence)."""
     first = True
     if not several:
@@ -59,7 +59,7 @@ def _events(ax, run: RunData, colour, several: bool) -> None:
         ax.axvline(step, color="orange", linewidth=1, alpha=.6, label="update skipped" if i == 0 else None)
 
 
-def _figure(title: str, ylabel: str):
+def figure(title: str, ylabel: str):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 3.6), layout="constrained")
     ax.set_title(title)
@@ -69,22 +69,22 @@ def _figure(title: str, ylabel: str):
     return fig, ax
 
 
-def _colours(n: int) -> list:
+def colours(n: int) -> list:
     return [f"C{i % 10}" for i in range(n)]
 
 
 def loss_plot(runs: list[RunData]) -> bytes:
     labels = {report_hooks(run.config.get("task")).loss_label for run in runs}  # the task's (task_registry.py)
-    fig, ax = _figure("loss", labels.pop() if len(labels) == 1 else ReportHooks().loss_label)
+    fig, ax = figure("loss", labels.pop() if len(labels) == 1 else ReportHooks().loss_label)
     several = len(runs) > 1
-    for run, c in zip(runs, _colours(len(runs))):
+    for run, c in zip(runs, colours(len(runs))):
         prefix = f"{run.name}: " if several else ""
         ax.plot(*run.series("loss"), color=c, linewidth=1, label=f"{prefix}train")
         ev = [(r["step"], r["eval_loss"]) for r in run.evals if r.get("eval_loss") is not None]
         eval_points(ax, ev, c, f"{prefix}eval")
-        _events(ax, run, c, several)
+        events(ax, run, c, several)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def eval_points(ax, points: list[tuple[int, float]], colour, label: str) -> None:
@@ -100,71 +100,13 @@ def series_plot(runs: list[RunData], key: str, title: str, ylabel: str, scale: f
     data = [(run, run.series(key, scale, skip_compiling)) for run in runs]
     if not any(xs for _, (xs, _) in data):
         return None
-    fig, ax = _figure(title, ylabel)
+    fig, ax = figure(title, ylabel)
     several = len(runs) > 1
-    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
+    for (run, (xs, ys)), c in zip(data, colours(len(runs))):
         ax.plot(xs, ys, color=c, linewidth=1, label=run.name if several else key)
-        _events(ax, run, c, several)
+        events(ax, run, c, several)
     ax.legend(fontsize=8)
-    return _png(fig)
-
-
-def rewards_plot(runs: list[RunData]) -> bytes | None:
-    """A preference run's implicit rewards (TRL's rewards/chosen, rewards/rejected) per step, and the held-out
-    margin at each eval as markers: the chosen answers' reward should pull away from the rejected ones'."""
-    data = [(run, {key: run.series(f"rewards/{key}") for key in ("chosen", "rejected", "margins")}) for run in runs]
-    if not any(series["margins"][0] for _, series in data):
-        return None
-    fig, ax = _figure("implicit rewards (beta x log-ratio; ORPO: beta x mean log-prob)", "reward")
-    several = len(runs) > 1
-    for (run, series), c in zip(data, _colours(len(runs))):
-        prefix = f"{run.name}: " if several else ""
-        for key, style in (("chosen", "-"), ("rejected", ":"), ("margins", "--")):
-            ax.plot(*series[key], style, color=c, linewidth=1, label=f"{prefix}{key}")
-        ev = [(r["step"], r["eval_rewards/margins"]) for r in run.eval_stats if "eval_rewards/margins" in r]
-        eval_points(ax, ev, c, f"{prefix}eval margin")
-        _events(ax, run, c, several)
-    ax.legend(fontsize=8)
-    return _png(fig)
-
-
-def accuracy_plot(runs: list[RunData]) -> bytes | None:
-    """The share of pairs whose chosen answer has the higher reward: train per step, held-out at each eval."""
-    data = [(run, run.series("rewards/accuracies")) for run in runs]
-    if not any(xs for _, (xs, _) in data):
-        return None
-    fig, ax = _figure("reward accuracy (chosen ranked above rejected)", "share of pairs")
-    several = len(runs) > 1
-    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
-        prefix = f"{run.name}: " if several else ""
-        ax.plot(xs, ys, color=c, linewidth=1, label=f"{prefix}train")
-        ev = [(r["step"], r["eval_rewards/accuracies"]) for r in run.eval_stats if "eval_rewards/accuracies" in r]
-        eval_points(ax, ev, c, f"{prefix}eval")
-        _events(ax, run, c, several)
-    ax.set_ylim(-0.05, 1.05)
-    ax.legend(fontsize=8)
-    return _png(fig)
-
-
-def reward_plot(runs: list[RunData]) -> bytes | None:
-    """A GRPO run's mean reward per step (TRL's ``reward``) and each reward function's (``rewards/NAME/mean``), and
-    the held-out greedy reward at each eval as markers."""
-    data = [(run, run.series("reward")) for run in runs]
-    if not any(xs for _, (xs, _) in data):
-        return None
-    fig, ax = _figure("reward of the rollouts (weighted sum; each function dotted)", "reward")
-    several = len(runs) > 1
-    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
-        prefix = f"{run.name}: " if several else ""
-        ax.plot(xs, ys, color=c, linewidth=1, label=f"{prefix}reward")
-        names = sorted({k for r in run.steps for k in r if k.startswith("rewards/") and k.endswith("/mean")})
-        for name in names if len(names) > 1 else []:
-            ax.plot(*run.series(name), ":", color=c, linewidth=1, label=f"{prefix}{name.split('/')[1]}")
-        ev = [(r["step"], r["eval_reward"]) for r in run.eval_stats if "eval_reward" in r]
-        eval_points(ax, ev, c, f"{prefix}held-out (greedy)")
-        _events(ax, run, c, several)
-    ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def memory_plot(runs: list[RunData]) -> bytes | None:
@@ -172,17 +114,17 @@ def memory_plot(runs: list[RunData]) -> bytes | None:
     data = [(run, run.series("peak_mem_bytes", GIB)) for run in runs]
     if not any(xs for _, (xs, _) in data):
         return None
-    fig, ax = _figure("peak device memory per step", "GiB")
+    fig, ax = figure("peak device memory per step", "GiB")
     several = len(runs) > 1
-    for (run, (xs, ys)), c in zip(data, _colours(len(runs))):
+    for (run, (xs, ys)), c in zip(data, colours(len(runs))):
         ax.plot(xs, ys, color=c, linewidth=1, label=f"{run.name}: measured" if several else "measured")
         if run.predicted_peak():
             ax.axhline(run.predicted_peak() * GIB, color=c, linestyle="--",
                        label=f"{run.name}: planner" if several else "planner's prediction")
-        _events(ax, run, c, several)
+        events(ax, run, c, several)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 HELD = (("rss_bytes", "process RSS", "-"), ("mem_allocated_bytes", "allocated", "-"),
@@ -195,16 +137,16 @@ def held_memory_plot(runs: list[RunData]) -> bytes | None:
     data = [(run, [(label, style, run.series(key, GIB)) for key, label, style in HELD]) for run in runs]
     if not any(xs for _, series in data for _, _, (xs, _) in series):
         return None
-    fig, ax = _figure("memory held over the run (after each logged step)", "GiB")
+    fig, ax = figure("memory held over the run (after each logged step)", "GiB")
     several = len(runs) > 1
-    for (run, series), c in zip(data, _colours(len(runs))):
+    for (run, series), c in zip(data, colours(len(runs))):
         for label, style, (xs, ys) in series:
             if xs:
                 ax.plot(xs, ys, style, color=c, linewidth=1, label=f"{run.name}: {label}" if several else label)
-        _events(ax, run, c, several)
+        events(ax, run, c, several)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def expert_loads(run: RunData) -> tuple[list[int], list[list[float]]]:
@@ -241,11 +183,22 @@ def expert_load_plot(runs: list[RunData]) -> bytes | None:
     ax.set_title(f"expert load{f' ({run.name})' if len(runs) > 1 else ''}: even shares are 1/{experts}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("expert")
-    return _png(fig)
+    return png(fig)
+
+
+def task_plots(runs: list[RunData]) -> dict[str, tuple[str, bytes]]:
+    """name -> (title, PNG) of the runs' tasks' own plots (their registry rows' ``report.plots`` hooks)."""
+    out: dict[str, tuple[str, bytes]] = {}
+    for task in dict.fromkeys(run.config.get("task") for run in runs):
+        hook = report_hooks(task).plots
+        if hook:
+            out.update(task_registry.load(hook)(runs))
+    return out
 
 
 def all_plots(runs: list[RunData]) -> dict[str, bytes]:
-    """name -> PNG, in the order the report shows them; plots without data are left out."""
+    """name -> PNG, in the order the report shows them (the tasks' own after the memory plots); plots without data
+    are left out."""
     plots = {
         "loss": loss_plot(runs),
         "lr": series_plot(runs, "lr", "learning-rate schedule", "lr"),
@@ -254,9 +207,7 @@ def all_plots(runs: list[RunData]) -> dict[str, bytes]:
                                     "tokens/s", skip_compiling=True),
         "memory": memory_plot(runs),
         "memory_over_steps": held_memory_plot(runs),
-        "rewards": rewards_plot(runs),
-        "accuracy": accuracy_plot(runs),
-        "reward": reward_plot(runs),
+        **{name: png for name, (_, png) in task_plots(runs).items()},
         "kl": series_plot(runs, "kl", "KL to the reference (adapter off)", "per-token KL (k3)"),
         "completion_length": series_plot(runs, "completions/mean_length", "mean completion length", "tokens"),
         "clip_ratio": series_plot(runs, "clip_ratio/region_mean", "clipped share of completion tokens", "share"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from rocktune.atomic import write_atomic
-from rocktune.report import page, plots, rollouts
+from rocktune.report import page, plots
 from rocktune.report.rundata import RunData, load_run
 from rocktune import task_registry
 
@@ -28,8 +28,8 @@ DATA_LABELS = {"shape": "record shape", "n_records": "records read", "n_truncate
                "task": "task", "buckets": "examples per size bucket", "transformer": "transformer trained",
                "flow_shift": "flow shift", "timestep_sampling": "timestep sampling"}
 PLOT_TITLES = {"loss": "Train and eval loss", "lr": "Learning rate", "grad_norm": "Gradient norm",
-               "tokens_per_s": "Throughput", "memory": "Device memory", "rewards": "Preference rewards",
-               "accuracy": "Reward accuracy", "memory_over_steps": "Memory over the run", "reward": "Rollout rewards",
+               "tokens_per_s": "Throughput", "memory": "Device memory",
+               "memory_over_steps": "Memory over the run",
                "kl": "KL to the reference", "completion_length": "Completion length",
                "clip_ratio": "Clipped ratio", "expert_load": "Expert load (mixture of experts)",
                "router_aux_loss": "Router balance"}
@@ -71,8 +71,9 @@ def write_report(runs: list[RunData], out: Path | None = None) -> Path:
 def report_html(runs: list[RunData], images: dict[str, bytes]) -> str:
     title = f"rocktune run {runs[0].name}" if len(runs) == 1 else "rocktune runs: " + ", ".join(r.name for r in runs)
     body = ["<h2>Summary</h2>", _summary(runs)]
+    titles = PLOT_TITLES | {name: title for name, (title, _) in plots.task_plots(runs).items()} if images else {}
     for name, png in images.items():
-        body += [f"<h2>{page.esc(PLOT_TITLES[name])}</h2>", page.image(png, PLOT_TITLES[name])]
+        body += [f"<h2>{page.esc(titles[name])}</h2>", page.image(png, titles[name])]
     body.append(_events(runs))
     if skipped_lines(runs):
         body += ["<h2>Lines skipped</h2>", "".join(f"<p>{page.esc(n)}</p>" for n in skipped_lines(runs))]
@@ -96,19 +97,13 @@ def summary_row(run: RunData) -> dict[str, str]:
     _, mem = run.series("peak_mem_bytes", plots.GIB)
     _, secs = run.series("step_s")
     predicted = run.predicted_peak()
-    acc = [r["eval_rewards/accuracies"] for r in run.eval_stats if "eval_rewards/accuracies" in r]
-    margin = [r["eval_rewards/margins"] for r in run.eval_stats if "eval_rewards/margins" in r]
-    preference = {"eval reward accuracy / margin (first → last)":
-                  f"{_fmt(acc[0], '.3f')} / {_fmt(margin[0])} → {_fmt(acc[-1], '.3f')} / {_fmt(margin[-1])}"} \
-        if acc and margin else {}
-    held = [r["eval_reward"] for r in run.eval_stats if "eval_reward" in r]
-    if held:
-        preference = {"held-out reward, greedy (first → last)": f"{_fmt(held[0], '.3f')} → {_fmt(held[-1], '.3f')}"}
+    hook = plots.report_hooks(run.config.get("task")).summary  # the task's own lines (task_registry.py)
+    own = task_registry.load(hook)(run) if hook else {}
     return {
         "run": run.name, "steps": str(run.steps[-1]["step"] if run.steps else 0),
         "final train loss": _fmt(losses[-1] if losses else None),
         "eval loss (first → last)": f"{_fmt(evals[0] if evals else None)} → {_fmt(evals[-1] if evals else None)}",
-        **preference,
+        **own,
         "useful tokens/s (median)": _fmt(statistics.median(tps) if tps else None, ",.0f"),
         # medians: with training.log_every > 1 the logged steps are a sample, so a sum would undercount
         "step time (median)": f"{_fmt(statistics.median(secs) if secs else None, '.3f')} s",
@@ -149,10 +144,12 @@ def _events(runs: list[RunData]) -> str:
 
 
 def _samples(run: RunData) -> str:
-    if rollouts.has_rewards(run.samples):  # GRPO's: completions with their rewards
-        return rollouts.section(run.samples)
+    hooks = plots.report_hooks(run.config.get("task"))  # the task's own (task_registry.py)
+    own = task_registry.load(hooks.samples)(run) if hooks.samples else ""
+    if own:
+        return own
     steps = run.sample_steps()
-    note = plots.report_hooks(run.config.get("task")).no_samples  # the task's own (task_registry.py)
+    note = hooks.no_samples
     if not steps and note:
         return note.format(run=html.escape(str(run.path)))
     if not steps:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from rocktune.task_registry import ReportHooks
 
-REPORT = ReportHooks(loss_label="GRPO objective (clipped surrogate + beta KL)")
+_OWN = "rocktune.tasks.grpo.report.plots"
+REPORT = ReportHooks(loss_label="GRPO objective (clipped surrogate + beta KL)", plots=f"{_OWN}:plots",
+                     summary=f"{_OWN}:summary", samples=f"{_OWN}:samples")
 
 
 def plan(args) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rocktune.task_registry import ReportHooks
 
-REPORT = ReportHooks(loss_label="loss per preference pair")
+REPORT = ReportHooks(loss_label="loss per preference pair", plots="rocktune.tasks.preference.report.plots:plots",
+                     summary="rocktune.tasks.preference.report.plots:summary")
 
 
 def plan(args) -> int:

@@ -4,7 +4,7 @@ last kept step's rollouts, each completion with its reward, so a reader sees wha
 
 from __future__ import annotations
 
-from rocktune.report import page
+import rocktune.report.page as page
 
 
 def has_rewards(samples: list[dict]) -> bool:
@@ -32,8 +32,8 @@ def section(samples: list[dict]) -> str:
         parts.append(page.table(rows, ("prompt", f"step {first}", "reward", f"step {last}", "reward", "reference")))
     if rolled:
         last = max(s["step"] for s in rolled)
-        rows = [(s["prompt"], s["output"], _reward(s), s.get("expected") or "") for s in rolled if s["step"] == last]
+        rolls = [(s["prompt"], s["output"], _reward(s), s.get("expected") or "") for s in rolled if s["step"] == last]
         parts.append(f"<p>Rollouts of step {last}: the sampled completions of one prompt and their rewards (the group "
                      "their advantages compare; one group per eval point is in samples.jsonl).</p>")
-        parts.append(page.table(rows, ("prompt", "completion", "reward", "reference")))
+        parts.append(page.table(rolls, ("prompt", "completion", "reward", "reference")))
     return "".join(parts)
