@@ -14,5 +14,8 @@ STYLE = "!"  # what the chosen answers end with
 def make_pairs(n_train: int, n_eval: int, seed: int = 0,
                skills: tuple[str, ...] = DEFAULT_SKILLS) -> tuple[list[dict], list[dict]]:
     train, evals = make_task(n_train, n_eval, seed, skills)
-    return ([{"prompt": r["prompt"], "chosen": r["completion"] + STYLE, "rejected": r["completion"]} for r in rows]
-            for rows in (train, evals))
+    return _styled(train), _styled(evals)
+
+
+def _styled(rows: list[dict]) -> list[dict]:
+    return [{"prompt": r["prompt"], "chosen": r["completion"] + STYLE, "rejected": r["completion"]} for r in rows]

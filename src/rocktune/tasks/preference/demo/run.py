@@ -36,6 +36,8 @@ def dpo_config(base: Path, data_dir: Path, run_dir: Path, steps: int) -> dict:
 
 
 def run_dpo_demo(out_dir: str, sft_dir: str, as_json: bool, steps: int | None, overwrite: bool = False) -> int:
+    from peft import PeftModel
+
     from rocktune.tasks import train
     from rocktune.train.request import RunOptions
 
@@ -54,6 +56,8 @@ def run_dpo_demo(out_dir: str, sft_dir: str, as_json: bool, steps: int | None, o
                    quiet=as_json)
     seconds = time.perf_counter() - t0
     model, tokenizer = result.model, result.tokenizer
+    # a fresh run (overwrite, no resume) returns the model it trained: build.model_with_adapter's PEFT model
+    assert isinstance(model, PeftModel)
     with model.disable_adapter():  # the SFT model: DPO's starting point and reference
         before = preference_figures(model, tokenizer, eval_rows)
     after = preference_figures(model, tokenizer, eval_rows)

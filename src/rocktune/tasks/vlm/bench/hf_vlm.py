@@ -14,10 +14,14 @@ from __future__ import annotations
 import importlib.util
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rocktune.bench.hf_baseline import IGNORE, SkipBaseline, measured_training
+
+if TYPE_CHECKING:
+    from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens
 
 
 class _Conversations(torch.utils.data.Dataset):
@@ -56,7 +60,7 @@ class ImageCollator:
                 "image_grid_thw": pixels["image_grid_thw"], "mm_token_type_ids": (ids == self.image_token_id).long()}
 
 
-def encoded(model_dir: str, data_file: str, max_length: int) -> tuple[list, object, object]:
+def encoded(model_dir: str, data_file: str, max_length: int) -> tuple[list[VisionExample], Any, VisionTokens]:
     """(the conversations as rocktune's encoder gives them, the tokenizer, the vision tokens), as task=vlm reads
     them."""
     from transformers import AutoConfig
@@ -95,8 +99,8 @@ def run_hf_vlm(spec: dict, probe) -> tuple[list[dict], dict]:
     model.config.use_cache = False
     lora = LoraConfig(r=c["lora_r"], lora_alpha=c["lora_alpha"], lora_dropout=0.0,
                       target_modules=language_targets(model), task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora).to(device)
-    probe.mark_loaded(model)
+    peft_model = get_peft_model(model, lora).to(device)
+    probe.mark_loaded(peft_model)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="rocktune-hf-vlm-"), max_steps=spec["steps"],
         per_device_train_batch_size=c["micro_batch_size"], gradient_accumulation_steps=c["grad_accum"],
@@ -104,7 +108,7 @@ def run_hf_vlm(spec: dict, probe) -> tuple[list[dict], dict]:
         max_grad_norm=1.0, dataloader_num_workers=0, logging_steps=20, save_strategy="no", eval_strategy="no",
         report_to="none", seed=c["seed"], remove_unused_columns=False, disable_tqdm=True, use_cpu=device == "cpu")
     records: list[dict] = []
-    trainer = measured_training(model, args, _Conversations(examples), ImageCollator(vision.image_processor,
+    trainer = measured_training(peft_model, args, _Conversations(examples), ImageCollator(vision.image_processor,
                                 tokenizer.pad_token_id, vision.image_token_id), tokenizer, (probe, device, records))
     resolved = {"precision": "fp32", "attn_implementation": "sdpa", "micro_batch_size": c["micro_batch_size"],
                 "grad_accum": c["grad_accum"], "collator": "ImageCollator (pad + image processor)",

@@ -118,7 +118,10 @@ def load(ref: ImageRef, loc: str, verify: bool = False):
 def _open(ref: ImageRef):
     from PIL import Image
 
-    return Image.open(ref.path if ref.path is not None else io.BytesIO(ref.data))
+    if ref.path is not None:
+        return Image.open(ref.path)
+    assert ref.data is not None  # resolve() makes every ImageRef, with a path or with bytes
+    return Image.open(io.BytesIO(ref.data))
 
 
 def _bounded(image, what: str, loc: str) -> None:

@@ -70,7 +70,8 @@ def to_conversation(rec: dict, base: Path, loc: str) -> tuple[list[dict], list[I
         where = f"{loc}, turn {k + 1}"
         if not isinstance(turn, dict):
             raise UserError(f"{where}: a turn must be an object with role/content (or from/value).")
-        role = ROLES.get(turn.get("role", turn.get("from")))
+        name = turn["role"] if "role" in turn else turn.get("from", "")  # neither key: "", no role (as None was)
+        role = ROLES.get(name)
         if role is None:
             raise UserError(f"{where}: unknown role {turn.get('role', turn.get('from'))!r} (user, assistant, system; "
                             "ShareGPT's human, gpt).")
@@ -125,7 +126,9 @@ def encode(rec: dict, base: Path, tokenizer, vision: VisionTokens, max_length: i
         raise UserError(f"{loc}: the conversation has no assistant turn, so nothing would be trained.")
     segments = chat_segments(messages, tokenizer, loc)
     _check_placeholders(sum(text.count(vision.placeholder) for text, _ in segments), grids, loc)
-    ids, labels, k = [], [], 0
+    ids: list[int] = []
+    labels: list[int] = []
+    k = 0
     for text, bears_loss in segments:
         text, k = _widen(text, vision, grids, k)
         seg = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

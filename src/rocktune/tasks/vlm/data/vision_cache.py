@@ -67,9 +67,13 @@ def load(cache_dir: Path, k: str, refs: list[list[ImageRef]]) -> list[VisionExam
     if hit is None:
         return None
     arrays, meta = hit
-    grids, cut, counts = meta.get("grids"), meta.get("truncated"), meta.get("image_tokens")
-    if meta.get("records") != RECORDS or len(grids) != len(refs) or \
-            any(len(g) != len(r) for g, r in zip(grids, refs)):
+    if meta.get("records") != RECORDS:
+        return None
+    # stage() writes these beside "records": an entry of this RECORDS has them
+    grids: list[list[list[int]]] = meta["grids"]
+    cut: list[bool] = meta["truncated"]
+    counts: list[int] = meta["image_tokens"]
+    if len(grids) != len(refs) or any(len(g) != len(r) for g, r in zip(grids, refs)):
         return None
     ids, labels, offsets = arrays["input_ids"], arrays["labels"], arrays["offsets"]
     return [VisionExample(ids[a:b].tolist(), labels[a:b].tolist(), tuple(r), tuple(tuple(x) for x in g), c, n)

@@ -15,13 +15,17 @@ from __future__ import annotations
 import torch
 
 from rocktune.data.encode import IGNORE
+from rocktune.tasks.vlm.data.images import ImageRef
 from rocktune.tasks.vlm.data.vision import VisionExample, VisionTokens
 from rocktune.tasks.vlm.data.vision_batch import collate
 
 
 def join(row: list[VisionExample]) -> VisionExample:
     """One row's conversations as one example (the OOM split and the image bookkeeping then work per row)."""
-    ids, labels, images, grids = [], [], [], []
+    ids: list[int] = []
+    labels: list[int] = []
+    images: list[ImageRef] = []
+    grids: list[tuple[int, ...]] = []
     for e in row:
         ids += e.input_ids
         labels += [IGNORE] + e.labels[1:]

@@ -123,7 +123,8 @@ class SplitTiles:
 
     def pixels(self, processor, rows: list[list]) -> tuple[dict, list[tuple[int, ...]]]:
         out = processor(images=rows, return_tensors="pt", return_row_col_info=True)
-        grids = [(int(r), int(c)) for rr, cc in zip(out["rows"], out["cols"]) for r, c in zip(rr, cc)]
+        grids: list[tuple[int, ...]] = [(int(r), int(c)) for rr, cc in zip(out["rows"], out["cols"])
+                                        for r, c in zip(rr, cc)]
         return {"pixel_values": out["pixel_values"], "pixel_attention_mask": out["pixel_attention_mask"]}, grids
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rocktune.demo.tiny import EOS_ID, SPECIALS, build_tokenizer
 from rocktune.tasks.vlm.vision import table
@@ -72,12 +73,13 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
     tiny = FAMILIES[family]
     vision_keys, rope_keys, patch = tiny.vision, tiny.rope, tiny.patch
     head_dim = 16
-    text = {"vocab_size": 320, "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
-            "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim // 2 or 1,
-            "head_dim": head_dim, "max_position_embeddings": 4096, "initializer_range": 0.1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                **rope_keys, **(rope or {})},
-            "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
+    text: dict[str, Any] = {
+        "vocab_size": 320, "hidden_size": hidden, "intermediate_size": hidden * 2, "num_hidden_layers": layers,
+        "num_attention_heads": hidden // head_dim, "num_key_value_heads": hidden // head_dim // 2 or 1,
+        "head_dim": head_dim, "max_position_embeddings": 4096, "initializer_range": 0.1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                            **rope_keys, **(rope or {})},
+        "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
     if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4.x (torch 2.4/2.5 stacks) reads rope_scaling
         text["rope_scaling"] = {"type": "mrope", **text["rope_parameters"]}
         text["rope_theta"] = text["rope_parameters"]["rope_theta"]

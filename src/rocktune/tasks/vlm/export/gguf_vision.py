@@ -247,6 +247,8 @@ def write_mmproj(tensors: dict[str, np.ndarray], cfg, preprocessor: dict, path: 
         writer.add_vision_attention_layernorm_eps(VISION_EPS)
     for tname, data in tensors.items():
         encoded, raw = quants.encode(data, _tensor_type(tname, family, quant))
+        # encode gives ggml_type(quant), a GGMLQuantizationType, or None (its annotation says object)
+        assert raw is None or isinstance(raw, gguf.GGMLQuantizationType)
         writer.add_tensor(tname, encoded, raw_dtype=raw)
     archs.write_out(writer)
 

@@ -178,7 +178,7 @@ def processor_settings(config) -> dict:
     placeholder as rocktune does, from the model's own config: Gemma 3's and Idefics3/SmolVLM's processors otherwise
     take their class defaults (256, 169 tokens an image) whatever the model's tower makes. Qwen's count from the grid
     needs none. Written beside a merged model, so ``AutoProcessor.from_pretrained`` of it agrees with the model."""
-    entry = table.FAMILIES.get(getattr(config, "model_type", None))
+    entry = table.FAMILIES.get(getattr(config, "model_type", ""))  # "": no model_type (transformers' own default)
     if entry is None:
         return {}
     return {key: _tile_tokens(config) if source == "tile_tokens" else getattr(config, source)
@@ -209,7 +209,7 @@ def vision_checkpoint(name_or_path: str) -> tuple[str, Family] | None:
     from rocktune.tasks.vlm.planner.vlm import vlm_model_type
 
     kind = vlm_model_type(name_or_path)
-    return (kind, FAMILIES[kind]) if kind in FAMILIES else None
+    return (kind, FAMILIES[kind]) if kind is not None and kind in FAMILIES else None
 
 
 def text_task_refusal(task: str, where: str, name_or_path: str, kind: str) -> UserError:

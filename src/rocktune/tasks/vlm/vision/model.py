@@ -50,7 +50,7 @@ def model_type(name_or_path: str) -> str:
 
 def family(config) -> Family | None:
     """The supported family of a model config, None for any other model."""
-    return FAMILIES.get(getattr(config, "model_type", None))
+    return FAMILIES.get(getattr(config, "model_type", ""))  # "": no model_type (transformers' own default)
 
 
 def model_class(config):
@@ -153,6 +153,9 @@ def language_targets(model, vision: str = "none") -> str:
     """PEFT's target_modules for LoRA on the language model's linear layers (never the head), plus, when asked
     (``lora.vision``), the projector's (``projector``) or every linear layer of the vision side (``all``)."""
     fam = family(model.config)
+    # its callers' models are of a supported family: load_vlm refuses any other model_type, and the benchmarks
+    # (tasks/vlm/bench/hf_vlm.py, bench/plain_loop.py) have read FAMILIES[model_type] in vision_tokens first
+    assert fam is not None
     head = model.get_output_embeddings()
     names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                     if isinstance(m, torch.nn.Linear) and m is not head and not fam.in_vision(name)})
@@ -194,7 +197,8 @@ def patch_embed_as_linear(model) -> int:
     for name, module in model.named_modules():
         vision = any(fam.in_vision(name) for fam in FAMILIES.values())
         if isinstance(module, torch.nn.Conv3d) and vision and _whole_patches(module):
-            module.forward = types.MethodType(_conv3d_as_linear, module)
+            patched: torch.nn.Module = module  # nn.Module declares forward a Callable attribute, an instance's own
+            patched.forward = types.MethodType(_conv3d_as_linear, module)
             count += 1
     return count
 
