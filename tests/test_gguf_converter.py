@@ -1,6 +1,7 @@
 """Our GGUF export against llama.cpp's own converter: for each family of the matrix, the tiny model is trained
-(random LoRA), merged (--to merged) and exported (--to gguf); llama.cpp's convert_hf_to_gguf.py converts the same
-merged directory, and the two files must hold the same tensors (names, types, shapes, bytes) and the same metadata.
+(random LoRA), merged (--to merged) and exported (--to gguf, f32 and f16); llama.cpp's convert_hf_to_gguf.py converts
+the same merged directory, and the two files must hold the same tensors (names, types, shapes, bytes) and the same
+metadata.
 
 What we write beyond the converter is a closed list (EXTRA_KEYS): values llama.cpp's loader would otherwise derive
 the same way, and the merges key its BPE loader needs. Skipped, with the reason, when no llama.cpp source tree is
@@ -86,12 +87,13 @@ def test_gguf_equals_llama_cpp_converter(tmp_path, record_property, name):
     targets, params = lora_targets(AutoModelForCausalLM.from_pretrained(base), "all-linear")
     make_run(tmp_path / "run", base, targets, data_format="messages",
              **({"target_parameters": params} if params else {}))
-    for argv in (["--to", "merged", "--dtype", "fp32"], ["--to", "gguf", "--quant", "f32"]):
-        assert main(["export", str(tmp_path / "run"), *argv]) == 0
-    ours = tmp_path / "run" / "export" / "model-f32.gguf"
-    pre = read(ours)[0]["tokenizer.ggml.pre"]
-    done = convert(src, tmp_path / "run" / "export" / "merged", tmp_path / "converter.gguf", "f32", pre,
-                   model_type)
-    assert done.returncode == 0, done.stderr[-3000:]
-    n = assert_same_gguf(ours, tmp_path / "converter.gguf", ARCHS[model_type].gguf_name, name in TRIMMED_EMBEDDING)
-    record_property("cell", f"equal to convert_hf_to_gguf.py ({n} tensors)")
+    assert main(["export", str(tmp_path / "run"), "--to", "merged", "--dtype", "fp32"]) == 0
+    for quant in ("f32", "f16"):  # f16: which tensors stay f32 (routers, conv kernels, biases) as well
+        assert main(["export", str(tmp_path / "run"), "--to", "gguf", "--quant", quant]) == 0
+        ours = tmp_path / "run" / "export" / f"model-{quant}.gguf"
+        done = convert(src, tmp_path / "run" / "export" / "merged", tmp_path / f"converter-{quant}.gguf", quant,
+                       read(ours)[0]["tokenizer.ggml.pre"], model_type)
+        assert done.returncode == 0, done.stderr[-3000:]
+        n = assert_same_gguf(ours, tmp_path / f"converter-{quant}.gguf", ARCHS[model_type].gguf_name,
+                             name in TRIMMED_EMBEDDING)
+    record_property("cell", f"equal to convert_hf_to_gguf.py in f32 and f16 ({n} tensors)")

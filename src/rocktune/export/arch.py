@@ -323,6 +323,17 @@ def llama3_rope_divisors(dim: int, theta: float, factor: float, low: float, high
     return np.asarray(out, dtype=np.float32)
 
 
+# tensors llama.cpp keeps in f32 whatever the file type (its converter and quantiser alike): the routers, whose
+# near-tied expert choices a rounding flips, and the SSM conv kernels its conv op reads as f32
+F32_TENSORS = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.", ".ssm_conv1d.")
+
+
+def keeps_f32(gguf_name: str) -> bool:
+    """Whether this tensor stays f32 in an f16 / q8_0 file: the ones above, and every one that is not a weight
+    matrix (biases, Gated DeltaNet's A, scales)."""
+    return any(part in gguf_name for part in F32_TENSORS) or not gguf_name.endswith(".weight")
+
+
 def write_out(writer) -> None:
     """Header, metadata and tensors of a filled GGUFWriter, in that order, and the file closed whatever happens."""
     try:

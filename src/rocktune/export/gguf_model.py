@@ -76,6 +76,6 @@ def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name
     archs.add_hparams(writer, cfg, arch)
     add_vocab(writer, tokenizer_dir, cfg.vocab_size)
     for tname, data in tensors.items():
-        encoded, raw = quants.encode(data, quant)
+        encoded, raw = quants.encode(data, "f32" if archs.keeps_f32(tname) else quant)
         writer.add_tensor(tname, encoded, raw_dtype=raw)
     archs.write_out(writer)
