@@ -16,7 +16,9 @@ SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, 
 @pytest.mark.parametrize("config_class,extra,gguf_name", [
     ("Olmo3Config", {"layer_types": ["sliding_attention", "full_attention"]}, "olmo2"),
     ("Glm4MoeConfig", {}, "glm4moe"),
-    ("Qwen3_5TextConfig", {"layer_types": ["linear_attention", "full_attention"]}, "qwen35"),
+    ("Qwen3_5TextConfig", {"layer_types": ["linear_attention", "full_attention"], "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}},
+     "qwen35"),
     ("Qwen3NextConfig", {"layer_types": ["linear_attention", "full_attention"]}, "qwen3next"),
     ("GptOssConfig", {"layer_types": ["sliding_attention", "full_attention"]}, "gpt-oss"),
     ("Llama4TextConfig", {}, "llama4"),
@@ -28,6 +30,7 @@ def test_supported_configs_pass(config_class, extra, gguf_name):
 @pytest.mark.parametrize("config_class,extra,words", [
     ("GptOssConfig", {"layer_types": ["full_attention", "sliding_attention"]}, "do not alternate sliding and full"),
     ("GptOssConfig", {"swiglu_limit": 5.0}, "swiglu_limit is 5.0"),
+    ("Qwen3_5TextConfig", {"layer_types": ["linear_attention", "full_attention"]}, "add up to more than its head"),
     ("Llama4TextConfig", {"attention_chunk_size": 64}, "attention_chunk_size is 64"),
     ("Llama4TextConfig", {"no_rope_layer_interval": 2}, "no_rope_layer_interval is 2"),
     ("Llama4TextConfig", {"use_qk_norm": False}, "use_qk_norm is False"),

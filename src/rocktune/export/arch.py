@@ -197,6 +197,10 @@ def split_experts(key: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return [(key, data)]
 
 
+# Gated DeltaNet families: their hyper-parameters, checks and tensor layout (export/linear_attn.py)
+LINEAR_ATTN = {"check": linear_attn.check, "hparams": _qwen35_hparams, "transform": linear_attn.to_llama_cpp,
+               "lora_order": linear_attn.lora_order}
+
 # HF model_type -> llama.cpp arch. Mistral's dense models run on llama.cpp's llama graph.
 ARCHS = {
     "qwen2": Arch("qwen2", False),
@@ -221,12 +225,9 @@ ARCHS = {
     "qwen2_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
     "qwen2_5_vl_text": Arch("qwen2vl", False, hparams=_mrope_hparams),
     # Gated DeltaNet + gated full attention (export/linear_attn.py)
-    "qwen3_5_text": Arch("qwen35", False, hparams=_qwen35_hparams, transform=linear_attn.to_llama_cpp,
-                         lora_order=linear_attn.lora_order),
-    "qwen3_5_moe_text": Arch("qwen35moe", False, hparams=_qwen35_hparams, transform=linear_attn.to_llama_cpp,
-                             lora_order=linear_attn.lora_order),
-    "qwen3_next": Arch("qwen3next", False, hparams=_qwen35_hparams, transform=linear_attn.to_llama_cpp,
-                       lora_order=linear_attn.lora_order),
+    "qwen3_5_text": Arch("qwen35", False, **LINEAR_ATTN),
+    "qwen3_5_moe_text": Arch("qwen35moe", False, **LINEAR_ATTN),
+    "qwen3_next": Arch("qwen3next", False, **LINEAR_ATTN),
     "qwen3_vl_text": Arch("qwen3vl", False, check=_check_interleaved_mrope, hparams=_qwen3vl_hparams),
 }
 

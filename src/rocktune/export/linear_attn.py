@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rocktune.errors import UserError
+
 
 def _dims(cfg) -> tuple[int, int, int, int]:
     return (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -95,6 +97,17 @@ def lora_order(module: str, a: np.ndarray, b: np.ndarray, cfg) -> list[tuple[str
         return [(name.removesuffix(".weight"), a, part) for name, part in _split_qkvz(module, b, cfg)]
     rows, cols = row_order(module, cfg), col_order(module, cfg)
     return [(module, a if cols is None else a[:, cols], b if rows is None else b[rows])]
+
+
+def check(cfg) -> None:
+    """llama.cpp's Qwen3.5 graph rotates by the rope sections and asserts that they fit in a head."""
+    from rocktune.export.arch import head_dim, rope_params
+
+    sections = rope_params(cfg).get("mrope_section") or [11, 11, 10]
+    if cfg.model_type != "qwen3_next" and sum(sections) > head_dim(cfg):
+        raise UserError(f"GGUF export does not support this {cfg.model_type} model: its rope sections {sections} "
+                        f"add up to more than its head width {head_dim(cfg)}, which llama.cpp's graph refuses; use "
+                        "--to merged.")
 
 
 def add_hparams(writer, cfg) -> None:
