@@ -39,6 +39,7 @@ def check_training_data(examples, tokenizer, shape: str, train_on_prompt: bool,
         problems += _stop_token(examples.labels, tokenizer, shape)
     if shape == "messages" and probes:
         problems += _template(probes[:TEMPLATE_PROBES], tokenizer)
+        problems += _default_system(probes, tokenizer)
     return problems
 
 
@@ -135,3 +136,38 @@ def _template(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
                         "than the tokenizer's own chat template would (turns are tokenised one by one); inference "
                         "will see slightly different token sequences.")]
     return []
+
+
+SYSTEM_PROBE = "rocktune-probe-system"
+
+
+def template_default_system(tokenizer) -> str:
+    """The system prompt the chat template writes into a conversation that has none ("" when it writes none): the
+    rendering of one user turn, less what frames a system turn of our own (Qwen2.5's "You are Qwen, created by
+    Alibaba Cloud..."). A template that takes no system turn gives ""."""
+    user = [{"role": "user", "content": "x"}]
+    try:
+        alone = render_chat_template(tokenizer, user, tokenize=False, add_generation_prompt=False)
+        framed = render_chat_template(tokenizer, [{"role": "system", "content": SYSTEM_PROBE}, *user],
+                                      tokenize=False, add_generation_prompt=False)
+    except UserError:
+        return ""
+    before, found, after = framed.partition(SYSTEM_PROBE)
+    if not found or not (alone.startswith(before) and alone.endswith(after)) or len(alone) < len(before + after):
+        return ""
+    return alone[len(before):len(alone) - len(after)].strip()
+
+
+def _default_system(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
+    """A default system prompt the template adds is trained into every conversation without one, and the model
+    learns whoever it names (an identity a borrowed template brings along): said, with the way out."""
+    without = [loc for loc, rec in recs if not any(m.get("role") == "system" for m in rec.get("messages", []))]
+    default = template_default_system(tokenizer) if without else ""
+    if not default:
+        return []
+    return [Problem("warning", "template-default-system", f"the chat template adds a system prompt the data does not "
+                    f"have to every conversation without one ({len(without)} of the {len(recs)} checked, e.g. "
+                    f"{without[0]}): {default[:160]!r}. The model is trained with it and learns what it says (an "
+                    "identity too). Write the system prompt you want into the data, or, if the template is not the "
+                    "model's own, use data.chat_template: builtin-tools (it adds none).")]
+
