@@ -86,7 +86,20 @@ def card(base, run_dir, data):
     return "Trained by the toy task.\\n\\n" + load_lm(base, run_dir)
 
 
-REPORT = ReportHooks(loss_label="toy loss", no_samples="<h2>Samples</h2><p>The toy logs no samples: {run}</p>")
+def toy_plots(runs):
+    from rocktune.report.plots import figure, png
+
+    fig, ax = figure("the toy's own plot", "step")
+    ax.plot([1, 2], [1, 2])
+    return {"toy_steps": ("Toy steps", png(fig))}
+
+
+def toy_summary(run):
+    return {"toy note": run.config["toy"]["note"]}
+
+
+REPORT = ReportHooks(loss_label="toy loss", no_samples="<h2>Samples</h2><p>The toy logs no samples: {run}</p>",
+                     plots="toytask:toy_plots", summary="toytask:toy_summary")
 '''
 
 
@@ -171,6 +184,8 @@ def test_the_toy_trains_resumes_reports_and_exports(toy, tiny_model_dir, task_fi
     assert main(["report", str(run_dir)]) == 0
     html = (run_dir / "report.html").read_text()
     assert "The toy logs no samples" in html  # the toy's ReportHooks (and its loss label, drawn into the plot)
+    assert "toy note" in html and "from the toy" in html  # its summary line
+    assert "<h2>Toy steps</h2>" in html and (run_dir / "report_plots" / "toy_steps.png").exists()  # its own plot
     from rocktune.report import plots
 
     assert plots.report_hooks("toy") is toy.REPORT
