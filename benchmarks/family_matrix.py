@@ -90,6 +90,10 @@ QUIRKS = [
     "- **Gemma 4**: per-layer embeddings (`hidden_size_per_layer_input` per layer and token) are adapted through "
     "their projections (`per_layer_input_gate`, `per_layer_projection`, `per_layer_model_projection`); the "
     "embedding table itself is frozen like every embedding.",
+    "- **Multimodal releases** (Qwen3.5, Llama 4 and Gemma 4 ship with a vision tower): a text task loads Qwen3.5's "
+    "and Llama 4's as their causal LM with the language model's own weights (`tests/test_family_checkpoints.py`: "
+    "logits equal); Gemma 4's loads as `Gemma4ForConditionalGeneration`, whose vision tower and projector "
+    "`all-linear` leaves out (`tests/test_lora_targets.py`).",
     "- **QLoRA on the CPU**: bitsandbytes' CPU nf4 is wrong on rows of 32 and the QLoRA gate refuses such a model; "
     "the matrix's MoE expert widths are 64.",
 ]
