@@ -71,10 +71,12 @@ QUIRKS = [
     "(`data.packing`, `training.batching: tokens`) because the layer's state runs on from one packed example into "
     "the next; `batching: auto` keeps padded micro-batches for them. Without flash-linear-attention / mamba-ssm "
     "transformers runs its torch reference kernels (the run log says so): a 4-layer hidden-64 Granite 4 with the "
-    "matrix fixture's Mamba2 settings (4 heads of 32, state 16, chunk 16) takes 0.3 s per forward and backward of "
+    "matrix fixture's Mamba2 settings (4 heads of 32, state 16, chunk 16) takes 0.05 s per forward and backward of "
     "8 x 96 tokens on one CPU thread, the same model with transformers' default Mamba2 settings (128 heads of "
-    "width 1, state 256, chunk 256 > the sequence) 80 s: the reference scan costs chunk^2 x heads x state whatever "
-    "the sequence length (`benchmarks/mamba_reference_scan.py`). Real Granite 4 shapes are of the first kind.",
+    "width 1, state 256, chunk 256 > the sequence) 26 s, about 500 times as long (`OMP_NUM_THREADS=1 python "
+    "benchmarks/mamba_reference_scan.py`, best of two steps; 0.3 s and 80 s on the same shared machine under "
+    "load): the reference scan costs chunk^2 x heads x state whatever the sequence length. Real Granite 4 shapes "
+    "are of the first kind.",
     "- **gpt-oss (Harmony)**: a reply's reasoning (`thinking` or `reasoning_content`) renders on the analysis "
     "channel as a message of its own before the final answer; it is prompt, not loss: the final channel and tool "
     "calls (`to=functions.NAME` on the commentary channel) are trained. Harmony's fixed system header is ~150 "
