@@ -250,6 +250,10 @@ def shard_layers(peft_model, dist: Dist, device: str) -> str:
     sharded = [p for p in peft_model.parameters() if isinstance(p, DTensor)]
     local = sum(p.to_local().numel() * p.element_size() for p in sharded)
     whole = sum(p.numel() * p.element_size() for p in sharded)
+    # MoE expert stacks [E, out, in] are layer parameters like the others: dim 0, the experts, is split over the
+    # ranks; the grouped expert forward (lora/moe.py) reads the whole stack FSDP gathers for the layer's forward
+    stacks = sum(1 for p in sharded if p.dim() == 3)
+    among = f" ({stacks} expert stacks among them, split by expert)" if stacks else ""
     if device.startswith("cuda"):  # what FSDP does not manage moves as it is (same Parameter objects)
         for p in peft_model.parameters():
             if not isinstance(p, DTensor):
@@ -258,7 +262,7 @@ def shard_layers(peft_model, dist: Dist, device: str) -> str:
             for name, buf in list(module.named_buffers(recurse=False)):
                 module.register_buffer(name, buf.to(device), persistent=name not in module._non_persistent_buffers_set)
     return (f"fsdp: {len(layers)} decoder layers sharded over {dist.world} ranks: {local / 2**20:,.1f} of "
-            f"{whole / 2**20:,.1f} MiB of their base weights held by this rank")
+            f"{whole / 2**20:,.1f} MiB of their base weights held by this rank{among}")
 
 
 def sync_gradients(dist: Dist, params: list, strategy: str) -> None:
