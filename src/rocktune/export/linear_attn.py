@@ -101,19 +101,20 @@ def lora_order(module: str, a: np.ndarray, b: np.ndarray, cfg) -> list[tuple[str
 
 def check(cfg) -> None:
     """llama.cpp's Qwen3.5 graph rotates by the rope sections and asserts that they fit in a head."""
-    from rocktune.export.arch import head_dim, rope_params
-
-    sections = rope_params(cfg).get("mrope_section") or [11, 11, 10]
-    if cfg.model_type != "qwen3_next" and sum(sections) > head_dim(cfg):
+    sections, width = _sections(cfg), cfg.head_dim
+    if cfg.model_type != "qwen3_next" and sum(sections) > width:
         raise UserError(f"GGUF export does not support this {cfg.model_type} model: its rope sections {sections} "
-                        f"add up to more than its head width {head_dim(cfg)}, which llama.cpp's graph refuses; use "
+                        f"add up to more than its head width {width}, which llama.cpp's graph refuses; use "
                         "--to merged.")
+
+
+def _sections(cfg) -> list[int]:
+    """Qwen3.5's rope sections (transformers 5 keeps them in rope_parameters; the released default otherwise)."""
+    return [int(s) for s in (getattr(cfg, "rope_parameters", None) or {}).get("mrope_section") or [11, 11, 10]]
 
 
 def add_hparams(writer, cfg) -> None:
     """The recurrent layers' shapes, which layers are recurrent, and the rotary sections llama.cpp requires."""
-    from rocktune.export.arch import rope_params
-
     nk, nv, dk, dv = _dims(cfg)
     writer.add_ssm_conv_kernel(int(cfg.linear_conv_kernel_dim))
     writer.add_ssm_state_size(int(dk))
@@ -124,5 +125,5 @@ def add_hparams(writer, cfg) -> None:
     writer.add_array(f"{writer.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
     writer.add_full_attention_interval(int(getattr(cfg, "full_attention_interval", None) or 4))
     if cfg.model_type != "qwen3_next":  # Qwen3.5's rope is the interleaved multimodal one, sections [11, 11, 10]
-        sections = [int(s) for s in rope_params(cfg).get("mrope_section") or [11, 11, 10]]
+        sections = _sections(cfg)
         writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
