@@ -81,6 +81,9 @@ def test_two_ddp_ranks_make_the_one_process_update(runs):
     assert losses(runs["ddp"]) == pytest.approx(losses(runs["one"]), rel=1e-6)
     assert adapter_gap(runs["one"], runs["ddp"]) < 1e-6
     assert losses(runs["one"])[-1] < losses(runs["one"])[0] - 0.5  # it trained
+    # the router metrics are the step's, summed over the ranks: what one process routes, not rank 0's half
+    assert rows(runs["ddp"], "expert_load") == rows(runs["one"], "expert_load")
+    assert rows(runs["ddp"], "router_aux_loss") == pytest.approx(rows(runs["one"], "router_aux_loss"), rel=1e-5)
 
 
 def test_fsdp_shards_the_expert_stacks_and_trains_like_one_process(runs):
@@ -99,7 +102,8 @@ def test_fsdp_shards_the_expert_stacks_and_trains_like_one_process(runs):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_killed_rank_resumes_exactly(setup, runs, parallel):
     """Rank 1 SIGKILLed at step 3; the supervisor restarts the group from the step-2 checkpoint: the losses, the
-    expert load rank 0 logs (the router hooks' counts) and the adapter bytes are the uninterrupted run's."""
+    expert load (the router hooks' counts, summed over the ranks) and the adapter bytes are the uninterrupted
+    run's."""
     extra = FSDP_EXTRA if parallel == "fsdp" else {}
     run, _ = train(setup, f"killed_{parallel}", 2, faults={"kill_at_step": 3, "rank": 1,
                                                           "marker": str(setup[2] / f"{parallel}.marker")}, **extra)

@@ -4,7 +4,8 @@ A forward hook on every router (``models.routers``) reads what the router decide
 optimizer step's calls into the metrics.jsonl fields:
 
 - ``expert_load``: tokens routed to each expert in this step, summed over the MoE layers (one list entry per
-  expert). The tokens are those the router saw, padding included; on several processes, this rank's.
+  expert). The tokens are those the router saw, padding included; on several processes, every rank's (the step's
+  counts are summed across the ranks, so a run on two processes logs what one process would).
 - ``experts_idle``: (layer, expert) pairs that received no token in this step.
 - ``router_aux_loss``: the family's load-balancing loss (transformers' ``load_balancing_loss_func``, the Switch
   Transformer's: experts x the sum over experts of (share of top-k picks) x (mean router probability)) over all the
@@ -86,18 +87,19 @@ class RouterWatch:
         if not self.sums:
             return {}
         layers = sorted(self.sums)
-        picks = torch.stack([self.sums[i].picks for i in layers]).cpu()  # (layers, experts)
+        picks, probs, n = _across_ranks(torch.stack([self.sums[i].picks for i in layers]),  # (layers, experts)
+                                        torch.stack([self.sums[i].probs for i in layers]),
+                                        sum(self.sums[i].tokens for i in layers))
         out = {"expert_load": picks.sum(0).tolist(), "experts_idle": int((picks == 0).sum())}
         if self.aux:
-            out["router_aux_loss"] = self._aux_loss(layers)
+            out["router_aux_loss"] = self._aux_loss(picks, probs, n)
         self._watch_idle(layers, picks)
         self.sums.clear()
         return out
 
-    def _aux_loss(self, layers: list[int]) -> float:
-        n = sum(self.sums[i].tokens for i in layers)
-        share = torch.stack([self.sums[i].picks for i in layers]).sum(0).float().cpu() / (n * self.top_k)
-        mean_prob = torch.stack([self.sums[i].probs for i in layers]).sum(0).cpu() / n
+    def _aux_loss(self, picks: torch.Tensor, probs: torch.Tensor, n: int) -> float:
+        share = picks.sum(0).float() / (n * self.top_k)
+        mean_prob = probs.sum(0) / n
         # load_balancing_loss_func's tokens_per_expert is (top-k, experts); summed over the top-k slots it is the
         # share of picks x top-k, which the top_k factor restores
         return float((share * self.top_k * mean_prob).sum() * self.experts)
@@ -163,3 +165,20 @@ def _has_aux(model) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     module = importlib.import_module(type(base).__module__)
     return hasattr(module, "load_balancing_loss_func")
+
+
+def _across_ranks(picks: torch.Tensor, probs: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The step's counts of every rank, on the CPU. Every rank records every step (tasks/lm/task.py's ``record``
+    runs on all of them), so the sums meet in one collective of a few hundred numbers."""
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized() and td.get_world_size() > 1:
+        flat = torch.cat([picks.double().reshape(-1), probs.double().reshape(-1),
+                          torch.tensor([float(tokens)], dtype=torch.float64, device=picks.device)])
+        td.all_reduce(flat)
+        k = picks.numel()
+        picks = flat[:k].round().to(torch.int64).reshape(picks.shape)
+        probs = flat[k:2 * k].to(torch.float32).reshape(probs.shape)
+        tokens = int(flat[-1].item())
+    return picks.cpu(), probs.cpu(), tokens
+
