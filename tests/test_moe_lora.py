@@ -180,15 +180,124 @@ def test_disabled_adapters_take_pefts_forward(calls):
     assert not calls
 
 
-def test_experts_without_the_traits_stay_on_pefts_path_with_a_note():
-    class PlainExperts(torch.nn.Module):  # e.g. Llama 4's dense-routed experts: no use_experts_implementation
+def test_experts_without_the_traits_stay_on_pefts_path_with_a_note(calls):
+    """An experts class rocktune does not know (no use_experts_implementation traits, not Llama 4's): PEFT's forward
+    stays, and the note says why."""
+    from peft import LoraConfig, get_peft_model
+
+    class PlainExperts(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 32))
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0)))
 
-    assert "no transformers experts-implementation traits" in moe.refusal(PlainExperts())
+        def forward(self, x):  # every expert on every token, summed
+            return torch.einsum("ti,eio->to", x, self.gate_up_proj)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = PlainExperts()
+
+        def forward(self, x):
+            return self.experts(x)
+
+    model = get_peft_model(Block(), LoraConfig(r=2, target_modules=[], target_parameters=["experts.gate_up_proj"]))
+    assert moe.patch(model, "grouped") == ("expert LoRA: PEFT's target_parameters path in 1 MoE blocks (PlainExperts "
+                                           "has no transformers experts-implementation traits)")
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert model(torch.ones(3, 8)).shape == (3, 32) and not calls
     with pytest.raises(ValueError, match="unknown expert LoRA path"):
         moe.patch(torch.nn.Module(), "fast")
+
+
+LLAMA4 = dict(intermediate_size=32, intermediate_size_mlp=64, interleave_moe_layer_step=1, pad_token_id=None)
+
+
+def _llama4(experts: str, top_k: int, dtype=torch.float32):
+    """Llama 4's text model at DIMS, both layers MoE (8 experts, shared expert, sigmoid router scores on the
+    input), LoRA on all-linear, lora_B non-zero."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(**DIMS, **LLAMA4, num_local_experts=8, num_experts_per_tok=top_k)
+    model = apply_lora(transformers.AutoModelForCausalLM.from_config(config, dtype=dtype), 8, 16, 0.0, "all-linear",
+                       False, experts=experts)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+    return model
+
+
+@pytest.mark.parametrize("top_k", (1, 2))
+def test_llama4s_dense_routed_experts_take_the_grouped_path_with_pefts_loss_and_gradients(top_k, calls):
+    """Llama 4 has one experts forward in transformers (no experts_implementation choice): its block runs every
+    expert on every token, the input scaled by the router's sigmoid score (0 where not picked). The grouped path on
+    the picked rows gives PEFT's loss and every adapter gradient (the shared expert's and the attention's too), top-1
+    as Llama 4 ships and top-2."""
+    ref_loss, ref_grads = loss_and_grads(_llama4("peft", top_k))
+    assert not calls
+    model = _llama4("grouped", top_k)
+    loss, grads = loss_and_grads(model)
+    assert len(calls) == 2
+    assert "in place of transformers' dense-routed experts" in moe.expert_path_note(model)
+    assert sorted(grads) == sorted(ref_grads)
+    assert len([n for n in grads if ".experts." in n]) == 2 * 2 * 2
+    assert len([n for n in grads if ".shared_expert." in n]) == 2 * 3 * 2  # gate, up, down: A and B, two layers
+    assert all(float(grads[n].abs().max()) > 0 for n in grads)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert relative(grads, ref_grads) < 1e-5
+
+
+def test_llama4_with_adapters_disabled_in_reference_mode_and_in_bf16(calls):
+    """The calls Llama 4's grouped path leaves to PEFT: adapters disabled (PEFT's forward on the dense input formed
+    from the picks) and the reference mode (the block's own forward), each PEFT's logits; bf16 on the padded layout
+    within the matrix's tolerance."""
+    from rocktune.lora.check import reference_mode
+
+    model, base = _llama4("grouped", 1), _llama4("peft", 1)
+    with torch.no_grad():
+        with model.disable_adapter(), base.disable_adapter():
+            torch.testing.assert_close(model(input_ids=IDS).logits, base(input_ids=IDS).logits, rtol=1e-5, atol=1e-5)
+        assert not calls
+        with reference_mode(model):
+            torch.testing.assert_close(model(input_ids=IDS).logits, base(input_ids=IDS).logits, rtol=1e-5, atol=1e-5)
+        assert not calls
+    ref_loss, ref_grads = loss_and_grads(_llama4("peft", 1, torch.bfloat16))
+    loss, grads = loss_and_grads(_llama4("grouped", 1, torch.bfloat16))
+    assert len(calls) == 2
+    assert loss == pytest.approx(ref_loss, rel=5e-3)
+    assert relative(grads, ref_grads) < 1e-1  # rocktune.lora.check.TOLERANCE["bf16"]["grad"]
+
+
+def test_llama4s_experts_on_an_expert_without_tokens_and_top2_scores(calls):
+    """Llama 4's experts wrapper called with a chosen routing (expert 7 of 8 gets nothing, top-2 scores scaling the
+    input) against PEFT's forward on the dense scaled input its block forms: output, input gradient and adapter
+    gradients equal; expert 7's factors get exactly zero gradient (B is the input-side factor here: PEFT swapped
+    Llama 4's [E, in, out] stacks)."""
+    index = torch.tensor([[0, 1], [1, 5], [2, 6], [0, 2], [3, 4]])
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.2, 0.8]])
+    model = _llama4("grouped", 2)
+    block = model.base_model.model.model.layers[0].feed_forward
+    wrapper = block.experts
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for side in ("peft", "grouped"):
+        model.zero_grad()
+        x = hidden.clone().requires_grad_(True)
+        if side == "peft":
+            y = moe._peft_call(wrapper, wrapper._rt_experts[1], x, (index, weights), {})
+        else:
+            y = wrapper(x, index, weights)
+        y.pow(2).sum().backward()
+        out[side] = y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(calls) == 1
+    torch.testing.assert_close(out["grouped"][0], out["peft"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["grouped"][1], out["peft"][1], rtol=1e-5, atol=1e-6)
+    assert sorted(out["grouped"][2]) == sorted(out["peft"][2]) and len(out["peft"][2]) == 4
+    for name, want in out["peft"][2].items():
+        torch.testing.assert_close(out["grouped"][2][name], want, rtol=1e-5, atol=1e-6)
+    b = next(g for n, g in out["grouped"][2].items() if "base_layer.lora_B" in n)  # gate_up's B [in, r·E]
+    assert float(b.view(64, 8, 8)[:, :, 7].abs().max()) == 0.0 and float(b.view(64, 8, 8)[:, :, :7].abs().max()) > 0
 
 
 def test_the_reference_mode_runs_pefts_expert_path(calls):
@@ -273,8 +382,8 @@ def _fixture_moe_families() -> list[str]:
 
 @pytest.mark.parametrize("name", _fixture_moe_families())
 def test_every_moe_family_of_the_matrix_takes_its_path(name, calls):
-    """Each MoE family rocktune trains: the grouped path with PEFT's loss and gradients, or, where the experts have
-    no transformers experts-implementation traits (Llama 4's dense-routed experts), PEFT's path, said in the note."""
+    """Each MoE family rocktune trains takes the grouped path, with PEFT's loss and gradients; Llama 4's
+    dense-routed experts too (its block's routed forward), said in the note."""
     ids = torch.randint(5, 290, (2, 24), generator=torch.Generator().manual_seed(3))
     out = {}
     for experts in ("peft", "grouped"):
@@ -283,25 +392,25 @@ def test_every_moe_family_of_the_matrix_takes_its_path(name, calls):
         loss.backward()
         out[experts] = float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     note = moe.expert_path_note(model)
-    if name == "llama4":
-        assert not calls and "PEFT's target_parameters path in " in note and "(Llama4TextExperts has no" in note
-    else:
-        assert calls and note.startswith("expert LoRA: grouped on the routed tokens"), note
+    assert calls and note.startswith("expert LoRA: grouped on the routed tokens ("), note
+    if name == "llama4":  # its two MoE layers (the other two are dense)
+        assert len(calls) == 2 and "(2 MoE blocks, in place of transformers' dense-routed experts" in note
     assert out["grouped"][0] == pytest.approx(out["peft"][0], rel=1e-6)
     assert relative(out["grouped"][1], out["peft"][1]) < 1e-5
 
 
-def test_the_run_log_names_the_expert_path(tmp_path):
+@pytest.mark.parametrize("name,replaced", [("qwen3-moe", "grouped_mm"), ("llama4", "dense-routed")])
+def test_the_run_log_names_the_expert_path(tmp_path, name, replaced):
     """A run's model building (tasks/causal/build.py) returns the expert-path note with its other notes."""
     from rocktune.config import LoraConfig, ModelConfig
     from rocktune.tasks.causal.build import model_with_adapter
     from tests.family_fixtures import BY_NAME, build_family
 
-    model_dir = build_family(BY_NAME["qwen3-moe"], tmp_path / "model")
+    model_dir = build_family(BY_NAME[name], tmp_path / "model")
     model, notes = model_with_adapter(ModelConfig(name_or_path=str(model_dir)), LoraConfig(), "fp32", "sdpa", "cpu",
                                       False)
     assert [n for n in notes if n.startswith("expert LoRA: grouped on the routed tokens (2 MoE blocks, in place of "
-                                             "transformers' grouped_mm experts")], notes
+                                             f"transformers' {replaced} experts")], notes
 
 
 def _dequantised_twin(family: str) -> tuple:
@@ -309,7 +418,8 @@ def _dequantised_twin(family: str) -> tuple:
     dequantised, in full precision (the same model but for the storage)."""
     from rocktune.lora import moe_nf4
 
-    q, twin = build(family, "grouped"), build(family, "grouped")
+    make = (lambda: _llama4("grouped", 2)) if family == "llama4" else (lambda: build(family, "grouped"))
+    q, twin = make(), make()
     moe_nf4.quantize_experts(q)
     stacks = [m for m in q.modules() if hasattr(m, "_rt_nf4")]
     for experts, other in zip(stacks, [m for m in twin.modules() if type(m) is type(stacks[0])]):
@@ -320,12 +430,13 @@ def _dequantised_twin(family: str) -> tuple:
     return q, twin
 
 
-@pytest.mark.parametrize("family,layout", [("qwen3_moe", "padded"), ("gpt_oss", "padded"),
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "padded"), ("gpt_oss", "padded"), ("llama4", "padded"),
                                            ("qwen3_moe", "grouped_mm")])
 def test_4bit_expert_stacks_compute_what_their_dequantised_values_do(family, layout, monkeypatch):
     """lora/moe_nf4.py's per-expert dequantisation inside the grouped forward and backward: the loss and every
     adapter gradient equal the full-precision path's on the dequantised values (gpt-oss: transposed stacks with
-    biases; grouped_mm: the sorted-rows layout, torch's kernel stood in by a per-group matmul in fp32)."""
+    biases; Llama 4: [E, in, out] stacks, the score on the input, top-2; grouped_mm: the sorted-rows layout, torch's
+    kernel stood in by a per-group matmul in fp32)."""
     if layout == "grouped_mm":
         def per_group(x, w, offs):
             starts = [0, *offs[:-1].tolist()]
