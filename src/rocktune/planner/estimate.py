@@ -322,7 +322,6 @@ def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, laye
             f"logits {tok.t} x {v} x {dt} B + fp32 copy and its gradient")
     # One layer's backward: gradients of the residual stream, the MLP intermediates and (eager) the scores.
     grads = tok.t * (3 * h + 3 * i) * dt + (layer["attention_scores"] if spec.attn == "eager" else 0)
-    grads += moe.adapted_stack(shape, dt)  # PEFT's expert path (Llama 4): the adapted stacks' gradient
     add("layer_backward", grads, "backward", f"one layer's activation gradients: {tok.t} x (3 x {h} + 3 x {i}) x "
         f"{dt} B" + (" + s x s score gradients" if spec.attn == "eager" else ""))
     if spec.quant != "none":  # bitsandbytes dequantises a whole weight for each matmul, backward included

@@ -30,13 +30,10 @@ from rocktune.errors import UserError
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 # model.quantization nf4/fp4 stores the expert stacks in 4 bit (lora/moe_nf4.py: bitsandbytes' quantize_4bit per
 # expert, blocks of 64 with an fp32 absmax each, no double quantisation) where the grouped expert path runs and
-# all-linear adapts the experts; elsewhere (int8, Llama 4's PEFT path, other targets) bitsandbytes leaves the 3-D
+# all-linear adapts the experts; elsewhere (int8, other targets) bitsandbytes leaves the 3-D
 # stacks as they are and PEFT's k-bit preparation casts them to fp32. tests/test_planner_moe.py checks both on a load.
 EXPERTS_4BIT = True
 FP32_ROUTERS = {"glm4_moe"}  # families whose router weight is created in fp32 whatever the model's dtype
-# Llama 4 routes densely: every expert computes every token (scaled by its router score, 0 where not chosen), and
-# lora/moe.py leaves its experts to PEFT's target_parameters path, which forms the adapted stacks W + s·B·A
-DENSE_ROUTED = {"llama4_text"}
 # expert-width tensors a family's gating saves per routed row beyond SwiGLU's one activation: gpt-oss's clamped GLU
 # (clamps, the scaled gate's sigmoid, the product)
 GATE_EXTRA = {"gpt_oss": 3}
@@ -122,8 +119,7 @@ def quantised_values(shape) -> int:
 
 def stacks_4bit(shape, quant: str, all_linear: bool) -> bool:
     """Whether a quantised run stores this model's expert stacks in 4 bit (``EXPERTS_4BIT``)."""
-    return EXPERTS_4BIT and bool(shape.experts) and quant in ("nf4", "fp4") and all_linear \
-        and shape.model_type not in DENSE_ROUTED
+    return EXPERTS_4BIT and bool(shape.experts) and quant in ("nf4", "fp4") and all_linear
 
 
 def stack_bytes_4bit(shape, quantised_bytes) -> int:
@@ -145,10 +141,6 @@ def saved(shape, tok) -> int:
     shared = 3 * t * shape.shared_intermediate * stream if shape.shared_intermediate else 0
     # the fp32 factors cast to the compute dtype, per stack
     casts = shape.experts * r * ((h + 2 * w) + (w + h)) * dt if tok.amp else 0
-    if shape.model_type in DENSE_ROUTED:  # experts x tokens rows: the repeated input, it scaled, gate/up, act, product
-        dense = shape.experts * t
-        return dense * ((2 * h + mid) * width + width) + adapted_stack(shape, tok.dt) + casts \
-            + t * (8 + shape.experts * 4) + shared
     if tok.expert_pad:  # padded path: the [experts, busiest] tensors, and the gather, output and weighted rows
         padded = shape.experts * math.ceil(rows / shape.experts * tok.expert_pad)
         routed = padded * (h + mid) * width + rows * 3 * h * width
@@ -176,9 +168,3 @@ def dense_delta(shape, tok) -> int:
     dense = 3 * tok.t * shape.dense_intermediate * width
     down_in = tok.t * (shape.dense_intermediate - shape.shared_intermediate) * (tok.dt if tok.amp else 4)
     return shape.dense_layers * (dense + down_in - saved(shape, tok))
-
-
-def adapted_stack(shape, dt: int) -> int:
-    """PEFT's adapted expert stacks of one layer (W + s·B·A, gate_up and down), where its path runs (Llama 4): saved
-    for the batched matmul's input gradient, and as large again as their gradient in backward."""
-    return stack_values(shape) * dt if shape.model_type in DENSE_ROUTED else 0
