@@ -49,9 +49,13 @@ LLAMA4 = {"model_type": "llama4_text", "hidden_size": 128, "intermediate_size": 
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
           "vocab_size": 1024, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
           "moe_layers": None}
+# OLMo 3: sliding-window layers (a window shorter than the grid's sequences, so their mask is built) beside full ones
+OLMO3 = {"model_type": "olmo3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "sliding_window": 32,
+         "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
 MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3,
           "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS,
-          "tiny-llama4": LLAMA4}
+          "tiny-llama4": LLAMA4, "tiny-olmo3": OLMO3}
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
@@ -297,6 +301,10 @@ MOE_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3-moe", "tiny-mixtr
               for r, c in ((8, False), (4, True))]
 # gpt-oss runs eager attention only (its sinks): its MoE block is counted, its eager attention is not modelled yet
 GPT_OSS_POINTS = [("tiny-gpt-oss", 1, 128, 8, p, "eager", False, 0.0) for p in ("fp32", "bf16")]
+# the 2025-26 families (issue 53): OLMo 3's sliding-window layers (a window of 32 under sequences of 64 and 128);
+# `--families`
+FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3",) for b, s in ((1, 128), (4, 64))
+                 for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("fp32", "eager")) for r, c in ((8, False), (4, True))]
 # compiled (about 2.5 minutes each on 2 cores): `--compiled`
 COMPILED_POINTS = [("tiny-qwen2", 3, 64, 8, "bf16", "varlen-compiled", False, 0.0),
                    ("tiny-qwen2", 3, 64, 8, "bf16", "varlen-kv-copies-compiled", False, 0.0),
@@ -389,8 +397,10 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the CPU table as markdown instead of JSON")
     ap.add_argument("--compiled", action="store_true", help="only the compiled varlen points (slow: compilation)")
     ap.add_argument("--moe", action="store_true", help="only the mixture-of-experts points (~1 minute)")
+    ap.add_argument("--families", action="store_true", help="only the 2025-26 families' points (issue 53)")
     args = ap.parse_args(argv)
-    points = COMPILED_POINTS if args.compiled else MOE_POINTS + GPT_OSS_POINTS if args.moe else None
+    points = COMPILED_POINTS if args.compiled else MOE_POINTS + GPT_OSS_POINTS if args.moe else \
+        FAMILY_POINTS if args.families else None
     rows = [run_point(*p) for p in points] if points else cpu_grid(args.quick)
     if args.moe:
         import tempfile

@@ -8,7 +8,7 @@ static + saved + the largest transient; allocator overhead and the device contex
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from rocktune.planner import moe
 from rocktune.planner.activations import Tokens, layer_saved, lora_modules
@@ -140,17 +140,25 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     dims = f"b={spec.micro_batch} s={spec.seq_len} ({tok.t} tokens), {spec.precision} activations"
     first = layer_saved(shape, tok, spec.targets, input_grad=spec.checkpointing)
     rest = layer_saved(shape, tok, spec.targets, input_grad=True)
+    sliding = _sliding_layer(shape, spec, tok)
     if spec.checkpointing:
         width = tok.stream or tok.dt
         add("activations", shape.layers * tok.t * shape.hidden * width, "saved",
             f"checkpointing: {shape.layers} layer inputs x {tok.t} x {shape.hidden} x {width} B")
-        add("recompute", sum(rest.values()), "backward",
-            f"one layer recomputed during backward: {_parts(rest)}")
+        again = max(rest, sliding or rest, key=lambda d: sum(d.values()))
+        add("recompute", sum(again.values()), "backward",
+            f"one layer recomputed during backward: {_parts(again)}")
         if _padded(spec) or spec.attn == "eager":  # eager always builds a float causal mask; sdpa only to pad
             add("attention_mask", spec.micro_batch * spec.seq_len ** 2 * (tok.dt if spec.attn == "eager" else 1),
                 "saved", "4-D attention mask, kept by the checkpoints for recomputation")
+        if sliding is not None:
+            add("sliding_mask", spec.micro_batch * spec.seq_len ** 2 * (tok.dt if spec.attn == "eager" else 1),
+                "saved", f"the sliding-window layers' own 4-D mask (window {shape.sliding_window}), kept by their "
+                "checkpoints")
     else:
         per = {k: first[k] + rest[k] * (shape.layers - 1) for k in rest}
+        for k, v in (sliding or {}).items():  # the windowed layers attend with a mask, as a padded batch does
+            per[k] += shape.sliding_layers * (v - rest[k])
         per["mlp"] += moe.dense_delta(shape, tok)  # an MoE model's dense-MLP layers (GLM's first, Llama 4's)
         drop = per.pop("lora_dropout")
         scores = per.pop("attention_scores") + per.pop("attention_mask")
@@ -169,6 +177,15 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     add("device_context", CONTEXT[spec.device], "overhead",
         "CUDA/HIP context + BLAS workspaces" if spec.device == "gpu" else "Python + torch resident set")
     return est
+
+
+def _sliding_layer(shape: ModelShape, spec: RunSpec, tok: Tokens) -> dict[str, int] | None:
+    """What one sliding-window layer saves, where its window is shorter than the sequence (OLMo 3): transformers
+    then builds it a mask of its own, and SDPA takes it as it takes a padding mask (a float copy saved, grouped K/V
+    repeated). None where no layer has a window that binds (varlen: the kernel's window, no mask)."""
+    if not shape.sliding_layers or spec.seq_len <= shape.sliding_window or spec.attn not in ("sdpa", "eager"):
+        return None
+    return layer_saved(shape, replace(tok, padded=True), spec.targets, input_grad=True)
 
 
 def _rollout(shape: ModelShape, spec: RunSpec, dt: int, add) -> None:
@@ -284,7 +301,8 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
     # cos/sin per position id: one row of positions for padded batches, one per packed row (positions restart)
     # cos/sin are computed in the embeddings' dtype: fp32 on a QLoRA base (k-bit preparation)
     rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * int(shape.head_dim * shape.rotary_fraction) \
-        * (tok.stream or dt)
+        * (4 if shape.rope_fp32 else tok.stream or dt)
+    rope *= shape.rope_tables  # OLMo 3: the sliding and the full layers' tables
     if shape.model_type == "llama4_text":  # one complex64 rotation per pair of dimensions, in any precision
         rope = rope // (2 * (tok.stream or dt)) * 4
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm input {tok.t} x {h} + cos/sin")

@@ -36,6 +36,8 @@ ARCH_TRAITS: dict[str, dict] = {
     "glm4_moe": {**_DENSE, "moe": True, "o_copy": True},
     "llama4_text": {**_DENSE, "moe": True},  # q/k L2 norms (no weights) when use_qk_norm, read from the config
     "olmo2": {**_DENSE, "qk_norm": "full"},
+    # OLMo 3: OLMo 2's layer with sliding-window layers among the full ones (layer_types, sliding_window)
+    "olmo3": {**_DENSE, "qk_norm": "full", "sliding": True, "rope_fp32": True},  # its cos/sin stay fp32
     "phi3": {**_DENSE, "fused_qkv": True, "fused_gate_up": True},
     "gemma2": {**_DENSE, "norms": 4, "tie": True},
     "gemma3_text": {**_DENSE, "norms": 4, "tie": True, "qk_norm": "head"},
@@ -84,6 +86,10 @@ class ModelShape:
     attn_sinks: bool = False    # a learned sink logit per head and layer (gpt-oss)
     o_input_copy: bool = False  # the attention output reaches o_proj as a copy, not the kernel's own tensor
     rotary_fraction: float = 1.0  # of each head's dimensions that rotary embeddings turn (GLM-4.5: 0.5)
+    sliding_layers: int = 0     # layers attending within a window (OLMo 3): a mask of their own past it
+    sliding_window: int = 0
+    rope_tables: int = 1        # cos/sin tables the model computes: one per attention kind with its own rotary
+    rope_fp32: bool = False     # the rotary tables stay fp32 in a half-precision run (OLMo 3)
 
     @property
     def q_dim(self) -> int:
@@ -209,7 +215,20 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         final_softcap=config.get("final_logit_softcapping"), qk_norm_full=qk_norm == "full",
         o_bias=traits.get("o_bias", False), attn_sinks=traits.get("sinks", False),
         o_input_copy=traits.get("o_copy", False), rotary_fraction=_rotary_fraction(config), **_moe_fields(mo),
+        rope_fp32=traits.get("rope_fp32", False), **(_sliding(config) if traits.get("sliding") else {}),
     )
+
+
+def _sliding(config: dict) -> dict:
+    """OLMo 3's layer kinds: layer_types, or its config class's default (every fourth layer full). Each kind present
+    gets its own rotary table (the model computes one per kind, even when their bases agree)."""
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                          for i in range(layers)]
+    sliding = sum(1 for k in kinds[:layers] if k == "sliding_attention")
+    window = config.get("sliding_window") or 0
+    return {"sliding_layers": sliding if window else 0, "sliding_window": window,
+            "rope_tables": len(set(kinds[:layers]))}
 
 
 def _rotary_fraction(config: dict) -> float:

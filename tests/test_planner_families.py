@@ -1,0 +1,86 @@
+"""The planner knows the 2025-26 architectures (issue 53): parameters equal the real transformers model (built on the
+meta device), the LoRA count equals what rocktune's all-linear trains, and the bytes a training step saves are within
+the planner's CPU tolerance (5%, docs/planner.md) of a measured step (benchmarks/planner_validation.py --families)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from rocktune.planner.estimate import RunSpec, estimate, lora_param_count
+from rocktune.planner.shapes import shape_from_config
+
+_spec = importlib.util.spec_from_file_location(
+    "planner_validation", Path(__file__).parents[1] / "benchmarks" / "planner_validation.py")
+pv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pv)
+
+# the validation's own shapes, one per family the planner learnt here
+FAMILIES = {"olmo3": "tiny-olmo3"}
+
+
+def _config(kind: str):
+    from transformers import AutoConfig
+
+    config = dict(pv.MODELS[FAMILIES[kind]])
+    return AutoConfig.for_model(config.pop("model_type"), **config)
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_parameters_exact(kind):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(kind)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = shape_from_config(cfg.to_dict(), kind)
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_lora_count_is_what_peft_trains(kind):
+    from transformers import AutoModelForCausalLM
+
+    from rocktune.models.load import apply_lora
+
+    cfg = _config(kind)
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(cfg), 4, 8.0, 0.0, "all-linear", False)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_param_count(shape_from_config(cfg.to_dict(), kind), RunSpec(lora_r=4)) == trained
+
+
+def test_olmo3_sliding_layers_read():
+    """OLMo 3's layer kinds: 3 sliding layers of 4 with a window of 32, two rotary tables kept in fp32; its config
+    class's default pattern (every fourth layer full) where layer_types is left out."""
+    shape = shape_from_config(pv.OLMO3)
+    assert (shape.sliding_layers, shape.sliding_window, shape.rope_tables, shape.rope_fp32) == (3, 32, 2, True)
+    bare = {k: v for k, v in pv.OLMO3.items() if k != "layer_types"} | {"num_hidden_layers": 8}
+    assert shape_from_config(bare).sliding_layers == 6
+
+
+def test_olmo3_window_mask_only_past_the_window():
+    """A window at least as long as the sequence builds no mask: OLMo 3 then saves what OLMo 2 saves, plus its second
+    rotary table; past the window every sliding layer saves a float mask and K/V repeated for SDPA."""
+    def saved(config, s):
+        return estimate(shape_from_config(config), RunSpec(seq_len=s, device="cpu")).saved_bytes
+
+    olmo2 = {k: v for k, v in pv.OLMO3.items() if k not in ("sliding_window", "layer_types")} | {"model_type": "olmo2"}
+    rope = 2 * 32 * 32 * 4  # cos and sin of 32 positions, head_dim 32, fp32
+    assert saved(pv.OLMO3, 32) == saved(olmo2, 32) + rope
+    mask, kv = 64 * 64 * 4, 2 * 64 * (128 - 64) * 4  # per sliding layer: the float mask, k and v at the query width
+    assert saved(pv.OLMO3, 64) == saved(olmo2, 64) + 2 * 64 * 32 * 4 + 3 * (mask + kv)
+
+
+POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 4, 64, 4, "fp32", "eager", True, 0.0)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS, ids=lambda p: "-".join(map(str, p)))
+def test_saved_activations_within_5_percent(point):
+    row = pv.run_point(*point)
+    assert abs(row["saved_error"]) < 0.05, row
+    assert row["state_exact"], row
