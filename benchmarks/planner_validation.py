@@ -53,9 +53,18 @@ LLAMA4 = {"model_type": "llama4_text", "hidden_size": 128, "intermediate_size": 
 OLMO3 = {"model_type": "olmo3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "sliding_window": 32,
          "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
+# Qwen3.5: Gated DeltaNet (linear attention: a causal conv1d, the chunked delta rule, a gated RMSNorm) in three
+# layers of four, gated full attention (q_proj twice as wide: the output gate) in the fourth; partial interleaved rope
+QWEN35 = {"model_type": "qwen3_5_text", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+          "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
 MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3,
           "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS,
-          "tiny-llama4": LLAMA4, "tiny-olmo3": OLMO3}
+          "tiny-llama4": LLAMA4, "tiny-olmo3": OLMO3, "tiny-qwen3.5": QWEN35}
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
@@ -301,10 +310,12 @@ MOE_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3-moe", "tiny-mixtr
               for r, c in ((8, False), (4, True))]
 # gpt-oss runs eager attention only (its sinks): its MoE block is counted, its eager attention is not modelled yet
 GPT_OSS_POINTS = [("tiny-gpt-oss", 1, 128, 8, p, "eager", False, 0.0) for p in ("fp32", "bf16")]
-# the 2025-26 families (issue 53): OLMo 3's sliding-window layers (a window of 32 under sequences of 64 and 128);
+# the 2025-26 families (issue 53): OLMo 3's sliding-window layers (a window of 32 under sequences of 64 and 128),
+# Qwen3.5's Gated DeltaNet on transformers' torch reference path (and a length that is no multiple of its chunk);
 # `--families`
-FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3",) for b, s in ((1, 128), (4, 64))
+FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3", "tiny-qwen3.5") for b, s in ((1, 128), (4, 64))
                  for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("fp32", "eager")) for r, c in ((8, False), (4, True))]
+FAMILY_POINTS += [("tiny-qwen3.5", 2, 96, 8, p, "sdpa", False, 0.0) for p in ("fp32", "bf16")]
 # compiled (about 2.5 minutes each on 2 cores): `--compiled`
 COMPILED_POINTS = [("tiny-qwen2", 3, 64, 8, "bf16", "varlen-compiled", False, 0.0),
                    ("tiny-qwen2", 3, 64, 8, "bf16", "varlen-kv-copies-compiled", False, 0.0),

@@ -19,7 +19,7 @@ pv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pv)
 
 # the validation's own shapes, one per family the planner learnt here
-FAMILIES = {"olmo3": "tiny-olmo3"}
+FAMILIES = {"olmo3": "tiny-olmo3", "qwen3_5_text": "tiny-qwen3.5"}
 
 
 def _config(kind: str):
@@ -75,7 +75,35 @@ def test_olmo3_window_mask_only_past_the_window():
     assert saved(pv.OLMO3, 64) == saved(olmo2, 64) + 2 * 64 * 32 * 4 + 3 * (mask + kv)
 
 
-POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 4, 64, 4, "fp32", "eager", True, 0.0)]
+def test_qwen3_5_layers_read():
+    """Qwen3.5: three Gated DeltaNet layers of four (the first among them), the full layer's q_proj twice as wide
+    (its output gate); the linear layers' projections and out_proj are adapted, their conv is no Linear."""
+    shape = shape_from_config(pv.QWEN35)
+    la = shape.linear_attn
+    assert (la.layers, la.first, la.conv_width, la.value_width, shape.gated_attn) == (3, True, 256, 128, True)
+    kinds = {n: [name for name, *_ in lin] for n, lin in shape.layer_linears()}
+    assert kinds[3][:5] == ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+    assert dict((name, o) for name, _, o, _ in shape.linears())["q_proj"] == 2 * 128
+
+
+def test_qwen3_5_recurrence_scales_with_chunks():
+    """The delta rule's saved bytes follow the padded length (chunks of 64): 65 tokens save as much kernel state
+    as 128, beyond what grows per token."""
+    from rocktune.planner import recurrent
+    from rocktune.planner.activations import Tokens
+
+    la = shape_from_config(pv.QWEN35).linear_attn
+    def kernel(s):
+        return recurrent.saved(la, Tokens(batch=1, seq=s, dt=4, amp=False, attn="sdpa", padded=False, rank=8,
+                                          dropout=0.0, mask_bytes=4))
+    per_token = kernel(127) - kernel(126)  # within one padded length: only the per-token tensors grow
+    assert kernel(128) - kernel(127) != per_token  # 128 is a whole number of chunks: the copies are kept
+    assert kernel(65) - kernel(64) > 10 * per_token  # a second chunk starts
+
+
+POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 4, 64, 4, "fp32", "eager", True, 0.0),
+          ("tiny-qwen3.5", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-qwen3.5", 2, 96, 8, "fp32", "sdpa", False, 0.0),
+          ("tiny-qwen3.5", 4, 64, 4, "fp32", "sdpa", True, 0.0)]
 
 
 @pytest.mark.slow

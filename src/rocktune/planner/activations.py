@@ -19,12 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rocktune.errors import UserError
-from rocktune.planner import moe, varlen
+from rocktune.planner import moe, recurrent, varlen
 from rocktune.planner.shapes import ModelShape
 
 GROUP = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
          "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in",
-         "down_proj": "mlp_mid"}
+         "down_proj": "mlp_mid",
+         # Gated DeltaNet (planner/recurrent.py): the projections read the normed hidden state, out_proj the gated norm
+         "in_proj_qkv": "attn_in", "in_proj_z": "attn_in", "in_proj_b": "attn_in", "in_proj_a": "attn_in",
+         "out_proj": "attn_out"}
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,15 @@ class Tokens:
         return self.batch * self.seq
 
 
-def lora_modules(shape: ModelShape, targets) -> list[tuple[str, int, int]]:
-    linears = {name: (n_in, n_out) for name, n_in, n_out, _ in shape.linears()}
+def lora_modules(shape: ModelShape, targets, layer: list | None = None) -> list[tuple[str, int, int]]:
+    """The adapted (name, in, out) of one layer: ``layer`` (its linears, a kind of ``shape.layer_linears``), else a
+    full-attention layer's. A named target must exist in some kind of layer."""
+    linears = {name: (n_in, n_out) for name, n_in, n_out, _ in (layer or shape.linears())}
     if targets in ("all-linear", "all", None):
         names = list(linears)
     else:
-        unknown = sorted(set(targets) - set(linears))
+        known = {name for _, lin in shape.layer_linears() for name, _, _, _ in lin}
+        unknown = sorted(set(targets) - known)
         if unknown:
             raise UserError(f"target module(s) {', '.join(unknown)} do not exist in a {shape.model_type} layer; "
                             f"its linear modules are {', '.join(linears)} (or use all-linear).")
@@ -63,10 +69,12 @@ def lora_modules(shape: ModelShape, targets) -> list[tuple[str, int, int]]:
     return [(n, *linears[n]) for n in names]
 
 
-def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> dict[str, int]:
-    """Saved-for-backward bytes of one decoder layer, by part. ``input_grad``: the layer input requires grad."""
+def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool, linear: bool = False) -> dict[str, int]:
+    """Saved-for-backward bytes of one decoder layer, by part. ``input_grad``: the layer input requires grad.
+    ``linear``: one of a hybrid's linear-attention layers (planner/recurrent.py) instead of full attention."""
     t, dt, h = tok.t, tok.dt, shape.hidden
-    mods = lora_modules(shape, targets)
+    layer = recurrent.linears(shape.linear_attn, h) + shape.mlp_linears() if linear else None
+    mods = lora_modules(shape, targets, layer)
     groups = {GROUP[n] for n, _, _ in mods}
     lean = tok.attn == "varlen" and not tok.stream  # (a QLoRA base's fp32 stream is cast per adapter, as PEFT's)
     norm = varlen.norm_bytes(shape, tok) if lean else t * (4 * h + 4) + (4 * h if shape.norms_per_layer == 4 else 0)
@@ -77,14 +85,16 @@ def layer_saved(shape: ModelShape, tok: Tokens, targets, input_grad: bool) -> di
     after_attn_grad = attn_grad or "attn_out" in groups
     mlp_grad = after_attn_grad or "mlp_in" in groups
     out["norms"] = norm * (int(input_grad) + int(after_attn_grad) * (shape.norms_per_layer - 1))
-    if attn_grad:
+    if attn_grad and linear:
+        out["attention"] = recurrent.saved(shape.linear_attn, tok)
+    elif attn_grad:
         varlen.attention(shape, tok, out) if tok.attn == "varlen" else _attention(shape, tok, out)
     if mlp_grad and shape.experts:  # the routed rows, the shared expert, the router (planner/moe.py)
         out["mlp"] = moe.saved(shape, tok)
     elif mlp_grad:  # gate out (act input), act out, up out; fused gate_up 2i + i
         out["mlp"] = varlen.mlp_bytes(shape, tok) if lean else 3 * t * shape.mlp_width * (tok.stream or dt)
     grad_in = {"attn_in": input_grad, "attn_out": attn_grad, "mlp_in": after_attn_grad, "mlp_mid": mlp_grad}
-    _lora(shape, tok, mods, grad_in, out)
+    _lora(shape, tok, mods, grad_in, out, own_o_input=linear or shape.o_input_copy or shape.gated_attn)
     if lean:  # dropout's extra bytes as PEFT's path has them; the plain inputs and ranks as the lean forward saves
         varlen.lora(shape, tok, mods, groups, out)
     return out
@@ -110,11 +120,15 @@ def _attention(shape: ModelShape, tok: Tokens, out: dict[str, int]) -> None:
     k_sz = q if sdpa_repeats else kv
     v_sz = q if sdpa_repeats else v_storage
     out["attention"] = t * (2 * q + k_sz + v_sz) * dt + b * shape.heads * s * 4  # q, k, v, out, lse
+    if shape.gated_attn:  # Qwen3.5: the gate's sigmoid and the kernel output's contiguous copy, for their product
+        out["attention"] += 2 * t * q * dt
     if tok.attn == "sdpa" and tok.padded:
         out["attention_mask"] = b * s * s * dt  # the bool mask, converted to float for each call
 
 
-def _lora(shape: ModelShape, tok: Tokens, mods, grad_in: dict[str, bool], out: dict[str, int]) -> None:
+def _lora(shape: ModelShape, tok: Tokens, mods, grad_in: dict[str, bool], out: dict[str, int],
+          own_o_input: bool) -> None:
+    """``own_o_input``: o_proj (out_proj) reads a tensor of its own, not the attention kernel's saved output."""
     t, dt = tok.t, tok.dt
     seen: set[str] = set()
     plain = dropped = 0
@@ -127,7 +141,7 @@ def _lora(shape: ModelShape, tok: Tokens, mods, grad_in: dict[str, bool], out: d
         if tok.amp:
             plain += t * n_in * dt
         elif group not in seen and not (group == "attn_out" and tok.attn != "eager" and not shape.fused_qkv
-                                        and not shape.o_input_copy):
+                                        and not own_o_input):
             # (sdpa/flash write their output as (b, s, heads, d): it is the o_proj input, counted under attention;
             # measured: with a fused qkv projection the output is copied first)
             plain += t * n_in * 4

@@ -114,7 +114,8 @@ class Estimate(TermSums):
 
 
 def lora_param_count(shape: ModelShape, spec: RunSpec) -> int:
-    linear = shape.layers * sum(spec.lora_r * (n_in + n_out) for _, n_in, n_out in lora_modules(shape, spec.targets))
+    linear = sum(n * spec.lora_r * (n_in + n_out) for n, lin in shape.layer_linears()
+                 for _, n_in, n_out in lora_modules(shape, spec.targets, lin))
     return linear + expert_lora_count(shape, spec)
 
 
@@ -140,12 +141,13 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     dims = f"b={spec.micro_batch} s={spec.seq_len} ({tok.t} tokens), {spec.precision} activations"
     first = layer_saved(shape, tok, spec.targets, input_grad=spec.checkpointing)
     rest = layer_saved(shape, tok, spec.targets, input_grad=True)
+    linear = _linear_layers(shape, spec, tok)
     sliding = _sliding_layer(shape, spec, tok)
     if spec.checkpointing:
         width = tok.stream or tok.dt
         add("activations", shape.layers * tok.t * shape.hidden * width, "saved",
             f"checkpointing: {shape.layers} layer inputs x {tok.t} x {shape.hidden} x {width} B")
-        again = max(rest, sliding or rest, key=lambda d: sum(d.values()))
+        again = max(rest, sliding or rest, linear[1] if linear else rest, key=lambda d: sum(d.values()))
         add("recompute", sum(again.values()), "backward",
             f"one layer recomputed during backward: {_parts(again)}")
         if _padded(spec) or spec.attn == "eager":  # eager always builds a float causal mask; sdpa only to pad
@@ -157,6 +159,10 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
                 "checkpoints")
     else:
         per = {k: first[k] + rest[k] * (shape.layers - 1) for k in rest}
+        if linear:  # a hybrid: its linear-attention layers (the first among them) in place of full ones
+            la, (lin_first, lin_rest) = shape.linear_attn, linear
+            first_swap = {k: lin_first[k] - first[k] + rest[k] - lin_rest[k] for k in rest} if la.first else {}
+            per = {k: per[k] + la.layers * (lin_rest[k] - rest[k]) + first_swap.get(k, 0) for k in rest}
         for k, v in (sliding or {}).items():  # the windowed layers attend with a mask, as a padded batch does
             per[k] += shape.sliding_layers * (v - rest[k])
         per["mlp"] += moe.dense_delta(shape, tok)  # an MoE model's dense-MLP layers (GLM's first, Llama 4's)
@@ -177,6 +183,14 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     add("device_context", CONTEXT[spec.device], "overhead",
         "CUDA/HIP context + BLAS workspaces" if spec.device == "gpu" else "Python + torch resident set")
     return est
+
+
+def _linear_layers(shape: ModelShape, spec: RunSpec, tok: Tokens) -> tuple[dict, dict] | None:
+    """A hybrid's linear-attention layer as (the first layer, any other), or None for a model without them."""
+    if shape.linear_attn is None or not shape.linear_attn.layers:
+        return None
+    return (layer_saved(shape, tok, spec.targets, input_grad=spec.checkpointing, linear=True),
+            layer_saved(shape, tok, spec.targets, input_grad=True, linear=True))
 
 
 def _sliding_layer(shape: ModelShape, spec: RunSpec, tok: Tokens) -> dict[str, int] | None:
@@ -241,9 +255,9 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
             f"{shape.n_params:,} params x {dt} B ({spec.precision})" + (f", {fp32:,} router weights fp32" if fp32
                                                                          else ""))
     else:
-        linear, quantised = shape.layers * sum(i * o for _, i, o, _ in shape.linears()), 0
-        for _, n_in, n_out, _ in shape.linears():
-            quantised += shape.layers * quantised_bytes(n_in, n_out, spec.quant, spec.double_quant)
+        linear = sum(n * i * o for n, lin in shape.layer_linears() for _, i, o, _ in lin)
+        quantised = sum(n * quantised_bytes(i, o, spec.quant, spec.double_quant) for n, lin in shape.layer_linears()
+                        for _, i, o, _ in lin)
         extra = moe.quantised_values(shape) if shape.experts else 0  # dense layers' MLPs are Linears too
         linear += extra
         quantised += quantised_bytes(extra, 1, spec.quant, spec.double_quant) if extra else 0
@@ -260,7 +274,8 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
             f"({quantised / linear:.3f} B each with scales) + {rest:,} others x 4 B (fp32 after k-bit preparation"
             f"{stacks})")
     n = lora_param_count(shape, spec)
-    mods = [m for m, _, _ in lora_modules(shape, spec.targets)]
+    mods = list(dict.fromkeys(m for _, lin in shape.layer_linears() for m, _, _ in lora_modules(shape, spec.targets,
+                                                                                                 lin)))
     mods += ["every expert's gate_up and down"] if expert_lora_count(shape, spec) else []
     add("lora_params", n * 4, "static", f"{n:,} params (r={spec.lora_r} on {', '.join(mods)}) x 4 B fp32")
     add("lora_grads", n * 4, "static", f"{n:,} fp32 gradients (the frozen base gets none)")
@@ -343,7 +358,7 @@ def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, laye
     add("layer_backward", grads, "backward", f"one layer's activation gradients: {tok.t} x (3 x {h} + 3 x {i}) x "
         f"{dt} B" + (" + s x s score gradients" if spec.attn == "eager" else ""))
     if spec.quant != "none":  # bitsandbytes dequantises a whole weight for each matmul, backward included
-        big = max(n_in * n_out for _, n_in, n_out, _ in shape.linears())
+        big = max(n_in * n_out for _, lin in shape.layer_linears() for _, n_in, n_out, _ in lin)
         cdt = DTYPE_BYTES[spec.precision] if spec.quant != "int8" else 2  # int8 works on fp16 copies
         add("dequantised_weight", big * cdt, "backward", f"largest linear ({big:,} values) dequantised, {cdt} B each")
     n = lora_param_count(shape, spec)

@@ -157,7 +157,7 @@ def describe_fit(model: str, vram_bytes: int | None, base: RunSpec, global_batch
 def throughput(est: Estimate) -> float:
     """Relative useful tokens per second of a candidate (see the module docstring)."""
     sh, s = est.shape, est.spec
-    linear = sum(n_in * n_out for _, n_in, n_out, _ in sh.linears()) * sh.layers
+    linear = sum(n * n_in * n_out for n, lin in sh.layer_linears() for _, n_in, n_out, _ in lin)
     linear += sh.moe_layers * sh.experts_per_token * 3 * sh.hidden * sh.expert_intermediate  # the routed experts
     layer_fwd = 2 * linear + 2 * s.seq_len * sh.q_dim * sh.layers  # matmuls + causal attention
     head = 2 * sh.hidden * sh.vocab * s.loss_fraction

@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 
 from rocktune.errors import UserError
-from rocktune.planner import moe
+from rocktune.planner import moe, recurrent
 
 # Per model_type: how the decoder layer is built in transformers, and the class defaults that apply when a
 # config.json leaves a field out (tie_word_embeddings, attention_bias). qk_norm: "head" normalises each head
@@ -35,6 +35,8 @@ ARCH_TRAITS: dict[str, dict] = {
     # (.contiguous()) before o_proj, so an fp32 o_proj adapter saves its own input
     "glm4_moe": {**_DENSE, "moe": True, "o_copy": True},
     "llama4_text": {**_DENSE, "moe": True},  # q/k L2 norms (no weights) when use_qk_norm, read from the config
+    # Qwen3.5: Gated DeltaNet layers (planner/recurrent.py) among gated full-attention ones with q/k norms per head
+    "qwen3_5_text": {**_DENSE, "qk_norm": "head", "gated": True, "linear": True},
     "olmo2": {**_DENSE, "qk_norm": "full"},
     # OLMo 3: OLMo 2's layer with sliding-window layers among the full ones (layer_types, sliding_window)
     "olmo3": {**_DENSE, "qk_norm": "full", "sliding": True, "rope_fp32": True},  # its cos/sin stay fp32
@@ -90,6 +92,8 @@ class ModelShape:
     sliding_window: int = 0
     rope_tables: int = 1        # cos/sin tables the model computes: one per attention kind with its own rotary
     rope_fp32: bool = False     # the rotary tables stay fp32 in a half-precision run (OLMo 3)
+    gated_attn: bool = False    # full attention's output gated by sigmoid(a second half of q_proj) (Qwen3.5)
+    linear_attn: recurrent.LinearAttn | None = None  # a hybrid's linear-attention layers (planner/recurrent.py)
 
     @property
     def q_dim(self) -> int:
@@ -108,22 +112,41 @@ class ModelShape:
         return self.intermediate
 
     def linears(self) -> list[tuple[str, int, int, bool]]:
-        """The linear modules of one decoder layer as (name, in, out, bias), named as in transformers. An MoE
-        layer's experts are not nn.Linear (LoRA's all-linear and bitsandbytes leave them alone): attention and the
-        shared expert's projections only (its 1-wide gate and the router are never adapted)."""
-        h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
+        """The linear modules of one (full-attention) decoder layer as (name, in, out, bias), named as in
+        transformers. An MoE layer's experts are not nn.Linear (LoRA's all-linear and bitsandbytes leave them
+        alone): attention and the shared expert's projections only (its 1-wide gate and the router are never
+        adapted). A hybrid's linear-attention layers: ``layer_linears``."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        q_out = 2 * q if self.gated_attn else q  # Qwen3.5's q_proj also makes the output gate
         attn = [("qkv_proj", h, q + 2 * kv, self.qkv_bias)] if self.fused_qkv else [
-            ("q_proj", h, q, self.qkv_bias), ("k_proj", h, kv, self.qkv_bias), ("v_proj", h, kv, self.qkv_bias)]
+            ("q_proj", h, q_out, self.qkv_bias), ("k_proj", h, kv, self.qkv_bias), ("v_proj", h, kv, self.qkv_bias)]
+        return attn + [("o_proj", q, h, self.o_bias)] + self.mlp_linears()
+
+    def mlp_linears(self) -> list[tuple[str, int, int, bool]]:
+        h, i = self.hidden, self.intermediate
         if self.experts:
-            return attn + [("o_proj", q, h, self.o_bias)] + moe.shared_linears(self)
+            return moe.shared_linears(self)
         mlp = [("gate_up_proj", h, 2 * i, False)] if self.fused_gate_up else [
             ("gate_proj", h, i, False), ("up_proj", h, i, False)]
-        return attn + [("o_proj", q, h, False)] + mlp + [("down_proj", i, h, False)]
+        return mlp + [("down_proj", i, h, False)]
+
+    def layer_linears(self) -> list[tuple[int, list[tuple[str, int, int, bool]]]]:
+        """(layers, their linears) per kind of layer: full attention, and a hybrid's linear-attention layers."""
+        la = self.linear_attn
+        if la is None:
+            return [(self.layers, self.linears())]
+        kinds = [(self.layers - la.layers, self.linears()),
+                 (la.layers, recurrent.linears(la, self.hidden) + self.mlp_linears())]
+        return [(n, lin) for n, lin in kinds if n]
 
     def param_counts(self) -> dict[str, int]:
-        layer = sum(n_in * n_out + (n_out if bias else 0) for _, n_in, n_out, bias in self.linears())
-        layer += self.norms_per_layer * self.hidden + self._qk_norm_params() + (self.heads if self.attn_sinks else 0)
-        layers = layer * self.layers
+        layers = 0
+        for n, lin in self.layer_linears():
+            layers += n * sum(n_in * n_out + (n_out if bias else 0) for _, n_in, n_out, bias in lin)
+        attn_layers = self.layers - (self.linear_attn.layers if self.linear_attn else 0)
+        layers += self.layers * self.norms_per_layer * self.hidden
+        layers += attn_layers * (self._qk_norm_params() + (self.heads if self.attn_sinks else 0))
+        layers += self.linear_attn.layers * recurrent.extra_params(self.linear_attn) if self.linear_attn else 0
         if self.experts:  # linears() holds the shared expert: MoE blocks add the rest, dense layers their MLP
             block, dense = moe.mlp_params(self)
             shared = sum(i * o for _, i, o, _ in moe.shared_linears(self))
@@ -216,6 +239,8 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         o_bias=traits.get("o_bias", False), attn_sinks=traits.get("sinks", False),
         o_input_copy=traits.get("o_copy", False), rotary_fraction=_rotary_fraction(config), **_moe_fields(mo),
         rope_fp32=traits.get("rope_fp32", False), **(_sliding(config) if traits.get("sliding") else {}),
+        gated_attn=traits.get("gated", False),
+        linear_attn=recurrent.linear_attn(config, name) if traits.get("linear") else None,
     )
 
 

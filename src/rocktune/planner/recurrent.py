@@ -1,0 +1,110 @@
+"""Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) from config.json, and what one saves
+for backward in a LoRA step.
+
+A Gated DeltaNet layer projects the hidden state to q/k/v (one ``in_proj_qkv``), the output gate z, and the per-head
+beta and decay inputs (``in_proj_b``, ``in_proj_a``); q/k/v pass a depthwise causal conv1d (kernel
+``linear_conv_kernel_dim``, SiLU), the chunked gated delta rule turns them into the output, a gated RMSNorm (per value
+head, gated by SiLU(z)) and ``out_proj`` close it. Its recurrent state is heads x d_k x d_v per sequence; training
+keeps the state at every chunk boundary, not per token.
+
+Saved bytes are transformers' torch reference path as it runs on the CPU (``torch_chunk_gated_delta_rule``, chunks of
+C = 64 positions, the sequence padded to P, a multiple of C), counted with ``saved_tensors_hooks`` in
+``benchmarks/planner_validation.py`` (``--families``). Per layer, V value heads, B x S tokens:
+
+- the conv: its input (the q/k/v projection) and its pre-activation output (S + kernel - 1 positions), in the
+  activation dtype;
+- the kernel works in fp32: q and k (repeated to the value heads) before and their rsqrt after the L2 norm; five
+  C x C tensors per chunk and head (the two products, the decay matrix, the masked UT system, the intra-chunk
+  attention sliced per chunk); ten d_k-wide and three d_v-wide P-row tensors (the padded k/v, the chunked q and k
+  and their transposes, the triangular solves, the per-chunk slices) — six d_k-wide where S is not a multiple of
+  C, the padded copies then feeding the matmuls as views; the state before each chunk; the decays and beta;
+- the gated norm: its fp32 input, the gate and its SiLU, their product (four S x V x d_v) and the per-row rsqrt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rocktune.errors import UserError
+
+CHUNK = 64  # torch_chunk_gated_delta_rule's chunk_size (transformers calls it with the default)
+# model types with Gated DeltaNet layers (linear_attention in layer_types)
+GATED_DELTANET = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+
+
+@dataclass(frozen=True)
+class LinearAttn:
+    layers: int      # layers of this kind (the rest are full attention)
+    k_heads: int
+    v_heads: int
+    k_dim: int       # per head
+    v_dim: int
+    kernel: int      # the causal conv1d's width
+    first: bool      # the first layer is a linear-attention layer (its input needs no gradient)
+
+    @property
+    def key_width(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.v_heads * self.v_dim
+
+    @property
+    def conv_width(self) -> int:
+        return 2 * self.key_width + self.value_width
+
+
+def linear_attn(config: dict, name: str) -> LinearAttn:
+    """The Gated DeltaNet fields of a text config, or a UserError naming what is missing."""
+    layers = config["num_hidden_layers"]
+    kinds = (config.get("layer_types") or _default_kinds(config, layers))[:layers]
+    fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_conv_kernel_dim")
+    values = [config.get(k) for k in fields]
+    if not all(isinstance(v, int) and v > 0 for v in values) or values[1] % values[0]:
+        raise UserError(f"{name}: this {config.get('model_type')} config.json lacks a positive {', '.join(fields)} "
+                        "(the value heads a multiple of the key heads); pass the model's own config.json.")
+    nk, nv, dk, dv, kernel = values
+    return LinearAttn(layers=sum(1 for k in kinds if k == "linear_attention"), k_heads=nk, v_heads=nv, k_dim=dk,
+                      v_dim=dv, kernel=kernel, first=bool(kinds) and kinds[0] == "linear_attention")
+
+
+def _default_kinds(config: dict, layers: int) -> list[str]:
+    """The config classes' default: full attention every ``full_attention_interval`` (4) layers."""
+    step = config.get("full_attention_interval") or 4
+    return ["linear_attention" if (i + 1) % step else "full_attention" for i in range(layers)]
+
+
+def linears(la: LinearAttn, hidden: int) -> list[tuple[str, int, int, bool]]:
+    """The layer's linear modules as (name, in, out, bias), as transformers names them."""
+    return [("in_proj_qkv", hidden, la.conv_width, False), ("in_proj_z", hidden, la.value_width, False),
+            ("in_proj_b", hidden, la.v_heads, False), ("in_proj_a", hidden, la.v_heads, False),
+            ("out_proj", la.value_width, hidden, False)]
+
+
+def extra_params(la: LinearAttn) -> int:
+    """Parameters besides the linears: the depthwise conv (no bias), dt_bias, A_log and the gated norm's weight."""
+    return la.conv_width * la.kernel + 2 * la.v_heads + la.v_dim
+
+
+def saved(la: LinearAttn, tok) -> int:
+    """Bytes one Gated DeltaNet mixer saves for backward (module docstring); ``tok``: activations.Tokens. The
+    adapters' inputs and rank-r outputs are counted with every layer's (activations._lora)."""
+    b, s, dt = tok.batch, tok.seq, tok.dt
+    chunks = -(-s // CHUNK)
+    p, v, dk, dv = chunks * CHUNK, la.v_heads, la.k_dim, la.v_dim
+    conv = b * s * la.conv_width * dt + b * la.conv_width * (s + la.kernel - 1) * dt
+    state = chunks * b * v * dk * dv
+    if tok.amp:  # the kernel's matmuls run in the half dtype under autocast: they save half copies of their inputs
+        fp32 = 2 * b * v * p * CHUNK + b * v * p * (4 * dk + 2 * dv) + state
+        half = 3 * b * v * p * CHUNK + b * v * p * (6 * dk + 2 * dv) + state
+        norm = 4 * 3 * b * s * la.value_width + dt * b * s * la.value_width
+    else:
+        fp32 = 5 * b * v * p * CHUNK + b * v * p * ((10 if s % CHUNK == 0 else 6) * dk + 3 * dv) + state
+        half = 0
+        norm = 4 * 4 * b * s * la.value_width
+    fp32 += 2 * b * v * s * (dk + 1)                  # q, k into the L2 norm, their rsqrt
+    fp32 += 4 * b * v * p + b * v * chunks + v + b * s * v  # decays, beta; the chunk decays; exp(A_log); softplus in
+    beta = b * s * v * dt                             # beta's sigmoid, in the projection's dtype
+    return conv + 4 * fp32 + dt * half + 4 * (norm // 4 + b * s * v) + beta + CHUNK * CHUNK  # + the chunk's mask
