@@ -19,7 +19,7 @@ pv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pv)
 
 # the validation's own shapes, one per family the planner learnt here
-FAMILIES = {"olmo3": "tiny-olmo3", "qwen3_5_text": "tiny-qwen3.5"}
+FAMILIES = {"olmo3": "tiny-olmo3", "qwen3_5_text": "tiny-qwen3.5", "qwen3_5_moe_text": "tiny-qwen3.5-moe"}
 
 
 def _config(kind: str):
@@ -103,7 +103,9 @@ def test_qwen3_5_recurrence_scales_with_chunks():
 
 POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 4, 64, 4, "fp32", "eager", True, 0.0),
           ("tiny-qwen3.5", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-qwen3.5", 2, 96, 8, "fp32", "sdpa", False, 0.0),
-          ("tiny-qwen3.5", 4, 64, 4, "fp32", "sdpa", True, 0.0)]
+          ("tiny-qwen3.5", 4, 64, 4, "fp32", "sdpa", True, 0.0),
+          ("tiny-qwen3.5-moe", 1, 128, 8, "fp32", "sdpa", False, 0.0),
+          ("tiny-qwen3.5-moe", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0)]
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ ARCH_TRAITS: dict[str, dict] = {
     "llama4_text": {**_DENSE, "moe": True},  # q/k L2 norms (no weights) when use_qk_norm, read from the config
     # Qwen3.5: Gated DeltaNet layers (planner/recurrent.py) among gated full-attention ones with q/k norms per head
     "qwen3_5_text": {**_DENSE, "qk_norm": "head", "gated": True, "linear": True},
+    "qwen3_5_moe_text": {**_DENSE, "qk_norm": "head", "gated": True, "linear": True, "moe": True},
     "olmo2": {**_DENSE, "qk_norm": "full"},
     # OLMo 3: OLMo 2's layer with sliding-window layers among the full ones (layer_types, sliding_window)
     "olmo3": {**_DENSE, "qk_norm": "full", "sliding": True, "rope_fp32": True},  # its cos/sin stay fp32
