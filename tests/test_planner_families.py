@@ -19,7 +19,8 @@ pv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pv)
 
 # the validation's own shapes, one per family the planner learnt here
-FAMILIES = {"olmo3": "tiny-olmo3", "qwen3_5_text": "tiny-qwen3.5", "qwen3_5_moe_text": "tiny-qwen3.5-moe"}
+FAMILIES = {"olmo3": "tiny-olmo3", "qwen3_5_text": "tiny-qwen3.5", "qwen3_5_moe_text": "tiny-qwen3.5-moe",
+            "qwen3_next": "tiny-qwen3-next"}
 
 
 def _config(kind: str):
@@ -86,6 +87,13 @@ def test_qwen3_5_layers_read():
     assert dict((name, o) for name, _, o, _ in shape.linears())["q_proj"] == 2 * 128
 
 
+def test_qwen3_next_projections_fused():
+    """Qwen3-Next: q/k/v/z in one in_proj_qkvz, beta's and the decay's inputs in one in_proj_ba, both adapted."""
+    shape = shape_from_config(pv.QWEN3_NEXT)
+    lin = dict((name, (i, o)) for name, i, o, _ in shape.layer_linears()[1][1])
+    assert (lin["in_proj_qkvz"], lin["in_proj_ba"], lin["out_proj"]) == ((128, 384), (128, 8), (128, 128))
+
+
 def test_qwen3_5_recurrence_scales_with_chunks():
     """The delta rule's saved bytes follow the padded length (chunks of 64): 65 tokens save as much kernel state
     as 128, beyond what grows per token."""
@@ -105,7 +113,8 @@ POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 
           ("tiny-qwen3.5", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-qwen3.5", 2, 96, 8, "fp32", "sdpa", False, 0.0),
           ("tiny-qwen3.5", 4, 64, 4, "fp32", "sdpa", True, 0.0),
           ("tiny-qwen3.5-moe", 1, 128, 8, "fp32", "sdpa", False, 0.0),
-          ("tiny-qwen3.5-moe", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0)]
+          ("tiny-qwen3.5-moe", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0),
+          ("tiny-qwen3-next", 1, 128, 8, "bf16", "sdpa", False, 0.0)]
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ class LinearAttn:
     v_dim: int
     kernel: int      # the causal conv1d's width
     first: bool      # the first layer is a linear-attention layer (its input needs no gradient)
+    fused: bool = False  # Qwen3-Next: q/k/v/z in one in_proj_qkvz, beta's and the decay's inputs in in_proj_ba
 
     @property
     def key_width(self) -> int:
@@ -67,7 +68,8 @@ def linear_attn(config: dict, name: str) -> LinearAttn:
                         "(the value heads a multiple of the key heads); pass the model's own config.json.")
     nk, nv, dk, dv, kernel = values
     return LinearAttn(layers=sum(1 for k in kinds if k == "linear_attention"), k_heads=nk, v_heads=nv, k_dim=dk,
-                      v_dim=dv, kernel=kernel, first=bool(kinds) and kinds[0] == "linear_attention")
+                      v_dim=dv, kernel=kernel, first=bool(kinds) and kinds[0] == "linear_attention",
+                      fused=config.get("model_type") == "qwen3_next")
 
 
 def _default_kinds(config: dict, layers: int) -> list[str]:
@@ -78,6 +80,9 @@ def _default_kinds(config: dict, layers: int) -> list[str]:
 
 def linears(la: LinearAttn, hidden: int) -> list[tuple[str, int, int, bool]]:
     """The layer's linear modules as (name, in, out, bias), as transformers names them."""
+    if la.fused:
+        return [("in_proj_qkvz", hidden, la.conv_width + la.value_width, False),
+                ("in_proj_ba", hidden, 2 * la.v_heads, False), ("out_proj", la.value_width, hidden, False)]
     return [("in_proj_qkv", hidden, la.conv_width, False), ("in_proj_z", hidden, la.value_width, False),
             ("in_proj_b", hidden, la.v_heads, False), ("in_proj_a", hidden, la.v_heads, False),
             ("out_proj", la.value_width, hidden, False)]

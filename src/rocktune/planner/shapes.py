@@ -38,6 +38,7 @@ ARCH_TRAITS: dict[str, dict] = {
     # Qwen3.5: Gated DeltaNet layers (planner/recurrent.py) among gated full-attention ones with q/k norms per head
     "qwen3_5_text": {**_DENSE, "qk_norm": "head", "gated": True, "linear": True},
     "qwen3_5_moe_text": {**_DENSE, "qk_norm": "head", "gated": True, "linear": True, "moe": True},
+    "qwen3_next": {**_DENSE, "qk_norm": "head", "gated": True, "linear": True, "moe": True},  # fused projections
     "olmo2": {**_DENSE, "qk_norm": "full"},
     # OLMo 3: OLMo 2's layer with sliding-window layers among the full ones (layer_types, sliding_window)
     "olmo3": {**_DENSE, "qk_norm": "full", "sliding": True, "rope_fp32": True},  # its cos/sin stay fp32
