@@ -68,10 +68,17 @@ QWEN35_MOE = {**QWEN35, "model_type": "qwen3_5_moe_text", "num_experts": 8, "num
 # Qwen3-Next: Qwen3.5-MoE's layout with the linear layers' projections fused (in_proj_qkvz, in_proj_ba)
 QWEN3_NEXT = {**{k: v for k, v in QWEN35_MOE.items() if k != "rope_parameters"}, "model_type": "qwen3_next",
               "partial_rotary_factor": 0.25}
+# Gemma 4: sliding layers of head_dim 32 (a window of 32), a full layer of global_head_dim 64, per-layer inputs of 16
+GEMMA4 = {"model_type": "gemma4_text", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "global_head_dim": 64,
+          "vocab_size": 1024, "vocab_size_per_layer_input": 1024, "hidden_size_per_layer_input": 16,
+          "sliding_window": 32, "final_logit_softcapping": 30.0, "rope_parameters": None,
+          "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
 MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3,
           "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS,
           "tiny-llama4": LLAMA4, "tiny-olmo3": OLMO3, "tiny-qwen3.5": QWEN35,
-          "tiny-qwen3.5-moe": QWEN35_MOE, "tiny-qwen3-next": QWEN3_NEXT}
+          "tiny-qwen3.5-moe": QWEN35_MOE, "tiny-qwen3-next": QWEN3_NEXT,
+          "tiny-gemma4": GEMMA4}
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
@@ -319,10 +326,13 @@ MOE_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3-moe", "tiny-mixtr
 GPT_OSS_POINTS = [("tiny-gpt-oss", 1, 128, 8, p, "eager", False, 0.0) for p in ("fp32", "bf16")]
 # the 2025-26 families (issue 53): OLMo 3's sliding-window layers (a window of 32 under sequences of 64 and 128),
 # Qwen3.5's Gated DeltaNet on transformers' torch reference path (and a length that is no multiple of its chunk),
-# Qwen3.5-MoE, Qwen3-Next;
+# Qwen3.5-MoE, Qwen3-Next; Gemma 4's two head widths and per-layer inputs;
 # `--families`
 FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3", "tiny-qwen3.5") for b, s in ((1, 128), (4, 64))
                  for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("fp32", "eager")) for r, c in ((8, False), (4, True))]
+FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3", "tiny-qwen3.5", "tiny-gemma4")
+                 for b, s in ((1, 128), (4, 64)) for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("fp32", "eager"))
+                 for r, c in ((8, False), (4, True))]
 FAMILY_POINTS += [("tiny-qwen3.5", 2, 96, 8, p, "sdpa", False, 0.0) for p in ("fp32", "bf16")]
 # Qwen3.5-MoE and Qwen3-Next: the padded expert path (fp32, bf16) and the GPU's grouped one (bf16, through torch's CPU grouped_mm)
 FAMILY_POINTS += [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3.5-moe", "tiny-qwen3-next") for b, s in ((1, 128), (4, 64))

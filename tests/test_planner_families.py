@@ -20,7 +20,7 @@ _spec.loader.exec_module(pv)
 
 # the validation's own shapes, one per family the planner learnt here
 FAMILIES = {"olmo3": "tiny-olmo3", "qwen3_5_text": "tiny-qwen3.5", "qwen3_5_moe_text": "tiny-qwen3.5-moe",
-            "qwen3_next": "tiny-qwen3-next"}
+            "qwen3_next": "tiny-qwen3-next", "gemma4_text": "tiny-gemma4"}
 
 
 def _config(kind: str):
@@ -109,12 +109,48 @@ def test_qwen3_5_recurrence_scales_with_chunks():
     assert kernel(65) - kernel(64) > 10 * per_token  # a second chunk starts
 
 
+@pytest.mark.parametrize("extra", [{"num_kv_shared_layers": 2, "use_double_wide_mlp": True, "layer_types": [
+    "sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+                                   {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+                                   {"hidden_size_per_layer_input": 0, "layer_types": None}])
+def test_gemma4_variants_parameters_exact(extra):
+    """Gemma 4's other layouts: KV-shared last layers (no k/v projections, double-wide MLPs), full layers whose values
+    are their keys, no per-layer inputs with the default layer pattern (every sixth layer full)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {**{k: v for k, v in pv.GEMMA4.items() if k != "model_type"}, **extra}
+    config = {k: v for k, v in config.items() if v is not None}
+    cfg = AutoConfig.for_model("gemma4_text", **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = shape_from_config(cfg.to_dict(), "gemma4_text")
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+
+
+def test_gemma4_moe_block_refused():
+    from rocktune.errors import UserError
+
+    with pytest.raises(UserError, match="enable_moe_block"):
+        shape_from_config({**pv.GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                           "moe_intermediate_size": 64})
+
+
+def test_granite4_refused_with_the_reason():
+    from rocktune.errors import UserError
+
+    with pytest.raises(UserError, match="model_type 'granitemoehybrid' is not supported by the planner .Granite 4's "
+                                        "Mamba2 layers"):
+        shape_from_config({"model_type": "granitemoehybrid", "hidden_size": 64, "intermediate_size": 32,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300})
+
+
 POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 4, 64, 4, "fp32", "eager", True, 0.0),
           ("tiny-qwen3.5", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-qwen3.5", 2, 96, 8, "fp32", "sdpa", False, 0.0),
           ("tiny-qwen3.5", 4, 64, 4, "fp32", "sdpa", True, 0.0),
           ("tiny-qwen3.5-moe", 1, 128, 8, "fp32", "sdpa", False, 0.0),
           ("tiny-qwen3.5-moe", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0),
-          ("tiny-qwen3-next", 1, 128, 8, "bf16", "sdpa", False, 0.0)]
+          ("tiny-qwen3-next", 1, 128, 8, "bf16", "sdpa", False, 0.0),
+          ("tiny-gemma4", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-gemma4", 4, 64, 4, "fp32", "sdpa", True, 0.0)]
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from rocktune.planner import moe
-from rocktune.planner.activations import Tokens, layer_saved, lora_modules
+from rocktune.planner import gemma4, moe
+from rocktune.planner.activations import GROUP, Tokens, layer_saved, lora_modules
 from rocktune.planner.shapes import ModelShape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -116,7 +116,14 @@ class Estimate(TermSums):
 def lora_param_count(shape: ModelShape, spec: RunSpec) -> int:
     linear = sum(n * spec.lora_r * (n_in + n_out) for n, lin in shape.layer_linears()
                  for _, n_in, n_out in lora_modules(shape, spec.targets, lin))
+    linear += sum(spec.lora_r * (n_in + n_out) for _, n_in, n_out in model_lora_modules(shape, spec.targets))
     return linear + expert_lora_count(shape, spec)
+
+
+def model_lora_modules(shape: ModelShape, targets) -> list[tuple[str, int, int]]:
+    """Adapted linears outside the layers (Gemma 4's per_layer_model_projection), by all-linear or by name."""
+    every = targets in ("all-linear", "all", None)
+    return [(n, i, o) for n, i, o, _ in shape.model_linears() if every or n in set(targets)]
 
 
 def expert_lora_count(shape: ModelShape, spec: RunSpec) -> int:
@@ -142,6 +149,8 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     first = layer_saved(shape, tok, spec.targets, input_grad=spec.checkpointing)
     rest = layer_saved(shape, tok, spec.targets, input_grad=True)
     linear = _linear_layers(shape, spec, tok)
+    if shape.gemma4 is not None:  # layers of two widths: each kind sized as its own (planner/gemma4.py)
+        first, rest, per_kind = _gemma4_layers(shape, spec, tok)
     sliding = _sliding_layer(shape, spec, tok)
     if spec.checkpointing:
         width = tok.stream or tok.dt
@@ -158,7 +167,7 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
                 "saved", f"the sliding-window layers' own 4-D mask (window {shape.sliding_window}), kept by their "
                 "checkpoints")
     else:
-        per = {k: first[k] + rest[k] * (shape.layers - 1) for k in rest}
+        per = {k: first[k] + rest[k] * (shape.layers - 1) for k in rest} if shape.gemma4 is None else per_kind
         if linear:  # a hybrid: its linear-attention layers (the first among them) in place of full ones
             la, (lin_first, lin_rest) = shape.linear_attn, linear
             first_swap = {k: lin_first[k] - first[k] + rest[k] - lin_rest[k] for k in rest} if la.first else {}
@@ -185,6 +194,36 @@ def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
     return est
 
 
+def _gemma4_layers(shape: ModelShape, spec: RunSpec, tok: Tokens) -> tuple[dict, dict, dict]:
+    """Gemma 4: (the first layer, the largest other layer, the sum over every layer), each kind of layer sized with
+    its own head width, key/value heads and MLP, its sliding window's mask where it binds, and its per-layer input."""
+    total: dict[str, int] = {}
+    first = rest = None
+    for i, kind in enumerate(shape.gemma4.kinds):
+        variant = replace(shape, head_dim=kind.head_dim, kv_heads=kind.kv_heads, intermediate=kind.mlp, gemma4=None)
+        masked = kind.sliding and spec.seq_len > shape.sliding_window and spec.attn in ("sdpa", "eager")
+        ktok = replace(tok, padded=True) if masked else tok
+        one = layer_saved(variant, ktok, _gemma4_targets(shape, kind, spec.targets), input_grad=True)
+        one["attention"] += gemma4.saved_extra(shape, kind, tok)
+        if i == 0:
+            first = layer_saved(variant, ktok, _gemma4_targets(shape, kind, spec.targets),
+                                input_grad=spec.checkpointing)
+            first["attention"] += gemma4.saved_extra(shape, kind, tok)
+        for k, v in one.items():
+            total[k] = total.get(k, 0) + v * kind.layers - (v - first[k] if i == 0 else 0)
+        rest = one if rest is None or sum(one.values()) > sum(rest.values()) else rest
+    return first, rest, total
+
+
+def _gemma4_targets(shape: ModelShape, kind, targets):
+    """A Gemma 4 layer's adapted projections that the standard layer model sizes (the per-layer input's are
+    gemma4.saved_extra's)."""
+    if targets not in ("all-linear", "all", None):
+        return [t for t in targets if t in GROUP]
+    names = [n for n, *_ in gemma4.linears(kind, shape.hidden, shape.heads, 0)]
+    return names
+
+
 def _linear_layers(shape: ModelShape, spec: RunSpec, tok: Tokens) -> tuple[dict, dict] | None:
     """A hybrid's linear-attention layer as (the first layer, any other), or None for a model without them."""
     if shape.linear_attn is None or not shape.linear_attn.layers:
@@ -199,6 +238,8 @@ def _sliding_layer(shape: ModelShape, spec: RunSpec, tok: Tokens) -> dict[str, i
     repeated). None where no layer has a window that binds (varlen: the kernel's window, no mask)."""
     if not shape.sliding_layers or spec.seq_len <= shape.sliding_window or spec.attn not in ("sdpa", "eager"):
         return None
+    if shape.gemma4 is not None:  # sized per kind of layer (_gemma4_layers); the checkpoints keep the mask
+        return {}
     return layer_saved(shape, replace(tok, padded=True), spec.targets, input_grad=True)
 
 
@@ -318,6 +359,9 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
     rope = 2 * (spec.micro_batch if spec.attn == "varlen" else 1) * s * int(shape.head_dim * shape.rotary_fraction) \
         * (4 if shape.rope_fp32 else tok.stream or dt)
     rope *= shape.rope_tables  # OLMo 3: the sliding and the full layers' tables
+    if shape.gemma4 is not None:  # a table per kind of layer, each its own width; the per-layer inputs
+        rope = gemma4.rope_values(shape, s) * (tok.stream or dt) + gemma4.saved_outside(shape, tok,
+                                                                                     spec.checkpointing)
     if shape.model_type == "llama4_text":  # one complex64 rotation per pair of dimensions, in any precision
         rope = rope // (2 * (tok.stream or dt)) * 4
     add("final_norm_rope", norm + rope, "saved", f"final RMSNorm input {tok.t} x {h} + cos/sin")
@@ -329,8 +373,10 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
             f"{n_loss} loss positions: hidden-state gradient x {h} x {g} B + gather indices")
     else:
         n_full = spec.micro_batch * (s - 1)
-        add("loss_saved", n_full * shape.vocab * 4 + n_full * 8, "saved",
-            f"full logits: log-softmax {n_full} x {shape.vocab} x 4 B")
+        # Gemma 4's soft-cap keeps its tanh, in the activation dtype (measured; Gemma 2/3 are not validated here)
+        cap = tok.t * shape.vocab * dt if shape.final_softcap and shape.gemma4 is not None else 0
+        add("loss_saved", n_full * shape.vocab * 4 + n_full * 8 + cap, "saved",
+            f"full logits: log-softmax {n_full} x {shape.vocab} x 4 B" + (", the soft-cap's tanh" if cap else ""))
 
 
 def _loss_mode(shape: ModelShape, spec: RunSpec) -> str:
