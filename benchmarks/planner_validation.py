@@ -326,16 +326,15 @@ MOE_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3-moe", "tiny-mixtr
 GPT_OSS_POINTS = [("tiny-gpt-oss", 1, 128, 8, p, "eager", False, 0.0) for p in ("fp32", "bf16")]
 # the 2025-26 families (issue 53): OLMo 3's sliding-window layers (a window of 32 under sequences of 64 and 128),
 # Qwen3.5's Gated DeltaNet on transformers' torch reference path (and a length that is no multiple of its chunk),
-# Qwen3.5-MoE, Qwen3-Next; Gemma 4's two head widths and per-layer inputs;
-# `--families`
-FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3", "tiny-qwen3.5") for b, s in ((1, 128), (4, 64))
-                 for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("fp32", "eager")) for r, c in ((8, False), (4, True))]
+# Gemma 4's two head widths and per-layer inputs; `--families`
 FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3", "tiny-qwen3.5", "tiny-gemma4")
                  for b, s in ((1, 128), (4, 64)) for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("fp32", "eager"))
                  for r, c in ((8, False), (4, True))]
 FAMILY_POINTS += [("tiny-qwen3.5", 2, 96, 8, p, "sdpa", False, 0.0) for p in ("fp32", "bf16")]
-# Qwen3.5-MoE and Qwen3-Next: the padded expert path (fp32, bf16) and the GPU's grouped one (bf16, through torch's CPU grouped_mm)
-FAMILY_POINTS += [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3.5-moe", "tiny-qwen3-next") for b, s in ((1, 128), (4, 64))
+# Qwen3.5-MoE and Qwen3-Next: the padded expert path (fp32, bf16) and the GPU's grouped one (bf16, through torch's
+# CPU grouped_mm)
+FAMILY_POINTS += [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3.5-moe", "tiny-qwen3-next")
+                  for b, s in ((1, 128), (4, 64))
                   for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("bf16", "sdpa-grouped"))
                   for r, c in ((8, False), (4, True))]
 # compiled (about 2.5 minutes each on 2 cores): `--compiled`

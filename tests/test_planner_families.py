@@ -54,6 +54,24 @@ def test_lora_count_is_what_peft_trains(kind):
     assert lora_param_count(shape_from_config(cfg.to_dict(), kind), RunSpec(lora_r=4)) == trained
 
 
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_released_sizes_exact(kind):
+    """transformers' default config of each family (its released size: OLMo 3 7B, Qwen3.5 9B, Qwen3.5-35B-A3B,
+    Qwen3-Next-80B-A3B, Gemma 4), built on the meta device: total and active parameters as the planner reads them
+    (Qwen3.5-MoE's config sizes only its experts: no intermediate_size)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(kind)
+    with torch.device("meta"):
+        params = dict(AutoModelForCausalLM.from_config(cfg).named_parameters())
+    shape = shape_from_config(cfg.to_dict(), kind)
+    total = sum(p.numel() for p in params.values())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    assert shape.n_params == total
+    assert shape.active_params == total - experts + (experts * shape.experts_per_token // shape.experts
+                                                     if shape.experts else 0)
+
+
 def test_olmo3_sliding_layers_read():
     """OLMo 3's layer kinds: 3 sliding layers of 4 with a window of 32, two rotary tables kept in fp32; its config
     class's default pattern (every fourth layer full) where layer_types is left out."""
@@ -145,7 +163,8 @@ def test_granite4_refused_with_the_reason():
 
 
 POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 4, 64, 4, "fp32", "eager", True, 0.0),
-          ("tiny-qwen3.5", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-qwen3.5", 2, 96, 8, "fp32", "sdpa", False, 0.0),
+          ("tiny-qwen3.5", 1, 128, 8, "bf16", "sdpa", False, 0.0),
+          ("tiny-qwen3.5", 2, 96, 8, "fp32", "sdpa", False, 0.0),
           ("tiny-qwen3.5", 4, 64, 4, "fp32", "sdpa", True, 0.0),
           ("tiny-qwen3.5-moe", 1, 128, 8, "fp32", "sdpa", False, 0.0),
           ("tiny-qwen3.5-moe", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0),

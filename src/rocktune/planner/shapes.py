@@ -243,7 +243,10 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         why = f" ({NOT_YET[model_type]})" if model_type in NOT_YET else ""
         raise UserError(f"{name}: model_type {model_type!r} is not supported by the planner{why}; supported: "
                         f"{', '.join(ARCH_TRAITS)}.")
-    missing = [k for k in REQUIRED if not isinstance(config.get(k), int) or config[k] <= 0]
+    # an MoE family's config.json may size only its experts (Qwen3.5-MoE's has no intermediate_size)
+    sized_by_experts = ARCH_TRAITS[model_type]["moe"] and config.get("moe_intermediate_size")
+    optional = {"intermediate_size"} if sized_by_experts else set()
+    missing = [k for k in REQUIRED if k not in optional and (not isinstance(config.get(k), int) or config[k] <= 0)]
     if missing:
         raise UserError(f"{name}: config.json is incomplete: {', '.join(missing)} missing or not a positive "
                         "integer.")
@@ -259,7 +262,7 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
                                     model_type in ("glm4_moe", "llama4_text") else None)
     return ModelShape(
         name=name, model_type=model_type, vocab=config["vocab_size"], hidden=config["hidden_size"],
-        intermediate=config["intermediate_size"], layers=config["num_hidden_layers"], heads=heads,
+        intermediate=config.get("intermediate_size") or mo.width, layers=config["num_hidden_layers"], heads=heads,
         kv_heads=kv_heads, head_dim=head_dim,
         tie_embeddings=bool(config.get("tie_word_embeddings", traits["tie"])), qkv_bias=qkv_bias,
         fused_qkv=traits["fused_qkv"], fused_gate_up=traits["fused_gate_up"], qk_norm=bool(qk_norm),
@@ -267,8 +270,10 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         final_softcap=config.get("final_logit_softcapping"), qk_norm_full=qk_norm == "full",
         o_bias=traits.get("o_bias", False), attn_sinks=traits.get("sinks", False),
         o_input_copy=traits.get("o_copy", False), rotary_fraction=_rotary_fraction(config), **_moe_fields(mo),
-        rope_fp32=traits.get("rope_fp32", False), **(_sliding(config, traits["sliding"]) if traits.get("sliding") else {}),
-        gated_attn=traits.get("gated", False), gemma4=gemma4.layout(config, name) if traits.get("gemma4") else None,
+        rope_fp32=traits.get("rope_fp32", False),
+        **(_sliding(config, traits["sliding"]) if traits.get("sliding") else {}),
+        gated_attn=traits.get("gated", False),
+        gemma4=gemma4.layout(config, name) if traits.get("gemma4") else None,
         linear_attn=recurrent.linear_attn(config, name) if traits.get("linear") else None,
     )
 
