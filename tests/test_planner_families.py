@@ -112,6 +112,15 @@ def test_qwen3_next_projections_fused():
     assert (lin["in_proj_qkvz"], lin["in_proj_ba"], lin["out_proj"]) == ((128, 384), (128, 8), (128, 128))
 
 
+def test_rollout_caches_of_a_hybrid():
+    """GRPO's sampling on Qwen3.5: K/V only for its full-attention layer; each linear-attention layer keeps its conv
+    cache (the last 4 inputs of 256 channels) and its fp32 state (4 heads x 32 x 32) per row, whatever the length."""
+    spec = RunSpec(rollout_rows=8, rollout_prompt=100, rollout_new=28, precision="bf16")
+    terms = estimate(shape_from_config(pv.QWEN35), spec).by_name()
+    assert terms["rollout_kv_cache"] == 2 * 1 * (2 * 32) * 2 * 8 * 128
+    assert terms["rollout_recurrent_state"] == 3 * 8 * (256 * 4 * 2 + 4 * 32 * 32 * 4)
+
+
 def test_qwen3_5_recurrence_scales_with_chunks():
     """The delta rule's saved bytes follow the padded length (chunks of 64): 65 tokens save as much kernel state
     as 128, beyond what grows per token."""

@@ -248,8 +248,18 @@ def _rollout(shape: ModelShape, spec: RunSpec, dt: int, add) -> None:
     prompt + completion tokens per row, and each token's last-position logits (float, with their softmax)."""
     rows, prompt = spec.rollout_rows, spec.rollout_prompt
     tokens = prompt + spec.rollout_new
-    add("rollout_kv_cache", 2 * shape.layers * shape.kv_dim * dt * rows * tokens, "rollout",
-        f"K and V of {shape.layers} layers x {shape.kv_dim} x {dt} B, {rows} rows x {tokens} tokens")
+    la = shape.linear_attn
+    layers = shape.layers - (la.layers if la else 0)  # a hybrid's linear-attention layers keep a state, not K/V
+    kv = layers * shape.kv_dim
+    if shape.gemma4 is not None:  # each kind at its own width; KV-shared layers read another layer's
+        kv = sum(k.layers * k.kv_heads * k.head_dim for k in shape.gemma4.kinds if k.own_kv)
+    add("rollout_kv_cache", 2 * kv * dt * rows * tokens, "rollout",
+        f"K and V of {layers} attention layers ({kv:,} values a token) x {dt} B, {rows} rows x {tokens} tokens")
+    if la is not None and la.layers:  # the last kernel-width inputs of the conv, and the fp32 recurrent state
+        conv, state = la.conv_width * la.kernel * dt, la.v_heads * la.k_dim * la.v_dim * 4
+        add("rollout_recurrent_state", la.layers * rows * (conv + state), "rollout",
+            f"{la.layers} linear-attention layers x {rows} rows: the conv cache ({la.conv_width} x {la.kernel} x "
+            f"{dt} B) and the state ({la.v_heads} x {la.k_dim} x {la.v_dim} x 4 B), whatever the length")
     add("rollout_logits", 2 * rows * shape.vocab * 4, "rollout",
         f"the last position's logits and probabilities, {rows} rows x {shape.vocab} x fp32")
     add("rollout_prefill", rows * prompt * (2 * shape.hidden + 2 * shape.intermediate) * dt, "rollout",
