@@ -74,11 +74,19 @@ GEMMA4 = {"model_type": "gemma4_text", "hidden_size": 128, "intermediate_size": 
           "vocab_size": 1024, "vocab_size_per_layer_input": 1024, "hidden_size_per_layer_input": 16,
           "sliding_window": 32, "final_logit_softcapping": 30.0, "rope_parameters": None,
           "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
+# Granite 4: Mamba2 layers (4 heads of 32, state 16, chunks of 16) and an attention layer, 4 experts top-2 with a
+# shared MLP in each
+GRANITE4 = {"model_type": "granitemoehybrid", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "shared_intermediate_size": 64, "position_embedding_type": "rope",
+            "layer_types": ["mamba", "mamba", "mamba", "attention"], "mamba_n_heads": 4, "mamba_d_state": 16,
+            "mamba_d_head": 32, "mamba_chunk_size": 16, "embedding_multiplier": 12.0, "logits_scaling": 8.0,
+            "residual_multiplier": 0.22, "attention_multiplier": 0.0625}
 MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3,
           "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS,
           "tiny-llama4": LLAMA4, "tiny-olmo3": OLMO3, "tiny-qwen3.5": QWEN35,
           "tiny-qwen3.5-moe": QWEN35_MOE, "tiny-qwen3-next": QWEN3_NEXT,
-          "tiny-gemma4": GEMMA4}
+          "tiny-gemma4": GEMMA4, "tiny-granite4": GRANITE4}
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
@@ -331,11 +339,13 @@ FAMILY_POINTS = [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-olmo3", "tiny-qwen3.
                  for b, s in ((1, 128), (4, 64)) for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("fp32", "eager"))
                  for r, c in ((8, False), (4, True))]
 FAMILY_POINTS += [("tiny-qwen3.5", 2, 96, 8, p, "sdpa", False, 0.0) for p in ("fp32", "bf16")]
-# Qwen3.5-MoE and Qwen3-Next: the padded expert path (fp32, bf16) and the GPU's grouped one (bf16, through torch's
-# CPU grouped_mm)
-FAMILY_POINTS += [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3.5-moe", "tiny-qwen3-next")
+# Qwen3.5-MoE, Qwen3-Next and Granite 4 (Mamba2 on the torch reference scan): the padded expert path (fp32, bf16)
+# and the GPU's grouped one (bf16, through torch's CPU grouped_mm); Granite 4 in eager attention too
+FAMILY_POINTS += [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3.5-moe", "tiny-qwen3-next", "tiny-granite4")
                   for b, s in ((1, 128), (4, 64))
                   for p, a in (("fp32", "sdpa"), ("bf16", "sdpa"), ("bf16", "sdpa-grouped"))
+                  for r, c in ((8, False), (4, True))]
+FAMILY_POINTS += [("tiny-granite4", b, s, r, "fp32", "eager", c, 0.0) for b, s in ((1, 128), (4, 64))
                   for r, c in ((8, False), (4, True))]
 # compiled (about 2.5 minutes each on 2 cores): `--compiled`
 COMPILED_POINTS = [("tiny-qwen2", 3, 64, 8, "bf16", "varlen-compiled", False, 0.0),

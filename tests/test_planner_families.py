@@ -20,7 +20,7 @@ _spec.loader.exec_module(pv)
 
 # the validation's own shapes, one per family the planner learnt here
 FAMILIES = {"olmo3": "tiny-olmo3", "qwen3_5_text": "tiny-qwen3.5", "qwen3_5_moe_text": "tiny-qwen3.5-moe",
-            "qwen3_next": "tiny-qwen3-next", "gemma4_text": "tiny-gemma4"}
+            "qwen3_next": "tiny-qwen3-next", "gemma4_text": "tiny-gemma4", "granitemoehybrid": "tiny-granite4"}
 
 
 def _config(kind: str):
@@ -162,13 +162,16 @@ def test_gemma4_moe_block_refused():
                            "moe_intermediate_size": 64})
 
 
-def test_granite4_refused_with_the_reason():
-    from rocktune.errors import UserError
-
-    with pytest.raises(UserError, match="model_type 'granitemoehybrid' is not supported by the planner .Granite 4's "
-                                        "Mamba2 layers"):
-        shape_from_config({"model_type": "granitemoehybrid", "hidden_size": 64, "intermediate_size": 32,
-                           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300})
+def test_granite4_layers_read():
+    """Granite 4: three Mamba2 layers of four (in_proj makes the gate, x/B/C and dt: 128 + 160 + 4), the shared MLP's
+    fused input_linear, and its logits scale: the full-logits loss, as rocktune's loss takes it."""
+    shape = shape_from_config(pv.GRANITE4)
+    m = shape.linear_attn.mamba
+    assert (shape.linear_attn.layers, m.inner, m.conv_width) == (3, 128, 160)
+    lin = dict((name, (i, o)) for name, i, o, _ in shape.layer_linears()[1][1])
+    assert (lin["in_proj"], lin["out_proj"], lin["input_linear"]) == ((64, 292), (128, 64), (64, 128))
+    terms = estimate(shape, RunSpec(seq_len=128, device="cpu")).by_name()
+    assert terms["loss_saved"] == 127 * 1024 * 4 + 127 * 8
 
 
 POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 4, 64, 4, "fp32", "eager", True, 0.0),
@@ -178,7 +181,9 @@ POINTS = [("tiny-olmo3", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-olmo3", 
           ("tiny-qwen3.5-moe", 1, 128, 8, "fp32", "sdpa", False, 0.0),
           ("tiny-qwen3.5-moe", 4, 64, 8, "bf16", "sdpa-grouped", False, 0.0),
           ("tiny-qwen3-next", 1, 128, 8, "bf16", "sdpa", False, 0.0),
-          ("tiny-gemma4", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-gemma4", 4, 64, 4, "fp32", "sdpa", True, 0.0)]
+          ("tiny-gemma4", 1, 128, 8, "bf16", "sdpa", False, 0.0), ("tiny-gemma4", 4, 64, 4, "fp32", "sdpa", True, 0.0),
+          ("tiny-granite4", 1, 128, 8, "bf16", "sdpa", False, 0.0),
+          ("tiny-granite4", 4, 64, 4, "fp32", "eager", True, 0.0)]
 
 
 @pytest.mark.slow

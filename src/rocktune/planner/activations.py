@@ -28,6 +28,7 @@ GROUP = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_pro
          # Gated DeltaNet (planner/recurrent.py): the projections read the normed hidden state, out_proj the gated norm
          "in_proj_qkv": "attn_in", "in_proj_z": "attn_in", "in_proj_b": "attn_in", "in_proj_a": "attn_in",
          "in_proj_qkvz": "attn_in", "in_proj_ba": "attn_in",
+         "in_proj": "attn_in", "input_linear": "mlp_in", "output_linear": "mlp_mid",
          "out_proj": "attn_out"}
 
 

@@ -390,8 +390,9 @@ def _outside_layers(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, 
 
 
 def _loss_mode(shape: ModelShape, spec: RunSpec) -> str:
-    # A final-logit soft-cap is not reproduced by the chunked loss: such models take the full-logits path.
-    return "full" if shape.final_softcap else spec.loss_mode
+    # A final-logit soft-cap or a logit scale (Granite's) is not reproduced by the chunked loss: such models take
+    # the full-logits path (tasks/causal/loss.py).
+    return "full" if shape.final_softcap or shape.head_transform else spec.loss_mode
 
 
 def _transients(shape: ModelShape, spec: RunSpec, tok: Tokens, n_loss: int, layer: dict, add) -> None:

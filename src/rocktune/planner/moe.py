@@ -63,7 +63,7 @@ def moe_shape(config: dict, name: str) -> MoeShape:
                         f"{'/'.join(EXPERT_FIELDS)}, num_experts_per_tok (at most the experts) or the expert width "
                         "(moe_intermediate_size / intermediate_size); pass the model's own config.json.")
     dense, dense_width = _dense_layers(config, layers)
-    shared = config.get("shared_expert_intermediate_size") or 0
+    shared = config.get("shared_expert_intermediate_size") or config.get("shared_intermediate_size") or 0
     if kind == "glm4_moe":
         shared = (config.get("n_shared_experts") or 0) * width
     elif kind == "llama4_text":
@@ -102,6 +102,8 @@ def mlp_params(shape) -> tuple[int, int]:
 def shared_linears(shape) -> list[tuple[str, int, int, bool]]:
     """The shared expert's linear modules (what all-linear adapts in an MoE block besides the expert stacks)."""
     h, s = shape.hidden, shape.shared_intermediate
+    if shape.model_type == "granitemoehybrid":  # Granite's shared MLP: gate and up fused in input_linear
+        return [("input_linear", h, 2 * s, False), ("output_linear", s, h, False)] if s else []
     return [("gate_proj", h, s, False), ("up_proj", h, s, False), ("down_proj", s, h, False)] if s else []
 
 

@@ -33,6 +33,28 @@ GATED_DELTANET = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 @dataclass(frozen=True)
+class Mamba2:
+    """Granite 4's Mamba2 mixer: ``heads`` of ``head_dim`` (inner = heads x head_dim = expand x hidden), B and C of
+    ``groups`` x ``state`` each."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    chunk: int
+    conv_bias: bool
+    proj_bias: bool
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_width(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+
+@dataclass(frozen=True)
 class LinearAttn:
     layers: int      # layers of this kind (the rest are full attention)
     k_heads: int
@@ -42,6 +64,7 @@ class LinearAttn:
     kernel: int      # the causal conv1d's width
     first: bool      # the first layer is a linear-attention layer (its input needs no gradient)
     fused: bool = False  # Qwen3-Next: q/k/v/z in one in_proj_qkvz, beta's and the decay's inputs in in_proj_ba
+    mamba: Mamba2 | None = None  # Granite 4: a Mamba2 mixer instead (its sizes; k/v fields unused)
 
     @property
     def key_width(self) -> int:
@@ -56,8 +79,29 @@ class LinearAttn:
         return 2 * self.key_width + self.value_width
 
 
+def mamba_layers(config: dict, name: str) -> LinearAttn:
+    """Granite 4's Mamba2 layers (``linear_attention`` in layer_types, or every layer where it is left out)."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    kinds = (config.get("layer_types") or ["linear_attention"] * layers)[:layers]
+    kinds = ["linear_attention" if k in ("mamba", "linear_attention") else k for k in kinds]
+    heads, inner = config.get("mamba_n_heads") or 128, int((config.get("mamba_expand") or 2) * hidden)
+    head_dim = config.get("mamba_d_head")
+    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
+    if not isinstance(head_dim, int) or head_dim * heads != inner:
+        raise UserError(f"{name}: mamba_n_heads x mamba_d_head must be mamba_expand x hidden_size ({inner}).")
+    m = Mamba2(heads=heads, head_dim=head_dim, state=config.get("mamba_d_state") or 256,
+               groups=config.get("mamba_n_groups") or 1, chunk=config.get("mamba_chunk_size") or 256,
+               conv_bias=config.get("mamba_conv_bias", True) is not False,
+               proj_bias=bool(config.get("mamba_proj_bias")))
+    return LinearAttn(layers=sum(1 for k in kinds if k == "linear_attention"), k_heads=1, v_heads=heads, k_dim=1,
+                      v_dim=head_dim, kernel=config.get("mamba_d_conv") or 4,
+                      first=bool(kinds) and kinds[0] == "linear_attention", mamba=m)
+
+
 def linear_attn(config: dict, name: str) -> LinearAttn:
     """The Gated DeltaNet fields of a text config, or a UserError naming what is missing."""
+    if config.get("model_type") == "granitemoehybrid":
+        return mamba_layers(config, name)
     layers = config["num_hidden_layers"]
     kinds = (config.get("layer_types") or _default_kinds(config, layers))[:layers]
     fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -80,6 +124,10 @@ def _default_kinds(config: dict, layers: int) -> list[str]:
 
 def linears(la: LinearAttn, hidden: int) -> list[tuple[str, int, int, bool]]:
     """The layer's linear modules as (name, in, out, bias), as transformers names them."""
+    if la.mamba is not None:  # in_proj makes the gate, x/B/C (the conv's input) and dt at once
+        m = la.mamba
+        return [("in_proj", hidden, m.inner + m.conv_width + m.heads, m.proj_bias),
+                ("out_proj", m.inner, hidden, m.proj_bias)]
     if la.fused:
         return [("in_proj_qkvz", hidden, la.conv_width + la.value_width, False),
                 ("in_proj_ba", hidden, 2 * la.v_heads, False), ("out_proj", la.value_width, hidden, False)]
@@ -89,13 +137,19 @@ def linears(la: LinearAttn, hidden: int) -> list[tuple[str, int, int, bool]]:
 
 
 def extra_params(la: LinearAttn) -> int:
-    """Parameters besides the linears: the depthwise conv (no bias), dt_bias, A_log and the gated norm's weight."""
+    """Parameters besides the linears: the depthwise conv (no bias), dt_bias, A_log and the gated norm's weight
+    (Mamba2: the conv's bias, D, a norm over the inner width)."""
+    if la.mamba is not None:
+        m = la.mamba
+        return m.conv_width * (la.kernel + m.conv_bias) + 3 * m.heads + m.inner
     return la.conv_width * la.kernel + 2 * la.v_heads + la.v_dim
 
 
 def saved(la: LinearAttn, tok) -> int:
     """Bytes one Gated DeltaNet mixer saves for backward (module docstring); ``tok``: activations.Tokens. The
     adapters' inputs and rank-r outputs are counted with every layer's (activations._lora)."""
+    if la.mamba is not None:
+        return mamba_saved(la, tok)
     b, s, dt = tok.batch, tok.seq, tok.dt
     chunks = -(-s // CHUNK)
     p, v, dk, dv = chunks * CHUNK, la.v_heads, la.k_dim, la.v_dim
@@ -113,3 +167,29 @@ def saved(la: LinearAttn, tok) -> int:
     fp32 += 4 * b * v * p + b * v * chunks + v + b * s * v  # decays, beta; the chunk decays; exp(A_log); softplus in
     beta = b * s * v * dt                             # beta's sigmoid, in the projection's dtype
     return conv + 4 * fp32 + dt * half + 4 * (norm // 4 + b * s * v) + beta + CHUNK * CHUNK  # + the chunk's mask
+
+
+def mamba_saved(la: LinearAttn, tok) -> int:
+    """Bytes one Mamba2 mixer saves for backward on transformers' torch reference scan (``mamba2_chunk_scan``,
+    chunks of L = ``mamba_chunk_size``, the sequence padded to c chunks), counted as ``saved``'s: the in_proj output
+    (the conv's input is a view of it), the conv's pre-activation output and its SiLU; in fp32 the scan's chunked
+    inputs (x three times, C and B five times between them at L x state per head), the L x L decay and masked
+    products (three), the chunk states (c and c + 1 of them, head_dim x state per head), the decays, dt; the gated
+    norm's product, the gate's SiLU and the grouped view, and its rsqrt."""
+    m, b, s, dt = la.mamba, tok.batch, tok.seq, tok.dt
+    chunks = -(-s // m.chunk)
+    p, h = chunks * m.chunk, m.heads
+    squares, states = b * chunks * h * m.chunk ** 2, (2 * chunks + 1) * b * h * m.head_dim * m.state
+    conv = b * s * (m.inner + m.conv_width + h) * dt + b * m.conv_width * (s + la.kernel - 1) * dt
+    fixed = 2 * b * h * p + b * h * (chunks + 1) ** 2 + h + b * s * m.groups  # decays, the chunk decay, A, rsqrt
+    if tok.amp:  # the scan's einsums run in the half dtype: half copies of their inputs, the fp32 originals fewer
+        fp32 = b * s * m.inner + squares + b * p * h * m.state + b * s * h + 4 * b * s * m.inner + fixed
+        half = 3 * b * p * m.inner + 2 * squares + 4 * b * p * h * m.state + states + b * h * (chunks + 1) ** 2 \
+            + 2 * b * s * h
+    else:  # the conv's SiLU output (x, B, C) is the scan's input itself
+        conv += b * s * m.conv_width * dt
+        fp32 = 3 * b * p * m.inner + 3 * squares + 5 * b * p * h * m.state + states + 3 * b * s * h \
+            + 3 * b * s * m.inner + fixed
+        half = 0
+    masks = 2 * m.chunk ** 2 + 2 * (chunks + 1) ** 2  # bool
+    return conv + 4 * fp32 + dt * half + masks

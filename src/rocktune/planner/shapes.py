@@ -41,6 +41,8 @@ ARCH_TRAITS: dict[str, dict] = {
     "qwen3_next": {**_DENSE, "qk_norm": "head", "gated": True, "linear": True, "moe": True},  # fused projections
     # Gemma 4: sliding and full layers of their own head widths, per-layer inputs (planner/gemma4.py)
     "gemma4_text": {**_DENSE, "norms": 4, "tie": True, "qk_norm": "head", "gemma4": True, "sliding": 6},
+    # Granite 4: Mamba2 layers (planner/recurrent.py) and attention, an MoE block with a shared MLP in every layer
+    "granitemoehybrid": {**_DENSE, "linear": True, "moe": True},
     "olmo2": {**_DENSE, "qk_norm": "full"},
     # OLMo 3: OLMo 2's layer with sliding-window layers among the full ones (layer_types, sliding_window)
     "olmo3": {**_DENSE, "qk_norm": "full", "sliding": 4, "rope_fp32": True},  # its cos/sin stay fp32
@@ -56,11 +58,9 @@ ARCH_TRAITS: dict[str, dict] = {
     "qwen3_vl": {**_DENSE, "qk_norm": "head"},
     "qwen3_vl_text": {**_DENSE, "qk_norm": "head"},
 }
-# Architectures transformers knows that the planner does not size yet, with the reason (said when one is refused)
-NOT_YET = {
-    "granitemoehybrid": "Granite 4's Mamba2 layers (the chunked SSM scan of transformers' torch reference path, its "
-                        "conv and state) are not counted yet, so no estimate could be within the planner's tolerance",
-}
+# Config fields that transform the head's output; rocktune's chunked loss does not reproduce them, so such a model
+# takes the full-logits path (tasks/causal/loss.py's HEAD_TRANSFORMS, kept equal: the planner imports no torch code)
+HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
@@ -104,6 +104,7 @@ class ModelShape:
     gated_attn: bool = False    # full attention's output gated by sigmoid(a second half of q_proj) (Qwen3.5)
     linear_attn: recurrent.LinearAttn | None = None  # a hybrid's linear-attention layers (planner/recurrent.py)
     gemma4: gemma4.Gemma4Layout | None = None  # Gemma 4's layer kinds and per-layer inputs (planner/gemma4.py)
+    head_transform: bool = False  # the logits are scaled or capped (HEAD_TRANSFORMS): the full-logits loss
 
     @property
     def q_dim(self) -> int:
@@ -240,8 +241,7 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     config = config.get("text_config", config) if "hidden_size" not in config else config
     model_type = config.get("model_type")
     if model_type not in ARCH_TRAITS:
-        why = f" ({NOT_YET[model_type]})" if model_type in NOT_YET else ""
-        raise UserError(f"{name}: model_type {model_type!r} is not supported by the planner{why}; supported: "
+        raise UserError(f"{name}: model_type {model_type!r} is not supported by the planner; supported: "
                         f"{', '.join(ARCH_TRAITS)}.")
     # an MoE family's config.json may size only its experts (Qwen3.5-MoE's has no intermediate_size)
     sized_by_experts = ARCH_TRAITS[model_type]["moe"] and config.get("moe_intermediate_size")
@@ -273,6 +273,7 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         rope_fp32=traits.get("rope_fp32", False),
         **(_sliding(config, traits["sliding"]) if traits.get("sliding") else {}),
         gated_attn=traits.get("gated", False),
+        head_transform=any(config.get(k) not in (None, 1, 1.0) for k in HEAD_TRANSFORMS),
         gemma4=gemma4.layout(config, name) if traits.get("gemma4") else None,
         linear_attn=recurrent.linear_attn(config, name) if traits.get("linear") else None,
     )
