@@ -2,6 +2,7 @@
 
     python benchmarks/planner_validation.py            # CPU grid (tiny and small models), ~1 minute
     python benchmarks/planner_validation.py --gpu      # + predicted peak vs torch.cuda.max_memory_allocated
+    python benchmarks/planner_validation.py --families # the 2025-26 families (OLMo 3, Qwen3.5, Gemma 4, Granite 4...)
 
 CPU: one real training step (rocktune's LoRA wrapping, loss and AdamW) per grid point. Bytes saved for backward
 are counted with ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded; with
