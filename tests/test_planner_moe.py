@@ -71,7 +71,7 @@ def load(kind: str) -> tuple[int, int]:
 
 
 def test_qwen3_5_moe_experts_counted():
-    """Qwen3.5-MoE (linear attention in 3 of 4 layers; the planner's attention for it is not here yet): its experts,
+    """Qwen3.5-MoE (linear attention in 3 of 4 layers, planned by planner/recurrent.py): its experts,
     shared expert and gate as the real model has them."""
     from transformers import AutoConfig
 
