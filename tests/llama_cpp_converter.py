@@ -1,9 +1,9 @@
 """llama.cpp's own HF -> GGUF converter (``convert_hf_to_gguf.py``), run from an unpacked llama.cpp source tree, as
 the reference our GGUF export is compared with tensor for tensor (tests/test_gguf_converter.py).
 
-The source is not installed by ``make llama-cpp`` (that builds a wheel); unpack the llama-cpp-python source package
-of the installed version and point ``ROCKTUNE_LLAMA_CPP_SRC`` at its ``vendor/llama.cpp``, e.g.
-``pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d /tmp/lcpp`` and untar it there.
+``make llama-cpp`` unpacks the source package of the llama-cpp-python it installs into ``.venv/llama-cpp-src`` (CI
+runs it); elsewhere point ``ROCKTUNE_LLAMA_CPP_SRC`` at a ``vendor/llama.cpp`` of the installed version, e.g. from
+``pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d /tmp/lcpp``, untarred there.
 
 Run as a script it is the converter's command line, with one change: the tiny test tokenizers are not among the
 released ones whose pre-tokenizer the converter recognises by a hash of their output, so the name is given.
@@ -17,7 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SEARCHED = ("/tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp",)
+ROOT = Path(__file__).resolve().parent.parent
+SEARCHED = (str(ROOT / ".venv" / "llama-cpp-src" / "llama_cpp_python-*" / "vendor" / "llama.cpp"),
+            "/tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp")
 
 
 def converter_source() -> Path | None:
