@@ -215,6 +215,22 @@ def test_gradients_a_compiler_drops_fail_the_matrix(tiny_model_dir, monkeypatch)
     assert "no-gradient" in {p.cause for p in problems}, problems
 
 
+def test_expert_factors_cut_from_the_graph_fail_the_matrix(moe_model_dir, monkeypatch):
+    """The grouped expert path with its LoRA factors detached (the experts' adapters would train nothing): the MoE
+    rows see it, so a grouped path that stops learning cannot pass them."""
+    from rocktune.lora import moe
+
+    real = moe.factors
+
+    def detached(wrapper, transposed):
+        f = real(wrapper, transposed)
+        return moe.Factors(f.a.detach(), f.b.detach(), f.scaling)
+
+    monkeypatch.setattr(moe, "factors", detached)
+    problems = run_case(moe_model_dir, "adamw_foreach", "fused", "fp32", False, experts="grouped")
+    assert {"no-gradient", "mismatch"} <= {p.cause for p in problems}, problems
+
+
 # GRPO's update with each prompt computed once for its group (grpo.share_prompt, tasks/grpo/prefix.py): every
 # optimizer, side path and precision against the same reference (PEFT's own forward, plain AdamW) over full rows.
 # The sampling policy's log-probabilities are held fixed, so the ratio moves as the adapter learns and the loss falls
