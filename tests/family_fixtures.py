@@ -42,11 +42,14 @@ class Template:
     text: str
     specials: tuple[str, ...]  # added special tokens, in id order after the 256 byte tokens
     eos: str
-    end_of_turn: str | None    # the token after each assistant reply: the one that must be trained (None: GLM-4.5's
-    bos: str | None = None     # template writes none, the model ends a reply by writing the next turn's role)
+    end_of_turn: str | None    # the token that ends each assistant reply: the one that must be trained
+    bos: str | None = None
     system: bool = True        # does the template take a system turn
     reply_head: str = ""       # what the template writes before the reply's text inside the trained reply
     trims: bool = False        # the template strips the reply's surrounding whitespace
+    # the model's other stop tokens (its generation config's eos_token_id): GLM-4.5's template writes no end of turn,
+    # the model ends a reply with the next turn's role token (<|user|>, <|observation|>), which it stops on
+    stops: tuple[str, ...] = ()
 
 
 TEMPLATES = {
@@ -76,7 +79,8 @@ TEMPLATES = {
                        bos="<bos>",
                        trims=True),
     "glm4.5": Template(GLM45, ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                               "<|observation|>"), "<|endoftext|>", None, reply_head="\n<think></think>\n"),
+                               "<|observation|>"), "<|endoftext|>", "<|user|>", reply_head="\n<think></think>\n",
+                       trims=True, stops=("<|user|>", "<|observation|>")),
 }
 
 DIMS = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -212,7 +216,8 @@ def family_config(fam: Family, tok):
     import transformers
 
     t = TEMPLATES[fam.template]
-    ids = {"eos_token_id": tok.convert_tokens_to_ids(t.eos),
+    eos = tok.convert_tokens_to_ids(t.eos)
+    ids = {"eos_token_id": [eos, *tok.convert_tokens_to_ids(list(t.stops))] if t.stops else eos,
            "bos_token_id": tok.convert_tokens_to_ids(t.bos) if t.bos else None}
     kwargs = {**DIMS, "tie_word_embeddings": False, **ids, **fam.extra}
     if "rope_parameters" not in kwargs:

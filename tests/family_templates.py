@@ -94,22 +94,34 @@ GEMMA4 = (
     "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 
-# GLM-4.5: [gMASK]<sop>, role tokens opening each turn and nothing closing it (the model ends a reply by writing
-# the next role token, <|user|> or <|observation|>); replies carry a think block, empty in history.
+# GLM-4.5 (and 4.6, the same template): [gMASK]<sop>, role tokens opening each turn and nothing closing it (the model
+# ends a reply by writing the next role token, <|user|> or <|observation|>, both stops in its generation config);
+# the tool list as JSON lines in a system turn of its own with the XML call format spelled out; a reply's think
+# block kept only after the last user turn (empty otherwise), its text stripped; calls as <tool_call>NAME then
+# <arg_key>/<arg_value> pairs (string values as they are, others as JSON); consecutive results under one
+# <|observation|>. The output of the real template on every conversation of tests/test_family_chat.py.
 GLM45 = (
-    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
-    "{% endif %}"
+    "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user "
+    "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n\nFor each function call, output the function name "
+    "and arguments within the following XML format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n"
+    "<arg_value>{arg-value-1}</arg_value>\n<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n"
+    "...\n</tool_call>{% endif %}"
     "{% set ns = namespace(last_user=-1) %}"
     "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
     "{% endfor %}"
     "{% for m in messages %}"
     "{% if m['role'] == 'assistant' %}<|assistant|>"
-    "{% set reasoning = m.get('reasoning_content') or '' %}"
-    "{% if loop.index0 > ns.last_user and reasoning %}{{ '\\n' }}<think>{{ reasoning }}</think>"
-    "{% else %}{{ '\\n' }}<think></think>{% endif %}{{ '\\n' }}{{ m['content'] or '' }}"
-    "{% for c in m.get('tool_calls') or [] %}{{ '\\n' }}<tool_call>{{ c['function']['name'] }}"
-    "{{ c['function']['arguments'] | tojson }}</tool_call>{% endfor %}"
-    "{% elif m['role'] == 'tool' %}<|observation|>\n<tool_response>{{ m['content'] }}</tool_response>"
+    "{% set content = m['content'] or '' %}{% set reasoning = m.get('reasoning_content') or '' %}"
+    "{% if loop.index0 > ns.last_user and reasoning %}{{ '\\n<think>' + reasoning.strip() + '</think>' }}"
+    "{% else %}{{ '\\n<think></think>' }}{% endif %}"
+    "{% if content.strip() %}{{ '\\n' + content.strip() }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}{{ '\\n<tool_call>' + c['function']['name'] }}"
+    "{% for k, v in c['function']['arguments'].items() %}{{ '\\n<arg_key>' + k + '</arg_key>\\n<arg_value>' }}"
+    "{{ v if v is string else v | tojson }}</arg_value>{% endfor %}{{ '\\n</tool_call>' }}{% endfor %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|observation|>{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
     "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -117,8 +117,8 @@ def test_chat_masking(family_dir, record_property, name):
     """Only the assistant reply (with what the template writes ahead of its text inside the reply: Qwen3.5's empty
     think block, Harmony's final-channel header), the family's end-of-turn token and the template's whitespace after
     it bear loss; the system/user turns and the reply's header do not; the tokens are the template's own rendering.
-    A template that writes no end-of-turn after a reply (GLM-4.5's) is refused before training, naming the end token
-    that would never be trained."""
+    GLM-4.5's template writes no end of turn: the model ends a reply with the next turn's role token, which its
+    generation config stops on, so <|user|> is the trained end, appended after the last reply."""
     from transformers import AutoTokenizer
 
     from rocktune.data.checks import check_training_data, end_of_turn_id
@@ -131,16 +131,12 @@ def test_chat_masking(family_dir, record_property, name):
     enc = encode(record, "messages", tok, 512, False, "probe")
     rendered = tok.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
                                        return_assistant_tokens_mask="{% generation %}" in t.text)
-    assert enc.input_ids == list(rendered["input_ids"])
-    if t.end_of_turn is None:
-        assert end_of_turn_id(tok) is None
-        problems = check_training_data(Examples([enc.input_ids], [enc.labels]), tok, "messages", False)
-        assert [p.code for p in problems if p.level == "error"] == ["stop-never-trained"]
-        assert f"end token {t.eos} never carries loss" in problems[0].message
-        record_property("cell", "refused: the template writes no end of turn after a reply")
-        return
     eot = tok.convert_tokens_to_ids(t.end_of_turn)
+    appended = [eot] if t.end_of_turn in t.stops else []  # the stop the template writes only when a turn follows
+    assert enc.input_ids == list(rendered["input_ids"]) + appended
     assert end_of_turn_id(tok) == eot
+    assert check_training_data(Examples([enc.input_ids], [enc.labels]), tok, "messages", False,
+                               [("probe", record)]) == []
     trained = [i for i, label in zip(enc.input_ids, enc.labels, strict=True) if label != IGNORE]
     reply = record["messages"][-1]["content"]
     end = trained.index(eot)
@@ -171,10 +167,7 @@ def _train(family_dir, tmp_path, name: str, steps: int, quantization: str = "non
     from tests.conftest import tiny_run_config, write_jsonl
 
     t = TEMPLATES[BY_NAME[name].template]
-    rows = chat_records(64, t.system)
-    if t.end_of_turn is None:  # chat data is refused (test_chat_masking): prompt/completion, EOS appended
-        rows = [{"prompt": r["messages"][-2]["content"], "completion": r["messages"][-1]["content"]} for r in rows]
-    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    data = write_jsonl(tmp_path / "train.jsonl", chat_records(64, t.system))
     cfg = tiny_run_config(family_dir(name), data, None, tmp_path / "out", max_steps=steps, micro_batch_size=8,
                           grad_accum=1, lr=1e-2, warmup_steps=0)
     # Harmony's fixed system header alone is ~150 tokens
@@ -237,7 +230,13 @@ FAMILY_KEYS = {
                 "gpt-oss.expert_feed_forward_length": 128},
     "llama4": {"llama4.interleave_moe_layer_step": 2, "llama4.feed_forward_length": 128,
                "llama4.expert_feed_forward_length": 64},
+    "granite4": {"granitehybrid.attention.head_count_kv": [0, 2], "granitehybrid.ssm.inner_size": 128,
+                 "granitehybrid.ssm.time_step_rank": 4, "granitehybrid.ssm.state_size": 16,
+                 "granitehybrid.rope.scaling.finetuned": True, "granitehybrid.expert_shared_feed_forward_length": 64,
+                 "granitehybrid.logit_scale": 8.0, "granitehybrid.context_length": 512},
 }
+# families whose layout test_gguf takes from the exporter (see expected_gguf)
+EXPORTER_LAYOUT = ("gpt_oss", "llama4_text", "granitemoehybrid", "gemma4_text")
 # llama.cpp rotates adjacent pairs in these graphs (HF: halves), so their q/k rows are stored interleaved
 PAIRWISE_ROPE = {"llama", "granite", "smollm3"}
 
@@ -247,9 +246,10 @@ def expected_gguf(state: dict, cfg, arch: str) -> dict:
     gguf-py's table, q/k rows interleaved for pairwise-rope graphs, Gemma's norms as 1 + w, OLMo 2's head untied."""
     import gguf
 
-    # Gated DeltaNet's reorders, gpt-oss's and Llama 4's transposed experts: the exporter's layout, which
-    # test_gguf_converter.py proves equal to llama.cpp's own converter
-    if getattr(cfg, "linear_num_key_heads", None) or cfg.model_type in ("gpt_oss", "llama4_text"):
+    # Gated DeltaNet's reorders, gpt-oss's and Llama 4's transposed experts, Granite 4's Mamba2 tensors and Gemma 4's
+    # per-layer embeddings: the exporter's layout, which test_gguf_converter.py proves equal to llama.cpp's own
+    # converter
+    if getattr(cfg, "linear_num_key_heads", None) or cfg.model_type in EXPORTER_LAYOUT:
         from rocktune.export.gguf_model import gguf_tensors
 
         return gguf_tensors(state, cfg, ARCHS[cfg.model_type])

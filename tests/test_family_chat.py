@@ -1,10 +1,15 @@
 """The chat formats of the 2025-26 families, masked right (tests/family_templates.py's shapes of the real templates):
 gpt-oss's Harmony channels (the final answer trained, the analysis channel prompt unless asked for, tool calls in
 Harmony's own syntax), Qwen3.5's thinking blocks (kept for the turns after the last user query, stripped from earlier
-ones, as its template does), Gemma 4's and Llama 4's turns with tool calls. Every example is the template's own
-rendering token for token, and no tool call is dropped (data/fidelity.py's check runs inside encode)."""
+ones, as its template does), Gemma 4's and Llama 4's turns with tool calls, GLM-4.5's replies ended by the stop token
+that opens the next turn. Every example is the template's own rendering token for token (GLM-4.5's with its end
+token appended after the last reply), and no tool call is dropped (data/fidelity.py's check runs inside encode)."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -22,13 +27,14 @@ def _tok(family: str):
     return build_tokenizer(TEMPLATES[BY_NAME[family].template])
 
 
-def _encode(tok, rec: dict):
-    """(input ids, the trained spans decoded) of a record, checked to be the template's own rendering."""
+def _encode(tok, rec: dict, appended: str = ""):
+    """(input ids, the trained spans decoded) of a record, checked to be the template's own rendering (and the end
+    token ``appended`` after it, where the template writes none after the last reply)."""
     chat = to_chat(rec, "row 1", {})
     enc = encode(chat, "messages", tok, 4096, False, "row 1")
     extra = {"tools": chat["tools"]} if chat.get("tools") else {}
     own = tok.apply_chat_template(chat["messages"], tokenize=True, return_dict=True, **extra)["input_ids"]
-    assert enc.input_ids == list(own)
+    assert enc.input_ids == list(own) + ([tok.convert_tokens_to_ids(appended)] if appended else [])
     spans, run = [], []
     for i, label in zip(enc.input_ids, enc.labels, strict=True):
         if label != IGNORE:
@@ -130,3 +136,94 @@ def test_data_train_reasoning_reaches_the_pipeline(tmp_path, train_reasoning):
     answer = "<|channel|>final<|message|>4<|return|>"
     assert trained == ("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant" + answer
                        if train_reasoning else answer)
+
+
+GLM = TEMPLATES["glm4.5"]
+GLM_REAL = Path(__file__).parent / "data" / "templates" / "zai-org-GLM-4.6.jinja"  # GLM-4.5's template, as 4.6 ships it
+
+
+def _glm(folder: Path, text: str = GLM.text, stops: tuple[str, ...] = GLM.stops):
+    """A GLM-4.5 tokenizer loaded from a model folder whose generation_config.json stops on ``stops`` besides EOS
+    (the released one lists <|endoftext|>, <|user|> and <|observation|>)."""
+    from transformers import AutoTokenizer
+
+    tok = build_tokenizer(replace(GLM, text=text))
+    tok.save_pretrained(folder)
+    ids = tok.convert_tokens_to_ids([GLM.eos, *stops])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}), encoding="utf-8")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("text", [GLM.text, GLM_REAL.read_text(encoding="utf-8")], ids=["shape", "real"])
+def test_glm45_multi_turn_replies_end_with_the_next_user_token(tmp_path, text):
+    """Each reply is trained up to and with the <|user|> that opens the next turn; after the last reply, where the
+    template writes nothing, <|user|> is appended and trained. A reply's reasoning before the last user turn is
+    dropped as the template drops it; after it, kept in its think block."""
+    tok = _glm(tmp_path, text)
+    rec = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
+                        {"role": "assistant", "reasoning_content": "old thought", "content": "one"},
+                        {"role": "user", "content": "second"},
+                        {"role": "assistant", "reasoning_content": "new thought", "content": " two "}]}
+    enc, spans = _encode(tok, rec, appended="<|user|>")
+    assert spans == ["\n<think></think>\none<|user|>", "\n<think>new thought</think>\ntwo<|user|>"]
+    assert "old thought" not in tok.decode(enc.input_ids)
+    assert enc.labels[-1] == tok.convert_tokens_to_ids("<|user|>")  # the appended end bears loss
+
+
+@pytest.mark.parametrize("text", [GLM.text, GLM_REAL.read_text(encoding="utf-8")], ids=["shape", "real"])
+def test_glm45_tool_call_ends_with_observation(tmp_path, text):
+    """A tool call is trained in GLM's XML syntax up to the <|observation|> that opens its results (a stop of the
+    model); consecutive results are prompt under one <|observation|>; the answer ends with the appended <|user|>.
+    A conversation ending on a call gets <|observation|> appended, where the model stops to wait for the result."""
+    tok = _glm(tmp_path, text)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "warm"},
+            {"role": "assistant", "content": "Sunny and warm."}]
+    enc, spans = _encode(tok, {"tools": TOOLS, "messages": msgs}, appended="<|user|>")
+    xml = ("\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+           "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+    assert spans == [xml + "<|observation|>", "\n<think></think>\nSunny and warm.<|user|>"]
+    text_all = tok.decode(enc.input_ids)
+    assert text_all.count("<|observation|>") == 1 and "# Tools" in text_all and '"name": "get_weather"' in text_all
+    _, spans = _encode(tok, {"tools": TOOLS, "messages": msgs[:2]}, appended="<|observation|>")
+    assert spans == [xml + "<|observation|>"]
+
+
+def test_glm45_chat_data_passes_the_data_checks(tmp_path):
+    """The checks that refused GLM-4.5's chat data pass: the end tokens are <|user|> and <|observation|>, both
+    trained, and the conversation as trained is the template's rendering plus the appended end."""
+    from rocktune.data.checks import check_training_data, end_of_turn_id, stop_token_ids
+    from rocktune.data.dataset import Examples
+
+    tok = _glm(tmp_path)
+    chat = to_chat({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "r", {})
+    enc = encode(chat, "messages", tok, 512, False, "r")
+    assert stop_token_ids(tok, "messages") == {tok.convert_tokens_to_ids(s): s for s in ("<|user|>", "<|observation|>")}
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|user|>")
+    assert check_training_data(Examples([enc.input_ids], [enc.labels]), tok, "messages", False, [("r", chat)]) == []
+
+
+def test_glm45_without_the_stops_is_refused_saying_why(tmp_path):
+    """A model whose generation config does not stop on the role tokens (GLM's template with only EOS as stop):
+    nothing after a reply is a token the model stops on, so chat data is refused before training, naming what the
+    template writes next, what the model stops on and the ways out."""
+    from rocktune.data.checks import check_training_data, enforce
+    from rocktune.data.dataset import Examples
+    from rocktune.errors import UserError
+
+    tok = _glm(tmp_path, stops=())
+    chat = to_chat({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "r", {})
+    enc = encode(chat, "messages", tok, 512, False, "r")
+    assert enc.input_ids == list(tok.apply_chat_template(chat["messages"], tokenize=True, return_dict=True)[
+        "input_ids"])  # nothing appended
+    problems = check_training_data(Examples([enc.input_ids], [enc.labels]), tok, "messages", False)
+    assert [p.code for p in problems] == ["stop-never-trained"]
+    with pytest.raises(UserError) as err:
+        enforce(problems, "chat.jsonl")
+    said = " ".join(str(err.value).split())
+    assert "end token <|endoftext|> never carries loss" in said
+    assert "writes no end-of-turn token after a reply, and the token it opens the next turn with (<|user|>) is " \
+           "not one the model stops on (the model stops on: <|endoftext|>" in said
+    assert "generation_config.json's eos_token_id" in said and "prompt/completion" in said

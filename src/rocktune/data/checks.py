@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rocktune.data import encode
+from rocktune.data import encode, turnend
 from rocktune.errors import UserError
 from rocktune.readers.template import render_chat_template
 
 TEMPLATE_PROBES = 16  # conversations compared with the tokenizer's own rendering: a template bug shows in any of them
-PROBE = "rocktune-probe-reply"
 UNBOUNDED = 1 << 40  # a max_length no conversation reaches: the template comparison sees it untruncated
 
 
@@ -77,24 +76,24 @@ def _masking(labels, input_ids, shape: str, train_on_prompt: bool) -> list[Probl
 
 
 def stop_token_ids(tokenizer, shape: str) -> dict[int, str]:
-    """The token that ends a reply, by id: the chat template's end-of-turn marker for chat data, else EOS."""
+    """The tokens that end a reply, by id: for chat data the chat template's end-of-turn marker, or, for a template
+    that writes none (GLM-4.5), the stop tokens it opens the next turn with; else EOS."""
     if shape == "messages":
-        eot = end_of_turn_id(tokenizer)
-        if eot is not None:
-            return {eot: tokenizer.convert_ids_to_tokens(eot)}
+        ends = turnend.reply_end(tokenizer).ids(tokenizer)
+        if ends:
+            return ends
     eos = tokenizer.eos_token_id
     return {} if eos is None else {eos: tokenizer.eos_token}
 
 
 def end_of_turn_id(tokenizer) -> int | None:
-    """The first special token the chat template writes after an assistant reply (e.g. <|im_end|>, <|eot_id|>)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    text = render_chat_template(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
-                                tokenize=False, add_generation_prompt=False)
-    after = text.split(PROBE, 1)[-1]
-    special = set(tokenizer.all_special_ids)
-    return next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
+    """The token that ends an assistant reply: the first special token the chat template writes after it (e.g.
+    <|im_end|>, <|eot_id|>), or where it writes none, the stop token a following user turn opens with (GLM-4.5's
+    <|user|>, trained as the reply's end); None when there is neither."""
+    ends = turnend.reply_end(tokenizer)
+    if ends.written is not None:
+        return ends.written
+    return tokenizer.convert_tokens_to_ids(ends.opens["user"]) if "user" in ends.opens else None
 
 
 def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]:
@@ -109,11 +108,28 @@ def _stop_token(labels: list[list[int]], tokenizer, shape: str) -> list[Problem]
         return [Problem("error", "stop-never-trained", f"the end token {names} never carries loss in any example, so "
                         "the model would not learn to stop generating (masked as padding, or left out by the "
                         "chat template); the end token of each completion must be trained (a rule for chat and "
-                        "instruction answers, where a model must learn to stop; text data is exempt).")]
+                        "instruction answers, where a model must learn to stop; text data is exempt)."
+                        + (_no_turn_end(tokenizer) if shape == "messages" else ""))]
     if learned < len(labels) / 2:
         return [Problem("warning", "stop-rarely-trained", f"the end token {names} carries loss in only {learned} of "
                         f"{len(labels)} examples (truncated by data.max_length?).")]
     return []
+
+
+def _no_turn_end(tokenizer) -> str:
+    """Why a chat template gives a reply no end token: it writes none after a reply, and what it writes next is not
+    a token the model stops on (with the ways out)."""
+    ends = turnend.reply_end(tokenizer)
+    if ends.written is not None or ends.opens:
+        return ""
+    opening = f", and the token it opens the next turn with ({ends.opening}) is not one the model stops on" \
+        if ends.opening else ""
+    stops = " / ".join(tokenizer.convert_ids_to_tokens(sorted(turnend.model_stop_ids(tokenizer)))) or "none"
+    return (f" The chat template writes no end-of-turn token after a reply{opening} (the model stops on: {stops}, "
+            "its EOS and generation_config.json's eos_token_id). Use a chat template that ends each reply with a "
+            "token the model stops on (data.chat_template), add the token that opens the next turn to "
+            "generation_config.json's eos_token_id if the model was trained to stop there, or train "
+            "prompt/completion data (EOS appended).")
 
 
 def _template(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
@@ -126,6 +142,9 @@ def _template(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
         extra = {"tools": rec["tools"]} if rec.get("tools") else {}
         own = render_chat_template(tokenizer, rec["messages"], tokenize=True, add_generation_prompt=False, **extra)
         own = list(own["input_ids"] if hasattr(own, "keys") else own)
+        # a template that writes no end of turn (GLM-4.5): the reply's end token is appended after the last reply
+        appended = turnend.reply_end(tokenizer).appended(rec["messages"])
+        own += tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else []
         if ours == own:
             continue
         if tokenizer.decode(ours) != tokenizer.decode(own):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rocktune.data import fidelity
+from rocktune.data import fidelity, turnend
 from rocktune.data.chat import REASONING_KEYS
 from rocktune.data.truncate import fit, tokenize_bounded, uncut_calls
 from rocktune.errors import UserError
@@ -68,10 +68,11 @@ def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt
 PROBE_REPLY = "rocktune-probe-reply"
 
 
-def _turn_end(full: str, start: str, render) -> str | None:
+def _turn_end(full: str, start: str, render, opening: str = "") -> str | None:
     """``full`` up to the end of the assistant turn that begins after ``start``: the first end-of-turn text after
     it, i.e. what the template writes after a reply both when the conversation ends there and when a user turn
-    follows (the common start of the two); None when it is not found."""
+    follows (the common start of the two); for a template that writes none (GLM-4.5), up to ``opening``, the token
+    the next turn opens with. None when it is not found."""
     if not full.startswith(start):
         return None
     reply = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE_REPLY}]
@@ -83,7 +84,10 @@ def _turn_end(full: str, start: str, render) -> str | None:
         return None
     a, b = last.split(PROBE_REPLY, 1)[1], more.split(PROBE_REPLY, 1)[1]
     eot = a[:next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
-    at = full.find(eot, len(start)) if eot.strip() else -1
+    if not eot.strip():
+        at = full.find(opening, len(start)) if opening else -1
+        return full[:at] if at >= 0 else None
+    at = full.find(eot, len(start))
     return full[:at + len(eot)] if at >= 0 else None
 
 
@@ -98,6 +102,24 @@ def reasoning_split(before: list[dict], msg: dict, start: str, reply: str, rende
     bare = render([*before, plain], False)
     answer = bare[len(start):] if bare.startswith(start) else ""
     return reply[:-len(answer)] if answer and answer != reply and reply.endswith(answer) else ""
+
+
+def _as_later(messages: list[dict]) -> list[dict]:
+    """``messages`` with the reasoning of every reply before the last user turn removed: how templates that keep
+    reasoning only after the last user query (Qwen3.5, GLM-4.5) render those replies once a later user turn exists,
+    while a prefix that ends before it still shows them. ``messages`` itself where no such reply has reasoning."""
+    last = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    if not any(m.get(REASONING_KEYS[0]) for m in messages[:last]):
+        return messages
+    return [{k: v for k, v in m.items() if k not in REASONING_KEYS} if j < last else m for j, m in enumerate(messages)]
+
+
+def _fitting(text: str, later: str, after: str, within: str) -> str:
+    """``text``, or the rendering ``later`` (reasoning dropped as after a later user turn) when only that one
+    continues ``after`` and starts ``within`` ("": no bound); ``text`` when neither fits (the caller refuses it)."""
+    def fits(t):
+        return t.startswith(after) and (not within or within.startswith(t))
+    return later if not fits(text) and fits(later) else text
 
 
 def call_segments(record: dict) -> set[int]:
@@ -155,24 +177,35 @@ def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None 
     segments: list[tuple[str, bool]] = []
     done = ""
     full = render(messages, False)
+    ends = turnend.reply_end(tokenizer)
+    later = _as_later(messages)
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
         start = render(messages[:i], True) if i else ""
+        if not start.startswith(done) and later is not messages:
+            start = _fitting(start, render(later[:i], True), done, "")
         end = render(messages[: i + 1], False)
+        if not (full.startswith(end) and end.startswith(start)) and later is not messages:
+            end = _fitting(end, render(later[: i + 1], False), start, full)
         if not (full.startswith(end) and end.startswith(start)):
-            # the turn renders differently as the last one (Qwen3's empty think block, a closing EOS): its end is
-            # the template's end-of-turn text after it in the whole conversation
-            end = _turn_end(full, start, render)
+            # the turn renders differently as the last one (Qwen3's empty think block, a closing EOS; GLM-4.5's
+            # reasoning before a later user turn): its end is the template's end-of-turn text after it in the whole
+            # conversation, or the opening of the turn after it
+            nxt = messages[i + 1]["role"] if i + 1 < len(messages) else ""
+            end = _turn_end(full, start, render, ends.opens.get(nxt, ""))
         if end is None or not (start.startswith(done) and end.startswith(start)):
             raise UserError(
                 f"{loc}: the chat template does not render conversations prefix-consistently, so assistant "
                 "turns cannot be located; set data.train_on_prompt=true to train on the whole conversation."
             )
+        # a template that writes no end of turn (GLM-4.5): the stop token opening the next turn ends the reply, and
+        # after the last message, where the template writes nothing, it is appended
+        stop = ends.after(full[len(end):]) if i + 1 < len(messages) else ends.appended(messages)
         reply = end[len(start):]
         thought = "" if train_reasoning else reasoning_split(messages[:i], msg, start, reply, render)
-        segments += [(start[len(done):] + thought, False), (reply[len(thought):], i not in untrained)]
-        done = end
+        segments += [(start[len(done):] + thought, False), (reply[len(thought):] + stop, i not in untrained)]
+        done = end + stop
     if full.startswith(done) and len(full) > len(done):
         segments.append((full[len(done):], False))
     return segments

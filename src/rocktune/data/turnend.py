@@ -1,0 +1,155 @@
+"""Where a chat template ends an assistant reply, learned once per tokenizer from probe conversations.
+
+Most templates write an end-of-turn token after every reply (ChatML's <|im_end|>, Llama 3's <|eot_id|>): it is the
+reply's last trained token. GLM-4.5's writes nothing there: the model ends a reply by writing the next turn's role
+token, <|user|> (or <|observation|> after a tool call), and its generation config stops on both. For such a template
+the token it writes right after a reply is trained as the reply's end when the model stops on it, and after the
+conversation's last reply, where the template writes nothing, it is appended: every reply then teaches the model to
+stop where transformers, ``rocktune generate``, llama.cpp and Ollama stop. A template that writes nothing the model
+stops on gives a reply no end, and the data check refuses its chat data (``checks.py``: stop-never-trained).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rocktune.errors import UserError
+from rocktune.readers.json_file import read_json
+from rocktune.readers.template import render_chat_template
+
+PROBE = "rocktune-probe-reply"
+NEXT = "rocktune-probe-next"
+PROBE_CALL = {"type": "function", "function": {"name": "rocktune_probe", "arguments": {"x": 1}}}
+_CACHE = "_rocktune_reply_end"  # the tokenizer's attribute holding what was learned, per chat template text
+
+
+@dataclass(frozen=True)
+class ReplyEnd:
+    written: int | None = None  # the special token the template writes after every reply (<|im_end|>)
+    # templates that write none: the role of the turn after a reply -> the stop token that opens it, written right
+    # after the reply (GLM-4.5: user -> <|user|>, tool -> <|observation|>); openings the model does not stop on left out
+    opens: dict[str, str] = field(default_factory=dict)
+    opening: str = ""  # the first special token a following user turn opens with, stop or not (for the refusal)
+
+    def after(self, rest: str) -> str:
+        """The stop token the rendering continues with right after a reply (``rest``), which ends that reply."""
+        return next((s for s in self.opens.values() if rest.startswith(s)), "")
+
+    def appended(self, messages: list[dict]) -> str:
+        """What is appended after the conversation when it ends on a reply: the stop token the template would write
+        next (a tool result's opening after a tool call, else a user turn's)."""
+        if not messages or messages[-1]["role"] != "assistant":
+            return ""
+        role = "tool" if messages[-1].get("tool_calls") and "tool" in self.opens else "user"
+        return self.opens.get(role, "")
+
+    def ids(self, tokenizer) -> dict[int, str]:
+        """The tokens that end a reply, by id (empty: the template writes none the model stops on)."""
+        if self.written is not None:
+            return {self.written: tokenizer.convert_ids_to_tokens(self.written)}
+        return {tokenizer.convert_tokens_to_ids(s): s for s in dict.fromkeys(self.opens.values())}
+
+
+def reply_end(tokenizer) -> ReplyEnd:
+    """How the tokenizer's chat template ends a reply (learned on first use, kept on the tokenizer per template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not template:
+        return ReplyEnd()
+    learned = vars(tokenizer).setdefault(_CACHE, {})
+    if template not in learned:
+        learned[template] = _probe(tokenizer)
+    return learned[template]
+
+
+def _probe(tokenizer) -> ReplyEnd:
+    user, reply = {"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE}
+    alone = _render(tokenizer, [user, reply])
+    if alone is None or PROBE not in alone:
+        return ReplyEnd()
+    special = special_ids(tokenizer)
+    written = next((i for i in _ids(tokenizer, alone.split(PROBE, 1)[1]) if i in special), None)
+    if written is not None:
+        return ReplyEnd(written)
+    call = {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}
+    follow = {"user": ([user, reply], {"role": "user", "content": NEXT}),
+              "tool": ([user, call], {"role": "tool", "content": NEXT})}
+    stops = model_stop_ids(tokenizer)
+    opens, first = {}, ""
+    for role, (before, nxt) in follow.items():
+        token = _opening(tokenizer, before, nxt, special)
+        if role == "user":
+            first = token
+        if token and tokenizer.convert_tokens_to_ids(token) in stops:
+            opens[role] = token
+    return ReplyEnd(None, opens, first)
+
+
+def _opening(tokenizer, before: list[dict], nxt: dict, special: set[int]) -> str:
+    """The special token the template writes first after ``before`` when ``nxt`` follows, right at the reply's end
+    ("" when it writes something else first, or renders the two inconsistently)."""
+    head, whole = _render(tokenizer, before), _render(tokenizer, [*before, nxt])
+    if head is None or whole is None or not whole.startswith(head) or NEXT not in whole:
+        return ""
+    between = whole[len(head):].split(NEXT, 1)[0]
+    ids = _ids(tokenizer, between)
+    if not ids or ids[0] not in special:
+        return ""
+    token = tokenizer.convert_ids_to_tokens(ids[0])
+    return token if between.startswith(token) else ""
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The special tokens: the named ones and every added token marked special (transformers 5's
+    ``all_special_ids`` leaves out added role tokens such as GLM-4.5's <|user|>)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def _render(tokenizer, messages: list[dict]) -> str | None:
+    try:
+        return render_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=False)
+    except UserError:
+        return None
+    except Exception:  # noqa: BLE001 - a template that cannot take a probe shape (a VLM's parts): nothing learned
+        return None
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def model_stop_ids(tokenizer) -> set[int]:
+    """The tokens generation stops on: the tokenizer's EOS and the ``eos_token_id`` of the model's
+    generation_config.json and config.json (GLM-4.5 lists <|user|> and <|observation|> there), from the model the
+    tokenizer was loaded from (a local directory, or a hub id's files)."""
+    ids = {tokenizer.eos_token_id} - {None}
+    for name in ("generation_config.json", "config.json"):
+        found = _model_file(getattr(tokenizer, "name_or_path", "") or "", name).get("eos_token_id")
+        ids.update([found] if isinstance(found, int) else found if isinstance(found, list) else [])
+    return {i for i in ids if isinstance(i, int)}
+
+
+def _model_file(name_or_path: str, name: str) -> dict:
+    """A JSON file of the model, {} where there is none (a tokenizer built in memory, a hub model not at hand)."""
+    if not name_or_path:
+        return {}
+    local = Path(name_or_path).expanduser()
+    path = local / name if local.is_dir() else _hub_file(name_or_path, name)
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return read_json(path, "")
+    except UserError:  # a damaged file: loading the model names it; here it just lists no stops
+        return {}
+
+
+def _hub_file(repo_id: str, name: str) -> Path | None:
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(repo_id, name, _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False)
+    except Exception:  # noqa: BLE001 - an id the hub does not know, no network: no stop tokens from it
+        return None
+    return Path(found) if found else None
