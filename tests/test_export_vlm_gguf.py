@@ -1,9 +1,10 @@
 """export --to gguf of a task=vlm run: the language model (llama.cpp's qwen2vl, qwen3vl, gemma3 or llama) and the
 vision projector (llama.cpp's mmproj: clip arch, v.*/mm.* tensors) are read back with gguf-py's own reader and
 compared with the merged weights in llama.cpp's layout, tensor by tensor, and with the metadata keys llama.cpp's
-loaders read. Tiny random-init Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Gemma 3, SmolVLM and Idefics3 built offline, with
-random non-zero LoRA weights on the language model and on vision modules (opt-in LoRA on the tower and projector),
-so the mmproj must carry merged weights too."""
+loaders read. Tiny random-init Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen3.5, Gemma 3, SmolVLM and Idefics3 built offline,
+with random non-zero LoRA weights on the language model and on vision modules (opt-in LoRA on the tower and
+projector), so the mmproj must carry merged weights too. Qwen3.5's two files are also compared with llama.cpp's own
+converter's."""
 
 from __future__ import annotations
 
@@ -188,6 +189,76 @@ def test_qwen3_vl_gguf_and_mmproj_hold_the_merged_weights(runs):
     assert meta["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(eps)
 
 
+def test_qwen3_5_gguf_and_mmproj_hold_the_merged_weights(runs):
+    """Qwen3.5: llama.cpp's qwen35 language model (its recurrent layers, interleaved rope sections) and a qwen3vl_merger
+    mmproj of Qwen3-VL's tower without deepstack (fused qkv, learned position embeddings kept f32, every deepstack
+    flag false)."""
+    run, _, merged = runs("qwen3_5")
+    assert main(["export", str(run), "--to", "gguf"]) == 0
+    state = merged.state_dict()
+    meta, tensors = _read(run / "export" / "model-f16.gguf")
+    assert meta["general.architecture"] == "qwen35" and meta["qwen35.attention.recurrent_layers"] == [True, False]
+    assert meta["qwen35.rope.dimension_sections"] == [2, 1, 1, 0] and meta["qwen35.block_count"] == 2
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in meta["tokenizer.chat_template"]
+    assert _close(tensors["blk.1.attn_k.weight"][1], state["model.language_model.layers.1.self_attn.k_proj.weight"]
+                  .numpy(), "F16")
+    meta, tensors = _read(run / "export" / "mmproj-f16.gguf")
+    want = _expected_mmproj(state, deepstack=[])
+    assert set(tensors) == set(want) and not any(k.startswith("v.deepstack") for k in tensors)
+    for name, (kind, data) in tensors.items():
+        expected_kind = "F32" if data.ndim == 1 or name.startswith("v.position_embd") else "F16"
+        assert kind == expected_kind and _close(data, want[name], kind), name
+    assert meta["clip.projector_type"] == "qwen3vl_merger" and meta["clip.use_gelu"] is True
+    assert meta["clip.vision.image_size"] == 128 and meta["clip.vision.spatial_merge_size"] == 2
+    assert meta["clip.vision.is_deepstack_layers"] == [False]
+    assert meta["clip.vision.attention.layer_norm_epsilon"] == pytest.approx(merged.config.text_config.rms_norm_eps)
+
+
+# keys only rocktune's mmproj writes: the image-token limits training used, as llama.cpp's pixel keys
+MMPROJ_EXTRA = {"clip.vision.image_min_pixels", "clip.vision.image_max_pixels"}
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("quant", ["f32", "f16"])
+def test_qwen3_5_files_equal_llama_cpp_s_converter(runs, quant):
+    """llama.cpp's convert_hf_to_gguf.py on the merged directory (its Qwen3_5TextModel for the language model, its
+    Qwen3VLVisionModel with --mmproj for the eyes): every tensor and key equal to ours; our mmproj adds the pixel
+    limits only."""
+    import subprocess
+    import sys
+
+    from tests import llama_cpp_converter
+    from tests.test_gguf_converter import assert_same_gguf, read
+
+    src = llama_cpp_converter.converter_source()
+    if src is None:
+        pytest.skip("no llama.cpp source tree (set ROCKTUNE_LLAMA_CPP_SRC; tests/llama_cpp_converter.py says how)")
+    run, _, _ = runs("qwen3_5")
+    merged, out = run / "export" / "merged", run / "export"
+    if not merged.is_dir():
+        assert main(["export", str(run), "--to", "merged", "--dtype", "fp32"]) == 0
+    assert main(["export", str(run), "--to", "gguf", "--quant", quant, "--overwrite"]) == 0
+    ours = out / f"model-{quant}.gguf"
+    theirs = run.parent / f"converter-{quant}.gguf"
+    done = llama_cpp_converter.convert(src, merged, theirs, quant, read(ours)[0]["tokenizer.ggml.pre"], "qwen3_5_text")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert assert_same_gguf(ours, theirs, "qwen35") == 27  # the keys test_gguf_converter.py allows, no others
+    theirs = run.parent / f"converter-mmproj-{quant}.gguf"
+    argv = [sys.executable, llama_cpp_converter.__file__, str(src), "-", str(merged), "--outtype", quant, "--outfile",
+            str(theirs), "--mmproj"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kv, tensors = read(out / f"mmproj-{quant}.gguf")
+    want_kv, want_tensors = read(theirs)
+    assert set(kv) - set(want_kv) == MMPROJ_EXTRA and not set(want_kv) - set(kv)
+    assert {k: kv[k] for k in want_kv} == want_kv
+    assert set(tensors) == set(want_tensors) and len(tensors) == 22
+    for name, t in want_tensors.items():
+        got = tensors[name]
+        assert (got.tensor_type, list(got.shape), got.data.tobytes()) == \
+            (t.tensor_type, list(t.shape), t.data.tobytes()), name
+
+
 def test_out_names_both_files_and_nothing_is_left_when_refused(runs, tmp_path):
     run, _, _ = runs("qwen2_5_vl")
     out = tmp_path / "eyes.gguf"
@@ -200,7 +271,8 @@ def test_out_names_both_files_and_nothing_is_left_when_refused(runs, tmp_path):
 
 def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
     """Qwen3-VL shapes llama.cpp computes otherwise (rotary pairs it leaves unrotated, deepstack into the last layer),
-    a family llama.cpp's mmproj does not know, and Qwen2.5-VL towers whose windows llama.cpp would draw otherwise:
+    Qwen3.5's rotary pairs it places by another position, a family llama.cpp's mmproj does not know, and Qwen2.5-VL
+    towers whose windows llama.cpp would draw otherwise:
     refused with the reason, before any weight is loaded."""
     from transformers import AutoConfig
 
@@ -228,6 +300,14 @@ def test_what_llama_cpp_would_compute_differently_is_refused(runs, tmp_path):
     assert gguf_vision.check(cfg).projector == "QWEN25VL"
     cfg.model_type = "paligemma"
     with pytest.raises(UserError, match="cannot see"):
+        gguf_vision.check(cfg)
+    _, qwen35, _ = runs("qwen3_5")
+    cfg = AutoConfig.from_pretrained(qwen35)
+    assert gguf_vision.check(cfg).projector == "QWEN3VL"  # sections [2, 1, 1] over 4 pairs: time, height, width, time
+    # pair 3 goes by time in transformers, by llama.cpp's fourth position (time's section covers pair 0 only): on an
+    # image, llama.cpp's logits then differ by 0.019 instead of 0.0013 (measured with the tiny 4-layer Qwen3.5)
+    cfg.text_config.rope_parameters["mrope_section"] = [1, 1, 2]
+    with pytest.raises(UserError, match=r"sections \[1, 1, 2\] over its 4 rotated pairs place pairs \[3\] by another"):
         gguf_vision.check(cfg)
     _, gemma, _ = runs("gemma3")
     cfg = AutoConfig.from_pretrained(gemma)
@@ -381,7 +461,7 @@ def _with_data(run: Path, **data) -> None:
         where.write_text(yaml.safe_dump(cfg))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5"])
 def test_the_image_token_limits_go_in_the_mmproj_and_the_printed_command(runs, family, capsys):
     """llama.cpp's mtmd resizes Qwen images between limits of its own (8 to 4096 tokens) and reads none from the
     mmproj for these projectors: the printed command carries the processor's (4 to 16 tokens of the tiny models),
@@ -391,7 +471,7 @@ def test_the_image_token_limits_go_in_the_mmproj_and_the_printed_command(runs, f
     assert main(["export", str(run), "--to", "gguf", "--quant", "f32", "--overwrite"]) == 0
     argv = _then(capsys.readouterr().out)
     out = run / "export"
-    side = 32 if family == "qwen3_vl" else 28
+    side = 32 if family in ("qwen3_vl", "qwen3_5") else 28
     assert argv[:5] == ["llama-mtmd-cli", "-m", str(out / "model-f32.gguf"), "--mmproj", str(out / "mmproj-f32.gguf")]
     assert (_flag(argv, "--image-min-tokens"), _flag(argv, "--image-max-tokens"), _flag(argv, "--lora")) == \
         ("4", "16", None)

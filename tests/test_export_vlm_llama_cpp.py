@@ -177,6 +177,9 @@ CASES = {"qwen2_5_vl": ({}, (112, 112)),
          "qwen2_vl": ({}, (112, 112)),
          "qwen3_vl": ({"layers": 3, "vision_depth": 3, "vision": {"deepstack_visual_indexes": [0, 2]},
                        "rope": {"mrope_section": [3, 3, 2]}}, (128, 128)),
+         # Qwen3.5: Qwen3-VL's tower without deepstack before four layers, Gated DeltaNet and full attention in turn
+         # (with two, two noise images' logits differ by 0.38 only: too little to tell the image from the text)
+         "qwen3_5": ({"layers": 4}, (128, 128)),
          # Gemma 3: 4 x 4 patches pooled into 4 soft tokens; SmolVLM / Idefics3: 2 x 2 tiles of 32 pixels and the
          # global view, 4 tokens each
          "gemma3": ({}, (32, 32)), "smolvlm": ({}, (64, 64)), "idefics3": ({}, (64, 64))}
@@ -227,7 +230,8 @@ def test_llama_cpp_sees_the_image_as_transformers_does(tmp_path, case, capsys):
 # image kept, and one shrunk to the maximum with its aspect ratio.
 SIZES = {"qwen2_5_vl": {(28, 28): 4, (56, 56): 4, (224, 224): 64, (448, 448): 64},
          "qwen2_vl": {(28, 28): 4, (56, 56): 4, (224, 224): 64, (448, 448): 64},
-         "qwen3_vl": {(32, 32): 4, (56, 56): 4, (256, 256): 64, (512, 512): 64}}
+         "qwen3_vl": {(32, 32): 4, (56, 56): 4, (256, 256): 64, (512, 512): 64},
+         "qwen3_5": {(32, 32): 4, (56, 56): 4, (256, 256): 64, (512, 512): 64}}
 # Shrunk to 9 x 6 tokens, an aspect ratio the image does not have: transformers stretches it, mtmd (PAD_CEIL for
 # Qwen's projectors) scales it to fit and pads the rest black, so only the count can agree (docs/export.md)
 STRETCHED = ((448, 336), 54)
@@ -297,7 +301,7 @@ def _image_tokens(config, size: tuple[int, int]) -> int:
         return config.mm_tokens_per_image
     if config.model_type in TILES:
         return (size[0] // 32 * size[1] // 32 + 1) * 4
-    side = 32 if config.model_type == "qwen3_vl" else 28
+    side = 32 if config.model_type in ("qwen3_vl", "qwen3_5") else 28
     return size[0] * size[1] // side**2
 
 
@@ -327,7 +331,7 @@ def test_llama_cpp_base_with_the_gguf_lora_and_the_base_mmproj_sees_as_the_merge
 F16_TOL = 0.05
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5"])
 def test_the_printed_gguf_lora_command_answers_as_the_trained_model(tmp_path, family, capsys):
     """The user's report: `export --to gguf-lora --with-base` printed llama-mtmd-cli -m base-f16.gguf --mmproj ...
     without --lora, which runs the untrained base. The printed command, parsed and run in llama.cpp, must give the

@@ -2,7 +2,8 @@
 56): ``task`` left unset means task=vlm, said in one line; a text task given explicitly is refused naming task: vlm
 (never transformers' "Unrecognized configuration class"); and the smaller points: generate without --image says so,
 a missing --image names the working directory, plan prints a tiny model's parameters in a readable unit, cut
-conversations are said in the run log, and the adapter card names every family and what AutoProcessor needs."""
+conversations are said in the run log, and the adapter card names every family and what AutoProcessor needs. Qwen3.5,
+which the text tasks train too, stays a text model unless task=vlm is asked."""
 
 from __future__ import annotations
 
@@ -104,6 +105,34 @@ def test_the_model_loader_refuses_a_vl_checkpoint_for_a_text_task(vlm_dir):
 
     with pytest.raises(UserError, match=r"Qwen2\.5-VL vision-language model .* Set task: vlm"):
         load_model(str(vlm_dir), "fp32", "sdpa", False, "cpu")
+
+
+def test_qwen3_5_stays_a_text_model_unless_task_vlm_is_asked(vlm_dirs, colours, tmp_path, capsys):
+    """Qwen3.5 is released as one model with its eyes, which the text tasks train as its causal LM
+    (tests/test_family_checkpoints.py): a config without task stays task=lm (no note), an explicit task=lm is not
+    refused, the text loader and the text plan take it, and generate without --image answers as text; task=vlm
+    (tests/test_vlm_families.py), plan --task vlm and generate --image see its images."""
+    from rocktune.cli import vision_task
+    from rocktune.config import config_from_dict
+    from rocktune.models.load import load_model
+
+    model = vlm_dirs("qwen3_5")
+    for task in ({}, {"task": "lm"}, {"task": "dpo"}):
+        cfg = config_from_dict({"model": {"name_or_path": str(model)}, "data": {"train_file": "t.jsonl"}, **task})
+        assert vision_task(cfg).task == task.get("task", "lm")
+    assert type(load_model(str(model), "fp32", "sdpa", False, "cpu")).__name__ == "Qwen3_5ForCausalLM"
+    capsys.readouterr()
+    assert main(["plan", str(model), "--json"]) == 0
+    assert "vision_forward" not in json.loads(capsys.readouterr().out)["terms"]
+    assert main(["plan", str(model), "--task", "vlm", "--image-size", "64x64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["terms"]["vision_forward"] > 0
+    assert main(["generate", str(model), "--prompt", "Colour?", "--max-new-tokens", "2"]) == 0
+    assert "vision-language" not in capsys.readouterr().err
+    image = colours[1].parent / "images" / "eval_0.png"
+    assert main(["generate", str(model), "--image", str(image), "--prompt", "Colour?", "--max-new-tokens", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{model} is a Qwen3.5 vision-language model (config.json: model_type qwen3_5), so it answers as task: " \
+           "vlm does" in err
 
 
 def test_data_preview_without_task_previews_images(vlm_dir, colours, capsys):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 def load_vision(base: str, run_dir: Path, data: dict | None = None) -> str:
     # The table of families task=vlm trains (each exports to llama.cpp), named as the card's reader knows them.
-    from rocktune.tasks.vlm.vision.families import vision_checkpoint
+    from rocktune.tasks.vlm.vision.families import vision_family
     from rocktune.tasks.vlm.vision.table import names
 
-    found = vision_checkpoint(base)
+    found = vision_family(base)
     return (f"## Use it\n\n```bash\nrocktune generate {run_dir} --image PHOTO.png --prompt \"...\" --compare\n```\n\n"
             f"In Python (PEFT):\n\n```python\nfrom PIL import Image\nfrom peft import PeftModel\n"
             f"from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"

@@ -35,7 +35,8 @@ from rocktune.models.load import DTYPES
 from rocktune.tasks.causal import autofit, preflight
 from rocktune.tasks.vlm import autofit as vlm_autofit
 from rocktune.tasks.vlm import build, launch
-from rocktune.tasks.vlm.vision.model import check_data_settings, model_type, vision_tokens, with_processor_template
+from rocktune.tasks.vlm.vision.model import (check_data_settings, model_type, recurrent_notes, vision_tokens,
+                                             with_processor_template)
 from rocktune.tasks.causal.feed import Feeding
 from rocktune.tasks.vlm.feed import TokenVisionFeed, VisionFeed
 from rocktune.tasks.causal.samples import SampleSettings
@@ -92,8 +93,9 @@ class VLMTask(TaskBase):
                                                                                ".arrow"):
                     raise UserError(f"{key}={file}: task=vlm reads JSON/JSONL, parquet and Arrow files, save_to_disk "
                                     "folders and hub ids (docs/vision.md).")
-        check_data_settings(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels,
-                            launch.packing_setting(ctx.cfg))
+        packing = launch.packing_setting(ctx.cfg)
+        check_data_settings(model_type(ctx.cfg.model.name_or_path), d.min_pixels, d.max_pixels, packing)
+        ctx.notes += recurrent_notes(ctx.cfg.model.name_or_path, packing)
         if ctx.options.auto_fit:
             self._fit(ctx)
 

@@ -10,7 +10,7 @@ real run does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,23 @@ def _token_ids(tokenizer) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class QwenTiny:
-    """A Qwen-style family's tiny model: the vision config's family keys, the mrope keys, the patch size. The config
-    class is transformers' for the family's model_type, the model class its tasks/vlm/vision/table.py entry's."""
+    """A Qwen-style family's tiny model: the vision config's family keys, the mrope keys, the patch size, and the
+    language model's own keys (Qwen3.5's Gated DeltaNet layers). The config class is transformers' for the family's
+    model_type, the model class its tasks/vlm/vision/table.py entry's."""
     vision: dict
     rope: dict
     patch: int
+    text: dict = field(default_factory=dict)
+    layer_kinds: tuple[str, ...] = ()  # the language model's layer_types, repeated to its depth (empty: all attention)
+
+
+# Qwen3.5's language model: one Gated DeltaNet layer, then one full-attention layer (gated, q/k norms), rotating half
+# of each 16-wide head (4 pairs) in interleaved sections that cover every pair as llama.cpp's imrope does (time gets
+# pairs 0 and 3, height 1, width 2); the released [11, 11, 10] cover 32 pairs the same way
+QWEN35_TEXT = {"linear_conv_kernel_dim": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4}
+QWEN35_ROPE = {"mrope_interleaved": True, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
 
 
 # the Qwen-style families' tiny models, keyed by model_type as tasks/vlm/vision/table.py's entries (the others' are
@@ -63,6 +75,8 @@ FAMILIES: dict[str, QwenTiny] = {
     "qwen3_vl": QwenTiny({"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, {"mrope_interleaved": True},
                          16),
     "qwen2_vl": QwenTiny({"embed_dim": 32, "mlp_ratio": 2}, {}, 14),
+    "qwen3_5": QwenTiny({"num_position_embeddings": 64}, QWEN35_ROPE, 16, QWEN35_TEXT,
+                        ("linear_attention", "full_attention")),
 }
 
 
@@ -79,7 +93,9 @@ def tiny_vl_config(tokenizer, family: str = "qwen2_5_vl", hidden: int = 128, lay
         "head_dim": head_dim, "max_position_embeddings": 4096, "initializer_range": 0.1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                             **rope_keys, **(rope or {})},
-        "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True}
+        "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": True, **tiny.text}
+    if tiny.layer_kinds:
+        text["layer_types"] = [tiny.layer_kinds[i % len(tiny.layer_kinds)] for i in range(layers)]
     if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4.x (torch 2.4/2.5 stacks) reads rope_scaling
         text["rope_scaling"] = {"type": "mrope", **text["rope_parameters"]}
         text["rope_theta"] = text["rope_parameters"]["rope_theta"]

@@ -66,6 +66,8 @@ def check(cfg) -> VisionFamily:
         wa_pattern(vision)
     if family.pooling:
         gemma3_pooling(cfg)
+    if family.imrope:
+        imrope_pairs(cfg.text_config)
     deep = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     if deep and deep >= cfg.text_config.num_hidden_layers:  # llama.cpp adds them after its last layer has been cut
         raise UserError(f"GGUF export: this {kind} model feeds {deep} deepstack layers into a language model of "
@@ -73,6 +75,31 @@ def check(cfg) -> VisionFamily:
                         "Use --to merged.")
     archs.arch_for(text_config(cfg))
     return family
+
+
+def imrope_pairs(text) -> None:
+    """Qwen3.5's language model rotates ``head_dim x partial_rotary_factor / 2`` pairs, pair i by height when
+    i % 3 == 1 and i < 3 x the height section, by width likewise (i % 3 == 2), else by time. llama.cpp's imrope counts
+    the pair modulo the sections' sum and gives time only those with i % 3 == 0 within 3 x the time section, the rest
+    a fourth position. Text alone cannot tell (its three positions are one), an image's tokens can: a pair placed
+    otherwise is refused. The released sections [11, 11, 10] over 32 pairs place every pair alike."""
+    rope = getattr(text, "rope_parameters", None) or {}
+    sections = [int(x) for x in rope.get("mrope_section") or [11, 11, 10]] + [0, 0, 0]
+    pairs = int(int(text.head_dim) * float(rope.get("partial_rotary_factor", 1.0))) // 2
+    total = sum(sections[:4]) or 1
+
+    def ours(i: int) -> str:
+        return {1: "h", 2: "w"}[i % 3] if i % 3 and i < 3 * sections[i % 3] else "t"
+
+    def theirs(i: int) -> str:
+        s = i % total
+        return "thw"[s % 3] if s < 3 * sections[s % 3] else "e"
+
+    moved = [i for i in range(pairs) if ours(i) != theirs(i)]
+    if moved:
+        raise UserError(f"GGUF export: this Qwen3.5 model's interleaved rotary sections {sections[:3]} over its "
+                        f"{pairs} rotated pairs place pairs {moved} by another position in llama.cpp than in "
+                        "transformers, which changes what it computes for image tokens. Use --to merged.")
 
 
 def wa_pattern(vision) -> int:
@@ -284,13 +311,14 @@ def _image_size(vision) -> int:
 
 
 def _qwen3_keys(writer, cfg) -> None:
-    """Qwen3-VL's: GELU MLP, the 2 x 2 merge, the norm epsilon llama.cpp's converter takes from the language model,
-    and which blocks feed a deepstack merger."""
+    """Qwen3-VL's (and Qwen3.5's, the same tower): GELU MLP, the 2 x 2 merge, the norm epsilon llama.cpp's converter
+    takes from the language model, and which blocks feed a deepstack merger (none of Qwen3.5's: every flag false, as
+    the converter writes them)."""
     vision = cfg.vision_config
     writer.add_vision_use_gelu(True)
     writer.add_vision_spatial_merge_size(int(vision.spatial_merge_size))
     writer.add_vision_attention_layernorm_eps(float(getattr(cfg.text_config, "rms_norm_eps", VISION_EPS)))
-    deep = set(vision.deepstack_visual_indexes or [])
+    deep = set(getattr(vision, "deepstack_visual_indexes", None) or [])  # Qwen3.5's config has no such key
     writer.add_vision_is_deepstack_layers([i in deep for i in range(int(vision.depth))])
 
 

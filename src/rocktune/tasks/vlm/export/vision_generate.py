@@ -20,7 +20,7 @@ from rocktune.models.load import stop_ids
 from rocktune.platform.environment import resolve_device
 from rocktune.readers.yaml_file import read_yaml
 from rocktune import task_registry
-from rocktune.tasks.vlm.vision.families import vision_checkpoint
+from rocktune.tasks.vlm.vision.families import vision_checkpoint, vision_family
 from rocktune.tasks.vlm.vision.model import model_inputs
 
 
@@ -96,7 +96,7 @@ def run_generate_vision(origin: Origin, prompt: str | None, images: list[str], s
     if compare and src.adapter is None:
         raise UserError("--compare switches the adapter off for a second answer; this is a model directory "
                         "without an adapter.")
-    found = None if src.run_config else vision_checkpoint(src.base)
+    found = None if src.run_config else vision_family(src.base)
     if found is not None:  # no run config names the task: the model's config.json did (as train and preview say)
         sys.stderr.write(f"note: {src.base} is a {found[1].name} vision-language model (config.json: model_type "
                          f"{found[0]}), so it answers as task: vlm does, about the --image files.\n")

@@ -41,9 +41,10 @@ def facts(family: str) -> PlanFacts:
 
 
 def is_qwen(kind: str) -> bool:
-    """Whether ``kind`` (a model_type, or its language model's ``<model_type>_text``) is a Qwen-VL family's."""
+    """Whether ``kind`` (a model_type, or its language model's ``<model_type>_text``) is a Qwen-VL family's that only
+    task=vlm plans (Qwen3.5's language model is a text model too: its text plan stays)."""
     entry = FAMILIES.get(kind.removesuffix("_text"))
-    return entry is not None and entry.plan.tower == "qwen"
+    return entry is not None and entry.plan.tower == "qwen" and not entry.text_task
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,10 @@ def _siglip_shape(config: dict, v: dict, name: str) -> VisionShape:
 
 
 def is_vlm_config(model: str) -> bool:
-    """Whether ``model`` (a directory or config.json) is a vision-language model the vlm task plans."""
-    return vlm_model_type(model) is not None
+    """Whether ``model`` (a directory or config.json) is a vision-language model only the vlm task plans (a family
+    the text tasks train too, Qwen3.5, is planned as text unless --task vlm asks)."""
+    kind = vlm_model_type(model)
+    return kind is not None and not FAMILIES[kind].text_task
 
 
 def vlm_model_type(model: str) -> str | None:

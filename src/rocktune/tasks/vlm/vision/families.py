@@ -202,14 +202,23 @@ class _Families(Mapping[str, Family]):
 FAMILIES: Mapping[str, Family] = _Families()
 
 
-def vision_checkpoint(name_or_path: str) -> tuple[str, Family] | None:
+def vision_family(name_or_path: str) -> tuple[str, Family] | None:
     """(model_type, family) when ``name_or_path`` is a vision-language checkpoint of this table, read from its
-    config.json (a local directory, or a hub id's cached copy) by the planner's own test (``plan`` refuses a text
-    plan of one); None for any other model."""
+    config.json (a local directory, or a hub id's cached copy) by the planner's own test; None for any other
+    model."""
     from rocktune.tasks.vlm.planner.vlm import vlm_model_type
 
     kind = vlm_model_type(name_or_path)
     return (kind, FAMILIES[kind]) if kind is not None and kind in FAMILIES else None
+
+
+def vision_checkpoint(name_or_path: str) -> tuple[str, Family] | None:
+    """:func:`vision_family` of a checkpoint only task=vlm trains: what ``train`` and ``data preview`` take as
+    task=vlm when the config sets no task, what a text task refuses, what ``generate`` answers about images without
+    ``--image``. None for any other model, and for a family the text tasks train too (Qwen3.5: they load its
+    language model; task=vlm is then asked for, and ``generate --image`` answers about images)."""
+    found = vision_family(name_or_path)
+    return found if found is not None and not found[1].text_task else None
 
 
 def text_task_refusal(task: str, where: str, name_or_path: str, kind: str) -> UserError:

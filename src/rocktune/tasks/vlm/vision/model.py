@@ -75,6 +75,24 @@ def check_data_settings(kind: str, min_pixels: int | None, max_pixels: int | Non
                         "size.longest_edge, in tiles of max_image_size). Remove them from the config.")
 
 
+def recurrent_notes(name_or_path: str, packing: str) -> list[str]:
+    """A language model with recurrent layers (Qwen3.5's Gated DeltaNet): ``packing`` (the setting that packs
+    conversations into rows, "" for none) refused, since the layers' state and short convolution would run on from
+    one packed conversation into the next (their masks and rocktune's per-conversation positions reach the attention
+    layers only); padded rows are exact, their padding being on the right. Returns the run log's note when the layers
+    run on transformers' torch reference kernels."""
+    from rocktune.models.recurrent import describe, kernel_note, recurrent_layers
+
+    layers = recurrent_layers(name_or_path, False)
+    if layers and packing:
+        undo = "set data.packing: false" if packing == "data.packing" else "set training.batching: examples"
+        raise UserError(f"{packing} with task=vlm packs conversations into rows, but {name_or_path} has recurrent "
+                        f"layers ({describe(layers)}) whose state and short convolution would run on from one packed "
+                        "conversation into the next (rocktune does not keep packed conversations apart in them yet); "
+                        f"{undo} (padded micro-batches train it correctly).")
+    return [n for n in (kernel_note(layers),) if n]
+
+
 def vision_tokens(name_or_path: str, config, tokenizer, min_pixels: int | None,
                   max_pixels: int | None) -> VisionTokens:
     """The image processor of ``name_or_path`` (pixel limits applied) and its family's vision tokens, named in

@@ -18,7 +18,7 @@ its tests). A family not listed is refused with the list; nothing is trained hal
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,13 @@ class GgufFacts:
     keep_model: bool = False  # gguf-py's table knows the vision names with their "model." (SmolVLM's checkpoints)
     silu: bool = False  # Qwen2.5-VL's gated SiLU MLP (Qwen2-VL's is quick-GELU, llama.cpp's default for the type)
     windows: bool = False  # Qwen2.5-VL's full-attention blocks as one period (clip.vision.n_wa_pattern)
-    deepstack: bool = False  # Qwen3-VL: GELU MLP, learned position embeddings, deepstack mergers feeding the LM
+    deepstack: bool = False  # Qwen3-VL's tower (Qwen3.5's too): GELU MLP, learned position embeddings, fused qkv, and
+    #                          deepstack mergers feeding the LM where the config lists them (Qwen3.5 has none)
     siglip: bool = False  # a SigLIP tower (Gemma 3, Idefics3/SmolVLM): GELU, its own epsilon, embeddings kept f32
     pooling: bool = False  # Gemma 3: the projector pools kernel x kernel patches (else Idefics3's pixel shuffle)
     tower: tuple[str, str] | None = None  # (transformers' tower prefix, the published checkpoints' one)
+    imrope: bool = False  # Qwen3.5: its language model's interleaved rotary sections, which only the image tokens'
+    #                       3-D positions tell apart, must place every rotated pair as llama.cpp's imrope does
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class FamilyEntry:
     packing: bool = False  # data.packing: conversations packed in a row (Qwen: 3-D positions per conversation)
     processor_settings: dict[str, str] = field(default_factory=dict)  # the combined processor's settings the
     # model's config decides ({setting: "mm_tokens_per_image" (the config's key) | "tile_tokens" (computed)})
+    text_task: bool = False  # the text tasks train the checkpoint too, as its causal LM (Qwen3.5, released as one
+    # model with its eyes): never refused for them, and task=vlm only when the config asks for it
 
 
 QWEN_PROCESSORS = ("Qwen2VLImageProcessor",)
@@ -103,6 +108,10 @@ FAMILIES: dict[str, FamilyEntry] = {e.model_type: e for e in (
           GgufFacts("QWEN3VL", deepstack=True)),
     _qwen("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", PlanFacts("qwen", embed_dim=True),
           GgufFacts("QWEN2VL")),
+    # Qwen3.5: Qwen3-VL's tower without deepstack mergers, before a hybrid Gated DeltaNet language model (one model
+    # with its eyes); transformers 5 only
+    replace(_qwen("qwen3_5", "Qwen3.5", "Qwen3_5ForConditionalGeneration", PlanFacts("qwen"),
+                  GgufFacts("QWEN3VL", deepstack=True, imrope=True)), transformers=5, text_task=True),
     FamilyEntry("gemma3", "Gemma 3", "Gemma3ForConditionalGeneration", ("Gemma3ImageProcessor",),
                 ("vision_tower", "multi_modal_projector"), "multi_modal_projector",
                 Placeholder("fixed_tokens", ("image_token_id", "boi_token_id", "eoi_token_id")),
