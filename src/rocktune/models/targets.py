@@ -97,7 +97,10 @@ def keep_v5_names() -> None:
     for a v4 per-expert Linear and moved onto the fused expert stack. That drops the dense-layer MLPs and the shared
     experts, real ``nn.Linear`` modules of those names in v5, on training and again on every reload of the adapter
     (and doubles the experts' rank). A target that names a real Linear of the model is left as it is."""
-    from peft.utils import transformers_weight_conversion as conv
+    try:
+        from peft.utils import transformers_weight_conversion as conv
+    except ImportError:  # transformers 4 (an older torch's stack): PEFT has no v4->v5 rewrite to correct
+        return
 
     if getattr(conv._convert_peft_config_moe, "keeps_v5_names", False):
         return
