@@ -15,6 +15,7 @@ from rocktune.doctor import checks as c
 from rocktune.doctor import model_checks as m
 from rocktune.doctor import perf as p
 from rocktune.doctor import quant_checks as q
+from rocktune.doctor import recurrent_checks as r
 from rocktune.errors import one_line
 
 INJECT_ENV = "ROCKTUNE_DOCTOR_INJECT"
@@ -91,6 +92,9 @@ def plan(device: str, faults: dict | None = None, perf: bool = True) -> list[tup
     # varlen attention: what attn_implementation auto picks over packed rows on a GPU when this passes
     out += [(f"varlen[{dt}]", P(m.check_varlen, device, dt)) for dt in (("bfloat16", "float16") if gpu else
                                                                          ("float32",))]
+    # the recurrent layers' fast kernels (Gated DeltaNet, their short convolution, Mamba2): used where these pass
+    out += [(f"recurrent[{fam},{dt}]", P(r.check_recurrent, device, fam, dt)) for fam in r.FAMILIES
+            for dt in (("bfloat16", "float16") if gpu else ("float32",))]
     out += [("lora[float32]", P(m.check_lora, device, "float32"))]
     if gpu:
         out += [("lora[bfloat16]", P(m.check_lora, device, "bfloat16"))]

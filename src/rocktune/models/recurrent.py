@@ -1,5 +1,7 @@
 """Layers that carry state along the sequence (Gated DeltaNet's linear attention in Qwen3.5 / Qwen3-Next, Mamba2 in
-Granite 4): read from config.json's ``layer_types``, for what rocktune must not do with them yet."""
+Granite 4): read from config.json's ``layer_types``, for what rocktune must not do with them yet (packed rows:
+tasks/causal/recurrent.py) and the run log's word on their kernels before the model loads. Which kernels a loaded
+model's layers run is chosen, and self-tested on the device, by rocktune.kernels.recurrent."""
 
 from __future__ import annotations
 
@@ -23,13 +25,16 @@ def recurrent_layers(name_or_path: str, trust_remote_code: bool) -> dict[str, li
     return found
 
 
-# layer kind -> the packages whose kernels transformers uses for it when importable (else its torch reference path)
+# layer kind -> the packages whose kernels transformers uses for it when importable (else its torch reference path;
+# where they are, rocktune.kernels.recurrent keeps each one that passes its self-test on the device)
 KERNELS = {"linear_attention": ("fla", "causal_conv1d"), "mamba": ("mamba_ssm", "causal_conv1d")}
 
 
 def kernel_note(layers: dict[str, list[int]]) -> str | None:
-    """The run log's line when a recurrent layer kind runs on transformers' torch reference kernels (its own warning
-    is silenced with the rest of its logging): correct, much slower (benchmarks/mamba_reference_scan.py)."""
+    """The run log's line when a recurrent layer kind runs on transformers' torch reference kernels because their
+    packages are not installed (transformers' own warning is silenced with the rest of its logging): correct, much
+    slower (benchmarks/mamba_reference_scan.py). Installed, the loader's self-tests say which run
+    (rocktune.kernels.recurrent)."""
     import importlib.util
 
     missing = sorted({p for kind in layers for p in KERNELS.get(kind, ()) if importlib.util.find_spec(p) is None})
