@@ -69,11 +69,14 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
     ``quant.gate``); they are quantised as they are placed on ``device``, so the full-precision base never is."""
     from transformers import AutoModelForCausalLM
 
+    from rocktune.models import mxfp4
+
     check_model_source(name_or_path)
     _refuse_vision_checkpoint(name_or_path)
     if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UserError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
                         "installed; use sdpa (the default) or install flash-attn for your GPU.")
+    packed = mxfp4.load_kwargs(name_or_path, quantization)  # MXFP4 experts (gpt-oss): dequantised for LoRA
     extra = {}
     if quantization != "none":
         from rocktune.models import quant
@@ -84,7 +87,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=DTYPES[precision], attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code, **extra,
+            trust_remote_code=trust_remote_code, **extra, **packed,
         )
     except (OSError, ValueError) as exc:
         if "attention implementation" in str(exc):  # e.g. Gemma 2 has no SDPA path: not a download problem
@@ -98,11 +101,7 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
         check_weight_shapes(name_or_path)
         raise
     model.config.use_cache = False  # the KV cache only costs memory during training
-    model = model if extra else model.to(device)
-    from rocktune.kernels import recurrent as recurrent_kernels
-
-    recurrent_kernels.apply(model, device)  # Gated DeltaNet / Mamba2 layers: fast kernels that pass a self-test
-    return model
+    return model if extra else model.to(device)
 
 
 def _refuse_vision_checkpoint(name_or_path: str) -> None:

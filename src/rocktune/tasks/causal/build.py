@@ -15,6 +15,7 @@ from rocktune.data.packing import collate_packed
 from rocktune.lora.lean import lean_lora
 from rocktune.lora.moe import expert_path_note
 from rocktune.kernels.attention import choose as choose_attention
+from rocktune.models import mxfp4
 from rocktune.models.load import DTYPES, apply_lora, load_model, sdpa_supported
 from rocktune.models.targets import targets_note
 from rocktune.tasks.causal.preflight import liger_gate
@@ -77,6 +78,7 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
                        m.double_quant)
     use_liger, fusion_note = fusion(m.liger, device, compile_)
     notes = [fusion_note] if fusion_note else []
+    notes += [n for n in (mxfp4.load_note(m.name_or_path, model),) if n]  # MXFP4 experts: what dequantising cost
     if use_liger:
         liger(model, m.liger, device)  # patches the base, so before PEFT wraps it
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, lora_cfg.target_modules,
