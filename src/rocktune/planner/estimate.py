@@ -139,6 +139,7 @@ def expert_lora_count(shape: ModelShape, spec: RunSpec) -> int:
 
 
 def estimate(shape: ModelShape, spec: RunSpec) -> Estimate:
+    moe.refuse_quantised(shape, spec.quant)
     est = Estimate(shape, spec)
     def add(name, n, phase, inputs):
         return est.terms.append(Term(name, int(n), phase, inputs))
@@ -304,7 +305,7 @@ def _static(shape: ModelShape, spec: RunSpec, add) -> None:
         fp32 = moe.fp32_router_values(shape)
         add("base_weights", shape.n_params * dt + fp32 * (4 - dt), "static",
             f"{shape.n_params:,} params x {dt} B ({spec.precision})" + (f", {fp32:,} router weights fp32" if fp32
-                                                                         else ""))
+                                                                         else "") + moe.mxfp4_note(shape, dt))
     else:
         linear = sum(n * i * o for n, lin in shape.layer_linears() for _, i, o, _ in lin)
         quantised = sum(n * quantised_bytes(i, o, spec.quant, spec.double_quant) for n, lin in shape.layer_linears()

@@ -37,6 +37,7 @@ FP32_ROUTERS = {"glm4_moe"}  # families whose router weight is created in fp32 w
 # expert-width tensors a family's gating saves per routed row beyond SwiGLU's one activation: gpt-oss's clamped GLU
 # (clamps, the scaled gate's sigmoid, the product)
 GATE_EXTRA = {"gpt_oss": 3}
+MXFP4_BYTES = 17 / 32  # an MXFP4 value on disk: 16 bytes of e2m1 pairs and one e8m0 exponent per 32 values
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class MoeShape:
     dense_width: int = 0
     expert_bias: bool = False  # gpt-oss: a bias on each expert's gate_up and down
     router_bias: bool = False  # gpt-oss
+    mxfp4: bool = False        # the checkpoint ships the experts as MXFP4 (gpt-oss's release): dequantised at load
 
 
 def moe_shape(config: dict, name: str) -> MoeShape:
@@ -70,7 +72,37 @@ def moe_shape(config: dict, name: str) -> MoeShape:
         shared = width  # Llama 4's shared expert is as wide as a routed one
     return MoeShape(experts, per_token, width, shared=shared, shared_gate=bool(shared) and kind in
                     ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"), dense_layers=dense, dense_width=dense_width,
-                    expert_bias=kind == "gpt_oss", router_bias=kind == "gpt_oss")
+                    expert_bias=kind == "gpt_oss", router_bias=kind == "gpt_oss", mxfp4=mxfp4_checkpoint(config))
+
+
+def mxfp4_checkpoint(config: dict) -> bool:
+    """config.json says the experts are stored as MXFP4 (models/mxfp4.py)."""
+    found = config.get("quantization_config")
+    return isinstance(found, dict) and found.get("quant_method") == "mxfp4"
+
+
+def mxfp4_note(shape, dt: int) -> str:
+    """What ``base_weights`` says of an MXFP4 checkpoint's experts: they are counted dequantised, at ``dt`` bytes a
+    value (models/mxfp4.py dequantises them at load, on every device), against their packed size on disk."""
+    if not shape.mxfp4_experts:
+        return ""
+    values = shape.moe_layers * stack_values(shape)
+    return (f", the expert stacks among them ({values:,} values) dequantised from MXFP4: {_size(values * dt)} against "
+            f"{_size(values * MXFP4_BYTES)} packed in the checkpoint")
+
+
+def refuse_quantised(shape, quant: str) -> None:
+    """bitsandbytes on top of an MXFP4 checkpoint: transformers loads one quantisation method at a time (the load
+    refuses it too, models/mxfp4.py)."""
+    if shape.mxfp4_experts and quant != "none":
+        raise UserError(f"{shape.name}: its experts are stored as MXFP4 (config.json quantization_config), which "
+                        f"transformers cannot load with bitsandbytes' {quant} on top; plan it with --quant none "
+                        "(the experts are dequantised for LoRA, counted here), or plan a bf16 copy of the "
+                        "checkpoint.")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _dense_layers(config: dict, layers: int) -> tuple[int, int]:

@@ -93,6 +93,7 @@ class ModelShape:
     dense_intermediate: int = 0
     expert_bias: bool = False
     router_bias: bool = False
+    mxfp4_experts: bool = False  # the checkpoint's experts are MXFP4, dequantised at load (planner/moe.py)
     o_bias: bool = False        # the attention output projection has a bias (gpt-oss)
     attn_sinks: bool = False    # a learned sink logit per head and layer (gpt-oss)
     o_input_copy: bool = False  # the attention output reaches o_proj as a copy, not the kernel's own tensor
@@ -304,7 +305,8 @@ def _moe_fields(mo: moe.MoeShape | None) -> dict:
         return {}
     return {"experts": mo.experts, "experts_per_token": mo.per_token, "expert_intermediate": mo.width,
             "shared_intermediate": mo.shared, "shared_gate": mo.shared_gate, "dense_layers": mo.dense_layers,
-            "dense_intermediate": mo.dense_width, "expert_bias": mo.expert_bias, "router_bias": mo.router_bias}
+            "dense_intermediate": mo.dense_width, "expert_bias": mo.expert_bias, "router_bias": mo.router_bias,
+            "mxfp4_experts": mo.mxfp4}
 
 
 def read_config(path: Path) -> dict:
