@@ -12,6 +12,7 @@ import numpy as np
 
 from rocktune.errors import UserError
 from rocktune.export import arch as archs
+from rocktune.export import mxfp4 as packs
 from rocktune.export import quant as quants
 from rocktune.export.vocab import add_vocab, loader_safe_name
 
@@ -53,7 +54,8 @@ def write_model_gguf(tensors: dict[str, np.ndarray], cfg, arch: archs.Arch, toke
     if quants.QUANTS[quant][2]:
         f32 = path.with_name(path.name + ".f32")
         try:
-            _write(tensors, cfg, arch, tokenizer_dir, f32, "f32", name, source)
+            # llama.cpp's quantiser requantises no block type: packed experts go in as their values
+            _write(packs.unpacked(tensors), cfg, arch, tokenizer_dir, f32, "f32", name, source)
             quants.llama_cpp_quantize(str(f32), str(path), quant)  # llama-quantize copies the metadata
         finally:
             f32.unlink(missing_ok=True)
@@ -71,11 +73,12 @@ def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name
     writer.add_name(loader_safe_name(name, tokenizer_dir))
     if source is not None:
         writer.add_string(KEY, source)
-    writer.add_file_type(quants.file_type(quant))
+    writer.add_file_type(packs.file_type(tensors, quants.file_type(quant)))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     archs.add_hparams(writer, cfg, arch)
     add_vocab(writer, tokenizer_dir, cfg.vocab_size)
     for tname, data in tensors.items():
-        encoded, raw = quants.encode(data, "f32" if archs.keeps_f32(tname) else quant)
+        encoded, raw = (data.data, data.ggml_type) if isinstance(data, packs.Packed) else \
+            quants.encode(data, "f32" if archs.keeps_f32(tname) else quant)  # Packed: a base's own MXFP4 blocks
         writer.add_tensor(tname, encoded, raw_dtype=raw)
     archs.write_out(writer)
