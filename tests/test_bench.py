@@ -226,3 +226,18 @@ def test_gpu_suite_definition():
     # 8 measured steps (issue 36), and a full step more for the profiled one a GPU run adds
     assert gpu.steps == 8 and gpu.samples() >= 64 * (gpu.steps + gpu.warmup + 1) and gpu.warmup >= 2
     assert set(gpu.configs.split(",")) == {"hf-best", "rocktune", "rt-no-compile", "rt-liger"}
+
+
+def test_the_qwen35_shape_is_the_hybrid_stack(tmp_path):
+    """``--model qwen3.5-tiny-shape``: tiny's size with Qwen3.5's released layer pattern (three Gated DeltaNet layers
+    to one full-attention layer) and twice as many linear-attention value heads as key heads."""
+    import json
+
+    from rocktune.bench.workload import model_dir
+
+    path = model_dir("qwen3.5-tiny-shape", tmp_path)
+    cfg = json.loads((tmp_path / "models" / "qwen3.5-tiny-shape" / "config.json").read_text())
+    assert path.endswith("qwen3.5-tiny-shape") and cfg["model_type"] == "qwen3_5_text"
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (cfg["hidden_size"], cfg["vocab_size"], cfg["linear_num_value_heads"]) == (128, 32768, 4)
+    assert cfg["linear_num_value_heads"] == 2 * cfg["linear_num_key_heads"]

@@ -396,8 +396,8 @@ def _run_plan(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="measure rocktune's speed knobs side by side with the HF Trainer + PEFT recipe")
     p.add_argument("--model", default="tiny",
-                   help="local model directory, or a random-init shape: tiny (CPU default), qwen2.5-0.5b-shape, "
-                        "qwen2.5-1.5b-shape")
+                   help="local model directory, or a random-init shape: tiny (CPU default), qwen3.5-tiny-shape "
+                        "(tiny's size, Qwen3.5's hybrid Gated DeltaNet stack), qwen2.5-0.5b-shape, qwen2.5-1.5b-shape")
     p.add_argument("--data", help="JSON/JSONL training data (default: synthetic prompt/completion, 50-500 tokens)")
     p.add_argument("--configs", help="comma-separated configuration names or 'all' (default: this device's set; "
                                      "see --list)")

@@ -19,6 +19,10 @@ SHAPES: dict[str, dict] = {
                            "intermediate": 4864},
     "qwen2.5-1.5b-shape": {"vocab_size": 151936, "hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2,
                            "intermediate": 8960},
+    # "tiny"'s size with Qwen3.5's hybrid stack (3 Gated DeltaNet layers, then full attention): the CPU ratio of a
+    # recurrent model, whose rows rocktune never packs, against the HF Trainer
+    "qwen3.5-tiny-shape": {"vocab_size": 32768, "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
+                           "intermediate": 512, "arch": "qwen3_5"},
 }
 TOKEN_RANGE = (50, 500)  # the CPU workload; the GPU suite uses 50-2,000
 

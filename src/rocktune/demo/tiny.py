@@ -49,15 +49,28 @@ def _byte_of(ch: str) -> int:
 
 def tiny_config(vocab_size: int = 320, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                 intermediate: int | None = None, max_positions: int = 1024,
-                init_std: float = 0.1):
-    from transformers import Qwen2Config
+                init_std: float = 0.1, arch: str = "qwen2"):
+    """``arch``: ``qwen2`` (the demo's model) or ``qwen3_5`` (Qwen3.5's hybrid text stack: three Gated DeltaNet
+    layers to one full-attention layer, as released, with linear-attention heads scaled to ``hidden`` in the
+    released ratios: twice as many value heads as key heads, heads as wide as the attention's)."""
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or hidden * 3,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_positions, tie_word_embeddings=True, initializer_range=init_std,
+                  bos_token_id=None, eos_token_id=EOS_ID,
+                  pad_token_id=None)  # a pad id would make nn.Embedding zero that row: EOS could never win
+    if arch == "qwen2":
+        from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or hidden * 3,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=10000.0,
-                       initializer_range=init_std,
-                       bos_token_id=None, eos_token_id=EOS_ID,
-                       pad_token_id=None)  # a pad id would make nn.Embedding zero that row: EOS could never win
+        return Qwen2Config(rope_theta=10000.0, **common)
+    if arch == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        head = hidden // heads
+        return Qwen3_5TextConfig(head_dim=head, linear_key_head_dim=head, linear_value_head_dim=head,
+                                 linear_num_key_heads=kv_heads, linear_num_value_heads=2 * kv_heads,
+                                 layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                              for i in range(layers)], **common)
+    raise ValueError(f"tiny_config: unknown arch {arch!r} (qwen2 or qwen3_5)")
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:
