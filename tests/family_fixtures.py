@@ -68,7 +68,7 @@ TEMPLATES = {
     "granite": Template(GRANITE, ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>",
                         "<|end_of_text|>"),
     "qwen3.5": Template(QWEN35, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
-                        "<|im_end|>", "<|im_end|>", reply_head="<think>\n\n</think>\n\n"),
+                        "<|im_end|>", "<|im_end|>", reply_head="\n</think>\n\n", trims=True),
     "harmony": Template(HARMONY, ("<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>",
                                   "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"), "<|return|>", "<|return|>",
                         reply_head="<|channel|>final<|message|>"),

@@ -1,72 +1,20 @@
-"""Chat-template shapes of the 2025-26 families (Qwen3.5's thinking blocks, gpt-oss's Harmony channels, GLM-4.5,
-Llama 4, Gemma 4): written here with the structure of each family's turns, tool calls and reasoning, so masking is
-tested on what those templates really do without a download. Not copies of hub files."""
+"""Chat templates of the 2025-26 families (Qwen3.5's thinking blocks, gpt-oss's Harmony channels, GLM-4.5, Llama 4,
+Gemma 4), so masking is tested on what those templates really do without a download: Qwen3.5's and gpt-oss's are
+the released ones (tests/data/templates), the others shapes written here with the structure of each family's turns,
+tool calls and reasoning (GLM-4.5's renders as its released template on every conversation of
+tests/test_family_chat.py)."""
 
-# Qwen3.5 / Qwen3 thinking ChatML: a reply's reasoning (``reasoning_content``, or a <think> block at the start of its
-# content) is kept only for the turns after the last user query and stripped from earlier ones; the last reply
-# always opens a think block (empty when it has no reasoning). Tool calls as <tool_call> JSON, results as user turns.
-QWEN35 = (
-    "{% set ns = namespace(last_user=-1) %}"
-    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
-    "{% endfor %}"
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
-    "# Tools\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% if not tools %}<|im_start|>system\n{{ m['content'] }}<|im_end|>\n"
-    "{% endif %}"
-    "{% elif m['role'] == 'assistant' %}"
-    "{% set content = m['content'] or '' %}{% set reasoning = m.get('reasoning_content') or '' %}"
-    "{% if '</think>' in content %}"
-    "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
-    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
-    "<|im_start|>assistant\n"
-    "{% if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
-    "<think>\n{{ reasoning.strip('\n') }}\n</think>\n\n{% endif %}{{ content }}"
-    "{% for c in m.get('tool_calls') or [] %}{{ '\\n' }}<tool_call>\n"
-    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
-    "\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
-    "<|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
+from pathlib import Path
 
-# gpt-oss's Harmony: a fixed system header, the user's system prompt and tools as a developer message, replies on
-# channels: reasoning on "analysis", the answer on "final" (ending <|return|> when it is the conversation's last
-# message, <|end|> in history), tool calls on "commentary" addressed to=functions.NAME ending <|call|>. Past turns
-# keep only their final answer (their analysis is dropped), as the real template does.
-HARMONY = (
-    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
-    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
-    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
-    "{% set dev = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
-    "{% if dev or tools %}<|start|>developer<|message|>"
-    "{% if dev %}# Instructions\n\n{{ dev }}{% endif %}"
-    "{% if tools %}{% if dev %}{{ '\\n' }}\n{% endif %}# Tools\n\n## functions\n\nnamespace functions {\n"
-    "{% for t in tools %}{{ '\\n' }}// {{ t['function'].get('description', '') }}\ntype {{ t['function']['name'] }} = "
-    "(_: {{ t['function'].get('parameters', {}) | tojson }}) => any;\n{% endfor %}{{ '\\n' }}} // namespace functions"
-    "{% endif %}<|end|>{% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}<|start|>user<|message|>{{ m['content'] }}<|end|>"
-    "{% elif m['role'] == 'assistant' %}"
-    "{% set thinking = m.get('thinking') or m.get('reasoning_content') or '' %}"
-    "{% if m.get('tool_calls') %}"
-    "{% if thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ thinking }}<|end|>{% endif %}"
-    "{% for c in m['tool_calls'] %}<|start|>assistant to=functions.{{ c['function']['name'] }}"
-    "<|channel|>commentary json<|message|>{{ c['function']['arguments'] | tojson }}<|call|>{% endfor %}"
-    "{% elif loop.last and not add_generation_prompt %}"
-    "{% if thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ thinking }}<|end|>{% endif %}"
-    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|return|>"
-    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>{% endif %}"
-    "{% elif m['role'] == 'tool' %}<|start|>functions.{{ m.get('name') or 'tool' }} to=assistant"
-    "<|channel|>commentary<|message|>{{ m['content'] }}<|end|>"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
-)
+RELEASED = Path(__file__).parent / "data" / "templates"  # released templates, as llama.cpp keeps them (README.md)
+# Qwen3.5 and gpt-oss: the released templates themselves (their thinking and channel rules are the point). Qwen3.5:
+# a reply's reasoning kept in a think block for the turns after the last user query, none before it; the generation
+# prompt opens the think block; tool calls as <tool_call><function=NAME><parameter=KEY> XML, results as user turns.
+# gpt-oss's Harmony: a system header with the date, the system prompt and tools (TypeScript-like) as a developer
+# message, replies on channels: reasoning on "analysis", the answer on "final" (<|return|> when it ends the
+# conversation, <|end|> in history), tool calls on "commentary" to=functions.NAME ending <|call|>.
+QWEN35 = (RELEASED / "Qwen-Qwen3.5-4B.jinja").read_text(encoding="utf-8")
+HARMONY = (RELEASED / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")
 
 # Llama 4: header tokens around the role, <|eot|> after every turn; the tool list in a system turn of its own, tool
 # calls as JSON, results as ipython turns.

@@ -65,6 +65,34 @@ def family_run(family_dir, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def lora_run(family_run, family_dir, tmp_path_factory):
+    """Family name -> a run directory whose adapter llama.cpp applies as a GGUF LoRA: the family's run, or, where
+    all-linear adapts a module llama.cpp's graph multiplies without a LoRA (Gemma 4's per_layer_model_projection,
+    which --to gguf-lora refuses), a run on the same targets but that one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rocktune.models.load import lora_targets
+    from tests.export_fixtures import make_run
+
+    root = tmp_path_factory.mktemp("lora-runs")
+    made = {}
+
+    def get(name: str):
+        skip = ARCHS[AutoConfig.from_pretrained(family_dir(name)).model_type].no_lora
+        if not skip:
+            return family_run(name)[0]
+        if name not in made:
+            _, params = lora_targets(AutoModelForCausalLM.from_pretrained(family_dir(name)), "all-linear")
+            extra = {"target_parameters": params} if params else {}
+            make_run(root / name, family_dir(name), [t for t in BY_NAME[name].trained if t not in skip],
+                     data_format="messages", **extra)
+            made[name] = root / name
+        return made[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_lora_targets(family_dir, record_property, name):
     """all-linear adapts exactly the family's linear projections in every layer kind (attention, Gated DeltaNet's and
@@ -170,7 +198,7 @@ def _train(family_dir, tmp_path, name: str, steps: int, quantization: str = "non
     data = write_jsonl(tmp_path / "train.jsonl", chat_records(64, t.system))
     cfg = tiny_run_config(family_dir(name), data, None, tmp_path / "out", max_steps=steps, micro_batch_size=8,
                           grad_accum=1, lr=1e-2, warmup_steps=0)
-    # Harmony's fixed system header alone is ~150 tokens
+    # Harmony's system header alone is 236 byte-level tokens; its conversations here are up to 312
     cfg["data"].update(max_length=320 if name == "gpt-oss" else 96, eval_fraction=0.0)
     cfg["lora"]["r"] = 4
     cfg["model"]["quantization"] = quantization
@@ -234,6 +262,11 @@ FAMILY_KEYS = {
                  "granitehybrid.ssm.time_step_rank": 4, "granitehybrid.ssm.state_size": 16,
                  "granitehybrid.rope.scaling.finetuned": True, "granitehybrid.expert_shared_feed_forward_length": 64,
                  "granitehybrid.logit_scale": 8.0, "granitehybrid.context_length": 512},
+    "gemma4": {"gemma4.attention.key_length": 32, "gemma4.attention.key_length_swa": 16,
+               "gemma4.rope.dimension_count": 32, "gemma4.rope.dimension_count_swa": 16,
+               "gemma4.rope.freq_base": 1000000.0, "gemma4.rope.freq_base_swa": 10000.0,
+               "gemma4.embedding_length_per_layer_input": 8, "gemma4.attention.shared_kv_layers": 0,
+               "gemma4.attention.sliding_window_pattern": [True, False], "gemma4.final_logit_softcapping": 30.0},
 }
 # families whose layout test_gguf takes from the exporter (see expected_gguf)
 EXPORTER_LAYOUT = ("gpt_oss", "llama4_text", "granitemoehybrid", "gemma4_text")
@@ -315,7 +348,7 @@ def test_gguf(family_run, family_dir, capsys, record_property, name):
     assert shapes["token_embd.weight"] == (64, cfg.vocab_size)
     assert ("output.weight" in shapes) == (not cfg.tie_word_embeddings or arch == "olmo2")
     want = expected_gguf(_merged_state(run), cfg, arch)
-    assert set(shapes) - {"rope_freqs.weight"} == set(want)
+    assert set(shapes) - {"rope_freqs.weight"} == set(want) - {"rope_freqs.weight"}
     got = {t.name: t.data for t in reader.tensors}
     for tname, data in want.items():
         np.testing.assert_array_equal(got[tname], data, err_msg=tname)
@@ -338,10 +371,12 @@ def _merged_state(run) -> dict:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gguf_lora(family_run, family_dir, capsys, record_property, name):
+def test_gguf_lora(family_run, family_dir, lora_run, capsys, record_property, name):
     """--to gguf-lora: an A/B pair per adapted projection (per expert stack on MoE, gate and up apart), each pair
     computing what llama.cpp adds to its base tensor: alpha / r * B·A equals the merged GGUF tensor minus the
-    base's (both in llama.cpp's layout), expert by expert; or the same refusal as --to gguf."""
+    base's (both in llama.cpp's layout), expert by expert; or the same refusal as --to gguf. An all-linear adapter
+    on a module llama.cpp's graph multiplies without a LoRA is refused naming it (nothing written), and an adapter
+    without it is checked as above."""
     gguf = pytest.importorskip("gguf", reason="the gguf package writes GGUF files")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -352,6 +387,16 @@ def test_gguf_lora(family_run, family_dir, capsys, record_property, name):
         _refused(capsys, record_property, argv, cfg.model_type)
         assert not (run / "export" / "adapter-f32.gguf").exists()
         return
+    skip = ARCHS[cfg.model_type].no_lora
+    if skip:
+        assert main(argv) == 2
+        said = " ".join(capsys.readouterr().err.split())
+        assert f"adapts model.{skip[0]} (llama.cpp's {ARCHS[cfg.model_type].gguf_name} graph multiplies it" in said
+        assert not (run / "export" / "adapter-f32.gguf").exists()
+        record_property("cell", f"refused: llama.cpp's {ARCHS[cfg.model_type].gguf_name} graph applies no LoRA to "
+                                f"{', '.join(skip)}, which all-linear adapts (an adapter without it: yes)")
+        run = lora_run(name)
+        argv = ["export", str(run), "--to", "gguf-lora", "--overwrite"]
     assert main(argv) == 0
     names = [t.name for t in gguf.GGUFReader(run / "export" / "adapter-f32.gguf").tensors]
     assert all(n.endswith((".lora_a", ".lora_b")) for n in names)
@@ -435,10 +480,11 @@ def test_plan(family_dir, capsys, record_property, name):
 
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("name", NAMES)
-def test_llama_cpp(family_run, family_dir, capsys, record_property, monkeypatch, name):
+def test_llama_cpp(family_run, family_dir, lora_run, capsys, record_property, monkeypatch, name):
     """llama.cpp itself (llama-cpp-python) loads the family's f32 GGUF, tokenises like transformers and continues a
     prompt greedily with the merged transformers model's tokens; the base's GGUF with the GGUF LoRA (experts'
-    LoRA included) gives the same tokens, and without it the base's. Architectures the export does not know are
+    LoRA included) gives the same tokens as its merged model (the family's run, or where --to gguf-lora refuses
+    one of its modules, the run without it), and without it the base's. Architectures the export does not know are
     the same refusal as --to gguf."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -467,6 +513,9 @@ def test_llama_cpp(family_run, family_dir, capsys, record_property, monkeypatch,
     base = out / "base-f32.gguf"
     assert main(["export", str(family_dir(name)), "--to", "gguf", "--quant", "f32", "--out", str(base),
                  "--overwrite"]) == 0
+    if lora_run(name) != run:  # the adapter llama.cpp can apply, and its own merged model's tokens
+        run, out = lora_run(name), lora_run(name) / "export"
+        tuned = hf_greedy(_merged_model(run), ids, 16)
     assert main(["export", str(run), "--to", "gguf-lora", "--overwrite"]) == 0
     assert llama_greedy(llama(base, lora=out / "adapter-f32.gguf"), ids, 16) == tuned
     assert llama_greedy(llama(base), ids, 16) == plain

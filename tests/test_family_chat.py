@@ -16,6 +16,7 @@ import pytest
 from rocktune.data.chat import to_chat
 from rocktune.data.encode import IGNORE, chat_segments, encode
 from tests.family_fixtures import BY_NAME, TEMPLATES, build_tokenizer
+from tests.family_templates import RELEASED
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
@@ -77,6 +78,9 @@ def test_harmony_tool_calls_are_trained_in_harmony_syntax():
 
 
 def test_qwen35_keeps_thinking_after_the_last_query_and_strips_it_before():
+    """Qwen3.5's released template: the generation prompt opens the think block, so a reply after the last user
+    query is trained from inside it; a reply before it has no think block (its reasoning dropped, as the template
+    drops it) and is trained from its text."""
     tok = _tok("qwen3.5")
     rec = {"messages": [
         {"role": "user", "content": "first"},
@@ -86,7 +90,8 @@ def test_qwen35_keeps_thinking_after_the_last_query_and_strips_it_before():
     enc, spans = _encode(tok, rec)
     text = tok.decode(enc.input_ids)
     assert "old thought" not in text  # a past turn's reasoning: stripped by the template, so by training
-    assert spans == ["one<|im_end|>\n", "<think>\nnew thought\n</think>\n\ntwo<|im_end|>\n"]
+    assert "<|im_start|>assistant\none<|im_end|>" in text
+    assert spans == ["one<|im_end|>\n", "new thought\n</think>\n\ntwo<|im_end|>\n"]
 
 
 def test_qwen35_tool_call_and_result():
@@ -96,10 +101,30 @@ def test_qwen35_tool_call_and_result():
         {"role": "assistant", "content": "", "tool_calls": [CALL]},
         {"role": "tool", "content": "sunny"},
         {"role": "assistant", "content": "Sunny."}]}
-    _, spans = _encode(tok, rec)
-    # the call is not the last turn and has no reasoning: no think block; the answer, the last turn, opens one
-    assert spans == ['\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
-                     "<think>\n\n</think>\n\nSunny.<|im_end|>\n"]
+    enc, spans = _encode(tok, rec)
+    # both replies follow the last user query: each opens a think block, the call in Qwen3.5's XML syntax
+    assert spans == ["\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                     "</function>\n</tool_call><|im_end|>\n", "\n</think>\n\nSunny.<|im_end|>\n"]
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in tok.decode(enc.input_ids)
+
+
+def test_qwen35_agent_trace_with_reasoning_before_a_later_query():
+    """An agent trace (reasoning, a call, its result, an answer) followed by another user turn: the template drops the
+    first round's reasoning once the later query comes, so each reply is located as the whole conversation renders
+    it (a prefix ending in the first round still shows it)."""
+    tok = _tok("qwen3.5")
+    rec = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning_content": "I need the tool.", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "reasoning_content": "It said sunny.", "content": "Sunny."},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "reasoning_content": "Be polite.", "content": "You are welcome."}]}
+    enc, spans = _encode(tok, rec)
+    assert spans == ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                     "</tool_call><|im_end|>\n", "Sunny.<|im_end|>\n",
+                     "Be polite.\n</think>\n\nYou are welcome.<|im_end|>\n"]
+    assert "I need the tool." not in tok.decode(enc.input_ids)
 
 
 @pytest.mark.parametrize(("family", "call", "end"), [
@@ -114,6 +139,26 @@ def test_tool_calls_of_gemma4_and_llama4(family, call, end):
         {"role": "assistant", "content": " Sunny. "}]}
     _, spans = _encode(tok, rec)
     assert spans == [call, end]
+
+
+def test_gemma4_released_template_trains_calls_and_answers():
+    """Gemma 4's released template: its generation prompt opens an empty thought channel a past reply does not have,
+    so replies are trained from after the turn header; a call is trained up to the <|tool_response> that opens its
+    result inside the model's turn, and the answer after the result continues that turn."""
+    t = TEMPLATES["gemma4"]
+    tok = build_tokenizer(replace(t, text=(RELEASED / "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8"),
+                                  specials=t.specials + ("<|channel>", "<channel|>", '<|"|>', "<|think|>")))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    rec = {"tools": TOOLS, "messages": [
+        {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]}, {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "Bye."}]}
+    enc, spans = _encode(tok, rec)
+    assert spans == ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>',
+                     "Sunny.<turn|>\n", "Bye.<turn|>\n"]
+    assert 'response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>' in tok.decode(enc.input_ids)
 
 
 @pytest.mark.parametrize("train_reasoning", [False, True])
@@ -139,7 +184,7 @@ def test_data_train_reasoning_reaches_the_pipeline(tmp_path, train_reasoning):
 
 
 GLM = TEMPLATES["glm4.5"]
-GLM_REAL = Path(__file__).parent / "data" / "templates" / "zai-org-GLM-4.6.jinja"  # GLM-4.5's template, as 4.6 ships it
+GLM_REAL = RELEASED / "zai-org-GLM-4.6.jinja"  # GLM-4.5's template, as 4.6 ships it
 
 
 def _glm(folder: Path, text: str = GLM.text, stops: tuple[str, ...] = GLM.stops):

@@ -91,27 +91,54 @@ def _turn_end(full: str, start: str, render, opening: str = "") -> str | None:
     return full[:at + len(eot)] if at >= 0 else None
 
 
-def reasoning_split(before: list[dict], msg: dict, start: str, reply: str, render) -> str:
+def reasoning_split(before: list[dict], msg: dict, start: str, reply: str, render, header: str = "") -> str:
     """The head of ``reply`` that is the turn's reasoning written as a message of its own: what rendering the turn
-    without its reasoning leaves off the front (Harmony's ``<|channel|>analysis<|message|>...<|end|><|start|>assistant``
-    before the final answer or the tool call); "" where the reasoning sits inside the reply (Qwen's think block, kept
-    as the template renders it), where the template drops it, or where the turn has none."""
+    without its reasoning leaves off the front, ending where a new reply opens with the generation prompt's
+    ``header`` (Harmony's ``<|channel|>analysis<|message|>...<|end|><|start|>assistant`` before the final answer or
+    the tool call); "" where the reasoning sits inside the reply (Qwen's think block, kept as the template renders
+    it, whose generation prompt may open it: Qwen3.5), where the template drops it, or where the turn has none."""
     if not msg.get("reasoning_content"):
         return ""
     plain = {k: v for k, v in msg.items() if k not in REASONING_KEYS}
     bare = render([*before, plain], False)
     answer = bare[len(start):] if bare.startswith(start) else ""
-    return reply[:-len(answer)] if answer and answer != reply and reply.endswith(answer) else ""
+    thought = reply[:-len(answer)] if answer and answer != reply and reply.endswith(answer) else ""
+    return thought if thought.endswith(header) else ""
 
 
-def _as_later(messages: list[dict]) -> list[dict]:
-    """``messages`` with the reasoning of every reply before the last user turn removed: how templates that keep
-    reasoning only after the last user query (Qwen3.5, GLM-4.5) render those replies once a later user turn exists,
-    while a prefix that ends before it still shows them. ``messages`` itself where no such reply has reasoning."""
-    last = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
-    if not any(m.get(REASONING_KEYS[0]) for m in messages[:last]):
+def _as_later(messages: list[dict], full: str) -> list[dict]:
+    """``messages`` without the reasoning the whole conversation's rendering ``full`` does not show: templates drop a
+    reply's reasoning once a later turn comes (Qwen3.5 and GLM-4.5 before the last user turn, Harmony a tool call's
+    analysis once a final answer follows), while a prefix that ends before that turn still shows it. ``messages``
+    itself where no reasoning is dropped."""
+    key = REASONING_KEYS[0]
+    gone = {j for j, m in enumerate(messages) if (m.get(key) or "").strip() and m[key].strip() not in full}
+    if not gone:
         return messages
-    return [{k: v for k, v in m.items() if k not in REASONING_KEYS} if j < last else m for j, m in enumerate(messages)]
+    return [{k: v for k, v in m.items() if k not in REASONING_KEYS} if j in gone else m for j, m in enumerate(messages)]
+
+
+def _reply_start(full: str, done: str, prompts, ends: turnend.ReplyEnd) -> str:
+    """Where a reply starts in ``full``, the conversation rendered up to the previous reply's end being ``done``:
+    the first of ``prompts`` (the conversation up to the reply rendered with the generation prompt; again without
+    the reasoning a later turn drops) that continues ``done`` inside ``full``, without the generation prompt's
+    opener where the reply as rendered lacks it (Qwen3.5's "<think>\n" before a later query, Gemma 4's empty
+    thought channel); else the generation prompt's header found after ``done`` (Qwen3.5 renders a reply's think
+    block only while no later query follows, so a prefix shows earlier replies otherwise), with the opener where
+    ``full`` has it there. The first prompt when nothing fits (the caller refuses it)."""
+    def fits(text):
+        return text.startswith(done) and full.startswith(text)
+    opener, first = ends.opener, None
+    for prompt in prompts:  # rendered one by one: the second only when the first does not fit
+        first = prompt if first is None else first
+        for text in (prompt, prompt[:-len(opener)] if opener and prompt.endswith(opener) else None):
+            if text is not None and fits(text):
+                return text
+    at = full.find(ends.header, len(done)) if ends.header.strip() else -1
+    if at < 0:
+        return first
+    start = full[:at + len(ends.header)]
+    return start + opener if opener and full.startswith(opener, len(start)) else start
 
 
 def _fitting(text: str, later: str, after: str, within: str) -> str:
@@ -149,7 +176,7 @@ def _chat_segments(record: dict, tokenizer, loc: str, train_reasoning: bool = Fa
     if tools:  # a template that ignores tools= renders the same text without them
         shown = len({render_chat_template(tokenizer, record["messages"], tokenize=False, add_generation_prompt=False,
                                           **extra) for extra in ({}, {"tools": tools})}) == 2
-    fidelity.check(record, segments, loc, shown)
+    fidelity.check(record, segments, loc, shown, opener=turnend.reply_end(tokenizer).opener)
     return segments
 
 
@@ -178,13 +205,12 @@ def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None 
     done = ""
     full = render(messages, False)
     ends = turnend.reply_end(tokenizer)
-    later = _as_later(messages)
+    later = _as_later(messages, full)
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        start = render(messages[:i], True) if i else ""
-        if not start.startswith(done) and later is not messages:
-            start = _fitting(start, render(later[:i], True), done, "")
+        views = (messages,) if later is messages else (messages, later)
+        start = _reply_start(full, done, (render(view[:i], True) for view in views), ends) if i else ""
         end = render(messages[: i + 1], False)
         if not (full.startswith(end) and end.startswith(start)) and later is not messages:
             end = _fitting(end, render(later[: i + 1], False), start, full)
@@ -203,7 +229,7 @@ def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None 
         # after the last message, where the template writes nothing, it is appended
         stop = ends.after(full[len(end):]) if i + 1 < len(messages) else ends.appended(messages)
         reply = end[len(start):]
-        thought = "" if train_reasoning else reasoning_split(messages[:i], msg, start, reply, render)
+        thought = "" if train_reasoning else reasoning_split(messages[:i], msg, start, reply, render, ends.header)
         segments += [(start[len(done):] + thought, False), (reply[len(thought):] + stop, i not in untrained)]
         done = end + stop
     if full.startswith(done) and len(full) > len(done):

@@ -47,12 +47,13 @@ class _Text:
 
 
 def check(rec: dict, segments: list[tuple[str, bool]], loc, tools_rendered: bool = True,
-          located: bool = False) -> None:
+          located: bool = False, opener: str = "") -> None:
     """Raise when the rendering (``segments``: a prompt and a reply segment per assistant turn, then the rest, as
     the encoder cuts it) lacks any part of the canonical conversation ``rec``. ``tools_rendered``: whether the
     rendering with ``tools=`` differs from the one without (the caller renders both). ``located``: the replies were
     found verbatim in the rendering (the one-rendering layout, which has no tool calls), so only the other turns
-    need looking for."""
+    need looking for. ``opener``: what the generation prompt writes into a reply (Qwen3.5's "<think>\n"), sought
+    with the reply where the prompt before it ends with it."""
     if rec.get("tools") and not tools_rendered:
         names = ", ".join(t["function"]["name"] for t in rec["tools"])
         raise UserError(f"{loc}: the model's chat template does not render the record's tool list ({names}): the "
@@ -68,7 +69,9 @@ def check(rec: dict, segments: list[tuple[str, bool]], loc, tools_rendered: bool
         n_reply += 1
         if located:
             continue
-        reply = _Text(segments[2 * n_reply - 1][0] if 2 * n_reply - 1 < len(segments) else "")
+        k = 2 * n_reply - 1
+        head = opener if opener and k < len(segments) and segments[k - 1][0].endswith(opener) else ""
+        reply = _Text(head + segments[k][0] if k < len(segments) else "")
         for call in msg.get("tool_calls", ()):
             fn = call["function"]
             missing = [p for p in (fn["name"], *_leaves(fn["arguments"])) if not reply.has(p)]

@@ -31,6 +31,10 @@ class ReplyEnd:
     # after the reply (GLM-4.5: user -> <|user|>, tool -> <|observation|>); openings the model does not stop on left out
     opens: dict[str, str] = field(default_factory=dict)
     opening: str = ""  # the first special token a following user turn opens with, stop or not (for the refusal)
+    # the generation prompt (after one user turn) as the header a past reply starts with, and what it writes after
+    # that header which a past reply does not start with: Qwen3.5's "<think>\n", Gemma 4's empty thought channel
+    header: str = ""
+    opener: str = ""
 
     def after(self, rest: str) -> str:
         """The stop token the rendering continues with right after a reply (``rest``), which ends that reply."""
@@ -67,10 +71,11 @@ def _probe(tokenizer) -> ReplyEnd:
     alone = _render(tokenizer, [user, reply])
     if alone is None or PROBE not in alone:
         return ReplyEnd()
+    header, opener = _prompt(tokenizer, user, reply)
     special = special_ids(tokenizer)
     written = next((i for i in _ids(tokenizer, alone.split(PROBE, 1)[1]) if i in special), None)
     if written is not None:
-        return ReplyEnd(written)
+        return ReplyEnd(written, header=header, opener=opener)
     call = {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}
     follow = {"user": ([user, reply], {"role": "user", "content": NEXT}),
               "tool": ([user, call], {"role": "tool", "content": NEXT})}
@@ -82,7 +87,20 @@ def _probe(tokenizer) -> ReplyEnd:
             first = token
         if token and tokenizer.convert_tokens_to_ids(token) in stops:
             opens[role] = token
-    return ReplyEnd(None, opens, first)
+    return ReplyEnd(None, opens, first, header, opener)
+
+
+def _prompt(tokenizer, user: dict, reply: dict) -> tuple[str, str]:
+    """(header, opener): the generation prompt split where a reply in the history departs from it (the opener ""
+    for most templates): the prompt for one user turn against the same turn followed by a reply and another user
+    turn."""
+    bare, prompted = _render(tokenizer, [user]), _render(tokenizer, [user], True)
+    past = _render(tokenizer, [user, reply, {"role": "user", "content": NEXT}])
+    if bare is None or prompted is None or past is None or not (prompted.startswith(bare) and past.startswith(bare)):
+        return "", ""
+    gen, after = prompted[len(bare):], past[len(bare):]
+    common = next((k for k, (x, y) in enumerate(zip(gen, after)) if x != y), min(len(gen), len(after)))
+    return (gen[:common], gen[common:]) if PROBE in after[common:] else ("", "")
 
 
 def _opening(tokenizer, before: list[dict], nxt: dict, special: set[int]) -> str:
@@ -106,9 +124,9 @@ def special_ids(tokenizer) -> set[int]:
     return set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
 
 
-def _render(tokenizer, messages: list[dict]) -> str | None:
+def _render(tokenizer, messages: list[dict], gen: bool = False) -> str | None:
     try:
-        return render_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=False)
+        return render_chat_template(tokenizer, messages, tokenize=False, add_generation_prompt=gen)
     except UserError:
         return None
     except Exception:  # noqa: BLE001 - a template that cannot take a probe shape (a VLM's parts): nothing learned
