@@ -111,6 +111,8 @@ def _moe_note(shape: ModelShape) -> str:
     """Why QLoRA does not rescue an MoE model yet (planner/moe.py's EXPERTS_4BIT)."""
     from rocktune.planner import moe
 
+    if shape.mxfp4_experts:
+        return " " + moe.mxfp4_fit_note(shape)
     if not shape.experts or moe.stacks_4bit(shape, "nf4", True):
         return ""
     stacks = shape.moe_layers * moe.stack_values(shape)

@@ -101,6 +101,14 @@ def refuse_quantised(shape, quant: str) -> None:
                         "checkpoint.")
 
 
+def mxfp4_fit_note(shape) -> str:
+    """Why QLoRA does not rescue an MXFP4 checkpoint that fits nowhere, and what would."""
+    values = shape.moe_layers * stack_values(shape)
+    return (f"Its experts ship as MXFP4 and train dequantised ({_size(values * 2)} in bf16 against "
+            f"{_size(values * MXFP4_BYTES)} packed); QLoRA (model.quantization: nf4) needs a bf16 copy of the "
+            "checkpoint, whose expert stacks rocktune then stores in 4 bit.")
+
+
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
