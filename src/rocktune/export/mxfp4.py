@@ -25,12 +25,26 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
 @dataclass(frozen=True)
 class Packed:
-    """A tensor already in a ggml block type: ``data`` the bytes gguf-py's writer takes (uint8 rows of blocks),
-    ``ggml_type`` their type, ``values`` the same tensor as fp32 for a file llama.cpp's quantiser makes from an f32
-    one (it requantises no block type)."""
-    data: np.ndarray
-    ggml_type: int
-    values: np.ndarray
+    """A tensor written in ggml's MXFP4 type, from the checkpoint's ``blocks`` [experts, rows, n/32, 16] and
+    ``scales`` [experts, rows, n/32]: ``data`` the bytes gguf-py's writer takes, ``values`` the same tensor as fp32
+    for a file llama.cpp's quantiser makes from an f32 one (it requantises no block type). Both are made when asked:
+    the packed form is what stays in memory until the file is written (4.25 bits a value, not 32)."""
+    blocks: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def ggml_type(self) -> int:
+        import gguf
+
+        return gguf.GGMLQuantizationType.MXFP4
+
+    @property
+    def data(self) -> np.ndarray:
+        return to_ggml(self.blocks, self.scales)
+
+    @property
+    def values(self) -> np.ndarray:
+        return decode(self.blocks, self.scales)
 
 
 def decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -50,9 +64,7 @@ def to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def packed(blocks: np.ndarray, scales: np.ndarray) -> Packed:
     """One GGUF tensor of the checkpoint's rows ([experts, rows, ...]), as llama.cpp's converter writes it."""
-    import gguf
-
-    return Packed(to_ggml(blocks, scales), gguf.GGMLQuantizationType.MXFP4, decode(blocks, scales))
+    return Packed(blocks, scales)
 
 
 def base_stack(name_or_path: str, key: str) -> tuple[np.ndarray, np.ndarray] | None:
