@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -136,10 +136,11 @@ class Choice:
         self.kernel, self.reference = kernel, reference_call(kernel)
         self.key_arg = KEY_ARG.get(kernel.name, 0)
         self.chosen: dict[tuple, Callable] = {}  # (device type, index, dtype) -> the fast kernel proven there
+        self.forced = 0  # > 0 inside ``reference([this kernel])``
 
     def __call__(self, *args, **kwargs):
         x = args[self.key_arg]
-        fn = self.chosen.get((x.device.type, x.device.index, x.dtype)) if not _Forced.depth else None
+        fn = None if _Forced.depth or self.forced else self.chosen.get((x.device.type, x.device.index, x.dtype))
         return (fn or self.reference)(*args, **kwargs)
 
 
@@ -164,13 +165,21 @@ def restore() -> None:
 
 
 @contextlib.contextmanager
-def reference() -> Iterator[None]:
-    """Inside: every recurrent layer runs transformers' torch functions (the tripwire's reference forward)."""
-    _Forced.depth += 1
+def reference(kernels: Iterable[Kernel] | None = None) -> Iterator[None]:
+    """Inside: the recurrent layers run transformers' torch functions, for every kernel or for ``kernels`` only (the
+    tripwire's reference forward, and its search for the wrong one)."""
+    only = None if kernels is None else [c for c in _INSTALLED if c.kernel in set(kernels)]
+    if only is None:
+        _Forced.depth += 1
+    for choice in only or ():
+        choice.forced += 1
     try:
         yield
     finally:
-        _Forced.depth -= 1
+        if only is None:
+            _Forced.depth -= 1
+        for choice in only or ():
+            choice.forced -= 1
 
 
 def device_key(device: str | torch.device, dtype: torch.dtype) -> tuple:

@@ -4,17 +4,21 @@
 Two checks, both cheap next to a step:
 
 - the path against the reference: one small piece of the step's first micro-batch (the feed's smallest split: one
-  example, one pair) through the run's own forward and backward (its side path, its compiled graph), then through
-  PEFT's own eager forward on the same adapter values (rocktune.lora.check.reference_mode; a task loss's own
-  faster forward, e.g. GRPO's shared prompt, off too: its ``plain_path``); losses and adapter
-  gradients must agree within the precision's rounding (lora_check.TOLERANCE), and every adapter tensor the
-  reference gives a gradient must get one;
+  example, one pair) through the run's own forward and backward (its side path, its compiled graph, the fast kernels
+  its recurrent layers chose), then through PEFT's own eager forward on the same adapter values
+  (rocktune.lora.check.reference_mode; a task loss's own faster forward, e.g. GRPO's shared prompt, off too: its
+  ``plain_path``; Gated DeltaNet and Mamba2 layers on transformers' torch kernels: rocktune.kernels.recurrent);
+  losses and adapter gradients must agree within the precision's rounding (lora_check.TOLERANCE), and every adapter
+  tensor the reference gives a gradient must get one. Where they do not and recurrent layers run fast kernels, the
+  run's path is probed once more with the torch kernels: agreeing then, the kernels are the cause (a kernel that
+  passed its small self-test at load and fails on the run's own shapes);
 - the update: an applied optimizer step with a learning rate and a gradient must move the adapter.
 
 A disagreement stops the run (exit 4, never retried) with its cause named: the compiler dropped the adapter's
-gradients, the forward kept an old adapter (a stale cast), the optimizer did not update, or a kernel computes wrong
-values. The step's accumulated gradients are set aside while the probe runs and put back after it, and the probe
-forks the RNG, so a run with the tripwire trains exactly as one without it: the same losses, adapters, resume.
+gradients, the forward kept an old adapter (a stale cast), the optimizer did not update, a kernel computes wrong
+values, or a recurrent layer's fast kernel does. The step's accumulated gradients are set aside while the probe runs
+and put back after it, and the probe forks the RNG, so a run with the tripwire trains exactly as one without it: the
+same losses, adapters, resume.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from rocktune.kernels import recurrent
 from rocktune.lora import check as lora_check
 from rocktune.train.distributed import no_sync
 from rocktune.train.guards import DOCTOR_HINT, FatalNumerics
@@ -43,6 +48,10 @@ _FIX = {
                  "zero (training.optimizer={optimizer}: try adamw_torch)",
     "mismatch": "{what} computes other values than PEFT's reference forward on the same adapter: a wrong kernel or "
                 "cast on this device{hint}",
+    "recurrent": "the recurrent layers' fast kernels ({kernels}) compute other values than transformers' torch "
+                 "functions on this run's batch (the same path with the torch functions in their place agrees with "
+                 "PEFT's reference): uninstall {packages} to train on transformers' torch path, and report it with "
+                 "the output of `rocktune doctor`",
 }
 
 
@@ -70,6 +79,7 @@ class Tripwire:
     first: int = 1  # this process's first step (a resumed run checks its own first two steps too)
     passed: list[int] = field(default_factory=list)  # steps whose probe agreed with the reference
     snapshot: list | None = None  # (adapter tensor, its value before the update) of a due step
+    kernels: list = field(default_factory=list)  # the recurrent layers' fast kernels a failed probe blames
 
     def due(self, step: int) -> bool:
         return step < self.first + 2 or bool(self.every and step % self.every == 0)
@@ -119,9 +129,30 @@ class Tripwire:
         with no_sync(self.loss_of, last=False), apart():  # the probe's gradients and statistics are not the step's
             got = lora_check.probe(self.model, loss_fn, self.autocast, params=adapter)
             plain = getattr(inner, "plain_path", contextlib.nullcontext)  # a task's own faster forward off too
-            with lora_check.reference_mode(self.model), plain():
+            with lora_check.reference_mode(self.model), recurrent.reference(), plain():
                 ref = lora_check.probe(self.model, loss_fn, self.autocast, params=adapter)
-        return lora_check.compare_probe(got, ref, self.precision)
+            problems = lora_check.compare_probe(got, ref, self.precision)
+            if problems:
+                self.kernels = self._wrong_kernels(lambda: lora_check.probe(self.model, loss_fn, self.autocast,
+                                                                            params=adapter), ref)
+        return problems
+
+    def _wrong_kernels(self, probe: Callable[[], lora_check.Probe], ref: lora_check.Probe) -> list:
+        """After a failed probe of a model whose recurrent layers run fast kernels: those to blame, found by probing
+        the run's path again with transformers' torch kernels, all of them and then one at a time (none: the side
+        path or compiled graph is wrong, or the kernels and it both are)."""
+        fast = recurrent.fast_kernels(self.model)
+        if not fast:
+            return []
+        with recurrent.reference():
+            if lora_check.compare_probe(probe(), ref, self.precision):
+                return []
+        alone = []
+        for kernel in fast:
+            with recurrent.reference([kernel]):
+                if not lora_check.compare_probe(probe(), ref, self.precision):
+                    alone.append(kernel)
+        return alone or fast
 
     def _message(self, step: int, problems: list[lora_check.Problem]) -> str:
         compiled = self.compiled()
@@ -133,7 +164,12 @@ class Tripwire:
         stale = bool(self.passed) and any(p.cause == "mismatch" for p in problems)
         named = sorted(((("stale" if stale and p.cause == "mismatch" else p.cause), p) for p in problems),
                        key=lambda cp: list(_FIX).index(cp[0]) if cp[0] != "stale" else -1)
-        causes = [_FIX[cause].format(what=what, hint=hint, optimizer=self.optimizer_kind)
+        if self.kernels:  # the path agrees with the torch kernels: the fast ones are the cause, whatever it looked like
+            named = [("recurrent", lora_check.Problem("recurrent", "; ".join(str(p) for _, p in named)))]
+        packages = sorted({recurrent.DISTRIBUTION.get(k.package, k.package) for k in self.kernels})
+        causes = [_FIX[cause].format(what=what, hint=hint, optimizer=self.optimizer_kind,
+                                     kernels=", ".join(f"{k.name} ({k.package})" for k in self.kernels),
+                                     packages=" and ".join(packages))
                   + (f" ({p.detail})" if p.detail else "") for cause, p in named]
         return (f"step {step}: the training path check failed, so this run's updates cannot be trusted and it stops "
                 f"before wasting more time. " + " Also: ".join(causes) + ". `rocktune doctor --model PATH` runs "
