@@ -110,6 +110,27 @@ def test_rocktune_asks_for_dequantised_experts_where_transformers_would_keep_mxf
         load_kwargs(str(checkpoint[0]), "nf4")
 
 
+def test_the_merge_loads_the_base_with_the_dequantising_config(checkpoint, monkeypatch):
+    """export's merge loads the MXFP4 base as training did (dequantised), so on a GPU where transformers would keep
+    the experts packed for its forward-only kernels the LoRA delta still lands on plain stacks: its exact values."""
+    from transformers import AutoModelForCausalLM
+
+    from rocktune.export.merge import load_base_fp32
+
+    asked = {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        asked.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    model = load_base_fp32(str(checkpoint[0]), False)
+    assert asked["quantization_config"].dequantize is True
+    stack = model.get_parameter("model.layers.0.mlp.experts.down_proj")
+    assert stack.dtype == torch.float32 and stack.dim() == 3
+
+
 def test_training_on_mxfp4_experts_is_training_on_their_decoded_values(runs):
     """The MXFP4 run's losses fall and equal, step for step, those of the same run on a plain fp32 checkpoint of the
     decoded values, with the same adapter; its run log states what dequantising cost (the plain one's does not)."""

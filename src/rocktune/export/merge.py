@@ -37,6 +37,7 @@ def load_base_fp32(name_or_path: str, trust_remote_code: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rocktune.models import mxfp4
     from rocktune.models.load import quiet_transformers
 
     from rocktune.tasks.vlm.vision.model import model_class
@@ -46,8 +47,11 @@ def load_base_fp32(name_or_path: str, trust_remote_code: bool):
     try:
         if vision is not None:
             return vision.from_pretrained(name_or_path, dtype=torch.float32)
+        # MXFP4 experts (gpt-oss): dequantised as training loaded them, also where transformers' kernels would
+        # keep them packed (a merge adds the LoRA delta to each stack as a tensor)
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
-                                                    trust_remote_code=trust_remote_code)
+                                                    trust_remote_code=trust_remote_code,
+                                                    **mxfp4.load_kwargs(name_or_path, "none"))
     except (OSError, ValueError) as exc:
         raise UserError(f"could not load the base model {name_or_path}: {first_line(exc)} "
                         "(offline? pass a local model directory with --base)") from None
