@@ -218,14 +218,38 @@ def test_qwen3_5_gguf_and_mmproj_hold_the_merged_weights(runs):
 MMPROJ_EXTRA = {"clip.vision.image_min_pixels", "clip.vision.image_max_pixels"}
 
 
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory) -> Path:
+    """A Qwen3.5-MoE run trained 3 steps by rocktune: its all-linear adapts the expert stacks too (PEFT's
+    target_parameters, which make_vlm_run's target list does not reach), so the merge changes them."""
+    from rocktune.config import config_from_dict
+    from rocktune.tasks import train
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.demo.vision_task import write_colour_task
+    from tests.test_vlm_train import vlm_config
+
+    root = tmp_path_factory.mktemp("qwen3_5_moe")
+    base = build_tiny_vlm(root / "base", family="qwen3_5_moe")
+    data = write_colour_task(root / "colours", n_train=16, n_eval=2, seed=0)
+    train(config_from_dict(vlm_config(base, data, root / "run", max_steps=3)), quiet=True)
+    return root / "run"
+
+
+# family -> (its language model's model_type, llama.cpp's architecture, the text file's tensors)
+CONVERTED = {"qwen3_5": ("qwen3_5_text", "qwen35", 27), "qwen3_5_moe": ("qwen3_5_moe_text", "qwen35moe", 37)}
+
+
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("quant", ["f32", "f16"])
-def test_qwen3_5_files_equal_llama_cpp_s_converter(runs, quant):
-    """llama.cpp's convert_hf_to_gguf.py on the merged directory (its Qwen3_5TextModel for the language model, its
-    Qwen3VLVisionModel with --mmproj for the eyes): every tensor and key equal to ours; our mmproj adds the pixel
-    limits only."""
+@pytest.mark.parametrize("family", list(CONVERTED))
+def test_qwen3_5_files_equal_llama_cpp_s_converter(runs, request, family, quant):
+    """llama.cpp's convert_hf_to_gguf.py on the merged directory (its Qwen3_5TextModel / Qwen3_5MoeTextModel for the
+    language model, its Qwen3VLVisionModel with --mmproj for the eyes): every tensor and key equal to ours; our mmproj
+    adds the pixel limits only. Qwen3.5-MoE's run adapted its expert stacks, which the merge moved."""
     import subprocess
     import sys
+
+    from safetensors.torch import load_file
 
     from tests import llama_cpp_converter
     from tests.test_gguf_converter import assert_same_gguf, read
@@ -233,16 +257,21 @@ def test_qwen3_5_files_equal_llama_cpp_s_converter(runs, quant):
     src = llama_cpp_converter.converter_source()
     if src is None:
         pytest.skip("no llama.cpp source tree (set ROCKTUNE_LLAMA_CPP_SRC; tests/llama_cpp_converter.py says how)")
-    run, _, _ = runs("qwen3_5")
+    run = runs(family)[0] if family == "qwen3_5" else request.getfixturevalue("moe_run")
     merged, out = run / "export" / "merged", run / "export"
     if not merged.is_dir():
         assert main(["export", str(run), "--to", "merged", "--dtype", "fp32"]) == 0
+    if family == "qwen3_5_moe":
+        stack = "model.language_model.layers.0.mlp.experts.0.gate_proj.weight"  # saved one expert at a time
+        before = load_file(run.parent / "base" / "model.safetensors")[stack]
+        assert float((load_file(merged / "model.safetensors")[stack] - before).abs().max()) > 0
     assert main(["export", str(run), "--to", "gguf", "--quant", quant, "--overwrite"]) == 0
+    text_type, arch, count = CONVERTED[family]
     ours = out / f"model-{quant}.gguf"
     theirs = run.parent / f"converter-{quant}.gguf"
-    done = llama_cpp_converter.convert(src, merged, theirs, quant, read(ours)[0]["tokenizer.ggml.pre"], "qwen3_5_text")
+    done = llama_cpp_converter.convert(src, merged, theirs, quant, read(ours)[0]["tokenizer.ggml.pre"], text_type)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert assert_same_gguf(ours, theirs, "qwen35") == 27  # the keys test_gguf_converter.py allows, no others
+    assert assert_same_gguf(ours, theirs, arch) == count  # the keys test_gguf_converter.py allows, no others
     theirs = run.parent / f"converter-mmproj-{quant}.gguf"
     argv = [sys.executable, llama_cpp_converter.__file__, str(src), "-", str(merged), "--outtype", quant, "--outfile",
             str(theirs), "--mmproj"]

@@ -179,7 +179,7 @@ CASES = {"qwen2_5_vl": ({}, (112, 112)),
                        "rope": {"mrope_section": [3, 3, 2]}}, (128, 128)),
          # Qwen3.5: Qwen3-VL's tower without deepstack before four layers, Gated DeltaNet and full attention in turn
          # (with two, two noise images' logits differ by 0.38 only: too little to tell the image from the text)
-         "qwen3_5": ({"layers": 4}, (128, 128)),
+         "qwen3_5": ({"layers": 4}, (128, 128)), "qwen3_5_moe": ({"layers": 4}, (128, 128)),
          # Gemma 3: 4 x 4 patches pooled into 4 soft tokens; SmolVLM / Idefics3: 2 x 2 tiles of 32 pixels and the
          # global view, 4 tokens each
          "gemma3": ({}, (32, 32)), "smolvlm": ({}, (64, 64)), "idefics3": ({}, (64, 64))}
@@ -301,7 +301,7 @@ def _image_tokens(config, size: tuple[int, int]) -> int:
         return config.mm_tokens_per_image
     if config.model_type in TILES:
         return (size[0] // 32 * size[1] // 32 + 1) * 4
-    side = 32 if config.model_type in ("qwen3_vl", "qwen3_5") else 28
+    side = 32 if config.model_type in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else 28
     return size[0] * size[1] // side**2
 
 

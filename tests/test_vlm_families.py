@@ -5,9 +5,9 @@ pixels equal transformers' own combined processors', every data shape encodes, t
 pixels right, a run trains, exports merged (the same logits) and answers with ``generate --image``, and what is not
 supported is refused with its reason; the chunked loss and adapter gradients equal PEFT's forward with torch's
 cross-entropy, and a tiny Gemma 3 and SmolVLM learn the colour task (make test-long), by test_vlm_train.py's checks.
-Qwen3.5 (Qwen3-VL's tower and processor before a hybrid Gated DeltaNet language model) runs the same checks, and its
-recurrent layers refuse packed rows. These families need transformers 5 (the torch 2.4/2.5 stacks' 4.57 is refused for
-them: untested there)."""
+Qwen3.5 and Qwen3.5-MoE (Qwen3-VL's tower and processor before a hybrid Gated DeltaNet language model; the MoE's
+expert stacks adapted as the text tasks adapt them) run the same checks, and their recurrent layers refuse packed
+rows. These families need transformers 5 (the torch 2.4/2.5 stacks' 4.57 is refused for them: untested there)."""
 
 from __future__ import annotations
 
@@ -199,7 +199,10 @@ def colours(tmp_path_factory) -> tuple[Path, Path]:
      "are frozen"),
     # the Gated DeltaNet layer's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj, the full-attention
     # layer's q/k/v/o and both MLPs
-    ("qwen3_5", "LoRA on 15 language-model modules; the vision tower and projector (visual.*) are frozen")])
+    ("qwen3_5", "LoRA on 15 language-model modules; the vision tower and projector (visual.*) are frozen"),
+    # the same 15 but the MLPs' 6 in each layer: the shared expert's 3 and the routed experts' 2 stacks; the router and
+    # the 1-wide shared_expert_gate are left out
+    ("qwen3_5_moe", "LoRA on 19 language-model modules; the vision tower and projector (visual.*) are frozen")])
 def test_a_run_trains_exports_merged_and_answers_about_an_image(tmp_path, colours, capsys, family, note):
     import torch
     from safetensors import safe_open
@@ -224,9 +227,13 @@ def test_a_run_trains_exports_merged_and_answers_about_an_image(tmp_path, colour
     modules = int(note.split()[2])
     assert len(keys) == 2 * modules and all(".language_model." in k or ".text_model." in k for k in keys)
     assert not any(root in k for root in ("vision", "visual", "projector", "connector") for k in keys)
+    assert any(".experts." in k for k in keys) == (family == "qwen3_5_moe")
+    assert not any(".mlp.gate." in k or "shared_expert_gate" in k for k in keys)  # no router, no 1-wide gate
     assert main(["export", str(run), "--to", "merged"]) == 0
     merged = run / "export" / "merged"
-    assert is_vision_dir(str(merged)) and (merged / "preprocessor_config.json").is_file()
+    # a merged Qwen3.5 is a text model too: generate takes it as one unless --image is given (as below)
+    assert is_vision_dir(str(merged)) is not family.startswith("qwen3_5")
+    assert (merged / "preprocessor_config.json").is_file()
     logits = []
     for where in (run, merged):
         model, tok, vision = load(resolve(str(where)), "cpu")
@@ -315,6 +322,18 @@ def test_qwen3_5_refuses_packed_rows_for_its_recurrent_layers(tmp_path, colours,
     assert not (tmp_path / "run").exists()
 
 
+def test_qwen3_5_moe_lora_on_the_vision_side_is_refused(tmp_path, colours):
+    """The expert stacks take LoRA through the text tasks' all-linear (PEFT's target_parameters), which reaches the
+    language model only: lora.vision is refused with the reason rather than leaving the experts or the tower out."""
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+
+    cfg = _config(build_tiny_vlm(tmp_path / "m", family="qwen3_5_moe"), colours, tmp_path / "run", max_steps=2)
+    cfg["lora"]["vision"] = "projector"
+    with pytest.raises(UserError, match=r"lora.vision=projector with a mixture-of-experts language model "
+                                        r"\(Qwen3.5-MoE\): its expert stacks take LoRA through"):
+        train(config_from_dict(cfg), quiet=True)
+
+
 def test_data_preview_shows_each_split_image_and_its_tokens(tmp_path, capsys):
     from rocktune.cli import main
     from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
@@ -355,10 +374,11 @@ def colour_task(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("family", [pytest.param("gemma3", marks=pytest.mark.long),
-                                    pytest.param("smolvlm", marks=pytest.mark.long), "qwen3_5"])
+                                    pytest.param("smolvlm", marks=pytest.mark.long), "qwen3_5",
+                                    pytest.param("qwen3_5_moe", marks=pytest.mark.long)])
 def test_a_tiny_model_learns_the_colour_of_a_shape(tmp_path, colour_task, capsys, family):
-    """Held-out accuracy 1.0 measured for each (docs/vision.md); Gemma 3 and SmolVLM 30-80 s each beside other jobs
-    (make test-long), Qwen3.5 about 20 s."""
+    """Held-out accuracy 1.0 measured for each (docs/vision.md); Gemma 3, SmolVLM and Qwen3.5-MoE 30-80 s each beside
+    other jobs (make test-long), Qwen3.5 about 20 s."""
     from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
 
     learns_the_colour(build_tiny_vlm(tmp_path / "m", family=family), colour_task, tmp_path, capsys, max_length=128)

@@ -107,7 +107,8 @@ def test_the_model_loader_refuses_a_vl_checkpoint_for_a_text_task(vlm_dir):
         load_model(str(vlm_dir), "fp32", "sdpa", False, "cpu")
 
 
-def test_qwen3_5_stays_a_text_model_unless_task_vlm_is_asked(vlm_dirs, colours, tmp_path, capsys):
+@pytest.mark.parametrize(("family", "name"), [("qwen3_5", "Qwen3.5"), ("qwen3_5_moe", "Qwen3.5-MoE")])
+def test_qwen3_5_stays_a_text_model_unless_task_vlm_is_asked(vlm_dirs, colours, tmp_path, capsys, family, name):
     """Qwen3.5 is released as one model with its eyes, which the text tasks train as its causal LM
     (tests/test_family_checkpoints.py): a config without task stays task=lm (no note), an explicit task=lm is not
     refused, the text loader and the text plan take it, and generate without --image answers as text; task=vlm
@@ -116,11 +117,12 @@ def test_qwen3_5_stays_a_text_model_unless_task_vlm_is_asked(vlm_dirs, colours, 
     from rocktune.config import config_from_dict
     from rocktune.models.load import load_model
 
-    model = vlm_dirs("qwen3_5")
+    model = vlm_dirs(family)
     for task in ({}, {"task": "lm"}, {"task": "dpo"}):
         cfg = config_from_dict({"model": {"name_or_path": str(model)}, "data": {"train_file": "t.jsonl"}, **task})
         assert vision_task(cfg).task == task.get("task", "lm")
-    assert type(load_model(str(model), "fp32", "sdpa", False, "cpu")).__name__ == "Qwen3_5ForCausalLM"
+    causal = name.replace(".", "_").replace("-MoE", "Moe") + "ForCausalLM"  # Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+    assert type(load_model(str(model), "fp32", "sdpa", False, "cpu")).__name__ == causal
     capsys.readouterr()
     assert main(["plan", str(model), "--json"]) == 0
     assert "vision_forward" not in json.loads(capsys.readouterr().out)["terms"]
@@ -131,8 +133,8 @@ def test_qwen3_5_stays_a_text_model_unless_task_vlm_is_asked(vlm_dirs, colours, 
     image = colours[1].parent / "images" / "eval_0.png"
     assert main(["generate", str(model), "--image", str(image), "--prompt", "Colour?", "--max-new-tokens", "2"]) == 0
     err = " ".join(capsys.readouterr().err.split())
-    assert f"{model} is a Qwen3.5 vision-language model (config.json: model_type qwen3_5), so it answers as task: " \
-           "vlm does" in err
+    assert f"{model} is a {name} vision-language model (config.json: model_type {family}), so it answers as " \
+           "task: vlm does" in err
 
 
 def test_data_preview_without_task_previews_images(vlm_dir, colours, capsys):

@@ -177,7 +177,7 @@ def test_pixel_limits_are_refused_for_text_tasks():
 
 
 def test_a_text_model_or_a_csv_file_is_refused_before_training(tiny_model_dir, vlm_dir, colours, tmp_path):
-    supported = "qwen2_5_vl, qwen3_vl, qwen2_vl, qwen3_5, gemma3, smolvlm, idefics3"
+    supported = "qwen2_5_vl, qwen3_vl, qwen2_vl, qwen3_5, qwen3_5_moe, gemma3, smolvlm, idefics3"
     with pytest.raises(UserError, match=rf"task=vlm supports {supported} .* is a 'qwen2' model"):
         train(config_from_dict(vlm_config(tiny_model_dir, colours, tmp_path / "a")), quiet=True)
     table = tmp_path / "rows.csv"

@@ -6,7 +6,8 @@ from typing import cast
 
 import torch
 
-from rocktune.models.load import apply_lora
+from rocktune.lora.moe import expert_path_note
+from rocktune.models.load import apply_lora, moe_expert_parameters
 from rocktune.errors import UserError
 from rocktune.tasks.vlm.vision.families import Family
 from rocktune.tasks.vlm.vision.model import family, language_targets, load_vlm, patch_embed_as_linear
@@ -37,12 +38,28 @@ def model_with_adapter(model_cfg, lora_cfg, precision: str, attn_implementation:
     the note says which parts carry adapters and that the vision tower and projector are frozen."""
     model = load_vlm(model_cfg.name_or_path, precision, attn_implementation, device)
     patch_notes = patch_embed(model, model_cfg.vision_patch_embed, platform)
-    targets = language_targets(model, lora_cfg.vision) if lora_cfg.target_modules == "all-linear" else \
-        lora_cfg.target_modules
+    targets = _targets(model, lora_cfg)
     model = apply_lora(model, lora_cfg.r, lora_cfg.alpha, lora_cfg.dropout, targets,
                        model_cfg.gradient_checkpointing)
     frozen_tower_input(model)
-    return model, [adapted_note(model)] + patch_notes
+    return model, [adapted_note(model)] + [n for n in (expert_path_note(model),) if n] + patch_notes
+
+
+def _targets(model, lora_cfg):
+    """PEFT's target_modules. ``all-linear`` on a mixture-of-experts language model (Qwen3.5-MoE) is the text
+    tasks' own (models/targets.py: the text decoder's linear layers but its routers and 1-wide gates, plus the expert
+    stacks, which are 3-D parameters that only its ``all-linear`` reaches), whose decoder leaves the vision side out;
+    otherwise the language model's linear layers by name, with the vision side that ``lora.vision`` adds."""
+    if lora_cfg.target_modules != "all-linear":
+        return lora_cfg.target_modules
+    if not moe_expert_parameters(model):
+        return language_targets(model, lora_cfg.vision)
+    if lora_cfg.vision != "none":
+        raise UserError(f"lora.vision={lora_cfg.vision} with a mixture-of-experts language model "
+                        f"({cast(Family, family(model.config)).name}): its expert stacks take LoRA through the text "
+                        "tasks' all-linear, which adapts the language model only; set lora.vision: none, or list "
+                        "the target modules yourself (the experts then stay frozen).")
+    return "all-linear"
 
 
 def frozen_tower_input(model) -> int:

@@ -65,6 +65,11 @@ QWEN35_TEXT = {"linear_conv_kernel_dim": 4,
                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
                "linear_num_value_heads": 4}
 QWEN35_ROPE = {"mrope_interleaved": True, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
+# Qwen3.5-MoE: the same, with 4 routed experts (2 a token) and a shared one in every layer's MLP; expert widths of 64
+# as the text families' fixture has them
+QWEN35_MOE_TEXT = {**QWEN35_TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 64}
+HYBRID = ("linear_attention", "full_attention")
 
 
 # the Qwen-style families' tiny models, keyed by model_type as tasks/vlm/vision/table.py's entries (the others' are
@@ -75,8 +80,8 @@ FAMILIES: dict[str, QwenTiny] = {
     "qwen3_vl": QwenTiny({"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, {"mrope_interleaved": True},
                          16),
     "qwen2_vl": QwenTiny({"embed_dim": 32, "mlp_ratio": 2}, {}, 14),
-    "qwen3_5": QwenTiny({"num_position_embeddings": 64}, QWEN35_ROPE, 16, QWEN35_TEXT,
-                        ("linear_attention", "full_attention")),
+    "qwen3_5": QwenTiny({"num_position_embeddings": 64}, QWEN35_ROPE, 16, QWEN35_TEXT, HYBRID),
+    "qwen3_5_moe": QwenTiny({"num_position_embeddings": 64}, QWEN35_ROPE, 16, QWEN35_MOE_TEXT, HYBRID),
 }
 
 

@@ -95,6 +95,11 @@ def _qwen(model_type: str, name: str, model_class: str, plan: PlanFacts, gguf: G
                        pixel_limits=True, packing=True)
 
 
+def _qwen35(model_type: str, name: str, model_class: str) -> FamilyEntry:
+    return replace(_qwen(model_type, name, model_class, PlanFacts("qwen"),
+                         GgufFacts("QWEN3VL", deepstack=True, imrope=True)), transformers=5, text_task=True)
+
+
 def _tiles(model_type: str, name: str, model_class: str) -> FamilyEntry:
     return FamilyEntry(model_type, name, model_class, TILE_PROCESSORS, ("vision_model", "connector"), "connector",
                        TILES, SIGLIP_TILES, GGUF_TILES, transformers=5,
@@ -108,10 +113,10 @@ FAMILIES: dict[str, FamilyEntry] = {e.model_type: e for e in (
           GgufFacts("QWEN3VL", deepstack=True)),
     _qwen("qwen2_vl", "Qwen2-VL", "Qwen2VLForConditionalGeneration", PlanFacts("qwen", embed_dim=True),
           GgufFacts("QWEN2VL")),
-    # Qwen3.5: Qwen3-VL's tower without deepstack mergers, before a hybrid Gated DeltaNet language model (one model
-    # with its eyes); transformers 5 only
-    replace(_qwen("qwen3_5", "Qwen3.5", "Qwen3_5ForConditionalGeneration", PlanFacts("qwen"),
-                  GgufFacts("QWEN3VL", deepstack=True, imrope=True)), transformers=5, text_task=True),
+    # Qwen3.5 and its MoE: Qwen3-VL's tower without deepstack mergers, before a hybrid Gated DeltaNet language model
+    # (one model with its eyes); transformers 5 only
+    _qwen35("qwen3_5", "Qwen3.5", "Qwen3_5ForConditionalGeneration"),
+    _qwen35("qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeForConditionalGeneration"),
     FamilyEntry("gemma3", "Gemma 3", "Gemma3ForConditionalGeneration", ("Gemma3ImageProcessor",),
                 ("vision_tower", "multi_modal_projector"), "multi_modal_projector",
                 Placeholder("fixed_tokens", ("image_token_id", "boi_token_id", "eoi_token_id")),
