@@ -69,7 +69,7 @@ def test_the_rocm_report_is_shown_for_auto_and_nothing_changes_by_itself(tmp_pat
     assert "forward" in vars(conv)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen2_vl", "qwen3_5"])
 def test_training_with_the_matmul_gives_the_same_losses(tmp_path, family):
     from rocktune.config import config_from_dict
     from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
