@@ -6,6 +6,7 @@ Checked before any weight is loaded, so an unsupported model fails in a second, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rocktune.errors import UserError
-from rocktune.export import gpt_oss, linear_attn, llama4
+from rocktune.export import gemma4, gpt_oss, granite_hybrid, linear_attn, llama4
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class Arch:
     hparams: Callable | None = None  # the family's own metadata keys, on top of the common ones
     transform: Callable | None = None  # (HF name, data, cfg) -> [(name the GGUF table knows, data)]: the layout
     lora_order: Callable | None = None  # (module, A, B, cfg) -> (A, B) in that layout
+    common: Callable | None = None  # cfg -> {common key: value} where the family's differs (per-layer arrays)
+    extra: Callable | None = None  # cfg -> {GGUF name: array}: tensors llama.cpp needs beyond the checkpoint's
+    rope_kinds: tuple[str, ...] = ()  # rope types the family's own check and keys handle, beyond the common ones
+    no_lora: tuple[str, ...] = ()  # modules llama.cpp's graph multiplies without their LoRA: a GGUF LoRA refuses them
+    name_for: Callable | None = None  # cfg -> llama.cpp's architecture, where the configuration decides it
 
 
 def _refuse_if(condition: bool, cfg, what: str) -> None:
@@ -201,6 +207,10 @@ def split_experts(key: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
 LINEAR_ATTN = {"check": linear_attn.check, "hparams": _qwen35_hparams, "transform": linear_attn.to_llama_cpp,
                "lora_order": linear_attn.lora_order}
 
+GEMMA4 = {"check": gemma4.check, "hparams": gemma4.add_hparams, "transform": gemma4.to_llama_cpp,
+          "common": gemma4.common, "extra": gemma4.rope_freqs, "rope_kinds": ("proportional",),
+          "no_lora": ("per_layer_model_projection",)}
+
 # HF model_type -> llama.cpp arch. Mistral's dense models run on llama.cpp's llama graph.
 ARCHS = {
     "qwen2": Arch("qwen2", False),
@@ -229,23 +239,54 @@ ARCHS = {
     "qwen3_5_moe_text": Arch("qwen35moe", False, **LINEAR_ATTN),
     "qwen3_next": Arch("qwen3next", False, **LINEAR_ATTN),
     "qwen3_vl_text": Arch("qwen3vl", False, check=_check_interleaved_mrope, hparams=_qwen3vl_hparams),
+    # Granite 4: Mamba2 + attention, experts with a shared MLP (export/granite_hybrid.py)
+    "granitemoehybrid": Arch("granitehybrid", True, check=granite_hybrid.check, hparams=granite_hybrid.add_hparams,
+                             transform=granite_hybrid.to_llama_cpp, lora_order=granite_hybrid.lora_order,
+                             common=granite_hybrid.common, name_for=granite_hybrid.gguf_name),
+    # Gemma 4: two head widths, proportional rope on the full layers, per-layer embeddings (export/gemma4.py); the
+    # multimodal checkpoint's language model the same way
+    "gemma4_text": Arch("gemma4", False, **GEMMA4),
+    "gemma4": Arch("gemma4", False, **GEMMA4),
 }
 
 
+def language_config(cfg):
+    """The config of the model the GGUF holds: a multimodal checkpoint's language model (Gemma 4's), else ``cfg``."""
+    return gemma4.language_config(cfg)
+
+
+def language_state(state: dict, cfg) -> dict:
+    """The state dict of the model the GGUF holds (a multimodal checkpoint's language model under the text model's
+    names)."""
+    return gemma4.language_state(state) if cfg.model_type == "gemma4" else state
+
+
 def arch_for(cfg) -> Arch:
+    cfg = language_config(cfg)
     model_type = getattr(cfg, "model_type", "?")
     if model_type not in ARCHS:
         raise UserError(f"GGUF export does not support the {model_type} architecture yet (supported: "
                         f"{', '.join(sorted(ARCHS))}); use --to merged for a transformers model directory.")
-    _check_rope(cfg)
     arch = ARCHS[model_type]
+    if arch.name_for is not None:
+        arch = dataclasses.replace(arch, gguf_name=arch.name_for(cfg))
+    _check_rope(cfg, arch)
     if arch.check is not None:
         arch.check(cfg)
     return arch
 
 
+def config_value(cfg, name: str, default=None):
+    """A config field's value; where it varies by layer (Gemma 4's head width and KV heads, in transformers'
+    per_layer_config), the global one the config was given, which reading the attribute refuses."""
+    try:
+        return getattr(cfg, name, default)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return cfg.to_dict().get(name, default)
+
+
 def head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return config_value(cfg, "head_dim") or cfg.hidden_size // cfg.num_attention_heads
 
 
 def rope_params(cfg, layer_type: str = "full_attention") -> dict:
@@ -259,11 +300,11 @@ def rope_params(cfg, layer_type: str = "full_attention") -> dict:
     return params
 
 
-def _check_rope(cfg) -> None:
+def _check_rope(cfg, arch: Arch) -> None:
     kind = rope_params(cfg)["rope_type"]
     if kind == "mrope" and "mrope_section" in rope_params(cfg):
         return  # transformers 4's name for Qwen2-VL's sectioned rope (written by _mrope_hparams)
-    if kind not in ("default", "linear", "llama3", "yarn"):
+    if kind not in ("default", "linear", "llama3", "yarn", *arch.rope_kinds):
         raise UserError(f"GGUF export does not support rope scaling {kind!r} of this {cfg.model_type} model yet "
                         "(supported: none, linear, llama3, yarn); use --to merged.")
 
@@ -272,18 +313,25 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
     import gguf
 
     rope = rope_params(cfg)
-    writer.add_context_length(cfg.max_position_embeddings)
+    # Llama 4 calls its dense MLPs' width intermediate_size_mlp (intermediate_size is its experts')
+    ff = getattr(cfg, "intermediate_size_mlp", None) or cfg.intermediate_size
+    partial = rope.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or 1.0
+    common = {"context_length": cfg.max_position_embeddings, "feed_forward_length": ff,
+              "head_count_kv": config_value(cfg, "num_key_value_heads") or cfg.num_attention_heads,
+              "key_length": head_dim(cfg), "value_length": head_dim(cfg),
+              "rope_dimension_count": int(head_dim(cfg) * float(partial)),  # Phi-4-mini rotates 3/4 of each head
+              "rope_freq_base": float(rope["rope_theta"])}
+    common.update(arch.common(cfg) if arch.common is not None else {})
+    writer.add_context_length(common["context_length"])
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
-    # Llama 4 calls its dense MLPs' width intermediate_size_mlp (intermediate_size is its experts')
-    writer.add_feed_forward_length(getattr(cfg, "intermediate_size_mlp", None) or cfg.intermediate_size)
+    writer.add_feed_forward_length(common["feed_forward_length"])
     writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    writer.add_key_length(head_dim(cfg))
-    writer.add_value_length(head_dim(cfg))
-    partial = rope.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or 1.0
-    writer.add_rope_dimension_count(int(head_dim(cfg) * float(partial)))  # Phi-4-mini rotates 3/4 of each head
-    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_head_count_kv(common["head_count_kv"])
+    writer.add_key_length(common["key_length"])
+    writer.add_value_length(common["value_length"])
+    writer.add_rope_dimension_count(common["rope_dimension_count"])
+    writer.add_rope_freq_base(common["rope_freq_base"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if rope["rope_type"] == "linear":
@@ -297,8 +345,11 @@ def add_hparams(writer, cfg, arch: Arch) -> None:
         arch.hparams(writer, cfg)
 
 
-def extra_tensors(cfg) -> dict[str, np.ndarray]:
-    """Tensors GGUF needs that the checkpoint does not hold: Llama 3.1's per-frequency rope divisors."""
+def extra_tensors(cfg, arch: Arch) -> dict[str, np.ndarray]:
+    """Tensors GGUF needs that the checkpoint does not hold: Llama 3.1's per-frequency rope divisors, the family's
+    own."""
+    if arch.extra is not None:
+        return arch.extra(cfg)
     rope = rope_params(cfg)
     if rope["rope_type"] != "llama3":
         return {}
@@ -330,9 +381,10 @@ F32_TENSORS = (".ffn_gate_inp.", ".ffn_gate_inp_shexp.", ".ssm_conv1d.")
 
 
 def keeps_f32(gguf_name: str) -> bool:
-    """Whether this tensor stays f32 in an f16 / q8_0 file: the ones above, and every one that is not a weight
-    matrix (biases, Gated DeltaNet's A, scales)."""
-    return any(part in gguf_name for part in F32_TENSORS) or not gguf_name.endswith(".weight")
+    """Whether this tensor stays f32 in an f16 / q8_0 file: the ones above, every norm (Mamba2's grouped one is
+    2-D) and every one that is not a weight matrix (biases, Gated DeltaNet's and Mamba2's A, scales)."""
+    return (any(part in gguf_name for part in F32_TENSORS) or gguf_name.endswith("_norm.weight")
+            or not gguf_name.endswith(".weight"))
 
 
 def write_out(writer) -> None:
@@ -343,6 +395,11 @@ def write_out(writer) -> None:
         writer.write_tensors_to_file()
     finally:
         writer.close()
+
+
+# Granite 4's expert stacks, apart, under the names gguf-py's table knows for them
+GRANITE_EXPERTS = tuple((f"block_sparse_moe.experts.{part}_proj", f"block_sparse_moe.experts.{w}")
+                        for part, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")))
 
 
 def tensor_namer(cfg, arch: Arch):
@@ -356,6 +413,8 @@ def tensor_namer(cfg, arch: Arch):
         # a router's score-correction bias (GLM-4.5, DeepSeek-V3) is a bias of the table's e_score_correction
         hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
         hf_name = hf_name.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")  # Gated DeltaNet's dt bias
+        for hf, known in GRANITE_EXPERTS:
+            hf_name = hf_name.replace(hf, known)
         return table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
     return name

@@ -64,6 +64,12 @@ def lora_tensors(adapter: Path, model_cfg, arch: archs.Arch,
     heads = [k for k in state if "lora_embedding" in k or "lm_head" in k or "embed_tokens" in k]
     if heads:
         _refuse(adapter, f"the adapter changes the embedding or the output head ({heads[0]})")
+    ignored = sorted({k.removeprefix("base_model.model.").split(f".{m}.")[0] + f".{m}"
+                      for k in state for m in arch.no_lora if f".{m}." in k})
+    if ignored:
+        _refuse(adapter, f"the adapter adapts {ignored[0]} (llama.cpp's {arch.gguf_name} graph multiplies it without "
+                         "applying a LoRA)")
+    model_cfg = archs.language_config(model_cfg)  # a multimodal checkpoint's language model (Gemma 4's)
     name_of = archs.tensor_namer(model_cfg, arch)
     alpha = float(cfg.get("lora_alpha", 8))
     out: dict[str, np.ndarray] = {}

@@ -19,6 +19,7 @@ from rocktune.export.vocab import add_vocab, loader_safe_name
 
 def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
     """HF state dict (torch, any dtype) -> GGUF-named fp32 arrays in llama.cpp's layout."""
+    state, cfg = archs.language_state(state, cfg), archs.language_config(cfg)
     name_of = archs.tensor_namer(cfg, arch)
     tied = getattr(cfg, "tie_word_embeddings", False)
     out: dict[str, np.ndarray] = {}
@@ -33,12 +34,13 @@ def gguf_tensors(state: dict, cfg, arch: archs.Arch) -> dict[str, np.ndarray]:
                 raise UserError(f"GGUF export does not know where the tensor {key} of this {cfg.model_type} model "
                                 "goes; the checkpoint has parts the supported architecture lacks. Use --to merged.")
             out[name] = archs.to_gguf_layout(name, data, cfg, arch)
-    out.update(archs.extra_tensors(cfg))
+    out.update(archs.extra_tensors(cfg, arch))
     return out
 
 
 def row_lengths(cfg) -> dict[str, int]:
     """Row length (GGUF's ne[0]) of each kind of matrix, from the config alone: what block sizes must divide."""
+    cfg = archs.language_config(cfg)
     hd = archs.head_dim(cfg)
     rows = {"token_embd/attn_q/k/v/ffn_gate/up": cfg.hidden_size,
             "attn_output": cfg.num_attention_heads * hd, "ffn_down": cfg.intermediate_size}
@@ -68,6 +70,7 @@ def _write(tensors, cfg, arch, tokenizer_dir: Path, path: Path, quant: str, name
 
     from rocktune.export.reuse import KEY
 
+    cfg = archs.language_config(cfg)
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(loader_safe_name(name, tokenizer_dir))

@@ -2,8 +2,9 @@
 
 Byte-level BPE tokenizers (Qwen2/2.5/3, Llama 3, SmolLM, GPT-2) are written as llama.cpp's ``gpt2`` model with
 the pre-tokenizer named from its splitting regex; SentencePiece tokenizers (Llama 2, Mistral) as ``llama`` from
-``tokenizer.model``. gguf-py's ``SpecialVocab`` supplies merges, special ids and the chat template; whether BOS/EOS
-are added is read off the tokenizer by encoding a word, not guessed.
+``tokenizer.model``; Gemma 4's SentencePiece-style BPE tokenizer.json as llama.cpp's ``gemma4``. gguf-py's
+``SpecialVocab`` supplies merges, special ids and the chat template; whether BOS/EOS are added is read off the
+tokenizer by encoding a word, not guessed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 # its loader needs the merges key, and tokenizers with no merges at all (rocktune's demo) have none to write.
 NEVER_FIRING_MERGE = "<|never|> <|merge|>"
 SHIPPED_TOKENIZER = "tokenizer.shipped.json"  # the base's own tokenizer.json, when the export copied it
+# llama.cpp architectures whose SentencePiece-style BPE tokenizer.json it reads as a tokenizer of its own (named like
+# the architecture), with the tokens its chat parser must see as text
+SPM_BPE = {"gemma4": {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                      "<tool_response|>", '<|"|>'}}
 # (role, token) where a llama.cpp architecture expects other special tokens than the tokenizer names: GLM's turns
 # start with [gMASK] and one ends where the next <|user|> (or a tool's <|observation|>) begins
 ROLES = {"glm4moe": (("bos", "[gMASK]"), ("eot", "<|user|>"), ("unk", "<|endoftext|>"), ("eom", "<|observation|>"))}
@@ -60,15 +65,19 @@ def add_vocab(writer, tokenizer_dir: Path, vocab_size: int) -> None:
     tj = json.loads(tj_path.read_text(encoding="utf-8"))
     model = tj.get("model", {})
     byte_bpe = model.get("type") == "BPE" and not model.get("byte_fallback")
+    merged = byte_bpe
     if byte_bpe:
         _add_byte_bpe(writer, tokenizer_dir, tj, vocab_size)
+    elif writer.arch in SPM_BPE and model.get("type") == "BPE":
+        _add_spm_bpe(writer, tokenizer_dir, vocab_size)
+        merged = True
     elif (tokenizer_dir / "tokenizer.model").is_file():
         _add_sentencepiece(writer, tokenizer_dir, vocab_size)
     else:
         raise UserError(f"{tj_path}: GGUF export supports byte-level BPE tokenizers and SentencePiece ones with "
                         f"tokenizer.model; this one is {model.get('type')} "
                         f"{'with byte fallback ' if model.get('byte_fallback') else ''}without tokenizer.model.")
-    _add_specials(writer, tokenizer_dir, vocab_size, byte_bpe, ROLES.get(writer.arch, ()))
+    _add_specials(writer, tokenizer_dir, vocab_size, merged, ROLES.get(writer.arch, ()))
 
 
 def _add_byte_bpe(writer, tokenizer_dir: Path, tj: dict, vocab_size: int) -> None:
@@ -97,6 +106,29 @@ def _add_byte_bpe(writer, tokenizer_dir: Path, tj: dict, vocab_size: int) -> Non
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
+
+
+def _add_spm_bpe(writer, tokenizer_dir: Path, vocab_size: int) -> None:
+    """Gemma 4's tokenizer.json (BPE with byte fallback over text whose spaces became "▁", no splitting): llama.cpp's
+    ``gemma4`` tokenizer, read by gguf-py's ``LlamaHfVocab`` (token types by the tokenizer's special tokens, byte
+    tokens as bytes), with no space before the text."""
+    import gguf
+
+    tokens, scores, types = [], [], []
+    for text, score, ttype in gguf.LlamaHfVocab(tokenizer_dir).all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        # llama.cpp's chat parser for the family reads these in the output: rendered as text, never as controls
+        types.append(gguf.TokenType.USER_DEFINED if text.decode() in SPM_BPE[writer.arch] else ttype)
+    for i in range(len(tokens), vocab_size):  # embedding rows past the tokenizer
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model(writer.arch)
+    writer.add_token_list(tokens[:vocab_size])
+    writer.add_token_scores(scores[:vocab_size])
+    writer.add_token_types(types[:vocab_size])
+    writer.add_add_space_prefix(False)
 
 
 def _add_sentencepiece(writer, tokenizer_dir: Path, vocab_size: int) -> None:
@@ -139,14 +171,14 @@ def _adds_space_prefix(model_file: Path) -> bool:
     return bool(pieces) and pieces[0].startswith("\u2581")
 
 
-def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, byte_bpe: bool, roles) -> None:
+def _add_specials(writer, tokenizer_dir: Path, vocab_size: int, merged: bool, roles) -> None:
     import gguf
 
     # gguf-py logs guesses about post-processor templates it half-parses; the add_* flags are measured below instead
     logging.getLogger("gguf.vocab").setLevel(logging.ERROR)
     special = gguf.SpecialVocab(tokenizer_dir, load_merges=True, n_vocab=vocab_size)
     tok = _hf_tokenizer(tokenizer_dir)
-    if not special.merges and byte_bpe:
+    if not special.merges and merged:  # a BPE loader that needs the key
         special.merges = [NEVER_FIRING_MERGE]
     ids = tok("a", add_special_tokens=True)["input_ids"]
     special.add_special_token["bos"] = tok.bos_token_id is not None and ids[:1] == [tok.bos_token_id]
