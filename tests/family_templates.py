@@ -73,3 +73,24 @@ GLM45 = (
     "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+# OLMo 3 Instruct, as Ollama's own OLMo 3 renderer writes it (model/renderers/olmo3.go, checked there against the
+# released template; no copy of that template is at hand): ChatML turns; a default system prompt naming the tools or
+# their absence, the tool list as JSON in <functions>; calls as NAME(key=JSON, ...) lines in <function_calls>;
+# results as environment turns
+OLMO3 = (
+    "<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% if tools %}<functions>{{ tools | tojson }}</functions>{% endif %}"
+    "{% else %}You are a helpful function-calling AI assistant. {% if tools %}You are provided with function "
+    "signatures within <functions></functions> XML tags. You may call one or more functions to assist with the user "
+    "query. Output any function calls within <function_calls></function_calls> XML tags. Do not make assumptions "
+    "about what values to plug into functions.<functions>{{ tools | tojson }}</functions>"
+    "{% else %}You do not currently have access to any functions. <functions></functions>{% endif %}{% endif %}"
+    "<|im_end|>\n{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n{{ m['content'] or '' }}"
+    "{% if m.get('tool_calls') %}<function_calls>{% for c in m['tool_calls'] %}{{ c['function']['name'] }}("
+    "{% for k, v in c['function']['arguments'].items() %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}"
+    "{% endfor %}){% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}</function_calls>{% endif %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>environment\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

@@ -5,9 +5,11 @@ Ollama's side is rendered by Go's text/template the way Ollama's server executes
 ``apply_chat_template`` with the generation prompt. Each family is checked with the shape of its template in
 ``tests/family_fixtures.py`` and, where llama.cpp keeps one, the model's real template (``tests/data/templates``),
 on a table of conversations: single and multi-turn, with and without a system prompt (where the template takes
-one), with tools and tool results (where it has them). The strings must be equal, except that JSON is compared as
-JSON (Ollama writes it compactly, Jinja's ``tojson`` with spaces) and the BOS a Jinja template writes is left to the
-tokenizer. Skipped, with the reason, where Go is not installed.
+one), with tools and tool results (where it has them); the 2025-26 families' TEMPLATEs also on a tool with every
+parameter type their tool lists spell out, calls with several arguments and replies' reasoning (Ollama's .Thinking).
+The strings must be equal, except that JSON is compared as JSON (Ollama writes it compactly, Jinja's ``tojson`` with
+spaces) and the BOS a Jinja template writes is left to the tokenizer. Skipped, with the reason, where Go is not
+installed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rocktune.export import ollama_templates as ot
 from rocktune.export.ollama import renders_tools
 from tests.family_fixtures import TEMPLATES as SHAPES
 from tests.family_fixtures import Template, build_tokenizer
+from tests.family_templates import OLMO3
 from tests.test_chat_data import SPECS, WEATHER, real
 
 GO = shutil.which("go")
@@ -51,6 +54,12 @@ REAL = {
                "<|endoftext|>", "<|endoftext|>"),
     "granite-3.3": ("ibm-granite-granite-3.3-2B-Instruct.jinja",
                     ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), "<|end_of_text|>", None),
+    # the 2025-26 families' released templates (Qwen3.5's and gpt-oss's are also the matrix's shapes)
+    "glm-4.6": ("zai-org-GLM-4.6.jinja", SHAPES["glm4.5"].specials, "<|endoftext|>", None),
+    "granite-4.0": ("ibm-granite-granite-4.0.jinja", ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"),
+                    "<|end_of_text|>", None),
+    "gemma-4": ("google-gemma-4-31B-it.jinja", SHAPES["gemma4"].specials + ("<|channel>", "<channel|>", '<|"|>'),
+                "<turn|>", "<bos>"),
 }
 TOOL = {"type": "function", "function": WEATHER}
 CALL = {"role": "assistant", "content": "", "tool_calls": [
@@ -75,18 +84,54 @@ CONVERSATIONS = [
         RESULT, {"role": "tool", "tool_call_id": "call00002", "content": '{"temp": 25}'},
         {"role": "assistant", "content": "21 and 25."}, {"role": "user", "content": "Thanks"}], [TOOL]),
 ]
+# For the 2025-26 families: every parameter type their tool lists spell out, and a reply's reasoning under both keys,
+# as rocktune hands it to a template (Qwen's and GLM's read reasoning_content, gpt-oss's thinking; Ollama's message
+# has Thinking).
+THOUGHT = "Check the tool."
+TRACE = [{"role": "system", "content": "S"}, {"role": "user", "content": "Weather in Paris for 2 days?"},
+         {**CALL, "tool_calls": [{"id": "call00001", "type": "function", "function": {
+             "name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}],
+          "reasoning_content": THOUGHT, "thinking": THOUGHT}, RESULT]
+# a tool whose parameters take each type the templates spell out (Harmony's TypeScript, Gemma 4's declarations),
+# named in alphabetical order: Ollama hands a template a map, which Go ranges over in key order
+RICH_TOOL = {"type": "function", "function": {
+    "name": "forecast", "description": "Forecast for a city", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "the city"}, "days": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "units": {"type": "string", "enum": ["c", "f"], "description": "degrees"}}, "required": ["city", "days"]}}}
+RICH_CALL = {"role": "assistant", "content": "", "tool_calls": [{"id": "call00001", "type": "function", "function": {
+    "name": "forecast", "arguments": {"city": "Paris", "days": 2, "tags": ["rain", "wind"], "units": "c"}}}]}
+REASONING = [
+    ("rich-tool-call", [{"role": "user", "content": "Forecast?"}, RICH_CALL,
+                        {"role": "tool", "tool_call_id": "call00001", "content": "rain"}], [RICH_TOOL, TOOL]),
+    ("thinking-multi-turn", [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1",
+                             "reasoning_content": "R1", "thinking": "R1"}, {"role": "user", "content": "Q2"}], None),
+    ("thinking-call", TRACE, [TOOL]),
+    ("thinking-call-answer-query", [*TRACE, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Done.",
+                                             "thinking": "Done."}, {"role": "user", "content": "Thanks"}], [TOOL]),
+]
+# the 2025-26 families, their TEMPLATEs checked on tools and reasoning too (export/ollama_recent.py)
+RECENT = {"qwen3.5", "harmony", "glm4.5", "llama4", "glm-4.6", "granite-4.0", "gemma-4", "olmo3-instruct"}
+# shapes whose family's TEMPLATE follows the released template instead (checked on it above)
+RELEASE_ONLY = {"gemma4": "the gemma4 shape is rocktune's sketch of Gemma 4's turns; the TEMPLATE follows the released "
+                          "template (gemma-4)"}
 # Shapes whose newlines Jinja's trim_blocks removes after a block tag ("{% endif %}\n"), unlike the models' own
 # templates, which write them inside strings: the TEMPLATE follows the models (OLMo 2's and SmolLM3's turns end in
 # a newline).
 TRIMMED = {"olmo2": "the olmo2 shape loses its newlines to trim_blocks; OLMo 2's own template writes them",
            "chatml-generation": "the SmolLM3 shape loses a newline to trim_blocks; SmolLM3's own template writes it"}
 # the families whose templates take a tool list (the others' Jinja templates ignore tools)
-WITH_TOOLS = {"qwen2.5", "qwen3", "llama3.1", "mistral-nemo", "granite-3.3"}
+WITH_TOOLS = {"qwen2.5", "qwen3", "llama3.1", "mistral-nemo", "granite-3.3", *RECENT}
+
+
+# shapes of released templates not at hand, checked here only (the matrix's olmo3 row has plain ChatML)
+OTHER_SHAPES = {"olmo3-instruct": Template(OLMO3, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>",
+                                           "<|im_end|>")}
 
 
 def _tokenizer(name: str):
-    if name in SHAPES:
-        return build_tokenizer(SHAPES[name])
+    if name in SHAPES or name in OTHER_SHAPES:
+        return build_tokenizer(SHAPES.get(name) or OTHER_SHAPES[name])
     if name in SPECS:
         return real(name)
     file, specials, eos, bos = REAL[name]
@@ -128,7 +173,8 @@ def canonical(text: str) -> str:
     return "".join(out)
 
 
-CASES = [(t, c) for t in [*SHAPES, *REAL] for c in CONVERSATIONS]
+CASES = [(t, c) for t in [*SHAPES, *REAL, *OTHER_SHAPES] for c in CONVERSATIONS]
+CASES += [(t, c) for t in sorted(RECENT) for c in REASONING]
 
 
 @needs_go
@@ -141,6 +187,8 @@ def test_ollama_template_renders_as_the_hf_template(render_go, template, conv):
         pytest.skip(f"the {template} chat template has no tools")
     if template in TRIMMED:
         pytest.skip(TRIMMED[template])
+    if template in RELEASE_ONLY:
+        pytest.skip(RELEASE_ONLY[template])
     if template == "granite-3.3" and tools and messages[0]["role"] != "system":
         pytest.skip("Granite's default system prompt names today's date and changes with tools; the Modelfile's "
                     "SYSTEM is the one without tools, as rendered on the day of the export")
@@ -163,7 +211,7 @@ def test_ollama_template_renders_as_the_hf_template(render_go, template, conv):
     assert canonical(got) == canonical(want)
 
 
-@pytest.mark.parametrize("template", [*SHAPES, *REAL])
+@pytest.mark.parametrize("template", [*SHAPES, *REAL, *OTHER_SHAPES])
 def test_modelfile_has_the_family_template_and_stop(template):
     from rocktune.export.ollama import modelfile
 
@@ -172,7 +220,22 @@ def test_modelfile_has_the_family_template_and_stop(template):
     text, notes = modelfile("model.gguf", "chat", tok, None)
     user = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
     assert f'TEMPLATE """{ot.template_for(family, user, renders_tools(tok))}"""' in text and not notes
-    assert ("<tools>" in text) == (template in ("qwen2.5", "qwen3"))  # only where the Jinja template has them
-    assert f'PARAMETER stop "{ot.FAMILIES[family].stop}"' in text
+    # tool blocks only where the Jinja template has them
+    assert ("<tools>" in text) == (template in ("qwen2.5", "qwen3", "qwen3.5", "glm4.5", "glm-4.6", "granite-4.0"))
+    # the end of a turn, and what else ends a reply (GLM-4.5's next role tokens, Harmony's <|call|>)
+    assert all(f'PARAMETER stop "{s}"' in text for s in (ot.FAMILIES[family].stop, *ot.FAMILIES[family].more_stops))
     want = {"qwen2.5": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."}.get(template)
     assert (f'SYSTEM "{want}"' in text) if want else ("SYSTEM" not in text or template == "granite-3.3")
+
+
+@pytest.mark.parametrize(("template", "stops"), [
+    ("glm4.5", ("<|user|>", "<|observation|>")), ("glm-4.6", ("<|user|>", "<|observation|>")),
+    ("harmony", ("<|return|>", "<|call|>")), ("gemma-4", ("<turn|>", "<|tool_response>"))])
+def test_where_a_reply_ends_ollama_stops(template, stops):
+    """GLM-4.5's replies end with the next turn's role token (<|user|>, <|observation|> after a call: what training
+    trains as their end), gpt-oss's calls with <|call|>, Gemma 4's calls with <|tool_response>: each is a stop of the
+    Modelfile, so Ollama ends a reply where the model was trained to end it."""
+    from rocktune.export.ollama import modelfile
+
+    text, _ = modelfile("model.gguf", "chat", _tokenizer(template), None)
+    assert all(f'PARAMETER stop "{s}"' in text for s in stops)

@@ -3,7 +3,8 @@ sampling defaults, ready for ``ollama create NAME -f Modelfile``.
 
 Jinja chat templates cannot be translated in general; every family the GGUF export supports is recognised by its
 markers and gets a TEMPLATE written for it (``export/ollama_templates.py``: ChatML for Qwen and SmolLM, Llama 3 and
-3.1, Mistral/Mixtral, Gemma 2/3, Phi-3, Granite, OLMo 2), tools included where the family's template has them. A
+3.1, Mistral/Mixtral, Gemma 2/3, Phi-3, Granite, OLMo 2; ``export/ollama_recent.py``: Qwen3.5, gpt-oss, GLM-4.5,
+Granite 4, Gemma 4, Llama 4), tools included where the family's template has them. A
 run trained on raw prompts gets a raw template, whatever the tokenizer's chat template says, because that is what the
 model learned.
 """
@@ -32,15 +33,16 @@ def modelfile(gguf_name: str, style: str, tokenizer, generation_config, adapter_
     if style == "chat":
         family = template_family(getattr(tokenizer, "chat_template", None))
         if family is None:
-            notes.append("the tokenizer's chat template is not one rocktune translates (ChatML, Llama 3/3.1, "
-                         "Mistral, Gemma, Phi-3, Granite, OLMo 2), so the Modelfile has no TEMPLATE: Ollama falls "
+            notes.append("the tokenizer's chat template is not one rocktune translates (ChatML, Llama 3/3.1/4, "
+                         "Mistral, Gemma 2/3/4, Phi-3, Granite 3/4, OLMo 2, Qwen3.5, gpt-oss, GLM-4.5), so the "
+                         "Modelfile has no TEMPLATE: Ollama falls "
                          "back to the template it recognises in the GGUF, if any. Add a TEMPLATE line by hand if "
                          "replies look unformatted.")
         else:
             user = _render_user(tokenizer)
             template = ollama_templates.template_for(family, user, renders_tools(tokenizer))
             lines.append(f'TEMPLATE """{template}"""')
-            stops.append(ollama_templates.FAMILIES[family].stop)
+            stops += [ollama_templates.FAMILIES[family].stop, *ollama_templates.FAMILIES[family].more_stops]
             system = _default_system(user, family)
             if system:
                 lines.append(f"SYSTEM {_quote(system)}")

@@ -4,10 +4,10 @@ supports, each written to render a prompt exactly as the family's Hugging Face c
 Jinja cannot be translated in general, so a family is recognised by its markers and, where its templates differ
 between releases, by the variant's own text (Llama 3.1's knowledge-date header, Mistral's space after [INST]).
 Tool lists and tool calls are written where the family's template has them (Qwen's <tool_call>, Llama 3.1's
-JSON calls and ipython turns, Mistral's [AVAILABLE_TOOLS]/[TOOL_CALLS], Granite's available_tools); Ollama prints
-JSON compactly in Go's key order where Jinja's ``tojson`` writes ``{"a": 1}``, the one difference
-``tests/test_ollama_templates.py`` allows. A BOS the Jinja template writes is left to the tokenizer: llama.cpp adds
-it from the GGUF's ``add_bos_token``.
+JSON calls and ipython turns, Mistral's [AVAILABLE_TOOLS]/[TOOL_CALLS], Granite's available_tools; the 2025-26
+families' in ``export/ollama_recent.py``); Ollama prints JSON compactly in Go's key order where Jinja's ``tojson``
+writes ``{"a": 1}``, the one difference ``tests/test_ollama_templates.py`` allows. A BOS the Jinja template writes is
+left to the tokenizer: llama.cpp adds it from the GGUF's ``add_bos_token``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rocktune import builtin_templates
+from rocktune.export import ollama_recent as recent
 
 PREV = '{{ $prev := "" }}'
 GEN_UNLESS_ASSISTANT = '{{ if ne $prev "assistant" }}{gen}{{ end }}'
@@ -130,52 +131,30 @@ GRANITE = (
     + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|start_of_role|>assistant<|end_of_role|>")
 )
 
-# The 2025-26 families, their turns without tools (their tool syntaxes are not translated yet: a Modelfile for them
-# renders conversations, not tool lists). Llama 4: header tokens, <|eot|> after each turn.
-LLAMA4 = (PREV + '{{ if .System }}<|header_start|>system<|header_end|>\n\n{{ .System }}<|eot|>{{ end }}'
-          '{{ range .Messages }}{{ if ne .Role "system" }}<|header_start|>{{ .Role }}<|header_end|>\n\n'
-          '{{ .Content }}<|eot|>{{ end }}{{ $prev = .Role }}{{ end }}'
-          + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|header_start|>assistant<|header_end|>\n\n"))
-
-# Gemma 4: <|turn>ROLE ... <turn|>, the assistant as "model", a system turn of its own
-GEMMA4 = (PREV + '{{ if .System }}<|turn>system\n{{ .System }}<turn|>\n{{ end }}'
-          '{{ range .Messages }}{{ if eq .Role "user" }}<|turn>user\n{{ .Content }}<turn|>\n'
-          '{{ else if eq .Role "assistant" }}<|turn>model\n{{ .Content }}<turn|>\n{{ end }}{{ $prev = .Role }}{{ end }}'
-          + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|turn>model\n"))
-
-# GLM-4.5: [gMASK]<sop> (the template writes it; the GGUF adds no BOS), role tokens opening turns and none closing
-# them; a past reply with its (empty) think block
-GLM45 = ('[gMASK]<sop>{{ if .System }}<|system|>\n{{ .System }}{{ end }}' + PREV +
-         '{{ range .Messages }}{{ if eq .Role "user" }}<|user|>\n{{ .Content }}'
-         '{{ else if eq .Role "assistant" }}<|assistant|>\n<think></think>\n{{ .Content }}{{ end }}'
-         '{{ $prev = .Role }}{{ end }}' + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|assistant|>"))
-
-# gpt-oss's Harmony: the fixed system header, the system prompt as a developer message's instructions, past replies
-# on the final channel
-HARMONY = ('<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n'
-           'Reasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every '
-           'message.<|end|>{{ if .System }}<|start|>developer<|message|># Instructions\n\n{{ .System }}<|end|>{{ end }}'
-           + PREV + '{{ range .Messages }}{{ if eq .Role "user" }}<|start|>user<|message|>{{ .Content }}<|end|>'
-           '{{ else if eq .Role "assistant" }}<|start|>assistant<|channel|>final<|message|>{{ .Content }}<|end|>'
-           '{{ end }}{{ $prev = .Role }}{{ end }}' + GEN_UNLESS_ASSISTANT.replace("{gen}", "<|start|>assistant"))
-
-
 @dataclass(frozen=True)
 class Family:
     marker: str  # text only this family's Jinja templates contain
     template: str
     stop: str  # the end-of-turn token, a stop for Ollama
     system: str | None = None  # a regex of the system turn the Jinja template inserts when there is none
+    more_stops: tuple[str, ...] = ()  # other tokens a reply ends with (a tool call's end, the next turn's role)
 
 
 FAMILIES = {
-    # before ChatML and OLMo 2, whose markers their templates share
-    "harmony": Family("<|channel|>", HARMONY, "<|return|>"),
-    "glm4.5": Family("[gMASK]<sop>", GLM45, "<|user|>"),
-    "llama4": Family("<|header_start|>", LLAMA4, "<|eot|>"),
-    "gemma4": Family("<|turn>", GEMMA4, "<turn|>"),
-    # Qwen3.5's ChatML: its own tool block (not Qwen2.5's) is not translated, so its turns alone
-    "qwen3.5": Family("# Tools\n<tools>", CHATML_PLAIN, "<|im_end|>"),
+    # the 2025-26 families (export/ollama_recent.py), before ChatML, Granite and OLMo 2, whose markers they share
+    "harmony": Family("<|channel|>", recent.HARMONY, "<|return|>", more_stops=("<|call|>",)),
+    # a reply ends with the next turn's role token, the model's stops (data/turnend.py)
+    "glm4.5": Family("[gMASK]<sop>", recent.GLM45, "<|user|>", more_stops=("<|observation|>",)),
+    "llama4": Family("<|header_start|>", recent.LLAMA4, "<|eot|>"),
+    # a call ends the model's turn with the opening of its result
+    "gemma4": Family("<|turn>", recent.GEMMA4, "<turn|>", more_stops=("<|tool_response>",)),
+    "qwen3.5": Family("<function=example_function_name>", recent.QWEN35, "<|im_end|>"),
+    # OLMo 3 Instruct's template names <function_calls> in the default system prompt it writes (the TEMPLATE
+    # writes it too); Qwen3-Next's template is Qwen3's: ChatML
+    "olmo3": Family("<function_calls>", recent.OLMO3, "<|im_end|>"),
+    # its default system prompt is written by the TEMPLATE (it gives way to the tool list), not as SYSTEM
+    "granite4": Family("Please ensure responses are professional, accurate, and safe.", recent.GRANITE4,
+                       "<|end_of_text|>"),
     "chatml": Family("<|im_start|>", CHATML, "<|im_end|>", r"<\|im_start\|>system\n(.*?)<\|im_end\|>"),
     "llama3.1": Family("Cutting Knowledge Date", LLAMA31, "<|eot_id|>"),
     "llama3": Family("<|start_header_id|>", LLAMA3, "<|eot_id|>",
