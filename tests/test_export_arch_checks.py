@@ -1,5 +1,6 @@
 """The 2025-26 families' configurations that llama.cpp's graphs compute otherwise are refused before any weight is
-loaded (export/arch.py, gpt_oss.py, llama4.py), with what differs; the supported ones pass the same checks."""
+loaded (export/arch.py, gpt_oss.py, llama4.py, granite_hybrid.py, gemma4.py), with what differs; the supported ones
+pass the same checks."""
 
 from __future__ import annotations
 
@@ -44,9 +45,45 @@ def test_configs_llama_cpp_computes_otherwise_are_refused(config_class, extra, w
         arch_for(getattr(transformers, config_class)(**SMALL, **extra))
 
 
-@pytest.mark.parametrize("config_class", ["GraniteMoeHybridConfig", "Gemma4TextConfig"])
-def test_families_not_exported_yet_are_refused_by_name(config_class):
-    """Granite 4 and Gemma 4 (their CLI cells, exit 2 and no file: tests/test_families.py::test_gguf)."""
-    cfg = getattr(transformers, config_class)()
-    with pytest.raises(UserError, match=f"does not support the {cfg.model_type} architecture"):
-        arch_for(cfg)
+GRANITE4 = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 304, "mamba_n_heads": 4, "layer_types": ["mamba", "attention"]}
+
+
+GEMMA4 = {**SMALL, "global_head_dim": 32, "vocab_size_per_layer_input": 300}
+
+
+@pytest.mark.parametrize("config_class,extra,gguf_name", [
+    ("GraniteMoeHybridConfig", {}, "granitehybrid"),  # the released config.json's layer kinds
+    ("GraniteMoeHybridConfig", {"layer_types": ["linear_attention", "full_attention"]}, "granitehybrid"),
+    ("GraniteMoeHybridConfig", {"layer_types": ["attention"] * 2, "num_local_experts": 0}, "granite"),
+    ("GraniteMoeHybridConfig", {"layer_types": ["attention"] * 2}, "granitemoe"),
+])
+def test_granite4_s_graph_follows_its_layers(config_class, extra, gguf_name):
+    """Granite 4 with Mamba layers runs on llama.cpp's granitehybrid graph; without, on granite / granitemoe."""
+    assert arch_for(getattr(transformers, config_class)(**{**GRANITE4, **extra})).gguf_name == gguf_name
+
+
+def test_gemma4_and_its_multimodal_checkpoint_pass():
+    text = transformers.Gemma4TextConfig(**GEMMA4)
+    assert arch_for(text).gguf_name == "gemma4"
+    assert arch_for(transformers.Gemma4Config(text_config=text.to_dict())).gguf_name == "gemma4"
+
+
+@pytest.mark.parametrize("config_class,extra,words", [
+    ("GraniteMoeHybridConfig", {"time_step_limit": (0.0, 10.0)}, "clamps the Mamba time step"),
+    ("GraniteMoeHybridConfig", {"mamba_proj_bias": True}, "Mamba projections have biases"),
+    ("GraniteMoeHybridConfig", {"mamba_expand": 4}, "mamba_expand is 4"),
+    ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "sliding_attention"]}, "layer_types hold"),
+    ("Gemma4TextConfig", {"use_bidirectional_attention": "all"}, "bidirectional"),
+    ("Gemma4TextConfig", {"hidden_activation": "gelu"}, "hidden_activation is gelu"),
+    ("Gemma4TextConfig", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                          "moe_intermediate_size": 32}, "MoE block"),
+    ("Gemma4TextConfig", {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "not unscaled proportional"),
+    ("Gemma4TextConfig", {"vocab_size_per_layer_input": 200}, "per-layer embedding has 200 rows"),
+])
+def test_granite4_and_gemma4_configs_llama_cpp_computes_otherwise_are_refused(config_class, extra, words):
+    base = GRANITE4 if config_class.startswith("Granite") else GEMMA4
+    with pytest.raises(UserError, match=words):
+        arch_for(getattr(transformers, config_class)(**{**base, **extra}))
