@@ -142,11 +142,12 @@ def test_every_family_states_its_targets():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_chat_masking(family_dir, record_property, name):
-    """Only the assistant reply (with what the template writes ahead of its text inside the reply: Qwen3.5's empty
-    think block, Harmony's final-channel header), the family's end-of-turn token and the template's whitespace after
-    it bear loss; the system/user turns and the reply's header do not; the tokens are the template's own rendering.
-    GLM-4.5's template writes no end of turn: the model ends a reply with the next turn's role token, which its
-    generation config stops on, so <|user|> is the trained end, appended after the last reply."""
+    """Only the assistant reply (with what the template writes ahead of its text inside the reply: the end of the
+    think block Qwen3.5's generation prompt opens, Harmony's final-channel header), the family's end-of-turn token and
+    the template's whitespace after it bear loss; the system/user turns and the reply's header do not; the tokens are
+    the template's own rendering. GLM-4.5's template writes no end of turn: the model ends a reply with the next
+    turn's role token, which its generation config stops on, so <|user|> is the trained end, appended after the last
+    reply."""
     from transformers import AutoTokenizer
 
     from rocktune.data.checks import check_training_data, end_of_turn_id

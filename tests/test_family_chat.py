@@ -272,3 +272,19 @@ def test_glm45_without_the_stops_is_refused_saying_why(tmp_path):
     assert "writes no end-of-turn token after a reply, and the token it opens the next turn with (<|user|>) is " \
            "not one the model stops on (the model stops on: <|endoftext|>" in said
     assert "generation_config.json's eos_token_id" in said and "prompt/completion" in said
+
+
+def test_glm45_generation_stops_where_replies_end(tmp_path):
+    """The tokens GLM-4.5's replies are trained to end with are ones generation stops on: transformers' generation
+    config and rocktune generate's stops (models/load.stop_ids) hold both."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rocktune.data.checks import stop_token_ids
+    from rocktune.models.load import stop_ids
+    from tests.family_fixtures import build_family
+
+    path = build_family(BY_NAME["glm4.5"], tmp_path / "glm")
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    ends = set(stop_token_ids(tok, "messages"))
+    assert ends == {tok.convert_tokens_to_ids("<|user|>"), tok.convert_tokens_to_ids("<|observation|>")}
+    assert ends <= set(model.generation_config.eos_token_id) and ends <= set(stop_ids(tok, model))
