@@ -161,6 +161,33 @@ def test_sentencepiece_vocabulary_metadata(tmp_path):
     assert fields(gguf.GGUFReader(tmp_path / "p.gguf"))["tokenizer.ggml.add_space_prefix"] is False
 
 
+def test_gemma4_tokenizer_metadata(tmp_path):
+    """Gemma 4's tokenizer.json (BPE with byte fallback over "\u2581"-spaced text) as llama.cpp's gemma4 tokenizer: the
+    tokens in id order, byte tokens as bytes, special tokens as controls but the ones its chat parser reads as text,
+    the merges, no space before the text, BOS added, padding rows as unused tokens (llama.cpp itself:
+    tests/test_gguf_variants.py)."""
+    import json
+
+    from tests.gguf_variants import build_variant, gemma_tokenizer
+
+    tok = gemma_tokenizer()
+    base = build_variant("gemma4", tmp_path / "base", {"vocab_size": len(tok) + 2}, tok)
+    assert main(["export", str(base), "--to", "gguf", "--quant", "f32", "--out", str(tmp_path / "m.gguf")]) == 0
+    kv = fields(gguf.GGUFReader(tmp_path / "m.gguf"))
+    assert kv["tokenizer.ggml.model"] == "gemma4" and "tokenizer.ggml.pre" not in kv
+    by_id = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    assert kv["tokenizer.ggml.tokens"] == [t for t, _ in by_id] + [f"[PAD{len(tok)}]", f"[PAD{len(tok) + 1}]"]
+    types = dict(zip(kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"], strict=True))
+    assert (types["<0x41>"], types["<bos>"], types["<turn|>"]) == (gguf.TokenType.BYTE, gguf.TokenType.CONTROL,
+                                                                   gguf.TokenType.CONTROL)
+    assert types["<|channel>"] == gguf.TokenType.USER_DEFINED  # read as text by llama.cpp's Gemma 4 chat parser
+    assert types["e"] == gguf.TokenType.NORMAL and types[f"[PAD{len(tok)}]"] == gguf.TokenType.UNUSED
+    shipped = json.loads((base / "tokenizer.json").read_text())["model"]["merges"]
+    assert kv["tokenizer.ggml.merges"] == [m if isinstance(m, str) else " ".join(m) for m in shipped]
+    assert kv["tokenizer.ggml.add_space_prefix"] is False and kv["tokenizer.ggml.add_bos_token"] is True
+    assert kv["tokenizer.ggml.bos_token_id"] == tok.bos_token_id
+
+
 def test_modelfile_keeps_the_templates_default_system_prompt(models):
     from transformers import AutoTokenizer
 
