@@ -288,3 +288,13 @@ def test_glm45_generation_stops_where_replies_end(tmp_path):
     ends = set(stop_token_ids(tok, "messages"))
     assert ends == {tok.convert_tokens_to_ids("<|user|>"), tok.convert_tokens_to_ids("<|observation|>")}
     assert ends <= set(model.generation_config.eos_token_id) and ends <= set(stop_ids(tok, model))
+
+
+def test_the_token_cache_key_follows_the_models_stops(tmp_path):
+    """The reply's end comes from generation_config.json too: a model folder whose stop list changed gets a new
+    tokenizer fingerprint (tokens labelled for the old stops are not reused from the cache)."""
+    from rocktune.data.cache import tokenizer_fingerprint
+
+    with_stops = tokenizer_fingerprint(_glm(tmp_path / "a"))
+    assert tokenizer_fingerprint(_glm(tmp_path / "b")) == with_stops  # same files, same key
+    assert tokenizer_fingerprint(_glm(tmp_path / "c", stops=())) != with_stops

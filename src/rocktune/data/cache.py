@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rocktune.errors import UserError
+
 FORMAT_VERSION = 2
 ARRAYS = ("input_ids", "labels", "offsets")
 
@@ -28,7 +30,19 @@ def tokenizer_fingerprint(tokenizer) -> str:
     h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     h.update(repr((tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)).encode())
+    # the tokens a reply ends on come from the model's stops too (generation_config.json: GLM-4.5's <|user|>), not
+    # only from the template: an edited stop list must not reuse tokens labelled for the old one
+    h.update(repr(_reply_end(tokenizer)).encode())
     return h.hexdigest()
+
+
+def _reply_end(tokenizer):
+    from rocktune.data.turnend import reply_end
+
+    try:
+        return reply_end(tokenizer)
+    except UserError:  # a template the probe cannot render: chat data says so when it is encoded, others never ask
+        return None
 
 
 def fingerprint(data: str | Path, tokenizer_fp: str, **settings) -> str:
