@@ -41,7 +41,7 @@ def run_export(origin: Origin, to: str, out: str | None, quant_name: str | None,
         written = _gguf_lora(src, root, quant_name or "f32", overwrite, with_base, name, bool(out))
     else:
         q = quant_name or "f16"
-        vision = gguf_vision.is_vision(load_config(src.base, src.trust_remote_code))
+        vision = _with_eyes(load_config(src.base, src.trust_remote_code))
         if vision and to == "ollama":
             written = _ollama_vision(src, root if out else root / "ollama", q, overwrite, name, template)
         elif vision:
@@ -183,6 +183,23 @@ class _VisionParts:
     preprocessor: dict  # the image processor's normalisation and limits, with the run's data.min/max_pixels
 
 
+def _with_eyes(cfg) -> bool:
+    """Is this a vision-language export (the language model and its mmproj)? A multimodal checkpoint whose vision
+    family llama.cpp's mmproj writer here does not know, but whose language model the text export does (Gemma 4
+    as it ships: Gemma4ForConditionalGeneration), gives the language model alone, as llama.cpp's converter does for
+    it, saying so; one known to neither is refused by the vision export, naming the family."""
+    if not gguf_vision.is_vision(cfg):
+        return False
+    if gguf_vision.family_facts(getattr(cfg, "model_type", "")) is not None:
+        return True
+    if getattr(archs.language_config(cfg), "model_type", None) in archs.ARCHS and \
+            archs.language_config(cfg) is not cfg:
+        _notes([f"the {cfg.model_type} checkpoint's vision tower is left out of the GGUF (no mmproj writer for it "
+                "yet): the file holds the language model the run trained, for text"])
+        return False
+    return True
+
+
 def _check_vision(src: Source, q: str) -> tuple[archs.Arch, dict, gguf_vision.ImageTokens | None]:
     """Everything that can refuse a vlm GGUF export, before any weight is loaded: (text arch, the image processor's
     settings, its image-token limits in llama.cpp's terms)."""
@@ -291,7 +308,7 @@ def _gguf_lora(src: Source, root: Path, dtype: str, overwrite: bool, with_base: 
         raise UserError(f"--quant {dtype}: a GGUF LoRA is written as f32 (default) or f16.")
     _need_gguf()
     cfg = load_config(src.base, src.trust_remote_code)
-    vision = gguf_vision.is_vision(cfg)
+    vision = _with_eyes(cfg)
     family = gguf_lora.TEXT
     if vision:  # the language model's LoRA; the base's mmproj (--with-base writes it) sees as before
         family = gguf_vision.check(cfg)
