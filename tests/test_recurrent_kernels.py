@@ -85,6 +85,22 @@ def test_transformers_resolves_the_kernels_as_rocktune_reads_them():
     assert set(CASES) == set(GLOBALS)
 
 
+def test_a_kernel_the_kernels_package_made_a_module_resolves_the_same(monkeypatch):
+    """Where the ``kernels`` package is installed (>= 0.18.2 for transformers 5.24; none here), its
+    use_kernel_forward_from_hub turns transformers' wrapper into a module instance whose forward calls it
+    (kernels/layer/layer.py, _create_func_module): rocktune finds the same kernel through it."""
+    wrapper = qwen.torch_chunk_gated_delta_rule
+
+    class Func(torch.nn.Module):  # kernels' _create_func_module, for this function
+        def forward(self, *args, **kwargs):
+            return wrapper(*args, **kwargs)
+
+    monkeypatch.setattr(qwen, "torch_chunk_gated_delta_rule", Func())
+    kernel = recurrent.resolve(qwen, "torch_chunk_gated_delta_rule")
+    assert (kernel.name, kernel.package, kernel.torch_fn) == ("chunk_gated_delta_rule", "fla", wrapper.__wrapped__)
+    assert kernel.original is qwen.torch_chunk_gated_delta_rule
+
+
 def test_the_layers_sizes_are_read_from_the_model(models):
     gdn = next(m for m in _load(models["qwen3.5"]).modules() if isinstance(m, qwen.Qwen3_5GatedDeltaNet))
     mamba = next(m for m in _load(models["granite4"]).modules() if isinstance(m, granite.GraniteMoeHybridMambaLayer))
