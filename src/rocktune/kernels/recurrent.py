@@ -217,6 +217,8 @@ def choose(kernel: Kernel, fast: Callable, key: tuple, dims: Dims, stand_in: boo
         return Outcome(kernel, False, "rocktune has no self-test for it")
     if key[0] == "cpu" and not stand_in:
         return Outcome(kernel, False, "the packages' kernels run on GPUs only")
+    if key[2] not in TOLERANCE:
+        return Outcome(kernel, False, f"rocktune self-tests them in fp32, bf16 and fp16, not {key[2]}")
     verdict = _verdict(kernel, fast, key, dims)
     return Outcome(kernel, verdict.ok, verdict.detail if verdict.ok else f"its self-test failed: {verdict.detail}",
                    verdict.error)
@@ -233,7 +235,7 @@ def settle(model: torch.nn.Module, device: str, stand_ins: Mapping[str, Callable
         fast = stand_in or kernel.fast
         key = device_key(device, _dtype(layer))
         where = f"{key[0]}{'' if key[1] is None else f':{key[1]}'} ({str(key[2]).replace('torch.', '')})"
-        tolerance = TOLERANCE[key[2]]
+        tolerance = TOLERANCE.get(key[2], 0.0)
         current = kernel.module.__dict__[kernel.attr]
         if fast is None:  # transformers runs its torch function: nothing to choose, an earlier choice forgotten
             if isinstance(current, Choice):
