@@ -2,8 +2,10 @@
 gpt-oss's Harmony channels (the final answer trained, the analysis channel prompt unless asked for, tool calls in
 Harmony's own syntax), Qwen3.5's thinking blocks (kept for the turns after the last user query, stripped from earlier
 ones, as its template does), Gemma 4's and Llama 4's turns with tool calls, GLM-4.5's replies ended by the stop token
-that opens the next turn. Every example is the template's own rendering token for token (GLM-4.5's with its end
-token appended after the last reply), and no tool call is dropped (data/fidelity.py's check runs inside encode)."""
+that opens the next turn, multi-turn Harmony (a past answer's <|end|> untrained) and Phi-3.5's replies. Every example
+is the template's own rendering token for token (GLM-4.5's with its end token appended after the last reply), and no
+tool call is dropped (data/fidelity.py's check runs inside encode). Every template on conversations of every length:
+tests/test_chat_multiturn.py."""
 
 from __future__ import annotations
 
@@ -75,6 +77,58 @@ def test_harmony_tool_calls_are_trained_in_harmony_syntax():
                      "<|channel|>final<|message|>Sunny.<|return|>"]
     text = tok.decode(enc.input_ids)
     assert "type get_weather = (_: " in text and "<|start|>functions.get_weather to=assistant" in text
+
+
+def test_harmony_multi_turn_trains_what_the_model_writes():
+    """A Harmony conversation of several turns (developer instructions, reasoning on earlier and last turns, a tool
+    call and its result between turns) is the template's rendering token for token. A past final answer ends with
+    <|end|> in the history, where the model wrote <|return|> (the template's own comment: <|return|> ends generation,
+    <|end|> does not): its text is trained, its <|end|> is prompt, so the model only ever learns to end an answer
+    where generation stops. The call ends with <|call|> (a stop), the last answer with <|return|>, both trained;
+    reasoning the template drops (earlier turns, a call's once a final answer follows) is gone, the last turn's
+    analysis is shown and not trained."""
+    from rocktune.data.checks import check_training_data
+    from rocktune.data.dataset import Examples
+
+    tok = _tok("gpt-oss")
+    rec = {"tools": TOOLS, "messages": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "thinking": "Greet back.", "content": "Hello."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "thinking": "I need the tool.", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "name": "get_weather", "content": "sunny"}, {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks"}, {"role": "assistant", "thinking": "Be polite.", "content": "Bye."}]}
+    enc, spans = _encode(tok, rec)
+    assert spans == ["<|channel|>final<|message|>Hello.",
+                     ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+                     "<|channel|>final<|message|>Sunny.", "<|channel|>final<|message|>Bye.<|return|>"]
+    text = tok.decode(enc.input_ids)
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools" in text
+    assert "final<|message|>Hello.<|end|><|start|>user" in text and "final<|message|>Sunny.<|end|>" in text
+    assert "Greet back." not in text and "I need the tool." not in text
+    assert "<|start|>assistant<|channel|>analysis<|message|>Be polite.<|end|><|start|>assistant" in text
+    end = tok.convert_tokens_to_ids("<|end|>")
+    # system, developer, 3 user turns, the tool result, 2 past answers, the last turn's analysis: none trained
+    assert [label for i, label in zip(enc.input_ids, enc.labels, strict=True) if i == end] == [IGNORE] * 9
+    chat = to_chat(rec, "row 1", {})
+    assert check_training_data(Examples([enc.input_ids], [enc.labels]), tok, "messages", False,
+                               [("row 1", chat)]) == []
+
+
+def test_phi35_replies_end_where_the_template_ends_them():
+    """Phi-3.5's released template ends every reply with <|end|>\n and closes the conversation with its EOS: a past
+    reply was cut after "<|" (the common start of <|endoftext|> and <|user|>), trained as two bytes of text, so the
+    tokens were not the template's; now each reply is trained through its <|end|>\n, the last one with the EOS."""
+    from tests.family_fixtures import Template
+
+    text = (RELEASED / "microsoft-Phi-3.5-mini-instruct.jinja").read_text(encoding="utf-8")
+    tok = build_tokenizer(Template(text, ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+                                   "<|endoftext|>", "<|endoftext|>"))
+    rec = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q1"},
+                        {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
+                        {"role": "assistant", "content": "A2"}]}
+    _, spans = _encode(tok, rec)
+    assert spans == ["A1<|end|>\n", "A2<|end|>\n<|endoftext|>"]
 
 
 def test_qwen35_keeps_thinking_after_the_last_query_and_strips_it_before():

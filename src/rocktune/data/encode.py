@@ -65,25 +65,14 @@ def encode(record: dict, shape: str, tokenizer, max_length: int, train_on_prompt
     return Encoded(out.input_ids, out.labels, len(ids) > max_length, out.prompt_cut, out.completion_cut)
 
 
-PROBE_REPLY = "rocktune-probe-reply"
-
-
-def _turn_end(full: str, start: str, render, opening: str = "") -> str | None:
-    """``full`` up to the end of the assistant turn that begins after ``start``: the first end-of-turn text after
-    it, i.e. what the template writes after a reply both when the conversation ends there and when a user turn
-    follows (the common start of the two); for a template that writes none (GLM-4.5), up to ``opening``, the token
-    the next turn opens with. None when it is not found."""
+def _turn_end(full: str, start: str, ends: turnend.ReplyEnd, last: bool, opening: str = "") -> str | None:
+    """``full`` up to the end of the assistant turn that begins after ``start``: the first end of a reply after it
+    (``ends.closing``: what the template writes after a reply in the history, or after the conversation's ``last``
+    one); for a template that writes none (GLM-4.5), up to ``opening``, the token the next turn opens with. None
+    when it is not found."""
     if not full.startswith(start):
         return None
-    reply = [{"role": "user", "content": "u"}, {"role": "assistant", "content": PROBE_REPLY}]
-    try:
-        last, more = (render(msgs, False) for msgs in (reply, reply + [{"role": "user", "content": "u2"}]))
-    except UserError:
-        return None
-    if PROBE_REPLY not in last or PROBE_REPLY not in more:
-        return None
-    a, b = last.split(PROBE_REPLY, 1)[1], more.split(PROBE_REPLY, 1)[1]
-    eot = a[:next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
+    eot = ends.closing[1 if last else 0]
     if not eot.strip():
         at = full.find(opening, len(start)) if opening else -1
         return full[:at] if at >= 0 else None
@@ -167,11 +156,41 @@ def _segments(record: dict, shape: str, tokenizer, loc: str, train_reasoning: bo
     return _chat_segments(record, tokenizer, loc, train_reasoning)
 
 
+class Unlocated(UserError):
+    """An assistant turn that the rendering of the whole conversation does not show as its own prefix did."""
+
+
+def _unlocated(loc: str, i: int, alone: str, full: str) -> Unlocated:
+    """The refusal of messages[i], quoting where the conversation rendered up to it (``alone``) and the whole
+    conversation (``full``) part: the template moves or rewrites what comes before the turn once later turns
+    follow (Mistral Nemo writes the tool list before the last user turn only)."""
+    k = next((j for j, (x, y) in enumerate(zip(alone, full)) if x != y), min(len(alone), len(full)))
+
+    def near(text):
+        return repr(("..." if k > 30 else "") + text[max(0, k - 30):k + 40] + ("..." if len(text) > k + 40 else ""))
+
+    return Unlocated(
+        f"{loc}: messages[{i}] (assistant): the chat template renders the conversation up to this turn differently "
+        f"once later turns follow (up to it: {near(alone)}; in the whole conversation: {near(full)}), so the turn "
+        "cannot be located as the model sees it when it writes it. Give each assistant turn a record of its own (the "
+        "conversation up to and including it), or use a chat template that renders earlier turns as it rendered "
+        "them then (data.chat_template naming a .jinja file).")
+
+
 def _chat_segments(record: dict, tokenizer, loc: str, train_reasoning: bool = False) -> list[tuple[str, bool]]:
     """``chat_segments`` of a canonical conversation, checked against the record (``fidelity``): a part of it the
     template does not render (tool calls, the tool list, a system prompt) is refused, not trained as if absent."""
     tools = record.get("tools")
-    segments = chat_segments(record["messages"], tokenizer, loc, tools, record.get("untrained", ()), train_reasoning)
+    try:
+        segments = chat_segments(record["messages"], tokenizer, loc, tools, record.get("untrained", ()),
+                                 train_reasoning)
+    except Unlocated:
+        # a turn the template drops (Mistral Nemo's system prompt, written only into a conversation that ends on a
+        # user turn) is what makes the turns unlocatable: name it rather than the symptom
+        whole = render_chat_template(tokenizer, record["messages"], tokenize=False, add_generation_prompt=False,
+                                     **({"tools": tools} if tools else {}))
+        fidelity.check(record, [(whole, False)], loc, located=True)
+        raise
     shown = True
     if tools:  # a template that ignores tools= renders the same text without them
         shown = len({render_chat_template(tokenizer, record["messages"], tokenize=False, add_generation_prompt=False,
@@ -211,7 +230,7 @@ def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None 
             continue
         views = (messages,) if later is messages else (messages, later)
         start = _reply_start(full, done, (render(view[:i], True) for view in views), ends) if i else ""
-        end = render(messages[: i + 1], False)
+        end = alone = render(messages[: i + 1], False)
         if not (full.startswith(end) and end.startswith(start)) and later is not messages:
             end = _fitting(end, render(later[: i + 1], False), start, full)
         if not (full.startswith(end) and end.startswith(start)):
@@ -219,15 +238,16 @@ def chat_segments(messages: list[dict], tokenizer, loc: str, tools: list | None 
             # reasoning before a later user turn): its end is the template's end-of-turn text after it in the whole
             # conversation, or the opening of the turn after it
             nxt = messages[i + 1]["role"] if i + 1 < len(messages) else ""
-            end = _turn_end(full, start, render, ends.opens.get(nxt, ""))
+            end = _turn_end(full, start, ends, not nxt, ends.opens.get(nxt, ""))
         if end is None or not (start.startswith(done) and end.startswith(start)):
-            raise UserError(
-                f"{loc}: the chat template does not render conversations prefix-consistently, so assistant "
-                "turns cannot be located; set data.train_on_prompt=true to train on the whole conversation."
-            )
+            raise _unlocated(loc, i, start if not full.startswith(start) else alone, full)
         # a template that writes no end of turn (GLM-4.5): the stop token opening the next turn ends the reply, and
         # after the last message, where the template writes nothing, it is appended
         stop = ends.after(full[len(end):]) if i + 1 < len(messages) else ends.appended(messages)
+        # history's spelling of a reply's end (Harmony's <|end|>, where the last reply ends <|return|>) is not what
+        # the model writes: it opens the next prompt instead of being trained
+        kept = ends.kept if i + 1 < len(messages) and ends.kept and end.endswith(ends.kept) else ""
+        end = end[:len(end) - len(kept)]
         reply = end[len(start):]
         thought = "" if train_reasoning else reasoning_split(messages[:i], msg, start, reply, render, ends.header)
         segments += [(start[len(done):] + thought, False), (reply[len(thought):] + stop, i not in untrained)]

@@ -7,6 +7,11 @@ the token it writes right after a reply is trained as the reply's end when the m
 conversation's last reply, where the template writes nothing, it is appended: every reply then teaches the model to
 stop where transformers, ``rocktune generate``, llama.cpp and Ollama stop. A template that writes nothing the model
 stops on gives a reply no end, and the data check refuses its chat data (``checks.py``: stop-never-trained).
+
+gpt-oss's Harmony template ends the conversation's last reply with <|return|> and a reply in the history with
+<|end|>: the model writes <|return|> (generation stops there) and a client rewrites it to <|end|> when it keeps the
+reply as history, so <|end|> after a past reply is prompt, never trained (<|end|> also closes an analysis message
+in the middle of a turn, so no runtime stops on it: a model trained to write it after its answer would run on).
 """
 
 from __future__ import annotations
@@ -35,6 +40,17 @@ class ReplyEnd:
     # that header which a past reply does not start with: Qwen3.5's "<think>\n", Gemma 4's empty thought channel
     header: str = ""
     opener: str = ""
+    # what ends a reply, in whole tokens, as (a reply in the history, the conversation's last reply): the text the
+    # template writes after a reply either way ("<|im_end|>\n" for ChatML; Phi-3.5's "<|end|>\n", before the EOS it
+    # closes a conversation with), or where the two differ from their first token on, each one's first special
+    # token (Harmony: "<|end|>", "<|return|>"); empty where the template writes none (GLM-4.5)
+    closing: tuple[str, str] = ("", "")
+
+    @property
+    def kept(self) -> str:
+        """The end token of a reply in the history where the conversation's last reply ends with another one
+        (Harmony's <|end|>): history's spelling of the end, which the model never writes, so it is not trained."""
+        return self.closing[0] if self.closing[0] != self.closing[1] else ""
 
     def after(self, rest: str) -> str:
         """The stop token the rendering continues with right after a reply (``rest``), which ends that reply."""
@@ -71,11 +87,18 @@ def _probe(tokenizer) -> ReplyEnd:
     alone = _render(tokenizer, [user, reply])
     if alone is None or PROBE not in alone:
         return ReplyEnd()
-    header, opener = _prompt(tokenizer, user, reply)
+    past = _render(tokenizer, [user, reply, {"role": "user", "content": NEXT}])
+    header, opener = _prompt(tokenizer, user, past)
     special = special_ids(tokenizer)
-    written = next((i for i in _ids(tokenizer, alone.split(PROBE, 1)[1]) if i in special), None)
+    last = alone.split(PROBE, 1)[1]
+    written = next((i for i in _ids(tokenizer, last) if i in special), None)
     if written is not None:
-        return ReplyEnd(written, header=header, opener=opener)
+        more = past.split(PROBE, 1)[1] if past and PROBE in past else ""
+        common = _common_tokens(tokenizer, last, more)
+        first = next((i for i in _ids(tokenizer, more) if i in special), written)
+        closing = (common, common) if first == written or common.strip() else tuple(
+            _through(tokenizer, text, token) for text, token in ((more, first), (last, written)))
+        return ReplyEnd(written, header=header, opener=opener, closing=closing)
     call = {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}
     follow = {"user": ([user, reply], {"role": "user", "content": NEXT}),
               "tool": ([user, call], {"role": "tool", "content": NEXT})}
@@ -90,12 +113,31 @@ def _probe(tokenizer) -> ReplyEnd:
     return ReplyEnd(None, opens, first, header, opener)
 
 
-def _prompt(tokenizer, user: dict, reply: dict) -> tuple[str, str]:
+def _common_tokens(tokenizer, a: str, b: str) -> str:
+    """The longest common start of ``a`` and ``b`` that ends between two tokens of both: a template writing
+    <|end|>\n<|endoftext|> after the last reply and <|end|>\n<|user|> before the next turn (Phi-3.5) shares
+    "<|end|>\n", not the "<|" of the next special token."""
+    common = a[:next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
+    ids_a, ids_b = _ids(tokenizer, a), _ids(tokenizer, b)
+    while common:
+        ids = _ids(tokenizer, common)
+        if ids == ids_a[:len(ids)] == ids_b[:len(ids)]:
+            break
+        common = common[:-1]
+    return common
+
+
+def _through(tokenizer, text: str, token: int) -> str:
+    """``text`` up to and including the special token ``token``."""
+    name = tokenizer.convert_ids_to_tokens(token)
+    return text[:text.find(name) + len(name)] if name in text else ""
+
+
+def _prompt(tokenizer, user: dict, past: str | None) -> tuple[str, str]:
     """(header, opener): the generation prompt split where a reply in the history departs from it (the opener ""
-    for most templates): the prompt for one user turn against the same turn followed by a reply and another user
-    turn."""
+    for most templates): the prompt for one user turn against ``past``, the same turn followed by a reply and
+    another user turn."""
     bare, prompted = _render(tokenizer, [user]), _render(tokenizer, [user], True)
-    past = _render(tokenizer, [user, reply, {"role": "user", "content": NEXT}])
     if bare is None or prompted is None or past is None or not (prompted.startswith(bare) and past.startswith(bare)):
         return "", ""
     gen, after = prompted[len(bare):], past[len(bare):]
