@@ -101,7 +101,11 @@ def load_model(name_or_path: str, precision: str, attn_implementation: str, trus
         check_weight_shapes(name_or_path)
         raise
     model.config.use_cache = False  # the KV cache only costs memory during training
-    return model if extra else model.to(device)
+    model = model if extra else model.to(device)
+    from rocktune.kernels import recurrent as recurrent_kernels
+
+    recurrent_kernels.apply(model, device)  # Gated DeltaNet / Mamba2 layers: fast kernels that pass a self-test
+    return model
 
 
 def _refuse_vision_checkpoint(name_or_path: str) -> None:
