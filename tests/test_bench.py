@@ -241,3 +241,18 @@ def test_the_qwen35_shape_is_the_hybrid_stack(tmp_path):
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert (cfg["hidden_size"], cfg["vocab_size"], cfg["linear_num_value_heads"]) == (128, 32768, 4)
     assert cfg["linear_num_value_heads"] == 2 * cfg["linear_num_key_heads"]
+
+
+def test_lr_reaches_every_configuration_and_a_bad_one_is_refused(monkeypatch, capsys):
+    """``--lr`` sets the learning rate every configuration shares (the workload's ``lr``); zero or less is refused
+    before anything runs."""
+    from rocktune.bench import main as bench_main
+    from rocktune.cli import main
+
+    seen = []
+    monkeypatch.setattr(bench_main, "run_bench_command", lambda req, **kw: seen.append(req) or 0)
+    assert main(["bench", "--lr", "2e-3", "--configs", "rocktune"]) == 0
+    assert seen[0].common == {"lr": 2e-3}
+    assert main(["bench", "--configs", "rocktune"]) == 0 and seen[1].common is None  # the default, 2e-4
+    assert main(["bench", "--lr", "0"]) == 2
+    assert "--lr must be a positive learning rate" in capsys.readouterr().err

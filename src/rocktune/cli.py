@@ -418,6 +418,9 @@ def _add_bench(sub) -> None:
                         "the expert LoRA vs HF + PEFT target_parameters on a tiny Qwen3-MoE and a Qwen3-30B-A3B layer "
                         "(--model tiny-moe or qwen3-30b-a3b-layer for one; docs/moe.md)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before one configuration is killed")
+    p.add_argument("--lr", type=float,
+                   help="learning rate of every configuration (default 2e-4): a random-init shape whose loss barely "
+                        "moves at the default in a few steps gives no speed figure; a larger one makes it fall")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole set this many times, alternating the order; medians pool all rounds")
     p.add_argument("--json", action="store_true", help="print the whole report as one JSON object")
@@ -434,13 +437,15 @@ def _run_bench(args) -> int:
         raise UserError("--warmup and --parity-steps cannot be negative; --samples must be at least 8")
     if args.threads is not None and args.threads < 1:
         raise UserError("--threads must be at least 1")
+    if args.lr is not None and not args.lr > 0:
+        raise UserError(f"--lr must be a positive learning rate, not {args.lr}")
     from rocktune.bench.main import run_bench_command
     from rocktune.bench.runner import BenchRequest
 
     req = BenchRequest(model=args.model, data=args.data, configs=args.configs, steps=args.steps,
                        warmup=args.warmup, threads=args.threads, device=args.device, out=args.out,
                        n_samples=args.samples, parity_steps=args.parity_steps, timeout=args.timeout,
-                       rounds=args.rounds, nproc=args.nproc)
+                       rounds=args.rounds, nproc=args.nproc, common={"lr": args.lr} if args.lr else None)
     return run_bench_command(req, as_json=args.json, pick=args.pick, write_config=args.write_config,
                              list_only=args.list, suite=args.suite)
 
