@@ -34,42 +34,43 @@ TEST_FILE = "tests/test_families.py"
 QUIRKS = [
     "- **Gemma 2 / Gemma 3**: the (1 + w) RMSNorm, the embedding scaled by the square root of the width, logit "
     "soft-capping and sliding windows live inside transformers' model code; the merged check (logits equal the "
-    "PEFT model's) covers them. Gemma 2's transformers class has no SDPA path, so `model.attn_implementation: auto` "
-    "loads it with eager attention (a note says so) instead of failing. Gemma's template has no system role.",
-    "- **Phi-3 / Phi-4**: attention and MLP input projections are fused (`qkv_proj`, `gate_up_proj`); LoRA adapts "
-    "them as they are, one adapter across q, k and v (and across gate and up).",
-    "- **Qwen3-MoE / Mixtral**: transformers 5 stores each layer's experts as 3-D parameters; `all-linear` adapts "
-    "attention by name and the experts through PEFT's parameter targeting; the router is left alone (PEFT's own "
+    "PEFT model's) covers them. Gemma 2's transformers class has no SDPA path, so `model.attn_implementation: "
+    "auto` loads it with eager attention (a note says so) instead of failing. Gemma's template has no system "
+    "role.",
+    "- **Phi-3 / Phi-4**: attention and MLP input projections are fused (`qkv_proj`, `gate_up_proj`); LoRA adapts"
+    " them as they are, one adapter across q, k and v (and across gate and up).",
+    "- **Qwen3-MoE / Mixtral**: transformers 5 stores each layer's experts as 3-D parameters; `all-linear` adapts"
+    " attention by name and the experts through PEFT's parameter targeting; the router is left alone (PEFT's own "
     "all-linear would adapt it, and a moved router sends tokens to experts the adapter did not train for them).",
-    "- **Granite 3**: embedding, residual, attention and logit multipliers are config values the merged model keeps; "
-    "the GGUF carries them as llama.cpp's granite scales.",
-    "- **GGUF per family** (facts from llama.cpp's converter and loader): Gemma's norms are stored as 1 + w, with "
-    "attention/final soft-capping, the sliding window and its per-layer pattern (Gemma 3: the local rope base); a "
-    "query scale llama.cpp would not use is refused. Phi-3's fused `qkv_proj`/`gate_up_proj` stay fused "
-    "(`attn_qkv`, `ffn_up`), and so do their LoRAs. OLMo 2's loader has no tied head, so `output.weight` is always "
-    "written. SmolLM3 is refused unless rope is skipped in every 4th layer, the rule llama.cpp hard-codes. "
-    "Qwen3-MoE and Mixtral experts become `ffn_{gate,up,down}_exps` stacks and their LoRAs per-expert LoRAs; "
+    "- **Granite 3**: embedding, residual, attention and logit multipliers are config values the merged model "
+    "keeps; the GGUF carries them as llama.cpp's granite scales.",
+    "- **GGUF per family** (facts from llama.cpp's converter and loader): Gemma's norms are stored as 1 + w, with"
+    " attention/final soft-capping, the sliding window and its per-layer pattern (Gemma 3: the local rope base); "
+    "a query scale llama.cpp would not use is refused. Phi-3's fused `qkv_proj`/`gate_up_proj` stay fused "
+    "(`attn_qkv`, `ffn_up`), and so do their LoRAs. OLMo 2's loader has no tied head, so `output.weight` is "
+    "always written. SmolLM3 is refused unless rope is skipped in every 4th layer, the rule llama.cpp hard-codes."
+    " Qwen3-MoE and Mixtral experts become `ffn_{gate,up,down}_exps` stacks and their LoRAs per-expert LoRAs; "
     "Qwen3-MoE without `norm_topk_prob` (llama.cpp always renormalises) is refused.",
-    "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless the "
-    "adapter changed it (docs/export.md).",
+    "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless "
+    "the adapter changed it (docs/export.md).",
     "- **Chat templates**: every family's template shape is exercised by `test_chat_masking` (with a system turn "
-    "where the template takes one; Mistral's and Gemma 2/3's have none). SmolLM3's row uses a template with "
-    "`{% generation %}` markers: rocktune finds the reply by rendering the template turn by turn, and the tokens it "
+    "where the template takes one; Mistral's and Gemma 2/3's have none). SmolLM3's row uses a template with `{% "
+    "generation %}` markers: rocktune finds the reply by rendering the template turn by turn, and the tokens it "
     "trains are exactly the ones the markers enclose.",
-    "- **LoRA targets by role** (`src/rocktune/models/targets.py`): `all-linear` adapts every linear layer but the "
-    "head, whatever the layer kind: attention, Gated DeltaNet's `in_proj_*`/`out_proj` (Qwen3.5, Qwen3-Next), "
-    "Mamba2's `in_proj`/`out_proj` and the shared MLP (Granite 4), dense-layer MLPs and shared experts (GLM-4.5, "
-    "Llama 4, Qwen3.5-MoE), Gemma 4's per-layer projections. Never a router (the child of an expert-stack block "
-    "with one output per expert, whatever its class: Llama 4's is an `nn.Linear` returning a tuple, which crashed "
-    "the first step when adapted) nor a 1-wide gate (Qwen3.5-MoE's and Qwen3-Next's `shared_expert_gate`). The run "
-    "log's `lora targets:` line lists what was adapted and left out, by kind. PEFT 0.21 rewrites a config's "
-    "`gate_proj`/`up_proj`/`down_proj` targets onto the fused experts for models on Qwen2-MoE's v4 pattern (GLM-4.5, "
-    "Qwen3-Next), dropping their dense MLPs and shared experts; rocktune keeps a target that names a real linear "
-    "layer (`keep_v5_names`), in training and when an adapter is loaded for export. A plain PEFT load of such an "
-    "adapter outside rocktune still applies the rewrite.",
+    "- **LoRA targets by role** (`src/rocktune/models/targets.py`): `all-linear` adapts every linear layer but "
+    "the head, whatever the layer kind: attention, Gated DeltaNet's `in_proj_*`/`out_proj` (Qwen3.5, Qwen3-Next),"
+    " Mamba2's `in_proj`/`out_proj` and the shared MLP (Granite 4), dense-layer MLPs and shared experts (GLM-4.5,"
+    " Llama 4, Qwen3.5-MoE), Gemma 4's per-layer projections. Never a router (the child of an expert-stack block "
+    "with one output per expert, whatever its class: Llama 4's is an `nn.Linear` returning a tuple, which crashed"
+    " the first step when adapted) nor a 1-wide gate (Qwen3.5-MoE's and Qwen3-Next's `shared_expert_gate`). The "
+    "run log's `lora targets:` line lists what was adapted and left out, by kind. PEFT 0.21 rewrites a config's "
+    "`gate_proj`/`up_proj`/`down_proj` targets onto the fused experts for models on Qwen2-MoE's v4 pattern "
+    "(GLM-4.5, Qwen3-Next), dropping their dense MLPs and shared experts; rocktune keeps a target that names a "
+    "real linear layer (`keep_v5_names`), in training and when an adapter is loaded for export. A plain PEFT load"
+    " of such an adapter outside rocktune still applies the rewrite.",
     "- **Recurrent layers** (Qwen3.5, Qwen3-Next: Gated DeltaNet; Granite 4: Mamba2): packed rows are refused "
-    "(`data.packing`, `training.batching: tokens`) because the layer's state runs on from one packed example into "
-    "the next; `batching: auto` keeps padded micro-batches for them. Their kernels: transformers 5 picks "
+    "(`data.packing`, `training.batching: tokens`) because the layer's state runs on from one packed example into"
+    " the next; `batching: auto` keeps padded micro-batches for them. Their kernels: transformers 5 picks "
     "flash-linear-attention's (Gated DeltaNet), causal-conv1d's (the short convolution) and mamba-ssm's (Mamba2) "
     "where they import; rocktune keeps each only where it passes a self-test on the device after loading "
     "(`kernels/recurrent.py`: the layer's own call, forward and backward, against transformers' torch function, "
@@ -89,28 +90,53 @@ QUIRKS = [
     "benchmarks/mamba_reference_scan.py`, best of two steps; 0.3 s and 80 s on the same shared machine under "
     "load): the reference scan costs chunk^2 x heads x state whatever the sequence length. Real Granite 4 shapes "
     "are of the first kind.",
-    "- **gpt-oss (Harmony)**: a reply's reasoning (`thinking` or `reasoning_content`) renders on the analysis "
-    "channel as a message of its own before the final answer; it is prompt, not loss: the final channel and tool "
-    "calls (`to=functions.NAME` on the commentary channel) are trained. Harmony's fixed system header is ~150 "
-    "tokens, so the matrix trains it with `max_length` 320.",
-    "- **Qwen3.5 thinking blocks**: the template keeps a reply's reasoning only after the last user turn and an "
-    "empty `<think>` block on the last reply; rocktune trains what it renders (the last reply's think block "
-    "included), and reasoning given as `reasoning_content` on earlier turns is dropped as the template drops it "
-    "(reasoning inside an earlier turn's `content` is refused: the template would cut the text).",
-    "- **GLM-4.5**: its template writes nothing after a reply (the model ends it by writing the next role token), "
-    "so chat data is refused before training: no end-of-turn token would carry loss. Prompt/completion data "
-    "(EOS appended) trains it.",
+    "- **gpt-oss (Harmony)** (the matrix uses its released template, "
+    "`tests/data/templates/openai-gpt-oss-120b.jinja`): a reply's reasoning (`thinking` or `reasoning_content`) "
+    "renders on the analysis channel as a message of its own before the final answer; it is prompt, not loss: the"
+    " final channel and tool calls (`to=functions.NAME` on the commentary channel) are trained. The template "
+    "drops a tool call's analysis once a final answer follows; such a call is located as the whole conversation "
+    "renders it. Harmony's system header (with the date) is 236 tokens on the matrix's byte-level tokenizer, and "
+    "its conversations up to 312, so the matrix trains it with `max_length` 320.",
+    "- **Qwen3.5 thinking blocks** (the matrix uses its released template, "
+    "`tests/data/templates/Qwen-Qwen3.5-4B.jinja`): every reply after the last user query renders in a think "
+    "block (empty without reasoning) and the generation prompt opens it (`<think>\\n`), so such a reply is trained"
+    " from inside the block, as the model continues at inference; replies before that query render without one "
+    "and are trained from their text, their `reasoning_content` dropped as the template drops it (reasoning "
+    "inside an earlier turn's `content` is refused: the template would cut the text). An agent trace followed by "
+    "a later query is located as the whole conversation renders it (a prefix that ends inside it still shows its "
+    "think blocks). Tool calls train in its XML syntax (`<tool_call>\\n<function=NAME>` with `<parameter=KEY>` "
+    "blocks). Before this, every multi-turn conversation on the released template was refused as not "
+    "prefix-consistent.",
+    "- **GLM-4.5**: its template writes nothing after a reply: the model ends a reply by writing the next turn's "
+    "role token, `<|user|>` (or `<|observation|>` after a tool call), and its generation config stops on both. "
+    "rocktune trains that token as the reply's end: the one the template writes right after the reply (found by "
+    "rendering a probe reply with a user turn, and a probe call with a tool result, after it), and after the "
+    "conversation's last reply, where the template writes nothing, it appends it (`<|user|>`; `<|observation|>` "
+    "after a call), so the tokens are the template's rendering plus that one token. Only a token the model stops "
+    "on (the tokenizer's EOS and the `eos_token_id` of the model's `generation_config.json` / `config.json`) is "
+    "used: generation then stops there in transformers, `rocktune generate`, llama.cpp (the GGUF names `<|user|>`"
+    " its end of turn and `<|observation|>` its end of message) and Ollama (both are stops in the Modelfile). A "
+    "template that writes nothing the model stops on is still refused before training (`stop-never-trained`, "
+    "naming the token it opens the next turn with and the model's stops). Tool calls train in GLM's XML syntax "
+    "(`<tool_call>NAME` then `<arg_key>`/`<arg_value>` pairs); a reply's `reasoning_content` is kept in its think"
+    " block only after the last user turn, as the template does (`tests/test_family_chat.py`, on the fixture's "
+    "shape and on GLM-4.6's released template, which 4.5 shares). Such conversations are rendered per prefix (the"
+    " one-rendering layout does not apply).",
     "- **Llama 4**: its text model keeps the decoder as `model` while its `base_model_prefix` says "
     "`language_model`; rocktune's loss finds it (the first step failed before).",
     "- **Gemma 4**: per-layer embeddings (`hidden_size_per_layer_input` per layer and token) are adapted through "
     "their projections (`per_layer_input_gate`, `per_layer_projection`, `per_layer_model_projection`); the "
-    "embedding table itself is frozen like every embedding.",
-    "- **Multimodal releases** (Qwen3.5, Llama 4 and Gemma 4 ship with a vision tower): a text task loads Qwen3.5's "
-    "and Llama 4's as their causal LM with the language model's own weights (`tests/test_family_checkpoints.py`: "
-    "logits equal); Gemma 4's loads as `Gemma4ForConditionalGeneration`, whose vision tower and projector "
-    "`all-linear` leaves out (`tests/test_lora_targets.py`).",
-    "- **QLoRA on the CPU**: bitsandbytes' CPU nf4 is wrong on rows of 32 and the QLoRA gate refuses such a model; "
-    "the matrix's MoE expert widths are 64.",
+    "embedding table itself is frozen like every embedding. Its released template's generation prompt opens an "
+    "empty thought channel (`<|channel>thought\\n<channel|>`) that a reply in the history does not have: replies "
+    "are trained from after the turn header, as rendered (every chat conversation on that template was refused as"
+    " not prefix-consistent before); a tool call is trained up to the `<|tool_response>` that opens its result "
+    "inside the model's turn (`tests/test_family_chat.py`; the matrix row keeps a shape of Gemma 4's turns).",
+    "- **Multimodal releases** (Qwen3.5, Llama 4 and Gemma 4 ship with a vision tower): a text task loads "
+    "Qwen3.5's and Llama 4's as their causal LM with the language model's own weights "
+    "(`tests/test_family_checkpoints.py`: logits equal); Gemma 4's loads as `Gemma4ForConditionalGeneration`, "
+    "whose vision tower and projector `all-linear` leaves out (`tests/test_lora_targets.py`).",
+    "- **QLoRA on the CPU**: bitsandbytes' CPU nf4 is wrong on rows of 32 and the QLoRA gate refuses such a "
+    "model; the matrix's MoE expert widths are 64.",
 ]
 
 
