@@ -397,3 +397,20 @@ def test_plan_models_the_families(tmp_path, capsys):
     assert main(["plan", str(model_dir), "--task", "vlm", "--vram", "4GiB", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["images"]["tokens_per_image"] == {"min": 4, "max": 4} and doc["fit"]["max_pixels"] is None
+
+
+def test_qwen3_5_vlm_loader_chooses_its_recurrent_kernels(tmp_path, monkeypatch):
+    """task=vlm's loader settles Qwen3.5's Gated DeltaNet kernels as the text loader does (kernels/recurrent.py:
+    a fast kernel only where it passes its self-test on the device; tests/test_recurrent_kernels.py covers the
+    choice itself), once, on the run's device."""
+    from rocktune.kernels import recurrent as recurrent_kernels
+    from rocktune.tasks.vlm.demo.tiny_vlm import build_tiny_vlm
+    from rocktune.tasks.vlm.vision.model import load_vlm
+
+    settled = []
+    real = recurrent_kernels.settle
+    monkeypatch.setattr(recurrent_kernels, "settle", lambda model, device, stand_ins=None:
+                        settled.append((type(model).__name__, device)) or real(model, device, stand_ins))
+    model = load_vlm(str(build_tiny_vlm(tmp_path / "m", family="qwen3_5")), "fp32", "sdpa", "cpu")
+    assert settled == [("Qwen3_5ForConditionalGeneration", "cpu")]
+    assert recurrent_kernels.layer_kernels(model)  # its layers call kernels rocktune chooses

@@ -155,7 +155,11 @@ def load_vlm(name_or_path: str, precision: str, attn_implementation: str, device
         raise UserError(f"could not load model {name_or_path}: {first_line(exc)} (offline? pass a local model "
                         "directory)") from None
     model.config.use_cache = False
-    return model.to(device)
+    model = model.to(device)
+    from rocktune.kernels import recurrent as recurrent_kernels
+
+    recurrent_kernels.apply(model, device)  # Qwen3.5's Gated DeltaNet layers: fast kernels that pass a self-test
+    return model
 
 
 def language_attention(config, attn_implementation: str) -> str | dict[str, str]:
