@@ -324,3 +324,27 @@ def test_the_installed_kernels_pass_their_self_test_on_the_gpu(models, family):
         with recurrent.reference():
             want = model(ids).logits.float()
     assert float((got - want).norm() / want.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "granite4"])
+def test_the_lora_reference_mode_runs_the_torch_kernels(models, family):
+    """lora.check.reference_mode (the correctness matrix, `doctor --model`, the run's tripwire) computes with
+    transformers' torch functions whatever kernel was chosen for the device: a wrong kernel installed as chosen
+    changes the run's logits, not the reference's."""
+    from rocktune.lora.check import reference_mode
+
+    model = _load(models[family])
+    ids = torch.arange(5, 45)[None]
+    with torch.no_grad():
+        want = model(ids).logits
+    recurrent.settle(model, "cpu", _stand_ins(model))  # right stand-ins: installed, chosen for (cpu, float32)
+    wrong = _stand_ins(model, _perturbed)
+    for kernel in recurrent.layer_kernels(model):
+        choice = getattr(kernel.module, kernel.attr)
+        if kernel.name in wrong and isinstance(choice, recurrent.Choice):
+            choice.chosen[recurrent.device_key("cpu", torch.float32)] = wrong[kernel.name]
+    with torch.no_grad():
+        assert (model(ids).logits - want).abs().max() > 1e-4
+        with reference_mode(model):
+            assert torch.equal(model(ids).logits, want)
+        assert (model(ids).logits - want).abs().max() > 1e-4  # the run's path back on leaving

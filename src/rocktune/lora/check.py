@@ -185,14 +185,17 @@ def compare_probe(got: Probe, ref: Probe, precision: str) -> list[Problem]:
 
 @contextlib.contextmanager
 def reference_mode(model):
-    """Inside: ``model`` computes the reference's way (PEFT's own forward, every compiled module eager); the run's
-    path is back on leaving. The same parameters, so the two are compared on identical adapter values."""
+    """Inside: ``model`` computes the reference's way (PEFT's own forward, every compiled module eager, recurrent
+    layers on transformers' torch kernels); the run's path is back on leaving. The same parameters, so the two are
+    compared on identical adapter values."""
+    from rocktune.kernels import recurrent
+
     compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     saved = [m._compiled_call_impl for m in compiled]
     try:
         for m in compiled:
             m._compiled_call_impl = None
-        with peft_forward(model):
+        with peft_forward(model), recurrent.reference():
             yield
     finally:
         for m, impl in zip(compiled, saved):
