@@ -149,8 +149,10 @@ def _template(recs: list[tuple[str, dict]], tokenizer) -> list[Problem]:
             continue
         if tokenizer.decode(ours) != tokenizer.decode(own):
             return [Problem("error", "template-differs", f"{loc}: the conversation as trained differs from the "
-                            "tokenizer's own chat template rendering (the template is not prefix-consistent); train "
-                            "with data.train_on_prompt=true or convert the data to prompt/completion.")]
+                            "tokenizer's own chat template rendering (the template renders earlier turns "
+                            "differently once later ones follow): give each assistant turn a record of its own (the "
+                            "conversation up to it), convert the data to prompt/completion, or name a template that "
+                            "renders turns alike with data.chat_template.")]
         return [Problem("warning", "template-tokens-differ", f"{loc}: the same text is split into different tokens "
                         "than the tokenizer's own chat template would (turns are tokenised one by one); inference "
                         "will see slightly different token sequences.")]
