@@ -71,7 +71,7 @@ TEMPLATES = {
                         "<|im_end|>", "<|im_end|>", reply_head="\n</think>\n\n", trims=True),
     "harmony": Template(HARMONY, ("<|endoftext|>", "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>",
                                   "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"), "<|return|>", "<|return|>",
-                        reply_head="<|channel|>final<|message|>"),
+                        reply_head="<|channel|>final<|message|>", stops=("<|endoftext|>", "<|call|>")),
     "llama4": Template(LLAMA4, ("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>",
                                 "<|eot|>"), "<|eot|>", "<|eot|>", bos="<|begin_of_text|>", trims=True),
     "gemma4": Template(GEMMA4, ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>",
