@@ -50,13 +50,29 @@ QUIRKS = [
     "(`attn_qkv`, `ffn_up`), and so do their LoRAs. OLMo 2's loader has no tied head, so `output.weight` is "
     "always written. SmolLM3 is refused unless rope is skipped in every 4th layer, the rule llama.cpp hard-codes."
     " Qwen3-MoE and Mixtral experts become `ffn_{gate,up,down}_exps` stacks and their LoRAs per-expert LoRAs; "
-    "Qwen3-MoE without `norm_topk_prob` (llama.cpp always renormalises) is refused.",
+    "Qwen3-MoE without `norm_topk_prob` (llama.cpp always renormalises) is refused. Granite 4 "
+    "(`export/granite_hybrid.py`): transformers 5 saves its layer kinds as `linear_attention`/`full_attention`, "
+    "the released config.json and llama.cpp's converter say `mamba`/`attention`; rocktune reads both, writes rope "
+    "only where the config asks for it (the released hybrids have no positions), a dense hybrid's MLP width from "
+    "`shared_intermediate_size` (the converter's `intermediate_size` gives a file llama.cpp cannot load when they "
+    "differ), and refuses Mamba settings llama.cpp's graph hard-codes otherwise (expansion 2, no projection "
+    "biases, no time-step clamp). Gemma 4 (`export/gemma4.py`): both head widths, proportional rope as "
+    "`rope_freqs`, per-layer embeddings, the KV-sharing tail; its GGUF LoRA refuses an adapter on "
+    "`per_layer_model_projection` (llama.cpp's graph multiplies it without a LoRA: it would be dropped silently), "
+    "so the matrix's all-linear adapter is a refused cell and an adapter without it runs in llama.cpp as the "
+    "merged model (`tests/test_gguf_variants.py`); Gemma 4's MoE (26B-A4B) is refused. gpt-oss's released MXFP4 "
+    "experts are written as the checkpoint's own MXFP4 blocks where the adapter left them alone (equal to the "
+    "converter's file), unquantised where a merged expert LoRA changed them (docs/moe.md).",
     "- **Tied embeddings** (Qwen2.5 small, Qwen3 small, SmolLM2/3, Granite, Gemma): the head stays tied unless "
     "the adapter changed it (docs/export.md).",
     "- **Chat templates**: every family's template shape is exercised by `test_chat_masking` (with a system turn "
     "where the template takes one; Mistral's and Gemma 2/3's have none). SmolLM3's row uses a template with `{% "
     "generation %}` markers: rocktune finds the reply by rendering the template turn by turn, and the tokens it "
-    "trains are exactly the ones the markers enclose.",
+    "trains are exactly the ones the markers enclose. Every template, the released ones under "
+    "`tests/data/templates/` included, is encoded on conversations of 1, 2 and 4 turns with and without a system "
+    "turn, a tool call and reasoning (`tests/test_chat_multiturn.py`): the tokens equal the template's rendering, "
+    "every reply is trained and nothing else. Phi-3.5's past replies end `<|end|>\\n` (taken in whole tokens; "
+    "before, its `<|` was cut into the reply as text).",
     "- **LoRA targets by role** (`src/rocktune/models/targets.py`): `all-linear` adapts every linear layer but "
     "the head, whatever the layer kind: attention, Gated DeltaNet's `in_proj_*`/`out_proj` (Qwen3.5, Qwen3-Next),"
     " Mamba2's `in_proj`/`out_proj` and the shared MLP (Granite 4), dense-layer MLPs and shared experts (GLM-4.5,"
@@ -96,7 +112,12 @@ QUIRKS = [
     " final channel and tool calls (`to=functions.NAME` on the commentary channel) are trained. The template "
     "drops a tool call's analysis once a final answer follows; such a call is located as the whole conversation "
     "renders it. Harmony's system header (with the date) is 236 tokens on the matrix's byte-level tokenizer, and "
-    "its conversations up to 312, so the matrix trains it with `max_length` 320.",
+    "its conversations up to 312, so the matrix trains it with `max_length` 320. In a conversation of several "
+    "turns a past final answer ends with `<|end|>` and the last with `<|return|>`: the past answer's text is "
+    "trained, its `<|end|>` is prompt (the model writes `<|return|>`, which a client rewrites for the history; "
+    "nothing stops on `<|end|>`). Before, every Harmony conversation of more than one turn was refused. The "
+    "released weights' MXFP4 experts are dequantised for LoRA (exactly: the run log states the memory it costs; "
+    "`rocktune plan` counts it; docs/moe.md).",
     "- **Qwen3.5 thinking blocks** (the matrix uses its released template, "
     "`tests/data/templates/Qwen-Qwen3.5-4B.jinja`): every reply after the last user query renders in a think "
     "block (empty without reasoning) and the generation prompt opens it (`<think>\\n`), so such a reply is trained"
@@ -134,7 +155,10 @@ QUIRKS = [
     "- **Multimodal releases** (Qwen3.5, Llama 4 and Gemma 4 ship with a vision tower): a text task loads "
     "Qwen3.5's and Llama 4's as their causal LM with the language model's own weights "
     "(`tests/test_family_checkpoints.py`: logits equal); Gemma 4's loads as `Gemma4ForConditionalGeneration`, "
-    "whose vision tower and projector `all-linear` leaves out (`tests/test_lora_targets.py`).",
+    "whose vision tower and projector `all-linear` leaves out (`tests/test_lora_targets.py`); `export --to "
+    "gguf` of such a run writes its language model alone, saying the vision tower is left out (no mmproj writer "
+    "for Gemma 4 yet). Qwen3.5 with its vision tower trains under `task: vlm` and exports with its mmproj "
+    "(docs/vision.md).",
     "- **QLoRA on the CPU**: bitsandbytes' CPU nf4 is wrong on rows of 32 and the QLoRA gate refuses such a "
     "model; the matrix's MoE expert widths are 64.",
 ]
