@@ -216,12 +216,23 @@ def lora_targets(model, target_modules) -> tuple[object, list[str]]:
 def moe_expert_parameters(model) -> list[str]:
     """Names of the expert weight parameters of an MoE block (e.g. ``gate_up_proj``, ``down_proj``): the 3-D
     parameters, one matrix per expert, that transformers 5's fused expert modules hold."""
-    names = set()
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if param.dim() == 3 and type(module).__name__.endswith("Experts"):
-                names.add(name)
-    return sorted(names)
+    stacks = [f"{owner}.{name}" if owner else name for owner, module in model.named_modules()
+              for name, param in module.named_parameters(recurse=False)
+              if param.dim() == 3 and type(module).__name__.endswith("Experts")]
+    others = [n for n, _ in model.named_parameters() if n not in set(stacks)]
+    return sorted({_unique_suffix(n, others) for n in stacks})
+
+
+def _unique_suffix(name: str, others: list[str]) -> str:
+    """The shortest dotted tail of ``name`` that no other parameter's name ends with: PEFT matches
+    ``target_parameters`` by suffix, and transformers 4's Granite MoE calls its stacks plain ``weight`` (every norm
+    would match), while transformers 5's ``gate_up_proj`` / ``down_proj`` stay as they are."""
+    parts = name.split(".")
+    for k in range(1, len(parts) + 1):
+        tail = ".".join(parts[-k:])
+        if not any(o == tail or o.endswith("." + tail) for o in others):
+            return tail
+    return name
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

@@ -35,12 +35,19 @@ def refuse_train_router(model) -> None:
                         "set lora.train_router: false (it applies to MoE models only).")
 
 
-def routing(module, output) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, chosen experts) of one router call, detached: logits (tokens x experts), indices (tokens x top-k)."""
+def routing(module, output, args: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, chosen experts) of one router call, detached: logits (tokens x experts), indices (tokens x top-k).
+    ``args``: the call's inputs, for a router that returns no logits (transformers 4's GLM-4.5 returns the top-k
+    indices and weights only): its logits are recomputed from its input and weight, as it computed them."""
     tensors = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
     experts = num_experts(module)
-    floats = [t for t in tensors if t.is_floating_point()]
-    logits = (floats[-1] if type(module).__name__ == "Llama4Router" else floats[0]).detach().reshape(-1, experts)
+    floats = [t for t in tensors if t.is_floating_point() and t.shape[-1] == experts]
+    if floats:
+        logits = (floats[-1] if type(module).__name__ == "Llama4Router" else floats[0]).detach().reshape(-1, experts)
+    else:
+        hidden = args[0].detach()
+        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).float(), module.weight.float(),
+                                            None if getattr(module, "bias", None) is None else module.bias.float())
     chosen = [t for t in tensors if not t.is_floating_point()]
     indices = chosen[0].detach().reshape(logits.shape[0], -1) if chosen else logits.topk(top_k(module), -1).indices
     return logits, indices

@@ -70,8 +70,8 @@ def _text_modules(model) -> set[int]:
 
 def router_modules(model) -> list[torch.nn.Module]:
     """The routers: in every module that holds an expert stack (a child with 3-D parameters, one matrix per expert;
-    a convolution's 3-D kernel is not one; PEFT's wrappers of a stack are seen through), its other children whose
-    2-D weight has one row per expert."""
+    a convolution's 3-D kernel is not one; PEFT's wrappers of a stack are seen through), its other modules, at any
+    depth, whose 2-D weight has one row per expert."""
     modules = dict(model.named_modules())
     found: dict[int, torch.nn.Module] = {}
     for name, owner in modules.items():
@@ -80,11 +80,14 @@ def router_modules(model) -> list[torch.nn.Module]:
             continue
         while name.endswith(".base_layer"):
             name = name.removesuffix(".base_layer")
-        experts = modules[name]
-        for child in modules[name.rpartition(".")[0]].children():
+        inside = {id(m) for m in modules[name].modules()}  # the stacks, PEFT's wrappers of them and their factors
+        block = modules[name.rpartition(".")[0]]
+        # the block's descendants, not only its children: transformers 4's Granite MoE keeps the router's Linear
+        # one level down (``router.layer``); never a LoRA factor (a rank may equal the number of experts)
+        for sub, child in block.named_modules():
             weight = getattr(child, "weight", None)
-            if child is not experts and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
-                    and weight.shape[0] == stacks[0].shape[0]:
+            if sub and id(child) not in inside and ".lora_" not in f".{sub}" and isinstance(weight, torch.Tensor) \
+                    and weight.dim() == 2 and weight.shape[0] == stacks[0].shape[0]:
                 found[id(child)] = child
     return list(found.values())
 

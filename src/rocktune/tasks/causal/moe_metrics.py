@@ -72,7 +72,7 @@ class RouterWatch:
         def hook(module, args, output):
             if not torch.is_grad_enabled() or _in_backward():
                 return
-            logits, chosen = routing(module, output)
+            logits, chosen = routing(module, output, args)
             s = self.sums.get(layer)
             if s is None:
                 s = self.sums[layer] = _Sums(torch.zeros(self.experts, dtype=torch.int64, device=logits.device),
