@@ -3,11 +3,14 @@
     python benchmarks/planner_validation.py            # CPU grid (tiny and small models), ~1 minute
     python benchmarks/planner_validation.py --gpu      # + predicted peak vs torch.cuda.max_memory_allocated
     python benchmarks/planner_validation.py --families # the 2025-26 families (OLMo 3, Qwen3.5, Gemma 4, Granite 4...)
+    python benchmarks/planner_validation.py --widths   # released widths, few layers: Qwen3.5-2B, Granite-4.0-H-Tiny
 
 CPU: one real training step (rocktune's LoRA wrapping, loss and AdamW) per grid point. Bytes saved for backward
 are counted with ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters excluded; with
 gradient checkpointing the tensors each checkpoint keeps for recomputation are counted too. Parameters, gradients
-and optimizer states are counted from the tensors after the step.
+and optimizer states are counted from the tensors after the step. ``--widths`` also runs a second step under torch's
+profiler (``profile_memory``: the CPU allocator's own events) and compares its highest point, plus the tensors alive
+before it (weights, adapters, their gradients and AdamW states, the batch), with the plan's ``peak_allocated``.
 """
 
 from __future__ import annotations
@@ -83,11 +86,28 @@ GRANITE4 = {"model_type": "granitemoehybrid", "hidden_size": 64, "intermediate_s
             "layer_types": ["mamba", "mamba", "mamba", "attention"], "mamba_n_heads": 4, "mamba_d_state": 16,
             "mamba_d_head": 32, "mamba_chunk_size": 16, "embedding_multiplier": 12.0, "logits_scaling": 8.0,
             "residual_multiplier": 0.22, "attention_multiplier": 0.0625}
+
+
+def _preset(name: str, **changes) -> dict:
+    from rocktune.planner.shapes import presets
+
+    return {**{k: v for k, v in presets()[name].items() if k != "source"}, **changes}
+
+
+# Released widths, fewer layers (`--widths`): Qwen3.5-2B's language model (hidden 2048, 8 query / 2 key-value heads of
+# 256, Gated DeltaNet of 16 + 16 heads of 128, MLP 6144, vocabulary 248,320) in 8 of its 24 layers (two of its groups
+# of three linear-attention layers and a full one); Granite-4.0-H-Tiny (hidden 1536, Mamba2 of 48 heads of 64 with a
+# state of 128 in chunks of 256, 64 experts of 512 top-6 and a shared MLP of 1024, vocabulary 100,352, logits scaled)
+# in 4 of its 40 layers, its first three Mamba2 layers and an attention layer
+QWEN35_2B_8L = _preset("Qwen3.5-2B", num_hidden_layers=8)
+GRANITE4_TINY_4L = _preset("granite-4.0-h-tiny", num_hidden_layers=4, layer_types=["mamba", "mamba", "mamba",
+                                                                                     "attention"])
 MODELS = {"tiny-qwen2": TINY, "small-llama": SMALL, "tiny-qwen3": QWEN3, "tiny-phi3": PHI3,
           "tiny-qwen3-moe": QWEN3_MOE, "tiny-mixtral": MIXTRAL, "tiny-glm4-moe": GLM4_MOE, "tiny-gpt-oss": GPT_OSS,
           "tiny-llama4": LLAMA4, "tiny-olmo3": OLMO3, "tiny-qwen3.5": QWEN35,
           "tiny-qwen3.5-moe": QWEN35_MOE, "tiny-qwen3-next": QWEN3_NEXT,
-          "tiny-gemma4": GEMMA4, "tiny-granite4": GRANITE4}
+          "tiny-gemma4": GEMMA4, "tiny-granite4": GRANITE4,
+          "qwen3.5-2b-8l": QWEN35_2B_8L, "granite4-h-tiny-4l": GRANITE4_TINY_4L}
 
 
 def build(config: dict, precision: str, attn: str, r: int, dropout: float, ckpt: bool, device: str = "cpu"):
@@ -223,8 +243,9 @@ def _storage_key(t: torch.Tensor):
     return s.data_ptr(), s.nbytes()
 
 
-def measure_step(model, batch: dict, precision: str, device: str = "cpu") -> dict:
-    """Run one training step; count saved-for-backward bytes and the training state."""
+def measure_step(model, batch: dict, precision: str, device: str = "cpu", peak: bool = False) -> dict:
+    """Run one training step; count saved-for-backward bytes and the training state. ``peak``: then a second step
+    under the profiler, its CPU peak plus the tensors alive before it (``peak_bytes``)."""
     from rocktune.tasks.causal.loss import causal_lm_loss_sum
 
     params = {_storage_key(p)[0] for p in model.parameters()}
@@ -248,19 +269,42 @@ def measure_step(model, batch: dict, precision: str, device: str = "cpu") -> dic
     opt = torch.optim.AdamW(trainable, lr=1e-3, foreach=True)
     routers = RouterWatch.attach(model)  # MoE: the routing decides the padded expert path's size
     amp = precision != "fp32"
-    ctx = torch.autocast(device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision]) if amp \
-        else nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        loss_sum, n_tokens = causal_lm_loss_sum(model, batch, chunk_size=1024)
-    (loss_sum / n_tokens).backward()
-    opt.step()
+
+    def step(hooks=None) -> int:
+        ctx = torch.autocast(device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision]) if amp \
+            else nullcontext()
+        with hooks or nullcontext(), ctx:
+            loss_sum, n = causal_lm_loss_sum(model, batch, chunk_size=1024)
+        (loss_sum / n).backward()
+        opt.step()
+        return n
+
+    n_tokens = step(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
     state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
-    return {"saved_bytes": sum(saved.values()), "expert_imbalance": _imbalance(routers),
-            "lora_params_bytes": sum(p.numel() * p.element_size() for p in trainable),
-            "lora_grads_bytes": sum(p.grad.numel() * p.grad.element_size() for p in trainable),
-            "adamw_states_bytes": sum(t.numel() * t.element_size() for t in state),
-            "base_weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad),
-            "loss_tokens": n_tokens}
+    got = {"saved_bytes": sum(saved.values()), "expert_imbalance": _imbalance(routers),
+           "lora_params_bytes": sum(p.numel() * p.element_size() for p in trainable),
+           "lora_grads_bytes": sum(p.grad.numel() * p.grad.element_size() for p in trainable),
+           "adamw_states_bytes": sum(t.numel() * t.element_size() for t in state),
+           "base_weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad),
+           "loss_tokens": n_tokens}
+    if peak:  # the gradients are kept (the step accumulates into them), as the AdamW states are
+        alive = sum(v for k, v in got.items() if k.endswith("_bytes") and k != "saved_bytes")
+        alive += sum(t.numel() * t.element_size() for t in batch.values())
+        got["peak_bytes"] = alive + _profiled_peak(step)
+    return got
+
+
+def _profiled_peak(step) -> int:
+    """planner_validation_vlm.py's: the highest count of bytes allocated and not yet freed during ``step`` on the
+    CPU, from the allocator's own events."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("planner_validation_vlm",
+                                                  Path(__file__).with_name("planner_validation_vlm.py"))
+    vlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vlm)
+    return vlm._profiled_peak(step)
 
 
 def _imbalance(routers) -> float | None:
@@ -291,8 +335,10 @@ def predict(config: dict, b: int, s: int, r: int, precision: str, attn: str, ckp
     return estimate(shape_from_config(config), spec)
 
 
-def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt: bool, dropout: float) -> dict:
-    """``attn`` "...-grouped" (MoE, bf16): the GPU's grouped expert path, through torch's CPU grouped_mm kernel."""
+def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt: bool, dropout: float,
+              peak: bool = False) -> dict:
+    """``attn`` "...-grouped" (MoE, bf16): the GPU's grouped expert path, through torch's CPU grouped_mm kernel.
+    ``peak``: a second step's CPU peak against the plan's allocated peak too."""
     torch.manual_seed(0)
     config = MODELS[name]
     grouped = attn.endswith("-grouped")
@@ -302,7 +348,7 @@ def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt
         batch = make_batch(config["vocab_size"], b, s, packed=attn.startswith("varlen"))
         if attn.endswith("-compiled"):
             measure_step(model, batch, precision)  # compiles; the second step is the one counted
-        got = measure_step(model, batch, precision)
+        got = measure_step(model, batch, precision, peak=peak)
     # the planner takes the grouped path for a GPU in bf16 (saved bytes do not depend on the device otherwise)
     est = predict(config, b, s, r, precision, attn, ckpt, dropout, got["loss_tokens"] / (b * (s - 1)),
                   "cuda" if grouped else "cpu", got["expert_imbalance"])
@@ -315,6 +361,10 @@ def run_point(name: str, b: int, s: int, r: int, precision: str, attn: str, ckpt
     row["state_exact"] = (terms["lora_params"], terms["lora_grads"], terms["adamw_states"],
                           terms["base_weights"]) == (got["lora_params_bytes"], got["lora_grads_bytes"],
                                                      got["adamw_states_bytes"], got["base_weights_bytes"])
+    if peak:
+        row.update(peak_measured=got["peak_bytes"], peak_predicted=est.peak_allocated,
+                   peak_error=(est.peak_allocated - got["peak_bytes"]) / got["peak_bytes"],
+                   terms={k: v for k, v in terms.items() if v})
     return row
 
 
@@ -348,6 +398,9 @@ FAMILY_POINTS += [(m, b, s, r, p, a, c, 0.0) for m in ("tiny-qwen3.5-moe", "tiny
                   for r, c in ((8, False), (4, True))]
 FAMILY_POINTS += [("tiny-granite4", b, s, r, "fp32", "eager", c, 0.0) for b, s in ((1, 128), (4, 64))
                   for r, c in ((8, False), (4, True))]
+# released widths (`--widths`), batch 1, 256 tokens, with the step's CPU peak: fp32 and bf16, checkpointing off and on
+WIDTH_POINTS = [(m, 1, 256, 8, p, "sdpa", c, 0.0) for m in ("qwen3.5-2b-8l", "granite4-h-tiny-4l")
+                for p in ("fp32", "bf16") for c in (False, True)]
 # compiled (about 2.5 minutes each on 2 cores): `--compiled`
 COMPILED_POINTS = [("tiny-qwen2", 3, 64, 8, "bf16", "varlen-compiled", False, 0.0),
                    ("tiny-qwen2", 3, 64, 8, "bf16", "varlen-kv-copies-compiled", False, 0.0),
@@ -424,12 +477,16 @@ def gpu_check(preset: str, b: int, s: int, precision: str = "bf16", ckpt: bool =
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | b | s | r | precision | attn | ckpt | dropout | saved measured | predicted | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    peak = all("peak_measured" in r for r in rows)
+    lines = ["| model | b | s | r | precision | attn | ckpt | dropout | saved measured | predicted | error |"
+             + (" peak measured | predicted | error |" if peak else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if peak else "")]
     for r in rows:
         lines.append(f"| {r['model']} | {r['batch']} | {r['seq']} | {r['rank']} | {r['precision']} | {r['attn']} "
                      f"| {'on' if r['checkpointing'] else 'off'} | {r['dropout']} | {r['saved_measured']:,} "
-                     f"| {r['saved_predicted']:,} | {r['saved_error']:+.1%} |")
+                     f"| {r['saved_predicted']:,} | {r['saved_error']:+.1%} |"
+                     + (f" {r['peak_measured']:,} | {r['peak_predicted']:,} | {r['peak_error']:+.1%} |" if peak
+                        else ""))
     return "\n".join(lines)
 
 
@@ -441,15 +498,19 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled", action="store_true", help="only the compiled varlen points (slow: compilation)")
     ap.add_argument("--moe", action="store_true", help="only the mixture-of-experts points (~1 minute)")
     ap.add_argument("--families", action="store_true", help="only the 2025-26 families' points (issue 53)")
+    ap.add_argument("--widths", action="store_true", help="only the released-width points, with the step's peak "
+                    "(several minutes, about 6 GB)")
     args = ap.parse_args(argv)
     points = COMPILED_POINTS if args.compiled else MOE_POINTS + GPT_OSS_POINTS if args.moe else \
         FAMILY_POINTS if args.families else None
-    rows = [run_point(*p) for p in points] if points else cpu_grid(args.quick)
+    rows = [run_point(*p, peak=True) for p in WIDTH_POINTS] if args.widths else \
+        [run_point(*p) for p in points] if points else cpu_grid(args.quick)
     if args.moe:
         import tempfile
 
         rows += [run_nf4_point(*p, tempfile.mkdtemp()) for p in NF4_POINTS]
     out = {"cpu": rows, "max_abs_saved_error": max(abs(r["saved_error"]) for r in rows),
+           "max_abs_peak_error": max((abs(r["peak_error"]) for r in rows if "peak_error" in r), default=None),
            "state_exact": all(r["state_exact"] for r in rows if r["state_exact"] is not None)}
     if args.gpu and torch.cuda.is_available():
         out["gpu"] = [gpu_check(p, b, s, prec, c) for p in ("Qwen2.5-0.5B", "Qwen2.5-1.5B")

@@ -4,7 +4,8 @@ A released name's figure is its count rounded (or truncated) to the figure's las
 lie within one unit of that digit: Qwen3.5-397B-A17B's language model is 396.3B (the name also counts the vision
 encoder), Qwen3-Next-80B-A3B activates 3.9B a token with its embedding tables. Where a vendor counts otherwise, the
 row says how. The counts are pinned exactly as well; tests/test_planner.py checks every preset against the real
-transformers model built on the meta device.
+transformers model built on the meta device. Last, the two recurrent-layer rules the released widths brought out
+(benchmarks/planner_validation.py --widths), checked on one small layer each.
 """
 
 from __future__ import annotations
@@ -122,3 +123,69 @@ def test_gpt_oss_120b_experts_are_mxfp4_as_shipped():
 
 def test_every_preset_names_its_source():
     assert all(entry.get("source") for entry in presets().values())
+
+
+# What the released widths taught the recurrent layers' model (benchmarks/planner_validation.py --widths): a Mamba2
+# mixer whose sequence fits one chunk (Granite 4's chunk of 256) and a Gated DeltaNet with as many key as value heads
+# (Qwen3.5-0.8B, 2B) save less than the general rule says; one fp32 layer alone, its saved bytes against the planner's.
+
+def _saved_by(layer, x) -> int:
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return sum(saved.values())
+
+
+def _fp32_tokens(b: int, s: int):
+    from rocktune.planner.activations import Tokens
+
+    return Tokens(batch=b, seq=s, dt=4, amp=False, attn="sdpa", stream=0, padded=False, rank=8, dropout=0.0,
+                  mask_bytes=4, compiled=False, kv_copies=False, expert_pad=0.0)
+
+
+@pytest.mark.parametrize("chunk, b", [(256, 1), (256, 2), (128, 1), (128, 2)])
+def test_mamba2_mixer_within_one_chunk(chunk, b):
+    """Within one chunk the scan's einsums take the chunk states (and in fp32 an x copy, with one row two C/B copies
+    too) as views; two chunks or more copy them."""
+    import torch
+    from transformers import GraniteMoeHybridConfig
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    from rocktune.planner import recurrent
+
+    fields = dict(model_type="granitemoehybrid", hidden_size=64, num_hidden_layers=1, layer_types=["mamba"],
+                  mamba_n_heads=8, mamba_d_head=16, mamba_d_state=32, mamba_chunk_size=chunk)
+    torch.manual_seed(0)
+    layer = GraniteMoeHybridMambaLayer(GraniteMoeHybridConfig(**fields), 0).train().requires_grad_(False)
+    measured = _saved_by(layer, torch.randn(b, 256, 64, requires_grad=True))
+    assert recurrent.mamba_saved(recurrent.linear_attn(fields, "mamba"), _fp32_tokens(b, 256)) == measured
+
+
+@pytest.mark.parametrize("k_heads, v_heads, b", [(2, 2, 1), (2, 2, 2), (2, 4, 1)])
+def test_gated_deltanet_with_as_many_key_as_value_heads(k_heads, v_heads, b):
+    """Unrepeated fp32 q and k reach the L2 norm as views of the conv's output (q, k and v in one storage)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from rocktune.planner import recurrent
+
+    fields = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                  linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, linear_key_head_dim=32,
+                  linear_value_head_dim=32, linear_conv_kernel_dim=4, layer_types=["linear_attention"],
+                  intermediate_size=64, vocab_size=64)
+    torch.manual_seed(0)
+    layer = Qwen3_5GatedDeltaNet(AutoConfig.for_model("qwen3_5_text", **fields), 0).train().requires_grad_(False)
+    measured = _saved_by(layer, torch.randn(b, 128, 64, requires_grad=True))
+    la = recurrent.linear_attn({"model_type": "qwen3_5_text", **fields}, "gdn")
+    assert recurrent.saved(la, _fp32_tokens(b, 128)) == measured

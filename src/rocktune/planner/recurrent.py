@@ -13,11 +13,13 @@ C = 64 positions, the sequence padded to P, a multiple of C), counted with ``sav
 
 - the conv: its input (the q/k/v projection) and its pre-activation output (S + kernel - 1 positions), in the
   activation dtype;
-- the kernel works in fp32: q and k (repeated to the value heads) before and their rsqrt after the L2 norm; five
+- the kernel works in fp32: q and k (repeated to the value heads; in an fp32 run with as many key as value heads,
+  views of the conv's output, as Qwen3.5-0.8B and 2B have) before and their rsqrt after the L2 norm; five
   C x C tensors per chunk and head (the two products, the decay matrix, the masked UT system, the intra-chunk
   attention sliced per chunk); ten d_k-wide and three d_v-wide P-row tensors (the padded k/v, the chunked q and k
   and their transposes, the triangular solves, the per-chunk slices) — six d_k-wide where S is not a multiple of
-  C, the padded copies then feeding the matmuls as views; the state before each chunk; the decays and beta;
+  C, the padded copies then feeding the matmuls as views; the state before each chunk (under autocast two half
+  copies of it, one for each matmul it meets); the decays and beta;
 - the gated norm: its fp32 input, the gate and its SiLU, their product (four S x V x d_v) and the per-row rsqrt.
 """
 
@@ -157,13 +159,17 @@ def saved(la: LinearAttn, tok) -> int:
     state = chunks * b * v * dk * dv
     if tok.amp:  # the kernel's matmuls run in the half dtype under autocast: they save half copies of their inputs
         fp32 = 2 * b * v * p * CHUNK + b * v * p * (4 * dk + 2 * dv) + state
-        half = 3 * b * v * p * CHUNK + b * v * p * (6 * dk + 2 * dv) + state
+        # the state meets two matmuls a chunk (the queries', the keys' decays): cast to half for each
+        half = 3 * b * v * p * CHUNK + b * v * p * (6 * dk + 2 * dv) + 2 * state
         norm = 4 * 3 * b * s * la.value_width + dt * b * s * la.value_width
     else:
         fp32 = 5 * b * v * p * CHUNK + b * v * p * ((10 if s % CHUNK == 0 else 6) * dk + 3 * dv) + state
         half = 0
         norm = 4 * 4 * b * s * la.value_width
-    fp32 += 2 * b * v * s * (dk + 1)                  # q, k into the L2 norm, their rsqrt
+    # q and k into the L2 norm (fp32 copies, repeated to the value heads), their rsqrt; with as many key heads as
+    # value heads an fp32 run neither repeats nor casts them: they are views of the conv's output, q, k and v in one
+    qk = b * s * la.conv_width if not tok.amp and la.k_heads == la.v_heads else 2 * b * v * s * dk
+    fp32 += qk + 2 * b * v * s
     fp32 += 4 * b * v * p + b * v * chunks + v + b * s * v  # decays, beta; the chunk decays; exp(A_log); softplus in
     beta = b * s * v * dt                             # beta's sigmoid, in the projection's dtype
     return conv + 4 * fp32 + dt * half + 4 * (norm // 4 + b * s * v) + beta + CHUNK * CHUNK  # + the chunk's mask
@@ -175,11 +181,16 @@ def mamba_saved(la: LinearAttn, tok) -> int:
     (the conv's input is a view of it), the conv's pre-activation output and its SiLU; in fp32 the scan's chunked
     inputs (x three times, C and B five times between them at L x state per head), the L x L decay and masked
     products (three), the chunk states (c and c + 1 of them, head_dim x state per head), the decays, dt; the gated
-    norm's product, the gate's SiLU and the grouped view, and its rsqrt."""
+    norm's product, the gate's SiLU and the grouped view, and its rsqrt.
+
+    A sequence within one chunk (c = 1, as a released Granite 4's chunk of 256 holds a short row) lets the scan's
+    einsums take some operands as views: the chunk states read back are the concatenated c + 1 (not a copy of c), in
+    fp32 one x copy fewer, and with a single row two of the C and B copies too (measured on Granite-4.0-H-Tiny's
+    widths, benchmarks/planner_validation.py --widths; exact on the standalone mixer at b = 1 and 2, c = 1 and 2)."""
     m, b, s, dt = la.mamba, tok.batch, tok.seq, tok.dt
     chunks = -(-s // m.chunk)
-    p, h = chunks * m.chunk, m.heads
-    squares, states = b * chunks * h * m.chunk ** 2, (2 * chunks + 1) * b * h * m.head_dim * m.state
+    p, h, one = chunks * m.chunk, m.heads, chunks == 1
+    squares, states = b * chunks * h * m.chunk ** 2, (2 * chunks + 1 + one) * b * h * m.head_dim * m.state
     conv = b * s * (m.inner + m.conv_width + h) * dt + b * m.conv_width * (s + la.kernel - 1) * dt
     fixed = 2 * b * h * p + b * h * (chunks + 1) ** 2 + h + b * s * m.groups  # decays, the chunk decay, A, rsqrt
     if tok.amp:  # the scan's einsums run in the half dtype: half copies of their inputs, the fp32 originals fewer
@@ -188,8 +199,8 @@ def mamba_saved(la: LinearAttn, tok) -> int:
             + 2 * b * s * h
     else:  # the conv's SiLU output (x, B, C) is the scan's input itself
         conv += b * s * m.conv_width * dt
-        fp32 = 3 * b * p * m.inner + 3 * squares + 5 * b * p * h * m.state + states + 3 * b * s * h \
-            + 3 * b * s * m.inner + fixed
+        fp32 = (3 - one) * b * p * m.inner + 3 * squares + (5 - 2 * (one and b == 1)) * b * p * h * m.state \
+            + states + 3 * b * s * h + 3 * b * s * m.inner + fixed
         half = 0
     masks = 2 * m.chunk ** 2 + 2 * (chunks + 1) ** 2  # bool
     return conv + 4 * fp32 + dt * half + masks
