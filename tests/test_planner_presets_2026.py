@@ -1,11 +1,11 @@
 """The 2025-26 presets (issue 53): `rocktune plan <preset>` counts each model at its released size.
 
 A released name's figure is its count rounded (or truncated) to the figure's last digit, so the planner's count must
-lie within one unit of that digit: Qwen3.5-397B-A17B's language model is 396.3B (the name also counts the vision
-encoder), Qwen3-Next-80B-A3B activates 3.9B a token with its embedding tables. Where a vendor counts otherwise, the
-row says how. The counts are pinned exactly as well; tests/test_planner.py checks every preset against the real
-transformers model built on the meta device. Last, the two recurrent-layer rules the released widths brought out
-(benchmarks/planner_validation.py --widths), checked on one small layer each.
+lie within one unit of that digit: Qwen3.5-397B-A17B's language model is 396.3B (the name is the whole checkpoint's,
+vision encoder included), Qwen3-Next-80B-A3B activates 3.9B a token with its embedding tables. Where a vendor counts
+otherwise, the row says how. The counts are pinned exactly as well; tests/test_planner.py checks every preset against
+the real transformers model built on the meta device. Last, the two recurrent-layer rules the released widths brought
+out (benchmarks/planner_validation.py --widths), checked on one small layer each.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ RELEASED = {
     "gemma-4-E2B": (4_628_569_344, None, [("effective", lambda s: s.n_params - _ple_table(s), 2, 1)]),
     "gemma-4-E4B": (7_463_013_376, None, [("effective", lambda s: s.n_params - _ple_table(s), 4, 1)]),
     "gemma-4-31B": (30_697_345_280, None, [("total", lambda s: s.n_params, 31, 1)]),
-    # the name gives the active size and the experts; the 109B total counts the vision encoder too
+    # the name gives the active size and the experts; the card's 109B total is the whole checkpoint's
     "Llama-4-Scout-17B-16E": (107_769_861_120, 17_172_894_720, [("active", lambda s: s.active_params, 17, 1),
                                                                 ("experts", lambda s: s.experts * B, 16, 1)]),
     # the name carries no size; Z.ai's 355B-A32B counts no embedding or output table, and its total counts the
