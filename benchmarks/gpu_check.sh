@@ -22,6 +22,26 @@
 #     bash benchmarks/gpu_check.sh moe     # a command of its own (issue 54, <= 9 min): the expert LoRA's tests on
 #                                      # this torch (grouped_mm against PEFT's target_parameters), then the moe
 #                                      # suite: rocktune vs HF + PEFT on the tiny Qwen3-MoE and a Qwen3-30B-A3B layer
+#     bash benchmarks/gpu_check.sh recurrent  # a command of its own (<= 9 min): the recurrent layers' fast kernels
+#                                      # (Gated DeltaNet: Qwen3.5, Qwen3-Next; Mamba2: Granite 4). Bring them first:
+#                                      #   prepare.sh fla-core==0.6.0 einops==0.8.2
+#                                      # (fla-core: flash-linear-attention's kernels, the `fla` package transformers
+#                                      # imports; pure Python + Triton, needs torch >= 2.7, triton >= 3.3; einops is
+#                                      # its one dependency; the flash-linear-attention wheel adds only fla.layers and
+#                                      # fla.models, which nothing here calls). causal-conv1d and mamba-ssm cannot be
+#                                      # brought: PyPI has their sources only, which compile CUDA code (or fetch a
+#                                      # GitHub wheel for one torch/CUDA pair) at install, and mamba_ssm imports its
+#                                      # CUDA extension at `import mamba_ssm` (its Triton scans cannot be had
+#                                      # without it). So there: Gated DeltaNet's chunked and recurrent kernels (fla)
+#                                      # on the device; the short convolution and Mamba2 run transformers' torch
+#                                      # functions, and their checks and GPU tests say they were skipped.
+#                                      # recurrent-doctor: the doctor's recurrent[...] self-tests on the device
+#                                      # (which packages import, each check's verdict); recurrent-tests (pytest -x,
+#                                      # gates the bench): tests/test_recurrent_kernels.py and the matrix's Qwen3.5 /
+#                                      # Granite 4 rows (-k "recurrent or mamba"), their GPU rows where the packages
+#                                      # are there; recurrent-bench: rocktune vs hf-tuned on qwen3.5-0.6b-scaled-shape
+#                                      # (no switch forces rocktune's torch path: rocktune with the kernels its
+#                                      # self-tests chose, HF with whatever transformers imported)
 #
 # What comes back (at most 8 files from $OUT): summary.txt (one line per stage: status, loss first -> last, MFU,
 # tokens/s, peak, attention, fusion, recompiles; then the ratios), report.json (every bench row of the command in
@@ -33,9 +53,9 @@
 # Dry run on a CPU (tiny model, the same stages; pytest only collects): add --dry-run (or DRY=1).
 set -u
 PART=${1:-}
-USAGE="usage: gpu_check.sh {1|2|extra|tasks|tests|moe} [--dry-run]"
+USAGE="usage: gpu_check.sh {1|2|extra|tasks|tests|moe|recurrent} [--dry-run]"
 case "${2:-}" in --dry-run) DRY=1 ;; "") ;; *) echo "$USAGE" >&2; exit 2 ;; esac
-case "$PART" in 1|2|extra|tasks|tests|moe) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
+case "$PART" in 1|2|extra|tasks|tests|moe|recurrent) ;; *) echo "$USAGE" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/rocktune-gpu-check}
 WORK=${GPU_CHECK_WORK:-}  # archived into $OUT, never left there; a temporary folder unless given
 [ -n "$WORK" ] || { WORK=$(mktemp -d /tmp/rocktune-gpu-check-work.XXXXXX); MADE_WORK=1; }
@@ -56,6 +76,24 @@ pack() {
   (cd "$WORK" && find . -type f -size -4M ! -name MANIFEST | sort > MANIFEST \
     && tar -czf "$OUT/gpu-check.tar.gz.tmp" -T MANIFEST MANIFEST) && mv "$OUT/gpu-check.tar.gz.tmp" "$OUT/gpu-check.tar.gz"
 }
+
+# the doctor's recurrent[...] self-tests alone (bf16 first), in its own check process (doctor/child.py: a line as each
+# check begins and ends, so a crash or the stage's timeout names the check), after a line per kernel package:
+# its version where it imports as transformers imports it, absent, or why it does not import
+RDOCTOR='import importlib, json, sys
+from rocktune.doctor import child, registry
+modules = {"fla": "fla.ops.gated_delta_rule", "causal_conv1d": "causal_conv1d", "mamba_ssm": "mamba_ssm"}
+for pkg, module in modules.items():  # the modules transformers imports for the kernels
+    try:
+        importlib.import_module(module)
+        found = {"version": getattr(sys.modules[pkg], "__version__", "?")}
+    except ModuleNotFoundError as e:
+        found = {"absent": True} if e.name == pkg else {"error": f"ModuleNotFoundError: {e}"}
+    except Exception as e:
+        found = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    print("@@package " + json.dumps({"name": pkg, **found}), flush=True)
+names = [n for n, _ in registry.plan(sys.argv[1], perf=False) if n.startswith("recurrent[")]
+sys.exit(child.main([sys.argv[1], json.dumps(sorted(names, key=lambda n: "bfloat16" not in n))]))'
 
 # run NAME SECONDS FILE COMMAND...: stdout to $WORK/FILE, stderr to $WORK/NAME.err, under its own timeout (SIGKILL
 # 5 s after SIGTERM); sets RC and SECS
@@ -124,15 +162,23 @@ bench() {
 }
 
 # plain NAME SECONDS FILE COMMAND...: a stage whose output is its own record (in the archive); varlen-gqa's line says
-# what its JSON found (a kernel that fails it is not used: training falls back, so it stops nothing)
+# what its JSON found (a kernel that fails it is not used: training falls back, so it stops nothing), as does
+# recurrent-doctor's (which kernel packages import, each self-test's verdict); recurrent-bench's gives each row and
+# the ratio of its one report, whose runs' records go into the archive
 plain() {
-  local name=$1 secs=$2 file=$3
+  local name=$1 secs=$2 file=$3 what=""
   shift 3
   run "$name" "$secs" "$file" "$@"
-  if [ "$name" = varlen-gqa ]; then
-    say "$($PY -m rocktune.bench.check varlen --stage "$name" --rc $RC --secs $SECS --file "$WORK/$file")"
+  case "$name" in varlen-gqa) what=varlen ;; recurrent-doctor) what=doctor ;; recurrent-bench) what=pair ;; esac
+  if [ -n "$what" ]; then
+    say "$($PY -m rocktune.bench.check $what --stage "$name" --rc $RC --secs $SECS --file "$WORK/$file")"
   else
     say "$name: $( [ $RC = 0 ] && echo ok || echo "FAIL (exit status $RC)"), ${SECS} s (in the archive: $file)"
+  fi
+  if [ "$name" = recurrent-bench ]; then
+    mkdir -p "$WORK/suite/$name"
+    (cd "$SUITE/recurrent" 2>/dev/null && find results runs -maxdepth 2 -type f -size -4M \( -name '*.json' \
+      -o -name '*.jsonl' -o -name '*.log' -o -name '*.txt' \) -exec cp --parents {} "$WORK/suite/$name/" \;)
   fi
   pack
 }
@@ -143,6 +189,7 @@ if [ -n "${DRY:-}" ]; then
   PY=${PY:-python3}; DEVICE=cpu; SMALL=tiny; LARGE=tiny; COLLECT="--collect-only"; SLACK=3
   LOSS="--dtype fp32 --rows 300 --chunk 128 --vocab 512 --hidden 64 --repeat 1"
   GRPO="--steps 1 --warmup 0 --rounds 1"; VLM="--precision fp32 --steps 40"; MOE="--model tiny-moe --steps 1"
+  RECURRENT="--model qwen3.5-tiny-shape --steps 4 --warmup 1"
 else
   if [ -d .whl ]; then
     note "install begins (timeout 30s)"
@@ -153,6 +200,7 @@ else
   PY=${PY:-python3}; DEVICE=cuda; SMALL=qwen2.5-0.5b-shape; LARGE=qwen2.5-1.5b-shape; COLLECT=""; SLACK=1
   LOSS="--dtype bf16 --chunk 2048 --rows 8192 --repeat 5"
   GRPO="--steps 6 --warmup 1 --rounds 2"; VLM="--precision bf16 --steps 300"; MOE="--steps 5 --rounds 2"
+  RECURRENT="--model qwen3.5-0.6b-scaled-shape --steps 4 --warmup 2"
 fi
 : > "$OUT/summary.txt"
 note "gpu_check.sh $PART${DRY:+ --dry-run} in $PWD, work folder $WORK"
@@ -203,6 +251,22 @@ case "$PART" in
       plain moe-bench 360 moe-bench.json $PY -m rocktune bench --suite moe --device $DEVICE --json \
         --out "$WORK/moe-bench" --warmup 1 --timeout 150 $MOE
       say "$($PY -m rocktune.bench.moe "$WORK/moe-bench/report.json" 2>&1 | tail -n 2)"
+    fi
+    ;;
+  recurrent)
+    # the recurrent layers' fast kernels: each self-tested by the doctor on the device against transformers' torch
+    # function (bf16 first; a failure is a finding, not a stop: training runs the torch one there); then the tests
+    # on this torch, which gate the bench; then rocktune beside the HF Trainer on a Qwen3.5 hybrid stack, each
+    # configuration under the bench's own timeout (a configuration cut by it keeps its steps), in one report
+    plain recurrent-doctor 100 recurrent-doctor.txt $PY -c "$RDOCTOR" $DEVICE
+    tests recurrent-tests 110 $PY -m pytest -x -q -p no:cacheprovider $COLLECT tests/test_recurrent_kernels.py \
+      "$MATRIX" -k "recurrent or mamba"
+    BENCH_EACH=110  # each configuration's: two of them, and 40 s to start, build the shape and write the report
+    if gated recurrent-bench; then
+      rm -rf "$SUITE/recurrent/runs" "$SUITE/recurrent/results"  # nothing of an earlier command read as this one's
+      plain recurrent-bench 260 recurrent-bench.json $PY -m rocktune bench --device $DEVICE --json \
+        --out "$SUITE/recurrent" --configs rocktune,hf-tuned --parity-steps 0 --lr 3e-3 \
+        --timeout $((BENCH_EACH * SLACK)) $RECURRENT
     fi
     ;;
   tests)

@@ -23,7 +23,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 # the extra and tests commands are outside the plan, one command each.
 DEVICE_S, START_UP_S, COMMAND_MAX_S = 15 * 60, 90, 600
 LIMIT_S = {"1": 9 * 60, "2": 4.5 * 60, "extra": COMMAND_MAX_S, "tasks": COMMAND_MAX_S, "tests": COMMAND_MAX_S,
-           "moe": 9 * 60}
+           "moe": 9 * 60, "recurrent": 9 * 60}
 INSTALL_S = 30
 PER_STAGE_S = 2  # a stage's line (python -m rocktune.bench.check) and the archive rebuilt after it
 MAX_FILES = 8  # what the device machine brings back from $OUT (16 MiB each)
@@ -40,7 +40,7 @@ def _stages(part: str) -> list[tuple[str, int]]:
     return [(a or b, int(s)) for a, b, s in STAGE.findall(_body(part))]
 
 
-@pytest.mark.parametrize("part", ["1", "2", "extra", "tasks", "tests", "moe"])
+@pytest.mark.parametrize("part", ["1", "2", "extra", "tasks", "tests", "moe", "recurrent"])
 def test_each_command_of_the_gpu_check_ends_in_time(part):
     stages = _stages(part)
     spent = INSTALL_S + sum(s for _, s in stages) + PER_STAGE_S * len(stages)
@@ -217,6 +217,121 @@ def test_the_varlen_line_says_whether_grouped_kv_went_un_repeated(tmp_path):
         "error 6.0e-03); varlen_attn float16 ok (K/V repeated; un-repeated call raised), 12 s")
 
 
+# ---- the recurrent part: its wheels, its stages, its lines ------------------------------------------------------
+
+RECURRENT_WHEELS = "prepare.sh fla-core==0.6.0 einops==0.8.2"
+
+
+def test_the_recurrent_part_tests_before_it_measures_and_fits_its_bench_in_its_stage():
+    """The doctor's self-tests, then the tests (pytest -x: the recurrent kernel tests and the matrix's Qwen3.5 /
+    Granite 4 rows, their GPU rows included), which gate the bench; the bench's two configurations, each under the
+    bench's own timeout, leave the stage time to start, build the shape and write its report (so a configuration
+    cut short still reports)."""
+    body = _body("recurrent")
+    assert [n for n, _ in _stages("recurrent")] == ["recurrent-doctor", "recurrent-tests", "recurrent-bench"]
+    assert re.search(r'tests recurrent-tests \d+ \$PY -m pytest -x -q -p no:cacheprovider \$COLLECT '
+                     r'tests/test_recurrent_kernels.py \\\n\s+"\$MATRIX" -k "recurrent or mamba"\n', body)
+    assert "if gated recurrent-bench; then" in body
+    assert "--configs rocktune,hf-tuned" in body and "--timeout $((BENCH_EACH * SLACK))" in body
+    each = int(re.search(r"BENCH_EACH=(\d+)", body).group(1))
+    assert 2 * each + 30 <= dict(_stages("recurrent"))["recurrent-bench"]
+    text = SCRIPT.read_text()
+    assert 'RECURRENT="--model qwen3.5-0.6b-scaled-shape ' in text and 'RECURRENT="--model qwen3.5-tiny-shape ' in text
+    # what the machine must be given, said where the session that runs it reads
+    assert RECURRENT_WHEELS in text and RECURRENT_WHEELS in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_the_recurrent_gpu_shape_is_qwen35s_stack_at_its_08b_widths():
+    """qwen3.5-0.6b-scaled-shape, built on the meta device: the hybrid stack (three Gated DeltaNet layers, then full
+    attention) with Qwen3.5-0.8B's published hidden size, MLP width, depth, heads and vocabulary, as its comment
+    says; and not the release (the name says so): tiny_config's head layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rocktune.bench.workload import SHAPES
+    from rocktune.demo.tiny import tiny_config
+
+    release = json.loads((ROOT / "src" / "rocktune" / "planner" / "presets.json").read_text())["Qwen3.5-0.8B"]
+    cfg = tiny_config(max_positions=1024, **SHAPES["qwen3.5-0.6b-scaled-shape"])
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "tie_word_embeddings"):
+        assert getattr(cfg, key) == release[key], key
+    assert cfg.layer_types == ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)]
+    # the release: 256, 16, 16
+    assert (cfg.head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (128, 2, 4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 0.58
+
+
+def _doctor_output(tmp_path, lines):
+    path = tmp_path / "recurrent-doctor.txt"
+    path.write_text("".join(x + "\n" for x in lines))
+    return path
+
+
+def test_the_recurrent_doctor_line_says_what_imports_and_each_verdict(tmp_path):
+    from rocktune.bench import check
+
+    def result(name, status, detail, error=None, tol=None):
+        return "@@result " + json.dumps({"name": f"recurrent[{name}]", "status": status, "detail": detail,
+                                         "error": error, "tolerance": tol, "metrics": {}, "seconds": 1.0})
+
+    absent = "{} is not installed: training runs transformers' torch reference path (pip install {} for the fast one)"
+    lines = ['@@package {"name": "fla", "version": "0.6.0"}', '@@package {"name": "causal_conv1d", "absent": true}',
+             '@@package {"name": "mamba_ssm", "error": "ModuleNotFoundError: No module named \'selective_scan_cuda\'"}']
+    for fam, dist, dt in [("gated_deltanet", None, "bfloat16"), ("causal_conv1d", "causal-conv1d", "bfloat16"),
+                          ("mamba2", "mamba-ssm", "bfloat16"), ("gated_deltanet", None, "float16"),
+                          ("causal_conv1d", "causal-conv1d", "float16"), ("mamba2", "mamba-ssm", "float16")]:
+        lines.append(f"@@start recurrent[{fam},{dt}]")
+        if dist:
+            lines.append(result(f"{fam},{dt}", "skip", absent.format(dist, dist)))
+        elif dt == "bfloat16":
+            lines.append(result(f"{fam},{dt}", "pass", "training uses chunk_gated_delta_rule, ...", 3.1e-3, 2e-2))
+    out = _doctor_output(tmp_path, lines)
+    assert check.doctor_line(check.Stage("recurrent-doctor", 124, 100, out)) == (
+        "recurrent-doctor: TIMEOUT, fla 0.6.0, causal_conv1d absent, mamba_ssm: ModuleNotFoundError: No module named "
+        "'selective_scan_cuda'; gated_deltanet,bfloat16 pass (error 3.1e-03, tolerance 2e-02); gated_deltanet,float16 "
+        "no verdict (its process died or the stage's timeout hit inside it); skip (causal-conv1d is not installed): "
+        "causal_conv1d,bfloat16, causal_conv1d,float16; skip (mamba-ssm is not installed): mamba2,bfloat16, "
+        "mamba2,float16, 100 s")
+    failed = "training runs transformers' torch reference path for chunk_gated_delta_rule (self-test failed: x)"
+    out = _doctor_output(tmp_path, lines[:4] + [result("gated_deltanet,bfloat16", "fail", failed, 0.5, 2e-2)])
+    line = check.doctor_line(check.Stage("recurrent-doctor", 0, 40, out))
+    assert line.startswith("recurrent-doctor: FAIL, fla 0.6.0, ") and f"gated_deltanet,bfloat16 FAIL ({failed})" in line
+    out.write_text("Traceback (most recent call last):\nImportError: cannot import name 'child'\n")
+    assert check.doctor_line(check.Stage("recurrent-doctor", 1, 3, out)) == \
+        "recurrent-doctor: FAIL, ImportError: cannot import name 'child', 3 s"
+
+
+def test_the_recurrent_bench_line_gives_each_row_and_rocktunes_ratio(tmp_path):
+    from rocktune.bench import check, runner
+
+    rt = _result("rocktune", 30_000, 20e9)
+    hf = _result("hf-tuned", 20_000, 25e9)
+    rep = runner.summarise([rt, hf], 0, [], "cuda", runner.COMMON)
+    rep["workload"] = {"model": "qwen3.5-0.6b-scaled-shape"}
+    rep["environment"] = {"device": "cuda"}
+    path = tmp_path / "recurrent-bench.json"
+    path.write_text(json.dumps(rep))
+    line = check.pair_line(check.Stage("recurrent-bench", 0, 200, path))
+    assert line.startswith("recurrent-bench: ok, qwen3.5-0.6b-scaled-shape on cuda: rocktune ok, loss 12.0000 -> "
+                           "11.7000 (4 steps), tokens/s 30,000, MFU "), line
+    assert "; hf-tuned ok, loss 12.0000 -> 11.7000 (4 steps), tokens/s 20,000, MFU " in line
+    assert line.endswith("; rocktune / hf-tuned: tokens/s 1.50x, memory 0.80x, 200 s"), line
+    flat = _result("rocktune", 90_000, 20e9, losses=(12.0, 12.0, 12.0, 12.0))
+    rep = runner.summarise([flat, {"name": "hf-tuned", "kind": "hf", "status": "timeout", "reason": "timed out after "
+                                   "110 s (0 steps done, 0 measured)"}], 0, [], "cuda", runner.COMMON)
+    path.write_text(json.dumps(rep))
+    line = check.pair_line(check.Stage("recurrent-bench", 0, 230, path))
+    assert line.startswith("recurrent-bench: FAIL, ? on cuda: rocktune INVALID, loss 12.0000 -> 12.0000 (4 steps), "
+                           "tokens/s INVALID (loss did not fall), peak ") and "90,000" not in line, line
+    assert "hf-tuned TIMEOUT (partial), loss -, tokens/s -, MFU -, peak - (timed out after 110 s" in line
+    path.write_text("")
+    assert check.pair_line(check.Stage("recurrent-bench", 124, 260, path)) == \
+        "recurrent-bench: TIMEOUT, no report, 260 s"
+
+
 # ---- dry runs on the CPU (tiny model, the same stages; pytest only collects) -----------------------------------
 
 def _dry_run(part: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
@@ -302,6 +417,28 @@ def test_moe_dry_runs_the_expert_lora_tests_then_the_moe_suite(tmp_path):
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert [x.split(":", 1)[0] for x in lines] == ["moe-correctness", "moe-bench", "moe tiny-moe"], lines
     assert lines[1].startswith("moe-bench: ok") and "grouped on the routed tokens" in lines[2], lines
+
+
+@pytest.mark.slow  # its dry run: the doctor's checks, the tests collected, the bench's two rows (about 40 s)
+def test_recurrent_dry_runs_the_doctors_self_tests_the_tests_then_rocktune_beside_hf(tmp_path):
+    proc = _dry_run("recurrent", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert [x.split(":", 1)[0] for x in lines] == ["recurrent-doctor", "recurrent-tests", "recurrent-bench"], lines
+    assert proc.stdout.splitlines() == lines
+    assert lines[0].startswith("recurrent-doctor: ok, fla ") and \
+        "skip (no GPU): gated_deltanet,float32, causal_conv1d,float32, mamba2,float32, " in lines[0], lines[0]
+    assert lines[1].startswith("recurrent-tests: ok, ") and " tests collected " in lines[1], lines[1]
+    assert lines[2].startswith("recurrent-bench: ok, qwen3.5-tiny-shape on cpu: rocktune ok, loss ") and \
+        "; hf-tuned ok, loss " in lines[2] and "; rocktune / hf-tuned: tokens/s " in lines[2], lines[2]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.tar.gz", "stages.txt", "summary.txt"]
+    with tarfile.open(out / "gpu-check.tar.gz") as tar:
+        names = set(tar.getnames())
+        doctor = tar.extractfile("./recurrent-doctor.txt").read().decode()
+    assert {"./recurrent-tests.txt", "./recurrent-bench.json", "./suite/recurrent-bench/runs/rocktune/metrics.jsonl",
+            "./suite/recurrent-bench/runs/hf-tuned/metrics.jsonl"} <= names, names
+    assert doctor.count("@@package ") == 3 and doctor.count("@@result ") == 3
 
 
 @pytest.mark.long  # outside the plan; its dry run trains GRPO on both sides and the VL task (about 2 minutes)

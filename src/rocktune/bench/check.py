@@ -6,12 +6,16 @@ best Hugging Face row and the targets are computed over all of them (``runner.co
 timeout left no report: its row comes from what its ``metrics.jsonl`` held (``runner.partial_result``).
 
 Each stage prints one line: status, loss first -> last, MFU, tokens/s, peak, attention, fusion, recompiles for a bench
-stage; the pytest verdict for a test stage; the grouped-query finding for the varlen stage.
+stage; the pytest verdict for a test stage; the grouped-query finding for the varlen stage; which kernel packages
+import and each self-test's verdict for the doctor's recurrent stage; each row and rocktune's ratio for a bench stage
+that ran its configurations in one report (the recurrent part's).
 
     python -m rocktune.bench.check bench  --stage S --rc RC --secs N --file S.json --shape SHAPE --config C \
         --run-dir DIR --device cuda [--out report.json EARLIER.json... S.json]
     python -m rocktune.bench.check tests  --stage S --rc RC --secs N --file S.txt
     python -m rocktune.bench.check varlen --stage S --rc RC --secs N --file S.json
+    python -m rocktune.bench.check doctor --stage S --rc RC --secs N --file S.txt
+    python -m rocktune.bench.check pair   --stage S --rc RC --secs N --file S.json
     python -m rocktune.bench.check merge  --out report.json --device cuda STAGE.json...
 """
 
@@ -151,6 +155,88 @@ def varlen_line(stage: Stage) -> str:
            f"{stage.secs} s"
 
 
+# ---- the recurrent part: the doctor's self-tests, and rocktune beside HF in one report ------------------------------
+
+def doctor_line(stage: Stage) -> str:
+    """The doctor's recurrent checks as its check process printed them (doctor/child.py: ``@@start NAME``, then
+    ``@@result {json}``; the stage adds ``@@package {json}`` first): which kernel packages import, each self-test's
+    verdict (pass with its error, fail with what failed, skips grouped by their reason), and any check that began
+    without a verdict (its process died, or the stage's timeout hit, inside it). A failed self-test stops nothing:
+    training runs transformers' torch reference there."""
+    text = stage.file.read_text(errors="replace") if stage.file.is_file() else ""
+    packages, started, results = [], [], {}
+    for line in text.splitlines():
+        tag, _, rest = line.partition(" ")
+        if tag in ("@@package", "@@result"):
+            try:
+                found = json.loads(rest)
+            except ValueError:
+                continue
+            if tag == "@@package":
+                packages.append(found)
+            else:
+                results[found["name"]] = found
+        elif tag == "@@start":
+            started.append(rest.strip())
+    if not packages and not started:
+        last = next((x.strip() for x in reversed(text.splitlines()) if x.strip()), "no output")
+        return f"{stage.name}: {stage.status(False)}, {last}, {stage.secs} s"
+    parts = [", ".join(f"{p['name']} {p['version']}" if "version" in p else f"{p['name']} absent"
+                       if p.get("absent") else f"{p['name']}: {p.get('error')}" for p in packages)] if packages else []
+    skips: dict[str, list[str]] = {}
+    for name in started:
+        short = name.removeprefix("recurrent[").removesuffix("]")
+        r = results.get(name)
+        if r is None:
+            parts.append(f"{short} no verdict (its process died or the stage's timeout hit inside it)")
+        elif r["status"] == "pass":
+            parts.append(f"{short} pass (error {r['error']:.1e}, tolerance {r['tolerance']:.0e})"
+                         if r.get("error") is not None and r.get("tolerance") else f"{short} pass")
+        elif r["status"] == "skip":
+            skips.setdefault(r["detail"].split(":", 1)[0], []).append(short)
+        else:
+            parts.append(f"{short} FAIL ({r['detail']})")
+    parts += [f"skip ({why}): {', '.join(names)}" for why, names in skips.items()]
+    ok = bool(started) and all(results.get(n, {}).get("status") in ("pass", "skip") for n in started)
+    return f"{stage.name}: {stage.status(ok)}, {'; '.join(parts)}, {stage.secs} s"
+
+
+def _row_brief(row: dict) -> str:
+    """A bench row in a few words: status, loss, tokens/s (INVALID where the loss did not fall), MFU, peak."""
+    if row.get("loss_fell") is False:
+        status = "INVALID"
+    else:
+        status = {"ok": "ok", "timeout": "TIMEOUT (partial)"}.get(row["status"], str(row["status"]).upper())
+    losses = row.get("losses") or []
+    parts = [f"{row['name']} {status}", f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)"
+             if losses else "loss -"]
+    if row.get("loss_fell") is False:
+        parts.append("tokens/s INVALID (loss did not fall)")
+    else:
+        parts += [f"tokens/s {_num(row.get('useful_tokens_per_s'))}", f"MFU {_pct(row.get('mfu'))}"]
+    parts.append(f"peak {_gib(row.get('peak_memory_bytes'))}")
+    why = row.get("reason") if status not in ("ok", "INVALID") else None
+    return ", ".join(parts) + (f" ({why})" if why else "")
+
+
+def pair_line(stage: Stage) -> str:
+    """A bench stage that ran its configurations in one report (``rocktune bench --json`` without a suite, so the
+    ratios are the bench's own): each row, then rocktune's tokens/s and memory against the HF row."""
+    report = _load(stage.file)
+    rows = (report or {}).get("configs") or []
+    if not rows:
+        return f"{stage.name}: {stage.status(False)}, no report, {stage.secs} s"
+    shape = (report.get("workload") or {}).get("model", "?")
+    device = (report.get("environment") or {}).get("device", "?")
+    rt = next((r for r in rows if r.get("kind") == "rocktune"), None)
+    best = ((rt or {}).get("ratios") or {}).get("best-hf")
+    ratio = (f"{rt['name']} / {best['against']}: tokens/s {_x(best.get('tokens_per_s'))}, memory "
+             f"{_x(best.get('memory'))}") if rt and best else "no ratio (rocktune and an HF row must both have run)"
+    ok = all(r.get("status") == "ok" and r.get("loss_fell") is not False for r in rows)
+    return f"{stage.name}: {stage.status(ok)}, {shape} on {device}: " + "; ".join(map(_row_brief, rows)) + \
+        f"; {ratio}, {stage.secs} s"
+
+
 # ---- one report for the command -----------------------------------------------------------------------------------
 
 def merge(paths: list[Path], device: str) -> dict:
@@ -197,7 +283,7 @@ def _x(r: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rocktune.bench.check", description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["bench", "tests", "varlen", "merge"])
+    p.add_argument("what", choices=["bench", "tests", "varlen", "doctor", "pair", "merge"])
     p.add_argument("--stage")
     p.add_argument("--rc", type=int, default=0)
     p.add_argument("--secs", type=int, default=0)
@@ -220,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.out:  # the command's one report, rebuilt after every bench stage: a later hang loses no row
             a.out.write_text(json.dumps(merge(a.reports, a.device), indent=1))
     else:
-        print(tests_line(stage) if a.what == "tests" else varlen_line(stage))
+        print({"tests": tests_line, "varlen": varlen_line, "doctor": doctor_line, "pair": pair_line}[a.what](stage))
     return 0
 
 

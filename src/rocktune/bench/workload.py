@@ -23,6 +23,12 @@ SHAPES: dict[str, dict] = {
     # recurrent model, whose rows rocktune never packs, against the HF Trainer
     "qwen3.5-tiny-shape": {"vocab_size": 32768, "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
                            "intermediate": 512, "arch": "qwen3_5"},
+    # not a release: "qwen3.5-tiny-shape" scaled up for a GPU (the GPU check's recurrent part). Qwen3.5-0.8B's hidden
+    # size, MLP width, depth, attention and KV heads and vocabulary (its published config.json: planner/presets.json),
+    # in tiny_config's head layout: heads hidden / heads = 128 wide (the release: 256), and 2 key / 4 value heads of
+    # 128 in the Gated DeltaNet layers (the release: 16 / 16). 0.58B parameters, 0.25B of them the tied embedding.
+    "qwen3.5-0.6b-scaled-shape": {"vocab_size": 248320, "hidden": 1024, "layers": 24, "heads": 8, "kv_heads": 2,
+                                  "intermediate": 3584, "arch": "qwen3_5"},
 }
 TOKEN_RANGE = (50, 500)  # the CPU workload; the GPU suite uses 50-2,000
 
