@@ -285,18 +285,21 @@ def test_the_recurrent_rows_cover_every_kernel_rocktune_chooses(recurrent_dirs):
     assert called == set(CASES) | set(recurrent.NEVER)
 
 
-def _gpu_kernels() -> str | None:
+def _gpu_kernels(family: str) -> str | None:
+    """The package of the family's main fast kernel (Gated DeltaNet: fla; Mamba2: mamba-ssm); causal-conv1d's
+    convolution is used where it is installed too."""
     import importlib.util
 
     if not torch.cuda.is_available():
         return "needs a CUDA or ROCm device"
-    missing = [p for p in ("fla", "causal_conv1d", "mamba_ssm") if importlib.util.find_spec(p) is None]
-    return f"needs {', '.join(missing)} installed (the recurrent layers' fast kernels)" if missing else None
+    package = "mamba_ssm" if "granite" in family else "fla"
+    return None if importlib.util.find_spec(package) else f"needs {package} installed (its fast kernels)"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_kernels() is not None, reason=str(_gpu_kernels()))
-@pytest.mark.parametrize("family", RECURRENT)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.skipif(_gpu_kernels(f) is not None,
+                                                                           reason=str(_gpu_kernels(f))))
+                                    for f in RECURRENT])
 def test_recurrent_on_the_real_kernels_on_the_gpu(recurrent_dirs, family):
     """The real kernels, where they passed their self-test on the device, against the torch kernels' trace there:
     bf16 autocast, fused AdamW, the GPU's defaults."""
