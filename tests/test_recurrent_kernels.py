@@ -197,12 +197,17 @@ def test_kernels_that_pass_run_and_kernels_that_fail_fall_back_to_the_reference(
         assert torch.equal(model(ids).logits, want)
     assert recurrent.fast_kernels(model) == []
     assert "transformers' torch reference for " in line[0] and "its self-test failed: relative error 1.0e-01" in line[0]
-    for kernel in recurrent.layer_kernels(model):  # what the wrong kernels would have done
-        choice = getattr(kernel.module, kernel.attr)
-        if kernel.name in wrong and isinstance(choice, recurrent.Choice):
-            choice.chosen[recurrent.device_key("cpu", torch.float32)] = wrong[kernel.name]
+    _choose(model, wrong)  # what the wrong kernels would have done
     with torch.no_grad():
         assert (model(ids).logits - want).abs().max() > 1e-4
+
+
+def _choose(model, kernels: dict) -> None:
+    """Install ``kernels`` (name -> function) as the ones chosen for (cpu, float32), self-test or not."""
+    for kernel in recurrent.layer_kernels(model):
+        choice = getattr(kernel.module, kernel.attr)
+        if kernel.name in kernels and isinstance(choice, recurrent.Choice):
+            choice.chosen[recurrent.device_key("cpu", torch.float32)] = kernels[kernel.name]
 
 
 def test_the_fused_mamba_kernel_is_never_used(models):
@@ -348,11 +353,7 @@ def test_the_lora_reference_mode_runs_the_torch_kernels(models, family):
     with torch.no_grad():
         want = model(ids).logits
     recurrent.settle(model, "cpu", _stand_ins(model))  # right stand-ins: installed, chosen for (cpu, float32)
-    wrong = _stand_ins(model, _perturbed)
-    for kernel in recurrent.layer_kernels(model):
-        choice = getattr(kernel.module, kernel.attr)
-        if kernel.name in wrong and isinstance(choice, recurrent.Choice):
-            choice.chosen[recurrent.device_key("cpu", torch.float32)] = wrong[kernel.name]
+    _choose(model, _stand_ins(model, _perturbed))  # wrong kernels installed as chosen
     with torch.no_grad():
         assert (model(ids).logits - want).abs().max() > 1e-4
         with reference_mode(model):
