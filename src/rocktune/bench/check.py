@@ -79,14 +79,19 @@ def _suite(shape: str):
     return gpu if shape in gpu.models else gpu.dry()
 
 
-def bench_line(stage: Stage, row: dict) -> str:
+def _status_loss(row: dict) -> tuple[str, str]:
+    """A bench row's status (INVALID where its loss did not fall: its speed is no figure) and its loss in words."""
     if row.get("loss_fell") is False:
-        status = "INVALID"  # its loss did not fall: its speed is no figure
+        status = "INVALID"
     else:
-        status = {"ok": "ok", "timeout": "TIMEOUT (partial)"}.get(row["status"], row["status"].upper())
+        status = {"ok": "ok", "timeout": "TIMEOUT (partial)"}.get(row["status"], str(row["status"]).upper())
     losses = row.get("losses") or []
-    parts = [f"{stage.name}: {status}", f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)"
-             if losses else "loss -"]
+    return status, (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)" if losses else "loss -")
+
+
+def bench_line(stage: Stage, row: dict) -> str:
+    status, loss = _status_loss(row)
+    parts = [f"{stage.name}: {status}", loss]
     if row.get("loss_fell") is False:
         parts.append("tokens/s INVALID (loss did not fall)")
     else:
@@ -203,13 +208,8 @@ def doctor_line(stage: Stage) -> str:
 
 def _row_brief(row: dict) -> str:
     """A bench row in a few words: status, loss, tokens/s (INVALID where the loss did not fall), MFU, peak."""
-    if row.get("loss_fell") is False:
-        status = "INVALID"
-    else:
-        status = {"ok": "ok", "timeout": "TIMEOUT (partial)"}.get(row["status"], str(row["status"]).upper())
-    losses = row.get("losses") or []
-    parts = [f"{row['name']} {status}", f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps)"
-             if losses else "loss -"]
+    status, loss = _status_loss(row)
+    parts = [f"{row['name']} {status}", loss]
     if row.get("loss_fell") is False:
         parts.append("tokens/s INVALID (loss did not fall)")
     else:
