@@ -250,3 +250,16 @@ def chat_records(n: int, system: bool, seed: int = 0) -> list[dict]:
         msgs = [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]
         out.append({"messages": ([{"role": "system", "content": "Be brief."}] if system else []) + msgs})
     return out
+
+
+def trained_spans(tok, enc) -> list[str]:
+    """The text of each run of loss-bearing tokens of an encoded example, in order."""
+    from rocktune.data.encode import IGNORE
+
+    spans, run = [], []
+    for i, label in zip(enc.input_ids, enc.labels, strict=True):
+        if label != IGNORE:
+            run.append(i)
+        elif run:
+            spans, run = spans + [tok.decode(run)], []
+    return spans + ([tok.decode(run)] if run else [])

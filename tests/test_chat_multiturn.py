@@ -20,9 +20,9 @@ import pytest
 
 from rocktune.data import fastencode, turnend
 from rocktune.data.chat import to_chat
-from rocktune.data.encode import IGNORE, encode
+from rocktune.data.encode import encode
 from rocktune.errors import UserError
-from tests.family_fixtures import TEMPLATES, Template, build_tokenizer
+from tests.family_fixtures import TEMPLATES, Template, build_tokenizer, trained_spans
 from tests.family_templates import RELEASED
 
 CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -129,14 +129,6 @@ def tokenizer(tmp_path_factory):
     return get
 
 
-def _spans(tok, enc) -> list[str]:
-    spans, run = [], []
-    for i, label in zip(enc.input_ids, enc.labels, strict=True):
-        if label != IGNORE:
-            run.append(i)
-        elif run:
-            spans, run = spans + [tok.decode(run)], []
-    return spans + ([tok.decode(run)] if run else [])
 
 
 def test_every_released_template_is_in_the_matrix():
@@ -165,7 +157,7 @@ def test_multi_turn_conversation_is_the_templates_rendering(tokenizer, case, tur
     appended = turnend.reply_end(tok).appended(msgs)  # GLM: the stop the template writes only when a turn follows
     assert enc.input_ids == list(own["input_ids"]) + ([tok.convert_tokens_to_ids(appended)] if appended else [])
 
-    spans = _spans(tok, enc)
+    spans = trained_spans(tok, enc)
     replies = [m for m in msgs if m["role"] == "assistant"]
     assert len(spans) == len(replies), spans  # each reply trained, and on its own
     for reply, span in zip(replies, spans, strict=True):

@@ -17,7 +17,7 @@ import pytest
 
 from rocktune.data.chat import to_chat
 from rocktune.data.encode import IGNORE, chat_segments, encode
-from tests.family_fixtures import BY_NAME, TEMPLATES, build_tokenizer
+from tests.family_fixtures import BY_NAME, TEMPLATES, build_tokenizer, trained_spans
 from tests.family_templates import RELEASED
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -38,13 +38,7 @@ def _encode(tok, rec: dict, appended: str = ""):
     extra = {"tools": chat["tools"]} if chat.get("tools") else {}
     own = tok.apply_chat_template(chat["messages"], tokenize=True, return_dict=True, **extra)["input_ids"]
     assert enc.input_ids == list(own) + ([tok.convert_tokens_to_ids(appended)] if appended else [])
-    spans, run = [], []
-    for i, label in zip(enc.input_ids, enc.labels, strict=True):
-        if label != IGNORE:
-            run.append(i)
-        elif run:
-            spans, run = spans + [tok.decode(run)], []
-    return enc, spans + ([tok.decode(run)] if run else [])
+    return enc, trained_spans(tok, enc)
 
 
 def test_harmony_trains_the_final_answer_not_the_analysis_channel():
