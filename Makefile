@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(BIN)/rocktune demo
 
 # The linter and the type check first (seconds warm, about a minute cold): style, import and type mistakes fail
-# before the suite starts (about 17-20 minutes on 2 cores, as README says). mypy: the engine, the tasks, the
+# before the suite starts (about 20-23 minutes on 2 cores, as README says). mypy: the engine, the tasks, the
 # registry, the config (docs/testing.md).
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
