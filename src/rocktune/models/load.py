@@ -219,7 +219,8 @@ def moe_expert_parameters(model) -> list[str]:
     stacks = [f"{owner}.{name}" if owner else name for owner, module in model.named_modules()
               for name, param in module.named_parameters(recurse=False)
               if param.dim() == 3 and type(module).__name__.endswith("Experts")]
-    others = [n for n, _ in model.named_parameters() if n not in set(stacks)]
+    taken = set(stacks)
+    others = [n for n, _ in model.named_parameters() if n not in taken]
     return sorted({_unique_suffix(n, others) for n in stacks})
 
 
